@@ -96,7 +96,7 @@ class ReplicaScheduler:
             raise ValueError(f"backward_cost must be a positive number, got {backward_cost}")
         if not (math.isfinite(default_throughput) and default_throughput > 0.0):
             raise ValueError(
-                f"default_throughput must be a positive number of samples/s, got {default_throughput}"
+                f"default_throughput must be positive samples/s, got {default_throughput}"
             )
         self._ema_alpha = ema_alpha
         self._task_costs: dict[str, float] = {"forward": 1.0, "backward": backward_cost}
