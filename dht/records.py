@@ -1,0 +1,70 @@
+"""The typed record each peer announces on the DHT, validated where it is read."""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+
+class PeerState(str, Enum):
+    JOINING = "joining"  # loading state, not serving yet
+    ONLINE = "online"  # serving requests
+    OFFLINE = "offline"  # left cleanly; route nothing here
+
+
+class PeerRecord(BaseModel):
+    """What a peer says about itself. Unknown fields are ignored so newer peers can add fields
+    without breaking older readers; known fields are type-checked strictly."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    state: PeerState
+    throughput: float = Field(ge=0.0, description="measured samples/s this peer can serve")
+    load: float = Field(ge=0.0, default=0.0, description="requests in flight at announce time")
+    version: str = Field(max_length=64, default="")
+    protocol: int = Field(ge=0, default=PROTOCOL_VERSION)
+    expires_at: float = Field(description="DHT time after which the record is stale")
+    metrics_addr: str | None = Field(default=None, max_length=256)
+
+    def to_wire(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        return data
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "PeerRecord":
+        """Parse a DHT value; raises `ValueError` for anything malformed."""
+        if not isinstance(value, dict):
+            raise ValueError(f"a peer record must be a mapping, got {type(value).__name__}")
+        try:
+            return cls.model_validate({**value, "state": PeerState(value.get("state"))})
+        except (ValidationError, ValueError) as e:
+            raise ValueError(f"malformed peer record: {e}") from None
+
+
+def parse_records(entries: dict[Any, Any], *, model: str, stage: int) -> list[PeerRecord]:
+    """Parse every subkey of a stage key; skip (with a warning) what is malformed, belongs to
+    another stage or model, or whose subkey does not match the peer id inside."""
+    records = []
+    for subkey, value in sorted(entries.items(), key=lambda kv: str(kv[0])):
+        try:
+            record = PeerRecord.from_wire(value)
+        except ValueError as e:
+            logger.warning(f"Skipping DHT record {subkey!r} for {model} stage {stage}: {e}")
+            continue
+        if record.peer_id != subkey or record.model != model or record.stage != stage:
+            logger.warning(f"Skipping DHT record {subkey!r}: it names peer {record.peer_id}, "
+                           f"model {record.model}, stage {record.stage}")
+            continue
+        records.append(record)
+    return records

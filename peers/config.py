@@ -1,0 +1,45 @@
+"""The peer's configuration: one dataclass, filled from CLI flags and SWARM_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dht.configuration import ConfigError, option
+from dht.node import NetworkConfig
+from models.config import get_model_config
+from models.stages import stage_spec
+
+
+@dataclasses.dataclass(kw_only=True)
+class PeerConfig(NetworkConfig):
+    model: str = option("small", help="model name (see `swarm train --help` for the list)")
+    stage: int | None = option(None, help="pipeline stage this peer serves, 0-based")
+    num_stages: int = option(2, help="number of pipeline stages the model is split into")
+    seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
+    optimizer: str = option("adamw", help="local optimizer", choices=["adamw", "sgd"])
+    lr: float = option(1e-3, help="learning rate of the local optimizer")
+    weight_decay: float = option(0.01, help="AdamW weight decay")
+    target_batch_size: int = option(32, help="samples accumulated before each optimizer step")
+    num_threads: int = option(1, help="torch compute threads")
+    max_batch_size: int = option(256, help="largest microbatch (samples) this peer accepts")
+    activation_cache_size: int = option(64, help="forward activations kept for backwards that come back here")
+    announce_period_s: float = option(5.0, help="re-announce this peer on the DHT this often")
+    max_concurrent_requests: int = option(64, help="requests served at once; more wait")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        config = get_model_config(self.model)
+        if self.stage is None:
+            raise ConfigError("--stage is required (the pipeline stage to serve, 0-based)")
+        stage_spec(config, self.stage, self.num_stages)  # raises a StageSplitError for a bad stage
+        for name in ("lr", "announce_period_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+
+    @property
+    def record_ttl_s(self) -> float:
+        """A record outlives a few missed announcements, no more."""
+        return max(3 * self.announce_period_s, 3.0)

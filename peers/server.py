@@ -1,0 +1,176 @@
+"""The peer server: hosts one stage over hivemind's P2P and keeps its DHT record fresh.
+
+Async code lives here and nowhere else on the peer: the RPC handlers decode requests on the event
+loop, hand compute to one dedicated thread (`StageRuntime`), and stream answers back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+
+import hivemind
+import torch
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from dht.announce import announce
+from dht.node import start_dht
+from dht.records import PeerRecord, PeerState
+from models.config import get_model_config
+from peers.config import PeerConfig
+from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
+                            pack_named, read_stream, response_messages, unpack_named)
+from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def software_version() -> str:
+    try:
+        return metadata.version("swarm-train")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+class PeerServer:
+    def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT):
+        self.config, self.runtime, self.dht = config, runtime, dht
+        self.peer_id = dht.peer_id.to_base58()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.in_flight = 0
+        self.requests_served = 0
+        self.requests_failed = 0
+        self.state = PeerState.JOINING
+        self._semaphore: asyncio.Semaphore | None = None
+
+    # --- DHT record ------------------------------------------------------------------------------
+    def record(self) -> PeerRecord:
+        return PeerRecord(peer_id=self.peer_id, model=self.config.model, stage=self.runtime.stage,
+                          num_stages=self.runtime.num_stages, state=self.state,
+                          throughput=float(self.runtime.throughput.value), load=float(self.in_flight),
+                          version=software_version(), expires_at=get_dht_time() + self.config.record_ttl_s)
+
+    async def _announce_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await announce(self.dht, self.record())
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.config.announce_period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    # --- RPC handlers ----------------------------------------------------------------------------
+    async def rpc_forward(self, requests, context):
+        async for message in self._serve("forward", requests):
+            yield message
+
+    async def rpc_backward(self, requests, context):
+        async for message in self._serve("backward", requests):
+            yield message
+
+    async def _serve(self, rpc: str, requests):
+        received = time.perf_counter()
+        self.in_flight += 1
+        try:
+            header, parts = await read_stream(requests, RequestHeader)
+            if header.rpc != rpc:
+                raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
+            self._check_route(header)
+            tensors = unpack_named(header.tensors, parts)
+            async with self._semaphore:
+                queued = time.perf_counter()
+                outputs, loss = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._compute, header, tensors)
+            compute_s = time.perf_counter() - queued
+            metas, out_parts = pack_named(outputs)
+            response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queued - received)
+            self.requests_served += 1
+        except (ProtocolError, BadRequestError) as e:
+            self.requests_failed += 1
+            kind = ErrorKind.WRONG_STAGE if isinstance(e, _WrongStageError) else ErrorKind.BAD_REQUEST
+            logger.warning(f"Refused a {rpc} request: {e}")
+            response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
+        except Exception as e:  # a bug or resource failure here must not take the peer down
+            self.requests_failed += 1
+            logger.exception(f"{rpc} failed")
+            response, out_parts = ResponseHeader(error=f"{type(e).__name__}: {e}", error_kind=ErrorKind.INTERNAL), []
+        finally:
+            self.in_flight -= 1
+        for message in response_messages(response, out_parts):
+            yield message
+
+    def _check_route(self, header: RequestHeader) -> None:
+        if header.model != self.config.model or header.num_stages != self.runtime.num_stages:
+            raise ProtocolError(f"this peer serves {self.config.model} split into {self.runtime.num_stages} "
+                                f"stages, not {header.model} in {header.num_stages}")
+        if header.stage != self.runtime.stage:
+            raise _WrongStageError(f"this peer serves stage {self.runtime.stage}, not stage {header.stage}")
+
+    def _compute(self, header: RequestHeader, tensors: dict[str, torch.Tensor]):
+        """Runs on the compute thread."""
+        inputs = tensors.get("inputs")
+        if inputs is None:
+            raise BadRequestError("the request carries no 'inputs' tensor")
+        if inputs.shape[:1] != (header.batch_size,):
+            raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
+        if header.rpc == "forward":
+            outputs = self.runtime.forward(header.microbatch_id, inputs, tensors.get("targets"))
+            if self.runtime.is_last:
+                return [], float(outputs)
+            return [("outputs", outputs)], None
+        grad_inputs, loss = self.runtime.backward(header.microbatch_id, inputs, grad_outputs=tensors.get("grad_outputs"),
+                                                  targets=tensors.get("targets"))
+        return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def serve(self, stop: asyncio.Event) -> None:
+        self._semaphore = asyncio.Semaphore(self.config.max_concurrent_requests)
+        p2p = await self.dht.replicate_p2p()
+        await p2p.add_protobuf_handler(RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest,
+                                       stream_input=True, stream_output=True)
+        await p2p.add_protobuf_handler(RPC_BACKWARD, self.rpc_backward, runtime_pb2.ExpertRequest,
+                                       stream_input=True, stream_output=True)
+        self.state = PeerState.ONLINE
+        announcer = asyncio.create_task(self._announce_forever(stop))
+        print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
+              f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            self.state = PeerState.OFFLINE
+            await announcer
+            await announce(self.dht, self.record(), timeout_s=5.0)
+            print(f"peer {self.peer_id} offline after serving {self.requests_served} requests", flush=True)
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _WrongStageError(ProtocolError):
+    pass
+
+
+def run_peer(config: PeerConfig) -> None:
+    """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
+    torch.set_num_threads(config.num_threads)
+    model_config = get_model_config(config.model)
+    settings = OptimizerSettings(lr=config.lr, weight_decay=config.weight_decay,
+                                 target_batch_size=config.target_batch_size, kind=config.optimizer)
+    runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
+                           max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size)
+    runtime.measure_throughput()
+    dht = start_dht(config)
+    try:
+        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht)))
+    finally:
+        dht.shutdown()
+
+
+async def _serve_until_signalled(server: PeerServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.serve(stop)

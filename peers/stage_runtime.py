@@ -1,0 +1,202 @@
+"""The compute side of a peer: one stage, its optimizer, gradient accumulation and an activation
+cache. No I/O and no asyncio: the server calls these methods on one dedicated compute thread.
+
+Gradients are accumulated weighted by each microbatch's sample count and divided by the samples
+seen when the optimizer steps, so the update equals the one a single process would make on the
+mean loss of the same samples, however they were cut into microbatches or spread over calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from models.config import GPTConfig
+from models.stages import StageModule, build_stage
+
+
+class BadRequestError(ValueError):
+    """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    target_batch_size: int = 32  # samples accumulated per optimizer step
+    kind: str = "adamw"  # "adamw", or "sgd" (plain updates: what the gradient-equality tests use)
+
+    def build(self, params) -> torch.optim.Optimizer:
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=self.lr)
+        if self.kind == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        raise ValueError(f"unknown optimizer {self.kind!r}; use adamw or sgd")
+
+
+@dataclass
+class _CachedForward:
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    version: int
+
+
+class ThroughputMeter:
+    """EMA of samples per second of compute, with a measured seed value."""
+
+    def __init__(self, alpha: float = 0.1, initial: float = 0.0):
+        self.alpha, self.value = alpha, initial
+
+    def observe(self, samples: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = samples / seconds
+        self.value = rate if self.value <= 0 else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+class StageRuntime:
+    def __init__(self, config: GPTConfig, stage: int, num_stages: int, *, seed: int = 0,
+                 optimizer: OptimizerSettings = OptimizerSettings(), max_batch_size: int = 256,
+                 activation_cache_size: int = 64):
+        self.config, self.stage, self.num_stages = config, stage, num_stages
+        self.module: StageModule = build_stage(config, stage, num_stages, seed)
+        self.settings = optimizer
+        self.optimizer = optimizer.build(self.module.parameters())
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        self.samples_accumulated = 0
+        self.steps_done = 0  # also the parameter version: cached graphs from older versions are stale
+        self.max_batch_size = max_batch_size
+        self.cache: OrderedDict[str, _CachedForward] = OrderedDict()
+        self.cache_size = activation_cache_size
+        self.accumulated_ids: set[str] = set()  # microbatches already counted in the current step
+        self.throughput = ThroughputMeter()
+        self.cache_hits = self.cache_misses = 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    # --- validation ------------------------------------------------------------------------------
+    def check_inputs(self, batch_size: int, inputs: torch.Tensor) -> None:
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise BadRequestError(f"batch_size {batch_size} is outside 1..{self.max_batch_size}")
+        shape, dtype = self.module.expected_input(batch_size)
+        if tuple(inputs.shape) != shape or inputs.dtype != dtype:
+            raise BadRequestError(f"stage {self.stage} expects inputs of shape {shape} and dtype "
+                                  f"{str(dtype).removeprefix('torch.')}, got {tuple(inputs.shape)} "
+                                  f"{str(inputs.dtype).removeprefix('torch.')}")
+        if dtype == torch.int64:
+            if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= self.config.vocab_size):
+                raise BadRequestError(f"token ids must lie in [0, {self.config.vocab_size})")
+        elif not torch.isfinite(inputs).all():
+            raise BadRequestError("inputs contain NaN or inf")
+
+    def check_targets(self, batch_size: int, targets: torch.Tensor | None) -> None:
+        if targets is None:
+            raise BadRequestError("the last stage needs 'targets'")
+        shape = (batch_size, self.config.seq_len)
+        if tuple(targets.shape) != shape or targets.dtype != torch.int64:
+            raise BadRequestError(f"targets must be int64 of shape {shape}, got {tuple(targets.shape)} {targets.dtype}")
+        if int(targets.min()) < 0 or int(targets.max()) >= self.config.vocab_size:
+            raise BadRequestError(f"target ids must lie in [0, {self.config.vocab_size})")
+
+    def check_grad_outputs(self, batch_size: int, grad_outputs: torch.Tensor | None) -> None:
+        shape = (batch_size, self.config.seq_len, self.config.d_model)
+        if grad_outputs is None or tuple(grad_outputs.shape) != shape or grad_outputs.dtype != torch.float32:
+            got = None if grad_outputs is None else (tuple(grad_outputs.shape), grad_outputs.dtype)
+            raise BadRequestError(f"grad_outputs must be float32 of shape {shape}, got {got}")
+        if not torch.isfinite(grad_outputs).all():
+            raise BadRequestError("grad_outputs contain NaN or inf")
+
+    # --- compute ---------------------------------------------------------------------------------
+    def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Outputs of this stage (the loss on the last stage). Keeps the graph for a backward
+        that comes back to this peer."""
+        batch_size = inputs.shape[0]
+        self.check_inputs(batch_size, inputs)
+        if self.is_last:
+            self.check_targets(batch_size, targets)
+        start = time.perf_counter()
+        leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+        with torch.enable_grad():
+            outputs = self.module(leaf, targets)
+        self.cache[microbatch_id] = _CachedForward(leaf, outputs, self.steps_done)
+        self.cache.move_to_end(microbatch_id)
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        self.throughput.observe(batch_size, (time.perf_counter() - start) * 3)  # fwd ~ 1/3 of fwd+bwd
+        return outputs.detach()
+
+    def backward(self, microbatch_id: str, inputs: torch.Tensor, *, grad_outputs: torch.Tensor | None = None,
+                 targets: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float | None]:
+        """Accumulate parameter gradients for one microbatch and return (input gradients, loss).
+        The last stage takes `targets` and computes the loss itself; other stages take the
+        gradient of the loss with respect to their outputs. Steps the optimizer once
+        `target_batch_size` samples have been accumulated."""
+        batch_size = inputs.shape[0]
+        self.check_inputs(batch_size, inputs)
+        if self.is_last:
+            self.check_targets(batch_size, targets)
+        else:
+            self.check_grad_outputs(batch_size, grad_outputs)
+        start = time.perf_counter()
+        cached = self.cache.pop(microbatch_id, None)
+        if cached is not None and cached.version == self.steps_done and torch.equal(cached.inputs.detach(), inputs):
+            leaf, outputs = cached.inputs, cached.outputs
+            self.cache_hits += 1
+        else:  # served elsewhere, evicted or stale: recompute the forward
+            self.cache_misses += 1
+            leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+            with torch.enable_grad():
+                outputs = self.module(leaf, targets)
+        wants_input_grad = leaf.dtype != torch.int64
+        grad_targets = ([leaf] if wants_input_grad else []) + self.params
+        grads = torch.autograd.grad(outputs, grad_targets, grad_outputs=None if self.is_last else grad_outputs,
+                                    allow_unused=True)
+        input_grad = grads[0] if wants_input_grad else None
+        if microbatch_id not in self.accumulated_ids:  # a retried backward is answered but not counted twice
+            self.accumulated_ids.add(microbatch_id)
+            for grad_sum, grad in zip(self.grad_sums, grads[len(grad_targets) - len(self.params):]):
+                if grad is not None:
+                    grad_sum.add_(grad, alpha=batch_size)
+            self.samples_accumulated += batch_size
+        loss = float(outputs.detach()) if self.is_last else None
+        self.throughput.observe(batch_size, time.perf_counter() - start)
+        if self.samples_accumulated >= self.settings.target_batch_size:
+            self.step()
+        return input_grad, loss
+
+    def step(self) -> None:
+        """Apply the mean accumulated gradient and start a new accumulation."""
+        for param, grad_sum in zip(self.params, self.grad_sums):
+            param.grad = grad_sum / self.samples_accumulated
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for grad_sum in self.grad_sums:
+            grad_sum.zero_()
+        self.samples_accumulated = 0
+        self.accumulated_ids.clear()
+        self.cache.clear()
+        self.steps_done += 1
+
+    def measure_throughput(self, batch_size: int = 4, repeats: int = 2) -> float:
+        """A short start-up benchmark (forward + backward on random data, no update)."""
+        shape, dtype = self.module.expected_input(batch_size)
+        inputs = (torch.randint(0, self.config.vocab_size, shape) if dtype == torch.int64 else torch.randn(shape))
+        targets = torch.randint(0, self.config.vocab_size, (batch_size, self.config.seq_len)) if self.is_last else None
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            leaf = inputs if dtype == torch.int64 else inputs.clone().requires_grad_(True)
+            with torch.enable_grad():
+                out = self.module(leaf, targets)
+            torch.autograd.backward(out, None if self.is_last else torch.ones_like(out))
+            best = min(best, time.perf_counter() - start)
+        self.module.zero_grad(set_to_none=True)
+        self.throughput = ThroughputMeter(initial=batch_size / best)
+        return self.throughput.value

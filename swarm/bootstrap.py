@@ -1,0 +1,42 @@
+"""`swarm dht`: a bootstrap DHT node that other processes join. It holds no model."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+
+from dht.configuration import option
+from dht.node import NetworkConfig, start_dht
+
+
+@dataclasses.dataclass(kw_only=True)
+class BootstrapConfig(NetworkConfig):
+    maddrs_file: str | None = option(None, help="also write the node's multiaddrs to this file, one per line")
+
+
+def write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run_bootstrap(config: BootstrapConfig) -> int:
+    dht = start_dht(config)
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        print("DHT bootstrap node is up. Join it with:", flush=True)
+        for maddr in maddrs:
+            print(f"  --initial-peers {maddr}", flush=True)
+        if config.maddrs_file:
+            write_atomically(config.maddrs_file, "\n".join(maddrs) + "\n")
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        dht.shutdown()
+    print("DHT bootstrap node stopped", flush=True)
+    return 0

@@ -1,0 +1,119 @@
+"""`swarm`: one command-line program for every role (bootstrap node, peer, trainer, status, demo).
+
+Errors a user can fix are printed as one line (`swarm: error: ...`) with exit code 2, never as a
+traceback; the full traceback is shown with SWARM_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from dht.configuration import ConfigError, add_config_arguments, describe, from_sources
+
+EXIT_USAGE = 2
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("SWARM_LOGLEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions whose message is meant for the user, from every layer."""
+    from dht.node import BootstrapError
+    from models.config import UnknownModelError
+    from models.stages import StageSplitError
+    from swarm.data import CorpusError
+    from swarm.failures import RoutingError
+    from swarm.trainer import DiscoveryError
+
+    return (ConfigError, BootstrapError, UnknownModelError, StageSplitError, CorpusError, DiscoveryError,
+            RoutingError, FileNotFoundError)
+
+
+def cmd_dht(args: argparse.Namespace) -> int:
+    from swarm.bootstrap import BootstrapConfig, run_bootstrap
+
+    return run_bootstrap(from_sources(BootstrapConfig, args))
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from peers.config import PeerConfig
+    from peers.server import run_peer
+
+    config = from_sources(PeerConfig, args)
+    print(describe(config), flush=True)
+    run_peer(config)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from swarm.config import TrainerConfig
+    from swarm.trainer import run_trainer
+
+    config = from_sources(TrainerConfig, args)
+    print(describe(config), flush=True)
+    report = run_trainer(config)
+    print(f"done: {report.steps} steps, loss {report.initial_loss:.4f} -> {report.final_loss:.4f}, "
+          f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarm.status import StatusConfig, run_status
+
+    return run_status(from_sources(StatusConfig, args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarm.demo import DemoConfig, run_demo
+
+    return run_demo(from_sources(DemoConfig, args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from peers.config import PeerConfig
+    from swarm.bootstrap import BootstrapConfig
+    from swarm.config import TrainerConfig
+    from swarm.demo import DemoConfig
+    from swarm.status import StatusConfig
+
+    parser = argparse.ArgumentParser(prog="swarm", description="Train one model across many volunteer machines: "
+                                     "peers serve pipeline stages, trainers stream microbatches through them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    roles = [
+        ("dht", cmd_dht, BootstrapConfig, "run a bootstrap DHT node and print its multiaddrs"),
+        ("peer", cmd_peer, PeerConfig, "serve one pipeline stage of a model"),
+        ("train", cmd_train, TrainerConfig, "train a model through the swarm's stages"),
+        ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
+        ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
+    ]
+    for name, handler, config_cls, help_text in roles:
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_config_arguments(p, config_cls)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _configure_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("swarm: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if os.environ.get("SWARM_DEBUG"):
+            raise
+        print(f"swarm {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Calling one peer: a typed stub over hivemind's P2P with a timeout on every call."""
+
+from __future__ import annotations
+
+import asyncio
+from enum import Enum
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
+                            pack_named, read_stream, request_messages, unpack_named)
+
+
+class FailureKind(str, Enum):
+    TIMEOUT = "timeout"
+    TRANSPORT = "transport"  # could not connect, stream broken, peer gone
+    REFUSED = "refused"  # the peer says the request is bad: a bug on our side, do not ban
+    WRONG_STAGE = "wrong_stage"  # the peer moved to another stage
+    INTERNAL = "internal"  # the peer failed while computing
+    GARBAGE = "garbage"  # the answer does not follow the contract or holds NaN/inf
+
+
+class PeerCallError(RuntimeError):
+    def __init__(self, peer_id: str, kind: FailureKind, message: str):
+        super().__init__(f"peer {peer_id[-8:]}: {kind.value}: {message}")
+        self.peer_id, self.kind = peer_id, kind
+
+
+class StageClient:
+    def __init__(self, p2p: P2P, *, model: str, num_stages: int):
+        self.p2p, self.model, self.num_stages = p2p, model, num_stages
+        self.bytes_sent = self.bytes_received = 0
+
+    async def call(self, peer_id: str, *, rpc: str, stage: int, microbatch_id: str, batch_size: int,
+                   tensors: list[tuple[str, torch.Tensor]], timeout_s: float) -> tuple[dict[str, torch.Tensor], ResponseHeader]:
+        metas, parts = pack_named(tensors)
+        header = RequestHeader(rpc=rpc, model=self.model, stage=stage, num_stages=self.num_stages,
+                               microbatch_id=microbatch_id, batch_size=batch_size, tensors=metas)
+        self.bytes_sent += sum(len(p.buffer) for p in parts)
+        name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
+        try:
+            response, out_parts = await asyncio.wait_for(self._exchange(peer_id, name, header, parts), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerCallError(peer_id, FailureKind.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s") from None
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+        except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
+            raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        if response.error is not None:
+            kind = {ErrorKind.BAD_REQUEST: FailureKind.REFUSED, ErrorKind.WRONG_STAGE: FailureKind.WRONG_STAGE}.get(
+                response.error_kind, FailureKind.INTERNAL)
+            raise PeerCallError(peer_id, kind, response.error)
+        self.bytes_received += sum(len(p.buffer) for p in out_parts)
+        try:
+            outputs = unpack_named(response.tensors, out_parts)
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+        return outputs, response
+
+    async def _exchange(self, peer_id: str, name: str, header: RequestHeader, parts: list[runtime_pb2.Tensor]):
+        stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer_id), name,
+                                                         _aiter(request_messages(header, parts)),
+                                                         runtime_pb2.ExpertResponse)
+        return await read_stream(stream, ResponseHeader)
+
+
+async def _aiter(items):
+    for item in items:
+        yield item

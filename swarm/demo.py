@@ -1,0 +1,75 @@
+"""`swarm demo`: a whole swarm on this machine (bootstrap node, peers over stages, a trainer on a
+real corpus), trained for a few steps and stopped cleanly, also on Ctrl-C."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+
+from dht.configuration import ConfigError, option
+from models.config import get_model_config
+from swarm.local_swarm import LocalSwarm
+
+
+@dataclasses.dataclass(kw_only=True)
+class DemoConfig:
+    peers: int = option(4, help="peer processes to start (spread evenly over the stages)")
+    stages: int = option(2, help="pipeline stages")
+    steps: int = option(60, help="training steps")
+    model: str = option("small", help="model to train")
+    batch_size: int = option(32, help="samples per step")
+    microbatch_size: int = option(4, help="samples per microbatch")
+    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    report: str | None = option(None, help="write the trainer's JSON report here")
+    workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
+
+    def __post_init__(self) -> None:
+        get_model_config(self.model)
+        if self.stages < 1 or self.peers < self.stages:
+            raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
+        if self.data is not None and not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file")
+
+
+def run_demo(config: DemoConfig) -> int:
+    threads = max(1, (os.cpu_count() or 2) // config.peers)
+    with LocalSwarm(model=config.model, num_stages=config.stages, workdir=config.workdir,
+                    peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]) as swarm:
+        print(f"[demo] logs in {swarm.workdir}", flush=True)
+        maddrs = swarm.start_bootstrap()
+        print(f"[demo] bootstrap DHT node at {maddrs[0]}", flush=True)
+        peers = [swarm.start_peer(i % config.stages) for i in range(config.peers)]
+        swarm.wait_online(peers)
+        print(f"[demo] {len(peers)} peers online over {config.stages} stages; starting the trainer", flush=True)
+        report_path = config.report or os.path.join(swarm.workdir, "report.json")
+        args = ["--steps", str(config.steps), "--batch-size", str(config.batch_size),
+                "--microbatch-size", str(config.microbatch_size), "--report", report_path,
+                "--num-stages", str(config.stages)]
+        if config.data:
+            args += ["--data", config.data]
+        trainer = swarm.start_trainer(*args)
+        shown = 0
+        while trainer.alive:  # relay the trainer's progress lines as they come
+            try:
+                trainer.popen.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            log = trainer.log()
+            if len(log) > shown:
+                print(log[shown:], end="", flush=True)
+                shown = len(log)
+        log = trainer.log()
+        print(log[shown:], end="", flush=True)
+        if trainer.popen.returncode != 0:
+            print(f"[demo] the trainer failed (exit {trainer.popen.returncode}); logs in {swarm.workdir}", flush=True)
+            return 1
+        with open(report_path) as f:
+            report = json.load(f)
+        print(f"[demo] loss {report['initial_loss']:.3f} -> {report['final_loss']:.3f} over {report['steps']} steps, "
+              f"{report['tokens_per_s']:,.0f} tokens/s, {report['microbatches_sent']} microbatches sent, "
+              f"{report['microbatches_retried']} retried, {report['microbatches_lost']} lost", flush=True)
+        print("[demo] stopping the swarm...", flush=True)
+    print("[demo] all processes stopped", flush=True)
+    return 0

@@ -1,0 +1,140 @@
+"""A whole swarm on this machine, as real processes: a bootstrap DHT node and peers, each in its
+own process group so that stopping one also stops its DHT process and p2pd. Used by `swarm demo`,
+the integration tests and the benchmarks, so they all exercise the same commands a user runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+
+class LocalSwarmError(RuntimeError):
+    pass
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group (a peer then announces offline), SIGKILL what is left."""
+        if self.alive:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)  # also reaps children (p2pd) that outlived their parent
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@dataclass
+class LocalSwarm:
+    model: str = "small"
+    num_stages: int = 2
+    workdir: str | None = None
+    peer_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    processes: list[ManagedProcess] = field(default_factory=list)
+    initial_peers: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.workdir is None:
+            self.workdir = tempfile.mkdtemp(prefix="swarm-")
+        os.makedirs(self.workdir, exist_ok=True)
+
+    # --- processes ---------------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
+        log_path = os.path.join(self.workdir, f"{name}.log")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(log_path, "w") as log:
+            popen = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        process = ManagedProcess(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def start_bootstrap(self, timeout_s: float = 60.0) -> list[str]:
+        maddrs_file = os.path.join(self.workdir, "bootstrap.maddrs")
+        process = self._spawn("bootstrap", ["dht", "--maddrs-file", maddrs_file])
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(maddrs_file):
+            if not process.alive:
+                raise LocalSwarmError(f"the bootstrap node exited:\n{process.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise LocalSwarmError(f"the bootstrap node did not start within {timeout_s} s")
+            time.sleep(0.1)
+        with open(maddrs_file) as f:
+            self.initial_peers = [line.strip() for line in f if line.strip()]
+        return self.initial_peers
+
+    def start_peer(self, stage: int, *extra_args: str, name: str | None = None) -> ManagedProcess:
+        if not self.initial_peers:
+            raise LocalSwarmError("start the bootstrap node first")
+        name = name or f"peer-s{stage}-{sum(p.name.startswith(f'peer-s{stage}-') for p in self.processes)}"
+        args = ["peer", "--initial-peers", *self.initial_peers, "--model", self.model, "--stage", str(stage),
+                "--num-stages", str(self.num_stages), *self.peer_args, *extra_args]
+        return self._spawn(name, args)
+
+    def wait_online(self, processes: list[ManagedProcess], timeout_s: float = 120.0) -> None:
+        """Wait until each peer printed that it is online (its first announcement follows at once)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(processes)
+        while pending:
+            for process in list(pending):
+                if " online:" in process.log():
+                    pending.remove(process)
+                elif not process.alive:
+                    raise LocalSwarmError(f"{process.name} exited before coming online:\n{process.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise LocalSwarmError(f"{[p.name for p in pending]} not online within {timeout_s} s")
+            time.sleep(0.2)
+
+    def start_trainer(self, *args: str, name: str = "trainer") -> ManagedProcess:
+        return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args])
+
+    def peers(self) -> list[ManagedProcess]:
+        return [p for p in self.processes if p.name.startswith("peer-")]
+
+    def stop(self) -> None:
+        """Stop everything: trainers and peers first (they announce offline), the bootstrap last."""
+        order = sorted(self.processes, key=lambda p: p.name == "bootstrap")
+        for process in order:
+            if process.alive and process.name != "bootstrap":
+                process.signal(signal.SIGTERM)
+        for process in order:
+            process.stop()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

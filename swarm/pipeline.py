@@ -1,0 +1,189 @@
+"""The trainer's async layer: stream microbatches through the stages, one replica per stage per
+call chosen by stochastic wiring, with failover. Nothing is dropped: a failed call is retried on
+another replica, and a stage with no live replica is waited for (visibly) until it returns or
+`stage_wait_timeout_s` runs out, which stops the run with an error instead of losing data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import hivemind
+import torch
+
+from dht.announce import fetch_stage_records_async
+from dht.records import PeerRecord, PeerState
+from swarm.client import FailureKind, PeerCallError, StageClient
+from swarm.data import Microbatch
+from swarm.failures import BanList, RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
+from swarm.routing import ReplicaInfo, ReplicaScheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineCounters:
+    microbatches_sent: int = 0
+    microbatches_done: int = 0
+    calls_retried: int = 0
+    microbatches_retried: int = 0  # microbatches that needed at least one retry
+    failures_by_kind: dict[str, int] = field(default_factory=dict)
+    calls_by_peer: dict[str, int] = field(default_factory=dict)
+
+
+class SwarmPipeline:
+    def __init__(self, dht: hivemind.DHT, client: StageClient, *, model: str, num_stages: int, d_model: int,
+                 seq_len: int, max_retries: int, stage_wait_timeout_s: float, max_in_flight: int,
+                 run_id: str, on_wait=print):
+        self.dht, self.client, self.model, self.num_stages = dht, client, model, num_stages
+        self.d_model, self.seq_len = d_model, seq_len
+        self.max_retries, self.stage_wait_timeout_s = max_retries, stage_wait_timeout_s
+        self.run_id = run_id
+        self.schedulers = [ReplicaScheduler() for _ in range(num_stages)]
+        self.timeouts = TimeoutPolicy()
+        self.bans = BanList()
+        self.records: list[list[PeerRecord]] = [[] for _ in range(num_stages)]
+        self.counters = PipelineCounters()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._refreshed = asyncio.Event()
+        self._on_wait = on_wait
+
+    # --- discovery -------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        results = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.model, s)
+                                         for s in range(self.num_stages)])
+        for stage, records in enumerate(results):
+            online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
+            self.records[stage] = online
+            self.schedulers[stage].update_replicas([ReplicaInfo(r.peer_id, r.throughput) for r in online])
+        self._refreshed.set()
+
+    async def refresh_forever(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # the DHT may hiccup; the next refresh tries again
+                logger.warning(f"Refreshing the peer list failed: {e}")
+
+    def live_replicas(self) -> list[int]:
+        return [len(records) for records in self.records]
+
+    # --- one call, with failover -----------------------------------------------------------------
+    async def call_stage(self, stage: int, rpc: str, microbatch_id: str, batch_size: int,
+                         tensors: list[tuple[str, torch.Tensor]], failures: list[str] | None = None):
+        """Call one replica of `stage`, failing over until one answers. Failed attempts are
+        appended to `failures`."""
+        failures = [] if failures is None else failures
+        budget = RetryBudget(stage, max_retries=self.max_retries)
+        waited_since = None
+        while True:
+            peer_id = self.schedulers[stage].choose(rpc, batch_size, exclude=self.bans.banned() | budget.failed_peers())
+            if peer_id is None:
+                waited_since = waited_since or time.monotonic()
+                await self._wait_for_replica(stage, waited_since, budget)
+                budget = RetryBudget(stage, max_retries=self.max_retries)
+                continue
+            waited_since = None
+            timeout_s = self.timeouts.timeout_s(stage, rpc)
+            started = time.perf_counter()
+            try:
+                outputs, response = await self.client.call(peer_id, rpc=rpc, stage=stage, microbatch_id=microbatch_id,
+                                                           batch_size=batch_size, tensors=tensors, timeout_s=timeout_s)
+                self._check_outputs(peer_id, stage, rpc, batch_size, outputs, response.loss)
+            except PeerCallError as e:
+                self._note_failure(stage, peer_id, e)
+                failures.append(str(e))
+                try:
+                    budget.record_failure(peer_id, str(e))
+                except RetriesExhaustedError as exhausted:
+                    logger.warning(str(exhausted))
+                    waited_since = time.monotonic()
+                    await self._wait_for_replica(stage, waited_since, budget)
+                    budget = RetryBudget(stage, max_retries=self.max_retries)
+                continue
+            elapsed = time.perf_counter() - started
+            self.schedulers[stage].report_success(peer_id, rpc, batch_size, elapsed)
+            self.timeouts.observe(stage, rpc, elapsed)
+            self.bans.clear(peer_id)
+            key = peer_id[-8:]
+            self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
+            return outputs, response
+
+    def _note_failure(self, stage: int, peer_id: str, error: PeerCallError) -> None:
+        self.schedulers[stage].report_failure(peer_id)
+        self.counters.calls_retried += 1
+        kind = error.kind.value
+        self.counters.failures_by_kind[kind] = self.counters.failures_by_kind.get(kind, 0) + 1
+        if error.kind == FailureKind.WRONG_STAGE:
+            self._refreshed.clear()  # the peer moved: a refresh will drop it from this stage
+        else:
+            self.bans.ban(peer_id)
+        logger.warning(f"stage {stage}: {error}; retrying on another replica")
+
+    async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
+        """No replica can take this call now: refresh the peer list until one can, or give up."""
+        waited = time.monotonic() - since
+        if waited > self.stage_wait_timeout_s:
+            raise StageUnavailableError(stage, f"no live replica for {waited:.0f} s (failed: "
+                                               f"{sorted(p[-8:] for p in budget.failed_peers())}); start a peer "
+                                               f"with --stage {stage} or raise --stage-wait-timeout-s")
+        if int(waited) % 10 == 0:
+            self._on_wait(f"waiting for a live replica of stage {stage} ({waited:.0f} s so far; "
+                          f"{len(self.bans.banned())} peers banned)")
+        next_unban = self.bans.seconds_until_next_unban()
+        await asyncio.sleep(min(1.0, next_unban if next_unban is not None else 1.0))
+        await self.refresh()
+
+    def _check_outputs(self, peer_id: str, stage: int, rpc: str, batch_size: int,
+                       outputs: dict[str, torch.Tensor], loss: float | None) -> None:
+        """Refuse answers that break the contract: a peer returning garbage is treated as failed."""
+        expected = (batch_size, self.seq_len, self.d_model)
+        is_last = stage == self.num_stages - 1
+        name = "outputs" if rpc == "forward" else "grad_inputs"
+        needs_tensor = not (rpc == "forward" and is_last) and not (rpc == "backward" and stage == 0)
+        if needs_tensor:
+            tensor = outputs.get(name)
+            if tensor is None or tuple(tensor.shape) != expected or tensor.dtype != torch.float32:
+                got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+                raise PeerCallError(peer_id, FailureKind.GARBAGE, f"expected {name} {expected} float32, got {got}")
+            if not torch.isfinite(tensor).all():
+                raise PeerCallError(peer_id, FailureKind.GARBAGE, f"{name} contain NaN or inf")
+        if is_last and (loss is None or not math.isfinite(loss)):
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, f"the last stage returned loss {loss}")
+
+    # --- one microbatch through every stage ------------------------------------------------------
+    async def run_microbatch(self, mb: Microbatch) -> float:
+        """Forward through stages 0..S-2, a fused forward+backward on the last stage (it owns the
+        loss), then backward through S-2..0. Returns the microbatch's mean loss."""
+        async with self._slots:
+            microbatch_id = f"{self.run_id}:{mb.step}:{mb.index}"
+            self.counters.microbatches_sent += 1
+            failures: list[str] = []
+            stage_inputs = [mb.inputs]
+            for stage in range(self.num_stages - 1):
+                outputs, _ = await self.call_stage(stage, "forward", microbatch_id, mb.size,
+                                                   [("inputs", stage_inputs[-1])], failures)
+                stage_inputs.append(outputs["outputs"])
+            last = self.num_stages - 1
+            outputs, response = await self.call_stage(last, "backward", microbatch_id, mb.size,
+                                                      [("inputs", stage_inputs[last]), ("targets", mb.targets)], failures)
+            grad = outputs.get("grad_inputs")
+            for stage in reversed(range(last)):
+                tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", grad)]
+                outputs, _ = await self.call_stage(stage, "backward", microbatch_id, mb.size, tensors, failures)
+                grad = outputs.get("grad_inputs")
+            self.counters.microbatches_done += 1
+            if failures:
+                self.counters.microbatches_retried += 1
+            return float(response.loss)
+
+    async def run_step(self, microbatches: list[Microbatch]) -> float:
+        """All microbatches of one optimizer step; returns the mean loss over their samples."""
+        losses = await asyncio.gather(*[self.run_microbatch(mb) for mb in microbatches])
+        total = sum(mb.size for mb in microbatches)
+        return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total

@@ -1,0 +1,56 @@
+"""`swarm status`: the stages of a model, their peers, state, throughput and load, read from the DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+from dht.announce import fetch_stage_records_async
+from dht.configuration import option
+from dht.node import NetworkConfig, start_dht
+from dht.records import PeerRecord, PeerState
+
+
+@dataclasses.dataclass(kw_only=True)
+class StatusConfig(NetworkConfig):
+    model: str = option("small", help="model whose stages to show")
+    num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
+    json: bool = option(False, help="print JSON instead of a table")
+
+
+async def collect_status(dht, model: str, num_stages: int | None) -> dict[int, list[PeerRecord]]:
+    if num_stages is None:
+        first = await fetch_stage_records_async(dht, model, 0)
+        num_stages = max((r.num_stages for r in first), default=1)
+    results = await asyncio.gather(*[fetch_stage_records_async(dht, model, s) for s in range(num_stages)])
+    return dict(enumerate(results))
+
+
+def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
+    lines = [f"model {model}: {len(stages)} stages"]
+    header = f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5}  version"
+    lines.append(header)
+    for stage, records in stages.items():
+        online = [r for r in records if r.state == PeerState.ONLINE]
+        if not records:
+            lines.append(f"{stage:>5}  (no peers)")
+        for r in records:
+            lines.append(f"{stage:>5}  {'…' + r.peer_id[-12:]:<14} {r.state.value:<8} {r.throughput:>10.1f} "
+                         f"{r.load:>5.0f}  {r.version}")
+        lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
+    return "\n".join(lines)
+
+
+def run_status(config: StatusConfig) -> int:
+    dht = start_dht(config, client_mode=True)
+    try:
+        stages = asyncio.run(collect_status(dht, config.model, config.num_stages))
+    finally:
+        dht.shutdown()
+    if config.json:
+        print(json.dumps({"model": config.model, "stages": {str(s): [r.to_wire() for r in rs]
+                                                             for s, rs in stages.items()}}, indent=2))
+    else:
+        print(format_table(config.model, stages))
+    return 0

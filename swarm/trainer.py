@@ -1,0 +1,153 @@
+"""The trainer: holds no weights; reads the corpus, streams each step's microbatches through the
+swarm, and reports loss and throughput."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+
+import hivemind
+
+from dht.announce import fetch_stage_records_async
+from dht.node import start_dht
+from dht.records import PeerState
+from models.config import get_model_config
+from swarm.client import StageClient
+from swarm.config import TrainerConfig
+from swarm.data import MicrobatchSampler, load_corpus
+from swarm.pipeline import SwarmPipeline
+
+
+class DiscoveryError(RuntimeError):
+    """No usable peers of the model were found."""
+
+
+@dataclass
+class TrainingReport:
+    model: str
+    num_stages: int
+    steps: int = 0
+    tokens: int = 0
+    initial_loss: float | None = None
+    final_loss: float | None = None
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    train_time_s: float = 0.0
+    microbatches_sent: int = 0
+    microbatches_retried: int = 0
+    microbatches_lost: int = 0
+    calls_retried: int = 0
+    failures_by_kind: dict[str, int] = field(default_factory=dict)
+    calls_by_peer: dict[str, int] = field(default_factory=dict)
+    tokens_per_s_by_step: list[float] = field(default_factory=list)
+    completed: bool = False
+
+    def write(self, path: str) -> None:
+        """Write atomically: a reader never sees half a report."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        os.replace(tmp, path)
+
+
+async def discover_num_stages(dht: hivemind.DHT, model: str, timeout_s: float, say=print) -> int:
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while time.monotonic() < deadline:
+        records = [r for r in await fetch_stage_records_async(dht, model, 0) if r.state == PeerState.ONLINE]
+        if records:
+            counts = sorted({r.num_stages for r in records})
+            if len(counts) > 1:
+                say(f"peers of {model} disagree on the number of stages {counts}; using {counts[-1]} (pass --num-stages)")
+            return counts[-1]
+        if not announced:
+            say(f"waiting for peers of {model} to appear on the DHT...")
+            announced = True
+        await asyncio.sleep(1.0)
+    raise DiscoveryError(f"no peer serving {model} stage 0 appeared within {timeout_s:.0f} s")
+
+
+async def wait_for_every_stage(pipeline: SwarmPipeline, timeout_s: float, say=print) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await pipeline.refresh()
+        counts = pipeline.live_replicas()
+        if all(counts):
+            return
+        if time.monotonic() > deadline:
+            missing = [s for s, n in enumerate(counts) if not n]
+            raise DiscoveryError(f"stages {missing} have no online peer after {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
+
+
+async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport, say=print) -> TrainingReport:
+    """Train for `config.steps` steps, filling `report` as it goes (it stays valid on failure)."""
+    model_config = get_model_config(config.model)
+    tokens = load_corpus(config.data)
+    sampler = MicrobatchSampler(tokens, seq_len=model_config.seq_len, batch_size=config.batch_size,
+                                microbatch_size=config.microbatch_size, seed=config.seed)
+    num_stages = config.num_stages or await discover_num_stages(dht, config.model, config.discovery_timeout_s, say)
+    p2p = await dht.replicate_p2p()
+    client = StageClient(p2p, model=config.model, num_stages=num_stages)
+    pipeline = SwarmPipeline(dht, client, model=config.model, num_stages=num_stages, d_model=model_config.d_model,
+                             seq_len=model_config.seq_len, max_retries=config.max_retries,
+                             stage_wait_timeout_s=config.stage_wait_timeout_s, max_in_flight=config.max_in_flight,
+                             run_id=secrets.token_hex(4), on_wait=say)
+    await wait_for_every_stage(pipeline, config.discovery_timeout_s, say)
+    say(f"training {config.model} over {num_stages} stages with {pipeline.live_replicas()} replicas; "
+        f"{len(tokens):,} tokens of data, batch {config.batch_size} x {model_config.seq_len} tokens")
+    report.num_stages = num_stages
+    refresher = asyncio.create_task(pipeline.refresh_forever(config.refresh_period_s))
+    tokens_per_step = config.batch_size * model_config.seq_len
+    started = time.perf_counter()
+    try:
+        for step in range(config.steps):
+            step_started = time.perf_counter()
+            loss = await pipeline.run_step(sampler.batch(step))
+            step_s = time.perf_counter() - step_started
+            report.steps, report.tokens = step + 1, (step + 1) * tokens_per_step
+            report.losses.append(loss)
+            report.tokens_per_s_by_step.append(tokens_per_step / step_s)
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                elapsed = time.perf_counter() - started
+                say(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {report.tokens / elapsed:,.0f} tok/s  "
+                    f"replicas {pipeline.live_replicas()}  retried {pipeline.counters.calls_retried}")
+        report.completed = True
+    finally:
+        refresher.cancel()
+        report.train_time_s = time.perf_counter() - started
+        _fill_report(report, pipeline)
+    return report
+
+
+def _fill_report(report: TrainingReport, pipeline: SwarmPipeline) -> None:
+    counters = pipeline.counters
+    if report.losses:
+        report.initial_loss = report.losses[0]
+        tail = report.losses[-min(5, len(report.losses)):]
+        report.final_loss = sum(tail) / len(tail)
+    report.tokens_per_s = report.tokens / report.train_time_s if report.train_time_s > 0 else 0.0
+    report.microbatches_sent = counters.microbatches_sent
+    report.microbatches_retried = counters.microbatches_retried
+    report.microbatches_lost = counters.microbatches_sent - counters.microbatches_done
+    report.calls_retried = counters.calls_retried
+    report.failures_by_kind = dict(counters.failures_by_kind)
+    report.calls_by_peer = dict(counters.calls_by_peer)
+
+
+def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
+    """Join the DHT as a client, train, write the report (also after an error or Ctrl-C)."""
+    dht = start_dht(config, client_mode=True)
+    report = TrainingReport(model=config.model, num_stages=config.num_stages or 0)
+    try:
+        asyncio.run(train(config, dht, report, say))
+    finally:
+        dht.shutdown()
+        if config.report:
+            report.write(config.report)
+    return report

@@ -1,0 +1,91 @@
+"""The stage runtime alone (no network): split compute equals whole-model compute."""
+
+import pytest
+import torch
+
+from models.config import get_model_config
+from models.stages import build_full_model, split_layers, StageSplitError
+from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
+
+
+def reference_step(config, tokens, targets, settings, microbatch):
+    model = build_full_model(config)
+    opt = settings.build(model.parameters())
+    loss = model(tokens, targets)
+    loss.backward()
+    opt.step()
+    return loss.item(), model
+
+
+def pipeline_step(config, tokens, targets, settings, num_stages, microbatch):
+    stages = [StageRuntime(config, s, num_stages, optimizer=settings) for s in range(num_stages)]
+    losses = []
+    for i in range(0, tokens.shape[0], microbatch):
+        mb_id, x, y = f"mb{i}", tokens[i:i + microbatch], targets[i:i + microbatch]
+        inputs = [x]
+        for stage in stages[:-1]:
+            inputs.append(stage.forward(mb_id, inputs[-1]))
+        grad, loss = stages[-1].backward(mb_id, inputs[-1], targets=y)
+        losses.append(loss * x.shape[0])
+        for stage, stage_inputs in zip(reversed(stages[:-1]), reversed(inputs[:-1])):
+            grad, _ = stage.backward(mb_id, stage_inputs, grad_outputs=grad)
+    assert all(s.steps_done == 1 for s in stages)
+    return sum(losses) / tokens.shape[0], stages
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_split_training_step_matches_one_process(num_stages, optimizer):
+    # SGD makes the update proportional to the gradient (AdamW alone would hide a wrong scale).
+    config = get_model_config("tiny")
+    settings = OptimizerSettings(kind=optimizer, lr=0.5 if optimizer == "sgd" else 1e-3, target_batch_size=8)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=g)
+    targets = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=g)
+    ref_loss, ref_model = reference_step(config, tokens, targets, settings, 8)
+    loss, stages = pipeline_step(config, tokens, targets, settings, num_stages, microbatch=3)
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    reference = dict(ref_model.named_parameters())
+    initial = dict(build_full_model(config).named_parameters())
+    for stage in stages:
+        for name, param in stage.module.named_parameters():
+            if name.startswith("blocks."):
+                index = int(name.split(".")[1]) + stage.module.spec.first_layer
+                name = f"blocks.{index}." + name.split(".", 2)[2]
+            torch.testing.assert_close(param, reference[name], atol=1e-5, rtol=0)
+            assert not torch.equal(param, initial[name]), f"{name} was not updated"
+
+
+def test_activation_cache_is_used_and_retries_are_not_double_counted():
+    config = get_model_config("tiny")
+    stage = StageRuntime(config, 0, 2, optimizer=OptimizerSettings(target_batch_size=100))
+    x = torch.randint(0, config.vocab_size, (2, config.seq_len))
+    stage.forward("a", x)
+    grad = torch.randn(2, config.seq_len, config.d_model)
+    stage.backward("a", x, grad_outputs=grad)
+    assert stage.cache_hits == 1
+    stage.backward("a", x, grad_outputs=grad)  # a retry of the same microbatch
+    assert stage.cache_misses == 1 and stage.samples_accumulated == 2
+
+
+def test_bad_inputs_are_refused_with_a_clear_error():
+    config = get_model_config("tiny")
+    stage = StageRuntime(config, 1, 2)
+    with pytest.raises(BadRequestError, match="expects inputs of shape"):
+        stage.forward("x", torch.randn(2, config.seq_len, config.d_model + 1))
+    with pytest.raises(BadRequestError, match="dtype float32"):
+        stage.forward("x", torch.zeros(2, config.seq_len, config.d_model, dtype=torch.float64))
+    bad = torch.randn(2, config.seq_len, config.d_model)
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(BadRequestError, match="NaN"):
+        stage.forward("x", bad)
+    with pytest.raises(BadRequestError, match="targets"):
+        stage.forward("x", torch.randn(2, config.seq_len, config.d_model))
+
+
+def test_split_layers_is_balanced_and_rejects_bad_counts():
+    assert [len(s.layers) for s in split_layers(7, 3)] == [3, 2, 2]
+    with pytest.raises(StageSplitError):
+        split_layers(2, 3)
+    with pytest.raises(StageSplitError):
+        split_layers(2, 0)
