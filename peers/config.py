@@ -25,6 +25,9 @@ class PeerConfig(NetworkConfig):
     activation_cache_size: int = option(64, help="forward activations kept for backwards that come back here")
     announce_period_s: float = option(5.0, help="re-announce this peer on the DHT this often")
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
+    checkpoint_dir: str | None = option(None, help="save the stage here (atomically) periodically and on exit; "
+                                        "restore from it at start")
+    checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from dht.announce import announce
 from dht.node import start_dht
 from dht.records import PeerRecord, PeerState
 from models.config import get_model_config
+from peers.checkpoint import checkpoint_path
 from peers.config import PeerConfig
 from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
                             pack_named, read_stream, response_messages, unpack_named)
@@ -126,6 +128,24 @@ class PeerServer:
                                                   targets=tensors.get("targets"))
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 
+    # --- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_file(self) -> str:
+        return checkpoint_path(self.config.checkpoint_dir, self.config.model, self.runtime.stage, self.runtime.num_stages)
+
+    def save_checkpoint(self) -> None:
+        """Runs on the compute thread, so it never sees a half-applied optimizer step."""
+        try:
+            self.runtime.save(self.checkpoint_file(), self.config.model)
+        except OSError as e:  # a full disk must not kill the peer; the previous checkpoint stays intact
+            logger.error(f"Could not save the checkpoint {self.checkpoint_file()!r}: {e}")
+
+    async def _checkpoint_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.config.checkpoint_period_s)
+            except asyncio.TimeoutError:
+                await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
+
     # --- lifecycle -------------------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
         self._semaphore = asyncio.Semaphore(self.config.max_concurrent_requests)
@@ -136,6 +156,7 @@ class PeerServer:
                                        stream_input=True, stream_output=True)
         self.state = PeerState.ONLINE
         announcer = asyncio.create_task(self._announce_forever(stop))
+        checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
               f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
         try:
@@ -144,6 +165,9 @@ class PeerServer:
             self.state = PeerState.OFFLINE
             await announcer
             await announce(self.dht, self.record(), timeout_s=5.0)
+            if checkpointer is not None:
+                await checkpointer
+                await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
             print(f"peer {self.peer_id} offline after serving {self.requests_served} requests", flush=True)
             self.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -160,6 +184,11 @@ def run_peer(config: PeerConfig) -> None:
                                  target_batch_size=config.target_batch_size, kind=config.optimizer)
     runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
                            max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size)
+    if config.checkpoint_dir:
+        path = checkpoint_path(config.checkpoint_dir, config.model, config.stage, config.num_stages)
+        if os.path.exists(path):
+            runtime.restore(path, config.model)
+            print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
     runtime.measure_throughput()
     dht = start_dht(config)
     try:

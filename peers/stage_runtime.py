@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from models.config import GPTConfig
+from peers.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from models.stages import StageModule, build_stage
 
 
@@ -183,6 +184,24 @@ class StageRuntime:
         self.accumulated_ids.clear()
         self.cache.clear()
         self.steps_done += 1
+
+    # --- state -----------------------------------------------------------------------------------
+    def save(self, path: str, model_name: str) -> None:
+        meta = CheckpointMeta(model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done)
+        save_checkpoint(path, meta, self.module.state_dict(), self.optimizer.state_dict())
+
+    def restore(self, path: str, model_name: str) -> None:
+        """Load a checkpoint of this very stage; raises CheckpointError otherwise."""
+        meta, module_state, optimizer_state = load_checkpoint(path)
+        if (meta.model, meta.stage, meta.num_stages) != (model_name, self.stage, self.num_stages):
+            raise CheckpointError(f"checkpoint {path!r} holds {meta.model} stage {meta.stage}/{meta.num_stages}, "
+                                  f"not {model_name} stage {self.stage}/{self.num_stages}")
+        try:
+            self.module.load_state_dict(module_state)
+            self.optimizer.load_state_dict(optimizer_state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path!r} does not fit this stage: {e}") from None
+        self.steps_done = meta.steps_done
 
     def measure_throughput(self, batch_size: int = 4, repeats: int = 2) -> float:
         """A short start-up benchmark (forward + backward on random data, no update)."""

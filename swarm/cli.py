@@ -27,12 +27,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dht.node import BootstrapError
     from models.config import UnknownModelError
     from models.stages import StageSplitError
+    from peers.checkpoint import CheckpointError
     from swarm.data import CorpusError
     from swarm.failures import RoutingError
     from swarm.trainer import DiscoveryError
 
     return (ConfigError, BootstrapError, UnknownModelError, StageSplitError, CorpusError, DiscoveryError,
-            RoutingError, FileNotFoundError)
+            RoutingError, CheckpointError, FileNotFoundError)
 
 
 def cmd_dht(args: argparse.Namespace) -> int:

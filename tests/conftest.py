@@ -1,0 +1,43 @@
+"""Shared fixtures: real swarms on loopback, always torn down.
+
+Every process a test starts runs in its own process group (with its DHT process and p2pd), and
+`LocalSwarm.stop` kills the group; a session finalizer sweeps any group a crashed test left.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from swarm.local_swarm import LocalSwarm
+
+_ALL_SWARMS: list[LocalSwarm] = []
+
+
+@pytest.fixture
+def make_swarm(tmp_path):
+    """Factory: make_swarm(model="tiny", num_stages=2, peer_args=[...]) -> LocalSwarm (stopped after the test)."""
+    created: list[LocalSwarm] = []
+
+    def factory(**kwargs) -> LocalSwarm:
+        kwargs.setdefault("model", "tiny")
+        swarm = LocalSwarm(workdir=str(tmp_path / f"swarm{len(created)}"), **kwargs)
+        created.append(swarm)
+        _ALL_SWARMS.append(swarm)
+        return swarm
+
+    yield factory
+    for swarm in created:
+        swarm.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_every_swarm_at_exit():
+    yield
+    for swarm in _ALL_SWARMS:
+        swarm.stop()
+
+
+def pytest_configure(config):
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")

@@ -1,0 +1,92 @@
+"""Bad input gets one clear line, never a traceback; a peer refuses a bad tensor and keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dht.node import NetworkConfig, start_dht
+from models.config import get_model_config
+from swarm.client import FailureKind, PeerCallError, StageClient
+
+DEAD_BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in error_lines[0], error_lines[0]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["peer", "--model", "tiny", "--stage", "5", "--num-stages", "2"], ["stage 5 is out of range"]),
+    (["peer", "--model", "nonexistent", "--stage", "0"], ["unknown model 'nonexistent'", "tiny"]),
+    (["peer", "--model", "tiny"], ["--stage is required"]),
+    (["train", "--model", "tiny", "--data", "/no/such/file.txt"], ["no such file"]),
+    (["train", "--model", "tiny", "--batch-size", "10", "--microbatch-size", "4"], ["multiple of"]),
+    (["peer", "--model", "tiny", "--stage", "0", "--initial-peers", "not-a-multiaddr"], ["is not a multiaddr"]),
+])
+def test_bad_arguments_give_one_line_errors(args, fragments):
+    assert_one_line_error(run_cli(*args), *fragments)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["peer", "train"])
+def test_unreachable_bootstrap_gives_one_line_error(role):
+    extra = ["--stage", "0"] if role == "peer" else []
+    result = run_cli(role, "--model", "tiny", *extra, "--initial-peers", DEAD_BOOTSTRAP)
+    assert_one_line_error(result, "could not reach any of the initial peers")
+
+
+@pytest.mark.slow
+def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
+    config = get_model_config("tiny")
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(1)
+    swarm.wait_online([peer])
+    peer_id = peer.log().split("peer ", 1)[1].split(" ", 1)[0]
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+
+    async def scenario():
+        client = StageClient(await dht.replicate_p2p(), model="tiny", num_stages=2)
+        targets = torch.randint(0, config.vocab_size, (2, config.seq_len))
+
+        async def backward(inputs):
+            return await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m", batch_size=inputs.shape[0],
+                                     tensors=[("inputs", inputs), ("targets", targets)], timeout_s=60)
+
+        bad_inputs = [(torch.randn(2, config.seq_len, config.d_model + 3), "expects inputs of shape"),
+                      (torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64), "unsupported dtype"),
+                      (torch.full((2, config.seq_len, config.d_model), float("nan")), "NaN")]
+        for inputs, message in bad_inputs:
+            with pytest.raises(PeerCallError) as refused:
+                await backward(inputs)
+            assert refused.value.kind == FailureKind.REFUSED
+            assert message in str(refused.value)
+        with pytest.raises(PeerCallError) as wrong_stage:
+            await client.call(peer_id, rpc="forward", stage=0, microbatch_id="m", batch_size=2,
+                              tensors=[("inputs", targets)], timeout_s=60)
+        assert wrong_stage.value.kind == FailureKind.WRONG_STAGE
+        outputs, response = await backward(torch.randn(2, config.seq_len, config.d_model))  # still serving
+        assert outputs["grad_inputs"].shape == (2, config.seq_len, config.d_model)
+        assert response.loss > 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dht.shutdown()
+    assert peer.alive

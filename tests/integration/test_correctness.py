@@ -1,0 +1,70 @@
+"""A pipeline without compression computes what one process computes: same loss, same update."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from models.config import get_model_config
+from models.stages import build_full_model, stage_spec
+from peers.checkpoint import checkpoint_path, load_checkpoint
+from peers.stage_runtime import OptimizerSettings
+from swarm.data import MicrobatchSampler, load_corpus
+
+pytestmark = pytest.mark.slow
+
+BATCH, MICROBATCH = 8, 2
+
+
+def reference_update(config, kind: str, lr: float):
+    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH)
+    microbatches = sampler.batch(0)
+    inputs = torch.cat([mb.inputs for mb in microbatches])
+    targets = torch.cat([mb.targets for mb in microbatches])
+    model = build_full_model(config)
+    optimizer = OptimizerSettings(kind=kind, lr=lr).build(model.parameters())
+    loss = model(inputs, targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item(), dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages):
+    config = get_model_config("tiny")
+    kind, lr = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
+    ckpt = str(tmp_path / "ckpt")
+    swarm = make_swarm(num_stages=num_stages, peer_args=[
+        "--optimizer", kind, "--lr", str(lr), "--target-batch-size", str(BATCH), "--checkpoint-dir", ckpt])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in range(num_stages)]
+    swarm.wait_online(peers)
+    report_path = str(tmp_path / "report.json")
+    trainer = swarm.start_trainer("--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
+                                  "--num-stages", str(num_stages), "--report", report_path)
+    assert trainer.popen.wait(timeout=180) == 0, trainer.log()
+    for peer in peers:  # a clean exit writes each stage's checkpoint
+        peer.stop()
+    with open(report_path) as f:
+        report = json.load(f)
+
+    ref_loss, ref_params = reference_update(config, kind, lr)
+    assert report["losses"][0] == pytest.approx(ref_loss, abs=1e-5)
+    assert report["microbatches_lost"] == 0
+    initial = dict(build_full_model(config).named_parameters())
+    compared = 0
+    for stage in range(num_stages):
+        meta, state, _ = load_checkpoint(checkpoint_path(ckpt, "tiny", stage, num_stages))
+        assert meta.steps_done == 1
+        offset = stage_spec(config, stage, num_stages).first_layer
+        for name, value in state.items():
+            if name.startswith("blocks."):
+                index = int(name.split(".")[1]) + offset
+                name = f"blocks.{index}." + name.split(".", 2)[2]
+            torch.testing.assert_close(value, ref_params[name].detach(), atol=1e-5, rtol=0)
+            assert not torch.equal(value, initial[name].detach()), f"{name} did not change"
+            compared += 1
+    assert compared == len(ref_params)
