@@ -5,14 +5,16 @@ order, and its cost is DATAP plus the cost of that path. Moves swap two devices 
 all R*R swaps between two groups are scored at once with numpy, touching only the two groups'
 DATAP and the (at most four) pipeline edges next to them. When no swap helps, the exact open-path
 solver re-orders the groups, and the loop goes on until neither helps. Plateaus of the max-type
-objective are crossed with a secondary score (sum of every group's DATAP and a relaxation of
-every edge's matching), compared only when totals tie.
+objective are crossed with a secondary score (the mean of the groups' DATAP plus a relaxation of
+each path edge's matching: mean cheapest link per row and column), compared only when totals tie.
 
-Restarts come from label-independent constructions (tight clusters as groups; tight clusters
-as pipelines, the DT-FM paper's best layouts) and random partitions; then random swap kicks of
-the best state, until no better plan has come for ``patience_rounds`` rounds. Devices are first put in a canonical order computed from the costs alone, so
-renumbering the devices of a topology does not change the result. The search is deterministic
-for a seed unless the time limit, a safety net, stops it first.
+Restarts come from label-independent constructions (R pipelines grown stage by stage from
+well-spread heads; tight clusters as pipelines, the DT-FM paper's best layouts; tight clusters
+as stages, Megatron-like) and random partitions; then random swap kicks of the current state,
+until no better plan has come for ``patience_rounds`` rounds. Devices are first put in a
+canonical order computed from the costs alone, so renumbering the devices of a topology does
+not change the result. The search is deterministic for a seed unless the time limit, a safety
+net, stops it first.
 """
 
 from __future__ import annotations

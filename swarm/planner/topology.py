@@ -66,14 +66,18 @@ class Topology:
 
 
 def _positive_int(data: dict[str, Any], key: str) -> int:
-    value = data.get(key)
+    if key not in data:
+        raise TopologyError(f"missing field {key!r} (a positive integer)")
+    value = data[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TopologyError(f"field {key!r} must be a positive integer, got {value!r}")
     return value
 
 
 def _positive_float(data: dict[str, Any], key: str) -> float:
-    value = data.get(key)
+    if key not in data:
+        raise TopologyError(f"missing field {key!r} (a positive number of gigabytes)")
+    value = data[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TopologyError(f"field {key!r} must be a finite number, got {value!r}")
     if value <= 0:
