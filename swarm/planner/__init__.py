@@ -6,15 +6,18 @@ Pure numpy/scipy; the only I/O is in ``plan_cli``.
 """
 
 from swarm.planner.cost import PairCosts, PlanCost, evaluate_plan, pair_costs
+from swarm.planner.search import SearchResult, search_plan
 from swarm.planner.topology import Topology, TopologyError, load_topology, topology_from_dict
 
 __all__ = [
     "PairCosts",
     "PlanCost",
+    "SearchResult",
     "Topology",
     "TopologyError",
     "evaluate_plan",
     "load_topology",
     "pair_costs",
+    "search_plan",
     "topology_from_dict",
 ]

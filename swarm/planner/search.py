@@ -329,7 +329,16 @@ def search_plan(
 
     Returns:
         The best plan found, groups in original device numbering and pipeline order.
+
+    Raises:
+        ValueError: a non-positive time limit, round budget or patience.
     """
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
+    if max_rounds is not None and max_rounds < 1:
+        raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
+    if patience_rounds is not None and patience_rounds < 1:
+        raise ValueError(f"patience_rounds must be at least 1, got {patience_rounds}")
     started = time.perf_counter()
     costs = pair_costs(topology)
     canon = canonical_device_order(costs)  # (N,) canonical index -> original device

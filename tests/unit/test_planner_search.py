@@ -121,3 +121,11 @@ def test_first_rounds_reach_the_paper_on_data_centre_cases(case: str) -> None:
     assert result.cost.total_s <= PAPER_BEST_S[case] + 0.01
     if case == "case2":
         assert result.cost.total_s < 31.7
+
+
+def test_bad_budgets_are_rejected() -> None:
+    topology = topology_from_dict(small_topology_dict(2, 2, 0))
+    with pytest.raises(ValueError, match="time_limit_s"):
+        search_plan(topology, time_limit_s=0)
+    with pytest.raises(ValueError, match="max_rounds"):
+        search_plan(topology, max_rounds=0)
