@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.bootstrap import BootstrapConfig
     from swarm.config import TrainerConfig
     from swarm.demo import DemoConfig
+    from swarm.planner.plan_cli import add_plan_arguments, run_plan
     from swarm.status import StatusConfig
 
     parser = argparse.ArgumentParser(prog="swarm", description="Train one model across many volunteer machines: "
@@ -98,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_config_arguments(p, config_cls)
         p.set_defaults(handler=handler)
+    plan = sub.add_parser("plan", help="assign devices to stages from a latency/bandwidth topology (DT-FM cost model)",
+                          description="Search a balanced assignment of devices to pipeline stages that minimises the "
+                          "data-parallel + pipeline communication cost of a topology file.")
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=run_plan)
     return parser
 
 

@@ -1,0 +1,115 @@
+"""Tokens/s of a loopback swarm next to one plain PyTorch process training the same model on the
+same data, measured in one run.
+
+    .venv/bin/python benchmarks/loopback.py --steps 20 --out benchmarks/out/loopback.json
+
+Layouts: 2 stages x 1 peer and 2 stages x 2 peers (each peer one torch thread), against one
+process with as many threads as the machine has cores. Warm-up steps are excluded from timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.config import get_model_config  # noqa: E402
+from models.stages import build_full_model  # noqa: E402
+from peers.stage_runtime import OptimizerSettings  # noqa: E402
+from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from swarm.local_swarm import LocalSwarm  # noqa: E402
+
+
+def plain_pytorch(model_name: str, steps: int, warmup: int, batch_size: int, microbatch_size: int) -> dict:
+    """The baseline a user would write: one process, gradient accumulation over the same microbatches."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = get_model_config(model_name)
+    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=batch_size,
+                                microbatch_size=microbatch_size)
+    model = build_full_model(config)
+    optimizer = OptimizerSettings().build(model.parameters())
+    losses, started = [], None
+    for step in range(warmup + steps):
+        if step == warmup:
+            started = time.perf_counter()
+        total = 0.0
+        for mb in sampler.batch(step):
+            loss = model(mb.inputs, mb.targets) * (mb.size / batch_size)
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    elapsed = time.perf_counter() - started
+    return {"layout": "plain pytorch (1 process)", "tokens_per_s": steps * batch_size * config.seq_len / elapsed,
+            "final_loss": sum(losses[-5:]) / len(losses[-5:]), "threads": torch.get_num_threads()}
+
+
+def swarm_run(model_name: str, stages: int, replicas: int, steps: int, warmup: int, batch_size: int,
+              microbatch_size: int, max_in_flight: int) -> dict:
+    workdir = tempfile.mkdtemp(prefix="swarm-bench-")
+    report_path = os.path.join(workdir, "report.json")
+    with LocalSwarm(model=model_name, num_stages=stages, workdir=workdir,
+                    peer_args=["--target-batch-size", str(batch_size), "--num-threads", "1"]) as swarm:
+        swarm.start_bootstrap()
+        peers = [swarm.start_peer(s) for s in range(stages) for _ in range(replicas)]
+        swarm.wait_online(peers)
+        trainer = swarm.start_trainer("--steps", str(warmup + steps), "--batch-size", str(batch_size),
+                                      "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
+                                      "--num-stages", str(stages), "--report", report_path)
+        if trainer.popen.wait(timeout=3600) != 0:
+            raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
+    with open(report_path) as f:
+        report = json.load(f)
+    timed = report["tokens_per_s_by_step"][warmup:]
+    # tokens/s over the timed steps = total tokens / total time of those steps
+    seconds = sum(batch_size * get_model_config(model_name).seq_len / t for t in timed)
+    return {"layout": f"swarm {stages} stages x {replicas} peer(s)",
+            "tokens_per_s": len(timed) * batch_size * get_model_config(model_name).seq_len / seconds,
+            "final_loss": report["final_loss"], "microbatches_lost": report["microbatches_lost"],
+            "microbatches_retried": report["microbatches_retried"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per layout")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--max-in-flight", type=int, default=8)
+    parser.add_argument("--out", default="benchmarks/out/loopback.json")
+    args = parser.parse_args()
+
+    results = [plain_pytorch(args.model, args.steps, args.warmup, args.batch_size, args.microbatch_size)]
+    print(f"{results[-1]['layout']:<32} {results[-1]['tokens_per_s']:>9,.0f} tokens/s", flush=True)
+    for replicas in (1, 2):
+        results.append(swarm_run(args.model, 2, replicas, args.steps, args.warmup, args.batch_size,
+                                 args.microbatch_size, args.max_in_flight))
+        print(f"{results[-1]['layout']:<32} {results[-1]['tokens_per_s']:>9,.0f} tokens/s", flush=True)
+    baseline = results[0]["tokens_per_s"]
+    for r in results:
+        r["ratio_to_plain"] = r["tokens_per_s"] / baseline
+    print("\nlayout                            tokens/s   ratio   final loss")
+    for r in results:
+        print(f"{r['layout']:<32} {r['tokens_per_s']:>9,.0f}   {r['ratio_to_plain']:.2f}    {r['final_loss']:.3f}")
+    out = {"benchmark": "loopback", "model": args.model, "steps": args.steps, "warmup": args.warmup,
+           "batch_size": args.batch_size, "microbatch_size": args.microbatch_size, "cpus": os.cpu_count(),
+           "machine": platform.machine(), "results": results}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
