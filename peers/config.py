@@ -27,6 +27,8 @@ class PeerConfig(NetworkConfig):
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
     checkpoint_dir: str | None = option(None, help="save the stage here (atomically) periodically and on exit; "
                                         "restore from it at start")
+    fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
+    fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
 
     def __post_init__(self) -> None:
@@ -38,6 +40,8 @@ class PeerConfig(NetworkConfig):
         for name in ("lr", "announce_period_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
+            raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
         for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -25,6 +25,7 @@ from dht.records import PeerRecord, PeerState
 from models.config import get_model_config
 from peers.checkpoint import checkpoint_path
 from peers.config import PeerConfig
+from peers.faults import FaultSettings, FaultyStageRuntime
 from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
                             pack_named, read_stream, response_messages, unpack_named)
 from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
@@ -190,6 +191,10 @@ def run_peer(config: PeerConfig) -> None:
             runtime.restore(path, config.model)
             print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
     runtime.measure_throughput()
+    faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
+    if faults.enabled:
+        print(f"fault injection on: {faults}", flush=True)
+        runtime = FaultyStageRuntime(runtime, faults)
     dht = start_dht(config)
     try:
         asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht)))

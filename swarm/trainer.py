@@ -44,6 +44,7 @@ class TrainingReport:
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     calls_by_peer: dict[str, int] = field(default_factory=dict)
     tokens_per_s_by_step: list[float] = field(default_factory=list)
+    step_end_s: list[float] = field(default_factory=list)  # seconds since training started
     completed: bool = False
 
     def write(self, path: str) -> None:
@@ -113,6 +114,7 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
             report.steps, report.tokens = step + 1, (step + 1) * tokens_per_step
             report.losses.append(loss)
             report.tokens_per_s_by_step.append(tokens_per_step / step_s)
+            report.step_end_s.append(time.perf_counter() - started)
             if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                 elapsed = time.perf_counter() - started
                 say(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {report.tokens / elapsed:,.0f} tok/s  "
