@@ -49,6 +49,7 @@ class PeerServer:
         self.requests_served = 0
         self.requests_failed = 0
         self.state = PeerState.JOINING
+        self.online_since = time.monotonic()
         self._semaphore: asyncio.Semaphore | None = None
 
     # --- DHT record ------------------------------------------------------------------------------
@@ -92,6 +93,8 @@ class PeerServer:
             metas, out_parts = pack_named(outputs)
             response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queued - received)
             self.requests_served += 1
+            if self.requests_served == 1:
+                print(f"first request served {time.monotonic() - self.online_since:.2f} s after coming online", flush=True)
         except (ProtocolError, BadRequestError) as e:
             self.requests_failed += 1
             kind = ErrorKind.WRONG_STAGE if isinstance(e, _WrongStageError) else ErrorKind.BAD_REQUEST
@@ -156,6 +159,7 @@ class PeerServer:
         await p2p.add_protobuf_handler(RPC_BACKWARD, self.rpc_backward, runtime_pb2.ExpertRequest,
                                        stream_input=True, stream_output=True)
         self.state = PeerState.ONLINE
+        self.online_since = time.monotonic()
         announcer = asyncio.create_task(self._announce_forever(stop))
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "

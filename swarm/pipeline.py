@@ -107,7 +107,10 @@ class SwarmPipeline:
                     budget = RetryBudget(stage, max_retries=self.max_retries)
                 continue
             elapsed = time.perf_counter() - started
-            self.schedulers[stage].report_success(peer_id, rpc, batch_size, elapsed)
+            # Throughput is judged on service time (transfer + compute), not on the time spent queued
+            # behind our own other requests: otherwise the busiest replica would look the slowest.
+            service_s = max(elapsed - response.queue_s, response.compute_s)
+            self.schedulers[stage].report_success(peer_id, rpc, batch_size, service_s)
             self.timeouts.observe(stage, rpc, elapsed)
             self.bans.clear(peer_id)
             key = peer_id[-8:]
