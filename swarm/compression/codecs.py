@@ -20,6 +20,8 @@ Policies every codec follows:
   ``exponent``) that puts the largest finite magnitude in [2**14, 2**15): scaling by 2**e is
   exact, nothing finite overflows, and small values (gradients of ~1e-6) keep float16's full
   11-bit precision instead of falling into its subnormal range. inf and nan go through as they are.
+  The exponent is clamped to [-100, 100], so this holds while the largest magnitude is within
+  [2**-86, 2**115] (~1e-26 to ~4e34); beyond, tiny tensors flush toward zero, huge ones overflow.
 - "int8" cannot represent inf or nan (bitsandbytes turns a whole 4096-value block into inf); a
   tensor holding them is sent with "fp16" instead, so a diverging run shows its nans downstream.
 """

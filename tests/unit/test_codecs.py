@@ -416,3 +416,22 @@ def test_byte_counter_counts_per_codec_across_threads():
     forged = EncodedTensor(TensorHeader("made-up", (0,), "float32", 0, {}), ())
     with pytest.raises(UnknownCodecError):
         counter.record_received(forged)
+
+
+def test_compression_is_a_leaf_package():
+    """Peers import swarm.compression; it must not pull in the trainer or other project packages."""
+    import ast
+    import pathlib
+
+    import swarm.compression
+
+    package = pathlib.Path(swarm.compression.__file__).parent
+    project_roots = {"swarm", "peers", "dht", "models"}
+    for module in package.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] in project_roots:
+                    assert name.startswith("swarm.compression"), f"{module.name} imports {name}"
