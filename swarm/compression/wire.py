@@ -108,9 +108,8 @@ class PartReader:
             raise CodecError(f"part {index}: expected a 1-D part, got size {list(part.size)[:8]}")
         return part, part.size[0]
 
-    def _read(self, numel: int, dtype: str, compression: int) -> tuple[torch.Tensor, list[tuple[runtime_pb2.Tensor, int, int]]]:
-        """Collect the parts that hold the next ``numel`` values: (part, start, count) triples."""
-        out = torch.empty(numel, dtype=SUPPORTED_DTYPES[dtype])
+    def _pieces(self, numel: int, dtype: str, compression: int) -> list[tuple[runtime_pb2.Tensor, int, int]]:
+        """The parts that hold the next ``numel`` values, as (part, start, count) triples."""
         pieces, filled = [], 0
         while True:
             part, count = self._take(compression, dtype)
@@ -121,16 +120,18 @@ class PartReader:
             pieces.append((part, filled, count))
             filled += count
             if filled == numel:
-                return out, pieces
+                return pieces
 
     def read_raw(self, numel: int, dtype: str) -> torch.Tensor:
         """The next ``numel`` values of ``dtype`` from raw parts, as a new 1-D tensor."""
-        out, pieces = self._read(numel, dtype, runtime_pb2.NONE)
-        target = _numpy_view(out)
+        pieces = self._pieces(numel, dtype, runtime_pb2.NONE)
         item = _numpy_dtype(dtype)
-        for part, start, count in pieces:
+        for part, _, count in pieces:  # check every length before allocating anything
             if len(part.buffer) != count * item.itemsize:
                 raise CodecError(f"raw part holds {len(part.buffer)} bytes, {count} {dtype} values need {count * item.itemsize}")
+        out = torch.empty(numel, dtype=SUPPORTED_DTYPES[dtype])
+        target = _numpy_view(out)
+        for part, start, count in pieces:
             values = np.frombuffer(part.buffer, dtype=item)
             if dtype == "bool" and count and values.view(np.uint8).max() > 1:
                 raise CodecError("bool part holds bytes other than 0 and 1")
@@ -139,13 +140,15 @@ class PartReader:
 
     def read_int8(self, numel: int) -> torch.Tensor:
         """The next ``numel`` values from blockwise int8 parts, dequantized to a new float32 tensor."""
-        out, pieces = self._read(numel, "float32", runtime_pb2.BLOCKWISE_8BIT)
-        for part, start, count in pieces:
+        pieces = self._pieces(numel, "float32", runtime_pb2.BLOCKWISE_8BIT)
+        for part, _, count in pieces:  # check every layout before allocating or dequantizing
             if len(part.buffer) != int8_nbytes(count):
                 raise CodecError(f"int8 part holds {len(part.buffer)} bytes, {count} values need {int8_nbytes(count)}")
             num_absmax, code_size = np.frombuffer(part.buffer, dtype=np.int64, count=2).tolist()
             if num_absmax != math.ceil(count / INT8_BLOCK_SIZE) or code_size != INT8_CODE_SIZE:
                 raise CodecError(f"int8 part announces {num_absmax} scales and a {code_size}-entry code for {count} values")
+        out = torch.empty(numel, dtype=torch.float32)
+        for part, start, count in pieces:
             out[start : start + count] = deserialize_torch_tensor(part)
         return out
 

@@ -249,6 +249,14 @@ def test_truncated_or_inconsistent_parts_raise_codec_error(name, params):
             decode(bad)
 
 
+def test_a_huge_header_with_tiny_parts_is_rejected_before_allocating():
+    part = encode(torch.randn(1), "none").parts[0]
+    for codec, params in (("none", {}), ("fp16", {"exponent": 0})):
+        forged = EncodedTensor(TensorHeader(codec, (MAX_NUMEL,), "float32", 1, params), (part,))
+        with pytest.raises(CodecError):
+            decode(forged)
+
+
 def test_topk_rejects_unsorted_duplicate_or_out_of_range_indices():
     encoded = TopKCodec(0.5).encode(torch.arange(1.0, 9.0))  # k=4, indices [4, 5, 6, 7]
     values, indices = encoded.parts
