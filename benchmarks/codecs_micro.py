@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         label = row["codec"] + "".join(f" {key}={value}" for key, value in row["params"].items())
         print(
-            f"{label:<18}{row['encode_ms']:>8.1f} ({row['encode_best_ms']:>4.1f}){row['decode_ms']:>8.1f} ({row['decode_best_ms']:>4.1f})"
+            f"{label:<18}{row['encode_ms']:>8.1f} ({row['encode_best_ms']:>4.1f})"
+            f"{row['decode_ms']:>8.1f} ({row['decode_best_ms']:>4.1f})"
             f"{row['bytes_per_element']:>9.3f}"
             f"{row['ratio_vs_float32']:>8.1f}{row['parts']:>7}{row['relative_l2_error']:>10.2g}"
         )

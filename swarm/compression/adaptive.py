@@ -186,7 +186,10 @@ class LinkBandwidthMeter:
         """The current estimate, falling back to ``default`` for what was never measured."""
         with self._lock:
             stats = self._links.get(link, _LinkStats())
-            bandwidth = self.default.bandwidth_bytes_per_s if stats.seconds_per_byte is None else 1.0 / stats.seconds_per_byte
+            if stats.seconds_per_byte is None:
+                bandwidth = self.default.bandwidth_bytes_per_s
+            else:
+                bandwidth = 1.0 / stats.seconds_per_byte
             latency = self.default.latency_s if stats.latency_s is None else stats.latency_s
         return LinkEstimate(bandwidth, latency)
 

@@ -128,7 +128,9 @@ class PartReader:
         item = _numpy_dtype(dtype)
         for part, _, count in pieces:  # check every length before allocating anything
             if len(part.buffer) != count * item.itemsize:
-                raise CodecError(f"raw part holds {len(part.buffer)} bytes, {count} {dtype} values need {count * item.itemsize}")
+                raise CodecError(
+                    f"raw part holds {len(part.buffer)} bytes, {count} {dtype} values need {count * item.itemsize}"
+                )
         out = torch.empty(numel, dtype=SUPPORTED_DTYPES[dtype])
         target = _numpy_view(out)
         for part, start, count in pieces:
@@ -146,7 +148,9 @@ class PartReader:
                 raise CodecError(f"int8 part holds {len(part.buffer)} bytes, {count} values need {int8_nbytes(count)}")
             num_absmax, code_size = np.frombuffer(part.buffer, dtype=np.int64, count=2).tolist()
             if num_absmax != math.ceil(count / INT8_BLOCK_SIZE) or code_size != INT8_CODE_SIZE:
-                raise CodecError(f"int8 part announces {num_absmax} scales and a {code_size}-entry code for {count} values")
+                raise CodecError(
+                    f"int8 part announces {num_absmax} scales and a {code_size}-entry code for {count} values"
+                )
         out = torch.empty(numel, dtype=torch.float32)
         for part, start, count in pieces:
             out[start : start + count] = deserialize_torch_tensor(part)

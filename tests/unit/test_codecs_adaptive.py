@@ -116,7 +116,12 @@ def test_choice_is_monotone_in_bandwidth(bandwidths, latency, numel, target, is_
 
 
 @settings(max_examples=100, deadline=None)
-@given(bandwidth=st.floats(1e3, 1e10), latency=st.floats(0.0, 0.5), numel=st.integers(1, 2**26), target=st.floats(0.01, 10.0))
+@given(
+    bandwidth=st.floats(1e3, 1e10),
+    latency=st.floats(0.0, 0.5),
+    numel=st.integers(1, 2**26),
+    target=st.floats(0.01, 10.0),
+)
 def test_a_choice_that_is_not_the_floor_fits_the_target(bandwidth, latency, numel, target):
     choice = choose_codec(link(bandwidth, latency), numel * 4, target, is_gradient=True)
     at_floor = choice.codec == "topk" and choice.params["fraction"] == MIN_TOPK_FRACTION_GRADIENT
