@@ -1,0 +1,202 @@
+"""choose_codec (our AdaTopK rule) and LinkBandwidthMeter: pure, deterministic, no network."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.compression import LinkBandwidthMeter, LinkEstimate, choose_codec, encode
+from swarm.compression.adaptive import (
+    MIN_TOPK_FRACTION_ACTIVATION,
+    MIN_TOPK_FRACTION_GRADIENT,
+    estimated_nbytes,
+)
+
+MB = 1_000_000
+ACTIVATION_BYTES = 16 * 128 * 256 * 4  # a (B=16, T=128, d=256) float32 activation: 2 MiB
+ORDER = {"none": 0, "fp16": 1, "int8": 2, "topk": 3}
+
+
+def link(bandwidth_bytes_per_s: float, latency_s: float = 0.02) -> LinkEstimate:
+    return LinkEstimate(bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s)
+
+
+def test_fast_link_sends_uncompressed():
+    choice = choose_codec(link(1000 * MB), ACTIVATION_BYTES, target_transfer_s=0.1, is_gradient=False)
+    assert choice.codec == "none" and choice.params == {}
+    assert choice.estimated_nbytes == ACTIVATION_BYTES
+
+
+def test_the_ladder_goes_fp16_then_int8_then_topk_as_bandwidth_falls():
+    target = 0.1
+    codecs = [
+        choose_codec(link(bandwidth * MB, 0.0), ACTIVATION_BYTES, target, is_gradient=True).codec
+        for bandwidth in (25, 15, 6, 1)
+    ]
+    assert codecs == ["none", "fp16", "int8", "topk"]
+
+
+def test_slow_link_gets_topk_with_a_small_fraction_that_fits_the_target():
+    # 10 Mbit/s, 50 ms: 2 MiB uncompressed would take 1.7 s.
+    slow = link(1.25 * MB, 0.05)
+    choice = choose_codec(slow, ACTIVATION_BYTES, target_transfer_s=0.2, is_gradient=True)
+    assert choice.codec == "topk"
+    assert MIN_TOPK_FRACTION_GRADIENT < choice.params["fraction"] < 0.1  # 31,250 of 524,288 values
+    assert choice.estimated_transfer_s <= 0.2
+    assert choice.estimated_nbytes <= (0.2 - 0.05) * 1.25 * MB
+
+
+def test_activations_keep_a_higher_topk_floor_than_gradients():
+    very_slow = link(0.01 * MB, 0.05)
+    gradient = choose_codec(very_slow, ACTIVATION_BYTES, 0.2, is_gradient=True)
+    activation = choose_codec(very_slow, ACTIVATION_BYTES, 0.2, is_gradient=False)
+    assert gradient.params["fraction"] == MIN_TOPK_FRACTION_GRADIENT
+    assert activation.params["fraction"] == MIN_TOPK_FRACTION_ACTIVATION
+    assert activation.estimated_transfer_s > 0.2  # the floor wins over the target, and says so
+    custom = choose_codec(very_slow, ACTIVATION_BYTES, 0.2, is_gradient=False, min_fraction=0.2)
+    assert custom.params["fraction"] == 0.2
+
+
+def test_latency_beyond_the_target_gives_the_floor():
+    choice = choose_codec(link(100 * MB, latency_s=1.0), ACTIVATION_BYTES, 0.5, is_gradient=True)
+    assert choice.codec == "topk" and choice.params["fraction"] == MIN_TOPK_FRACTION_GRADIENT
+
+
+def test_sixteen_bit_tensors_skip_fp16_which_would_save_nothing():
+    choice = choose_codec(link(15 * MB, 0.0), ACTIVATION_BYTES // 2, 0.05, is_gradient=False, bytes_per_element=2)
+    assert choice.codec == "int8"
+
+
+def test_empty_tensor_is_sent_as_none():
+    assert choose_codec(link(1.0), 0, 0.1, is_gradient=True).codec == "none"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tensor_nbytes": -4},
+        {"tensor_nbytes": 6},  # not a whole number of float32 values
+        {"target_transfer_s": 0.0},
+        {"target_transfer_s": float("inf")},
+        {"bytes_per_element": 3},
+        {"min_fraction": 0.0},
+        {"min_fraction": 1.5},
+    ],
+)
+def test_invalid_arguments_raise_value_error(kwargs):
+    arguments = {"tensor_nbytes": 4096, "target_transfer_s": 0.1, "is_gradient": False, **kwargs}
+    with pytest.raises(ValueError):
+        choose_codec(link(MB), **arguments)
+
+
+@pytest.mark.parametrize(("bandwidth", "latency"), [(0.0, 0.0), (-1.0, 0.0), (float("nan"), 0.0), (1.0, -0.1)])
+def test_link_estimate_validates(bandwidth, latency):
+    with pytest.raises(ValueError):
+        LinkEstimate(bandwidth, latency)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    bandwidths=st.lists(st.floats(1e3, 1e10), min_size=2, max_size=6),
+    latency=st.floats(0.0, 0.5),
+    numel=st.integers(1, 2**26),
+    target=st.floats(0.01, 10.0),
+    is_gradient=st.booleans(),
+)
+def test_choice_is_monotone_in_bandwidth(bandwidths, latency, numel, target, is_gradient):
+    """More bandwidth never means fewer bytes or a more aggressive codec."""
+    choices = [choose_codec(link(b, latency), numel * 4, target, is_gradient) for b in sorted(bandwidths)]
+    for slower, faster in zip(choices, choices[1:]):
+        assert faster.estimated_nbytes >= slower.estimated_nbytes
+        assert ORDER[faster.codec] <= ORDER[slower.codec]
+        if slower.codec == faster.codec == "topk":
+            assert faster.params["fraction"] >= slower.params["fraction"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    bandwidth=st.floats(1e3, 1e10),
+    latency=st.floats(0.0, 0.5),
+    numel=st.integers(1, 2**26),
+    target=st.floats(0.01, 10.0),
+)
+def test_a_choice_that_is_not_the_floor_fits_the_target(bandwidth, latency, numel, target):
+    choice = choose_codec(link(bandwidth, latency), numel * 4, target, is_gradient=True)
+    at_floor = choice.codec == "topk" and choice.params["fraction"] == MIN_TOPK_FRACTION_GRADIENT
+    if not at_floor:
+        assert choice.estimated_transfer_s <= target * (1 + 1e-9) + 6 / bandwidth  # one value of rounding
+
+
+@pytest.mark.parametrize(("name", "params"), [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.013})])
+@pytest.mark.parametrize("numel", [1, 4096, 1_500_000])
+def test_size_estimates_match_what_the_codecs_send(name, params, numel):
+    encoded = encode(torch.randn(numel), name, **params)
+    assert estimated_nbytes(name, numel, 4, params.get("fraction", 1.0)) == encoded.nbytes
+
+
+# ---------------------------------------------------------------- LinkBandwidthMeter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_meter_defaults_until_measured_then_averages():
+    clock = FakeClock()
+    default = LinkEstimate(1 * MB, 0.05)
+    meter = LinkBandwidthMeter(default=default, smoothing=0.5, clock=clock)
+    assert meter.estimate("a->b") == default and meter.age_s("a->b") is None
+    meter.record_transfer("a->b", 10 * MB, 1.0)  # 10 MB/s
+    assert meter.estimate("a->b").bandwidth_bytes_per_s == pytest.approx(10 * MB)
+    assert meter.estimate("a->b").latency_s == 0.05  # latency still the default
+    meter.record_transfer("a->b", 10 * MB, 4.0)  # 2.5 MB/s; EMA of seconds per byte: (0.1 + 0.4) / 2
+    assert meter.estimate("a->b").bandwidth_bytes_per_s == pytest.approx(MB / 0.25)
+    clock.now += 7.0
+    assert meter.age_s("a->b") == pytest.approx(7.0)
+    assert meter.links() == ["a->b"]
+    meter.forget("a->b")
+    assert meter.estimate("a->b") == default
+
+
+def test_meter_subtracts_the_measured_latency_but_credits_at_least_half_the_time():
+    meter = LinkBandwidthMeter(default=LinkEstimate(MB, 0.0), smoothing=1.0, clock=FakeClock())
+    meter.record_latency("l", 0.1)
+    meter.record_transfer("l", MB, 0.6)  # 0.1 s latency + 0.5 s at 2 MB/s
+    assert meter.estimate("l") == LinkEstimate(2 * MB, 0.1)
+    meter.record_transfer("l", MB, 0.12)  # latency-dominated sample: counted as 0.06 s, not 0.02 s
+    assert meter.estimate("l").bandwidth_bytes_per_s == pytest.approx(MB / 0.06)
+
+
+def test_meter_measure_times_with_its_clock_and_skips_failed_transfers():
+    clock = FakeClock()
+    meter = LinkBandwidthMeter(default=LinkEstimate(MB, 0.0), smoothing=1.0, clock=clock)
+    with meter.measure("l", 4 * MB):
+        clock.now += 2.0
+    assert meter.estimate("l").bandwidth_bytes_per_s == pytest.approx(2 * MB)
+    with pytest.raises(RuntimeError):
+        with meter.measure("l", 4 * MB):
+            clock.now += 100.0
+            raise RuntimeError("transfer failed")
+    assert meter.estimate("l").bandwidth_bytes_per_s == pytest.approx(2 * MB)
+    meter.record_transfer("l", 0, 1.0)  # empty transfers say nothing
+    assert meter.estimate("l").bandwidth_bytes_per_s == pytest.approx(2 * MB)
+    for bad in ((-1, 1.0), (10, float("nan")), (10, -1.0)):
+        with pytest.raises(ValueError):
+            meter.record_transfer("l", *bad)
+    with pytest.raises(ValueError):
+        LinkBandwidthMeter(default=LinkEstimate(MB, 0.0), smoothing=0.0)
+
+
+def test_meter_feeds_choose_codec():
+    clock = FakeClock()
+    meter = LinkBandwidthMeter(default=LinkEstimate(1000 * MB, 0.001), clock=clock)
+    assert choose_codec(meter.estimate("slow"), ACTIVATION_BYTES, 0.2, is_gradient=False).codec == "none"
+    for _ in range(20):
+        meter.record_transfer("slow", ACTIVATION_BYTES, ACTIVATION_BYTES / (1.25 * MB))  # 10 Mbit/s
+    assert choose_codec(meter.estimate("slow"), ACTIVATION_BYTES, 0.2, is_gradient=False).codec == "topk"
