@@ -2,9 +2,9 @@
 tensors are packed into a stream of hivemind protobuf messages.
 
 A call is a stream of `ExpertRequest` messages: the first carries the msgpack-encoded
-`RequestHeader` in `metadata`; tensor parts (each at most `PART_BYTES`) follow, in the order the
-header lists the tensors. The answer is a stream of `ExpertResponse` messages built the same way
-around a `ResponseHeader`. A peer answers a request it refuses with `ResponseHeader.error` set,
+`RequestHeader` in `metadata`; tensor parts (each at most 1 MiB, encoded by the codec the header
+names, see `swarm.compression`) follow, in the order the header lists the tensors. The answer is
+a stream of `ExpertResponse` messages built the same way around a `ResponseHeader`. A peer answers a request it refuses with `ResponseHeader.error` set,
 never by dropping the stream, so the trainer can tell a bad request from a dead peer.
 """
 
@@ -15,20 +15,15 @@ from typing import AsyncIterator, Iterable, Iterator, Literal
 
 import msgpack
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from swarm import compression
 
 RPC_FORWARD = "swarm.forward"
 RPC_BACKWARD = "swarm.backward"
-PART_BYTES = 1 << 20  # unary p2p messages are capped near 2 MiB: stream tensors in 1 MiB parts
 MAX_HEADER_BYTES = 64 << 10
 MAX_TENSORS = 4
-MAX_TENSOR_ELEMENTS = 1 << 28
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                  "bfloat16": torch.bfloat16, "int64": torch.int64}
 
 
 class ProtocolError(ValueError):
@@ -48,7 +43,8 @@ class TensorMeta(BaseModel):
     codec: str = Field(max_length=32)
     shape: tuple[int, ...] = Field(max_length=8)
     dtype: str = Field(max_length=16)
-    num_parts: int = Field(ge=1, le=1 << 16)
+    num_parts: int = Field(ge=0, le=1 << 16)
+    params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
 
     def numel(self) -> int:
         n = 1
@@ -67,7 +63,8 @@ class RequestHeader(BaseModel):
     microbatch_id: str = Field(min_length=1, max_length=128)
     batch_size: int = Field(ge=1)
     tensors: tuple[TensorMeta, ...] = Field(max_length=MAX_TENSORS)
-    response_codec: str = Field(default="none", max_length=32)
+    response_codec: str = Field(default="none", max_length=32)  # how the peer should encode what it returns
+    response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
 
 
 class ResponseHeader(BaseModel):
@@ -102,48 +99,32 @@ def decode_header(cls: type[BaseModel], data: bytes) -> BaseModel:
 
 # --- tensors <-> parts ---------------------------------------------------------------------------
 
-def pack_tensor(name: str, tensor: torch.Tensor, codec: str = "none") -> tuple[TensorMeta, list[runtime_pb2.Tensor]]:
-    """Serialize one tensor into protobuf parts of at most PART_BYTES each."""
-    if codec != "none":
-        raise ProtocolError(f"unknown codec {codec!r}")
-    tensor = tensor.detach()
-    serialized = serialize_torch_tensor(tensor.contiguous(), runtime_pb2.CompressionType.NONE)
-    parts = list(split_for_streaming(serialized, PART_BYTES))
-    meta = TensorMeta(name=name, codec=codec, shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-                      num_parts=len(parts))
-    return meta, parts
-
-
-def unpack_tensor(meta: TensorMeta, parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
-    """Rebuild a tensor and check it matches what its meta promised."""
-    if meta.codec != "none":
-        raise ProtocolError(f"unknown codec {meta.codec!r} (this peer knows: none)")
-    if meta.dtype not in DTYPES:
-        raise ProtocolError(f"tensor {meta.name!r}: unsupported dtype {meta.dtype!r}")
-    if meta.numel() > MAX_TENSOR_ELEMENTS:
-        raise ProtocolError(f"tensor {meta.name!r} of shape {meta.shape} is larger than allowed")
-    if len(parts) != meta.num_parts:
-        raise ProtocolError(f"tensor {meta.name!r}: expected {meta.num_parts} parts, got {len(parts)}")
+def encode_tensor(tensor: torch.Tensor, codec: str = "none", params: dict | None = None, *,
+                  feedback: compression.ErrorFeedback | None = None, feedback_key=None) -> compression.EncodedTensor:
+    """Encode one tensor (parts of at most 1 MiB). Integer tensors (token ids) always travel
+    losslessly. With `feedback`, what the codec drops is kept and added to the next tensor under
+    the same key (error feedback, for top-k gradients)."""
     try:
-        tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-    except Exception as e:  # a malformed buffer can fail in numpy/torch in many ways
-        raise ProtocolError(f"tensor {meta.name!r} could not be decoded: {e}") from None
-    if tuple(tensor.shape) != meta.shape or tensor.dtype != DTYPES[meta.dtype]:
-        raise ProtocolError(f"tensor {meta.name!r}: header says {meta.shape} {meta.dtype}, "
-                            f"payload is {tuple(tensor.shape)} {tensor.dtype}")
-    return tensor
+        codec_impl = compression.get_codec(codec, **(params or {}))
+        if feedback is not None and tensor.is_floating_point():
+            return feedback.compress(feedback_key, tensor.detach(), codec_impl)
+        return codec_impl.encode(tensor.detach())
+    except compression.CodecError as e:
+        raise ProtocolError(str(e)) from None
 
 
-def pack_named(tensors: Iterable[tuple[str, torch.Tensor]], codec: str = "none") -> tuple[tuple[TensorMeta, ...], list[runtime_pb2.Tensor]]:
+def to_wire(named: Iterable[tuple[str, compression.EncodedTensor]]) -> tuple[tuple[TensorMeta, ...], list[runtime_pb2.Tensor]]:
     metas, parts = [], []
-    for name, tensor in tensors:
-        meta, tensor_parts = pack_tensor(name, tensor, codec)
-        metas.append(meta)
-        parts.extend(tensor_parts)
+    for name, encoded in named:
+        h = encoded.header
+        metas.append(TensorMeta(name=name, codec=h.codec, shape=h.shape, dtype=h.dtype, num_parts=h.num_parts,
+                                params=h.params))
+        parts.extend(encoded.parts)
     return tuple(metas), parts
 
 
-def unpack_named(metas: tuple[TensorMeta, ...], parts: list[runtime_pb2.Tensor]) -> dict[str, torch.Tensor]:
+def from_wire(metas: tuple[TensorMeta, ...], parts: list[runtime_pb2.Tensor]) -> dict[str, compression.EncodedTensor]:
+    """Regroup parts by tensor and validate each header; nothing is decoded yet."""
     expected = sum(m.num_parts for m in metas)
     if len(parts) != expected:
         raise ProtocolError(f"expected {expected} tensor parts in total, got {len(parts)}")
@@ -151,9 +132,35 @@ def unpack_named(metas: tuple[TensorMeta, ...], parts: list[runtime_pb2.Tensor])
     for meta in metas:
         if meta.name in result:
             raise ProtocolError(f"tensor {meta.name!r} is sent twice")
-        result[meta.name] = unpack_tensor(meta, parts[offset: offset + meta.num_parts])
+        try:
+            header = compression.TensorHeader(codec=meta.codec, shape=meta.shape, dtype=meta.dtype,
+                                              num_parts=meta.num_parts, params=dict(meta.params))
+            if meta.codec not in compression.known_codecs():
+                raise compression.UnknownCodecError(meta.codec, compression.known_codecs())
+            result[meta.name] = compression.EncodedTensor(header, tuple(parts[offset: offset + meta.num_parts]))
+        except compression.CodecError as e:
+            raise ProtocolError(f"tensor {meta.name!r}: {e}") from None
         offset += meta.num_parts
     return result
+
+
+def decode_tensors(encoded: dict[str, compression.EncodedTensor]) -> dict[str, torch.Tensor]:
+    decoded = {}
+    for name, item in encoded.items():
+        try:
+            decoded[name] = compression.decode(item)
+        except compression.CodecError as e:
+            raise ProtocolError(f"tensor {name!r}: {e}") from None
+    return decoded
+
+
+def pack_named(tensors: Iterable[tuple[str, torch.Tensor]], codec: str = "none",
+               params: dict | None = None) -> tuple[tuple[TensorMeta, ...], list[runtime_pb2.Tensor]]:
+    return to_wire((name, encode_tensor(tensor, codec, params)) for name, tensor in tensors)
+
+
+def unpack_named(metas: tuple[TensorMeta, ...], parts: list[runtime_pb2.Tensor]) -> dict[str, torch.Tensor]:
+    return decode_tensors(from_wire(metas, parts))
 
 
 # --- messages ------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from peers.checkpoint import checkpoint_path
 from peers.config import PeerConfig
 from peers.faults import FaultSettings, FaultyStageRuntime
 from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
-                            pack_named, read_stream, response_messages, unpack_named)
+                            decode_tensors, encode_tensor, from_wire, read_stream, response_messages, to_wire)
+from swarm import compression
 from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class PeerServer:
         self.state = PeerState.JOINING
         self.online_since = time.monotonic()
         self._semaphore: asyncio.Semaphore | None = None
+        self.bytes = compression.ByteCounter()
+        self.feedback = compression.ErrorFeedback()
 
     # --- DHT record ------------------------------------------------------------------------------
     def record(self) -> PeerRecord:
@@ -84,13 +87,22 @@ class PeerServer:
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
             self._check_route(header)
-            tensors = unpack_named(header.tensors, parts)
+            if header.response_codec not in compression.known_codecs():
+                raise ProtocolError(f"unknown response codec {header.response_codec!r}; this peer knows "
+                                    f"{', '.join(compression.known_codecs())}")
+            encoded = from_wire(header.tensors, parts)
+            for item in encoded.values():
+                self.bytes.record_received(item)
+            tensors = decode_tensors(encoded)
             async with self._semaphore:
                 queued = time.perf_counter()
                 outputs, loss = await asyncio.get_running_loop().run_in_executor(
                     self.executor, self._compute, header, tensors)
             compute_s = time.perf_counter() - queued
-            metas, out_parts = pack_named(outputs)
+            encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
+            for _, item in encoded_outputs:
+                self.bytes.record_sent(item)
+            metas, out_parts = to_wire(encoded_outputs)
             response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queued - received)
             self.requests_served += 1
             if self.requests_served == 1:
@@ -108,6 +120,12 @@ class PeerServer:
             self.in_flight -= 1
         for message in response_messages(response, out_parts):
             yield message
+
+    def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:
+        """Encode with the codec the caller asked for; top-k gradients keep an error-feedback residual."""
+        feedback = self.feedback if name == "grad_inputs" and header.response_codec == "topk" else None
+        return encode_tensor(tensor, header.response_codec, header.response_codec_params, feedback=feedback,
+                             feedback_key=name)
 
     def _check_route(self, header: RequestHeader) -> None:
         if header.model != self.config.model or header.num_stages != self.runtime.num_stages:
@@ -200,6 +218,7 @@ def run_peer(config: PeerConfig) -> None:
         print(f"fault injection on: {faults}", flush=True)
         runtime = FaultyStageRuntime(runtime, faults)
     dht = start_dht(config)
+    compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
     try:
         asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht)))
     finally:

@@ -10,7 +10,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
-                            pack_named, read_stream, request_messages, unpack_named)
+                            decode_tensors, from_wire, read_stream, request_messages, to_wire)
+from swarm.compression import ByteCounter, CodecChoice, EncodedTensor
 
 
 class FailureKind(str, Enum):
@@ -31,14 +32,16 @@ class PeerCallError(RuntimeError):
 class StageClient:
     def __init__(self, p2p: P2P, *, model: str, num_stages: int):
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes = ByteCounter()
 
     async def call(self, peer_id: str, *, rpc: str, stage: int, microbatch_id: str, batch_size: int,
-                   tensors: list[tuple[str, torch.Tensor]], timeout_s: float) -> tuple[dict[str, torch.Tensor], ResponseHeader]:
-        metas, parts = pack_named(tensors)
+                   tensors: list[tuple[str, EncodedTensor]], timeout_s: float,
+                   response_codec: CodecChoice = CodecChoice("none")) -> tuple[dict[str, torch.Tensor], ResponseHeader, int]:
+        """Returns the decoded outputs, the peer's response header, and the payload bytes moved both ways."""
+        metas, parts = to_wire(tensors)
         header = RequestHeader(rpc=rpc, model=self.model, stage=stage, num_stages=self.num_stages,
-                               microbatch_id=microbatch_id, batch_size=batch_size, tensors=metas)
-        self.bytes_sent += sum(len(p.buffer) for p in parts)
+                               microbatch_id=microbatch_id, batch_size=batch_size, tensors=metas,
+                               response_codec=response_codec.codec, response_codec_params=response_codec.params)
         name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
         try:
             response, out_parts = await asyncio.wait_for(self._exchange(peer_id, name, header, parts), timeout=timeout_s)
@@ -52,12 +55,17 @@ class StageClient:
             kind = {ErrorKind.BAD_REQUEST: FailureKind.REFUSED, ErrorKind.WRONG_STAGE: FailureKind.WRONG_STAGE}.get(
                 response.error_kind, FailureKind.INTERNAL)
             raise PeerCallError(peer_id, kind, response.error)
-        self.bytes_received += sum(len(p.buffer) for p in out_parts)
         try:
-            outputs = unpack_named(response.tensors, out_parts)
+            encoded = from_wire(response.tensors, out_parts)
+            outputs = decode_tensors(encoded)
         except ProtocolError as e:
             raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
-        return outputs, response
+        for _, item in tensors:
+            self.bytes.record_sent(item)
+        for item in encoded.values():
+            self.bytes.record_received(item)
+        moved = sum(item.nbytes for _, item in tensors) + sum(item.nbytes for item in encoded.values())
+        return outputs, response, moved
 
     async def _exchange(self, peer_id: str, name: str, header: RequestHeader, parts: list[runtime_pb2.Tensor]):
         stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer_id), name,

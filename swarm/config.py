@@ -8,6 +8,7 @@ import os
 from dht.configuration import ConfigError, option
 from dht.node import NetworkConfig
 from models.config import get_model_config
+from swarm.codec_policy import CODEC_MODES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -25,6 +26,9 @@ class TrainerConfig(NetworkConfig):
     max_retries: int = option(8, help="retries of one call on other replicas before waiting for the stage")
     stage_wait_timeout_s: float = option(300.0, help="give up if a stage has no live replica for this long")
     discovery_timeout_s: float = option(120.0, help="give up if no peer of the model appears within this time")
+    codec: str = option("none", help="compression of activations and gradients on the wire: none, fp16, int8, "
+                        "topk, or adaptive (per link, from its measured bandwidth)", choices=CODEC_MODES)
+    topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")
     log_every: int = option(1, help="print progress every N steps")
 
     def __post_init__(self) -> None:
@@ -36,5 +40,7 @@ class TrainerConfig(NetworkConfig):
             raise ConfigError("steps, batch_size, microbatch_size and max_in_flight must be at least 1")
         if self.batch_size % self.microbatch_size:
             raise ConfigError(f"batch_size {self.batch_size} must be a multiple of microbatch_size {self.microbatch_size}")
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ConfigError("topk_fraction must lie in (0, 1]")
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")

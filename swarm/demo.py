@@ -10,6 +10,7 @@ import subprocess
 
 from dht.configuration import ConfigError, option
 from models.config import get_model_config
+from swarm.codec_policy import CODEC_MODES
 from swarm.local_swarm import LocalSwarm
 
 
@@ -22,6 +23,7 @@ class DemoConfig:
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
     data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
     report: str | None = option(None, help="write the trainer's JSON report here")
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
 
@@ -46,7 +48,7 @@ def run_demo(config: DemoConfig) -> int:
         report_path = config.report or os.path.join(swarm.workdir, "report.json")
         args = ["--steps", str(config.steps), "--batch-size", str(config.batch_size),
                 "--microbatch-size", str(config.microbatch_size), "--report", report_path,
-                "--num-stages", str(config.stages)]
+                "--num-stages", str(config.stages), "--codec", config.codec]
         if config.data:
             args += ["--data", config.data]
         trainer = swarm.start_trainer(*args)

@@ -17,7 +17,10 @@ import torch
 
 from dht.announce import fetch_stage_records_async
 from dht.records import PeerRecord, PeerState
+from peers.protocol import encode_tensor
 from swarm.client import FailureKind, PeerCallError, StageClient
+from swarm.codec_policy import CodecPolicy
+from swarm.compression import EncodedTensor, ErrorFeedback
 from swarm.data import Microbatch
 from swarm.failures import BanList, RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
 from swarm.routing import ReplicaInfo, ReplicaScheduler
@@ -38,11 +41,13 @@ class PipelineCounters:
 class SwarmPipeline:
     def __init__(self, dht: hivemind.DHT, client: StageClient, *, model: str, num_stages: int, d_model: int,
                  seq_len: int, max_retries: int, stage_wait_timeout_s: float, max_in_flight: int,
-                 run_id: str, on_wait=print):
+                 run_id: str, codecs: CodecPolicy | None = None, on_wait=print):
         self.dht, self.client, self.model, self.num_stages = dht, client, model, num_stages
         self.d_model, self.seq_len = d_model, seq_len
         self.max_retries, self.stage_wait_timeout_s = max_retries, stage_wait_timeout_s
         self.run_id = run_id
+        self.codecs = codecs or CodecPolicy("none")
+        self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
         self.schedulers = [ReplicaScheduler() for _ in range(num_stages)]
         self.timeouts = TimeoutPolicy()
         self.bans = BanList()
@@ -74,11 +79,26 @@ class SwarmPipeline:
         return [len(records) for records in self.records]
 
     # --- one call, with failover -----------------------------------------------------------------
+    def _encode(self, peer_id: str, stage: int, batch_size: int, tensors: list[tuple[str, torch.Tensor]],
+                cache: dict) -> list[tuple[str, EncodedTensor]]:
+        """Encode what goes to `peer_id` with the codec its link calls for (once per codec choice)."""
+        encoded = []
+        for name, tensor in tensors:
+            choice = self.codecs.choose(peer_id, stage, tensor.numel(), batch_size, is_gradient=name == "grad_outputs")
+            key = (name, choice.codec, tuple(sorted(choice.params.items())))
+            if key not in cache:
+                feedback = self.feedback if name == "grad_outputs" and choice.codec == "topk" else None
+                cache[key] = encode_tensor(tensor, choice.codec, choice.params, feedback=feedback, feedback_key=stage)
+            encoded.append((name, cache[key]))
+        return encoded
+
     async def call_stage(self, stage: int, rpc: str, microbatch_id: str, batch_size: int,
                          tensors: list[tuple[str, torch.Tensor]], failures: list[str] | None = None):
         """Call one replica of `stage`, failing over until one answers. Failed attempts are
         appended to `failures`."""
         failures = [] if failures is None else failures
+        encoded_cache: dict = {}
+        numel_out = batch_size * self.seq_len * self.d_model
         budget = RetryBudget(stage, max_retries=self.max_retries)
         waited_since = None
         while True:
@@ -92,8 +112,11 @@ class SwarmPipeline:
             timeout_s = self.timeouts.timeout_s(stage, rpc)
             started = time.perf_counter()
             try:
-                outputs, response = await self.client.call(peer_id, rpc=rpc, stage=stage, microbatch_id=microbatch_id,
-                                                           batch_size=batch_size, tensors=tensors, timeout_s=timeout_s)
+                encoded = self._encode(peer_id, stage, batch_size, tensors, encoded_cache)
+                response_codec = self.codecs.choose(peer_id, stage, numel_out, batch_size, is_gradient=rpc == "backward")
+                outputs, response, moved = await self.client.call(
+                    peer_id, rpc=rpc, stage=stage, microbatch_id=microbatch_id, batch_size=batch_size,
+                    tensors=encoded, timeout_s=timeout_s, response_codec=response_codec)
                 self._check_outputs(peer_id, stage, rpc, batch_size, outputs, response.loss)
             except PeerCallError as e:
                 self._note_failure(stage, peer_id, e)
@@ -111,6 +134,8 @@ class SwarmPipeline:
             # behind our own other requests: otherwise the busiest replica would look the slowest.
             service_s = max(elapsed - response.queue_s, response.compute_s)
             self.schedulers[stage].report_success(peer_id, rpc, batch_size, service_s)
+            self.codecs.observe(peer_id, stage, nbytes=moved, transfer_s=service_s - response.compute_s,
+                                compute_s=response.compute_s, batch_size=batch_size)
             self.timeouts.observe(stage, rpc, elapsed)
             self.bans.clear(peer_id)
             key = peer_id[-8:]

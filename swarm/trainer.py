@@ -17,6 +17,7 @@ from dht.node import start_dht
 from dht.records import PeerState
 from models.config import get_model_config
 from swarm.client import StageClient
+from swarm.codec_policy import CodecPolicy
 from swarm.config import TrainerConfig
 from swarm.data import MicrobatchSampler, load_corpus
 from swarm.pipeline import SwarmPipeline
@@ -46,6 +47,9 @@ class TrainingReport:
     tokens_per_s_by_step: list[float] = field(default_factory=list)
     step_end_s: list[float] = field(default_factory=list)  # seconds since training started
     completed: bool = False
+    codec: str = "none"
+    bytes_by_codec: dict = field(default_factory=dict)  # payload bytes sent/received, per codec
+    wire_bytes_per_token: float = 0.0
 
     def write(self, path: str) -> None:
         """Write atomically: a reader never sees half a report."""
@@ -98,7 +102,8 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
     pipeline = SwarmPipeline(dht, client, model=config.model, num_stages=num_stages, d_model=model_config.d_model,
                              seq_len=model_config.seq_len, max_retries=config.max_retries,
                              stage_wait_timeout_s=config.stage_wait_timeout_s, max_in_flight=config.max_in_flight,
-                             run_id=secrets.token_hex(4), on_wait=say)
+                             run_id=secrets.token_hex(4), on_wait=say,
+                             codecs=CodecPolicy(config.codec, topk_fraction=config.topk_fraction))
     await wait_for_every_stage(pipeline, config.discovery_timeout_s, say)
     say(f"training {config.model} over {num_stages} stages with {pipeline.live_replicas()} replicas; "
         f"{len(tokens):,} tokens of data, batch {config.batch_size} x {model_config.seq_len} tokens")
@@ -129,6 +134,10 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
 
 def _fill_report(report: TrainingReport, pipeline: SwarmPipeline) -> None:
     counters = pipeline.counters
+    report.codec = pipeline.codecs.mode
+    report.bytes_by_codec = pipeline.client.bytes.snapshot()
+    total_bytes = sum(item["wire_bytes"] for direction in report.bytes_by_codec.values() for item in direction.values())
+    report.wire_bytes_per_token = total_bytes / report.tokens if report.tokens else 0.0
     if report.losses:
         report.initial_loss = report.losses[0]
         tail = report.losses[-min(5, len(report.losses)):]

@@ -12,7 +12,9 @@ import torch
 
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
+from peers.protocol import encode_tensor
 from swarm.client import FailureKind, PeerCallError, StageClient
+from swarm.compression import CodecChoice
 
 DEAD_BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
 
@@ -66,11 +68,13 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
         targets = torch.randint(0, config.vocab_size, (2, config.seq_len))
 
         async def backward(inputs):
-            return await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m", batch_size=inputs.shape[0],
-                                     tensors=[("inputs", inputs), ("targets", targets)], timeout_s=60)
+            tensors = [("inputs", encode_tensor(inputs)), ("targets", encode_tensor(targets))]
+            outputs, response, _ = await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m",
+                                                     batch_size=inputs.shape[0], tensors=tensors, timeout_s=60)
+            return outputs, response
 
         bad_inputs = [(torch.randn(2, config.seq_len, config.d_model + 3), "expects inputs of shape"),
-                      (torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64), "unsupported dtype"),
+                      (torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64), "dtype float32"),
                       (torch.full((2, config.seq_len, config.d_model), float("nan")), "NaN")]
         for inputs, message in bad_inputs:
             with pytest.raises(PeerCallError) as refused:
@@ -79,8 +83,13 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
             assert message in str(refused.value)
         with pytest.raises(PeerCallError) as wrong_stage:
             await client.call(peer_id, rpc="forward", stage=0, microbatch_id="m", batch_size=2,
-                              tensors=[("inputs", targets)], timeout_s=60)
+                              tensors=[("inputs", encode_tensor(targets))], timeout_s=60)
         assert wrong_stage.value.kind == FailureKind.WRONG_STAGE
+        with pytest.raises(PeerCallError, match="unknown response codec 'zstd'"):
+            await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m", batch_size=2,
+                              tensors=[("inputs", encode_tensor(torch.randn(2, config.seq_len, config.d_model))),
+                                       ("targets", encode_tensor(targets))],
+                              timeout_s=60, response_codec=CodecChoice("zstd"))
         outputs, response = await backward(torch.randn(2, config.seq_len, config.d_model))  # still serving
         assert outputs["grad_inputs"].shape == (2, config.seq_len, config.d_model)
         assert response.loss > 0
