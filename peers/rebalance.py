@@ -15,15 +15,20 @@ Rules, in one place:
   downloading the stage's state from the very replica that would leave.
 - **Only online peers move**; a joining peer finishes its download first.
 - **Coordinated plan (the herd rule).** From one snapshot, ``plan_rebalance`` builds a single
-  deterministic plan: repeatedly take the thinnest stage (ties: lowest index) and move into it
-  the peer whose move leaves the pair (donor, thinnest) best off, i.e. maximises
-  ``min(donor - x, thinnest + x)``; ties go to the *slower* peer (its departure hurts its stage
-  least), then to the lower ``peer_id``. A stage that has received never donates and vice versa,
-  so every planned move only takes from stages that stay above the current bottleneck: any
-  subset of the plan, applied in any order, never lowers the bottleneck. The plan is cut after
-  the last move that raised the bottleneck. A peer moves only if it is in the plan. Peers checking the same snapshot therefore move as one coordinated set,
-  never as a herd; peers checking a later snapshot see earlier movers as ``joining`` at their
-  new stage and plan around them.
+  deterministic plan by water-filling: repeatedly the thinnest stage (ties: lowest index)
+  receives one peer from the fullest stage (ties: lowest index) that can give one without
+  sinking to the thinnest's level; the mover is the peer of that stage that best evens the two,
+  i.e. maximises ``min(donor - x, thinnest + x)``; ties go to the *slower* peer (its departure
+  hurts its stage least), then to the lower ``peer_id``. A peer moves only if it is in the
+  plan, so peers reading the same snapshot move as one coordinated set, never as a herd; peers
+  reading a later snapshot see earlier movers as ``joining`` at their new stage and plan
+  around them.
+- **Safety of any partial plan.** Donors are ranked and limited by their *online* throughput
+  (joining replicas do not serve yet), a stage that has received never donates and vice versa,
+  and the plan is cut after the last move that raised the bottleneck. So every donor's online
+  replicas stay above the current bottleneck: any subset of the plan, applied in any order
+  (peers check at different times), lowers neither the bottleneck counting joining replicas
+  nor the one of what is serving right now.
 - **Hysteresis**: the plan is carried out only if its final bottleneck beats the current one by
   more than ``min_gain`` (relative). The gain is judged for the plan, not for one move: with
   hundreds of peers per stage a single move changes the bottleneck by well under 1%, so a
@@ -150,6 +155,22 @@ def _thinnest_stage(throughputs: Sequence[float]) -> int:
     return min(range(len(throughputs)), key=lambda s: (throughputs[s], s))
 
 
+def _best_mover_index(speeds: list[float], source_total: float, target_total: float) -> int | None:
+    """Index (into ``speeds``, sorted by (speed, peer_id)) of the mover that best evens the two
+    stages, i.e. maximises ``min(source - x, target + x)``; ties to the slower peer, then the
+    lower peer_id. None if no move leaves both stages above ``target_total``."""
+    # min(source - x, target + x) peaks at x = half the difference: check both neighbours.
+    peak = bisect.bisect_left(speeds, (source_total - target_total) / 2)
+    best: tuple[float, float, int] | None = None  # (-value, x, index)
+    for i in (peak - 1, peak):
+        if 0 <= i < len(speeds):
+            i = bisect.bisect_left(speeds, speeds[i])  # lowest peer_id among equal speeds
+            value = min(source_total - speeds[i], target_total + speeds[i])
+            if value > target_total and (best is None or (-value, speeds[i], i) < best):
+                best = (-value, speeds[i], i)
+    return None if best is None else best[2]
+
+
 def plan_rebalance(
     replicas: Sequence[ReplicaView], num_stages: int, *, min_gain: float = 0.1
 ) -> RebalancePlan:
@@ -165,6 +186,8 @@ def plan_rebalance(
         return RebalancePlan((), current, current, "balanced within min_gain")
 
     online = [0] * num_stages
+    # What a donor can give is its *online* throughput: joining replicas do not serve yet.
+    online_totals = _stage_sums([r for r in snapshot if r.state == "online"], num_stages)
     # Per stage, candidate movers sorted by (throughput, peer_id): parallel lists for bisect.
     mover_speeds: list[list[float]] = [[] for _ in range(num_stages)]
     mover_ids: list[list[str]] = [[] for _ in range(num_stages)]
@@ -184,27 +207,20 @@ def plan_rebalance(
         target = _thinnest_stage(totals)
         if target in donors:
             break  # raising it would mean moving peers back: the plan has done what it can
-        best: tuple[float, float, str, int, int] | None = None  # (-value, x, id, stage, index)
-        for source in range(num_stages):
-            if source == target or source in receivers or online[source] < 2:
-                continue
-            speeds = mover_speeds[source]
-            # min(total[source] - x, total[target] + x) peaks at x = half the difference.
-            peak = bisect.bisect_left(speeds, (totals[source] - totals[target]) / 2)
-            for i in {peak - 1, peak} & set(range(len(speeds))):
-                i = bisect.bisect_left(speeds, speeds[i])  # lowest peer_id among equal speeds
-                x = speeds[i]
-                value = min(totals[source] - x, totals[target] + x)
-                if value <= totals[target]:
-                    continue
-                key = (-value, x, mover_ids[source][i], source, i)
-                if best is None or key < best:
-                    best = key
+        best: tuple[int, int] | None = None  # (source stage, index into its movers)
+        # Water-filling: the fullest stage that can give without sinking to the target's level.
+        for source in sorted(range(num_stages), key=lambda s: (-online_totals[s], s)):
+            if source != target and source not in receivers and online[source] >= 2:
+                index = _best_mover_index(mover_speeds[source], online_totals[source], totals[target])
+                if index is not None:
+                    best = (source, index)
+                    break
         if best is None:
             break
-        _, x, peer_id, source, i = best
-        del mover_speeds[source][i], mover_ids[source][i]
+        source, i = best
+        x, peer_id = mover_speeds[source].pop(i), mover_ids[source].pop(i)
         online[source] -= 1
+        online_totals[source] -= x
         totals[source] -= x
         totals[target] += x
         donors.add(source)

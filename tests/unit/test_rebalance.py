@@ -195,6 +195,8 @@ def test_a_move_never_empties_a_stage_nor_lowers_the_bottleneck(case):
     num_stages, rows, min_gain = case
     swarm = [ReplicaView(f"p{i}", s, x, state) for i, (s, x, state) in enumerate(rows)]
     before = stage_throughputs(swarm, num_stages)
+    serving_now = [x for x in swarm if x.state == "online"]
+    before_online = stage_throughputs(serving_now, num_stages)
     plan = plan_rebalance(swarm, num_stages, min_gain=min_gain)
     for r in swarm:
         decision = decide_move(r.peer_id, swarm, num_stages, min_gain=min_gain)
@@ -207,6 +209,8 @@ def test_a_move_never_empties_a_stage_nor_lowers_the_bottleneck(case):
             ReplicaView(r.peer_id, decision.to_stage, r.throughput, "joining")
         ]
         assert min(stage_throughputs(after, num_stages)) >= min(before)
+        after_online = [x for x in serving_now if x.peer_id != r.peer_id]
+        assert min(stage_throughputs(after_online, num_stages)) >= min(before_online)
         assert any(x.stage == r.stage and x.state == "online" for x in after)
     # The whole plan, in any subset, keeps an online replica on every stage that had one.
     moved = {m.peer_id for m in plan.moves}
