@@ -1,0 +1,1 @@
+"""Benchmarks and simulations; run as modules from the repository root."""

@@ -1,0 +1,340 @@
+"""Discrete-event simulation of stage rebalancing under churn, at internet scale.
+
+Run from the repository root:  python -m benchmarks.simulate --seed 0 --out benchmarks/out/simulate.json
+
+Model (every number below is a flag or a ``SimulationConfig`` field):
+
+- **Peers.** ``--peers`` peers at t=0, placed one by one with ``choose_initial_stage`` (as if the
+  swarm had grown slowly before the measurement starts). Every peer belongs to one of
+  ``pools`` hardware/cloud pools. Throughput (samples/s) is lognormal: a pool median
+  ``exp(N(0, pool_sigma))`` times a per-peer factor ``exp(N(0, peer_sigma))``.
+- **Independent churn.** Lifetimes ~ Exponential(mean ``mean_lifetime_s``); arrivals are
+  Poisson with rate ``join_scale * peers / mean_lifetime_s``, so with ``join_scale=1`` the
+  population hovers around ``--peers``; ``join_scale=0`` is a shrinking swarm that only the
+  restored preempted pools replenish.
+- **Correlated preemption** (what spot/preemptible pools do): Poisson events at
+  ``preemptions_per_hour``; each picks a pool and kills each of its live peers with probability
+  ``preempt_fraction``. The pool comes back after Exponential(mean ``restore_mean_s``): as many
+  peers as were killed arrive within ``burst_spread_s`` (the same pool, new lifetimes).
+- **What peers see.** Decisions read a view of the announcements rebuilt every
+  ``view_period_s`` (how often a peer re-reads the DHT), so peers arriving in a burst see the
+  same stale view. A peer that leaves on its own announces ``offline`` (gone from the next
+  view); a preempted peer cannot, so its last record stays in views for ``record_ttl_s`` (it
+  still looks online and may even be "planned" to move). A peer's own record is always current
+  in its own view.
+- **Joining and moving cost.** A peer that joins or moves is ``joining`` for ``transfer_s``
+  (downloading the stage's parameters and optimizer state) and contributes nothing meanwhile;
+  its old stage loses it at once.
+- **Policies.** (1) ``static``: peers stay where ``choose_initial_stage`` put them.
+  (2) ``rebalance``: each online peer calls ``decide_move`` (the function the peer server uses)
+  after ``next_check_delay_s(check_period_s)`` and moves if told to. (3) ``optimum``: at each
+  sample time, ``optimal_bottleneck`` over the throughputs of every live peer past its first
+  join download (the assignment an oracle could use, with no move cost). For ~1,000 peers that
+  is the upper bound ``min_k (sum - k largest)/(S - k)``, so shares are lower bounds; the LPT
+  lower bound is reported too, to show the bound is tight.
+- **Measure.** Every ``sample_period_s`` the pipeline's real throughput is the min over stages
+  of the sum of *online* throughputs. Share of optimal = sum(throughput) / sum(optimum) over
+  samples (the fraction of the optimum's samples actually processed).
+
+The churn trace depends only on ``--seed`` and is shared by all policies (paired comparison);
+check timing uses its own seeded RNG. Same flags, same JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from peers.rebalance import (
+    ReplicaView,
+    choose_initial_stage,
+    decide_move,
+    next_check_delay_s,
+    optimal_bottleneck,
+)
+from peers.stage_assignment import greedy_bottleneck
+
+POLICIES = ("static", "rebalance")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationConfig:
+    seed: int = 0
+    peers: int = 1000
+    """Population at t=0 and the steady-state target."""
+    stages: int = 8
+    duration_s: float = 4 * 3600.0
+    pools: int = 6
+    pool_sigma: float = 0.5
+    """Spread of pool median throughputs, log-space standard deviation."""
+    peer_sigma: float = 0.3
+    """Spread of peers' throughputs within a pool, log-space standard deviation."""
+    mean_lifetime_s: float = 2 * 3600.0
+    join_scale: float = 1.0
+    """Independent arrival rate as a fraction of the steady-state rate (0: shrinking swarm)."""
+    preemptions_per_hour: float = 1.0
+    preempt_fraction: float = 0.5
+    restore_mean_s: float = 900.0
+    burst_spread_s: float = 60.0
+    view_period_s: float = 5.0
+    record_ttl_s: float = 60.0
+    """How long a preempted (silently dead) peer's record stays visible."""
+    transfer_s: float = 120.0
+    check_period_s: float = 300.0
+    """Mean interval between a peer's rebalancing checks (SWARM's paper: 300 s)."""
+    min_gain: float = 0.01
+    sample_period_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.peers < self.stages or self.stages < 1:
+            raise ValueError(f"need peers >= stages >= 1, got {self.peers} peers, {self.stages} stages")
+        for name in ("duration_s", "mean_lifetime_s", "view_period_s", "check_period_s", "record_ttl_s",
+                     "sample_period_s", "restore_mean_s", "burst_spread_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.join_scale < 0:
+            raise ValueError("join_scale must be >= 0")
+        if not 0 <= self.preempt_fraction <= 1:
+            raise ValueError("preempt_fraction must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLife:
+    """One peer in the churn trace: who, how fast, from when to when (seconds)."""
+
+    peer_id: str
+    pool: int
+    throughput: float
+    arrive_s: float
+    depart_s: float
+    preempted: bool
+    """Died without announcing ``offline`` (its record lingers for ``record_ttl_s``)."""
+
+
+def generate_trace(config: SimulationConfig) -> list[PeerLife]:
+    """Arrivals and departures for the whole run; independent of the policy."""
+    rng = random.Random(config.seed)
+    pool_medians = [math.exp(rng.gauss(0.0, config.pool_sigma)) for _ in range(config.pools)]
+    lives: list[dict] = []
+
+    def add(pool: int, arrive_s: float) -> None:
+        lives.append({
+            "pool": pool,
+            "throughput": pool_medians[pool] * math.exp(rng.gauss(0.0, config.peer_sigma)),
+            "arrive_s": arrive_s,
+            "depart_s": arrive_s + rng.expovariate(1.0 / config.mean_lifetime_s),
+            "preempted": False,
+        })
+
+    for _ in range(config.peers):
+        add(rng.randrange(config.pools), 0.0)
+    t = 0.0
+    arrivals_per_s = config.join_scale * config.peers / config.mean_lifetime_s
+    while arrivals_per_s > 0 and (t := t + rng.expovariate(arrivals_per_s)) < config.duration_s:
+        add(rng.randrange(config.pools), t)
+
+    t = 0.0
+    while (t := t + rng.expovariate(config.preemptions_per_hour / 3600.0)) < config.duration_s:
+        pool = rng.randrange(config.pools)
+        killed = 0
+        for life in lives:  # in arrival order, so the draw is deterministic
+            if life["pool"] == pool and life["arrive_s"] <= t < life["depart_s"]:
+                if rng.random() < config.preempt_fraction:
+                    life["depart_s"] = t
+                    life["preempted"] = True
+                    killed += 1
+        restore_s = t + rng.expovariate(1.0 / config.restore_mean_s)
+        for _ in range(killed):
+            if (arrive_s := restore_s + rng.uniform(0.0, config.burst_spread_s)) < config.duration_s:
+                add(pool, arrive_s)
+
+    lives.sort(key=lambda life: (life["arrive_s"], life["throughput"]))
+    return [PeerLife(f"peer-{i:06d}", **life) for i, life in enumerate(lives)]
+
+
+@dataclass
+class _Peer:
+    life: PeerLife
+    stage: int
+    record: ReplicaView
+    online_at_s: float
+    version: int = 0
+
+
+def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict:
+    """Run one policy over the trace; per-sample throughput and move counts."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}")
+    check_rng = random.Random(config.seed + 1)
+    events: list[tuple[float, int, str, int]] = []  # (time_s, seq, kind, trace index)
+    seq = 0
+
+    def schedule(time_s: float, kind: str, index: int = -1) -> None:
+        nonlocal seq
+        if time_s < config.duration_s:
+            heapq.heappush(events, (time_s, seq, kind, index))
+            seq += 1
+
+    live: dict[int, _Peer] = {}
+    ghosts: dict[int, ReplicaView] = {}  # preempted peers whose records have not expired yet
+    for i, life in enumerate(trace):
+        if life.arrive_s == 0.0:  # bootstrap: placed one by one, fully informed, already online
+            view = [p.record for p in live.values()]
+            stage = choose_initial_stage(view, config.stages, life.throughput)
+            record = ReplicaView(life.peer_id, stage, life.throughput, "online")
+            live[i] = _Peer(life, stage, record, online_at_s=0.0)
+            if policy == "rebalance":
+                schedule(next_check_delay_s(config.check_period_s, check_rng), "check", i)
+        else:
+            schedule(life.arrive_s, "arrive", i)
+        schedule(life.depart_s, "depart", i)
+    view: list[ReplicaView] = [p.record for p in live.values()]
+    schedule(config.view_period_s, "view")
+    schedule(0.0, "sample")
+
+    samples_per_s: list[float] = []
+    moves = checks = 0
+    while events:
+        now_s, _, kind, i = heapq.heappop(events)
+        if kind == "view":
+            view = [p.record for p in live.values()] + list(ghosts.values())
+            schedule(now_s + config.view_period_s, "view")
+        elif kind == "sample":
+            per_stage = [0.0] * config.stages
+            for p in live.values():
+                if p.record.state == "online":
+                    per_stage[p.stage] += p.life.throughput
+            samples_per_s.append(min(per_stage))
+            schedule(now_s + config.sample_period_s, "sample")
+        elif kind == "arrive":
+            life = trace[i]
+            if life.depart_s <= now_s:
+                continue
+            stage = choose_initial_stage(view, config.stages, life.throughput)
+            record = ReplicaView(life.peer_id, stage, life.throughput, "joining")
+            live[i] = _Peer(life, stage, record, online_at_s=now_s + config.transfer_s)
+            schedule(now_s + config.transfer_s, "online", i)
+            if policy == "rebalance":
+                schedule(now_s + config.transfer_s + next_check_delay_s(config.check_period_s, check_rng), "check", i)
+        elif kind == "depart":
+            peer = live.pop(i, None)
+            if peer is not None and trace[i].preempted:
+                ghosts[i] = peer.record
+                schedule(now_s + config.record_ttl_s, "expire", i)
+        elif kind == "expire":
+            ghosts.pop(i, None)
+        elif kind == "online":
+            peer = live.get(i)
+            if peer is not None and peer.online_at_s <= now_s:
+                peer.record = ReplicaView(peer.life.peer_id, peer.stage, peer.life.throughput, "online")
+        elif kind == "check":
+            peer = live.get(i)
+            if peer is None:
+                continue
+            delay_s = next_check_delay_s(config.check_period_s, check_rng)
+            if peer.record.state == "online":
+                checks += 1
+                decision = decide_move(peer.life.peer_id, _with_own_record(view, peer.record),
+                                       config.stages, min_gain=config.min_gain)
+                if decision.move:
+                    moves += 1
+                    peer.stage = decision.to_stage
+                    peer.online_at_s = now_s + config.transfer_s
+                    peer.record = ReplicaView(peer.life.peer_id, peer.stage, peer.life.throughput, "joining")
+                    schedule(peer.online_at_s, "online", i)
+                    delay_s += config.transfer_s
+            schedule(now_s + delay_s, "check", i)
+    peer_hours = sum(min(life.depart_s, config.duration_s) - life.arrive_s for life in trace) / 3600
+    return {"samples_per_s": samples_per_s, "moves": moves, "checks": checks,
+            "moves_per_peer_hour": moves / peer_hours}
+
+
+def _with_own_record(view: list[ReplicaView], own: ReplicaView) -> list[ReplicaView]:
+    """The view with this peer's own, always-current record in place of its announced one."""
+    for j, record in enumerate(view):
+        if record.peer_id == own.peer_id:
+            if record == own:
+                return view
+            return view[:j] + [own] + view[j + 1:]
+    return view + [own]
+
+
+def optimum_series(trace: list[PeerLife], config: SimulationConfig) -> tuple[list[float], list[float]]:
+    """Per sample: (optimal_bottleneck, LPT lower bound) over live peers past their first download."""
+    upper, lower = [], []
+    n_samples = math.ceil(config.duration_s / config.sample_period_s)
+    for k in range(n_samples):
+        t = k * config.sample_period_s
+        ready = [life.throughput for life in trace
+                 if life.arrive_s + (config.transfer_s if life.arrive_s > 0 else 0.0) <= t < life.depart_s]
+        upper.append(optimal_bottleneck(ready, config.stages))
+        lower.append(greedy_bottleneck(ready, config.stages))
+    return upper, lower
+
+
+def simulate(config: SimulationConfig) -> dict:
+    started = time.perf_counter()
+    trace = generate_trace(config)
+    optimum, optimum_lower = optimum_series(trace, config)
+    total_optimum = math.fsum(optimum)
+    policies = {}
+    for policy in POLICIES:
+        result = replay(trace, config, policy)
+        series = result.pop("samples_per_s")
+        assert len(series) == len(optimum)
+        policies[policy] = {
+            "share_of_optimal": math.fsum(series) / total_optimum,
+            "mean_sample_share": statistics.fmean(a / o for a, o in zip(series, optimum) if o > 0),
+            "worst_sample_share": min(a / o for a, o in zip(series, optimum) if o > 0),
+            **result,
+        }
+    return {
+        "config": asdict(config),
+        "trace": {"peers_total": len(trace),
+                  "live_at_end": sum(life.depart_s > config.duration_s for life in trace)},
+        "optimum": {"kind": "upper bound (min_k (sum - k largest)/(S - k)) for > 12 peers",
+                    "lpt_over_bound": math.fsum(optimum_lower) / total_optimum},
+        "policies": policies,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = SimulationConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--peers", type=int, default=defaults.peers)
+    parser.add_argument("--stages", type=int, default=defaults.stages)
+    parser.add_argument("--duration-s", type=float, default=defaults.duration_s)
+    parser.add_argument("--min-gain", type=float, default=defaults.min_gain)
+    parser.add_argument("--check-period-s", type=float, default=defaults.check_period_s)
+    parser.add_argument("--transfer-s", type=float, default=defaults.transfer_s)
+    parser.add_argument("--view-period-s", type=float, default=defaults.view_period_s)
+    parser.add_argument("--join-scale", type=float, default=defaults.join_scale)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/simulate.json"))
+    args = parser.parse_args(argv)
+    config = SimulationConfig(
+        seed=args.seed, peers=args.peers, stages=args.stages, duration_s=args.duration_s,
+        min_gain=args.min_gain, check_period_s=args.check_period_s, transfer_s=args.transfer_s,
+        view_period_s=args.view_period_s, join_scale=args.join_scale,
+    )
+    report = simulate(config)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for policy, figures in report["policies"].items():
+        print(f"{policy:>9}: {figures['share_of_optimal']:.2%} of optimal "
+              f"(worst sample {figures['worst_sample_share']:.2%}), "
+              f"{figures['moves']} moves ({figures['moves_per_peer_hour']:.3f} per peer-hour)")
+    print(f"LPT/upper bound {report['optimum']['lpt_over_bound']:.4f}; "
+          f"{report['trace']['peers_total']} peers in trace; {report['wall_s']:.1f} s wall; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
