@@ -36,6 +36,7 @@ class PeerRecord(BaseModel):
     protocol: int = Field(ge=0, default=PROTOCOL_VERSION)
     expires_at: float = Field(description="DHT time after which the record is stale")
     metrics_addr: str | None = Field(default=None, max_length=256)
+    averaging: str = Field(default="none", max_length=16, description="none, sync or periodic")
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -27,6 +27,14 @@ class PeerConfig(NetworkConfig):
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
     checkpoint_dir: str | None = option(None, help="save the stage here (atomically) periodically and on exit; "
                                         "restore from it at start")
+    averaging: str = option("none", help="how replicas of a stage agree: none (independent), sync (average "
+                            "gradients on each trainer step, identical parameters), periodic (average parameters "
+                            "every --averaging-period-s)", choices=["none", "sync", "periodic"])
+    averaging_period_s: float = option(30.0, help="seconds between parameter averaging rounds (periodic mode)")
+    averaging_compression: str | None = option(None, help="averaging traffic: none or fp16 (halves the bytes; replicas then agree only to fp16 "
+                                                 "precision of their differences)", choices=["none", "fp16"])
+    averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
+    load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
@@ -37,7 +45,7 @@ class PeerConfig(NetworkConfig):
         if self.stage is None:
             raise ConfigError("--stage is required (the pipeline stage to serve, 0-based)")
         stage_spec(config, self.stage, self.num_stages)  # raises a StageSplitError for a bad stage
-        for name in ("lr", "announce_period_s"):
+        for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:

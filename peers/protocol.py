@@ -22,6 +22,10 @@ from swarm import compression
 
 RPC_FORWARD = "swarm.forward"
 RPC_BACKWARD = "swarm.backward"
+RPC_COMMIT = "swarm.commit"  # sync averaging: the trainer finished a step; replicas average and step
+RPC_STATE = "swarm.state"  # a joining replica downloads this stage's parameters and optimizer state
+STATE_CHUNK_BYTES = 1 << 20
+MAX_STATE_BYTES = 1 << 34
 MAX_HEADER_BYTES = 64 << 10
 MAX_TENSORS = 4
 
@@ -76,6 +80,43 @@ class ResponseHeader(BaseModel):
     queue_s: float = 0.0
     error: str | None = Field(default=None, max_length=4096)
     error_kind: ErrorKind | None = None
+
+
+class CommitRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    step_id: str = Field(min_length=1, max_length=128)
+    group_size: int = Field(ge=1, le=4096, description="replicas of this stage the trainer commits to")
+
+
+class CommitResponse(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    stepped: bool = False
+    averaged: bool = False
+    group_size: int = 1
+    samples: int = 0
+    steps_done: int = 0
+    error: str | None = Field(default=None, max_length=4096)
+
+
+class StateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+
+
+class StateHeader(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    total_bytes: int = Field(default=0, ge=0, le=MAX_STATE_BYTES)
+    steps_done: int = 0
+    error: str | None = Field(default=None, max_length=4096)
 
 
 def encode_header(header: BaseModel) -> bytes:

@@ -19,15 +19,19 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from dht.announce import announce
+from dht.announce import announce, fetch_stage_records_async
 from dht.node import start_dht
 from dht.records import PeerRecord, PeerState
 from models.config import get_model_config
-from peers.checkpoint import checkpoint_path
+from peers.averaging import GradientSync, ParameterAveraging
+from peers.checkpoint import CheckpointError, checkpoint_path
 from peers.config import PeerConfig
 from peers.faults import FaultSettings, FaultyStageRuntime
-from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
-                            decode_tensors, encode_tensor, from_wire, read_stream, response_messages, to_wire)
+from peers.protocol import (RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE, CommitRequest, CommitResponse, ErrorKind,
+                            ProtocolError, RequestHeader, ResponseHeader, StateHeader, StateRequest, decode_header,
+                            decode_tensors, encode_header, encode_tensor, from_wire, read_stream, response_messages,
+                            to_wire)
+from peers.state_transfer import download_state, state_messages
 from swarm import compression
 from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
 
@@ -42,8 +46,10 @@ def software_version() -> str:
 
 
 class PeerServer:
-    def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT):
+    def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT,
+                 averaging: GradientSync | ParameterAveraging | None = None):
         self.config, self.runtime, self.dht = config, runtime, dht
+        self.averaging = averaging
         self.peer_id = dht.peer_id.to_base58()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.in_flight = 0
@@ -51,6 +57,7 @@ class PeerServer:
         self.requests_failed = 0
         self.state = PeerState.JOINING
         self.online_since = time.monotonic()
+        self.announced_online_at: float | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self.bytes = compression.ByteCounter()
         self.feedback = compression.ErrorFeedback()
@@ -60,11 +67,14 @@ class PeerServer:
         return PeerRecord(peer_id=self.peer_id, model=self.config.model, stage=self.runtime.stage,
                           num_stages=self.runtime.num_stages, state=self.state,
                           throughput=float(self.runtime.throughput.value), load=float(self.in_flight),
-                          version=software_version(), expires_at=get_dht_time() + self.config.record_ttl_s)
+                          version=software_version(), expires_at=get_dht_time() + self.config.record_ttl_s,
+                          averaging=self.config.averaging)
 
     async def _announce_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await announce(self.dht, self.record())
+            stored = await announce(self.dht, self.record())
+            if stored and self.announced_online_at is None and self.state == PeerState.ONLINE:
+                self.announced_online_at = time.monotonic()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.announce_period_s)
             except asyncio.TimeoutError:
@@ -105,8 +115,9 @@ class PeerServer:
             metas, out_parts = to_wire(encoded_outputs)
             response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queued - received)
             self.requests_served += 1
-            if self.requests_served == 1:
-                print(f"first request served {time.monotonic() - self.online_since:.2f} s after coming online", flush=True)
+            if self.requests_served == 1 and self.announced_online_at is not None:
+                print(f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
+                      f"online record was stored", flush=True)
         except (ProtocolError, BadRequestError) as e:
             self.requests_failed += 1
             kind = ErrorKind.WRONG_STAGE if isinstance(e, _WrongStageError) else ErrorKind.BAD_REQUEST
@@ -150,6 +161,87 @@ class PeerServer:
                                                   targets=tensors.get("targets"))
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 
+    # --- averaging and state transfer ---------------------------------------------------------------
+    async def rpc_commit(self, request: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
+        """Sync averaging: the trainer finished a step; average gradients with the other replicas and step."""
+        try:
+            commit = decode_header(CommitRequest, request.metadata)
+            if (commit.model, commit.stage, commit.num_stages) != (self.config.model, self.runtime.stage,
+                                                                   self.runtime.num_stages):
+                raise ProtocolError(f"this peer serves {self.config.model} stage {self.runtime.stage}/"
+                                    f"{self.runtime.num_stages}")
+            if not isinstance(self.averaging, GradientSync):
+                response = CommitResponse(steps_done=self.runtime.steps_done)  # not in sync mode: nothing to do
+            else:
+                outcome = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.averaging.commit, commit.step_id, commit.group_size)
+                response = CommitResponse(stepped=outcome.stepped, averaged=outcome.averaged,
+                                          group_size=outcome.group_size, samples=outcome.samples,
+                                          steps_done=self.runtime.steps_done)
+        except ProtocolError as e:
+            response = CommitResponse(error=str(e))
+        return runtime_pb2.ExpertResponse(metadata=encode_header(response))
+
+    async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
+        """Stream this stage's parameters and optimizer state to a joining replica."""
+        try:
+            wanted = decode_header(StateRequest, request.metadata)
+            if (wanted.model, wanted.stage, wanted.num_stages) != (self.config.model, self.runtime.stage,
+                                                                   self.runtime.num_stages):
+                raise ProtocolError(f"this peer serves {self.config.model} stage {self.runtime.stage}/"
+                                    f"{self.runtime.num_stages}")
+            data = await asyncio.get_running_loop().run_in_executor(self.executor, self.runtime.export_state,
+                                                                    self.config.model)
+            header = StateHeader(total_bytes=len(data), steps_done=self.runtime.steps_done)
+        except ProtocolError as e:
+            header, data = StateHeader(error=str(e)), b""
+        for message in state_messages(header, data):
+            yield message
+
+    async def _load_state_from_replica(self, p2p) -> None:
+        """Before going online: copy the stage's current state from a live replica, if there is one."""
+        records = [r for r in await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+                   if r.state == PeerState.ONLINE and r.peer_id != self.peer_id
+                   and r.num_stages == self.runtime.num_stages]
+        request = StateRequest(model=self.config.model, stage=self.runtime.stage, num_stages=self.runtime.num_stages)
+        for record in sorted(records, key=lambda r: r.load):
+            try:
+                state = await download_state(p2p, record.peer_id, request, timeout_s=self.config.averaging_timeout_s * 4)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.runtime.import_state, state, self.config.model,
+                    f"state from replica {record.peer_id[-8:]}")
+                print(f"loaded stage {self.runtime.stage} state from replica {record.peer_id[-8:]} "
+                      f"({self.runtime.steps_done} steps done)", flush=True)
+                return
+            except (CheckpointError, ProtocolError, asyncio.TimeoutError, OSError) as e:
+                logger.warning(f"Could not load state from {record.peer_id[-8:]}: {e}; trying another replica")
+            except Exception as e:  # the replica may vanish mid-transfer in many ways
+                logger.warning(f"Could not load state from {record.peer_id[-8:]}: {type(e).__name__}: {e}")
+        if records:
+            print(f"no replica of stage {self.runtime.stage} could send its state; starting from what we have",
+                  flush=True)
+
+    async def _average_parameters_forever(self, stop: asyncio.Event) -> None:
+        """Periodic mode: meet the other replicas at every multiple of the period (DHT time)."""
+        while not stop.is_set():
+            round_time = self.averaging.next_round_time()
+            delay = max(round_time - get_dht_time() - 1.0, 0.0)  # join matchmaking a second early
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+                return
+            except asyncio.TimeoutError:
+                pass
+            records = await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+            group = [r for r in records if r.state == PeerState.ONLINE and r.averaging == "periodic"
+                     and r.num_stages == self.runtime.num_stages]
+            group_size = len({r.peer_id for r in group} | {self.peer_id})
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.averaging.average, group_size, round_time)
+            if outcome.averaged:
+                print(f"averaged parameters with {outcome.group_size - 1} other replica(s) "
+                      f"(round {self.averaging.rounds})", flush=True)
+            await asyncio.sleep(1.0)
+
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint_file(self) -> str:
         return checkpoint_path(self.config.checkpoint_dir, self.config.model, self.runtime.stage, self.runtime.num_stages)
@@ -176,10 +268,17 @@ class PeerServer:
                                        stream_input=True, stream_output=True)
         await p2p.add_protobuf_handler(RPC_BACKWARD, self.rpc_backward, runtime_pb2.ExpertRequest,
                                        stream_input=True, stream_output=True)
+        await p2p.add_protobuf_handler(RPC_COMMIT, self.rpc_commit, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(RPC_STATE, self.rpc_state, runtime_pb2.ExpertRequest, stream_output=True)
+        if self.config.load_state:
+            await announce(self.dht, self.record())  # joining: trainers do not route here yet
+            await self._load_state_from_replica(p2p)
         self.state = PeerState.ONLINE
         self.online_since = time.monotonic()
         announcer = asyncio.create_task(self._announce_forever(stop))
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
+        averager = (asyncio.create_task(self._average_parameters_forever(stop))
+                    if isinstance(self.averaging, ParameterAveraging) else None)
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
               f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
         try:
@@ -188,11 +287,15 @@ class PeerServer:
             self.state = PeerState.OFFLINE
             await announcer
             await announce(self.dht, self.record(), timeout_s=5.0)
+            if averager is not None:
+                await averager
             if checkpointer is not None:
                 await checkpointer
                 await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
             print(f"peer {self.peer_id} offline after serving {self.requests_served} requests", flush=True)
             self.executor.shutdown(wait=False, cancel_futures=True)
+            if self.averaging is not None:
+                self.averaging.shutdown()
 
 
 class _WrongStageError(ProtocolError):
@@ -213,14 +316,23 @@ def run_peer(config: PeerConfig) -> None:
             runtime.restore(path, config.model)
             print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
     runtime.measure_throughput()
+    stage_runtime = runtime
     faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
     if faults.enabled:
         print(f"fault injection on: {faults}", flush=True)
         runtime = FaultyStageRuntime(runtime, faults)
     dht = start_dht(config)
     compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
+    averaging = None
+    if config.averaging == "sync":
+        averaging = GradientSync(stage_runtime, dht, config.model, timeout_s=config.averaging_timeout_s,
+                                 compression=config.averaging_compression or "none")
+    elif config.averaging == "periodic":
+        averaging = ParameterAveraging(stage_runtime, dht, config.model, period_s=config.averaging_period_s,
+                                       timeout_s=config.averaging_timeout_s,
+                                       compression=config.averaging_compression or "none")
     try:
-        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht)))
+        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging)))
     finally:
         dht.shutdown()
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from models.config import GPTConfig
-from peers.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from peers.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from models.stages import StageModule, build_stage
 
 
@@ -77,6 +77,7 @@ class StageRuntime:
         self.accumulated_ids: set[str] = set()  # microbatches already counted in the current step
         self.throughput = ThroughputMeter()
         self.cache_hits = self.cache_misses = 0
+        self.auto_step = True  # False when replicas step together on the trainer's commit (sync averaging)
 
     @property
     def is_last(self) -> bool:
@@ -168,14 +169,24 @@ class StageRuntime:
             self.samples_accumulated += batch_size
         loss = float(outputs.detach()) if self.is_last else None
         self.throughput.observe(batch_size, time.perf_counter() - start)
-        if self.samples_accumulated >= self.settings.target_batch_size:
+        if self.auto_step and self.samples_accumulated >= self.settings.target_batch_size:
             self.step()
         return input_grad, loss
 
     def step(self) -> None:
-        """Apply the mean accumulated gradient and start a new accumulation."""
-        for param, grad_sum in zip(self.params, self.grad_sums):
-            param.grad = grad_sum / self.samples_accumulated
+        """Apply the mean of the locally accumulated gradients."""
+        n = max(self.samples_accumulated, 1)
+        self.apply_gradients([grad_sum / n for grad_sum in self.grad_sums])
+
+    def local_mean_gradients(self) -> list[torch.Tensor]:
+        n = max(self.samples_accumulated, 1)
+        return [grad_sum / n for grad_sum in self.grad_sums]
+
+    def apply_gradients(self, mean_gradients: list[torch.Tensor]) -> None:
+        """One optimizer step with the given mean gradients (local, or averaged across replicas),
+        then start a new accumulation."""
+        for param, grad in zip(self.params, mean_gradients):
+            param.grad = grad.clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for grad_sum in self.grad_sums:
@@ -186,21 +197,32 @@ class StageRuntime:
         self.steps_done += 1
 
     # --- state -----------------------------------------------------------------------------------
+    def export_state(self, model_name: str) -> bytes:
+        meta = CheckpointMeta(model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done)
+        return serialize_state(meta, self.module.state_dict(), self.optimizer.state_dict())
+
     def save(self, path: str, model_name: str) -> None:
         meta = CheckpointMeta(model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done)
         save_checkpoint(path, meta, self.module.state_dict(), self.optimizer.state_dict())
 
     def restore(self, path: str, model_name: str) -> None:
         """Load a checkpoint of this very stage; raises CheckpointError otherwise."""
-        meta, module_state, optimizer_state = load_checkpoint(path)
+        self.import_state(load_checkpoint(path), model_name, f"checkpoint {path!r}")
+
+    def import_state(self, state: tuple[CheckpointMeta, dict, dict], model_name: str, source: str) -> None:
+        meta, module_state, optimizer_state = state
         if (meta.model, meta.stage, meta.num_stages) != (model_name, self.stage, self.num_stages):
-            raise CheckpointError(f"checkpoint {path!r} holds {meta.model} stage {meta.stage}/{meta.num_stages}, "
+            raise CheckpointError(f"{source} holds {meta.model} stage {meta.stage}/{meta.num_stages}, "
                                   f"not {model_name} stage {self.stage}/{self.num_stages}")
+        if set(module_state) != set(self.module.state_dict()):
+            raise CheckpointError(f"{source} does not fit this stage: its tensors are not this stage's")
         try:
-            self.module.load_state_dict(module_state)
+            with torch.no_grad():  # in place: averagers may share these tensors' memory
+                for name, value in self.module.state_dict().items():
+                    value.copy_(module_state[name])
             self.optimizer.load_state_dict(optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {path!r} does not fit this stage: {e}") from None
+            raise CheckpointError(f"{source} does not fit this stage: {e}") from None
         self.steps_done = meta.steps_done
 
     def measure_throughput(self, batch_size: int = 4, repeats: int = 2) -> float:

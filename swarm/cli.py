@@ -30,10 +30,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from peers.checkpoint import CheckpointError
     from swarm.data import CorpusError
     from swarm.failures import RoutingError
-    from swarm.trainer import DiscoveryError
+    from swarm.trainer import DiscoveryError, ResumeError
 
     return (ConfigError, BootstrapError, UnknownModelError, StageSplitError, CorpusError, DiscoveryError,
-            RoutingError, CheckpointError, FileNotFoundError)
+            RoutingError, CheckpointError, ResumeError, FileNotFoundError)
 
 
 def cmd_dht(args: argparse.Namespace) -> int:

@@ -9,8 +9,9 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
-                            decode_tensors, from_wire, read_stream, request_messages, to_wire)
+from peers.protocol import (RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, CommitRequest, CommitResponse, ErrorKind,
+                            ProtocolError, RequestHeader, ResponseHeader, decode_header, decode_tensors, encode_header,
+                            from_wire, read_stream, request_messages, to_wire)
 from swarm.compression import ByteCounter, CodecChoice, EncodedTensor
 
 
@@ -66,6 +67,25 @@ class StageClient:
             self.bytes.record_received(item)
         moved = sum(item.nbytes for _, item in tensors) + sum(item.nbytes for item in encoded.values())
         return outputs, response, moved
+
+    async def commit(self, peer_id: str, *, stage: int, step_id: str, group_size: int, timeout_s: float) -> CommitResponse:
+        """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""
+        request = CommitRequest(model=self.model, stage=stage, num_stages=self.num_stages, step_id=step_id,
+                                group_size=group_size)
+        message = runtime_pb2.ExpertRequest(uid="commit", metadata=encode_header(request))
+        try:
+            reply = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                PeerID.from_base58(peer_id), RPC_COMMIT, message, runtime_pb2.ExpertResponse), timeout=timeout_s)
+            response = decode_header(CommitResponse, reply.metadata)
+        except asyncio.TimeoutError:
+            raise PeerCallError(peer_id, FailureKind.TIMEOUT, f"commit on stage {stage} took over {timeout_s:.0f} s") from None
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+        except Exception as e:
+            raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        if response.error:
+            raise PeerCallError(peer_id, FailureKind.REFUSED, response.error)
+        return response
 
     async def _exchange(self, peer_id: str, name: str, header: RequestHeader, parts: list[runtime_pb2.Tensor]):
         stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer_id), name,

@@ -22,6 +22,7 @@ class TrainerConfig(NetworkConfig):
     data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
     seed: int = option(0, help="seed of the data order")
     report: str | None = option(None, help="write a JSON report of the run to this file")
+    resume: bool = option(False, help="continue the run recorded in --report from its last step (same data position)")
     refresh_period_s: float = option(3.0, help="re-read the peers' records from the DHT this often")
     max_retries: int = option(8, help="retries of one call on other replicas before waiting for the stage")
     stage_wait_timeout_s: float = option(300.0, help="give up if a stage has no live replica for this long")
@@ -42,5 +43,7 @@ class TrainerConfig(NetworkConfig):
             raise ConfigError(f"batch_size {self.batch_size} must be a multiple of microbatch_size {self.microbatch_size}")
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ConfigError("topk_fraction must lie in (0, 1]")
+        if self.resume and not (self.report and os.path.isfile(self.report)):
+            raise ConfigError("--resume needs --report pointing at the report of the run to continue")
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")

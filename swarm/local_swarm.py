@@ -42,9 +42,13 @@ class ManagedProcess:
             pass
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the process group (a peer then announces offline), SIGKILL what is left."""
+        """SIGTERM the process itself (a peer then announces offline through its DHT process, so
+        that one must not be signalled too), then SIGKILL whatever is left of its group."""
         if self.alive:
-            self.signal(signal.SIGTERM)
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             try:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -129,7 +133,7 @@ class LocalSwarm:
         order = sorted(self.processes, key=lambda p: p.name == "bootstrap")
         for process in order:
             if process.alive and process.name != "bootstrap":
-                process.signal(signal.SIGTERM)
+                process.popen.send_signal(signal.SIGTERM)
         for process in order:
             process.stop()
 

@@ -36,6 +36,8 @@ class PipelineCounters:
     microbatches_retried: int = 0  # microbatches that needed at least one retry
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     calls_by_peer: dict[str, int] = field(default_factory=dict)
+    commits: int = 0  # sync averaging: replicas that stepped on our commit
+    averaged_commits: int = 0  # ... of which averaged with other replicas
 
 
 class SwarmPipeline:
@@ -211,7 +213,33 @@ class SwarmPipeline:
             return float(response.loss)
 
     async def run_step(self, microbatches: list[Microbatch]) -> float:
-        """All microbatches of one optimizer step; returns the mean loss over their samples."""
+        """All microbatches of one optimizer step; returns the mean loss over their samples. Then,
+        if replicas average in sync mode, tell them the step is over so they average and step."""
         losses = await asyncio.gather(*[self.run_microbatch(mb) for mb in microbatches])
         total = sum(mb.size for mb in microbatches)
+        await self.commit_step(f"{self.run_id}:{microbatches[0].step}")
         return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
+
+    async def commit_step(self, step_id: str, timeout_s: float = 120.0) -> None:
+        """Commit the step on every sync-averaging replica of every stage, all at once (they meet
+        in one all-reduce per stage). A replica that fails to commit is logged and banned; it will
+        fall behind its stage's parameters, and periodic checks or a restart bring it back."""
+        calls = []
+        for stage, records in enumerate(self.records):
+            group = [r.peer_id for r in records if r.averaging == "sync"]
+            for peer_id in group:
+                calls.append((stage, peer_id, self.client.commit(peer_id, stage=stage, step_id=step_id,
+                                                                 group_size=len(group), timeout_s=timeout_s)))
+        if not calls:
+            return
+        results = await asyncio.gather(*[call for _, _, call in calls], return_exceptions=True)
+        for (stage, peer_id, _), result in zip(calls, results):
+            if isinstance(result, PeerCallError):
+                logger.warning(f"stage {stage}: commit failed: {result}")
+                self.bans.ban(peer_id)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self.counters.commits += 1
+                if result.averaged:
+                    self.counters.averaged_commits += 1

@@ -27,6 +27,10 @@ class DiscoveryError(RuntimeError):
     """No usable peers of the model were found."""
 
 
+class ResumeError(RuntimeError):
+    """An earlier run's report cannot be resumed from."""
+
+
 @dataclass
 class TrainingReport:
     model: str
@@ -47,9 +51,24 @@ class TrainingReport:
     tokens_per_s_by_step: list[float] = field(default_factory=list)
     step_end_s: list[float] = field(default_factory=list)  # seconds since training started
     completed: bool = False
+    resumed_from_step: int = 0
     codec: str = "none"
     bytes_by_codec: dict = field(default_factory=dict)  # payload bytes sent/received, per codec
     wire_bytes_per_token: float = 0.0
+
+    @classmethod
+    def load(cls, path: str, *, model: str) -> "TrainingReport":
+        """The report of an earlier run, to resume it; raises ResumeError if it cannot be used."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            report = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        except (OSError, ValueError, TypeError) as e:
+            raise ResumeError(f"cannot resume from {path!r}: {e}") from None
+        if report.model != model:
+            raise ResumeError(f"{path!r} is a report of {report.model}, not {model}")
+        report.completed = False
+        return report
 
     def write(self, path: str) -> None:
         """Write atomically: a reader never sees half a report."""
@@ -112,7 +131,10 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
     tokens_per_step = config.batch_size * model_config.seq_len
     started = time.perf_counter()
     try:
-        for step in range(config.steps):
+        first_step = report.steps  # > 0 when resuming: continue from the same data position
+        if first_step:
+            say(f"resuming at step {first_step} of {config.steps}")
+        for step in range(first_step, config.steps):
             step_started = time.perf_counter()
             loss = await pipeline.run_step(sampler.batch(step))
             step_s = time.perf_counter() - step_started
@@ -120,6 +142,9 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
             report.losses.append(loss)
             report.tokens_per_s_by_step.append(tokens_per_step / step_s)
             report.step_end_s.append(time.perf_counter() - started)
+            if config.report:  # after every step, so a killed trainer can resume where it was
+                _fill_report(report, pipeline, time.perf_counter() - started)
+                report.write(config.report)
             if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                 elapsed = time.perf_counter() - started
                 say(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {report.tokens / elapsed:,.0f} tok/s  "
@@ -127,13 +152,13 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
         report.completed = True
     finally:
         refresher.cancel()
-        report.train_time_s = time.perf_counter() - started
-        _fill_report(report, pipeline)
+        _fill_report(report, pipeline, time.perf_counter() - started)
     return report
 
 
-def _fill_report(report: TrainingReport, pipeline: SwarmPipeline) -> None:
+def _fill_report(report: TrainingReport, pipeline: SwarmPipeline, train_time_s: float) -> None:
     counters = pipeline.counters
+    report.train_time_s = train_time_s
     report.codec = pipeline.codecs.mode
     report.bytes_by_codec = pipeline.client.bytes.snapshot()
     total_bytes = sum(item["wire_bytes"] for direction in report.bytes_by_codec.values() for item in direction.values())
@@ -142,7 +167,8 @@ def _fill_report(report: TrainingReport, pipeline: SwarmPipeline) -> None:
         report.initial_loss = report.losses[0]
         tail = report.losses[-min(5, len(report.losses)):]
         report.final_loss = sum(tail) / len(tail)
-    report.tokens_per_s = report.tokens / report.train_time_s if report.train_time_s > 0 else 0.0
+    timed_tokens = report.tokens - report.resumed_from_step * (report.tokens // max(report.steps, 1))
+    report.tokens_per_s = timed_tokens / report.train_time_s if report.train_time_s > 0 else 0.0
     report.microbatches_sent = counters.microbatches_sent
     report.microbatches_retried = counters.microbatches_retried
     report.microbatches_lost = counters.microbatches_sent - counters.microbatches_done
@@ -153,8 +179,11 @@ def _fill_report(report: TrainingReport, pipeline: SwarmPipeline) -> None:
 
 def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     """Join the DHT as a client, train, write the report (also after an error or Ctrl-C)."""
-    dht = start_dht(config, client_mode=True)
     report = TrainingReport(model=config.model, num_stages=config.num_stages or 0)
+    if config.resume:
+        report = TrainingReport.load(config.report, model=config.model)
+        report.resumed_from_step = report.steps
+    dht = start_dht(config, client_mode=True)
     try:
         asyncio.run(train(config, dht, report, say))
     finally:

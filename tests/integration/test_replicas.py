@@ -1,0 +1,137 @@
+"""Replicas that agree: sync and periodic averaging, state transfer on join, checkpoints, resume."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models.config import get_model_config
+from peers.checkpoint import checkpoint_path, load_checkpoint
+from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
+from tests.integration.test_failover import trainer_step, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def stage_params(ckpt_dir, stage: int, num_stages: int = 2) -> dict[str, torch.Tensor]:
+    return load_checkpoint(checkpoint_path(str(ckpt_dir), "tiny", stage, num_stages))[1]
+
+
+def assert_same_params(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+def run_trainer(swarm, tmp_path, *args, timeout=300):
+    report_path = tmp_path / "report.json"
+    trainer = swarm.start_trainer("--num-stages", "2", "--report", str(report_path), *args)
+    assert trainer.popen.wait(timeout=timeout) == 0, trainer.log()[-3000:]
+    return json.loads(report_path.read_text())
+
+
+def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
+             swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
+             swarm.start_peer(1, "--checkpoint-dir", str(tmp_path / "c"))]
+    swarm.wait_online(peers)
+    report = run_trainer(swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH),
+                         "--microbatch-size", str(MICROBATCH))
+    for peer in peers:
+        peer.stop()
+    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
+    assert_same_params(a, b, atol=1e-6)
+    # Both replicas saw part of the batch; the averaged step is the one-process step on all of it.
+    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
+    for name, value in a.items():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+    assert report["losses"][0] > 0
+
+
+def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "4", "--lr", "3e-3"])
+    swarm.start_bootstrap()
+    periodic = ["--averaging", "periodic", "--averaging-period-s", "3"]
+    replicas = [swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "a")),
+                swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "b"))]
+    last = swarm.start_peer(1)
+    swarm.wait_online([*replicas, last])
+    run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2")
+    rounds_after_training = [len(re.findall("averaged parameters", p.log())) for p in replicas]
+    wait_for(lambda: all(len(re.findall("averaged parameters", p.log())) > n
+                         for p, n in zip(replicas, rounds_after_training)), 30, "an averaging round after training")
+    for peer in replicas:
+        peer.stop()
+    assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
+
+
+def test_a_joining_peer_gets_the_replicas_state(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3"])
+    swarm.start_bootstrap()
+    first = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"))
+    last = swarm.start_peer(1)
+    swarm.wait_online([first, last])
+    run_trainer(swarm, tmp_path, "--steps", "3", "--batch-size", "8", "--microbatch-size", "2")
+    joiner = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"))
+    swarm.wait_online([joiner])
+    assert re.search(r"loaded stage 0 state from replica \S+ \(3 steps done\)", joiner.log()), joiner.log()
+    first.stop()
+    joiner.stop()
+    assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=0)
+
+
+def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--no-load-state"])
+    swarm.start_bootstrap()
+    ckpt = ["--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-period-s", "1"]
+    peer = swarm.start_peer(0, *ckpt)
+    last = swarm.start_peer(1)
+    swarm.wait_online([peer, last])
+    run_trainer(swarm, tmp_path, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2")
+    path = checkpoint_path(str(tmp_path / "a"), "tiny", 0, 2)
+    wait_for(lambda: load_checkpoint(path)[0].steps_done == 2, 30, "a periodic checkpoint after training")
+    saved = stage_params(tmp_path / "a", 0)
+    peer.signal(signal.SIGKILL)
+    peer.popen.wait(timeout=30)
+    restarted = swarm.start_peer(0, *ckpt, name="peer-s0-restarted")
+    swarm.wait_online([restarted])
+    assert "restored stage 0" in restarted.log() and "(2 steps done)" in restarted.log()
+    restarted.stop()
+    assert_same_params(saved, stage_params(tmp_path / "a", 0), atol=0)
+
+
+def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    path = checkpoint_path(str(ckpt), "tiny", 0, 2)
+    from peers.stage_runtime import StageRuntime
+    StageRuntime(get_model_config("tiny"), 0, 2).save(path, "tiny")
+    data = open(path, "rb").read()
+    for damaged in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint"):
+        with open(path, "wb") as f:
+            f.write(damaged)
+        result = subprocess.run([sys.executable, "-m", "swarm.cli", "peer", "--model", "tiny", "--stage", "0",
+                                 "--checkpoint-dir", str(ckpt)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert re.search(r"corrupted or truncated|not a swarm checkpoint", result.stderr), result.stderr
+
+
+def test_a_trainer_resumes_at_the_same_data_position(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0), swarm.start_peer(1)]
+    swarm.wait_online(peers)
+    first = run_trainer(swarm, tmp_path, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2")
+    resumed = run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--resume")
+    assert first["steps"] == 2 and resumed["steps"] == 4 and resumed["completed"]
+    assert resumed["losses"][:2] == first["losses"] and len(resumed["losses"]) == 4
+    assert resumed["resumed_from_step"] == 2
