@@ -8,6 +8,7 @@ from dht.configuration import ConfigError, option
 from dht.node import NetworkConfig
 from models.config import get_model_config
 from models.stages import stage_spec
+from peers.metrics import validate_metrics_options
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -38,6 +39,9 @@ class PeerConfig(NetworkConfig):
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
+    metrics_port: int = option(0, help="serve Prometheus metrics on this port (0 = any free port, announced in the "
+                               "peer's DHT record for `swarm monitor targets`; -1 = off)")
+    metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +52,7 @@ class PeerConfig(NetworkConfig):
         for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        validate_metrics_options(self.metrics_host, self.metrics_port)
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
             raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
         for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):

@@ -27,6 +27,7 @@ from peers.averaging import GradientSync, ParameterAveraging
 from peers.checkpoint import CheckpointError, checkpoint_path
 from peers.config import PeerConfig
 from peers.faults import FaultSettings, FaultyStageRuntime
+from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
 from peers.protocol import (RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE, CommitRequest, CommitResponse, ErrorKind,
                             ProtocolError, RequestHeader, ResponseHeader, StateHeader, StateRequest, decode_header,
                             decode_tensors, encode_header, encode_tensor, from_wire, read_stream, response_messages,
@@ -47,9 +48,11 @@ def software_version() -> str:
 
 class PeerServer:
     def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT,
-                 averaging: GradientSync | ParameterAveraging | None = None):
+                 averaging: GradientSync | ParameterAveraging | None = None, *,
+                 metrics: PeerMetrics | None = None, metrics_addr: str | None = None):
         self.config, self.runtime, self.dht = config, runtime, dht
         self.averaging = averaging
+        self.metrics, self.metrics_addr = metrics or PeerMetrics(), metrics_addr
         self.peer_id = dht.peer_id.to_base58()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.in_flight = 0
@@ -61,6 +64,12 @@ class PeerServer:
         self._semaphore: asyncio.Semaphore | None = None
         self.bytes = compression.ByteCounter()
         self.feedback = compression.ErrorFeedback()
+        self.metrics.watch(in_flight=lambda: self.in_flight, throughput=lambda: self.runtime.throughput.value,
+                           runtime_counts=lambda: (self.runtime.steps_done, self.runtime.cache_hits,
+                                                   self.runtime.cache_misses))
+        self.metrics.count_bytes(self.bytes.snapshot)
+        self.metrics.set_serving(stage=runtime.stage, num_stages=runtime.num_stages, version=software_version())
+        self.metrics.set_state(self.state.value)
 
     # --- DHT record ------------------------------------------------------------------------------
     def record(self) -> PeerRecord:
@@ -68,11 +77,12 @@ class PeerServer:
                           num_stages=self.runtime.num_stages, state=self.state,
                           throughput=float(self.runtime.throughput.value), load=float(self.in_flight),
                           version=software_version(), expires_at=get_dht_time() + self.config.record_ttl_s,
-                          averaging=self.config.averaging)
+                          averaging=self.config.averaging, metrics_addr=self.metrics_addr)
 
     async def _announce_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             stored = await announce(self.dht, self.record())
+            self.metrics.announcements.labels(result="ok" if stored else "failed").inc()
             if stored and self.announced_online_at is None and self.state == PeerState.ONLINE:
                 self.announced_online_at = time.monotonic()
             try:
@@ -92,6 +102,7 @@ class PeerServer:
     async def _serve(self, rpc: str, requests):
         received = time.perf_counter()
         self.in_flight += 1
+        failure_kind, queue_s, compute_s, samples = None, None, None, 0
         try:
             header, parts = await read_stream(requests, RequestHeader)
             if header.rpc != rpc:
@@ -108,7 +119,7 @@ class PeerServer:
                 queued = time.perf_counter()
                 outputs, loss = await asyncio.get_running_loop().run_in_executor(
                     self.executor, self._compute, header, tensors)
-            compute_s = time.perf_counter() - queued
+            compute_s, queue_s, samples = time.perf_counter() - queued, queued - received, header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             for _, item in encoded_outputs:
                 self.bytes.record_sent(item)
@@ -120,15 +131,19 @@ class PeerServer:
                       f"online record was stored", flush=True)
         except (ProtocolError, BadRequestError) as e:
             self.requests_failed += 1
-            kind = ErrorKind.WRONG_STAGE if isinstance(e, _WrongStageError) else ErrorKind.BAD_REQUEST
+            kind = failure_kind = ErrorKind.WRONG_STAGE if isinstance(e, _WrongStageError) else ErrorKind.BAD_REQUEST
             logger.warning(f"Refused a {rpc} request: {e}")
             response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
         except Exception as e:  # a bug or resource failure here must not take the peer down
             self.requests_failed += 1
             logger.exception(f"{rpc} failed")
+            failure_kind = ErrorKind.INTERNAL
             response, out_parts = ResponseHeader(error=f"{type(e).__name__}: {e}", error_kind=ErrorKind.INTERNAL), []
         finally:
             self.in_flight -= 1
+            self.metrics.observe_request(stage=self.runtime.stage, rpc=rpc, duration_s=time.perf_counter() - received,
+                                         samples=samples, queue_s=queue_s, compute_s=compute_s,
+                                         failure_kind=failure_kind.value if failure_kind else None)
         for message in response_messages(response, out_parts):
             yield message
 
@@ -250,7 +265,9 @@ class PeerServer:
         """Runs on the compute thread, so it never sees a half-applied optimizer step."""
         try:
             self.runtime.save(self.checkpoint_file(), self.config.model)
+            self.metrics.checkpoint_saves.labels(result="ok").inc()
         except OSError as e:  # a full disk must not kill the peer; the previous checkpoint stays intact
+            self.metrics.checkpoint_saves.labels(result="error").inc()
             logger.error(f"Could not save the checkpoint {self.checkpoint_file()!r}: {e}")
 
     async def _checkpoint_forever(self, stop: asyncio.Event) -> None:
@@ -274,6 +291,7 @@ class PeerServer:
             await announce(self.dht, self.record())  # joining: trainers do not route here yet
             await self._load_state_from_replica(p2p)
         self.state = PeerState.ONLINE
+        self.metrics.set_state(self.state.value)
         self.online_since = time.monotonic()
         announcer = asyncio.create_task(self._announce_forever(stop))
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
@@ -285,6 +303,7 @@ class PeerServer:
             await stop.wait()
         finally:
             self.state = PeerState.OFFLINE
+            self.metrics.set_state(self.state.value)
             await announcer
             await announce(self.dht, self.record(), timeout_s=5.0)
             if averager is not None:
@@ -321,6 +340,13 @@ def run_peer(config: PeerConfig) -> None:
     if faults.enabled:
         print(f"fault injection on: {faults}", flush=True)
         runtime = FaultyStageRuntime(runtime, faults)
+    metrics = PeerMetrics()
+    endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
+    metrics_addr = endpoint and advertised_metrics_addr(endpoint.host, endpoint.port, host_maddrs=config.host_maddrs,
+                                                        announce_maddrs=config.announce_maddrs)
+    if endpoint:
+        print(f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
+              flush=True)
     dht = start_dht(config)
     compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
     averaging = None
@@ -332,9 +358,12 @@ def run_peer(config: PeerConfig) -> None:
                                        timeout_s=config.averaging_timeout_s,
                                        compression=config.averaging_compression or "none")
     try:
-        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging)))
+        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging, metrics=metrics,
+                                                      metrics_addr=metrics_addr)))
     finally:
         dht.shutdown()
+        if endpoint:
+            endpoint.close()
 
 
 async def _serve_until_signalled(server: PeerServer) -> None:

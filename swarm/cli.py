@@ -70,6 +70,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run_status(from_sources(StatusConfig, args))
 
 
+def cmd_monitor_targets(args: argparse.Namespace) -> int:
+    from swarm.monitor import MonitorConfig, run_monitor_targets
+
+    return run_monitor_targets(from_sources(MonitorConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from swarm.demo import DemoConfig, run_demo
 
@@ -81,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.bootstrap import BootstrapConfig
     from swarm.config import TrainerConfig
     from swarm.demo import DemoConfig
+    from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import add_plan_arguments, run_plan
     from swarm.status import StatusConfig
 
@@ -104,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "data-parallel + pipeline communication cost of a topology file.")
     add_plan_arguments(plan)
     plan.set_defaults(handler=run_plan)
+    monitor = sub.add_parser("monitor", help="tools for Prometheus monitoring of a swarm")
+    monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="TOOL")
+    targets = monitor_sub.add_parser("targets", help="keep a Prometheus file_sd file of the peers' metrics "
+                                     "endpoints up to date from the DHT")
+    add_config_arguments(targets, MonitorConfig)
+    targets.set_defaults(handler=cmd_monitor_targets)
     return parser
 
 

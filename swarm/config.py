@@ -8,6 +8,7 @@ import os
 from dht.configuration import ConfigError, option
 from dht.node import NetworkConfig
 from models.config import get_model_config
+from peers.metrics import validate_metrics_options
 from swarm.codec_policy import CODEC_MODES
 
 
@@ -30,7 +31,11 @@ class TrainerConfig(NetworkConfig):
     codec: str = option("none", help="compression of activations and gradients on the wire: none, fp16, int8, "
                         "topk, or adaptive (per link, from its measured bandwidth)", choices=CODEC_MODES)
     topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")
-    log_every: int = option(1, help="print progress every N steps")
+    log_every: int = option(1, help="print progress every N steps (when stdout is not a terminal; a terminal "
+                            "gets a progress bar)")
+    metrics_port: int = option(0, help="serve Prometheus metrics on this port (0 = any free port, printed at "
+                               "start; -1 = off)")
+    metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,3 +52,4 @@ class TrainerConfig(NetworkConfig):
             raise ConfigError("--resume needs --report pointing at the report of the run to continue")
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")
+        validate_metrics_options(self.metrics_host, self.metrics_port)

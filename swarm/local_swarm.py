@@ -125,6 +125,11 @@ class LocalSwarm:
     def start_trainer(self, *args: str, name: str = "trainer") -> ManagedProcess:
         return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args])
 
+    def start_monitor(self, *args: str, name: str = "monitor") -> ManagedProcess:
+        """`swarm monitor targets` on this swarm's DHT (pass --out FILE and any other flags)."""
+        return self._spawn(name, ["monitor", "targets", "--initial-peers", *self.initial_peers, "--model", self.model,
+                                  *args])
+
     def peers(self) -> list[ManagedProcess]:
         return [p for p in self.processes if p.name.startswith("peer-")]
 

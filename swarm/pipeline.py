@@ -23,6 +23,7 @@ from swarm.codec_policy import CodecPolicy
 from swarm.compression import EncodedTensor, ErrorFeedback
 from swarm.data import Microbatch
 from swarm.failures import BanList, RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
+from swarm.metrics import TrainerMetrics
 from swarm.routing import ReplicaInfo, ReplicaScheduler
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class PipelineCounters:
 class SwarmPipeline:
     def __init__(self, dht: hivemind.DHT, client: StageClient, *, model: str, num_stages: int, d_model: int,
                  seq_len: int, max_retries: int, stage_wait_timeout_s: float, max_in_flight: int,
-                 run_id: str, codecs: CodecPolicy | None = None, on_wait=print):
+                 run_id: str, codecs: CodecPolicy | None = None, on_wait=print, metrics: TrainerMetrics | None = None):
         self.dht, self.client, self.model, self.num_stages = dht, client, model, num_stages
         self.d_model, self.seq_len = d_model, seq_len
         self.max_retries, self.stage_wait_timeout_s = max_retries, stage_wait_timeout_s
@@ -58,6 +59,7 @@ class SwarmPipeline:
         self._slots = asyncio.Semaphore(max_in_flight)
         self._refreshed = asyncio.Event()
         self._on_wait = on_wait
+        self.metrics = metrics or TrainerMetrics()
 
     # --- discovery -------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -67,6 +69,7 @@ class SwarmPipeline:
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
             self.records[stage] = online
             self.schedulers[stage].update_replicas([ReplicaInfo(r.peer_id, r.throughput) for r in online])
+        self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
         self._refreshed.set()
 
     async def refresh_forever(self, period_s: float) -> None:
@@ -121,6 +124,7 @@ class SwarmPipeline:
                     tensors=encoded, timeout_s=timeout_s, response_codec=response_codec)
                 self._check_outputs(peer_id, stage, rpc, batch_size, outputs, response.loss)
             except PeerCallError as e:
+                self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
                 self._note_failure(stage, peer_id, e)
                 failures.append(str(e))
                 try:
@@ -132,6 +136,7 @@ class SwarmPipeline:
                     budget = RetryBudget(stage, max_retries=self.max_retries)
                 continue
             elapsed = time.perf_counter() - started
+            self.metrics.observe_call(stage=stage, rpc=rpc, duration_s=elapsed)
             # Throughput is judged on service time (transfer + compute), not on the time spent queued
             # behind our own other requests: otherwise the busiest replica would look the slowest.
             service_s = max(elapsed - response.queue_s, response.compute_s)
@@ -153,6 +158,7 @@ class SwarmPipeline:
             self._refreshed.clear()  # the peer moved: a refresh will drop it from this stage
         else:
             self.bans.ban(peer_id)
+            self.metrics.bans.labels(stage=str(stage)).inc()
         logger.warning(f"stage {stage}: {error}; retrying on another replica")
 
     async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
@@ -166,7 +172,9 @@ class SwarmPipeline:
             self._on_wait(f"waiting for a live replica of stage {stage} ({waited:.0f} s so far; "
                           f"{len(self.bans.banned())} peers banned)")
         next_unban = self.bans.seconds_until_next_unban()
-        await asyncio.sleep(min(1.0, next_unban if next_unban is not None else 1.0))
+        pause_s = min(1.0, next_unban if next_unban is not None else 1.0)
+        await asyncio.sleep(pause_s)
+        self.metrics.stage_wait.labels(stage=str(stage)).inc(pause_s)
         await self.refresh()
 
     def _check_outputs(self, peer_id: str, stage: int, rpc: str, batch_size: int,
@@ -208,8 +216,10 @@ class SwarmPipeline:
                 outputs, _ = await self.call_stage(stage, "backward", microbatch_id, mb.size, tensors, failures)
                 grad = outputs.get("grad_inputs")
             self.counters.microbatches_done += 1
+            self.metrics.microbatches.inc()
             if failures:
                 self.counters.microbatches_retried += 1
+                self.metrics.microbatches_retried.inc()
             return float(response.loss)
 
     async def run_step(self, microbatches: list[Microbatch]) -> float:

@@ -29,7 +29,7 @@ async def collect_status(dht, model: str, num_stages: int | None) -> dict[int, l
 
 def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
     lines = [f"model {model}: {len(stages)} stages"]
-    header = f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5}  version"
+    header = f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5}  {'version':<8} metrics"
     lines.append(header)
     for stage, records in stages.items():
         online = [r for r in records if r.state == PeerState.ONLINE]
@@ -37,7 +37,7 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
             lines.append(f"{stage:>5}  (no peers)")
         for r in records:
             lines.append(f"{stage:>5}  {'…' + r.peer_id[-12:]:<14} {r.state.value:<8} {r.throughput:>10.1f} "
-                         f"{r.load:>5.0f}  {r.version}")
+                         f"{r.load:>5.0f}  {r.version:<8} {r.metrics_addr or '-'}")
         lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
     return "\n".join(lines)
 

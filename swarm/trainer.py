@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import secrets
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -16,11 +17,14 @@ from dht.announce import fetch_stage_records_async
 from dht.node import start_dht
 from dht.records import PeerState
 from models.config import get_model_config
+from peers.metrics import serve_metrics
 from swarm.client import StageClient
 from swarm.codec_policy import CodecPolicy
 from swarm.config import TrainerConfig
 from swarm.data import MicrobatchSampler, load_corpus
+from swarm.metrics import TrainerMetrics
 from swarm.pipeline import SwarmPipeline
+from swarm.progress import StepProgress, TrainingProgress
 
 
 class DiscoveryError(RuntimeError):
@@ -109,8 +113,14 @@ async def wait_for_every_stage(pipeline: SwarmPipeline, timeout_s: float, say=pr
         await asyncio.sleep(1.0)
 
 
-async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport, say=print) -> TrainingReport:
+async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport, say=print,
+                metrics: TrainerMetrics | None = None) -> TrainingReport:
     """Train for `config.steps` steps, filling `report` as it goes (it stays valid on failure)."""
+    metrics = metrics or TrainerMetrics()
+    # A bar only where our lines go straight to a terminal; a caller's own `say` gets plain lines.
+    progress = TrainingProgress(config.steps, log_every=config.log_every, say=say,
+                                interactive=say is print and sys.stdout.isatty())
+    say = progress.say
     model_config = get_model_config(config.model)
     tokens = load_corpus(config.data)
     sampler = MicrobatchSampler(tokens, seq_len=model_config.seq_len, batch_size=config.batch_size,
@@ -122,7 +132,9 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
                              seq_len=model_config.seq_len, max_retries=config.max_retries,
                              stage_wait_timeout_s=config.stage_wait_timeout_s, max_in_flight=config.max_in_flight,
                              run_id=secrets.token_hex(4), on_wait=say,
-                             codecs=CodecPolicy(config.codec, topk_fraction=config.topk_fraction))
+                             codecs=CodecPolicy(config.codec, topk_fraction=config.topk_fraction), metrics=metrics)
+    metrics.set_run(model=config.model, num_stages=num_stages, codec=config.codec, target_steps=config.steps)
+    metrics.count_bytes(client.bytes.snapshot)
     await wait_for_every_stage(pipeline, config.discovery_timeout_s, say)
     say(f"training {config.model} over {num_stages} stages with {pipeline.live_replicas()} replicas; "
         f"{len(tokens):,} tokens of data, batch {config.batch_size} x {model_config.seq_len} tokens")
@@ -145,12 +157,14 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
             if config.report:  # after every step, so a killed trainer can resume where it was
                 _fill_report(report, pipeline, time.perf_counter() - started)
                 report.write(config.report)
-            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                elapsed = time.perf_counter() - started
-                say(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {report.tokens / elapsed:,.0f} tok/s  "
-                    f"replicas {pipeline.live_replicas()}  retried {pipeline.counters.calls_retried}")
+            metrics.observe_step(step=step + 1, loss=loss, tokens=tokens_per_step, duration_s=step_s)
+            elapsed = time.perf_counter() - started
+            progress.update(StepProgress(step=step + 1, total_steps=config.steps, loss=loss,
+                                         tokens_per_s=(step + 1 - first_step) * tokens_per_step / elapsed, live_replicas=pipeline.live_replicas(),
+                                         calls_retried=pipeline.counters.calls_retried, elapsed_s=elapsed))
         report.completed = True
     finally:
+        progress.close()
         refresher.cancel()
         _fill_report(report, pipeline, time.perf_counter() - started)
     return report
@@ -179,15 +193,21 @@ def _fill_report(report: TrainingReport, pipeline: SwarmPipeline, train_time_s: 
 
 def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     """Join the DHT as a client, train, write the report (also after an error or Ctrl-C)."""
+    metrics = TrainerMetrics()
+    endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
+    if endpoint:
+        say(f"metrics on {endpoint.url}")
     report = TrainingReport(model=config.model, num_stages=config.num_stages or 0)
     if config.resume:
         report = TrainingReport.load(config.report, model=config.model)
         report.resumed_from_step = report.steps
     dht = start_dht(config, client_mode=True)
     try:
-        asyncio.run(train(config, dht, report, say))
+        asyncio.run(train(config, dht, report, say, metrics=metrics))
     finally:
         dht.shutdown()
+        if endpoint:
+            endpoint.close()
         if config.report:
             report.write(config.report)
     return report

@@ -1,0 +1,24 @@
+"""`swarm status`'s table: one line per peer with its state, throughput, load, version and metrics address."""
+
+from __future__ import annotations
+
+from dht.records import PeerRecord, PeerState
+from swarm.status import format_table
+
+
+def record(peer: str, stage: int, state=PeerState.ONLINE, metrics_addr=None) -> PeerRecord:
+    return PeerRecord(peer_id=peer, model="tiny", stage=stage, num_stages=2, state=state, throughput=120.0, load=3.0,
+                      version="0.1.0", expires_at=1e12, metrics_addr=metrics_addr)
+
+
+def test_the_table_lists_peers_per_stage_with_their_metrics_address():
+    text = format_table("tiny", {0: [record("QmAAAAAAAAAAAAAAAAA0", 0, metrics_addr="127.0.0.1:9100"),
+                                     record("QmBBBBBBBBBBBBBBBBB1", 0, state=PeerState.OFFLINE)],
+                                 1: []})
+    lines = text.splitlines()
+    assert lines[0] == "model tiny: 2 stages"
+    assert lines[1].split() == ["stage", "peer", "state", "samples/s", "load", "version", "metrics"]
+    assert lines[2].split() == ["0", "…AAAAAAAAAAA0", "online", "120.0", "3", "0.1.0", "127.0.0.1:9100"]
+    assert lines[3].split()[-1] == "-" and "offline" in lines[3]
+    assert "stage 0: 1 online, 120.0 samples/s" in lines[4]
+    assert lines[5].split() == ["1", "(no", "peers)"]
