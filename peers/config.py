@@ -30,13 +30,15 @@ class PeerConfig(NetworkConfig):
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
+    split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
+                                          "profile`); default: the swarm's split, or the equal split")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         config = get_model_config(self.model)
         if self.stage is None:
             raise ConfigError("--stage is required (the pipeline stage to serve, 0-based)")
-        stage_spec(config, self.stage, self.num_stages)  # raises a StageSplitError for a bad stage
+        stage_spec(config, self.stage, self.num_stages, self.requested_boundaries)  # StageSplitError for a bad stage
         for name in ("lr", "announce_period_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
@@ -45,6 +47,16 @@ class PeerConfig(NetworkConfig):
         for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+
+    @property
+    def requested_boundaries(self) -> tuple[int, ...] | None:
+        if self.split_boundaries is None:
+            return None
+        try:
+            return tuple(int(part) for part in self.split_boundaries.replace(" ", "").split(","))
+        except ValueError:
+            raise ConfigError(f"--split-boundaries {self.split_boundaries!r}: expected comma-separated block "
+                              f"indices such as 0,4,6") from None
 
     @property
     def record_ttl_s(self) -> float:

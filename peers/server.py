@@ -21,11 +21,13 @@ from hivemind.utils import get_dht_time
 
 from dht.announce import announce
 from dht.node import start_dht
-from dht.records import PeerRecord, PeerState
+from dht.records import PeerRecord, PeerState, SplitRecord
+from dht.split_agreement import publish_split_async
 from models.config import get_model_config
 from peers.checkpoint import checkpoint_path
 from peers.config import PeerConfig
 from peers.faults import FaultSettings, FaultyStageRuntime
+from peers.split_claim import claim_split, renewed, split_tag
 from peers.protocol import (RPC_BACKWARD, RPC_FORWARD, ErrorKind, ProtocolError, RequestHeader, ResponseHeader,
                             decode_tensors, encode_tensor, from_wire, read_stream, response_messages, to_wire)
 from swarm import compression
@@ -42,8 +44,9 @@ def software_version() -> str:
 
 
 class PeerServer:
-    def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT):
+    def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT, split: SplitRecord | None = None):
         self.config, self.runtime, self.dht = config, runtime, dht
+        self.split, self.split_tag = split, split_tag(split, runtime.config.n_layers) if split else None
         self.peer_id = dht.peer_id.to_base58()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.in_flight = 0
@@ -65,6 +68,8 @@ class PeerServer:
     async def _announce_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await announce(self.dht, self.record())
+            if self.split is not None:
+                await publish_split_async(self.dht, renewed(self.split, active=True, ttl_s=self.config.record_ttl_s))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.announce_period_s)
             except asyncio.TimeoutError:
@@ -152,7 +157,8 @@ class PeerServer:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint_file(self) -> str:
-        return checkpoint_path(self.config.checkpoint_dir, self.config.model, self.runtime.stage, self.runtime.num_stages)
+        return checkpoint_path(self.config.checkpoint_dir, self.config.model, self.runtime.stage, self.runtime.num_stages,
+                               self.split_tag)
 
     def save_checkpoint(self) -> None:
         """Runs on the compute thread, so it never sees a half-applied optimizer step."""
@@ -188,6 +194,9 @@ class PeerServer:
             self.state = PeerState.OFFLINE
             await announcer
             await announce(self.dht, self.record(), timeout_s=5.0)
+            if self.split is not None:  # our claim on the split no longer binds anyone
+                await publish_split_async(self.dht, renewed(self.split, active=False, ttl_s=self.config.record_ttl_s),
+                                          timeout_s=5.0)
             if checkpointer is not None:
                 await checkpointer
                 await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
@@ -205,22 +214,29 @@ def run_peer(config: PeerConfig) -> None:
     model_config = get_model_config(config.model)
     settings = OptimizerSettings(lr=config.lr, weight_decay=config.weight_decay,
                                  target_batch_size=config.target_batch_size, kind=config.optimizer)
-    runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
-                           max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size)
-    if config.checkpoint_dir:
-        path = checkpoint_path(config.checkpoint_dir, config.model, config.stage, config.num_stages)
-        if os.path.exists(path):
-            runtime.restore(path, config.model)
-            print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
-    runtime.measure_throughput()
-    faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
-    if faults.enabled:
-        print(f"fault injection on: {faults}", flush=True)
-        runtime = FaultyStageRuntime(runtime, faults)
     dht = start_dht(config)
-    compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
     try:
-        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht)))
+        # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
+        # with the swarm's stops here with a SplitConflictError.
+        split = claim_split(dht, model=config.model, peer_id=dht.peer_id.to_base58(),
+                            requested=config.requested_boundaries, num_stages=config.num_stages,
+                            n_layers=model_config.n_layers, ttl_s=config.record_ttl_s)
+        runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
+                               max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size,
+                               boundaries=split.boundaries)
+        if config.checkpoint_dir:
+            path = checkpoint_path(config.checkpoint_dir, config.model, config.stage, config.num_stages,
+                                   split_tag(split, model_config.n_layers))
+            if os.path.exists(path):
+                runtime.restore(path, config.model)
+                print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
+        runtime.measure_throughput()
+        faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
+        if faults.enabled:
+            print(f"fault injection on: {faults}", flush=True)
+            runtime = FaultyStageRuntime(runtime, faults)
+        compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
+        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, split)))
     finally:
         dht.shutdown()
 
