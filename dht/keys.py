@@ -10,3 +10,9 @@ def stage_key(model: str, stage: int) -> str:
 
 def peer_subkey(peer_id: str) -> str:
     return peer_id
+
+
+def split_key(model: str) -> str:
+    """The key under which every peer of a model states the stage split it serves (subkey: its
+    peer id), so that peers and trainers agree on one split."""
+    return f"swarm/{model}/split"

@@ -6,7 +6,7 @@ import logging
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,66 @@ def parse_records(entries: dict[Any, Any], *, model: str, stage: int) -> list[Pe
         if record.peer_id != subkey or record.model != model or record.stage != stage:
             logger.warning(f"Skipping DHT record {subkey!r}: it names peer {record.peer_id}, "
                            f"model {record.model}, stage {record.stage}")
+            continue
+        records.append(record)
+    return records
+
+
+class SplitRecord(BaseModel):
+    """How one peer splits its model into stages: block boundaries (0, b_1, ..., n_layers), stage
+    i holding blocks b_i .. b_{i+1}-1. Every peer states the split it serves, so that a peer with
+    another split can refuse to start and a trainer can check that the swarm agrees."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=128)
+    num_stages: int = Field(ge=1, le=1024)
+    boundaries: tuple[int, ...] = Field(min_length=2, max_length=1025)
+    since: float = Field(description="DHT time the peer first stated this split: the earlier claim wins a race")
+    active: bool = Field(default=True, description="False once the peer has left: its claim binds nobody")
+    expires_at: float
+
+    @model_validator(mode="after")
+    def _boundaries_describe_the_stages(self) -> "SplitRecord":
+        bounds = self.boundaries
+        if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or any(b >= a for b, a in zip(bounds, bounds[1:])):
+            raise ValueError(f"boundaries {list(bounds)} do not describe {self.num_stages} non-empty stages")
+        return self
+
+    def same_split(self, other: "SplitRecord") -> bool:
+        return (self.num_stages, self.boundaries) == (other.num_stages, other.boundaries)
+
+    def describe(self) -> str:
+        return f"{self.num_stages} stages at block boundaries {','.join(map(str, self.boundaries))}"
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "SplitRecord":
+        """Parse a DHT value; raises `ValueError` for anything malformed."""
+        if not isinstance(value, dict):
+            raise ValueError(f"a split record must be a mapping, got {type(value).__name__}")
+        bounds = value.get("boundaries")
+        try:
+            return cls.model_validate({**value, "boundaries": tuple(bounds) if isinstance(bounds, list) else bounds})
+        except ValidationError as e:
+            raise ValueError(f"malformed split record: {e.errors()[0]['msg']}") from None
+
+
+def parse_split_records(entries: dict[Any, Any], *, model: str) -> list[SplitRecord]:
+    """Parse every subkey of a model's split key; skip (with a warning) what is malformed, names
+    another model, or whose subkey does not match the peer id inside."""
+    records = []
+    for subkey, value in sorted(entries.items(), key=lambda kv: str(kv[0])):
+        try:
+            record = SplitRecord.from_wire(value)
+        except ValueError as e:
+            logger.warning(f"Skipping split record {subkey!r} for {model}: {e}")
+            continue
+        if record.peer_id != subkey or record.model != model:
+            logger.warning(f"Skipping split record {subkey!r}: it names peer {record.peer_id}, model {record.model}")
             continue
         records.append(record)
     return records

@@ -1,14 +1,18 @@
 """Splitting a GPT into pipeline stages.
 
 Stage 0 owns the token embedding, the last stage owns the final norm, the head and the loss; the
-blocks are split into contiguous ranges. The split is a pure function of (n_layers, num_stages)
-and every component is initialised from its own seeded generator, so a stage built alone holds
-exactly the weights the same slice of the whole model would hold.
+blocks are split into contiguous ranges, described by their block boundaries
+`(0, b_1, ..., n_layers)`: stage i holds blocks `b_i .. b_{i+1}-1`. The default is the equal split
+(`split_layers`); a balanced split chosen from a profile (`models.balanced_split`) is passed as
+explicit boundaries. Every component is initialised from its own seeded generator, so a stage
+built alone holds exactly the weights the same slice of the whole model would hold, whatever the
+split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -59,8 +63,37 @@ def split_layers(n_layers: int, num_stages: int) -> list[StageSpec]:
     return specs
 
 
-def stage_spec(config: GPTConfig, stage: int, num_stages: int) -> StageSpec:
-    specs = split_layers(config.n_layers, num_stages)
+def equal_boundaries(n_layers: int, num_stages: int) -> tuple[int, ...]:
+    """The block boundaries of the equal split `split_layers(n_layers, num_stages)`."""
+    specs = split_layers(n_layers, num_stages)
+    return (0, *(spec.last_layer for spec in specs))
+
+
+def split_from_boundaries(n_layers: int, boundaries: Sequence[int]) -> list[StageSpec]:
+    """Stages from explicit block boundaries `(0, b_1, ..., n_layers)`: stage i holds blocks
+    b_i .. b_{i+1}-1. Every stage gets at least one block."""
+    bounds = tuple(boundaries)
+    if len(bounds) < 2:
+        raise StageSplitError(f"split boundaries need at least two entries (0 and {n_layers}), got {list(bounds)}")
+    if bounds[0] != 0 or bounds[-1] != n_layers:
+        raise StageSplitError(f"split boundaries must start at 0 and end at n_layers={n_layers}, got {list(bounds)}")
+    if any(b >= a for b, a in zip(bounds, bounds[1:])):
+        raise StageSplitError(f"split boundaries must strictly increase (every stage holds at least one block), "
+                              f"got {list(bounds)}")
+    num_stages = len(bounds) - 1
+    return [StageSpec(index=i, num_stages=num_stages, first_layer=bounds[i], last_layer=bounds[i + 1])
+            for i in range(num_stages)]
+
+
+def stage_spec(config: GPTConfig, stage: int, num_stages: int, boundaries: Sequence[int] | None = None) -> StageSpec:
+    """The spec of one stage: of the equal split, or of the split `boundaries` describe (which must
+    then describe `num_stages` stages)."""
+    if boundaries is None:
+        specs = split_layers(config.n_layers, num_stages)
+    else:
+        specs = split_from_boundaries(config.n_layers, boundaries)
+        if len(specs) != num_stages:
+            raise StageSplitError(f"split boundaries {list(boundaries)} describe {len(specs)} stages, not {num_stages}")
     if not 0 <= stage < num_stages:
         raise StageSplitError(f"stage {stage} is out of range: the model is split into {num_stages} stages (0..{num_stages - 1})")
     return specs[stage]
@@ -110,8 +143,10 @@ class StageModule(nn.Module):
         return (batch_size, T, self.config.d_model), torch.float32
 
 
-def build_stage(config: GPTConfig, stage: int, num_stages: int, seed: int = 0) -> StageModule:
-    return StageModule(config, stage_spec(config, stage, num_stages), seed)
+def build_stage(config: GPTConfig, stage: int, num_stages: int, seed: int = 0,
+                boundaries: Sequence[int] | None = None) -> StageModule:
+    """One stage of the equal split, or of the split given by `boundaries`."""
+    return StageModule(config, stage_spec(config, stage, num_stages, boundaries), seed)
 
 
 def build_full_model(config: GPTConfig, seed: int = 0) -> StageModule:

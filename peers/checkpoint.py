@@ -29,8 +29,10 @@ class CheckpointMeta:
     steps_done: int
 
 
-def checkpoint_path(folder: str, model: str, stage: int, num_stages: int) -> str:
-    return os.path.join(folder, f"{model}-stage{stage}of{num_stages}.ckpt")
+def checkpoint_path(folder: str, model: str, stage: int, num_stages: int, split_tag: str | None = None) -> str:
+    """`split_tag` names a split other than the equal one, so a stage never loads another split's layers."""
+    split = f"-split{split_tag}" if split_tag else ""
+    return os.path.join(folder, f"{model}-stage{stage}of{num_stages}{split}.ckpt")
 
 
 def serialize_state(meta: CheckpointMeta, module_state: dict, optimizer_state: dict) -> bytes:

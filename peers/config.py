@@ -42,13 +42,15 @@ class PeerConfig(NetworkConfig):
     metrics_port: int = option(0, help="serve Prometheus metrics on this port (0 = any free port, announced in the "
                                "peer's DHT record for `swarm monitor targets`; -1 = off)")
     metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
+    split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
+                                          "profile`); default: the swarm's split, or the equal split")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         config = get_model_config(self.model)
         if self.stage is None:
             raise ConfigError("--stage is required (the pipeline stage to serve, 0-based)")
-        stage_spec(config, self.stage, self.num_stages)  # raises a StageSplitError for a bad stage
+        stage_spec(config, self.stage, self.num_stages, self.requested_boundaries)  # StageSplitError for a bad stage
         for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
@@ -58,6 +60,16 @@ class PeerConfig(NetworkConfig):
         for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+
+    @property
+    def requested_boundaries(self) -> tuple[int, ...] | None:
+        if self.split_boundaries is None:
+            return None
+        try:
+            return tuple(int(part) for part in self.split_boundaries.replace(" ", "").split(","))
+        except ValueError:
+            raise ConfigError(f"--split-boundaries {self.split_boundaries!r}: expected comma-separated block "
+                              f"indices such as 0,4,6") from None
 
     @property
     def record_ttl_s(self) -> float:

@@ -21,7 +21,8 @@ from hivemind.utils import get_dht_time
 
 from dht.announce import announce, fetch_stage_records_async
 from dht.node import start_dht
-from dht.records import PeerRecord, PeerState
+from dht.records import PeerRecord, PeerState, SplitRecord
+from dht.split_agreement import publish_split_async
 from models.config import get_model_config
 from peers.averaging import GradientSync, ParameterAveraging
 from peers.checkpoint import CheckpointError, checkpoint_path
@@ -33,6 +34,7 @@ from peers.protocol import (RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE, Co
                             decode_tensors, encode_header, encode_tensor, from_wire, read_stream, response_messages,
                             to_wire)
 from peers.state_transfer import download_state, state_messages
+from peers.split_claim import claim_split, renewed, split_tag
 from swarm import compression
 from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
 
@@ -49,10 +51,11 @@ def software_version() -> str:
 class PeerServer:
     def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT,
                  averaging: GradientSync | ParameterAveraging | None = None, *,
-                 metrics: PeerMetrics | None = None, metrics_addr: str | None = None):
+                 metrics: PeerMetrics | None = None, metrics_addr: str | None = None, split: SplitRecord | None = None):
         self.config, self.runtime, self.dht = config, runtime, dht
         self.averaging = averaging
         self.metrics, self.metrics_addr = metrics or PeerMetrics(), metrics_addr
+        self.split, self.split_tag = split, split_tag(split, runtime.config.n_layers) if split else None
         self.peer_id = dht.peer_id.to_base58()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.in_flight = 0
@@ -85,6 +88,8 @@ class PeerServer:
             self.metrics.announcements.labels(result="ok" if stored else "failed").inc()
             if stored and self.announced_online_at is None and self.state == PeerState.ONLINE:
                 self.announced_online_at = time.monotonic()
+            if self.split is not None:
+                await publish_split_async(self.dht, renewed(self.split, active=True, ttl_s=self.config.record_ttl_s))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.announce_period_s)
             except asyncio.TimeoutError:
@@ -259,7 +264,8 @@ class PeerServer:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint_file(self) -> str:
-        return checkpoint_path(self.config.checkpoint_dir, self.config.model, self.runtime.stage, self.runtime.num_stages)
+        return checkpoint_path(self.config.checkpoint_dir, self.config.model, self.runtime.stage, self.runtime.num_stages,
+                               self.split_tag)
 
     def save_checkpoint(self) -> None:
         """Runs on the compute thread, so it never sees a half-applied optimizer step."""
@@ -308,6 +314,9 @@ class PeerServer:
             await announce(self.dht, self.record(), timeout_s=5.0)
             if averager is not None:
                 await averager
+            if self.split is not None:  # our claim on the split no longer binds anyone
+                await publish_split_async(self.dht, renewed(self.split, active=False, ttl_s=self.config.record_ttl_s),
+                                          timeout_s=5.0)
             if checkpointer is not None:
                 await checkpointer
                 await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
@@ -327,19 +336,6 @@ def run_peer(config: PeerConfig) -> None:
     model_config = get_model_config(config.model)
     settings = OptimizerSettings(lr=config.lr, weight_decay=config.weight_decay,
                                  target_batch_size=config.target_batch_size, kind=config.optimizer)
-    runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
-                           max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size)
-    if config.checkpoint_dir:
-        path = checkpoint_path(config.checkpoint_dir, config.model, config.stage, config.num_stages)
-        if os.path.exists(path):
-            runtime.restore(path, config.model)
-            print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
-    runtime.measure_throughput()
-    stage_runtime = runtime
-    faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
-    if faults.enabled:
-        print(f"fault injection on: {faults}", flush=True)
-        runtime = FaultyStageRuntime(runtime, faults)
     metrics = PeerMetrics()
     endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
     metrics_addr = endpoint and advertised_metrics_addr(endpoint.host, endpoint.port, host_maddrs=config.host_maddrs,
@@ -348,18 +344,38 @@ def run_peer(config: PeerConfig) -> None:
         print(f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
               flush=True)
     dht = start_dht(config)
-    compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
-    averaging = None
-    if config.averaging == "sync":
-        averaging = GradientSync(stage_runtime, dht, config.model, timeout_s=config.averaging_timeout_s,
-                                 compression=config.averaging_compression or "none")
-    elif config.averaging == "periodic":
-        averaging = ParameterAveraging(stage_runtime, dht, config.model, period_s=config.averaging_period_s,
-                                       timeout_s=config.averaging_timeout_s,
-                                       compression=config.averaging_compression or "none")
     try:
+        # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
+        # with the swarm's stops here with a SplitConflictError.
+        split = claim_split(dht, model=config.model, peer_id=dht.peer_id.to_base58(),
+                            requested=config.requested_boundaries, num_stages=config.num_stages,
+                            n_layers=model_config.n_layers, ttl_s=config.record_ttl_s)
+        runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
+                               max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size,
+                               boundaries=split.boundaries)
+        if config.checkpoint_dir:
+            path = checkpoint_path(config.checkpoint_dir, config.model, config.stage, config.num_stages,
+                                   split_tag(split, model_config.n_layers))
+            if os.path.exists(path):
+                runtime.restore(path, config.model)
+                print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
+        runtime.measure_throughput()
+        stage_runtime = runtime
+        faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
+        if faults.enabled:
+            print(f"fault injection on: {faults}", flush=True)
+            runtime = FaultyStageRuntime(runtime, faults)
+        compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
+        averaging = None
+        if config.averaging == "sync":
+            averaging = GradientSync(stage_runtime, dht, config.model, timeout_s=config.averaging_timeout_s,
+                                     compression=config.averaging_compression or "none")
+        elif config.averaging == "periodic":
+            averaging = ParameterAveraging(stage_runtime, dht, config.model, period_s=config.averaging_period_s,
+                                           timeout_s=config.averaging_timeout_s,
+                                           compression=config.averaging_compression or "none")
         asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging, metrics=metrics,
-                                                      metrics_addr=metrics_addr)))
+                                                      metrics_addr=metrics_addr, split=split)))
     finally:
         dht.shutdown()
         if endpoint:

@@ -62,9 +62,9 @@ class ThroughputMeter:
 class StageRuntime:
     def __init__(self, config: GPTConfig, stage: int, num_stages: int, *, seed: int = 0,
                  optimizer: OptimizerSettings = OptimizerSettings(), max_batch_size: int = 256,
-                 activation_cache_size: int = 64):
+                 activation_cache_size: int = 64, boundaries: tuple[int, ...] | None = None):
         self.config, self.stage, self.num_stages = config, stage, num_stages
-        self.module: StageModule = build_stage(config, stage, num_stages, seed)
+        self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries)
         self.settings = optimizer
         self.optimizer = optimizer.build(self.module.parameters())
         self.params = [p for p in self.module.parameters() if p.requires_grad]

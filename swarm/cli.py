@@ -25,6 +25,9 @@ def _configure_logging() -> None:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user, from every layer."""
     from dht.node import BootstrapError
+    from dht.split_agreement import SplitConflictError
+    from models.balanced_split import BalancedSplitError
+    from models.layer_costs import ProfileError
     from models.config import UnknownModelError
     from models.stages import StageSplitError
     from peers.checkpoint import CheckpointError
@@ -33,7 +36,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from swarm.trainer import DiscoveryError, ResumeError
 
     return (ConfigError, BootstrapError, UnknownModelError, StageSplitError, CorpusError, DiscoveryError,
-            RoutingError, CheckpointError, ResumeError, FileNotFoundError)
+            RoutingError, CheckpointError, ResumeError, FileNotFoundError, SplitConflictError, BalancedSplitError,
+            ProfileError)
 
 
 def cmd_dht(args: argparse.Namespace) -> int:
@@ -76,6 +80,12 @@ def cmd_monitor_targets(args: argparse.Namespace) -> int:
     return run_monitor_targets(from_sources(MonitorConfig, args))
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from swarm.profile_cli import ProfileConfig, run_profile
+
+    return run_profile(from_sources(ProfileConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from swarm.demo import DemoConfig, run_demo
 
@@ -89,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.demo import DemoConfig
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import add_plan_arguments, run_plan
+    from swarm.profile_cli import ProfileConfig
     from swarm.status import StatusConfig
 
     parser = argparse.ArgumentParser(prog="swarm", description="Train one model across many volunteer machines: "
@@ -100,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", cmd_train, TrainerConfig, "train a model through the swarm's stages"),
         ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
         ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
+        ("profile", cmd_profile, ProfileConfig, "measure a model layer by layer and suggest a balanced stage split"),
     ]
     for name, handler, config_cls, help_text in roles:
         p = sub.add_parser(name, help=help_text, description=help_text,

@@ -16,6 +16,7 @@ import hivemind
 from dht.announce import fetch_stage_records_async
 from dht.node import start_dht
 from dht.records import PeerState
+from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
 from models.config import get_model_config
 from peers.metrics import serve_metrics
 from swarm.client import StageClient
@@ -59,6 +60,7 @@ class TrainingReport:
     codec: str = "none"
     bytes_by_codec: dict = field(default_factory=dict)  # payload bytes sent/received, per codec
     wire_bytes_per_token: float = 0.0
+    split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
 
     @classmethod
     def load(cls, path: str, *, model: str) -> "TrainingReport":
@@ -100,6 +102,17 @@ async def discover_num_stages(dht: hivemind.DHT, model: str, timeout_s: float, s
     raise DiscoveryError(f"no peer serving {model} stage 0 appeared within {timeout_s:.0f} s")
 
 
+async def read_split(dht: hivemind.DHT, model: str, num_stages: int) -> list[int] | None:
+    """The split the peers serve; a `DiscoveryError` if they disagree or it has another number of stages."""
+    try:
+        split = split_in_force(await fetch_split_records_async(dht, model))
+    except SplitConflictError as e:
+        raise DiscoveryError(str(e)) from None
+    if split is not None and split.num_stages != num_stages:
+        raise DiscoveryError(f"the peers serve {model} in {split.describe()}, not in {num_stages} stages")
+    return list(split.boundaries) if split is not None else None
+
+
 async def wait_for_every_stage(pipeline: SwarmPipeline, timeout_s: float, say=print) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -136,6 +149,7 @@ async def train(config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport
     metrics.set_run(model=config.model, num_stages=num_stages, codec=config.codec, target_steps=config.steps)
     metrics.count_bytes(client.bytes.snapshot)
     await wait_for_every_stage(pipeline, config.discovery_timeout_s, say)
+    report.split_boundaries = await read_split(dht, config.model, num_stages)  # every stage's peers stated theirs
     say(f"training {config.model} over {num_stages} stages with {pipeline.live_replicas()} replicas; "
         f"{len(tokens):,} tokens of data, batch {config.batch_size} x {model_config.seq_len} tokens")
     report.num_stages = num_stages

@@ -4,6 +4,10 @@ Usable as a subcommand (``add_plan_arguments`` + ``run_plan``) or standalone:
 ``python -m swarm.planner.plan_cli --topology FILE.json --out PLAN.json [--seed S] [--time-limit-s T]``.
 The plan file holds ``groups`` (device indices per stage, in pipeline order) and ``cost``
 (``data_parallel_s``, ``pipeline_s``, ``total_s``), with the seed and search time.
+
+``--method opfence`` places by bandwidth clusters instead of searching (``opfence.py``);
+``--profile PROFILE.json --macro-batch-samples N [--split-boundaries 0,4,6]`` takes ``c_pp`` and
+``c_dp`` from a ``swarm profile`` measurement instead of the topology file's constants.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from models.layer_costs import ModelProfile, ProfileError
+from swarm.planner.opfence import PLACEMENTS, OpFenceResult, opfence_plan
 from swarm.planner.search import DEFAULT_PATIENCE_ROUNDS, SearchResult, search_plan
 from swarm.planner.topology import Topology, TopologyError, load_topology
 
@@ -43,11 +49,26 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--patience-rounds", type=int, default=DEFAULT_PATIENCE_ROUNDS,
         help=f"stop after this many rounds without improvement (default {DEFAULT_PATIENCE_ROUNDS})",
     )
+    parser.add_argument("--method", choices=["search", "opfence"], default="search",
+                        help="search: iterated local search (default); opfence: cluster devices by bandwidth, "
+                        "place whole stages or pipelines in the fastest clusters (no search)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="best",
+                        help="with --method opfence: keep whole stages or whole pipelines in clusters, or the "
+                        "cheaper of both (default best)")
+    parser.add_argument("--profile", type=Path, metavar="PROFILE.json",
+                        help="take c_pp and c_dp from this `swarm profile` output instead of the topology file")
+    parser.add_argument("--split-boundaries", metavar="0,4,6",
+                        help="with --profile: the stage split (default: the equal split into the topology's stages)")
+    parser.add_argument("--macro-batch-samples", type=int, metavar="N",
+                        help="with --profile: samples each pipeline replica processes per macro-batch")
+    parser.add_argument("--activation-wire-ratio", type=float, default=1.0,
+                        help="with --profile: wire bytes per measured activation byte (0.5 for fp16; default 1)")
 
 
 def plan_record(topology: Topology, result: SearchResult, time_limit_s: float) -> dict[str, Any]:
     """The JSON-ready plan: groups in pipeline order, cost in seconds, how it was searched."""
     return {
+        "method": "search",
         "topology": topology.name,
         "stages": topology.stages,
         "replicas": topology.replicas,
@@ -63,6 +84,49 @@ def plan_record(topology: Topology, result: SearchResult, time_limit_s: float) -
         "time_limit_s": time_limit_s,
         "stopped_by_time": result.stopped_by_time,
     }
+
+
+def opfence_record(topology: Topology, result: OpFenceResult) -> dict[str, Any]:
+    """The JSON-ready OP-Fence plan, in the same shape as `plan_record`'s."""
+    return {
+        "method": "opfence",
+        "topology": topology.name,
+        "stages": topology.stages,
+        "replicas": topology.replicas,
+        "groups": [[int(device) for device in group] for group in result.groups],
+        "cost": {
+            "data_parallel_s": result.cost.data_parallel_s,
+            "pipeline_s": result.cost.pipeline_s,
+            "total_s": result.cost.total_s,
+        },
+        "placement": result.placement,
+        "unit_levels_gbps": list(result.unit_levels_gbps),
+        "search_time_s": result.elapsed_s,
+    }
+
+
+def _topology_with_profile(topology: Topology, args: argparse.Namespace) -> Topology:
+    """The topology with c_pp and c_dp from ``args.profile``; raises TopologyError or ProfileError."""
+    from models.stages import StageSplitError, equal_boundaries
+    from swarm.planner.workload import communication_sizes, with_communication_sizes
+
+    if args.macro_batch_samples is None or args.macro_batch_samples < 1:
+        raise TopologyError("--profile needs --macro-batch-samples N (N >= 1)")
+    if not args.activation_wire_ratio > 0:
+        raise TopologyError("--activation-wire-ratio must be positive")
+    profile = ModelProfile.read(args.profile)
+    try:
+        if args.split_boundaries:
+            boundaries = tuple(int(part) for part in args.split_boundaries.split(","))
+        else:
+            boundaries = equal_boundaries(profile.n_layers, topology.stages)
+    except StageSplitError as error:  # (a ValueError too: caught first)
+        raise TopologyError(f"{error} (the topology has {topology.stages} stages)") from None
+    except ValueError:
+        raise TopologyError(f"--split-boundaries {args.split_boundaries!r}: expected e.g. 0,4,6") from None
+    sizes = communication_sizes(profile, boundaries, samples_per_macro_batch=args.macro_batch_samples,
+                                activation_wire_ratio=args.activation_wire_ratio)
+    return with_communication_sizes(topology, sizes)
 
 
 def _write_json_atomically(path: Path, record: dict[str, Any]) -> None:
@@ -93,8 +157,13 @@ def run_plan(args: argparse.Namespace) -> int:
         return _fail(f"--patience-rounds must be at least 1, got {args.patience_rounds}")
     try:
         topology = load_topology(args.topology)
-    except TopologyError as error:
+        if getattr(args, "profile", None) is not None:
+            topology = _topology_with_profile(topology, args)
+    except (TopologyError, ProfileError) as error:
         return _fail(str(error))
+    if getattr(args, "method", "search") == "opfence":
+        result = opfence_plan(topology, placement=args.placement)
+        return _write_and_report(args, topology, opfence_record(topology, result), result.cost, result.elapsed_s)
     result = search_plan(
         topology,
         seed=args.seed,
@@ -102,14 +171,20 @@ def run_plan(args: argparse.Namespace) -> int:
         patience_rounds=args.patience_rounds,
     )
     record = plan_record(topology, result, args.time_limit_s)
+    return _write_and_report(args, topology, record, result.cost, result.elapsed_s)
+
+
+def _write_and_report(args: argparse.Namespace, topology: Topology, record: dict[str, Any], cost, elapsed_s: float
+                      ) -> int:
+    record["c_pp_gb"], record["c_dp_gb"] = topology.c_pp_gb, topology.c_dp_gb
     try:
         _write_json_atomically(args.out, record)
     except OSError as error:
         return _fail(f"cannot write plan to {str(args.out)!r}: {error.strerror or error}")
     print(
-        f"plan for {topology.name or args.topology}: total {result.cost.total_s:.2f} s "
-        f"(data parallel {result.cost.data_parallel_s:.2f} s + pipeline "
-        f"{result.cost.pipeline_s:.2f} s), searched {result.elapsed_s:.1f} s -> {args.out}"
+        f"plan for {topology.name or args.topology}: total {cost.total_s:.2f} s "
+        f"(data parallel {cost.data_parallel_s:.2f} s + pipeline "
+        f"{cost.pipeline_s:.2f} s), searched {elapsed_s:.1f} s -> {args.out}"
     )
     return EXIT_OK
 
