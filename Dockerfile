@@ -58,12 +58,14 @@ RUN pip install --no-cache-dir --no-deps --no-index --no-build-isolation . \
  && rm -rf build ./*.egg-info
 
 # Defaults for a container; SWARM_INITIAL_PEERS and SWARM_STAGE are the volunteer's to give.
-# The metrics port takes effect where the peer has --metrics-port.
+# Listen on every interface of the container, so that `-p` port maps reach the peer. The metrics
+# settings take effect where the peer has --metrics-port/--metrics-host (the metrics issue).
 ENV SWARM_HOST_MADDRS=/ip4/0.0.0.0/tcp/31337 \
     SWARM_IDENTITY_PATH=/data/identity.key \
     SWARM_CHECKPOINT_DIR=/data/checkpoints \
     SWARM_STATUS_FILE=/tmp/swarm-peer-status.json \
     SWARM_METRICS_PORT=9100 \
+    SWARM_METRICS_HOST=0.0.0.0 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
