@@ -6,11 +6,14 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from dht.records import PeerRecord, PeerState
-from peers.health import EXIT_HEALTHY, EXIT_UNHEALTHY, main, problem, read_status, write_status, HealthError
+from peers.health import EXIT_HEALTHY, EXIT_UNHEALTHY, HealthError, main, problem, read_status, write_status
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def record(state: PeerState = PeerState.ONLINE) -> PeerRecord:
@@ -63,13 +66,13 @@ def test_missing_or_malformed_status_is_unhealthy_with_a_reason(tmp_path, capsys
 def test_the_status_file_comes_from_the_environment_like_every_peer_option(tmp_path):
     """The image sets SWARM_STATUS_FILE once; the peer writes there and the HEALTHCHECK reads there."""
     write(tmp_path / "status.json")
-    result = subprocess.run([sys.executable, "-m", "peers.health"], capture_output=True, text=True, timeout=60,
+    result = subprocess.run([sys.executable, "-m", "peers.health"], capture_output=True, text=True, timeout=60, cwd=ROOT,
                             env={"SWARM_STATUS_FILE": str(tmp_path / "status.json"), "PATH": "/usr/bin:/bin"})
     assert result.returncode == EXIT_HEALTHY, result.stderr
     assert result.stdout.startswith("healthy: serving tiny stage 1/2")
     assert "torch" not in subprocess.run(  # cheap enough to run every 30 s
         [sys.executable, "-c", "import sys, peers.health; print(' '.join(sys.modules))"],
-        capture_output=True, text=True, timeout=60).stdout.split()
+        capture_output=True, text=True, timeout=60, cwd=ROOT).stdout.split()
 
 
 def test_an_unwritable_status_file_does_not_raise(tmp_path):
