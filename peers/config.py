@@ -25,6 +25,8 @@ class PeerConfig(NetworkConfig):
     max_batch_size: int = option(256, help="largest microbatch (samples) this peer accepts")
     activation_cache_size: int = option(64, help="forward activations kept for backwards that come back here")
     announce_period_s: float = option(5.0, help="re-announce this peer on the DHT this often")
+    status_file: str | None = option(None, help="write this peer's state here as JSON at every announcement "
+                                     "(read by `python -m peers.health`, the container's health check)")
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
     checkpoint_dir: str | None = option(None, help="save the stage here (atomically) periodically and on exit; "
                                         "restore from it at start")

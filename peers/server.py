@@ -29,6 +29,7 @@ from peers.checkpoint import CheckpointError, checkpoint_path
 from peers.config import PeerConfig
 from peers.faults import FaultSettings, FaultyStageRuntime
 from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
+from peers.health import write_status
 from peers.protocol import (RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE, CommitRequest, CommitResponse, ErrorKind,
                             ProtocolError, RequestHeader, ResponseHeader, StateHeader, StateRequest, decode_header,
                             decode_tensors, encode_header, encode_tensor, from_wire, read_stream, response_messages,
@@ -90,10 +91,17 @@ class PeerServer:
                 self.announced_online_at = time.monotonic()
             if self.split is not None:
                 await publish_split_async(self.dht, renewed(self.split, active=True, ttl_s=self.config.record_ttl_s))
+            self._report_status(stored)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.announce_period_s)
             except asyncio.TimeoutError:
                 pass
+
+    def _report_status(self, announced: bool) -> None:
+        """With --status-file: what `python -m peers.health` (the container's HEALTHCHECK) reads."""
+        if self.config.status_file:
+            write_status(self.config.status_file, self.record(), announced=announced, ttl_s=self.config.record_ttl_s,
+                         requests_served=self.requests_served, requests_failed=self.requests_failed)
 
     # --- RPC handlers ----------------------------------------------------------------------------
     async def rpc_forward(self, requests, context):
@@ -311,7 +319,7 @@ class PeerServer:
             self.state = PeerState.OFFLINE
             self.metrics.set_state(self.state.value)
             await announcer
-            await announce(self.dht, self.record(), timeout_s=5.0)
+            self._report_status(await announce(self.dht, self.record(), timeout_s=5.0))
             if averager is not None:
                 await averager
             if self.split is not None:  # our claim on the split no longer binds anyone
