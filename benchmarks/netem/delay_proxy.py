@@ -112,6 +112,9 @@ class DelayProxy:
                 await asyncio.wait_for(asyncio.get_running_loop().sock_connect(upstream, (ip, port)), CONNECT_TIMEOUT_S)
             except BaseException:
                 upstream.close()
+                # The application's connect already succeeded (to us): a reset is the closest thing
+                # to the refusal it would have seen, and makes it retry as it would then.
+                client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 raise
             # The handshake crossed the link too: hold the connection for one RTT before relaying.
             await asyncio.sleep(2 * delay_s)

@@ -34,6 +34,7 @@ NAMESPACE_PATTERN = re.compile(r"^swn(\d+)[-.]")
 COMMAND_TIMEOUT_S = 20.0
 DEFAULT_SUBNET = "10.213.0.0/24"
 INTERFACE = "wan0"
+_CLASS_SENT = re.compile(r"^class htb (\S+) .*?\n\s*Sent (\d+) bytes", re.MULTILINE)
 
 
 class NetemError(RuntimeError):
@@ -127,7 +128,7 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-def _normal_priority() -> None:
+def normal_priority() -> None:
     """The proxies are the network: a `nice`d benchmark must not make its links slower. They use
     little CPU, so they run at the default priority whatever the caller's niceness."""
     os.setpriority(os.PRIO_PROCESS, 0, 0)
@@ -165,6 +166,7 @@ class EmulatedNetwork:
         next(addresses)  # .1 stays free
         self.hosts = {name: Host(name, region, f"{run_id}-{name}", str(next(addresses)))
                       for name, region in topology.hosts.items()}
+        self._classes: dict[tuple[str, str], str] = {}  # (src host, dst host) -> htb class on src's link
         self._created: list[str] = []
         self._proxies: list[subprocess.Popen] = []
         self.started = False
@@ -251,6 +253,17 @@ class EmulatedNetwork:
             usage[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
         return usage
 
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes sent so far from each host to each other host (its htb class's counter)."""
+        sent = {}
+        for host in self.hosts.values():
+            out = run_command(["ip", "netns", "exec", host.namespace, "tc", "-s", "class", "show", "dev", INTERFACE])
+            by_class = {m.group(1): int(m.group(2)) for m in _CLASS_SENT.finditer(out)}
+            for (src, dst), classid in self._classes.items():
+                if src == host.name:
+                    sent[(src, dst)] = by_class.get(classid, 0)
+        return sent
+
     def leftovers(self) -> list[str]:
         """Namespaces of this network that still exist (empty after `close`)."""
         mine = {self.hub, *(h.namespace for h in self.hosts.values())}
@@ -293,6 +306,7 @@ class EmulatedNetwork:
             link = self.topology.link(host.region, other.region)
             rate = f"{max(round(link.bandwidth_mbit * 1000), 8)}kbit"
             classid = f"1:{100 + index}"
+            self._classes[(host.name, other.name)] = classid
             run_command([*tc, "class", "add", "dev", INTERFACE, "parent", "1:", "classid", classid, "htb",
                          "rate", rate, "ceil", rate, "quantum", "1514"])
             run_command([*tc, "filter", "add", "dev", INTERFACE, "parent", "1:", "protocol", "ip", "prio", "1",
@@ -314,7 +328,7 @@ class EmulatedNetwork:
                                       "--port", str(self.proxy_port), "--mark", str(self.mark),
                                       "--delays", json.dumps(delays)],
                                      cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_normal_priority)
+                                     start_new_session=True, preexec_fn=normal_priority)
         self._proxies.append(proxy)
 
     def _wait_for_proxies(self, timeout_s: float = 30.0) -> None:
