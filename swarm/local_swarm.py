@@ -76,19 +76,20 @@ class LocalSwarm:
         os.makedirs(self.workdir, exist_ok=True)
 
     # --- processes ---------------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
+    def _spawn(self, name: str, args: list[str], prefix: list[str] = ()) -> ManagedProcess:
+        """prefix: a command that runs the rest (e.g. `ip netns exec NS` to start it in a namespace)."""
         log_path = os.path.join(self.workdir, f"{name}.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(log_path, "w") as log:
-            popen = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+            popen = subprocess.Popen([*prefix, sys.executable, "-m", "swarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         process = ManagedProcess(name, popen, log_path)
         self.processes.append(process)
         return process
 
-    def start_bootstrap(self, timeout_s: float = 60.0) -> list[str]:
+    def start_bootstrap(self, timeout_s: float = 60.0, *extra_args: str, prefix: list[str] = ()) -> list[str]:
         maddrs_file = os.path.join(self.workdir, "bootstrap.maddrs")
-        process = self._spawn("bootstrap", ["dht", "--maddrs-file", maddrs_file])
+        process = self._spawn("bootstrap", ["dht", "--maddrs-file", maddrs_file, *extra_args], prefix)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(maddrs_file):
             if not process.alive:
@@ -100,13 +101,13 @@ class LocalSwarm:
             self.initial_peers = [line.strip() for line in f if line.strip()]
         return self.initial_peers
 
-    def start_peer(self, stage: int, *extra_args: str, name: str | None = None) -> ManagedProcess:
+    def start_peer(self, stage: int, *extra_args: str, name: str | None = None, prefix: list[str] = ()) -> ManagedProcess:
         if not self.initial_peers:
             raise LocalSwarmError("start the bootstrap node first")
         name = name or f"peer-s{stage}-{sum(p.name.startswith(f'peer-s{stage}-') for p in self.processes)}"
         args = ["peer", "--initial-peers", *self.initial_peers, "--model", self.model, "--stage", str(stage),
                 "--num-stages", str(self.num_stages), *self.peer_args, *extra_args]
-        return self._spawn(name, args)
+        return self._spawn(name, args, prefix)
 
     def wait_online(self, processes: list[ManagedProcess], timeout_s: float = 120.0) -> None:
         """Wait until each peer printed that it is online (its first announcement follows at once)."""
@@ -122,8 +123,8 @@ class LocalSwarm:
                 raise LocalSwarmError(f"{[p.name for p in pending]} not online within {timeout_s} s")
             time.sleep(0.2)
 
-    def start_trainer(self, *args: str, name: str = "trainer") -> ManagedProcess:
-        return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args])
+    def start_trainer(self, *args: str, name: str = "trainer", prefix: list[str] = ()) -> ManagedProcess:
+        return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args], prefix)
 
     def start_monitor(self, *args: str, name: str = "monitor") -> ManagedProcess:
         """`swarm monitor targets` on this swarm's DHT (pass --out FILE and any other flags)."""

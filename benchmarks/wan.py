@@ -1,0 +1,463 @@
+"""Swarm against a fixed GPipe pipeline on an emulated world-wide network, in one invocation.
+
+Every process runs in its own network namespace (`benchmarks.netem`): links shaped per region
+pair (tc htb) with their latency added by a user-space delay proxy, each link's RTT and rate
+probed before anything is measured. On the same topology, data, model and steps it runs:
+
+  1. gpipe           the baseline: PyTorch's ScheduleGPipe over gloo, stage i on host stage<i>
+  2. swarm none      swarm, trainer on host `trainer`, peer i on host stage<i>, no compression
+  3. swarm int8      the same with 8-bit blockwise activations and gradients
+  4. swarm adaptive  the same with the per-link adaptive codec
+  5. swarm faults    int8 with standby replicas (hosts standby<i>): the peer of stage
+                     `--slow-stage` runs `--slowdown` times slower, the peer of `--kill-stage`
+                     is SIGKILLed once `--kill-at-step` steps are done
+  6. gpipe kill      the baseline with the rank of `--kill-stage` SIGKILLed at the same step
+
+and prints and writes (JSON) for each, over the steps after `--warmup`: tokens/s; bytes per token
+on the links (every host pair's htb counter, so Ethernet/IP/TCP headers, encryption and DHT
+traffic included) and, for swarm, the tensor payload the trainer counted; the CPU seconds all
+processes in the namespaces used per 1,000 tokens; the busiest link direction and how much of the
+time its bytes needed at its shaped rate; the loss reached (mean of the last 3 steps) and whether
+the run finished. Needs root (namespaces, tc, iptables); says so and exits otherwise.
+
+    nice -n 10 .venv/bin/python benchmarks/wan.py --topology benchmarks/topologies/world4.json \\
+        --out benchmarks/out/wan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import gpipe_baseline  # noqa: E402
+from benchmarks.netem.network import EmulatedNetwork, NetemError, missing_requirements, run_command  # noqa: E402
+from benchmarks.netem.probe import verify_links  # noqa: E402
+from benchmarks.netem.topology import TopologyError, load_topology  # noqa: E402
+from models.config import get_model_config  # noqa: E402
+from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
+
+GPIPE_PORT = 29500
+
+
+@dataclass
+class RunResult:
+    name: str
+    completed: bool
+    steps_done: int
+    steps: int
+    tokens_per_s: float | None  # over the steps after warm-up (None if none completed)
+    link_bytes_per_token: float | None  # bytes sent over every link (headers included) / tokens, after warm-up
+    payload_bytes_per_token: float | None  # tensors as the trainer counted them (swarm only)
+    initial_loss: float | None
+    final_loss: float | None  # mean of the last 3 steps done
+    wall_s: float
+    cpu_s_per_1k_tokens: float | None = None  # CPU of every process, per 1,000 tokens, after warm-up
+    busiest_link: str | None = None  # the host pair (one direction) whose link was busiest after warm-up
+    busiest_link_busy: float | None = None  # its bytes / its shaped rate, as a fraction of the timed steps' time
+    notes: list[str] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Settings:
+    model: str
+    steps: int
+    warmup: int
+    batch_size: int
+    microbatch_size: int
+    stage_hosts: list[str]
+    trainer_host: str
+    standby_hosts: dict[int, str]
+    slow_stage: int
+    slowdown: float
+    kill_stage: int
+    kill_at_step: int
+    run_timeout_s: float
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * get_model_config(self.model).seq_len
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+@dataclass
+class Measured:
+    """What crossed the links and the CPU used, between the end of the warm-up and the end."""
+
+    cpu_s: float
+    link_bytes: dict[tuple[str, str], int]  # (src host, dst host) -> bytes
+
+
+class RunMeter:
+    """CPU seconds used by every process inside the namespaces (proxies, p2pd and DHT processes
+    included) and bytes sent over every host pair's link, from the end of the warm-up (when
+    `marker` shows up in the log at `log_path`) until `stop()`. CPU is sampled twice a second, so a
+    process that ends keeps its last sample."""
+
+    def __init__(self, net: EmulatedNetwork, log_path: str, marker: str, period_s: float = 0.5):
+        self.net, self.log_path, self.marker, self.period_s = net, log_path, marker, period_s
+        self.latest: dict[int, float] = {}
+        self.at_marker: Measured | None = None
+        self.result: Measured | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_forever, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        self.latest.update(self.net.cpu_seconds())
+        if self.at_marker is None:
+            try:
+                with open(self.log_path, errors="replace") as f:
+                    if self.marker in f.read():
+                        self.at_marker = Measured(sum(self.latest.values()), self.net.link_bytes())
+            except OSError:
+                pass
+
+    def _sample_forever(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def stop(self) -> Measured | None:
+        """What was used since the marker; None if it never showed up. Idempotent."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.latest.update(self.net.cpu_seconds())
+            if self.at_marker is not None:
+                now = self.net.link_bytes()
+                self.result = Measured(sum(self.latest.values()) - self.at_marker.cpu_s,
+                                       {k: v - self.at_marker.link_bytes.get(k, 0) for k, v in now.items()})
+        return self.result
+
+
+def _fill_measured(result: RunResult, measured: Measured | None, step_seconds: list[float], s: Settings,
+                   net: EmulatedNetwork) -> RunResult:
+    """CPU per 1,000 tokens, link bytes per token, and the busiest link over the timed steps."""
+    timed_s = sum(step_seconds[s.warmup:result.steps_done])
+    timed_tokens = (result.steps_done - s.warmup) * s.tokens_per_step
+    if measured is None or timed_tokens <= 0 or timed_s <= 0:
+        return result
+    result.cpu_s_per_1k_tokens = 1000 * measured.cpu_s / timed_tokens
+    result.link_bytes_per_token = sum(measured.link_bytes.values()) / timed_tokens
+    busy = {pair: nbytes * 8 / (net.topology.host_link(*pair).bandwidth_mbit * 1e6) / timed_s
+            for pair, nbytes in measured.link_bytes.items()}
+    (src, dst), fraction = max(busy.items(), key=lambda item: item[1])
+    result.busiest_link, result.busiest_link_busy = f"{src}->{dst}", fraction
+    return result
+
+
+def _timed_tokens_per_s(step_seconds: list[float], warmup: int, tokens_per_step: int) -> float | None:
+    timed = step_seconds[warmup:]
+    return len(timed) * tokens_per_step / sum(timed) if timed else None
+
+
+def _final_loss(losses: list[float]) -> float | None:
+    tail = losses[-3:]
+    return sum(tail) / len(tail) if tail else None
+
+
+def _wait_for_line(path: str, text: str, process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until `text` appears in the log at `path`; False if the process ended or time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path, errors="replace") as f:
+                if text in f.read():
+                    return True
+        except OSError:
+            pass
+        if process.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def _step_marker(step: int, steps: int) -> str:
+    return f"step {step:>4}/{steps}"  # both the trainer and the baseline print this
+
+
+# --- the baseline ------------------------------------------------------------------------------------
+def run_gpipe(net: EmulatedNetwork, s: Settings, workdir: str, *, kill: bool) -> RunResult:
+    name = "gpipe kill" if kill else "gpipe"
+    _say(f"\n== {name}: ScheduleGPipe over gloo, ranks on {s.stage_hosts}")
+    world = len(s.stage_hosts)
+    master = f"{net.ip(s.stage_hosts[0])}:{GPIPE_PORT}"
+    reports = [os.path.join(workdir, f"{name.replace(' ', '-')}-rank{r}.json") for r in range(world)]
+    logs = [os.path.join(workdir, f"{name.replace(' ', '-')}-rank{r}.log") for r in range(world)]
+    commands = [[*net.exec_prefix(host), *gpipe_baseline.rank_command(
+        r, world, master, model=s.model, steps=s.steps, batch_size=s.batch_size, microbatch_size=s.microbatch_size,
+        report=reports[r], python=net.python)] for r, host in enumerate(s.stage_hosts)]
+    started = time.monotonic()
+    processes = gpipe_baseline.launch(commands, logs, env={"GLOO_SOCKET_IFNAME": "wan0", "PYTHONUNBUFFERED": "1"})
+    meter = RunMeter(net, logs[-1], _step_marker(s.warmup, s.steps))
+    notes = []
+    try:
+        if kill:
+            # Rank 0 finishes a step last (its backward comes last): then every stage has stepped.
+            marker = _step_marker(s.kill_at_step, s.steps)
+            if _wait_for_line(logs[0], marker, processes[0], s.run_timeout_s):
+                os.killpg(processes[s.kill_stage].pid, signal.SIGKILL)
+                notes.append(f"rank {s.kill_stage} ({s.stage_hosts[s.kill_stage]}) SIGKILLed after step {s.kill_at_step}")
+                _say(f"   {notes[-1]}")
+        deadline = time.monotonic() + s.run_timeout_s
+        for process in processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                notes.append("timed out")
+                break
+    finally:
+        measured = meter.stop()
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=10)
+    wall_s = time.monotonic() - started
+    written = [r for r in map(_read_json, reports) if r is not None]  # a SIGKILLed rank writes none
+    last = _read_json(reports[-1]) or {}
+    errors = sorted({_short_error(r["error"]) for r in written if r.get("error")})
+    notes += [f"{sum(1 for r in written if r.get('error'))} ranks failed: {'; '.join(errors)}"] if errors else []
+    steps_done = min((r.get("steps", 0) for r in written), default=0)
+    step_seconds = last.get("step_seconds", [])
+    completed = len(written) == world and all(r.get("completed") for r in written)
+    if not completed and not any(p.returncode == 0 for p in processes):
+        _say(f"   ranks exited with {[p.returncode for p in processes]}; see {logs[-1]}")
+    losses = last.get("losses", [])
+    result = RunResult(name=name, completed=completed, steps_done=steps_done, steps=s.steps,
+                       tokens_per_s=_timed_tokens_per_s(step_seconds[:steps_done], s.warmup, s.tokens_per_step),
+                       link_bytes_per_token=None, payload_bytes_per_token=None,
+                       initial_loss=losses[0] if losses else None, final_loss=_final_loss(losses[:steps_done]),
+                       wall_s=wall_s, notes=notes, losses=losses)
+    return _fill_measured(result, measured, step_seconds, s, net)
+
+
+def _short_error(error: str) -> str:
+    """gloo's errors start with a source path and end with advice: keep what happened."""
+    text = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", error)
+    text = re.sub(r"\[[0-9.]+\]:\d+", "", text)
+    return text.split(". ")[0][:120].strip()
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# --- swarm -------------------------------------------------------------------------------------------
+def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, faults: bool) -> RunResult:
+    name = "swarm faults" if faults else f"swarm {codec}"
+    _say(f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
+         + (f" + standby {s.standby_hosts}" if faults else ""))
+    report_path = os.path.join(workdir, f"{name.replace(' ', '-')}.json")
+    swarm_dir = os.path.join(workdir, name.replace(" ", "-"))
+    notes: list[str] = []
+    started, meter, measured = time.monotonic(), None, None
+    try:
+        with LocalSwarm(model=s.model, num_stages=len(s.stage_hosts), workdir=swarm_dir,
+                        peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1"]) as swarm:
+            trainer_prefix = net.exec_prefix(s.trainer_host)
+            swarm.start_bootstrap(60.0, "--host-maddrs", net.maddr(s.trainer_host), prefix=trainer_prefix)
+            peers = {}
+            placements = [(stage, host) for stage, host in enumerate(s.stage_hosts)]
+            if faults:
+                placements += sorted(s.standby_hosts.items())
+            for stage, host in placements:
+                extra = ["--host-maddrs", net.maddr(host)]
+                if faults and host == s.stage_hosts[s.slow_stage]:
+                    extra += ["--fault-slowdown", str(s.slowdown)]
+                peers[host] = swarm.start_peer(stage, *extra, name=f"peer-{host}", prefix=net.exec_prefix(host))
+            swarm.wait_online(list(peers.values()), timeout_s=180.0)
+            _say(f"   {len(peers)} peers online after {time.monotonic() - started:.0f} s")
+            trainer = swarm.start_trainer("--num-stages", str(len(s.stage_hosts)), "--steps", str(s.steps),
+                                          "--batch-size", str(s.batch_size), "--microbatch-size", str(s.microbatch_size),
+                                          "--max-in-flight", str(s.batch_size // s.microbatch_size), "--codec", codec,
+                                          "--host-maddrs", net.maddr(s.trainer_host), "--report", report_path,
+                                          prefix=trainer_prefix)
+            meter = RunMeter(net, trainer.log_path, _step_marker(s.warmup, s.steps))
+            if faults:
+                notes.append(f"peer of stage {s.slow_stage} ({s.stage_hosts[s.slow_stage]}) {s.slowdown:g}x slower")
+                marker = _step_marker(s.kill_at_step, s.steps)
+                if _wait_for_line(trainer.log_path, marker, trainer.popen, s.run_timeout_s):
+                    peers[s.stage_hosts[s.kill_stage]].signal(signal.SIGKILL)
+                    notes.append(f"peer of stage {s.kill_stage} ({s.stage_hosts[s.kill_stage]}) SIGKILLed "
+                                 f"after step {s.kill_at_step}")
+                    _say(f"   {notes[-1]}")
+            try:
+                trainer.popen.wait(timeout=s.run_timeout_s)
+            except subprocess.TimeoutExpired:
+                notes.append(f"trainer timed out after {s.run_timeout_s:.0f} s")
+            if trainer.popen.returncode not in (0, None):
+                notes.append(f"trainer exited with {trainer.popen.returncode}: {trainer.log().strip().splitlines()[-1:]}")
+            measured = meter.stop()  # before the peers stop: shutting down is not training
+    finally:
+        if meter is not None:
+            meter.stop()
+    wall_s = time.monotonic() - started
+    report = _read_json(report_path) or {}
+    steps_done = report.get("steps", 0)
+    step_seconds = [s.tokens_per_step / t for t in report.get("tokens_per_s_by_step", []) if t > 0]
+    losses = report.get("losses", [])
+    if report.get("microbatches_lost"):
+        notes.append(f"{report['microbatches_lost']} microbatches lost")
+    if report.get("microbatches_retried"):
+        notes.append(f"{report['microbatches_retried']} microbatches retried")
+    result = RunResult(name=name, completed=bool(report.get("completed")), steps_done=steps_done, steps=s.steps,
+                       tokens_per_s=_timed_tokens_per_s(step_seconds, s.warmup, s.tokens_per_step),
+                       link_bytes_per_token=None, payload_bytes_per_token=report.get("wire_bytes_per_token"),
+                       initial_loss=losses[0] if losses else None, final_loss=_final_loss(losses), wall_s=wall_s,
+                       notes=notes, losses=losses)
+    return _fill_measured(result, measured, step_seconds, s, net)
+
+
+# --- the whole benchmark -----------------------------------------------------------------------------
+def probe_pairs(s: Settings) -> list[tuple[str, str]]:
+    """Every link a run uses, each pair once: trainer <-> peers (swarm), stage i -> i+1 (GPipe)."""
+    pairs = []
+    for host in [*s.stage_hosts, *s.standby_hosts.values()]:
+        if host != s.trainer_host:
+            pairs.append((s.trainer_host, host))
+    for a, b in zip(s.stage_hosts, s.stage_hosts[1:]):
+        if (a, b) not in pairs and (b, a) not in pairs:
+            pairs.append((a, b))
+    return pairs
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(results: list[RunResult], baseline: RunResult) -> None:
+    _say("\nrun             steps  tokens/s  vs gpipe  link B/tok  payload B/tok  CPU s/1k tok  busiest link (busy)"
+         "         loss   notes")
+    for r in results:
+        ratio = (r.tokens_per_s / baseline.tokens_per_s if r.tokens_per_s and baseline.tokens_per_s else None)
+        busiest = f"{r.busiest_link} ({r.busiest_link_busy:.0%})" if r.busiest_link else "-"
+        _say(f"{r.name:<15} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {_fmt(ratio, '>7.2f')}x "
+             f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
+             f"{_fmt(r.cpu_s_per_1k_tokens, '>12.2f')}  {busiest:<27} {_fmt(r.final_loss, '>5.3f')}  {'; '.join(r.notes)}")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--topology", default="benchmarks/topologies/world4.json")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=4, help="hosts stage0..stage<N-1> serve the stages")
+    parser.add_argument("--slow-stage", type=int, default=1)
+    parser.add_argument("--slowdown", type=float, default=4.0)
+    parser.add_argument("--kill-stage", type=int, default=2)
+    parser.add_argument("--kill-at-step", type=int, default=None, help="default: half of --steps")
+    parser.add_argument("--runs", default="gpipe,none,int8,adaptive,faults,gpipe-kill",
+                        help="comma-separated subset of gpipe,none,int8,adaptive,faults,gpipe-kill")
+    parser.add_argument("--probe-seconds", type=float, default=1.0)
+    parser.add_argument("--run-timeout-s", type=float, default=420.0)
+    parser.add_argument("--out", default="benchmarks/out/wan.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    reason = missing_requirements()
+    if reason:
+        print(f"wan: cannot run here: {reason}", file=sys.stderr)
+        return 2
+    try:
+        topology = load_topology(args.topology)
+        stage_hosts = [f"stage{i}" for i in range(args.stages)]
+        for host in [*stage_hosts, "trainer"]:
+            topology.region_of(host)
+    except TopologyError as e:
+        print(f"wan: error: {e}", file=sys.stderr)
+        return 2
+    runs = args.runs.split(",")
+    unknown = set(runs) - {"gpipe", "none", "int8", "adaptive", "faults", "gpipe-kill"}
+    if unknown:
+        print(f"wan: error: unknown runs {sorted(unknown)}", file=sys.stderr)
+        return 2
+    standby = {i: f"standby{i}" for i in (args.slow_stage, args.kill_stage) if f"standby{i}" in topology.hosts}
+    settings = Settings(model=args.model, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                        microbatch_size=args.microbatch_size, stage_hosts=stage_hosts, trainer_host="trainer",
+                        standby_hosts=standby, slow_stage=args.slow_stage, slowdown=args.slowdown,
+                        kill_stage=args.kill_stage, kill_at_step=args.kill_at_step or args.steps // 2,
+                        run_timeout_s=args.run_timeout_s)
+    if "faults" in runs and args.kill_stage not in standby:
+        print(f"wan: error: the faults run needs a host standby{args.kill_stage} in the topology", file=sys.stderr)
+        return 2
+    used = {"trainer", *stage_hosts, *standby.values()}
+    topology = topology.with_hosts({h: r for h, r in topology.hosts.items() if h in used})
+
+    # SIGTERM (and SIGHUP) unwind like Ctrl-C, so the network and every process are torn down.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    workdir = tempfile.mkdtemp(prefix="wan-")
+    results: list[RunResult] = []
+    started = time.monotonic()
+    try:
+        with EmulatedNetwork(topology, workdir=workdir) as net:
+            _say(net.describe())
+            _say("probing every link the runs use (RTT and payload rate each way):")
+            probes = verify_links(net, probe_pairs(settings), seconds=args.probe_seconds, say=_say)
+            for run in runs:
+                try:
+                    if run in ("gpipe", "gpipe-kill"):
+                        results.append(run_gpipe(net, settings, workdir, kill=run == "gpipe-kill"))
+                    else:
+                        results.append(run_swarm(net, settings, workdir, codec="int8" if run == "faults" else run,
+                                                 faults=run == "faults"))
+                except LocalSwarmError as e:  # peers that never came online: record it, go on
+                    results.append(RunResult(name=f"swarm {run}", completed=False, steps_done=0, steps=settings.steps,
+                                             tokens_per_s=None, link_bytes_per_token=None, payload_bytes_per_token=None,
+                                             initial_loss=None, final_loss=None, wall_s=0.0,
+                                             notes=[str(e).splitlines()[0]]))
+                r = results[-1]
+                _say(f"   {r.name}: {r.steps_done}/{r.steps} steps, {_fmt(r.tokens_per_s, ',.0f')} tokens/s, "
+                     f"loss {_fmt(r.final_loss, '.3f')}, {r.wall_s:.0f} s")
+    except NetemError as e:
+        print(f"wan: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("wan: interrupted; the network and all processes were torn down", file=sys.stderr)
+        return 130
+    baseline = next((r for r in results if r.name == "gpipe"), None)
+    if baseline:
+        print_table(results, baseline)
+    out = {"benchmark": "wan", "command": " ".join(["benchmarks/wan.py", *(argv or sys.argv[1:])]),
+           "topology": topology.to_dict(), "settings": asdict(settings), "cpus": os.cpu_count(),
+           "machine": platform.machine(), "wall_s": time.monotonic() - started,
+           "links": [asdict(p) for p in probes], "results": [asdict(r) for r in results], "workdir": workdir}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    _say(f"\nwrote {args.out} (logs in {workdir}) after {out['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
