@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpipe_baseline  # noqa: E402
-from benchmarks.netem.network import EmulatedNetwork, NetemError, missing_requirements, run_command  # noqa: E402
+from benchmarks.netem.network import EmulatedNetwork, NetemError, missing_requirements  # noqa: E402
 from benchmarks.netem.probe import verify_links  # noqa: E402
 from benchmarks.netem.topology import TopologyError, load_topology  # noqa: E402
 from models.config import get_model_config  # noqa: E402
