@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpipe_baseline  # noqa: E402
-from benchmarks.netem.network import EmulatedNetwork, NetemError, missing_requirements, run_command  # noqa: E402
+from benchmarks.netem.network import EmulatedNetwork, NetemError, missing_requirements  # noqa: E402
 from benchmarks.netem.probe import verify_links  # noqa: E402
 from benchmarks.netem.topology import TopologyError, load_topology  # noqa: E402
 from models.config import get_model_config  # noqa: E402
@@ -64,6 +64,7 @@ class RunResult:
     final_loss: float | None  # mean of the last 3 steps done
     wall_s: float
     cpu_s_per_1k_tokens: float | None = None  # CPU of every process, per 1,000 tokens, after warm-up
+    cpu_s_per_1k_tokens_by_kind: dict[str, float] = field(default_factory=dict)
     busiest_link: str | None = None  # the host pair (one direction) whose link was busiest after warm-up
     busiest_link_busy: float | None = None  # its bytes / its shaped rate, as a fraction of the timed steps' time
     notes: list[str] = field(default_factory=list)
@@ -101,6 +102,22 @@ class Measured:
 
     cpu_s: float
     link_bytes: dict[tuple[str, str], int]  # (src host, dst host) -> bytes
+    cpu_s_by_kind: dict[str, float] = field(default_factory=dict)  # trainer, peer, p2pd, delay proxy, ...
+
+
+def process_kind(pid: int) -> str:
+    """What a process inside the namespaces is, from its command line."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "gone"
+    text = b" ".join(argv).decode(errors="replace")
+    for needle, kind in (("p2pd", "p2pd"), ("delay_proxy", "delay proxy"), ("gpipe_baseline", "gpipe rank"),
+                         ("swarm.cli peer", "peer"), ("swarm.cli train", "trainer"), ("swarm.cli dht", "bootstrap")):
+        if needle in text:
+            return kind
+    return "other"
 
 
 class RunMeter:
@@ -112,18 +129,28 @@ class RunMeter:
     def __init__(self, net: EmulatedNetwork, log_path: str, marker: str, period_s: float = 0.5):
         self.net, self.log_path, self.marker, self.period_s = net, log_path, marker, period_s
         self.latest: dict[int, float] = {}
+        self.kinds: dict[int, str] = {}
         self.at_marker: Measured | None = None
+        self.latest_at_marker: dict[int, float] = {}
         self.result: Measured | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_forever, daemon=True)
         self._thread.start()
 
+    def _update(self) -> None:
+        usage = self.net.cpu_seconds()
+        for pid in usage:
+            if pid not in self.kinds:
+                self.kinds[pid] = process_kind(pid)
+        self.latest.update(usage)
+
     def _sample(self) -> None:
-        self.latest.update(self.net.cpu_seconds())
+        self._update()
         if self.at_marker is None:
             try:
                 with open(self.log_path, errors="replace") as f:
                     if self.marker in f.read():
+                        self.latest_at_marker = dict(self.latest)
                         self.at_marker = Measured(sum(self.latest.values()), self.net.link_bytes())
             except OSError:
                 pass
@@ -137,11 +164,15 @@ class RunMeter:
         if not self._stop.is_set():
             self._stop.set()
             self._thread.join()
-            self.latest.update(self.net.cpu_seconds())
+            self._update()
             if self.at_marker is not None:
                 now = self.net.link_bytes()
+                by_kind: dict[str, float] = {}
+                for pid, cpu_s in self.latest.items():
+                    kind = self.kinds.get(pid, "other")
+                    by_kind[kind] = by_kind.get(kind, 0.0) + cpu_s - self.latest_at_marker.get(pid, 0.0)
                 self.result = Measured(sum(self.latest.values()) - self.at_marker.cpu_s,
-                                       {k: v - self.at_marker.link_bytes.get(k, 0) for k, v in now.items()})
+                                       {k: v - self.at_marker.link_bytes.get(k, 0) for k, v in now.items()}, by_kind)
         return self.result
 
 
@@ -153,6 +184,8 @@ def _fill_measured(result: RunResult, measured: Measured | None, step_seconds: l
     if measured is None or timed_tokens <= 0 or timed_s <= 0:
         return result
     result.cpu_s_per_1k_tokens = 1000 * measured.cpu_s / timed_tokens
+    result.cpu_s_per_1k_tokens_by_kind = {kind: round(1000 * cpu_s / timed_tokens, 3)
+                                          for kind, cpu_s in sorted(measured.cpu_s_by_kind.items())}
     result.link_bytes_per_token = sum(measured.link_bytes.values()) / timed_tokens
     busy = {pair: nbytes * 8 / (net.topology.host_link(*pair).bandwidth_mbit * 1e6) / timed_s
             for pair, nbytes in measured.link_bytes.items()}
@@ -357,6 +390,13 @@ def print_table(results: list[RunResult], baseline: RunResult) -> None:
              f"{_fmt(r.cpu_s_per_1k_tokens, '>12.2f')}  {busiest:<27} {_fmt(r.final_loss, '>5.3f')}  {'; '.join(r.notes)}")
 
 
+def print_cpu_breakdown(results: list[RunResult]) -> None:
+    _say("\nCPU seconds per 1,000 tokens after warm-up, by process kind:")
+    for r in results:
+        parts = ", ".join(f"{kind} {value:.2f}" for kind, value in r.cpu_s_per_1k_tokens_by_kind.items())
+        _say(f"  {r.name:<15} {parts or '-'}")
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -448,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = next((r for r in results if r.name == "gpipe"), None)
     if baseline:
         print_table(results, baseline)
+    print_cpu_breakdown(results)
     out = {"benchmark": "wan", "command": " ".join(["benchmarks/wan.py", *(argv or sys.argv[1:])]),
            "topology": topology.to_dict(), "settings": asdict(settings), "cpus": os.cpu_count(),
            "machine": platform.machine(), "wall_s": time.monotonic() - started,
