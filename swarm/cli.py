@@ -48,7 +48,7 @@ def cmd_dht(args: argparse.Namespace) -> int:
 
 def cmd_peer(args: argparse.Namespace) -> int:
     from peers.config import PeerConfig
-    from peers.server import run_peer
+    from peers.launch import run_peer
 
     config = from_sources(PeerConfig, args)
     print(describe(config), flush=True)

@@ -1,0 +1,106 @@
+"""Replica agreement on the peer: the commit RPC (sync averaging), the state RPC (a joiner's download),
+loading state from a replica before going online, and the periodic parameter-averaging loop.
+
+`ReplicaSyncHandlers` is mixed into `PeerServer` (peers/server.py), which owns the runtime, the
+averager, the DHT and the executor these use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from dht.announce import fetch_stage_records_async
+from dht.records import PeerState
+from peers.averaging import GradientSync
+from peers.checkpoint import CheckpointError
+from peers.protocol import CommitRequest, CommitResponse, ProtocolError, StateHeader, StateRequest, decode_header, encode_header
+from peers.state_transfer import download_state, state_messages
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSyncHandlers:
+    async def rpc_commit(self, request: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
+        """Sync averaging: the trainer finished a step; average gradients with the other replicas and step."""
+        try:
+            commit = decode_header(CommitRequest, request.metadata)
+            if (commit.model, commit.stage, commit.num_stages) != (self.config.model, self.runtime.stage,
+                                                                   self.runtime.num_stages):
+                raise ProtocolError(f"this peer serves {self.config.model} stage {self.runtime.stage}/"
+                                    f"{self.runtime.num_stages}")
+            if not isinstance(self.averaging, GradientSync):
+                response = CommitResponse(steps_done=self.runtime.steps_done)  # not in sync mode: nothing to do
+            else:
+                outcome = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.averaging.commit, commit.step_id, commit.group_size)
+                response = CommitResponse(stepped=outcome.stepped, averaged=outcome.averaged,
+                                          group_size=outcome.group_size, samples=outcome.samples,
+                                          steps_done=self.runtime.steps_done)
+        except ProtocolError as e:
+            response = CommitResponse(error=str(e))
+        return runtime_pb2.ExpertResponse(metadata=encode_header(response))
+
+    async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
+        """Stream this stage's parameters and optimizer state to a joining replica."""
+        try:
+            wanted = decode_header(StateRequest, request.metadata)
+            if (wanted.model, wanted.stage, wanted.num_stages) != (self.config.model, self.runtime.stage,
+                                                                   self.runtime.num_stages):
+                raise ProtocolError(f"this peer serves {self.config.model} stage {self.runtime.stage}/"
+                                    f"{self.runtime.num_stages}")
+            data = await asyncio.get_running_loop().run_in_executor(self.executor, self.runtime.export_state,
+                                                                    self.config.model)
+            header = StateHeader(total_bytes=len(data), steps_done=self.runtime.steps_done)
+        except ProtocolError as e:
+            header, data = StateHeader(error=str(e)), b""
+        for message in state_messages(header, data):
+            yield message
+
+    async def _load_state_from_replica(self, p2p) -> None:
+        """Before going online: copy the stage's current state from a live replica, if there is one."""
+        records = [r for r in await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+                   if r.state == PeerState.ONLINE and r.peer_id != self.peer_id
+                   and r.num_stages == self.runtime.num_stages]
+        request = StateRequest(model=self.config.model, stage=self.runtime.stage, num_stages=self.runtime.num_stages)
+        for record in sorted(records, key=lambda r: r.load):
+            try:
+                state = await download_state(p2p, record.peer_id, request, timeout_s=self.config.averaging_timeout_s * 4)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.runtime.import_state, state, self.config.model,
+                    f"state from replica {record.peer_id[-8:]}")
+                print(f"loaded stage {self.runtime.stage} state from replica {record.peer_id[-8:]} "
+                      f"({self.runtime.steps_done} steps done)", flush=True)
+                return
+            except (CheckpointError, ProtocolError, asyncio.TimeoutError, OSError) as e:
+                logger.warning(f"Could not load state from {record.peer_id[-8:]}: {e}; trying another replica")
+            except Exception as e:  # the replica may vanish mid-transfer in many ways
+                logger.warning(f"Could not load state from {record.peer_id[-8:]}: {type(e).__name__}: {e}")
+        if records:
+            print(f"no replica of stage {self.runtime.stage} could send its state; starting from what we have",
+                  flush=True)
+
+    async def _average_parameters_forever(self, stop: asyncio.Event) -> None:
+        """Periodic mode: meet the other replicas at every multiple of the period (DHT time)."""
+        while not stop.is_set():
+            round_time = self.averaging.next_round_time()
+            delay = max(round_time - get_dht_time() - 1.0, 0.0)  # join matchmaking a second early
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+                return
+            except asyncio.TimeoutError:
+                pass
+            records = await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+            group = [r for r in records if r.state == PeerState.ONLINE and r.averaging == "periodic"
+                     and r.num_stages == self.runtime.num_stages]
+            group_size = len({r.peer_id for r in group} | {self.peer_id})
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.averaging.average, group_size, round_time)
+            if outcome.averaged:
+                print(f"averaged parameters with {outcome.group_size - 1} other replica(s) "
+                      f"(round {self.averaging.rounds})", flush=True)
+            await asyncio.sleep(1.0)
+

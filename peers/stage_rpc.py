@@ -1,0 +1,112 @@
+"""The stage RPCs: forward and backward requests, decoded on the event loop and computed on one thread.
+
+`StageRpcHandlers` is mixed into `PeerServer` (peers/server.py), which owns the state these handlers
+use: the config, the `StageRuntime`, the compute executor, the metrics and the request counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from peers.protocol import (ErrorKind, ProtocolError, RequestHeader, ResponseHeader, decode_tensors, encode_tensor,
+                            from_wire, read_stream, response_messages, to_wire)
+from peers.stage_runtime import BadRequestError
+from swarm import compression
+
+logger = logging.getLogger(__name__)
+
+
+class WrongStageError(ProtocolError):
+    """The request names a stage this peer does not serve (the trainer's view of the swarm is stale)."""
+
+
+class StageRpcHandlers:
+    async def rpc_forward(self, requests, context):
+        async for message in self._serve("forward", requests):
+            yield message
+
+    async def rpc_backward(self, requests, context):
+        async for message in self._serve("backward", requests):
+            yield message
+
+    async def _serve(self, rpc: str, requests):
+        received = time.perf_counter()
+        self.in_flight += 1
+        failure_kind, queue_s, compute_s, samples = None, None, None, 0
+        try:
+            header, parts = await read_stream(requests, RequestHeader)
+            if header.rpc != rpc:
+                raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
+            self._check_route(header)
+            if header.response_codec not in compression.known_codecs():
+                raise ProtocolError(f"unknown response codec {header.response_codec!r}; this peer knows "
+                                    f"{', '.join(compression.known_codecs())}")
+            encoded = from_wire(header.tensors, parts)
+            for item in encoded.values():
+                self.bytes.record_received(item)
+            tensors = decode_tensors(encoded)
+            async with self._semaphore:
+                queued = time.perf_counter()
+                outputs, loss = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._compute, header, tensors)
+            compute_s, queue_s, samples = time.perf_counter() - queued, queued - received, header.batch_size
+            encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
+            for _, item in encoded_outputs:
+                self.bytes.record_sent(item)
+            metas, out_parts = to_wire(encoded_outputs)
+            response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queued - received)
+            self.requests_served += 1
+            if self.requests_served == 1 and self.announced_online_at is not None:
+                print(f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
+                      f"online record was stored", flush=True)
+        except (ProtocolError, BadRequestError) as e:
+            self.requests_failed += 1
+            kind = failure_kind = ErrorKind.WRONG_STAGE if isinstance(e, WrongStageError) else ErrorKind.BAD_REQUEST
+            logger.warning(f"Refused a {rpc} request: {e}")
+            response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
+        except Exception as e:  # a bug or resource failure here must not take the peer down
+            self.requests_failed += 1
+            logger.exception(f"{rpc} failed")
+            failure_kind = ErrorKind.INTERNAL
+            response, out_parts = ResponseHeader(error=f"{type(e).__name__}: {e}", error_kind=ErrorKind.INTERNAL), []
+        finally:
+            self.in_flight -= 1
+            self.metrics.observe_request(stage=self.runtime.stage, rpc=rpc, duration_s=time.perf_counter() - received,
+                                         samples=samples, queue_s=queue_s, compute_s=compute_s,
+                                         failure_kind=failure_kind.value if failure_kind else None)
+        for message in response_messages(response, out_parts):
+            yield message
+
+    def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:
+        """Encode with the codec the caller asked for; top-k gradients keep an error-feedback residual."""
+        feedback = self.feedback if name == "grad_inputs" and header.response_codec == "topk" else None
+        return encode_tensor(tensor, header.response_codec, header.response_codec_params, feedback=feedback,
+                             feedback_key=name)
+
+    def _check_route(self, header: RequestHeader) -> None:
+        if header.model != self.config.model or header.num_stages != self.runtime.num_stages:
+            raise ProtocolError(f"this peer serves {self.config.model} split into {self.runtime.num_stages} "
+                                f"stages, not {header.model} in {header.num_stages}")
+        if header.stage != self.runtime.stage:
+            raise WrongStageError(f"this peer serves stage {self.runtime.stage}, not stage {header.stage}")
+
+    def _compute(self, header: RequestHeader, tensors: dict[str, torch.Tensor]):
+        """Runs on the compute thread."""
+        inputs = tensors.get("inputs")
+        if inputs is None:
+            raise BadRequestError("the request carries no 'inputs' tensor")
+        if inputs.shape[:1] != (header.batch_size,):
+            raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
+        if header.rpc == "forward":
+            outputs = self.runtime.forward(header.microbatch_id, inputs, tensors.get("targets"))
+            if self.runtime.is_last:
+                return [], float(outputs)
+            return [("outputs", outputs)], None
+        grad_inputs, loss = self.runtime.backward(header.microbatch_id, inputs, grad_outputs=tensors.get("grad_outputs"),
+                                                  targets=tensors.get("targets"))
+        return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
+
