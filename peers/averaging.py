@@ -9,11 +9,17 @@ Two modes (`--averaging`):
   (aligned to DHT time, so replicas meet without coordination) they average their parameters.
   Optimizer state is not averaged.
 
-Compression (`--averaging-compression`, default none): hivemind's all-reduce sends each replica
-the difference between the average and its own tensor, compressed. With fp16 the traffic halves,
-but each replica adds its own rounded difference, so replicas then agree only to fp16 precision of
-those differences (measured: up to 1.5e-5 apart after one sync step of the tiny model at lr 0.5),
-which breaks the "identical parameters" promise; hence uncompressed by default.
+Compression (`--averaging-compression`, default none): hivemind's butterfly all-reduce sends each
+groupmate its part of our tensors and, once that part is averaged, the difference between the
+average and the groupmate's own part, both compressed; the part a replica averages itself never
+crosses the wire and stays exact. So with fp16 (2 bytes a value) or int8 (blockwise 8-bit, about
+1 byte a value) the traffic shrinks, but the replicas then agree only up to the codec's rounding of
+those differences (fp16, measured: up to 1.5e-5 apart after one sync step of the tiny model at
+lr 0.5); uncompressed, they agree exactly. Hence none by default.
+
+Traffic is counted per round (`AveragingRound`, exported as Prometheus counters): with a group of
+n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
+codec's serialized size measured on its own tensors at start-up.
 
 Every method here runs on the peer's compute thread, so no forward or backward ever sees
 tensors halfway through an averaging round.
@@ -22,11 +28,14 @@ tensors halfway through an averaging round.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import hivemind
 import torch
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
+                                  NoCompression)
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 
 from peers.stage_runtime import StageRuntime
@@ -34,6 +43,8 @@ from peers.stage_runtime import StageRuntime
 logger = logging.getLogger(__name__)
 
 AVERAGING_MODES = ("none", "sync", "periodic")
+COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
+    "none": NoCompression, "fp16": Float16Compression, "int8": BlockwiseQuantization}
 
 
 @dataclass(frozen=True)
@@ -44,53 +55,126 @@ class AveragingOutcome:
     stepped: bool
 
 
+@dataclass(frozen=True)
+class AveragingRound:
+    """One attempted all-reduce with the stage's other replicas, as the metrics see it."""
+
+    mode: str  # "sync" or "periodic"
+    ok: bool  # False: no group formed in time, or the all-reduce failed
+    group_size: int  # replicas in the round (0 when it failed)
+    sent_bytes: int
+    received_bytes: int
+
+
 def averager_prefix(model: str, stage: int, num_stages: int, kind: str) -> str:
     return f"swarm_{model}_stage{stage}of{num_stages}_{kind}".replace(".", "_")
 
 
-COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression}
+def allreduce_bytes_each_way(num_values: int, group_size: int, wire_bytes_per_value: float) -> int:
+    """Bytes one replica sends (and as many it receives) in a butterfly all-reduce of `num_values`
+    values over `group_size` replicas with equal parts: its n-1 foreign parts go out and come back
+    averaged, and the n-1 groupmates' copies of its own part come in and go back as differences."""
+    if group_size < 2:
+        return 0
+    return round(2 * (group_size - 1) / group_size * num_values * wire_bytes_per_value)
 
 
-class _Averager:
+def wire_bytes_per_value(compression: CompressionBase, tensors: Sequence[torch.Tensor]) -> float:
+    """The codec's serialized size per value, measured on these tensors."""
+    total = sum(len(compression.compress(t, CompressionInfo.from_tensor(t)).SerializeToString()) for t in tensors)
+    return total / max(sum(t.numel() for t in tensors), 1)
+
+
+class ReplicaAveraging:
+    """What both modes share: a DecentralizedAverager over some tensors, rounds of all-reduce with
+    a timeout, and the count of rounds, failures and bytes (reported through `on_round`)."""
+
+    mode = ""
+
     def __init__(self, dht: hivemind.DHT, tensors: list[torch.Tensor], prefix: str, *, timeout_s: float,
-                 matchmaking_s: float, compression: str):
-        self.timeout_s = timeout_s
-        self.bytes_per_value = 2 if compression == "fp16" else 4
+                 matchmaking_s: float, compression: str, on_round: Callable[[AveragingRound], None] | None = None):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
+        self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
+        codec = COMPRESSIONS[compression]()
+        self.num_values = sum(t.numel() for t in tensors)
+        self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
         self.averager = hivemind.averaging.DecentralizedAverager(
             tensors, dht, start=True, prefix=prefix, min_matchmaking_time=matchmaking_s,
-            request_timeout=min(matchmaking_s / 2, 1.0), compression=COMPRESSIONS[compression](), min_group_size=2)
-        self.bytes_averaged = 0
-        self.rounds = 0
+            request_timeout=min(matchmaking_s / 2, 1.0), compression=codec, min_group_size=2,
+            allreduce_timeout=timeout_s)
+        self.rounds = self.failed_rounds = 0
+        self.bytes_sent = self.bytes_received = 0
 
-    def run(self, group_size: int, weight: float, scheduled_time: float | None = None) -> dict | None:
-        """One all-reduce round; the gathered data of the group, or None if no group formed."""
+    @property
+    def bytes_averaged(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+    def begin_round(self, group_size: int, weight: float, scheduled_time: float | None = None, *,
+                    wait_for_trigger: bool = False) -> StepControl:
+        """Start looking for a group of `group_size` replicas in the background (the averager's own
+        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`."""
         self.averager.target_group_size = group_size
+        return self.averager.step(weight=weight, gather=weight, timeout=self.timeout_s, scheduled_time=scheduled_time,
+                                  allow_retries=False, require_trigger=wait_for_trigger, wait=False)
+
+    def finish_round(self, control: StepControl) -> dict | None:
+        """Let the all-reduce run, wait for it and count it: the gathered data of the group, or
+        None if the round failed. Writes the averaged tensors, so call it on the compute thread."""
         try:
-            gathered = self.averager.step(weight=weight, gather=weight, timeout=self.timeout_s,
-                                          scheduled_time=scheduled_time, allow_retries=False)
+            if not control.triggered:
+                control.allow_allreduce()
+            gathered = control.result(timeout=self.timeout_s)
         except Exception as e:  # a failed round must not take the peer down; replicas re-converge later
             logger.warning(f"Averaging round failed: {type(e).__name__}: {e}")
+            control.cancel()
+            gathered = None
+        if gathered is None:
+            self.record_failure()
             return None
-        if gathered is not None:
-            self.rounds += 1
-            # each replica sends its tensors once and receives the averaged parts once
-            self.bytes_averaged += 2 * self.bytes_per_value * sum(t.numel() for t in self.averager._averaged_tensors)
+        each_way = allreduce_bytes_each_way(self.num_values, len(gathered), self.wire_bytes_per_value)
+        self.rounds += 1
+        self.bytes_sent += each_way
+        self.bytes_received += each_way
+        self._report(AveragingRound(self.mode, ok=True, group_size=len(gathered), sent_bytes=each_way,
+                                    received_bytes=each_way))
         return gathered
+
+    def record_failure(self) -> None:
+        self.failed_rounds += 1
+        self._report(AveragingRound(self.mode, ok=False, group_size=0, sent_bytes=0, received_bytes=0))
+
+    def _all_reduce(self, group_size: int, weight: float) -> dict | None:
+        """One round, from matchmaking to the averaged tensors, all on the calling thread."""
+        try:
+            control = self.begin_round(group_size, weight)
+        except Exception as e:
+            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
+            self.record_failure()
+            return None
+        return self.finish_round(control)
+
+    def _report(self, averaging_round: AveragingRound) -> None:
+        if self.on_round is not None:
+            self.on_round(averaging_round)
 
     def shutdown(self) -> None:
         self.averager.shutdown()
 
 
-class GradientSync:
+class GradientSync(ReplicaAveraging):
     """`sync` mode: all replicas apply the same sample-weighted mean gradient on every commit."""
 
+    mode = "sync"
+
     def __init__(self, runtime: StageRuntime, dht: hivemind.DHT, model: str, *, timeout_s: float = 30.0,
-                 matchmaking_s: float = 0.5, compression: str = "none"):
+                 matchmaking_s: float = 0.5, compression: str = "none",
+                 on_round: Callable[[AveragingRound], None] | None = None):
         self.runtime = runtime
         runtime.auto_step = False
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
-        self._averager = _Averager(dht, self.buffers, averager_prefix(model, runtime.stage, runtime.num_stages, "grad"),
-                                   timeout_s=timeout_s, matchmaking_s=matchmaking_s, compression=compression)
+        super().__init__(dht, self.buffers, averager_prefix(model, runtime.stage, runtime.num_stages, "grad"),
+                         timeout_s=timeout_s, matchmaking_s=matchmaking_s, compression=compression, on_round=on_round)
         self.committed: set[str] = set()
 
     def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
@@ -100,64 +184,66 @@ class GradientSync:
             return AveragingOutcome(False, 1, 0, stepped=False)
         self.committed.add(step_id)
         local_samples = self.runtime.samples_accumulated
-        with self._averager.averager.get_tensors() as buffers:
+        with self.averager.get_tensors() as buffers:
             for buffer, mean in zip(buffers, self.runtime.local_mean_gradients()):
                 buffer.copy_(mean)
         gathered = None
         if group_size > 1:
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
-            gathered = self._averager.run(group_size, weight=max(float(local_samples), 1e-9))
+            gathered = self._all_reduce(group_size, weight=max(float(local_samples), 1e-9))
             if gathered is None:
                 logger.warning(f"stage {self.runtime.stage}: no averaging group formed; stepping on local gradients")
         total = sum(int(round(w)) for w in gathered.values()) if gathered else local_samples
         if total == 0:
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
-        with self._averager.averager.get_tensors() as buffers:
+        with self.averager.get_tensors() as buffers:
             mean_gradients = [buffer.clone() for buffer in buffers]
         self.runtime.apply_gradients(mean_gradients)
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
 
-    @property
-    def rounds(self) -> int:
-        return self._averager.rounds
 
-    @property
-    def bytes_averaged(self) -> int:
-        return self._averager.bytes_averaged
-
-    def shutdown(self) -> None:
-        self._averager.shutdown()
-
-
-class ParameterAveraging:
+class ParameterAveraging(ReplicaAveraging):
     """`periodic` mode: replicas step on their own and average parameters every period."""
 
+    mode = "periodic"
+
     def __init__(self, runtime: StageRuntime, dht: hivemind.DHT, model: str, *, period_s: float,
-                 timeout_s: float = 30.0, matchmaking_s: float = 1.0, compression: str = "none"):
+                 timeout_s: float = 30.0, matchmaking_s: float = 1.0, compression: str = "none",
+                 on_round: Callable[[AveragingRound], None] | None = None):
         self.runtime, self.period_s = runtime, period_s
         # .data: the same memory as the parameters, without autograd (the averager writes in place)
-        self._averager = _Averager(dht, [p.data for p in runtime.params], averager_prefix(model, runtime.stage, runtime.num_stages,
-                                                                             "params"),
-                                   timeout_s=timeout_s, matchmaking_s=matchmaking_s, compression=compression)
+        super().__init__(dht, [p.data for p in runtime.params],
+                         averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
+                         timeout_s=timeout_s, matchmaking_s=matchmaking_s, compression=compression, on_round=on_round)
 
     def next_round_time(self) -> float:
         """The next multiple of the period in DHT time: every replica picks the same moment."""
         now = get_dht_time()
         return (int(now // self.period_s) + 1) * self.period_s
 
-    def average(self, group_size: int, scheduled_time: float) -> AveragingOutcome:
+    def schedule(self, group_size: int, scheduled_time: float) -> StepControl | None:
+        """Look for the other replicas in the background; the compute thread goes on meanwhile and
+        only stops for the all-reduce itself (`average`). None when alone or if it cannot start."""
         if group_size < 2:
-            return AveragingOutcome(False, 1, 0, stepped=False)
-        gathered = self._averager.run(group_size, weight=1.0, scheduled_time=scheduled_time)
+            return None
+        try:
+            return self.begin_round(group_size, weight=1.0, scheduled_time=scheduled_time, wait_for_trigger=True)
+        except Exception as e:
+            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
+            self.record_failure()
+            return None
+
+    @staticmethod
+    def group_ready(control: StepControl) -> bool:
+        """True once matchmaking has formed a group (or given up): time to call `average`."""
+        return control.done() or control.stage == AveragingStage.AWAITING_TRIGGER
+
+    def average(self, control: StepControl) -> AveragingOutcome:
+        """Run the all-reduce of a scheduled round (on the compute thread: it writes the parameters)."""
+        gathered = self.finish_round(control)
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, 0, stepped=False)
 
-    @property
-    def rounds(self) -> int:
-        return self._averager.rounds
-
-    @property
-    def bytes_averaged(self) -> int:
-        return self._averager.bytes_averaged
-
-    def shutdown(self) -> None:
-        self._averager.shutdown()
+    def abandon(self, control: StepControl) -> None:
+        """No group in time (or the peer is stopping): cancel the round and count it as failed."""
+        control.cancel()
+        self.record_failure()

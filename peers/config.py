@@ -34,8 +34,10 @@ class PeerConfig(NetworkConfig):
                             "gradients on each trainer step, identical parameters), periodic (average parameters "
                             "every --averaging-period-s)", choices=["none", "sync", "periodic"])
     averaging_period_s: float = option(30.0, help="seconds between parameter averaging rounds (periodic mode)")
-    averaging_compression: str | None = option(None, help="averaging traffic: none or fp16 (halves the bytes; replicas then agree only to fp16 "
-                                                 "precision of their differences)", choices=["none", "fp16"])
+    averaging_compression: str | None = option(None, help="averaging traffic: none (default; replicas agree exactly), "
+                                               "fp16 (half the bytes) or int8 (blockwise 8-bit, a quarter); compressed, "
+                                               "replicas agree only up to the codec's rounding of their differences "
+                                               "(fp16: ~1e-5)", choices=["none", "fp16", "int8"])
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")

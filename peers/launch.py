@@ -63,13 +63,16 @@ def run_peer(config: PeerConfig) -> None:
             runtime = FaultyStageRuntime(runtime, faults)
         compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
         averaging = None
+        metrics.set_averaging_mode(config.averaging)
         if config.averaging == "sync":
             averaging = GradientSync(stage_runtime, dht, config.model, timeout_s=config.averaging_timeout_s,
-                                     compression=config.averaging_compression or "none")
+                                     compression=config.averaging_compression or "none",
+                                     on_round=metrics.observe_averaging_round)
         elif config.averaging == "periodic":
             averaging = ParameterAveraging(stage_runtime, dht, config.model, period_s=config.averaging_period_s,
                                            timeout_s=config.averaging_timeout_s,
-                                           compression=config.averaging_compression or "none")
+                                           compression=config.averaging_compression or "none",
+                                           on_round=metrics.observe_averaging_round)
         asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging, metrics=metrics,
                                                       metrics_addr=metrics_addr, split=split)))
     finally:

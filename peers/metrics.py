@@ -15,6 +15,7 @@ import ipaddress
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
@@ -24,11 +25,15 @@ from prometheus_client.registry import Collector
 
 from dht.configuration import ConfigError
 
+if TYPE_CHECKING:
+    from peers.averaging import AveragingRound
+
 disable_created_metrics()  # no `*_created` series: they double the series count and no panel or rule uses them
 
 # From a tiny model on loopback (milliseconds) to a large stage over a slow link (tens of seconds).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PEER_STATES = ("joining", "online", "offline")
+AVERAGING_MODES = ("sync", "periodic")  # the label values of the averaging metrics
 
 
 class MetricsServerError(ConfigError):
@@ -194,20 +199,22 @@ class PeerMetrics:
                                      ["result"], registry=r)
         self.checkpoint_saves = Counter("swarm_peer_checkpoint_saves_total", "Checkpoint saves", ["result"],
                                         registry=r)
-        # Wired in by the averaging and rebalancing code; defined here so dashboards can rely on them.
+        # Averaging (peers/averaging.py): updated by `observe_averaging_round`, mode = sync or periodic.
         self.averaging_rounds = Counter("swarm_peer_averaging_rounds_total", "Averaging rounds with the stage's "
-                                        "other replicas", ["result"], registry=r)
-        self.averaging_bytes = Counter("swarm_peer_averaging_bytes_total", "Bytes moved by averaging",
-                                       ["direction"], registry=r)
+                                        "other replicas (result=failed: no group formed in time, or the all-reduce "
+                                        "failed)", ["mode", "result"], registry=r)
+        self.averaging_bytes = Counter("swarm_peer_averaging_bytes_total", "Tensor bytes averaging sent and received "
+                                       "(computed per round from the group size and the codec's serialized size)",
+                                       ["mode", "direction"], registry=r)
+        self.averaging_group_size = Gauge("swarm_peer_averaging_group_size", "Replicas in the last successful "
+                                          "averaging round, this peer included", ["mode"], registry=r)
+        # Wired in by the rebalancing code; defined here so dashboards can rely on it.
         self.rebalance_moves = Counter("swarm_peer_rebalance_moves_total", "Times this peer moved to another stage",
                                        registry=r)
         for result in ("ok", "failed"):
             self.announcements.labels(result=result)
-            self.averaging_rounds.labels(result=result)
         for result in ("ok", "error"):
             self.checkpoint_saves.labels(result=result)
-        for direction in ("sent", "received"):
-            self.averaging_bytes.labels(direction=direction)
 
     # --- wiring ----------------------------------------------------------------------------------
     def watch(self, *, in_flight: Callable[[], float], throughput: Callable[[], float],
@@ -227,6 +234,23 @@ class PeerMetrics:
         """The stage served now (after a move the old one disappears)."""
         self.stage_info.clear()
         self.stage_info.labels(stage=str(stage), num_stages=str(num_stages), version=version).set(1)
+
+    def set_averaging_mode(self, mode: str) -> None:
+        """Show the averaging series of this peer's mode at zero from the start (none: no series)."""
+        if mode in AVERAGING_MODES:
+            for result in ("ok", "failed"):
+                self.averaging_rounds.labels(mode=mode, result=result)
+            for direction in ("sent", "received"):
+                self.averaging_bytes.labels(mode=mode, direction=direction)
+
+    def observe_averaging_round(self, averaging_round: AveragingRound) -> None:
+        """Called by the averager (on the compute thread) after every attempted round."""
+        mode = averaging_round.mode
+        self.averaging_rounds.labels(mode=mode, result="ok" if averaging_round.ok else "failed").inc()
+        if averaging_round.ok:
+            self.averaging_bytes.labels(mode=mode, direction="sent").inc(averaging_round.sent_bytes)
+            self.averaging_bytes.labels(mode=mode, direction="received").inc(averaging_round.received_bytes)
+            self.averaging_group_size.labels(mode=mode).set(averaging_round.group_size)
 
     def set_state(self, state: str) -> None:
         for name in PEER_STATES:

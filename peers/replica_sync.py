@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
@@ -97,10 +98,19 @@ class ReplicaSyncHandlers:
             group = [r for r in records if r.state == PeerState.ONLINE and r.averaging == "periodic"
                      and r.num_stages == self.runtime.num_stages]
             group_size = len({r.peer_id for r in group} | {self.peer_id})
-            outcome = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.averaging.average, group_size, round_time)
-            if outcome.averaged:
-                print(f"averaged parameters with {outcome.group_size - 1} other replica(s) "
-                      f"(round {self.averaging.rounds})", flush=True)
+            loop = asyncio.get_running_loop()
+            # Matchmaking runs in the averager's process while this stage keeps computing; only the
+            # all-reduce itself, which writes the parameters, takes the compute thread.
+            control = await loop.run_in_executor(None, self.averaging.schedule, group_size, round_time)
+            if control is not None:
+                deadline = time.monotonic() + self.config.averaging_timeout_s
+                while not self.averaging.group_ready(control) and time.monotonic() < deadline and not stop.is_set():
+                    await asyncio.sleep(0.05)
+                if self.averaging.group_ready(control):
+                    outcome = await loop.run_in_executor(self.executor, self.averaging.average, control)
+                    if outcome.averaged:
+                        print(f"averaged parameters with {outcome.group_size - 1} other replica(s) "
+                              f"(round {self.averaging.rounds})", flush=True)
+                else:
+                    self.averaging.abandon(control)
             await asyncio.sleep(1.0)
-

@@ -7,9 +7,11 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from models.config import get_model_config
 from peers.checkpoint import checkpoint_path, load_checkpoint
@@ -36,8 +38,32 @@ def run_trainer(swarm, tmp_path, *args, timeout=300):
     return json.loads(report_path.read_text())
 
 
-def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+def scrape(peer) -> dict[tuple[str, tuple], float]:
+    """A peer's /metrics as {(name, sorted label pairs): value}."""
+    match = re.search(r"metrics on (http://\S+/metrics)", peer.log())
+    assert match, peer.log()[-2000:]
+    with urllib.request.urlopen(match.group(1), timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def averaging_sample(metrics: dict, name: str, **labels) -> float | None:
+    return metrics.get((name, tuple(sorted(labels.items()))))
+
+
+# compression -> (how far apart the replicas may end up, bytes per value on the wire)
+SYNC_COMPRESSIONS = {"none": (1e-6, 4), "fp16": (1e-4, 2)}
+
+
+@pytest.mark.parametrize("compression", list(SYNC_COMPRESSIONS))
+def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm, tmp_path, compression):
+    """Uncompressed, the replicas agree to 1e-6 and equal the one-process step. With fp16 each replica
+    keeps the part it averaged itself exact and gets the rest through fp16 differences, so they
+    agree only within fp16 rounding (documented at --averaging-compression), for half the bytes."""
+    tolerance, bytes_per_value = SYNC_COMPRESSIONS[compression]
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync",
+                                                "--averaging-compression", compression])
     swarm.start_bootstrap()
     peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
              swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
@@ -45,16 +71,25 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
     swarm.wait_online(peers)
     report = run_trainer(swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH),
                          "--microbatch-size", str(MICROBATCH))
+    replica_metrics = [scrape(peer) for peer in peers[:2]]
     for peer in peers:
         peer.stop()
     a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
-    assert_same_params(a, b, atol=1e-6)
+    assert_same_params(a, b, atol=tolerance)
     # Both replicas saw part of the batch; the averaged step is the one-process step on all of it.
     _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
     for name, value in a.items():
         if not name.startswith("blocks."):
-            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(value, reference[name].detach(), atol=max(tolerance, 1e-5), rtol=0)
     assert report["losses"][0] > 0
+    # One round of two replicas: each sent and received its whole gradient once, at the codec's size.
+    values = sum(v.numel() for v in a.values())
+    for metrics in replica_metrics:
+        assert averaging_sample(metrics, "swarm_peer_averaging_rounds_total", mode="sync", result="ok") == 1
+        assert averaging_sample(metrics, "swarm_peer_averaging_rounds_total", mode="sync", result="failed") == 0
+        for direction in ("sent", "received"):
+            sent = averaging_sample(metrics, "swarm_peer_averaging_bytes_total", mode="sync", direction=direction)
+            assert bytes_per_value * values <= sent <= 1.01 * bytes_per_value * values, (direction, sent, values)
 
 
 def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path):

@@ -17,7 +17,8 @@ from swarm import compression
 from swarm.metrics import TrainerMetrics
 
 # Every label any swarm metric may carry: each takes a small, known set of values.
-BOUNDED_LABELS = {"stage", "num_stages", "rpc", "kind", "codec", "result", "direction", "state", "version", "model"}
+BOUNDED_LABELS = {"stage", "num_stages", "rpc", "kind", "codec", "result", "direction", "state", "version", "model",
+                  "mode"}
 
 
 def sample(registry, name: str, **labels) -> float | None:

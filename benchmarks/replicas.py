@@ -1,0 +1,166 @@
+"""Replicas and averaging (issue #4): does a stage served by 2 averaging replicas learn as well as
+one peer, at an equal number of training samples?
+
+    .venv/bin/python benchmarks/replicas.py --out benchmarks/out/replicas.json
+
+Runs, one after the other, each a real loopback swarm (`LocalSwarm`) of the `small` model in 2
+stages trained by `swarm train` on the Shakespeare corpus with the same data order:
+* `1 replica`: one peer per stage (the reference);
+* `2 replicas, sync`: two peers per stage averaging gradients on every step (`--averaging sync`);
+* `2 replicas, periodic`: two peers per stage, each stepping on its half of every batch
+  (`--target-batch-size` = batch / 2, so samples per step and steps per replica match the
+  reference) and averaging parameters every `--period-s` seconds (`--averaging periodic`);
+* optionally (`--with-unaveraged`) `2 replicas, none`: the same without averaging, to show drift.
+
+Per run: the trainer's loss per step, the final training loss (mean of the last 5 steps, on the same
+batches in every run), and an evaluation loss of the final model on held-out windows (drawn with
+another seed) computed here from the peers' exit checkpoints, replica 0 of each stage. For two
+replicas, the largest parameter difference between them at the end. In periodic mode the run waits
+for one more averaging round after training before stopping the peers, so the evaluated model is
+an averaged one. Loss figures do not depend on timing; the tokens/s printed alongside do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.config import get_model_config  # noqa: E402
+from models.stages import build_stage  # noqa: E402
+from peers.checkpoint import checkpoint_path, load_checkpoint  # noqa: E402
+from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from swarm.local_swarm import LocalSwarm  # noqa: E402
+
+EVAL_SEED = 12345
+
+
+def evaluation_loss(model_name: str, num_stages: int, stage_states: list[dict], samples: int) -> float:
+    """Mean loss of the pipeline made of these stage parameters on `samples` held-out windows."""
+    config = get_model_config(model_name)
+    stages = []
+    for stage, state in enumerate(stage_states):
+        module = build_stage(config, stage, num_stages)
+        module.load_state_dict(state)
+        stages.append(module.eval())
+    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=samples, microbatch_size=samples,
+                                seed=EVAL_SEED)
+    (batch,) = sampler.batch(0)
+    with torch.no_grad():
+        x = batch.inputs
+        for module in stages[:-1]:
+            x = module(x)
+        return float(stages[-1](x, batch.targets))
+
+
+def max_param_difference(a: dict, b: dict) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def averaging_rounds(log: str) -> int:
+    return len(re.findall("averaged parameters", log))
+
+
+def run(name: str, args, replicas: int, averaging: str) -> dict:
+    workdir = tempfile.mkdtemp(prefix="swarm-replicas-")
+    report_path = os.path.join(workdir, "report.json")
+    target = args.batch_size // replicas if averaging in ("periodic", "none") else args.batch_size
+    peer_args = ["--target-batch-size", str(target), "--num-threads", "1", "--lr", str(args.lr),
+                 "--averaging", averaging, "--averaging-period-s", str(args.period_s), "--no-load-state"]
+    print(f"--- {name}", flush=True)
+    started = time.monotonic()
+    with LocalSwarm(model=args.model, num_stages=args.stages, workdir=workdir, peer_args=peer_args) as swarm:
+        swarm.start_bootstrap()
+        peers = {(s, r): swarm.start_peer(s, "--checkpoint-dir", os.path.join(workdir, f"ckpt-s{s}-r{r}"))
+                 for s in range(args.stages) for r in range(replicas)}
+        swarm.wait_online(list(peers.values()))
+        trainer = swarm.start_trainer("--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                                      "--microbatch-size", str(args.microbatch_size), "--num-stages",
+                                      str(args.stages), "--report", report_path, "--log-every", "10")
+        if trainer.popen.wait(timeout=args.run_timeout_s) != 0:
+            raise RuntimeError(f"{name}: the trainer failed:\n{trainer.log()[-3000:]}")
+        if averaging == "periodic" and replicas > 1:  # evaluate an averaged model: wait for one more round
+            done = {key: averaging_rounds(p.log()) for key, p in peers.items()}
+            deadline = time.monotonic() + 4 * args.period_s + 30
+            while time.monotonic() < deadline and not all(averaging_rounds(p.log()) > done[k] for k, p in peers.items()):
+                time.sleep(0.5)
+        rounds = {f"stage{s}-replica{r}": averaging_rounds(p.log()) for (s, r), p in peers.items()}
+        for peer in peers.values():
+            peer.stop()  # a clean stop saves the exit checkpoint
+    with open(report_path) as f:
+        report = json.load(f)
+    states = {key: load_checkpoint(checkpoint_path(os.path.join(workdir, f"ckpt-s{key[0]}-r{key[1]}"), args.model,
+                                                   key[0], args.stages))[1] for key in peers}
+    result = {
+        "name": name, "replicas_per_stage": replicas, "averaging": averaging, "target_batch_size": target,
+        "steps": report["steps"], "samples": report["steps"] * args.batch_size, "losses": report["losses"],
+        "final_loss": report["final_loss"],
+        "eval_loss": evaluation_loss(args.model, args.stages, [states[(s, 0)] for s in range(args.stages)],
+                                     args.eval_samples),
+        "tokens_per_s": report["steps"] * args.batch_size * get_model_config(args.model).seq_len
+        / sum(args.batch_size * get_model_config(args.model).seq_len / t for t in report["tokens_per_s_by_step"]),
+        "wall_s": time.monotonic() - started, "microbatches_lost": report["microbatches_lost"],
+    }
+    if replicas > 1:
+        result["max_param_difference_between_replicas"] = {
+            f"stage{s}": max_param_difference(states[(s, 0)], states[(s, 1)]) for s in range(args.stages)}
+    if averaging == "periodic":
+        result["parameter_averaging_rounds"] = rounds
+    print(f"{name}: final loss {result['final_loss']:.4f}, eval loss {result['eval_loss']:.4f}, "
+          f"{result['tokens_per_s']:.0f} tokens/s, {result['wall_s']:.0f} s", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--period-s", type=float, default=5.0, help="periodic mode: seconds between rounds")
+    parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--with-unaveraged", action="store_true", help="also run 2 replicas without averaging")
+    parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", default="benchmarks/out/replicas.json")
+    args = parser.parse_args()
+    if args.batch_size % (2 * args.microbatch_size):
+        parser.error("--batch-size must be a multiple of 2 x --microbatch-size (two replicas share each batch)")
+
+    layouts = [("1 replica", 1, "none"), ("2 replicas, sync", 2, "sync"), ("2 replicas, periodic", 2, "periodic")]
+    if args.with_unaveraged:
+        layouts.append(("2 replicas, none", 2, "none"))
+    runs = [run(name, args, replicas, averaging) for name, replicas, averaging in layouts]
+    reference = runs[0]
+    for result in runs:
+        for key in ("final_loss", "eval_loss"):
+            result[f"{key}_vs_1_replica"] = result[key] / reference[key] - 1
+
+    print(f"\n{'run':<24}{'samples':>8}{'final loss':>12}{'vs 1':>8}{'eval loss':>11}{'vs 1':>8}{'tokens/s':>10}")
+    for r in runs:
+        print(f"{r['name']:<24}{r['samples']:>8}{r['final_loss']:>12.4f}{r['final_loss_vs_1_replica']:>+8.1%}"
+              f"{r['eval_loss']:>11.4f}{r['eval_loss_vs_1_replica']:>+8.1%}{r['tokens_per_s']:>10.0f}")
+    every = max(args.steps // 10, 1)
+    print("\nloss by step:\n" + f"{'step':>6}" + "".join(f"{r['name']:>24}" for r in runs))
+    for step in [*range(0, args.steps, every), args.steps - 1]:
+        print(f"{step:>6}" + "".join(f"{r['losses'][step]:>24.4f}" for r in runs))
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                   "runs": runs}, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
