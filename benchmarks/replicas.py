@@ -152,7 +152,7 @@ def main() -> None:
               f"{r['eval_loss']:>11.4f}{r['eval_loss_vs_1_replica']:>+8.1%}{r['tokens_per_s']:>10.0f}")
     every = max(args.steps // 10, 1)
     print("\nloss by step:\n" + f"{'step':>6}" + "".join(f"{r['name']:>24}" for r in runs))
-    for step in [*range(0, args.steps, every), args.steps - 1]:
+    for step in sorted({*range(0, args.steps, every), args.steps - 1}):
         print(f"{step:>6}" + "".join(f"{r['losses'][step]:>24.4f}" for r in runs))
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

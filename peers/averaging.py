@@ -7,7 +7,8 @@ Two modes (`--averaging`):
   all step with it: their parameters stay identical.
 * `periodic`: each replica steps on its own gradients; every `averaging_period_s` seconds
   (aligned to DHT time, so replicas meet without coordination) they average their parameters.
-  Optimizer state is not averaged.
+  Optimizer state is not averaged. Optionally (`--outer-lr`) the average is not taken as is: an
+  outer Nesterov step on the averaged parameter delta follows (DiLoCo, see peers/outer_step.py).
 
 Compression (`--averaging-compression`, default none): hivemind's butterfly all-reduce sends each
 groupmate its part of our tensors and, once that part is averaged, the difference between the
@@ -38,6 +39,7 @@ from hivemind.compression import (BlockwiseQuantization, CompressionBase, Compre
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 
+from peers.outer_step import OuterOptimizer, OuterSettings
 from peers.stage_runtime import StageRuntime
 
 logger = logging.getLogger(__name__)
@@ -209,8 +211,9 @@ class ParameterAveraging(ReplicaAveraging):
 
     def __init__(self, runtime: StageRuntime, dht: hivemind.DHT, model: str, *, period_s: float,
                  timeout_s: float = 30.0, matchmaking_s: float = 1.0, compression: str = "none",
-                 on_round: Callable[[AveragingRound], None] | None = None):
+                 outer: OuterSettings | None = None, on_round: Callable[[AveragingRound], None] | None = None):
         self.runtime, self.period_s = runtime, period_s
+        self.outer = OuterOptimizer(outer) if outer is not None else None
         # .data: the same memory as the parameters, without autograd (the averager writes in place)
         super().__init__(dht, [p.data for p in runtime.params],
                          averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
@@ -241,7 +244,11 @@ class ParameterAveraging(ReplicaAveraging):
     def average(self, control: StepControl) -> AveragingOutcome:
         """Run the all-reduce of a scheduled round (on the compute thread: it writes the parameters)."""
         gathered = self.finish_round(control)
-        return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, 0, stepped=False)
+        stepped = False
+        if gathered is not None and self.outer is not None:
+            with self.averager.get_tensors() as params:  # the parameters' own memory
+                stepped = self.outer.apply(params)
+        return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, 0, stepped=stepped)
 
     def abandon(self, control: StepControl) -> None:
         """No group in time (or the peer is stopping): cancel the round and count it as failed."""

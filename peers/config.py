@@ -38,6 +38,9 @@ class PeerConfig(NetworkConfig):
                                                "fp16 (half the bytes) or int8 (blockwise 8-bit, a quarter); compressed, "
                                                "replicas agree only up to the codec's rounding of their differences "
                                                "(fp16: ~1e-5)", choices=["none", "fp16", "int8"])
+    outer_lr: float = option(0.0, help="periodic mode: outer learning rate of a DiLoCo-style Nesterov step on the "
+                             "averaged parameter delta after each round (DiLoCo: 0.7); 0 = off, plain averaging")
+    outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
@@ -59,6 +62,10 @@ class PeerConfig(NetworkConfig):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         validate_metrics_options(self.metrics_host, self.metrics_port)
+        if self.outer_lr < 0 or not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
+        if self.outer_lr > 0 and self.averaging != "periodic":
+            raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
             raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
         for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):

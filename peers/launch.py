@@ -21,6 +21,7 @@ from peers.config import PeerConfig
 from peers.faults import FaultSettings, FaultyStageRuntime
 from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
 from peers.server import PeerServer
+from peers.outer_step import OuterSettings
 from peers.split_claim import claim_split, split_tag
 from peers.stage_runtime import OptimizerSettings, StageRuntime
 from swarm import compression
@@ -72,6 +73,8 @@ def run_peer(config: PeerConfig) -> None:
             averaging = ParameterAveraging(stage_runtime, dht, config.model, period_s=config.averaging_period_s,
                                            timeout_s=config.averaging_timeout_s,
                                            compression=config.averaging_compression or "none",
+                                           outer=OuterSettings(config.outer_lr, config.outer_momentum)
+                                           if config.outer_lr > 0 else None,
                                            on_round=metrics.observe_averaging_round)
         asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging, metrics=metrics,
                                                       metrics_addr=metrics_addr, split=split)))

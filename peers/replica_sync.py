@@ -110,7 +110,8 @@ class ReplicaSyncHandlers:
                     outcome = await loop.run_in_executor(self.executor, self.averaging.average, control)
                     if outcome.averaged:
                         print(f"averaged parameters with {outcome.group_size - 1} other replica(s) "
-                              f"(round {self.averaging.rounds})", flush=True)
+                              f"(round {self.averaging.rounds}{', then an outer step' if outcome.stepped else ''})",
+                              flush=True)
                 else:
                     self.averaging.abandon(control)
             await asyncio.sleep(1.0)

@@ -92,10 +92,13 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
             assert bytes_per_value * values <= sent <= 1.01 * bytes_per_value * values, (direction, sent, values)
 
 
-def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path):
+@pytest.mark.parametrize("outer", [[], ["--outer-lr", "0.7", "--outer-momentum", "0.9"]], ids=["plain", "outer-step"])
+def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path, outer):
+    """Plain averaging, and with a DiLoCo outer step: replicas that took part in every round share
+    anchor and momentum, so they also hold equal parameters after the outer step."""
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "4", "--lr", "3e-3"])
     swarm.start_bootstrap()
-    periodic = ["--averaging", "periodic", "--averaging-period-s", "3"]
+    periodic = ["--averaging", "periodic", "--averaging-period-s", "3", *outer]
     replicas = [swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "a")),
                 swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "b"))]
     last = swarm.start_peer(1)
@@ -107,6 +110,8 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
     for peer in replicas:
         peer.stop()
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
+    if outer:  # the first round sets the anchor; later ones step from it
+        assert all("then an outer step" in p.log() for p in replicas), replicas[0].log()[-2000:]
 
 
 def test_a_joining_peer_gets_the_replicas_state(make_swarm, tmp_path):
