@@ -10,6 +10,8 @@ stages trained by `swarm train` on the Shakespeare corpus with the same data ord
 * `2 replicas, periodic`: two peers per stage, each stepping on its half of every batch
   (`--target-batch-size` = batch / 2, so samples per step and steps per replica match the
   reference) and averaging parameters every `--period-s` seconds (`--averaging periodic`);
+* optionally (`--with-outer`) `2 replicas, periodic + outer`: the same with a DiLoCo-style outer
+  Nesterov step after each round (`--outer-lr`, momentum 0.9);
 * optionally (`--with-unaveraged`) `2 replicas, none`: the same without averaging, to show drift.
 
 Per run: the trainer's loss per step, the final training loss (mean of the last 5 steps, on the same
@@ -30,8 +32,10 @@ import re
 import sys
 import tempfile
 import time
+import urllib.request
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,12 +74,27 @@ def averaging_rounds(log: str) -> int:
     return len(re.findall("averaged parameters", log))
 
 
-def run(name: str, args, replicas: int, averaging: str) -> dict:
+def averaging_bytes_sent(log: str) -> float | None:
+    """What a peer's Prometheus endpoint says it sent for averaging (None if it cannot be read)."""
+    match = re.search(r"metrics on (http://\S+/metrics)", log)
+    if not match:
+        return None
+    try:
+        with urllib.request.urlopen(match.group(1), timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "swarm_peer_averaging_bytes_total" and s.labels.get("direction") == "sent")
+
+
+def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[str, ...] = ()) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-replicas-")
     report_path = os.path.join(workdir, "report.json")
     target = args.batch_size // replicas if averaging in ("periodic", "none") else args.batch_size
     peer_args = ["--target-batch-size", str(target), "--num-threads", "1", "--lr", str(args.lr),
-                 "--averaging", averaging, "--averaging-period-s", str(args.period_s), "--no-load-state"]
+                 "--averaging", averaging, "--averaging-period-s", str(args.period_s), "--no-load-state",
+                 *extra_peer_args]
     print(f"--- {name}", flush=True)
     started = time.monotonic()
     with LocalSwarm(model=args.model, num_stages=args.stages, workdir=workdir, peer_args=peer_args) as swarm:
@@ -94,6 +113,7 @@ def run(name: str, args, replicas: int, averaging: str) -> dict:
             while time.monotonic() < deadline and not all(averaging_rounds(p.log()) > done[k] for k, p in peers.items()):
                 time.sleep(0.5)
         rounds = {f"stage{s}-replica{r}": averaging_rounds(p.log()) for (s, r), p in peers.items()}
+        sent = {f"stage{s}-replica{r}": averaging_bytes_sent(p.log()) for (s, r), p in peers.items()}
         for peer in peers.values():
             peer.stop()  # a clean stop saves the exit checkpoint
     with open(report_path) as f:
@@ -115,6 +135,8 @@ def run(name: str, args, replicas: int, averaging: str) -> dict:
             f"stage{s}": max_param_difference(states[(s, 0)], states[(s, 1)]) for s in range(args.stages)}
     if averaging == "periodic":
         result["parameter_averaging_rounds"] = rounds
+    if averaging != "none":
+        result["averaging_bytes_sent"] = sent  # from each peer's swarm_peer_averaging_bytes_total
     print(f"{name}: final loss {result['final_loss']:.4f}, eval loss {result['eval_loss']:.4f}, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['wall_s']:.0f} s", flush=True)
     return result
@@ -130,6 +152,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--period-s", type=float, default=5.0, help="periodic mode: seconds between rounds")
     parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--with-outer", action="store_true", help="also run periodic averaging with an outer step")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (with --with-outer)")
+    parser.add_argument("--only", nargs="*", help="run only the layouts whose names contain one of these words "
+                        "(the 1-replica reference always runs)")
     parser.add_argument("--with-unaveraged", action="store_true", help="also run 2 replicas without averaging")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/out/replicas.json")
@@ -137,23 +163,28 @@ def main() -> None:
     if args.batch_size % (2 * args.microbatch_size):
         parser.error("--batch-size must be a multiple of 2 x --microbatch-size (two replicas share each batch)")
 
-    layouts = [("1 replica", 1, "none"), ("2 replicas, sync", 2, "sync"), ("2 replicas, periodic", 2, "periodic")]
+    layouts = [("1 replica", 1, "none", ()), ("2 replicas, sync", 2, "sync", ()),
+               ("2 replicas, periodic", 2, "periodic", ())]
+    if args.with_outer:
+        layouts.append(("2 replicas, periodic + outer", 2, "periodic", ("--outer-lr", str(args.outer_lr))))
     if args.with_unaveraged:
-        layouts.append(("2 replicas, none", 2, "none"))
-    runs = [run(name, args, replicas, averaging) for name, replicas, averaging in layouts]
+        layouts.append(("2 replicas, none", 2, "none", ()))
+    if args.only:
+        layouts = [layouts[0]] + [layout for layout in layouts[1:] if any(word in layout[0] for word in args.only)]
+    runs = [run(name, args, replicas, averaging, extra) for name, replicas, averaging, extra in layouts]
     reference = runs[0]
     for result in runs:
         for key in ("final_loss", "eval_loss"):
             result[f"{key}_vs_1_replica"] = result[key] / reference[key] - 1
 
-    print(f"\n{'run':<24}{'samples':>8}{'final loss':>12}{'vs 1':>8}{'eval loss':>11}{'vs 1':>8}{'tokens/s':>10}")
+    print(f"\n{'run':<30}{'samples':>8}{'final loss':>12}{'vs 1':>8}{'eval loss':>11}{'vs 1':>8}{'tokens/s':>10}")
     for r in runs:
-        print(f"{r['name']:<24}{r['samples']:>8}{r['final_loss']:>12.4f}{r['final_loss_vs_1_replica']:>+8.1%}"
+        print(f"{r['name']:<30}{r['samples']:>8}{r['final_loss']:>12.4f}{r['final_loss_vs_1_replica']:>+8.1%}"
               f"{r['eval_loss']:>11.4f}{r['eval_loss_vs_1_replica']:>+8.1%}{r['tokens_per_s']:>10.0f}")
     every = max(args.steps // 10, 1)
-    print("\nloss by step:\n" + f"{'step':>6}" + "".join(f"{r['name']:>24}" for r in runs))
+    print("\nloss by step:\n" + f"{'step':>6}" + "".join(f"{r['name']:>30}" for r in runs))
     for step in sorted({*range(0, args.steps, every), args.steps - 1}):
-        print(f"{step:>6}" + "".join(f"{r['losses'][step]:>24.4f}" for r in runs))
+        print(f"{step:>6}" + "".join(f"{r['losses'][step]:>30.4f}" for r in runs))
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -4,7 +4,8 @@ Two modes (`--averaging`):
 * `sync`: replicas do not step on their own. When the trainer has finished a step it sends every
   replica a commit; the replicas all-reduce their mean gradients weighted by the samples each saw
   (so the result is the mean gradient over every sample of the step, as in one process) and then
-  all step with it: their parameters stay identical.
+  all step with it: their parameters stay identical. If the round fails, no replica steps; the
+  gradients carry over to the next commit.
 * `periodic`: each replica steps on its own gradients; every `averaging_period_s` seconds
   (aligned to DHT time, so replicas meet without coordination) they average their parameters.
   Optimizer state is not averaged. Optionally (`--outer-lr`) the average is not taken as is: an
@@ -126,7 +127,8 @@ class ReplicaAveraging:
         try:
             if not control.triggered:
                 control.allow_allreduce()
-            gathered = control.result(timeout=self.timeout_s)
+            # hivemind bounds matchmaking and the all-reduce by timeout_s each; this is a safety net
+            gathered = control.result(timeout=2 * self.timeout_s + 5.0)
         except Exception as e:  # a failed round must not take the peer down; replicas re-converge later
             logger.warning(f"Averaging round failed: {type(e).__name__}: {e}")
             control.cancel()
@@ -194,7 +196,12 @@ class GradientSync(ReplicaAveraging):
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
             gathered = self._all_reduce(group_size, weight=max(float(local_samples), 1e-9))
             if gathered is None:
-                logger.warning(f"stage {self.runtime.stage}: no averaging group formed; stepping on local gradients")
+                # Stepping on local gradients would part this replica from the others for good (sync
+                # mode never averages parameters). Skipping keeps them equal: the gradients stay
+                # accumulated and the next commit averages them with the next step's.
+                logger.warning(f"stage {self.runtime.stage}: no averaging round with the other replicas; "
+                               f"not stepping, the gradients carry over to the next commit")
+                return AveragingOutcome(False, 1, 0, stepped=False)
         total = sum(int(round(w)) for w in gathered.values()) if gathered else local_samples
         if total == 0:
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
@@ -245,9 +252,11 @@ class ParameterAveraging(ReplicaAveraging):
         """Run the all-reduce of a scheduled round (on the compute thread: it writes the parameters)."""
         gathered = self.finish_round(control)
         stepped = False
-        if gathered is not None and self.outer is not None:
-            with self.averager.get_tensors() as params:  # the parameters' own memory
-                stepped = self.outer.apply(params)
+        if gathered is not None:
+            if self.outer is not None:
+                with self.averager.get_tensors() as params:  # the parameters' own memory
+                    stepped = self.outer.apply(params)
+            self.runtime.cache.clear()  # cached graphs hold activations of the parameters before the round
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, 0, stepped=stepped)
 
     def abandon(self, control: StepControl) -> None:
