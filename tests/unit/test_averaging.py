@@ -1,12 +1,17 @@
-"""Averaging traffic accounting and its metrics (pure parts of peers/averaging.py, no network)."""
+"""Averaging without a network: traffic accounting, its metrics, and what a failed sync round does."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
-from peers.averaging import COMPRESSIONS, AveragingRound, allreduce_bytes_each_way, wire_bytes_per_value
+from models.config import get_model_config
+from peers.averaging import (COMPRESSIONS, AveragingRound, GradientSync, allreduce_bytes_each_way,
+                             wire_bytes_per_value)
 from peers.metrics import PeerMetrics
+from peers.stage_runtime import OptimizerSettings, StageRuntime
 
 
 def test_a_replica_alone_moves_nothing_and_a_pair_moves_its_whole_tensor_each_way():
@@ -44,3 +49,42 @@ def test_a_peer_without_averaging_shows_no_averaging_series():
     m.set_averaging_mode("none")
     samples = [s for f in m.registry.collect() if f.name.startswith("swarm_peer_averaging") for s in f.samples]
     assert samples == []
+
+
+class _ControlledSync(GradientSync):
+    """GradientSync without a DHT: each round's outcome is set by the test."""
+
+    def __init__(self, runtime: StageRuntime, round_result):
+        self.runtime, self.committed, self.round_result = runtime, set(), round_result
+        runtime.auto_step = False
+        self.averager = self  # get_tensors() below stands in for the averager's shared buffers
+        self.buffers = [torch.zeros_like(p) for p in runtime.params]
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        yield self.buffers
+
+    def _all_reduce(self, group_size: int, weight: float):
+        return self.round_result(weight)
+
+
+def _runtime_with_gradients() -> StageRuntime:
+    runtime = StageRuntime(get_model_config("tiny"), 0, 2, optimizer=OptimizerSettings(kind="sgd", lr=0.1))
+    runtime.auto_step = False
+    inputs = torch.randint(0, 256, (2, runtime.config.seq_len))
+    grad_outputs = torch.randn(2, runtime.config.seq_len, runtime.config.d_model)
+    runtime.backward("mb0", inputs, grad_outputs=grad_outputs)
+    return runtime
+
+
+def test_a_failed_sync_round_does_not_step_and_keeps_the_gradients_for_the_next_commit():
+    runtime = _runtime_with_gradients()
+    before = [p.detach().clone() for p in runtime.params]
+    sync = _ControlledSync(runtime, round_result=lambda weight: None)
+    outcome = sync.commit("run:0", group_size=2)
+    assert not outcome.stepped and runtime.steps_done == 0 and runtime.samples_accumulated == 2
+    assert all(torch.equal(p, b) for p, b in zip(runtime.params, before))
+    sync.round_result = lambda weight: {"self": weight, "other": 2.0}  # the next round works
+    outcome = sync.commit("run:1", group_size=2)
+    assert outcome.stepped and outcome.samples == 4 and runtime.steps_done == 1
+    assert sync.commit("run:1", group_size=2).stepped is False  # a retried commit does not step twice
