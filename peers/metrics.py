@@ -1,8 +1,9 @@
 """The peer's Prometheus metrics, all defined here, named `swarm_peer_<what>_<unit>`.
 
 Labels only ever take bounded values: a stage index, an rpc name (`forward`, `backward`), a codec
-name (registered codecs only, see `swarm.compression.accounting`), a failure kind, a result. Never
-a peer id: Prometheus' own `instance` label already tells peers apart.
+name (registered codecs only, see `swarm.compression.accounting`), a failure kind, a result, an
+averaging mode (`sync`, `periodic`). Never a peer id: Prometheus' own `instance` label already
+tells peers apart.
 
 Each `PeerMetrics` owns its registry (not prometheus_client's global one), so several can live in
 one test process. The HTTP endpoint that serves a registry is here too (`serve_metrics`), shared by
