@@ -37,7 +37,8 @@ class PeerConfig(NetworkConfig):
     averaging_compression: str | None = option(None, help="averaging traffic: none (default; replicas agree exactly), "
                                                "fp16 (half the bytes) or int8 (blockwise 8-bit, a quarter); compressed, "
                                                "replicas agree only up to the codec's rounding of their differences "
-                                               "(fp16: ~1e-5)", choices=["none", "fp16", "int8"])
+                                               "(measured after one step at lr 0.5: fp16 6e-5, int8 1.6e-3)",
+                                               choices=["none", "fp16", "int8"])
     outer_lr: float = option(0.0, help="periodic mode: outer learning rate of a DiLoCo-style Nesterov step on the "
                              "averaged parameter delta after each round (DiLoCo: 0.7); 0 = off, plain averaging")
     outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")

@@ -52,16 +52,19 @@ def averaging_sample(metrics: dict, name: str, **labels) -> float | None:
     return metrics.get((name, tuple(sorted(labels.items()))))
 
 
-# compression -> (how far apart the replicas may end up, bytes per value on the wire)
-SYNC_COMPRESSIONS = {"none": (1e-6, 4), "fp16": (1e-4, 2)}
+# compression -> (how far apart the replicas may end up, bytes per value on the wire: int8 carries a
+# 256-value codebook per tensor part, which the tiny model's many small tensors make count)
+# (measured: fp16 6e-5 apart at 2.013 bytes a value, int8 1.6e-3 apart at 1.80)
+SYNC_COMPRESSIONS = {"none": (1e-6, (4, 4.05)), "fp16": (5e-4, (2, 2.05)), "int8": (1e-2, (1, 2))}
 
 
 @pytest.mark.parametrize("compression", list(SYNC_COMPRESSIONS))
 def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm, tmp_path, compression):
-    """Uncompressed, the replicas agree to 1e-6 and equal the one-process step. With fp16 each replica
-    keeps the part it averaged itself exact and gets the rest through fp16 differences, so they
-    agree only within fp16 rounding (documented at --averaging-compression), for half the bytes."""
-    tolerance, bytes_per_value = SYNC_COMPRESSIONS[compression]
+    """Uncompressed, the replicas agree to 1e-6 and equal the one-process step. Compressed, each
+    replica keeps the part it averaged itself exact and gets the rest through rounded differences,
+    so they agree only within the codec's rounding (documented at --averaging-compression), for
+    half (fp16) or about a quarter (int8, plus a codebook per tensor part) of the bytes."""
+    tolerance, (min_bytes_per_value, max_bytes_per_value) = SYNC_COMPRESSIONS[compression]
     swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync",
                                                 "--averaging-compression", compression])
     swarm.start_bootstrap()
@@ -89,7 +92,7 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
         assert averaging_sample(metrics, "swarm_peer_averaging_rounds_total", mode="sync", result="failed") == 0
         for direction in ("sent", "received"):
             sent = averaging_sample(metrics, "swarm_peer_averaging_bytes_total", mode="sync", direction=direction)
-            assert bytes_per_value * values <= sent <= 1.01 * bytes_per_value * values, (direction, sent, values)
+            assert min_bytes_per_value * values <= sent <= max_bytes_per_value * values, (direction, sent, values)
 
 
 @pytest.mark.parametrize("outer", [[], ["--outer-lr", "0.7", "--outer-momentum", "0.9"]], ids=["plain", "outer-step"])
