@@ -11,7 +11,7 @@ stages trained by `swarm train` on the Shakespeare corpus with the same data ord
   (`--target-batch-size` = batch / 2, so samples per step and steps per replica match the
   reference) and averaging parameters every `--period-s` seconds (`--averaging periodic`);
 * optionally (`--with-outer`) `2 replicas, periodic + outer`: the same with a DiLoCo-style outer
-  Nesterov step after each round (`--outer-lr`, momentum 0.9);
+  Nesterov step after each round (`--outer-lr`, `--outer-momentum`; DiLoCo's 0.7 and 0.9 by default);
 * optionally (`--with-unaveraged`) `2 replicas, none`: the same without averaging, to show drift.
 
 Per run: the trainer's loss per step, the final training loss (mean of the last 5 steps, on the same
@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--with-outer", action="store_true", help="also run periodic averaging with an outer step")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (with --with-outer)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (with --with-outer)")
     parser.add_argument("--only", nargs="*", help="run only the layouts whose names contain one of these words "
                         "(the 1-replica reference always runs)")
     parser.add_argument("--with-unaveraged", action="store_true", help="also run 2 replicas without averaging")
@@ -166,7 +167,8 @@ def main() -> None:
     layouts = [("1 replica", 1, "none", ()), ("2 replicas, sync", 2, "sync", ()),
                ("2 replicas, periodic", 2, "periodic", ())]
     if args.with_outer:
-        layouts.append(("2 replicas, periodic + outer", 2, "periodic", ("--outer-lr", str(args.outer_lr))))
+        layouts.append((f"2 replicas, periodic + outer {args.outer_lr}/{args.outer_momentum}", 2, "periodic",
+                        ("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum))))
     if args.with_unaveraged:
         layouts.append(("2 replicas, none", 2, "none", ()))
     if args.only:
