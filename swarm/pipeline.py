@@ -61,6 +61,7 @@ class SwarmPipeline:
         self.counters = PipelineCounters()
         self._slots = asyncio.Semaphore(max_in_flight)
         self._refreshed = asyncio.Event()
+        self.refreshes = 0
         self._on_wait = on_wait
         self.metrics = metrics or TrainerMetrics()
 
@@ -70,9 +71,15 @@ class SwarmPipeline:
                                          for s in range(self.num_stages)])
         for stage, records in enumerate(results):
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
+            known, now = {r.peer_id for r in self.records[stage]}, {r.peer_id for r in online}
+            if self.refreshes and known != now:  # not on the first refresh: that is the start
+                joined, left = sorted(p[-8:] for p in now - known), sorted(p[-8:] for p in known - now)
+                self._on_wait(f"stage {stage}: {len(now)} replicas" + (f"; joined {', '.join(joined)}" if joined else "")
+                              + (f"; left {', '.join(left)}" if left else ""))
             self.records[stage] = online
             self.schedulers[stage].update_replicas([ReplicaInfo(r.peer_id, r.throughput) for r in online])
         self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
+        self.refreshes += 1
         self._refreshed.set()
 
     async def refresh_forever(self, period_s: float) -> None:
