@@ -1,7 +1,7 @@
 """Churn (issue #3): a swarm trains while peers are SIGKILLed and started on a schedule.
 
     flock /tmp/swarm-bench.lock nice -n 5 .venv/bin/python benchmarks/churn.py --out benchmarks/out/churn.json
-    (about 4 minutes; --phase-s 25 for a ~2-minute run)
+    (about 4-5 minutes: 5 phases of --phase-s 45 s, plus start-up and joins; --phase-s 20 for ~2-3 minutes)
 
 2 stages; the schedule, after a warm-up, in phases of --phase-s seconds:
 
@@ -15,10 +15,13 @@
 Surviving capacity. After each kill the survivors are a set of peers this run has already measured
 in steady state with the same number of identical peers per stage: D's 3 + 2 were measured in B,
 E's 2 + 2 in A. The capacity of a set is the tokens/s of steps that completed in its reference
-phase, after the first --settle-s seconds (the ramp-up of a join). Every peer runs with
---fault-slowdown (default 4): it emulates a volunteer device 4x slower than one core of this
-machine, so that the swarm's capacity is the sum of its peers' and not the machine's two cores
-(otherwise a kill frees CPU for the survivors and looks free).
+phase, after the first --settle-s seconds (the ramp-up of a join). A "start" phase begins when
+the new peer is online (it loads the stage's state from a replica first). Every peer runs with
+--fault-slowdown (default 10): its compute is followed by 9x as much sleep, as on a volunteer
+device 10x slower than one core of this machine, so that a peer's capacity is its own and not a
+slice of the machine's two cores (otherwise a kill frees CPU for the survivors and looks free).
+The default model is `tiny` so that steps are short (a stall shows at sub-second resolution) even
+when other work loads the two cores; `--model small` is heavier and slower.
 
 Figures per kill:
 - stall_s: the longest time without a completed step from the kill on (within --horizon-s), and
@@ -153,8 +156,8 @@ def analyse(step_end_s: Sequence[float], tokens_per_step: int, phase_starts: dic
         start, end = bounds[phase.name]
         capacity = phases[phase.reference]["steady_tokens_per_s"]
         stall_s = stall_after(step_end_s, start, horizon_s)
-        recovery_s = recovery_after(step_end_s, tokens_per_step, start, capacity, window_s=window_s,
-                                    horizon_s=min(horizon_s, end - start))
+        recovery_s = (recovery_after(step_end_s, tokens_per_step, start, capacity, window_s=window_s,
+                                     horizon_s=min(horizon_s, end - start)) if capacity > 0 else None)
         kills.append({"phase": phase.name, "stage": phase.stage, "at_s": start,
                       "surviving_capacity_tokens_per_s": capacity, "capacity_measured_in": phase.reference,
                       "stall_s": stall_s,
@@ -194,6 +197,7 @@ def run(args) -> dict:
     calls_at: dict[str, dict] = {}
     phase_starts: dict[str, float] = {}
     names: dict[str, str] = {}
+    joins: dict[str, dict] = {}
     with LocalSwarm(model=args.model, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
         swarm.start_bootstrap()
         peers = {0: [swarm.start_peer(0) for _ in range(2)], 1: [swarm.start_peer(1) for _ in range(2)]}
@@ -225,8 +229,11 @@ def run(args) -> dict:
         t = time.monotonic() - clock0
         for phase in SCHEDULE:
             if phase.action == "start":
+                started_at = time.monotonic() - clock0
                 process = swarm.start_peer(phase.stage)
                 peers[phase.stage].append(process)
+                swarm.wait_online([process], timeout_s=300)  # the phase is that of the new set of peers
+                joins[process.name] = {"started_s": started_at, "online_s": time.monotonic() - clock0}
             elif phase.action == "kill":
                 process = peers[phase.stage].pop()  # the newest peer of the stage
                 process.signal(signal.SIGKILL)
@@ -246,6 +253,9 @@ def run(args) -> dict:
             key = _peer_key(process)
             if key:
                 names[key] = process.name
+            served = re.search(r"first request served ([\d.]+) s after the online record", process.log())
+            if process.name in joins:
+                joins[process.name]["first_request_after_online_record_s"] = float(served.group(1)) if served else None
         trainer_alive = trainer.alive
     step_end = [align_clock(observations, final["step_end_s"]) + t for t in final["step_end_s"]]
     analysis = analyse(step_end, tokens_per_step, phase_starts, end_s, settle_s=args.settle_s,
@@ -254,8 +264,11 @@ def run(args) -> dict:
     for phase in SCHEDULE:
         now = calls_at.get(phase.name, {})
         delta = {names.get(k, k): now.get(k, 0) - previous.get(k, 0) for k in now}
-        total = sum(delta.values()) or 1
-        shares[phase.name] = {name: round(calls / total, 3) for name, calls in sorted(delta.items()) if calls}
+        shares[phase.name] = {}
+        for stage in (0, 1):  # shares within each stage (stage 0 serves a forward and a backward per microbatch)
+            of_stage = {name: calls for name, calls in delta.items() if name.startswith(f"peer-s{stage}-")}
+            total = sum(of_stage.values()) or 1
+            shares[phase.name].update({name: round(calls / total, 3) for name, calls in sorted(of_stage.items())})
         previous = now
     first = phase_starts[SCHEDULE[0].name]
     return {"benchmark": "churn", "model": args.model, "batch_size": args.batch_size,
@@ -267,7 +280,7 @@ def run(args) -> dict:
             "steps": final["steps"], "microbatches_sent": final["microbatches_sent"],
             "microbatches_lost": final["microbatches_lost"], "microbatches_retried": final["microbatches_retried"],
             "calls_retried": final["calls_retried"], "failures_by_kind": final["failures_by_kind"],
-            "calls_share_by_phase": shares, **analysis,
+            "calls_share_by_phase": shares, "joins": joins, **analysis,
             "tokens_per_s_by_second": rate_series(step_end, tokens_per_step, first, end_s, 1.0),
             "tokens_per_s_rolling_5s": [(round(t - first, 1), rate_between(step_end, tokens_per_step, t - 5.0, t))
                                         for t in [first + 5.0 + i for i in range(int(end_s - first - 5.0) + 1)]],
@@ -293,6 +306,10 @@ def summary(result: dict) -> str:
                      f"back to 90% of {kill['surviving_capacity_tokens_per_s']:,.0f} tokens/s (phase "
                      f"{kill['capacity_measured_in']}) after {recovery} (goal <= 30 s: "
                      f"{'met' if kill['goal_recovery_met'] else 'NOT met'})")
+    for name, join in result["joins"].items():
+        first = join.get("first_request_after_online_record_s")
+        lines.append(f"join {name}: online {join['online_s'] - join['started_s']:.1f} s after its start, first request "
+                     f"{'never' if first is None else f'{first:.2f} s'} after its online record")
     lines.append(f"lost microbatches: {result['microbatches_lost']} (goal 0: "
                  f"{'met' if result['microbatches_lost'] == 0 and result['trainer_alive_at_end'] else 'NOT met'})")
     return "\n".join(lines)
@@ -300,11 +317,11 @@ def summary(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--max-in-flight", type=int, default=8)
-    parser.add_argument("--slowdown", type=float, default=4.0, help="every peer's --fault-slowdown")
+    parser.add_argument("--slowdown", type=float, default=10.0, help="every peer's --fault-slowdown")
     parser.add_argument("--phase-s", type=float, default=45.0, help="seconds per phase (5 phases + warm-up)")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--settle-s", type=float, default=10.0, help="seconds after a phase starts that its steady "
