@@ -333,7 +333,14 @@ def main() -> int:
     parser.add_argument("--announce-period-s", type=float, default=5.0, help="the peers' (their default; record TTL 3x)")
     parser.add_argument("--out", default="benchmarks/out/churn.json")
     args = parser.parse_args()
-    result = run(args)
+    from swarm.local_swarm import LocalSwarmError
+    try:
+        result = run(args)
+    except (LocalSwarmError, RuntimeError) as e:  # a process that failed; its log tail is in the message
+        first_line, _, details = str(e).partition("\n")
+        print(details[-2000:], file=sys.stderr)
+        print(f"churn: error: {first_line}", file=sys.stderr)
+        return 1
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
