@@ -186,11 +186,12 @@ class PeerMetrics:
         self.request_duration = Histogram("swarm_peer_request_duration_seconds", "From the first request message to "
                                           "the answer ready to send", ["stage", "rpc"], buckets=LATENCY_BUCKETS_S,
                                           registry=r)
-        self.queue_duration = Histogram("swarm_peer_queue_duration_seconds", "Time a request waited for a compute "
-                                        "slot (--max-concurrent-requests)", ["stage", "rpc"],
+        self.queue_duration = Histogram("swarm_peer_queue_duration_seconds", "Time from a request's full arrival "
+                                        "to the start of its compute (decoding, waiting for a slot and for the "
+                                        "compute thread)", ["stage", "rpc"],
                                         buckets=LATENCY_BUCKETS_S, registry=r)
-        self.compute_duration = Histogram("swarm_peer_compute_duration_seconds", "Compute time of a request, "
-                                          "including its wait for the compute thread", ["stage", "rpc"],
+        self.compute_duration = Histogram("swarm_peer_compute_duration_seconds", "Time a request ran on the compute "
+                                          "thread (its wait for that thread is in the queue duration)", ["stage", "rpc"],
                                           buckets=LATENCY_BUCKETS_S, registry=r)
         self.in_flight = Gauge("swarm_peer_requests_in_flight", "Requests being received, queued or computed",
                                registry=r)

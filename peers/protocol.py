@@ -34,6 +34,10 @@ class ProtocolError(ValueError):
     """A message that does not follow the wire contract."""
 
 
+class StreamClosedError(ProtocolError):
+    """The stream ended before any message: the other side closed it or the connection broke."""
+
+
 class ErrorKind(str, Enum):
     BAD_REQUEST = "bad_request"  # the caller's fault: wrong shape/dtype/stage/codec; do not retry as is
     WRONG_STAGE = "wrong_stage"  # the peer serves another stage now (it moved); refresh the route
@@ -76,8 +80,8 @@ class ResponseHeader(BaseModel):
 
     tensors: tuple[TensorMeta, ...] = Field(default=(), max_length=MAX_TENSORS)
     loss: float | None = None
-    compute_s: float = 0.0
-    queue_s: float = 0.0
+    compute_s: float = 0.0  # seconds the request ran on the peer's compute thread
+    queue_s: float = 0.0  # seconds from its full arrival to the start of that compute (decode, wait)
     error: str | None = Field(default=None, max_length=4096)
     error_kind: ErrorKind | None = None
 
@@ -230,5 +234,5 @@ async def read_stream(messages: AsyncIterator, header_cls: type[BaseModel], *, m
         if len(parts) > max_parts:
             raise ProtocolError(f"more than {max_parts} tensor parts")
     if header is None:
-        raise ProtocolError("empty stream")
+        raise StreamClosedError("empty stream: closed before any message")
     return header, parts

@@ -39,6 +39,7 @@ class StageRpcHandlers:
         failure_kind, queue_s, compute_s, samples = None, None, None, 0
         try:
             header, parts = await read_stream(requests, RequestHeader)
+            arrived = time.perf_counter()  # the whole request is here: from now on, time is the peer's own
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
             self._check_route(header)
@@ -50,15 +51,16 @@ class StageRpcHandlers:
                 self.bytes.record_received(item)
             tensors = decode_tensors(encoded)
             async with self._semaphore:
-                queued = time.perf_counter()
-                outputs, loss = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self._compute, header, tensors)
-            compute_s, queue_s, samples = time.perf_counter() - queued, queued - received, header.batch_size
+                # Timed on the compute thread itself: waiting for that one thread behind other requests is
+                # queueing, not compute (a trainer that counted it would think its busiest replica slow).
+                (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, _timed, self._compute, header, tensors)
+            queue_s, samples = compute_started - arrived, header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             for _, item in encoded_outputs:
                 self.bytes.record_sent(item)
             metas, out_parts = to_wire(encoded_outputs)
-            response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queued - received)
+            response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queue_s)
             self.requests_served += 1
             if self.requests_served == 1 and self.announced_online_at is not None:
                 print(f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
@@ -110,3 +112,9 @@ class StageRpcHandlers:
                                                   targets=tensors.get("targets"))
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 
+
+def _timed(compute, *args):
+    """Run `compute(*args)`; returns its result, when it started and how long it ran (perf_counter seconds)."""
+    started = time.perf_counter()
+    result = compute(*args)
+    return result, started, time.perf_counter() - started

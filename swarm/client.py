@@ -10,8 +10,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from peers.protocol import (RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, CommitRequest, CommitResponse, ErrorKind,
-                            ProtocolError, RequestHeader, ResponseHeader, decode_header, decode_tensors, encode_header,
-                            from_wire, read_stream, request_messages, to_wire)
+                            ProtocolError, RequestHeader, ResponseHeader, StreamClosedError, decode_header, decode_tensors,
+                            encode_header, from_wire, read_stream, request_messages, to_wire)
 from swarm.compression import ByteCounter, CodecChoice, EncodedTensor
 
 
@@ -48,6 +48,8 @@ class StageClient:
             response, out_parts = await asyncio.wait_for(self._exchange(peer_id, name, header, parts), timeout=timeout_s)
         except asyncio.TimeoutError:
             raise PeerCallError(peer_id, FailureKind.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s") from None
+        except StreamClosedError as e:  # the connection dropped: not an answer, so not garbage
+            raise PeerCallError(peer_id, FailureKind.TRANSPORT, str(e)) from None
         except ProtocolError as e:
             raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
         except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers

@@ -146,7 +146,11 @@ class _BanRecord:
 class BanList:
     """Peers to avoid after failures, with exponential backoff.
 
-    The n-th consecutive failure bans a peer for ``base_s * 2**(n-1)`` seconds, at most ``max_s``.
+    The n-th consecutive failure bans a peer for ``base_s * 2**(n-1)`` seconds, at most ``max_s``,
+    and at least ``at_least_s`` when the caller gives one: a failed call that took long (a timeout)
+    should not be tried again soon, while one refused at once (connection refused, stream closed)
+    costs almost nothing to retry, so a short ``base_s`` lets a peer that had a glitch come back
+    quickly without making the trainer wait long on a stage whose every replica is banned.
     Failures reported while the peer is still banned belong to the same incident (calls that
     were in flight together) and neither extend the ban nor double the next one. ``clear`` after
     a success resets the backoff. Bans end by themselves as the clock passes them; a peer's
@@ -177,8 +181,12 @@ class BanList:
         self._clock = clock
         self._records: dict[str, _BanRecord] = {}
 
-    def ban(self, peer_id: str) -> float:
-        """Ban the peer after a failure; returns the seconds until the ban ends."""
+    def ban(self, peer_id: str, *, at_least_s: float = 0.0) -> float:
+        """Ban the peer after a failure; returns the seconds until the ban ends.
+
+        at_least_s: the shortest ban for this failure (still at most ``max_s``)."""
+        if not (math.isfinite(at_least_s) and at_least_s >= 0.0):
+            raise ValueError(f"at_least_s must be a finite number >= 0, got {at_least_s}")
         now_s = self._clock()
         self._forget_old(now_s)
         record = self._records.get(peer_id)
@@ -186,7 +194,7 @@ class BanList:
             return record.until_s - now_s
         failures = 1 if record is None else record.failures + 1
         # The exponent is capped so that a long-failing peer cannot overflow the float.
-        duration_s = min(self._base_s * 2.0 ** min(failures - 1, 64), self._max_s)
+        duration_s = min(max(self._base_s * 2.0 ** min(failures - 1, 64), at_least_s), self._max_s)
         self._records[peer_id] = _BanRecord(failures, now_s + duration_s)
         return duration_s
 

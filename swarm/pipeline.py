@@ -53,11 +53,15 @@ class SwarmPipeline:
         self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
         self.schedulers = [ReplicaScheduler() for _ in range(num_stages)]
         self.timeouts = TimeoutPolicy()
-        self.bans = BanList()
+        # A short base ban: a replica refused at once (killed, or a dropped stream) is cheap to probe
+        # again, and a stage whose only replica had a glitch must not stall for 15 s; a call that failed
+        # slowly (a timeout) is banned at least 3x as long as it took (see _note_failure).
+        self.bans = BanList(base_s=1.0, max_s=60.0)
         self.records: list[list[PeerRecord]] = [[] for _ in range(num_stages)]
         self.counters = PipelineCounters()
         self._slots = asyncio.Semaphore(max_in_flight)
         self._refreshed = asyncio.Event()
+        self.refreshes = 0
         self._on_wait = on_wait
         self.metrics = metrics or TrainerMetrics()
 
@@ -67,14 +71,24 @@ class SwarmPipeline:
                                          for s in range(self.num_stages)])
         for stage, records in enumerate(results):
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
+            known, now = {r.peer_id for r in self.records[stage]}, {r.peer_id for r in online}
+            if self.refreshes and known != now:  # not on the first refresh: that is the start
+                joined, left = sorted(p[-8:] for p in now - known), sorted(p[-8:] for p in known - now)
+                self._on_wait(f"stage {stage}: {len(now)} replicas" + (f"; joined {', '.join(joined)}" if joined else "")
+                              + (f"; left {', '.join(left)}" if left else ""))
             self.records[stage] = online
             self.schedulers[stage].update_replicas([ReplicaInfo(r.peer_id, r.throughput) for r in online])
         self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
+        self.refreshes += 1
         self._refreshed.set()
 
     async def refresh_forever(self, period_s: float) -> None:
+        """Refresh every `period_s` seconds from start to start, so that a slow DHT lookup (a loaded
+        machine) does not stretch the period in which a new peer is discovered."""
+        next_s = time.monotonic() + period_s
         while True:
-            await asyncio.sleep(period_s)
+            await asyncio.sleep(max(next_s - time.monotonic(), 0.0))
+            next_s = max(next_s + period_s, time.monotonic())
             try:
                 await self.refresh()
             except Exception as e:  # the DHT may hiccup; the next refresh tries again
@@ -125,7 +139,7 @@ class SwarmPipeline:
                 self._check_outputs(peer_id, stage, rpc, batch_size, outputs, response.loss)
             except PeerCallError as e:
                 self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
-                self._note_failure(stage, peer_id, e)
+                self._note_failure(stage, peer_id, e, failed_after_s=time.perf_counter() - started)
                 failures.append(str(e))
                 try:
                     budget.record_failure(peer_id, str(e))
@@ -137,19 +151,23 @@ class SwarmPipeline:
                 continue
             elapsed = time.perf_counter() - started
             self.metrics.observe_call(stage=stage, rpc=rpc, duration_s=elapsed)
-            # Throughput is judged on service time (transfer + compute), not on the time spent queued
-            # behind our own other requests: otherwise the busiest replica would look the slowest.
-            service_s = max(elapsed - response.queue_s, response.compute_s)
-            self.schedulers[stage].report_success(peer_id, rpc, batch_size, service_s)
-            self.codecs.observe(peer_id, stage, nbytes=moved, transfer_s=service_s - response.compute_s,
-                                compute_s=response.compute_s, batch_size=batch_size)
+            # A replica's throughput is set by its busier own resource: its compute thread, or its link
+            # (the call minus what the peer spent queued and computing: wire time both ways and
+            # (de)serialization). With several calls in flight the two overlap, so the larger one is the
+            # bound, not their sum. Time queued behind our other requests says how much we sent, not how
+            # fast the replica is: counting it made the busiest replica look slow.
+            compute_s = min(max(response.compute_s, 0.0), elapsed)
+            transfer_s = max(elapsed - max(response.queue_s, 0.0) - compute_s, 0.0)
+            self.schedulers[stage].report_success(peer_id, rpc, batch_size, max(compute_s, transfer_s))
+            self.codecs.observe(peer_id, stage, nbytes=moved, transfer_s=transfer_s,
+                                compute_s=compute_s, batch_size=batch_size)
             self.timeouts.observe(stage, rpc, elapsed)
             self.bans.clear(peer_id)
             key = peer_id[-8:]
             self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
             return outputs, response
 
-    def _note_failure(self, stage: int, peer_id: str, error: PeerCallError) -> None:
+    def _note_failure(self, stage: int, peer_id: str, error: PeerCallError, failed_after_s: float) -> None:
         self.schedulers[stage].report_failure(peer_id)
         self.counters.calls_retried += 1
         kind = error.kind.value
@@ -157,7 +175,8 @@ class SwarmPipeline:
         if error.kind == FailureKind.WRONG_STAGE:
             self._refreshed.clear()  # the peer moved: a refresh will drop it from this stage
         else:
-            self.bans.ban(peer_id)
+            # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
+            self.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
             self.metrics.bans.labels(stage=str(stage)).inc()
         logger.warning(f"stage {stage}: {error}; retrying on another replica")
 

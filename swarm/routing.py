@@ -12,10 +12,17 @@ task's duration of each other and never grow without bound, and a replica that s
 (excluded, banned) cannot bank credit: it resumes at the frontier instead of being flooded. A new
 replica enters at the current minimum key for the same reason.
 
-Throughput is an EMA (``ema_alpha``) of measured seconds per forward-equivalent sample, seeded
-from the value the peer announced on the DHT; a backward pass counts as ``backward_cost`` forward
-samples. The EMA is over seconds per sample rather than samples per second so that the expected
-busy time stays unbiased when measurements are noisy.
+Throughput is an EMA (``ema_alpha``) of measured seconds per forward-equivalent sample; a backward
+pass counts as ``backward_cost`` forward samples. The EMA is over seconds per sample rather than
+samples per second so that the expected busy time stays unbiased when measurements are noisy.
+
+The value the peer announced on the DHT is only a prior, used until the trainer has measured the
+peer itself: it comes from a start-up benchmark on other batch shapes, often taken while other
+processes competed for the CPU, and can be off by 2x. The first measurement therefore replaces it,
+and the n-th measurement weighs ``max(ema_alpha, 1/n)`` (a plain mean until ``n = 1/ema_alpha``,
+the EMA after). A plain EMA seeded with the announcement would keep ``(1-alpha)**n`` of a wrong
+prior: 28% after 12 calls at alpha 0.1, and a slow replica gets few calls, so its wrong prior
+would decide its share for most of a short run.
 
 Pure: no I/O, no asyncio, time only from the injected clock.
 """
@@ -66,7 +73,7 @@ class _PendingTask:
 class _ReplicaState:
     key_s: float
     seconds_per_sample: float
-    measured: bool = False
+    measurements: int = 0
     pending: deque[_PendingTask] = field(
         default_factory=lambda: deque(maxlen=_MAX_PENDING_PER_REPLICA)
     )
@@ -121,7 +128,7 @@ class ReplicaScheduler:
             replica = self._replicas.get(peer_id)
             if replica is None:
                 self._replicas[peer_id] = _ReplicaState(entry_key_s, seconds_per_sample)
-            elif not replica.measured:
+            elif replica.measurements == 0:
                 replica.seconds_per_sample = seconds_per_sample
 
     def choose(self, task: Task, samples: int, exclude: Collection[str] = ()) -> str | None:
@@ -148,8 +155,10 @@ class ReplicaScheduler:
     def report_success(self, peer_id: str, task: Task, samples: int, elapsed_s: float) -> None:
         """Fold a measured call into the peer's throughput EMA.
 
-        elapsed_s: wall time of the call in seconds; 0 (below clock resolution) carries no
-        information and only settles the task. Reports for peers dropped since are ignored.
+        elapsed_s: seconds the call kept the replica busy (the caller decides what counts: the
+        pipeline passes the replica's own compute time, or its link time when that is longer);
+        0 (below clock resolution) carries no information and only settles the task. Reports for
+        peers dropped since are ignored.
         """
         cost = self._task_cost(task)
         _check_samples(samples)
@@ -162,9 +171,9 @@ class ReplicaScheduler:
         if elapsed_s == 0.0:
             return
         measured = _clamp_seconds_per_sample(elapsed_s / (samples * cost))
-        alpha = self._ema_alpha
+        replica.measurements += 1
+        alpha = max(self._ema_alpha, 1.0 / replica.measurements)  # the first one replaces the prior
         replica.seconds_per_sample = alpha * measured + (1.0 - alpha) * replica.seconds_per_sample
-        replica.measured = True
 
     def report_failure(self, peer_id: str) -> None:
         """Settle the busy time of the peer's oldest unreported task after it failed.

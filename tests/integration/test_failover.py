@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import time
@@ -11,13 +10,6 @@ import time
 import pytest
 
 pytestmark = pytest.mark.slow
-
-# These two measure timing (shares of calls, seconds to first request). On 2 shared cores they
-# pass alone but fail when other work loads the machine (seen: ratio 0.41-0.5 instead of 0.27-0.40;
-# 16 s instead of <= 3 s), so they run only when asked, on a quiet machine.
-timing_sensitive = pytest.mark.skipif(
-    os.environ.get("SWARM_TIMING_TESTS") != "1",
-    reason="timing-sensitive on 2 shared cores; run with SWARM_TIMING_TESTS=1 on a quiet machine")
 
 
 def peer_key(process) -> str:
@@ -66,8 +58,11 @@ def test_sigkill_of_a_replica_loses_nothing(make_swarm, tmp_path):
     assert survivor_calls > killed_calls_after
 
 
-@timing_sensitive
 def test_a_replica_slowed_3x_gets_a_third_of_its_partners_share(make_swarm, tmp_path):
+    """The trainer judges a replica by the time the peer reports it spent computing (or on the wire,
+    if longer), not by round trips that also hold its wait behind our other requests, and its first
+    own measurement replaces the throughput the peer announced at start-up. Both used to push the
+    ratio to 0.41-0.5 when other work loaded the machine."""
     swarm = make_swarm(model="small", num_stages=2, peer_args=["--target-batch-size", "8"])
     swarm.start_bootstrap()
     first = swarm.start_peer(0)
@@ -75,16 +70,24 @@ def test_a_replica_slowed_3x_gets_a_third_of_its_partners_share(make_swarm, tmp_
     slow = swarm.start_peer(1, "--fault-slowdown", "3")
     swarm.wait_online([first, fast, slow])
     report_path = tmp_path / "report.json"
-    trainer = swarm.start_trainer("--steps", "12", "--batch-size", "8", "--microbatch-size", "2",
+    # 12 steps x 8 microbatches: 96 calls to stage 1, so that one call more or less moves the ratio
+    # by about 4%, well inside the 20% the issue allows.
+    trainer = swarm.start_trainer("--steps", "12", "--batch-size", "8", "--microbatch-size", "1",
                                   "--max-in-flight", "4", "--num-stages", "2", "--report", str(report_path))
     assert trainer.popen.wait(timeout=600) == 0, trainer.log()[-3000:]
     calls = json.loads(report_path.read_text())["calls_by_peer"]
-    ratio = calls[peer_key(slow)] / calls[peer_key(fast)]
+    slow_calls, fast_calls = calls[peer_key(slow)], calls[peer_key(fast)]
+    ratio = slow_calls / fast_calls
+    print(f"slowed-replica share: {slow_calls} calls vs {fast_calls}, ratio {ratio:.3f} (1/3 +- 20%: 0.267-0.400)")
+    assert slow_calls + fast_calls == 12 * 8, calls  # every stage-1 call is one of theirs
     assert 1 / 3 * 0.8 <= ratio <= 1 / 3 * 1.2, calls
 
 
-@timing_sensitive
 def test_a_peer_that_joins_mid_run_serves_within_one_refresh_period(make_swarm, tmp_path):
+    """Measured by the new peer itself: from the moment its online record is stored to its first
+    request. The trainer re-reads the DHT every refresh period (start to start); after that it needs
+    the DHT lookup and one request, a second at most. A call that failed on a glitch used to ban a
+    replica for 15 s, which is what a 16 s delay under load was."""
     refresh_s = 2.0
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8"])
     swarm.start_bootstrap()
@@ -97,6 +100,8 @@ def test_a_peer_that_joins_mid_run_serves_within_one_refresh_period(make_swarm, 
     swarm.wait_online([newcomer])
     served = wait_for(lambda: re.search(r"first request served ([\d.]+) s after the online record was stored",
                                         newcomer.log()), 60, "the new peer to serve a request")
-    # one refresh period, plus the trainer's DHT lookup and one request (a second at most)
-    assert float(served.group(1)) <= refresh_s + 1.0, newcomer.log()
+    delay_s = float(served.group(1))
+    print(f"joined peer's first request {delay_s:.2f} s after its online record (bound {refresh_s + 1.0:.1f} s)")
+    assert delay_s <= refresh_s + 1.0, newcomer.log()
+    assert peer_key(newcomer) in trainer.log()  # the trainer said that it saw the peer join
     assert trainer.alive

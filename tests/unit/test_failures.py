@@ -89,6 +89,18 @@ def test_ban_doubles_per_consecutive_failure_up_to_the_cap():
     assert durations_s == [15.0, 30.0, 60.0, 120.0, 240.0, 300.0, 300.0]
 
 
+def test_a_slow_failure_is_banned_at_least_as_long_as_asked_a_fast_one_backs_off_from_the_base():
+    clock = FakeClock()
+    bans = BanList(base_s=1.0, max_s=60.0, clock=clock)
+    assert bans.ban("refused") == 1.0  # refused at once: cheap to try again soon
+    assert bans.ban("timed-out", at_least_s=15.0) == 15.0  # took a whole timeout: not soon
+    assert bans.ban("huge", at_least_s=1e9) == 60.0  # the cap still holds
+    clock.now_s += 1.0
+    assert bans.ban("refused") == 2.0  # backoff from the base as usual
+    with pytest.raises(ValueError):
+        bans.ban("p", at_least_s=float("nan"))
+
+
 def test_ban_expires_with_the_clock():
     clock = FakeClock()
     bans = BanList(base_s=10.0, clock=clock)

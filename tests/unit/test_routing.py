@@ -158,7 +158,26 @@ def test_announcement_is_used_only_until_the_peer_is_measured():
     scheduler.choose("forward", 2)
     scheduler.report_success("a", "forward", 2, elapsed_s=1.0)  # measured 2 samples/s
     scheduler.update_replicas([ReplicaInfo("a", 100.0)])
-    assert scheduler.throughputs()["a"] == pytest.approx(1 / (0.1 * 0.5 + 0.9 * 0.25))
+    assert scheduler.throughputs()["a"] == pytest.approx(2.0)  # the first measurement replaces the prior
+
+
+def test_measurements_are_a_plain_mean_until_one_over_alpha_then_an_ema():
+    scheduler = make_scheduler({"a": 1.0}, ema_alpha=0.25)
+    for elapsed_s in (1.0, 2.0, 3.0, 4.0):  # 1, 2, 3, 4 seconds per sample
+        scheduler.choose("forward", 1)
+        scheduler.report_success("a", "forward", 1, elapsed_s)
+    assert scheduler.throughputs()["a"] == pytest.approx(1 / 2.5)  # mean of the four
+    scheduler.choose("forward", 1)
+    scheduler.report_success("a", "forward", 1, 10.0)  # 5th: weight alpha, not 1/5
+    assert scheduler.throughputs()["a"] == pytest.approx(1 / (0.25 * 10.0 + 0.75 * 2.5))
+
+
+def test_a_wrong_prior_does_not_decide_a_short_runs_shares():
+    # The slowed replica announced 0.45x its partner (a start-up benchmark under load) but is
+    # really 3x slower; it gets only a handful of calls, which must be enough to correct it.
+    scheduler = make_scheduler({"fast": 2.0, "slow": 0.9})
+    counts = serve(scheduler, {"fast": 2.0, "slow": 2.0 / 3}, picks=48, task="backward", samples=2)
+    assert counts["slow"] / counts["fast"] == pytest.approx(1 / 3, rel=0.2), counts
 
 
 def test_immediate_failure_gives_the_charge_back():
