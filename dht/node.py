@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+import tempfile
 
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from dht.configuration import ConfigError, option
+from dht.signing import IdentityError, SigningIdentity, load_identity, new_identity_file, register, validators
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +41,44 @@ class NetworkConfig:
 
 
 def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.DHT:
-    """Start a DHT node in its own process. Raises `BootstrapError` with a plain message."""
+    """Start a DHT node in its own process, signing its records with its RSA identity and
+    validating everyone else's (dht/signing.py). Raises `BootstrapError` with a plain message."""
     kwargs = dict(host_maddrs=network.host_maddrs, startup_timeout=network.startup_timeout_s)
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
-    if network.identity_path:
-        kwargs["identity_path"] = network.identity_path
+    scratch = None
+    identity_path = network.identity_path
+    if identity_path is None:  # a fresh identity for this run, deleted once p2pd has read it
+        scratch = tempfile.mkdtemp(prefix="swarm-identity-")
+        identity_path = os.path.join(scratch, "identity.key")
+    try:
+        if not os.path.exists(identity_path):
+            try:
+                new_identity_file(identity_path)
+            except OSError as e:
+                raise BootstrapError(f"cannot write the identity file {identity_path!r}: {e.strerror}") from None
+            kwargs["check_if_identity_free"] = False  # just made: nobody else can hold it
+        try:
+            identity = load_identity(identity_path)
+        except IdentityError as e:
+            raise BootstrapError(str(e)) from None
+        dht = _start(network, client_mode, identity, identity_path, kwargs)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if dht.peer_id.to_base58() != identity.peer_id:  # p2pd derives its id from the same key
+        dht.shutdown()
+        raise BootstrapError(f"the p2p daemon runs as {dht.peer_id}, not as the identity {identity.peer_id}")
+    register(dht, identity)
+    return dht
+
+
+def _start(network: NetworkConfig, client_mode: bool, identity: SigningIdentity, identity_path: str,
+           kwargs: dict) -> hivemind.DHT:
     try:
         return hivemind.DHT(initial_peers=network.initial_peers, client_mode=client_mode, start=True,
-                            await_ready=True, **kwargs)
+                            await_ready=True, record_validators=validators(identity), identity_path=identity_path,
+                            **kwargs)
     except P2PDaemonError as e:
         text = str(e)
         if "bootstrap" in text.lower():

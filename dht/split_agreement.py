@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 
 from dht.keys import peer_subkey, split_key
 from dht.records import SplitRecord, parse_split_records
+from dht.signing import identity_of, owned_entries
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,11 @@ def earlier_conflicting_claim(mine: SplitRecord, records: list[SplitRecord]) -> 
 # --- DHT I/O -------------------------------------------------------------------------------------
 
 def _store(dht: hivemind.DHT, record: SplitRecord):
-    return dht.store(split_key(record.model), subkey=peer_subkey(record.peer_id), value=record.to_wire(),
+    identity = identity_of(dht)
+    if record.peer_id != identity.peer_id:
+        raise ValueError(f"this node is {identity.peer_id} and can only state its own split, not {record.peer_id}")
+    return dht.store(split_key(record.model), subkey=peer_subkey(record.peer_id, identity.owner_marker),
+                     value=record.to_wire(),
                      expiration_time=record.expires_at, return_future=True)
 
 
@@ -89,7 +94,7 @@ def _records_from_result(result, model: str) -> list[SplitRecord]:
         return []
     now = get_dht_time()
     entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
-    return parse_split_records(entries, model=model)
+    return parse_split_records(owned_entries(entries, what=f"{model} split"), model=model)
 
 
 def publish_split(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
