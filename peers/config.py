@@ -40,6 +40,9 @@ class PeerConfig(NetworkConfig):
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
+    fault_garbage: str = option("none", help="testing only: answer with garbage (nan: NaN values; shape: one value "
+                                "short) while computing correctly inside", choices=["none", "nan", "shape"])
+    fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
     checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
     metrics_port: int = option(0, help="serve Prometheus metrics on this port (0 = any free port, announced in the "
                                "peer's DHT record for `swarm monitor targets`; -1 = off)")
@@ -57,8 +60,8 @@ class PeerConfig(NetworkConfig):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         validate_metrics_options(self.metrics_host, self.metrics_port)
-        if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
-            raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
+        if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0 or not 0.0 <= self.fault_garbage_rate <= 1.0:
+            raise ConfigError("--fault-slowdown must be >= 1, --fault-fail-rate and --fault-garbage-rate within [0, 1]")
         for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
