@@ -87,6 +87,12 @@ class StageRpcHandlers:
             if not isinstance(e, RateLimitedError):
                 logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
             response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
+        except (MemoryError, torch.OutOfMemoryError):  # this request was too big for us now; keep serving
+            self.requests_failed += 1
+            failure_kind = ErrorKind.INTERNAL
+            logger.error(f"Out of memory serving a {rpc} request from {caller[-8:]}; refused it and kept serving")
+            response, out_parts = ResponseHeader(error="the peer ran out of memory computing this request",
+                                                 error_kind=ErrorKind.INTERNAL), []
         except Exception as e:  # a bug or resource failure here must not take the peer down
             self.requests_failed += 1
             logger.exception(f"{rpc} failed")
