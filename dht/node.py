@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 
+import base58
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
@@ -33,11 +34,24 @@ class NetworkConfig:
     announce_maddrs: list[str] = option(default_factory=list, help="public multiaddrs others should dial (behind NAT or a port map)")
     identity_path: str | None = option(None, help="private key file for a stable peer id (created if missing)")
     startup_timeout_s: float = option(30.0, help="give up starting the DHT node after this many seconds")
+    allowed_peers: list[str] = option(default_factory=list, help="private swarm: only these peer ids may announce "
+                                      "records this node reads and call this node's RPCs (give every process a stable "
+                                      "--identity-path and list their ids); empty: an open swarm")
 
     def __post_init__(self) -> None:
+        for peer_id in self.allowed_peers:
+            if not _is_peer_id(peer_id):
+                raise ConfigError(f"--allowed-peers: {peer_id!r} is not a peer id (they look like Qm... or 12D3KooW...)")
         for maddr in [*self.initial_peers, *self.host_maddrs, *self.announce_maddrs]:
             if not maddr.startswith("/"):
                 raise ConfigError(f"{maddr!r} is not a multiaddr (they look like /ip4/127.0.0.1/tcp/31337/p2p/Qm...)")
+
+
+def _is_peer_id(text: str) -> bool:
+    try:
+        return 30 <= len(base58.b58decode(text)) <= 64
+    except ValueError:
+        return False
 
 
 def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.DHT:
@@ -69,7 +83,7 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.
     if dht.peer_id.to_base58() != identity.peer_id:  # p2pd derives its id from the same key
         dht.shutdown()
         raise BootstrapError(f"the p2p daemon runs as {dht.peer_id}, not as the identity {identity.peer_id}")
-    register(dht, identity)
+    register(dht, identity, allowed_peers=network.allowed_peers)
     return dht
 
 

@@ -112,12 +112,21 @@ def validators(identity: SigningIdentity) -> list[RecordValidatorBase]:
     return [identity.validator(), BytesSubkeyValidator()]
 
 
-# Which identity signs for which running DHT node (filled by dht.node.start_dht).
+# Which identity signs for which running DHT node, and whose records it reads (filled by
+# dht.node.start_dht).
 _IDENTITIES: "weakref.WeakKeyDictionary[Any, SigningIdentity]" = weakref.WeakKeyDictionary()
+_ALLOWED: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
 
 
-def register(dht, identity: SigningIdentity) -> None:
+def register(dht, identity: SigningIdentity, *, allowed_peers=()) -> None:
     _IDENTITIES[dht] = identity
+    if allowed_peers:
+        _ALLOWED[dht] = frozenset(allowed_peers)
+
+
+def allowed_peers_of(dht) -> frozenset[str] | None:
+    """The private swarm's allowlist this node reads records from, or None in an open swarm."""
+    return _ALLOWED.get(dht)
 
 
 def identity_of(dht) -> SigningIdentity:
@@ -140,9 +149,10 @@ def _warn_once(subkey: Any, message: str) -> None:
         logger.warning(message)
 
 
-def owned_entries(entries: dict[Any, Any], *, what: str) -> dict[str, Any]:
+def owned_entries(entries: dict[Any, Any], *, what: str, allowed: frozenset[str] | None = None) -> dict[str, Any]:
     """Keep the entries whose subkey is `<peer id>[owner:<key>]` with the key hashing to that peer
-    id (hivemind's validator has already checked the signature); re-key them by peer id."""
+    id (hivemind's validator has already checked the signature) and, in a private swarm, the peer
+    on the `allowed` list; re-key them by peer id."""
     owned: dict[str, Any] = {}
     for subkey, value in entries.items():
         parsed = parse_peer_subkey(subkey)
@@ -159,6 +169,10 @@ def owned_entries(entries: dict[Any, Any], *, what: str) -> dict[str, Any]:
         if key_peer_id != peer_id:
             _warn_once(subkey, f"Skipping a {what} record that names peer {peer_id[:64]!r} but is signed by "
                                f"another key (a forgery)")
+            continue
+        if allowed is not None and peer_id not in allowed:
+            _warn_once(subkey, f"Skipping the {what} record of peer {peer_id}: it is not on this private swarm's "
+                               f"--allowed-peers")
             continue
         owned[peer_id] = value
     return owned

@@ -47,6 +47,9 @@ class ReplicaSyncHandlers:
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
         """Stream this stage's parameters and optimizer state to a joining replica."""
         try:
+            caller = context.remote_id.to_base58() if getattr(context, "remote_id", None) else "unknown"
+            if self.config.allowed_peers and caller not in self.config.allowed_peers:
+                raise ProtocolError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
             wanted = decode_header(StateRequest, request.metadata)
             if (wanted.model, wanted.stage, wanted.num_stages) != (self.config.model, self.runtime.stage,
                                                                    self.runtime.num_stages):

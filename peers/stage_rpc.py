@@ -29,6 +29,10 @@ class RateLimitedError(ProtocolError):
     """The caller sent too many bad requests lately (peers/request_limits.py)."""
 
 
+class NotAllowedError(ProtocolError):
+    """A private swarm's peer was called by a peer id not on its allowlist."""
+
+
 def _caller(context) -> str:
     remote = getattr(context, "remote_id", None)
     return remote.to_base58() if remote is not None else "unknown"
@@ -48,6 +52,9 @@ class StageRpcHandlers:
         self.in_flight += 1
         failure_kind, queue_s, compute_s, samples = None, None, None, 0
         try:
+            if self.config.allowed_peers and caller not in self.config.allowed_peers:
+                failure_kind = "not_allowed"
+                raise NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
             if not self.penalties.allows(caller):  # refused before anything is decoded
                 failure_kind = "rate_limited"
                 raise RateLimitedError(f"too many bad requests from {caller[-8:]}; refused for the next "
@@ -81,10 +88,10 @@ class StageRpcHandlers:
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             self.requests_failed += 1
             kind = ErrorKind.WRONG_STAGE if isinstance(e, WrongStageError) else ErrorKind.BAD_REQUEST
-            if not isinstance(e, (WrongStageError, RateLimitedError)):  # a stale route is no offence
+            if not isinstance(e, (WrongStageError, RateLimitedError, NotAllowedError)):  # a stale route is no offence
                 self.penalties.penalize(caller)
             failure_kind = failure_kind or ("too_large" if isinstance(e, RequestTooLargeError) else kind)
-            if not isinstance(e, RateLimitedError):
+            if not isinstance(e, (RateLimitedError, NotAllowedError)):
                 logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
             response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
         except (MemoryError, torch.OutOfMemoryError):  # this request was too big for us now; keep serving
