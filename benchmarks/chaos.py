@@ -59,6 +59,7 @@ class BadClient:
         self.initial_peers, self.model, self.num_stages, self.period_s = initial_peers, model, num_stages, period_s
         self.rng = random.Random(seed)
         self.outcomes: dict[str, int] = {}
+        self.examples: dict[str, list[str]] = {}  # a few messages of each outcome but "refused"
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -86,6 +87,8 @@ class BadClient:
                     outcome = f"ACCEPTED {what}"  # a check that failed
                 except PeerCallError as e:
                     outcome = "refused" if e.kind == FailureKind.REFUSED else f"{e.kind.value}"
+                    if outcome != "refused" and len(self.examples.setdefault(outcome, [])) < 3:
+                        self.examples[outcome].append(f"{what}: {str(e)[:200]}")
                 self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
             await asyncio.sleep(self.period_s)
 
@@ -153,6 +156,7 @@ def main() -> int:
         bad.thread.join(timeout=30)
         trainer_rc = trainer.popen.wait(timeout=30)
         result["bad_requests"] = dict(bad.outcomes)
+        result["bad_request_examples"] = dict(bad.examples)
         result["garbage_peer_alive"] = garbage.alive
         result["peers_alive_at_end"] = sum(p.alive for _, _, p in slots.values())
         swarm.stop()  # peers save a final checkpoint on SIGTERM
