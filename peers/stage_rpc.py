@@ -33,6 +33,15 @@ class NotAllowedError(ProtocolError):
     """A private swarm's peer was called by a peer id not on its allowlist."""
 
 
+async def _drain(requests, max_bytes: int) -> None:
+    """Read (and drop, undecoded) what the caller sends, up to `max_bytes`."""
+    received = 0
+    async for message in requests:
+        received += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
+        if received > max_bytes:
+            return
+
+
 def _caller(context) -> str:
     remote = getattr(context, "remote_id", None)
     return remote.to_base58() if remote is not None else "unknown"
@@ -52,15 +61,17 @@ class StageRpcHandlers:
         self.in_flight += 1
         failure_kind, queue_s, compute_s, samples = None, None, None, 0
         try:
+            max_bytes = int(self.config.max_request_mb * (1 << 20))
             if self.config.allowed_peers and caller not in self.config.allowed_peers:
                 failure_kind = "not_allowed"
+                await _drain(requests, max_bytes)  # answering before the caller finished sending resets the stream
                 raise NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
             if not self.penalties.allows(caller):  # refused before anything is decoded
                 failure_kind = "rate_limited"
+                await _drain(requests, max_bytes)
                 raise RateLimitedError(f"too many bad requests from {caller[-8:]}; refused for the next "
                                        f"{self.penalties.seconds_until_allowed(caller):.0f} s")
-            header, parts = await read_stream(requests, RequestHeader,
-                                              max_bytes=int(self.config.max_request_mb * (1 << 20)))
+            header, parts = await read_stream(requests, RequestHeader, max_bytes=max_bytes)
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
             self._check_route(header)

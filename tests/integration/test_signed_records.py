@@ -74,8 +74,6 @@ def test_forged_records_for_another_peer_are_rejected():
             stored.append(forger.store(key, subkey=subkey, value=forged, expiration_time=expiration,
                                        return_future=True).result(timeout=15))
         assert stored[0], "the forger could not even store a record under its own key: the test proves nothing"
-        assert not stored[1], "the honest nodes accepted an unsigned text subkey"
-        assert not stored[2], "the honest nodes accepted a record under the victim's subkey without its signature"
 
         reader = start_dht(NetworkConfig(initial_peers=initial_peers), client_mode=True)
         nodes.append(reader)
@@ -83,9 +81,10 @@ def test_forged_records_for_another_peer_are_rejected():
         # its signature is valid); the reader must skip it.
         raw = wait_for(lambda: len(entries_seen_by(reader, key)) >= 2 and entries_seen_by(reader, key))
         assert raw and len(raw) == 2, f"expected the real and the forged entry, got {raw}"
+        assert all(isinstance(subkey, bytes) for subkey in raw), "an unsigned text subkey got through"
         records = fetch_stage_records(reader, "tiny", 0)
         assert [(r.peer_id, r.state, r.throughput) for r in records] == [(victim_id, PeerState.ONLINE, 5.0)]
-        # The other honest nodes refused forgery 3 outright: their view of the victim's subkey is the real one.
+        # The other honest nodes refused forgeries 2 (a text subkey) and 3 outright: their view of the victim's subkey is the real one.
         for node in (bootstrap, victim):
             entry = entries_seen_by(node, key).get(peer_subkey(victim_id, victim_marker))
             assert entry is not None and entry.value["state"] == "online"
