@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import re
+
+OWNER_PREFIX, OWNER_SUFFIX = b"[owner:", b"]"  # hivemind's RSASignatureValidator marker
+_OWNED_SUBKEY = re.compile(rb"([1-9A-HJ-NP-Za-km-z]{1,128})\[owner:(.+?)\]", re.DOTALL)
+
 
 def stage_key(model: str, stage: int) -> str:
-    """The key under which every replica of one stage announces itself (subkey: its peer id)."""
+    """The key under which every replica of one stage announces itself (subkey: `peer_subkey`)."""
     return f"swarm/{model}/stage/{stage}"
 
 
-def peer_subkey(peer_id: str) -> str:
-    return peer_id
+def peer_subkey(peer_id: str, owner_marker: bytes) -> bytes:
+    """`<peer id>[owner:<RSA public key>]`: only the holder of that key can write under this subkey
+    (hivemind's RSASignatureValidator), and readers check the key hashes to the peer id
+    (dht/signing.py)."""
+    return peer_id.encode() + owner_marker
+
+
+def parse_peer_subkey(subkey) -> tuple[str, bytes] | None:
+    """(peer id, public key bytes) of a `peer_subkey`, or None for anything else (an old unsigned
+    subkey, garbage)."""
+    if not isinstance(subkey, bytes):
+        return None
+    match = _OWNED_SUBKEY.fullmatch(subkey)
+    if match is None:
+        return None
+    return match.group(1).decode(), match.group(2)
 
 
 def split_key(model: str) -> str:
-    """The key under which every peer of a model states the stage split it serves (subkey: its
-    peer id), so that peers and trainers agree on one split."""
+    """The key under which every peer of a model states the stage split it serves (subkey:
+    `peer_subkey`), so that peers and trainers agree on one split."""
     return f"swarm/{model}/split"

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+import tempfile
 
+import base58
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from dht.configuration import ConfigError, option
+from dht.signing import IdentityError, SigningIdentity, load_identity, new_identity_file, register, validators
 
 logger = logging.getLogger(__name__)
 
@@ -29,23 +34,65 @@ class NetworkConfig:
     announce_maddrs: list[str] = option(default_factory=list, help="public multiaddrs others should dial (behind NAT or a port map)")
     identity_path: str | None = option(None, help="private key file for a stable peer id (created if missing)")
     startup_timeout_s: float = option(30.0, help="give up starting the DHT node after this many seconds")
+    allowed_peers: list[str] = option(default_factory=list, help="private swarm: only these peer ids may announce "
+                                      "records this node reads and call this node's RPCs (give every process a stable "
+                                      "--identity-path and list their ids); empty: an open swarm")
 
     def __post_init__(self) -> None:
+        for peer_id in self.allowed_peers:
+            if not _is_peer_id(peer_id):
+                raise ConfigError(f"--allowed-peers: {peer_id!r} is not a peer id (they look like Qm... or 12D3KooW...)")
         for maddr in [*self.initial_peers, *self.host_maddrs, *self.announce_maddrs]:
             if not maddr.startswith("/"):
                 raise ConfigError(f"{maddr!r} is not a multiaddr (they look like /ip4/127.0.0.1/tcp/31337/p2p/Qm...)")
 
 
+def _is_peer_id(text: str) -> bool:
+    try:
+        return 30 <= len(base58.b58decode(text)) <= 64
+    except ValueError:
+        return False
+
+
 def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.DHT:
-    """Start a DHT node in its own process. Raises `BootstrapError` with a plain message."""
+    """Start a DHT node in its own process, signing its records with its RSA identity and
+    validating everyone else's (dht/signing.py). Raises `BootstrapError` with a plain message."""
     kwargs = dict(host_maddrs=network.host_maddrs, startup_timeout=network.startup_timeout_s)
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
-    if network.identity_path:
-        kwargs["identity_path"] = network.identity_path
+    scratch = None
+    identity_path = network.identity_path
+    if identity_path is None:  # a fresh identity for this run, deleted once p2pd has read it
+        scratch = tempfile.mkdtemp(prefix="swarm-identity-")
+        identity_path = os.path.join(scratch, "identity.key")
+    try:
+        if not os.path.exists(identity_path):
+            try:
+                new_identity_file(identity_path)
+            except OSError as e:
+                raise BootstrapError(f"cannot write the identity file {identity_path!r}: {e.strerror}") from None
+            kwargs["check_if_identity_free"] = False  # just made: nobody else can hold it
+        try:
+            identity = load_identity(identity_path)
+        except IdentityError as e:
+            raise BootstrapError(str(e)) from None
+        dht = _start(network, client_mode, identity, identity_path, kwargs)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if dht.peer_id.to_base58() != identity.peer_id:  # p2pd derives its id from the same key
+        dht.shutdown()
+        raise BootstrapError(f"the p2p daemon runs as {dht.peer_id}, not as the identity {identity.peer_id}")
+    register(dht, identity, allowed_peers=network.allowed_peers)
+    return dht
+
+
+def _start(network: NetworkConfig, client_mode: bool, identity: SigningIdentity, identity_path: str,
+           kwargs: dict) -> hivemind.DHT:
     try:
         return hivemind.DHT(initial_peers=network.initial_peers, client_mode=client_mode, start=True,
-                            await_ready=True, **kwargs)
+                            await_ready=True, record_validators=validators(identity), identity_path=identity_path,
+                            **kwargs)
     except P2PDaemonError as e:
         text = str(e)
         if "bootstrap" in text.lower():

@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 
 from dht.keys import peer_subkey, split_key
 from dht.records import SplitRecord, parse_split_records
+from dht.signing import allowed_peers_of, identity_of, owned_entries
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +81,20 @@ def earlier_conflicting_claim(mine: SplitRecord, records: list[SplitRecord]) -> 
 # --- DHT I/O -------------------------------------------------------------------------------------
 
 def _store(dht: hivemind.DHT, record: SplitRecord):
-    return dht.store(split_key(record.model), subkey=peer_subkey(record.peer_id), value=record.to_wire(),
+    identity = identity_of(dht)
+    if record.peer_id != identity.peer_id:
+        raise ValueError(f"this node is {identity.peer_id} and can only state its own split, not {record.peer_id}")
+    return dht.store(split_key(record.model), subkey=peer_subkey(record.peer_id, identity.owner_marker),
+                     value=record.to_wire(),
                      expiration_time=record.expires_at, return_future=True)
 
 
-def _records_from_result(result, model: str) -> list[SplitRecord]:
+def _records_from_result(result, model: str, allowed: frozenset[str] | None) -> list[SplitRecord]:
     if result is None or not isinstance(result.value, dict):
         return []
     now = get_dht_time()
     entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
-    return parse_split_records(entries, model=model)
+    return parse_split_records(owned_entries(entries, what=f"{model} split", allowed=allowed), model=model)
 
 
 def publish_split(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
@@ -114,7 +119,7 @@ async def publish_split_async(dht: hivemind.DHT, record: SplitRecord, *, timeout
 def fetch_split_records(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[SplitRecord]:
     """Every unexpired split record of a model (blocking; malformed entries are skipped)."""
     result = dht.get(split_key(model), latest=True, return_future=True).result(timeout=timeout_s)
-    return _records_from_result(result, model)
+    return _records_from_result(result, model, allowed_peers_of(dht))
 
 
 async def fetch_split_records_async(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[SplitRecord]:
@@ -125,4 +130,4 @@ async def fetch_split_records_async(dht: hivemind.DHT, model: str, *, timeout_s:
         future.cancel()
         logger.warning(f"DHT lookup of the split of {model} timed out after {timeout_s} s")
         return []
-    return _records_from_result(result, model)
+    return _records_from_result(result, model, allowed_peers_of(dht))

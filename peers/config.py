@@ -28,6 +28,10 @@ class PeerConfig(NetworkConfig):
     status_file: str | None = option(None, help="write this peer's state here as JSON at every announcement "
                                      "(read by `python -m peers.health`, the container's health check)")
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
+    max_request_mb: float = option(64.0, help="refuse a request whose tensors carry more than this many MiB")
+    bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
+    bad_request_refill_per_s: float = option(0.2, help="bad requests per second a caller may keep sending; beyond "
+                                             "that (after the burst) it is refused until its allowance refills")
     checkpoint_dir: str | None = option(None, help="save the stage here (atomically) periodically and on exit; "
                                         "restore from it at start")
     averaging: str = option("none", help="how replicas of a stage agree: none (independent), sync (average "
@@ -46,6 +50,9 @@ class PeerConfig(NetworkConfig):
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
+    fault_garbage: str = option("none", help="testing only: answer with garbage (nan: NaN values; shape: one value "
+                                "short) while computing correctly inside", choices=["none", "nan", "shape"])
+    fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
     checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
     metrics_port: int = option(0, help="serve Prometheus metrics on this port (0 = any free port, announced in the "
                                "peer's DHT record for `swarm monitor targets`; -1 = off)")
@@ -59,7 +66,8 @@ class PeerConfig(NetworkConfig):
         if self.stage is None:
             raise ConfigError("--stage is required (the pipeline stage to serve, 0-based)")
         stage_spec(config, self.stage, self.num_stages, self.requested_boundaries)  # StageSplitError for a bad stage
-        for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s"):
+        for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s", "max_request_mb",
+                     "bad_request_refill_per_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         validate_metrics_options(self.metrics_host, self.metrics_port)
@@ -67,9 +75,9 @@ class PeerConfig(NetworkConfig):
             raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
         if self.outer_lr > 0 and self.averaging != "periodic":
             raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
-        if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
-            raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
-        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
+        if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0 or not 0.0 <= self.fault_garbage_rate <= 1.0:
+            raise ConfigError("--fault-slowdown must be >= 1, --fault-fail-rate and --fault-garbage-rate within [0, 1]")
+        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests", "bad_request_burst"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
 

@@ -58,7 +58,8 @@ def run_peer(config: PeerConfig) -> None:
                 print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
         runtime.measure_throughput()
         stage_runtime = runtime
-        faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate, seed=config.seed)
+        faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate,
+                               garbage=config.fault_garbage, garbage_rate=config.fault_garbage_rate, seed=config.seed)
         if faults.enabled:
             print(f"fault injection on: {faults}", flush=True)
             runtime = FaultyStageRuntime(runtime, faults)

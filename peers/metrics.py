@@ -180,7 +180,7 @@ class PeerMetrics:
         self.requests = Counter("swarm_peer_requests_total", "RPC requests handled (served or failed)",
                                 ["stage", "rpc"], registry=r)
         self.failures = Counter("swarm_peer_request_failures_total", "RPC requests answered with an error, by kind "
-                                "(bad_request, wrong_stage, internal)", ["stage", "rpc", "kind"], registry=r)
+                                "(bad_request, wrong_stage, too_large, rate_limited, not_allowed, internal)", ["stage", "rpc", "kind"], registry=r)
         self.samples = Counter("swarm_peer_samples_total", "Samples computed in served requests (rate() = samples/s)",
                                ["stage", "rpc"], registry=r)
         self.request_duration = Histogram("swarm_peer_request_duration_seconds", "From the first request message to "

@@ -18,6 +18,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from peers.request_limits import check_request_bytes
 from swarm import compression
 
 RPC_FORWARD = "swarm.forward"
@@ -222,10 +223,15 @@ def response_messages(header: ResponseHeader, parts: list[runtime_pb2.Tensor]) -
         yield runtime_pb2.ExpertResponse(tensors=[part])
 
 
-async def read_stream(messages: AsyncIterator, header_cls: type[BaseModel], *, max_parts: int = 1 << 16):
-    """Collect a header and its tensor parts from a stream of request or response messages."""
-    header, parts = None, []
+async def read_stream(messages: AsyncIterator, header_cls: type[BaseModel], *, max_parts: int = 1 << 16,
+                      max_bytes: int | None = None):
+    """Collect a header and its tensor parts from a stream of request or response messages; with
+    `max_bytes`, stop reading (RequestTooLargeError) once the parts carry more than that."""
+    header, parts, received = None, [], 0
     async for message in messages:
+        if max_bytes is not None:
+            received += sum(len(part.buffer) for part in message.tensors)
+            check_request_bytes(received, max_bytes)
         if header is None:
             if not message.metadata:
                 raise ProtocolError("the first message carries no header")

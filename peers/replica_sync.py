@@ -48,6 +48,9 @@ class ReplicaSyncHandlers:
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
         """Stream this stage's parameters and optimizer state to a joining replica."""
         try:
+            caller = context.remote_id.to_base58() if getattr(context, "remote_id", None) else "unknown"
+            if self.config.allowed_peers and caller not in self.config.allowed_peers:
+                raise ProtocolError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
             wanted = decode_header(StateRequest, request.metadata)
             if (wanted.model, wanted.stage, wanted.num_stages) != (self.config.model, self.runtime.stage,
                                                                    self.runtime.num_stages):
@@ -70,6 +73,10 @@ class ReplicaSyncHandlers:
         for record in sorted(records, key=lambda r: r.load):
             try:
                 state = await download_state(p2p, record.peer_id, request, timeout_s=self.config.averaging_timeout_s * 4)
+                if state[0].steps_done < self.runtime.steps_done:  # e.g. a replica that served little or nothing
+                    print(f"replica {record.peer_id[-8:]} has done {state[0].steps_done} steps, fewer than our "
+                          f"{self.runtime.steps_done}; not loading its state", flush=True)
+                    continue
                 await asyncio.get_running_loop().run_in_executor(
                     self.executor, self.runtime.import_state, state, self.config.model,
                     f"state from replica {record.peer_id[-8:]}")

@@ -28,6 +28,7 @@ from peers.health import write_status
 from peers.metrics import PeerMetrics
 from peers.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE
 from peers.replica_sync import ReplicaSyncHandlers
+from peers.request_limits import PenaltyBox
 from peers.split_claim import renewed, split_tag
 from peers.stage_rpc import StageRpcHandlers
 from peers.stage_runtime import StageRuntime
@@ -60,6 +61,7 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
         self.online_since = time.monotonic()
         self.announced_online_at: float | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self.penalties = PenaltyBox(burst=config.bad_request_burst, refill_per_s=config.bad_request_refill_per_s)
         self.bytes = compression.ByteCounter()
         self.feedback = compression.ErrorFeedback()
         self.metrics.watch(in_flight=lambda: self.in_flight, throughput=lambda: self.runtime.throughput.value,

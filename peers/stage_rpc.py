@@ -14,6 +14,7 @@ import torch
 
 from peers.protocol import (ErrorKind, ProtocolError, RequestHeader, ResponseHeader, decode_tensors, encode_tensor,
                             from_wire, read_stream, response_messages, to_wire)
+from peers.request_limits import RequestTooLargeError
 from peers.stage_runtime import BadRequestError
 from swarm import compression
 
@@ -24,21 +25,53 @@ class WrongStageError(ProtocolError):
     """The request names a stage this peer does not serve (the trainer's view of the swarm is stale)."""
 
 
+class RateLimitedError(ProtocolError):
+    """The caller sent too many bad requests lately (peers/request_limits.py)."""
+
+
+class NotAllowedError(ProtocolError):
+    """A private swarm's peer was called by a peer id not on its allowlist."""
+
+
+async def _drain(requests, max_bytes: int) -> None:
+    """Read (and drop, undecoded) what the caller sends, up to `max_bytes`."""
+    received = 0
+    async for message in requests:
+        received += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
+        if received > max_bytes:
+            return
+
+
+def _caller(context) -> str:
+    remote = getattr(context, "remote_id", None)
+    return remote.to_base58() if remote is not None else "unknown"
+
+
 class StageRpcHandlers:
     async def rpc_forward(self, requests, context):
-        async for message in self._serve("forward", requests):
+        async for message in self._serve("forward", requests, _caller(context)):
             yield message
 
     async def rpc_backward(self, requests, context):
-        async for message in self._serve("backward", requests):
+        async for message in self._serve("backward", requests, _caller(context)):
             yield message
 
-    async def _serve(self, rpc: str, requests):
+    async def _serve(self, rpc: str, requests, caller: str = "unknown"):
         received = time.perf_counter()
         self.in_flight += 1
         failure_kind, queue_s, compute_s, samples = None, None, None, 0
         try:
-            header, parts = await read_stream(requests, RequestHeader)
+            max_bytes = int(self.config.max_request_mb * (1 << 20))
+            if self.config.allowed_peers and caller not in self.config.allowed_peers:
+                failure_kind = "not_allowed"
+                await _drain(requests, max_bytes)  # answering before the caller finished sending resets the stream
+                raise NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
+            if not self.penalties.allows(caller):  # refused before anything is decoded
+                failure_kind = "rate_limited"
+                await _drain(requests, max_bytes)
+                raise RateLimitedError(f"too many bad requests from {caller[-8:]}; refused for the next "
+                                       f"{self.penalties.seconds_until_allowed(caller):.0f} s")
+            header, parts = await read_stream(requests, RequestHeader, max_bytes=max_bytes)
             arrived = time.perf_counter()  # the whole request is here: from now on, time is the peer's own
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
@@ -65,11 +98,21 @@ class StageRpcHandlers:
             if self.requests_served == 1 and self.announced_online_at is not None:
                 print(f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
                       f"online record was stored", flush=True)
-        except (ProtocolError, BadRequestError) as e:
+        except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             self.requests_failed += 1
-            kind = failure_kind = ErrorKind.WRONG_STAGE if isinstance(e, WrongStageError) else ErrorKind.BAD_REQUEST
-            logger.warning(f"Refused a {rpc} request: {e}")
+            kind = ErrorKind.WRONG_STAGE if isinstance(e, WrongStageError) else ErrorKind.BAD_REQUEST
+            if not isinstance(e, (WrongStageError, RateLimitedError, NotAllowedError)):  # a stale route is no offence
+                self.penalties.penalize(caller)
+            failure_kind = failure_kind or ("too_large" if isinstance(e, RequestTooLargeError) else kind)
+            if not isinstance(e, (RateLimitedError, NotAllowedError)):
+                logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
             response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
+        except (MemoryError, torch.OutOfMemoryError):  # this request was too big for us now; keep serving
+            self.requests_failed += 1
+            failure_kind = ErrorKind.INTERNAL
+            logger.error(f"Out of memory serving a {rpc} request from {caller[-8:]}; refused it and kept serving")
+            response, out_parts = ResponseHeader(error="the peer ran out of memory computing this request",
+                                                 error_kind=ErrorKind.INTERNAL), []
         except Exception as e:  # a bug or resource failure here must not take the peer down
             self.requests_failed += 1
             logger.exception(f"{rpc} failed")
@@ -79,7 +122,7 @@ class StageRpcHandlers:
             self.in_flight -= 1
             self.metrics.observe_request(stage=self.runtime.stage, rpc=rpc, duration_s=time.perf_counter() - received,
                                          samples=samples, queue_s=queue_s, compute_s=compute_s,
-                                         failure_kind=failure_kind.value if failure_kind else None)
+                                         failure_kind=getattr(failure_kind, "value", failure_kind))
         for message in response_messages(response, out_parts):
             yield message
 

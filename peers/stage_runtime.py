@@ -8,6 +8,7 @@ mean loss of the same samples, however they were cut into microbatches or spread
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from models.config import GPTConfig
 from peers.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from models.stages import StageModule, build_stage
 
+
+logger = logging.getLogger(__name__)
 
 class BadRequestError(ValueError):
     """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
@@ -70,6 +73,7 @@ class StageRuntime:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.samples_accumulated = 0
+        self.steps_skipped = 0  # optimizer steps skipped for non-finite gradients
         self.steps_done = 0  # also the parameter version: cached graphs from older versions are stale
         self.max_batch_size = max_batch_size
         self.cache: OrderedDict[str, _CachedForward] = OrderedDict()
@@ -184,11 +188,17 @@ class StageRuntime:
 
     def apply_gradients(self, mean_gradients: list[torch.Tensor]) -> None:
         """One optimizer step with the given mean gradients (local, or averaged across replicas),
-        then start a new accumulation."""
-        for param, grad in zip(self.params, mean_gradients):
-            param.grad = grad.clone()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        then start a new accumulation. Non-finite gradients (a NaN or inf loss) skip the step with a
+        message instead of poisoning the weights."""
+        if not all(torch.isfinite(grad).all() for grad in mean_gradients):
+            self.steps_skipped += 1
+            logger.warning(f"stage {self.stage}: skipped an optimizer step whose gradients hold NaN or inf "
+                           f"({self.samples_accumulated} samples dropped; {self.steps_skipped} steps skipped so far)")
+        else:
+            for param, grad in zip(self.params, mean_gradients):
+                param.grad = grad.clone()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         for grad_sum in self.grad_sums:
             grad_sum.zero_()
         self.samples_accumulated = 0

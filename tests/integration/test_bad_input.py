@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -99,3 +101,48 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
     finally:
         dht.shutdown()
     assert peer.alive
+
+
+@pytest.mark.slow
+def test_peer_refuses_oversized_requests_and_rate_limits_a_caller_that_keeps_sending_bad_ones(make_swarm):
+    config = get_model_config("tiny")
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(1, "--max-request-mb", "0.05", "--bad-request-burst", "3",
+                            "--bad-request-refill-per-s", "0.01", "--metrics-port", "0")
+    swarm.wait_online([peer])
+    peer_id = peer.log().split("peer ", 1)[1].split(" ", 1)[0]
+    metrics_url = re.search(r"metrics on (http://\S+)", peer.log()).group(1)
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+    targets = torch.randint(0, config.vocab_size, (2, config.seq_len))
+
+    async def scenario():
+        client = StageClient(await dht.replicate_p2p(), model="tiny", num_stages=2)
+
+        async def backward(inputs):
+            tensors = [("inputs", encode_tensor(inputs)), ("targets", encode_tensor(targets))]
+            return await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m", batch_size=inputs.shape[0],
+                                     tensors=tensors, timeout_s=60)
+
+        row_bytes = config.seq_len * config.d_model * 4
+        assert 2 * row_bytes < 0.05 * (1 << 20) / 2
+        await backward(torch.randn(2, config.seq_len, config.d_model))  # well under the limit
+        big = torch.randn(int(0.05 * (1 << 20) / row_bytes) + 1, config.seq_len, config.d_model)  # just over it
+        with pytest.raises(PeerCallError, match="more than 52428 bytes"):
+            await backward(big)
+        for _ in range(2):  # the burst of 3 bad requests is spent...
+            with pytest.raises(PeerCallError, match="NaN"):
+                await backward(torch.full((2, config.seq_len, config.d_model), float("nan")))
+        with pytest.raises(PeerCallError, match="too many bad requests") as limited:  # ...so even a good one waits
+            await backward(torch.randn(2, config.seq_len, config.d_model))
+        assert limited.value.kind == FailureKind.REFUSED
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dht.shutdown()
+    assert peer.alive
+    metrics = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    refused = {kind: float(value) for kind, value in
+               re.findall(r'swarm_peer_request_failures_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)', metrics)}
+    assert refused == {"too_large": 1.0, "bad_request": 2.0, "rate_limited": 1.0}, refused
