@@ -56,7 +56,9 @@ class StageMoves:
                 return
             except asyncio.TimeoutError:
                 pass
-            if self.state != PeerState.ONLINE:
+            # Only with traffic: then our throughput is an EMA of served requests, not only the start-up
+            # benchmark (measured to vary 4x on a loaded machine), and an idle swarm has nothing to gain.
+            if self.state != PeerState.ONLINE or self.requests_served == 0:
                 continue
             try:
                 views = await self._swarm_views()
