@@ -55,6 +55,9 @@ class PeerConfig(NetworkConfig):
                            "state and take over at once when a stage loses its last replica or falls far behind")
     standby_refresh_s: float = option(30.0, help="standby: re-download the held stage's state this often")
     standby_check_s: float = option(2.0, help="standby: look for a stage that needs taking over this often")
+    standby_take_over_fraction: float = option(0.5, help="standby: also take over a stage whose throughput fell below "
+                                                "this fraction of the other stages' mean (0 = only a stage left "
+                                                "without an online replica)")
     split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
                                           "profile`); default: the swarm's split, or the equal split")
 
@@ -74,6 +77,8 @@ class PeerConfig(NetworkConfig):
                 raise ConfigError(f"--stage {self.stage!r}: expected a stage number or auto") from None
         # StageSplitError for a bad stage or split (auto: the split is checked on stage 0)
         stage_spec(config, 0 if self.stage == AUTO_STAGE else self.stage, self.num_stages, self.requested_boundaries)
+        if not 0 <= self.standby_take_over_fraction <= 1:
+            raise ConfigError("--standby-take-over-fraction must be within [0, 1]")
         if self.rebalance_period_s < 0 or self.rebalance_min_gain < 0:
             raise ConfigError("--rebalance-period-s and --rebalance-min-gain must be >= 0")
         for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s", "standby_refresh_s",

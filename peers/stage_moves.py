@@ -128,7 +128,8 @@ class StageMoves:
             try:
                 views = await self._swarm_views(include_self=False)
                 target = choose_standby_target(views, self.runtime.num_stages)
-                take_over = should_standby_take_over(views, self.runtime.num_stages, target)
+                take_over = should_standby_take_over(views, self.runtime.num_stages, target,
+                                                     min_fraction=self.config.standby_take_over_fraction)
             except ValueError as e:
                 logger.warning(f"Standby check skipped: {e}")
                 views, target, take_over = None, self.runtime.stage, False

@@ -54,10 +54,11 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
 def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm, tmp_path):
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--announce-period-s", "1"])
     swarm.start_bootstrap()
-    peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1)]
+    # Stage 1's only peer is slowed down so that stage 1 is clearly the thinnest (the one the standby holds).
+    peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1, "--fault-slowdown", "3")]
     swarm.wait_online(peers)
     standby = swarm.start_peer("auto", "--standby", "--standby-refresh-s", "2", "--standby-check-s", "0.5",
-                               name="peer-standby")
+                               "--standby-take-over-fraction", "0", name="peer-standby")
     wait_for(lambda: "standby for stage 1" in standby.log(), 60, "the standby to pick the thinnest stage, 1")
     report_path = tmp_path / "report.json"
     trainer = swarm.start_trainer("--steps", "30", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2",
