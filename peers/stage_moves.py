@@ -8,7 +8,8 @@ A move, in order:
 1. announce `offline` at the old stage (trainers stop routing there at their next refresh) and
    `joining` at the new one (other peers' plans count us there, so no second peer rushes in);
 2. build the new stage's runtime off the compute thread while the old one keeps serving the
-   requests still arriving, and download its state from a live replica;
+   requests still arriving, and download its state from a live replica; then keep serving the old
+   stage until no request has been in flight for a second (trainers have re-read the DHT), 10 s at most;
 3. swap runtimes *on the compute thread*: requests computed before the swap finish on the old
    stage; a request for the old stage that reaches the thread later fails with `wrong_stage`
    (peers/stage_rpc.py), and the trainer fails it over to another replica;
@@ -29,9 +30,20 @@ from peers.rebalance import ReplicaView, decide_move, next_check_delay_s, should
 from peers.rebalance import choose_standby_target
 from peers.stage_builder import BuiltStage
 from peers.stage_choice import replica_views
+from peers.faults import FaultyStageRuntime
+from peers.stage_runtime import StageRuntime, ThroughputMeter
 from swarm import compression
 
 logger = logging.getLogger(__name__)
+
+MIN_REQUESTS_BEFORE_MOVING = 20
+"""Requests served before a peer considers moving: its throughput EMA (alpha 0.1) is then mostly
+served work (0.9**20 = 12% start-up benchmark left)."""
+
+
+def _compute(runtime) -> StageRuntime:
+    """The StageRuntime itself, under a fault-injection wrapper if there is one."""
+    return runtime._runtime if isinstance(runtime, FaultyStageRuntime) else runtime
 
 
 class StageMoves:
@@ -58,7 +70,7 @@ class StageMoves:
                 pass
             # Only with traffic: then our throughput is an EMA of served requests, not only the start-up
             # benchmark (measured to vary 4x on a loaded machine), and an idle swarm has nothing to gain.
-            if self.state != PeerState.ONLINE or self.requests_served == 0:
+            if self.state != PeerState.ONLINE or self.requests_served < MIN_REQUESTS_BEFORE_MOVING:
                 continue
             try:
                 views = await self._swarm_views()
@@ -91,12 +103,28 @@ class StageMoves:
             await announce(self.dht, self.record())
             return
         await self._load_state_from_replica(p2p, built.runtime)
+        # Announce what this peer served, not the new stage's start-up benchmark: the plan assumed the
+        # peer's throughput moves with it, and a benchmark taken in a quiet second (measured up to 4x
+        # the served EMA) made peers move back and forth. Real requests correct the EMA from here.
+        _compute(built.runtime).throughput = ThroughputMeter(initial=_compute(self.runtime).throughput.value)
+        drained_s = await self._drain_old_stage()
         await self._swap_stage(built)
         self.moving_to, self.state = None, PeerState.ONLINE
         self.metrics.set_state(self.state.value)
         await announce(self.dht, self.record())
         print(f"moved from stage {old_stage} to stage {stage} in {time.monotonic() - started:.1f} s "
-              f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
+              f"(old stage drained for {drained_s:.1f} s) "
+              f"(announcing {self.runtime.throughput.value:.1f} samples/s, the EMA it served)", flush=True)
+
+    async def _drain_old_stage(self, quiet_s: float = 1.0, max_s: float = 10.0) -> float:
+        """Keep serving the old stage until trainers have noticed our `offline` record there: no
+        request in flight for `quiet_s`, or `max_s` at most. Fewer requests then fail over."""
+        started = quiet_since = time.monotonic()
+        while (now := time.monotonic()) - quiet_since < quiet_s and now - started < max_s:
+            if self.in_flight:
+                quiet_since = now
+            await asyncio.sleep(0.05)
+        return time.monotonic() - started
 
     async def _swap_stage(self, built: BuiltStage) -> None:
         """Swap runtimes on the compute thread, so no compute ever sees half of each."""
