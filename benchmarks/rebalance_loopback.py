@@ -5,10 +5,12 @@ after its peers rebalance themselves to 2:2, next to the same start with rebalan
         --out benchmarks/out/rebalance_loopback.json
 
 Making the bottleneck real on a small machine: every peer runs with `--fault-slowdown S` (default
-10), so each compute takes S times as long, the extra time slept. The peers then behave like four
+60), so each compute takes S times as long, the extra time slept. The peers then behave like four
 machines, each S times slower than a share of this CPU, instead of four processes fighting over
 the same 2 cores (where adding a replica to a stage adds no compute at all). The slowdown is the
-same for every peer; the imbalance comes only from the 3:1 layout.
+same for every peer; the imbalance comes only from the 3:1 layout. With S = 10 the tiny model's
+compute was still small next to RPC latency and the trainer's own CPU on a loaded 2-core machine:
+the swarm was not stage-bound and rebalancing changed nothing (see benchmarks/RESULTS.md).
 
 Two swarms, run one after the other, with the same trainer settings:
 - `static`: rebalancing off; its tokens/s is what a 3:1 swarm gets for as long as it runs.
@@ -85,14 +87,14 @@ def run_swarm(args, *, rebalance: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=120, help="trainer steps per swarm")
+    parser.add_argument("--steps", type=int, default=40, help="trainer steps per swarm")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--settle-steps", type=int, default=2, help="steps after the first 2:2 one left out")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--max-in-flight", type=int, default=8)
-    parser.add_argument("--slowdown", type=float, default=10.0, help="--fault-slowdown of every peer")
-    parser.add_argument("--rebalance-period-s", type=float, default=15.0)
+    parser.add_argument("--slowdown", type=float, default=60.0, help="--fault-slowdown of every peer")
+    parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/out/rebalance_loopback.json")
     args = parser.parse_args()
