@@ -17,6 +17,7 @@ class PeerState(str, Enum):
     JOINING = "joining"  # loading state, not serving yet
     ONLINE = "online"  # serving requests
     OFFLINE = "offline"  # left cleanly; route nothing here
+    STANDBY = "standby"  # backup pool: holds a copy of this stage's state, serves nothing until it takes over
 
 
 class PeerRecord(BaseModel):

@@ -10,11 +10,14 @@ from models.config import get_model_config
 from models.stages import stage_spec
 from peers.metrics import validate_metrics_options
 
+AUTO_STAGE = "auto"
+
 
 @dataclasses.dataclass(kw_only=True)
 class PeerConfig(NetworkConfig):
     model: str = option("small", help="model name (see `swarm train --help` for the list)")
-    stage: int | None = option(None, help="pipeline stage this peer serves, 0-based")
+    stage: str | int | None = option(None, help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
+                                     "needs a peer most (see peers/stage_choice.py)")
     num_stages: int = option(2, help="number of pipeline stages the model is split into")
     seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
     optimizer: str = option("adamw", help="local optimizer", choices=["adamw", "sgd"])
@@ -57,17 +60,42 @@ class PeerConfig(NetworkConfig):
     metrics_port: int = option(0, help="serve Prometheus metrics on this port (0 = any free port, announced in the "
                                "peer's DHT record for `swarm monitor targets`; -1 = off)")
     metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
+    rebalance_period_s: float = option(0.0, help="check about this often (randomised in [0.5, 1.5] x) whether moving to "
+                                       "another stage raises the swarm's bottleneck, and move if so (0 = never move)")
+    rebalance_min_gain: float = option(0.2, help="move only if the swarm's bottleneck throughput rises by more than this "
+                                       "fraction (hysteresis)")
+    standby: bool = option(False, help="join the backup pool: serve nothing, keep a recent copy of the thinnest stage's "
+                           "state and take over at once when a stage loses its last replica or falls far behind")
+    standby_refresh_s: float = option(30.0, help="standby: re-download the held stage's state this often")
+    standby_check_s: float = option(2.0, help="standby: look for a stage that needs taking over this often")
+    standby_take_over_fraction: float = option(0.5, help="standby: also take over a stage whose throughput fell below "
+                                                "this fraction of the other stages' mean (0 = only a stage left "
+                                                "without an online replica)")
     split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
                                           "profile`); default: the swarm's split, or the equal split")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         config = get_model_config(self.model)
+        if self.standby:
+            if self.stage not in (None, AUTO_STAGE):
+                raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")
+            self.stage = AUTO_STAGE
         if self.stage is None:
-            raise ConfigError("--stage is required (the pipeline stage to serve, 0-based)")
-        stage_spec(config, self.stage, self.num_stages, self.requested_boundaries)  # StageSplitError for a bad stage
-        for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s", "max_request_mb",
-                     "bad_request_refill_per_s"):
+            raise ConfigError("--stage is required (the pipeline stage to serve, 0-based, or auto)")
+        if self.stage != AUTO_STAGE:
+            try:
+                self.stage = int(self.stage)
+            except ValueError:
+                raise ConfigError(f"--stage {self.stage!r}: expected a stage number or auto") from None
+        # StageSplitError for a bad stage or split (auto: the split is checked on stage 0)
+        stage_spec(config, 0 if self.stage == AUTO_STAGE else self.stage, self.num_stages, self.requested_boundaries)
+        if not 0 <= self.standby_take_over_fraction <= 1:
+            raise ConfigError("--standby-take-over-fraction must be within [0, 1]")
+        if self.rebalance_period_s < 0 or self.rebalance_min_gain < 0:
+            raise ConfigError("--rebalance-period-s and --rebalance-min-gain must be >= 0")
+        for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s", "standby_refresh_s",
+                     "standby_check_s", "max_request_mb", "bad_request_refill_per_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         validate_metrics_options(self.metrics_host, self.metrics_port)

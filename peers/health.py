@@ -79,7 +79,7 @@ def read_status(path: str) -> PeerStatus:
 
 def problem(status: PeerStatus, now: float) -> str | None:
     """Why this peer is not serving, or None when it is."""
-    if status.state != PeerState.ONLINE:
+    if status.state not in (PeerState.ONLINE, PeerState.STANDBY):  # a standby is healthy while it waits
         return f"the peer is {status.state.value}"
     if now > status.fresh_until:
         return f"the last announcement was {now - status.written_at:.0f} s ago: the peer stopped announcing"

@@ -8,22 +8,19 @@ averager, and finally the server, which runs until SIGINT/SIGTERM and then annou
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 
 import torch
 
+from dht.announce import fetch_stage_records
 from dht.node import start_dht
 from models.config import get_model_config
-from peers.averaging import GradientSync, ParameterAveraging
-from peers.checkpoint import checkpoint_path
-from peers.config import PeerConfig
-from peers.faults import FaultSettings, FaultyStageRuntime
+from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
 from peers.server import PeerServer
-from peers.outer_step import OuterSettings
-from peers.split_claim import claim_split, split_tag
-from peers.stage_runtime import OptimizerSettings, StageRuntime
+from peers.split_claim import claim_split
+from peers.stage_builder import StageBuilder, fault_settings
+from peers.stage_choice import choose_stage, choose_standby_stage
 from swarm import compression
 
 
@@ -31,8 +28,6 @@ def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.num_threads)
     model_config = get_model_config(config.model)
-    settings = OptimizerSettings(lr=config.lr, weight_decay=config.weight_decay,
-                                 target_batch_size=config.target_batch_size, kind=config.optimizer)
     metrics = PeerMetrics()
     endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
     metrics_addr = endpoint and advertised_metrics_addr(endpoint.host, endpoint.port, host_maddrs=config.host_maddrs,
@@ -47,42 +42,32 @@ def run_peer(config: PeerConfig) -> None:
         split = claim_split(dht, model=config.model, peer_id=dht.peer_id.to_base58(),
                             requested=config.requested_boundaries, num_stages=config.num_stages,
                             n_layers=model_config.n_layers, ttl_s=config.record_ttl_s)
-        runtime = StageRuntime(model_config, config.stage, config.num_stages, seed=config.seed, optimizer=settings,
-                               max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size,
-                               boundaries=split.boundaries)
-        if config.checkpoint_dir:
-            path = checkpoint_path(config.checkpoint_dir, config.model, config.stage, config.num_stages,
-                                   split_tag(split, model_config.n_layers))
-            if os.path.exists(path):
-                runtime.restore(path, config.model)
-                print(f"restored stage {config.stage} from {path} ({runtime.steps_done} steps done)", flush=True)
-        runtime.measure_throughput()
-        stage_runtime = runtime
-        faults = FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate,
-                               garbage=config.fault_garbage, garbage_rate=config.fault_garbage_rate, seed=config.seed)
+        stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
+        metrics.set_averaging_mode(config.averaging)
+        builder = StageBuilder(config, model_config, dht, split, on_averaging_round=metrics.observe_averaging_round)
+        built = builder.build(stage)
+        faults = fault_settings(config)
         if faults.enabled:
             print(f"fault injection on: {faults}", flush=True)
-            runtime = FaultyStageRuntime(runtime, faults)
         compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
-        averaging = None
-        metrics.set_averaging_mode(config.averaging)
-        if config.averaging == "sync":
-            averaging = GradientSync(stage_runtime, dht, config.model, timeout_s=config.averaging_timeout_s,
-                                     compression=config.averaging_compression or "none",
-                                     on_round=metrics.observe_averaging_round)
-        elif config.averaging == "periodic":
-            averaging = ParameterAveraging(stage_runtime, dht, config.model, period_s=config.averaging_period_s,
-                                           timeout_s=config.averaging_timeout_s,
-                                           compression=config.averaging_compression or "none",
-                                           outer=OuterSettings(config.outer_lr, config.outer_momentum)
-                                           if config.outer_lr > 0 else None,
-                                           on_round=metrics.observe_averaging_round)
+        runtime, averaging = built.runtime, built.averaging
         asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging, metrics=metrics,
-                                                      metrics_addr=metrics_addr, split=split)))
+                                                      metrics_addr=metrics_addr, split=split, builder=builder)))
     finally:
         dht.shutdown()
         if endpoint:
             endpoint.close()
+
+
+def _auto_stage(config: PeerConfig, dht) -> int:
+    """--stage auto / --standby: read every stage's records once and pick (peers/stage_choice.py)."""
+    records = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
+    # Issue #8: a planner-published plan naming this peer goes in as choose_stage(..., planned_stage=...).
+    stage = (choose_standby_stage(records, config.num_stages) if config.standby
+             else choose_stage(records, config.num_stages, my_throughput=0.0))
+    print(f"{'standby for' if config.standby else 'auto: joining'} stage {stage} "
+          f"(from {len(records)} records)", flush=True)
+    return stage
 
 
 async def _serve_until_signalled(server: PeerServer) -> None:

@@ -64,12 +64,15 @@ class ReplicaSyncHandlers:
         for message in state_messages(header, data):
             yield message
 
-    async def _load_state_from_replica(self, p2p) -> None:
-        """Before going online: copy the stage's current state from a live replica, if there is one."""
-        records = [r for r in await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+    async def _load_state_from_replica(self, p2p, runtime=None) -> bool:
+        """Before going online: copy the stage's current state from a live replica, if there is one.
+        `runtime`: load into this one instead of the served one (a move or a standby refresh).
+        Returns whether a replica's state was loaded."""
+        runtime = runtime or self.runtime
+        records = [r for r in await fetch_stage_records_async(self.dht, self.config.model, runtime.stage)
                    if r.state == PeerState.ONLINE and r.peer_id != self.peer_id
-                   and r.num_stages == self.runtime.num_stages]
-        request = StateRequest(model=self.config.model, stage=self.runtime.stage, num_stages=self.runtime.num_stages)
+                   and r.num_stages == runtime.num_stages]
+        request = StateRequest(model=self.config.model, stage=runtime.stage, num_stages=runtime.num_stages)
         for record in sorted(records, key=lambda r: r.load):
             try:
                 state = await download_state(p2p, record.peer_id, request, timeout_s=self.config.averaging_timeout_s * 4)
@@ -78,18 +81,19 @@ class ReplicaSyncHandlers:
                           f"{self.runtime.steps_done}; not loading its state", flush=True)
                     continue
                 await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.runtime.import_state, state, self.config.model,
+                    self.executor, runtime.import_state, state, self.config.model,
                     f"state from replica {record.peer_id[-8:]}")
-                print(f"loaded stage {self.runtime.stage} state from replica {record.peer_id[-8:]} "
-                      f"({self.runtime.steps_done} steps done)", flush=True)
-                return
+                print(f"loaded stage {runtime.stage} state from replica {record.peer_id[-8:]} "
+                      f"({runtime.steps_done} steps done)", flush=True)
+                return True
             except (CheckpointError, ProtocolError, asyncio.TimeoutError, OSError) as e:
                 logger.warning(f"Could not load state from {record.peer_id[-8:]}: {e}; trying another replica")
             except Exception as e:  # the replica may vanish mid-transfer in many ways
                 logger.warning(f"Could not load state from {record.peer_id[-8:]}: {type(e).__name__}: {e}")
         if records:
-            print(f"no replica of stage {self.runtime.stage} could send its state; starting from what we have",
+            print(f"no replica of stage {runtime.stage} could send its state; starting from what we have",
                   flush=True)
+        return False
 
     async def _average_parameters_forever(self, stop: asyncio.Event) -> None:
         """Periodic mode: meet the other replicas at every multiple of the period (DHT time)."""

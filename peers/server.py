@@ -30,6 +30,8 @@ from peers.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE
 from peers.replica_sync import ReplicaSyncHandlers
 from peers.request_limits import PenaltyBox
 from peers.split_claim import renewed, split_tag
+from peers.stage_builder import StageBuilder
+from peers.stage_moves import StageMoves
 from peers.stage_rpc import StageRpcHandlers
 from peers.stage_runtime import StageRuntime
 from swarm import compression
@@ -44,15 +46,18 @@ def software_version() -> str:
         return "dev"
 
 
-class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
+class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
     def __init__(self, config: PeerConfig, runtime: StageRuntime, dht: hivemind.DHT,
                  averaging: GradientSync | ParameterAveraging | None = None, *,
-                 metrics: PeerMetrics | None = None, metrics_addr: str | None = None, split: SplitRecord | None = None):
+                 metrics: PeerMetrics | None = None, metrics_addr: str | None = None, split: SplitRecord | None = None,
+                 builder: StageBuilder | None = None):
         self.config, self.runtime, self.dht = config, runtime, dht
         self.averaging = averaging
         self.metrics, self.metrics_addr = metrics or PeerMetrics(), metrics_addr
         self.split, self.split_tag = split, split_tag(split, runtime.config.n_layers) if split else None
         self.peer_id = dht.peer_id.to_base58()
+        self.builder = builder  # builds another stage's runtime when this peer moves (peers/stage_moves.py)
+        self.moving_to: int | None = None  # while moving: the stage announced as joining
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.in_flight = 0
         self.requests_served = 0
@@ -72,9 +77,12 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
         self.metrics.set_state(self.state.value)
 
     # --- DHT record ------------------------------------------------------------------------------
-    def record(self) -> PeerRecord:
-        return PeerRecord(peer_id=self.peer_id, model=self.config.model, stage=self.runtime.stage,
-                          num_stages=self.runtime.num_stages, state=self.state,
+    def record(self, *, stage: int | None = None, state: PeerState | None = None) -> PeerRecord:
+        """This peer's record; `stage`/`state` override what it serves now (a move announces both)."""
+        if stage is None:
+            stage = self.moving_to if self.moving_to is not None else self.runtime.stage
+        return PeerRecord(peer_id=self.peer_id, model=self.config.model, stage=stage,
+                          num_stages=self.runtime.num_stages, state=state or self.state,
                           throughput=float(self.runtime.throughput.value), load=float(self.in_flight),
                           version=software_version(), expires_at=get_dht_time() + self.config.record_ttl_s,
                           averaging=self.config.averaging, metrics_addr=self.metrics_addr)
@@ -130,13 +138,19 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
                                        stream_input=True, stream_output=True)
         await p2p.add_protobuf_handler(RPC_COMMIT, self.rpc_commit, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(RPC_STATE, self.rpc_state, runtime_pb2.ExpertRequest, stream_output=True)
-        if self.config.load_state:
+        if self.config.standby:  # backup pool: wait, holding a copy of a stage, until one needs us
+            if not await self._stand_by(p2p, stop):
+                await self._leave_standby()
+                return
+        elif self.config.load_state:
             await announce(self.dht, self.record())  # joining: trainers do not route here yet
             await self._load_state_from_replica(p2p)
         self.state = PeerState.ONLINE
         self.metrics.set_state(self.state.value)
         self.online_since = time.monotonic()
         announcer = asyncio.create_task(self._announce_forever(stop))
+        rebalancer = (asyncio.create_task(self._rebalance_forever(p2p, stop))
+                      if self.config.rebalance_period_s > 0 and self.builder is not None else None)
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         averager = (asyncio.create_task(self._average_parameters_forever(stop))
                     if isinstance(self.averaging, ParameterAveraging) else None)
@@ -145,6 +159,8 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
         try:
             await stop.wait()
         finally:
+            if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
+                await rebalancer
             self.state = PeerState.OFFLINE
             self.metrics.set_state(self.state.value)
             await announcer

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from dht.records import PeerState
 from peers.protocol import (ErrorKind, ProtocolError, RequestHeader, ResponseHeader, decode_tensors, encode_tensor,
                             from_wire, read_stream, response_messages, to_wire)
 from peers.request_limits import RequestTooLargeError
@@ -136,11 +137,15 @@ class StageRpcHandlers:
         if header.model != self.config.model or header.num_stages != self.runtime.num_stages:
             raise ProtocolError(f"this peer serves {self.config.model} split into {self.runtime.num_stages} "
                                 f"stages, not {header.model} in {header.num_stages}")
+        if self.state == PeerState.STANDBY:
+            raise WrongStageError("this peer is a standby: it serves no stage yet")
         if header.stage != self.runtime.stage:
             raise WrongStageError(f"this peer serves stage {self.runtime.stage}, not stage {header.stage}")
 
     def _compute(self, header: RequestHeader, tensors: dict[str, torch.Tensor]):
         """Runs on the compute thread."""
+        if header.stage != self.runtime.stage:  # the peer moved while this request waited for the thread
+            raise WrongStageError(f"this peer moved to stage {self.runtime.stage}, not serving stage {header.stage}")
         inputs = tensors.get("inputs")
         if inputs is None:
             raise BadRequestError("the request carries no 'inputs' tensor")

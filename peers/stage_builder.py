@@ -1,0 +1,75 @@
+"""Building what a peer needs to serve one stage: the runtime (restored from a checkpoint if there
+is one, its throughput measured, fault injection wrapped around it) and the replica averager.
+
+The launcher builds the first stage with it; a peer that moves (peers/stage_moves.py) builds the
+next one with the same settings, so a moved peer serves exactly as if it had started there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import hivemind
+
+from dht.records import SplitRecord
+from models.config import GPTConfig
+from peers.averaging import GradientSync, ParameterAveraging
+from peers.outer_step import OuterSettings
+from peers.checkpoint import checkpoint_path
+from peers.config import PeerConfig
+from peers.faults import FaultSettings, FaultyStageRuntime
+from peers.split_claim import split_tag
+from peers.stage_runtime import OptimizerSettings, StageRuntime
+
+
+@dataclass
+class BuiltStage:
+    runtime: StageRuntime | FaultyStageRuntime
+    averaging: GradientSync | ParameterAveraging | None
+
+
+@dataclass
+class StageBuilder:
+    config: PeerConfig
+    model_config: GPTConfig
+    dht: hivemind.DHT
+    split: SplitRecord
+    on_averaging_round: Callable[..., None] | None = None
+
+    def build(self, stage: int) -> BuiltStage:
+        """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
+        config = self.config
+        settings = OptimizerSettings(lr=config.lr, weight_decay=config.weight_decay,
+                                     target_batch_size=config.target_batch_size, kind=config.optimizer)
+        runtime = StageRuntime(self.model_config, stage, config.num_stages, seed=config.seed, optimizer=settings,
+                               max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size,
+                               boundaries=self.split.boundaries)
+        if config.checkpoint_dir:
+            path = checkpoint_path(config.checkpoint_dir, config.model, stage, config.num_stages,
+                                   split_tag(self.split, self.model_config.n_layers))
+            if os.path.exists(path):
+                runtime.restore(path, config.model)
+                print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
+        runtime.measure_throughput()
+        averaging = None
+        if config.averaging == "sync":
+            averaging = GradientSync(runtime, self.dht, config.model, timeout_s=config.averaging_timeout_s,
+                                     compression=config.averaging_compression or "none",
+                                     on_round=self.on_averaging_round)
+        elif config.averaging == "periodic":
+            averaging = ParameterAveraging(runtime, self.dht, config.model, period_s=config.averaging_period_s,
+                                           timeout_s=config.averaging_timeout_s,
+                                           compression=config.averaging_compression or "none",
+                                           outer=OuterSettings(config.outer_lr, config.outer_momentum)
+                                           if config.outer_lr > 0 else None,
+                                           on_round=self.on_averaging_round)
+        faults = fault_settings(config)
+        served = FaultyStageRuntime(runtime, faults) if faults.enabled else runtime
+        return BuiltStage(served, averaging)
+
+
+def fault_settings(config: PeerConfig) -> FaultSettings:
+    return FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate,
+                         garbage=config.fault_garbage, garbage_rate=config.fault_garbage_rate, seed=config.seed)

@@ -1,0 +1,80 @@
+"""Peers move to the bottleneck stage by themselves while a trainer runs; a standby peer takes over."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.test_failover import trainer_step, wait_for
+
+pytestmark = pytest.mark.slow
+
+REBALANCING = ["--rebalance-period-s", "3", "--rebalance-min-gain", "0.2", "--announce-period-s", "1"]
+
+
+def online_per_stage(swarm, num_stages: int = 2) -> list[int]:
+    """What the DHT says, through the same `swarm status` a user runs."""
+    out = subprocess.run([sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *swarm.initial_peers,
+                          "--model", swarm.model, "--num-stages", str(num_stages), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stages = json.loads(out.stdout)["stages"]
+    return [sum(r["state"] == "online" for r in stages[str(s)]) for s in range(num_stages)]
+
+
+def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swarm, tmp_path):
+    """2:2 is the layout the peers should reach as long as a stage-1 peer's throughput is between about
+    half and 1.7x a stage-0 peer's (in the tiny model the two stages cost about the same; a run's log
+    showed 770 samples/s on stage 1 against 655 per stage-0 peer at the time of the move)."""
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", *REBALANCING])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in (0, 0, 0, 1)]
+    swarm.wait_online(peers)
+    report_path = tmp_path / "report.json"
+    trainer = swarm.start_trainer("--steps", "80", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2",
+                                  "--refresh-period-s", "1", "--report", str(report_path))
+    moved = wait_for(lambda: [p for p in peers if "moved from stage 0 to stage 1" in p.log()], 40,
+                     "a stage-0 peer to move to stage 1")
+    assert trainer.alive, trainer.log()[-3000:]
+    wait_for(lambda: online_per_stage(swarm) == [2, 2], 20, "the DHT to show 2 online peers on each stage")
+    assert trainer.popen.wait(timeout=120) == 0, trainer.log()[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["steps"] == 80 and report["microbatches_lost"] == 0
+    # The trainer saw the 3:1 swarm, then the 2:2 one, without stopping.
+    replicas_seen = re.findall(r"replicas \[(\d+), (\d+)\]", trainer.log())
+    assert replicas_seen[0] == ("3", "1") and replicas_seen[-1] == ("2", "2"), trainer.log()[-3000:]
+    # One coordinated move, no herd and no moving back.
+    assert len(moved) == 1 and sum(len(re.findall("rebalancing: moving", p.log())) for p in peers) == 1
+    assert online_per_stage(swarm) == [2, 2]
+    assert re.search(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps done\)", moved[0].log()), \
+        moved[0].log()[-2000:]
+
+
+def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--announce-period-s", "1"])
+    swarm.start_bootstrap()
+    # Stage 1's only peer is slowed down so that stage 1 is clearly the thinnest (the one the standby holds).
+    peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1, "--fault-slowdown", "3")]
+    swarm.wait_online(peers)
+    standby = swarm.start_peer("auto", "--standby", "--standby-refresh-s", "2", "--standby-check-s", "0.5",
+                               "--standby-take-over-fraction", "0", name="peer-standby")
+    wait_for(lambda: "standby for stage 1" in standby.log(), 60, "the standby to pick the thinnest stage, 1")
+    report_path = tmp_path / "report.json"
+    trainer = swarm.start_trainer("--steps", "30", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2",
+                                  "--refresh-period-s", "1", "--report", str(report_path))
+    wait_for(lambda: trainer_step(trainer) >= 8, 90, "8 trainer steps")
+    wait_for(lambda: len(re.findall(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps", standby.log())) > 0,
+             30, "the standby to hold a copy of stage 1 with steps done")
+    assert " online:" not in standby.log()  # it served nothing so far
+    peers[2].signal(9)  # SIGKILL the only stage-1 replica
+    wait_for(lambda: "standby: taking over stage 1" in standby.log() and " online:" in standby.log(), 30,
+             "the standby to take over stage 1")
+    held = int(re.search(r"taking over stage 1 .* (\d+) steps done", standby.log()).group(1))
+    assert held > 0, standby.log()[-2000:]
+    assert trainer.popen.wait(timeout=150) == 0, trainer.log()[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["steps"] == 30 and report["microbatches_lost"] == 0
