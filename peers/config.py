@@ -46,6 +46,9 @@ class PeerConfig(NetworkConfig):
     metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
     split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
                                           "profile`); default: the swarm's split, or the equal split")
+    link_probe_period_s: float = option(60.0, help="measure round-trip time and bandwidth to a few other peers about "
+                                        "this often (randomized) and publish them for `swarm plan --from-dht`; 0 = off")
+    link_probe_peers: int = option(8, help="peers probed per round, at most")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,7 +62,10 @@ class PeerConfig(NetworkConfig):
         validate_metrics_options(self.metrics_host, self.metrics_port)
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
             raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
-        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests"):
+        if self.link_probe_period_s < 0:
+            raise ConfigError("--link-probe-period-s must be >= 0 (0 turns probing off)")
+        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests",
+                     "link_probe_peers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
 
