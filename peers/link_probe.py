@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dht.announce import fetch_stage_records_async
 from dht.link_records import LinkMeasurement, LinkRecord, fetch_link_records_async, publish_links_async
 from dht.records import PeerState
-from peers.protocol import RPC_PROBE, ProtocolError, decode_header, encode_header, read_stream
+from peers.protocol import RPC_PROBE, ProtocolError, encode_header, read_stream
 
 logger = logging.getLogger(__name__)
 
