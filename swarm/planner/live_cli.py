@@ -62,6 +62,8 @@ def _sizes(args: argparse.Namespace, stages: int) -> tuple[float, float]:
     from swarm.planner.topology import TopologyError
     from swarm.planner.workload import communication_sizes, estimated_communication_sizes
 
+    if args.c_pp_gb is not None and args.c_dp_gb is not None:
+        return _checked_sizes(args.c_pp_gb, args.c_dp_gb)
     samples = args.macro_batch_samples if args.macro_batch_samples is not None else DEFAULT_MACRO_BATCH_SAMPLES
     if samples < 1:
         raise TopologyError("--macro-batch-samples must be at least 1")
@@ -74,12 +76,19 @@ def _sizes(args: argparse.Namespace, stages: int) -> tuple[float, float]:
     else:
         config = get_model_config(args.model)
         if stages > config.n_layers:
-            raise TopologyError(f"{args.model} has {config.n_layers} blocks: it cannot be split into {stages} stages")
+            raise TopologyError(f"{args.model} has {config.n_layers} blocks: it cannot be split into {stages} stages "
+                                f"(give --c-pp-gb and --c-dp-gb to plan with other sizes)")
         sizes = estimated_communication_sizes(config, equal_boundaries(config.n_layers, stages),
                                               samples_per_macro_batch=samples,
                                               activation_wire_ratio=args.activation_wire_ratio)
     c_pp = args.c_pp_gb if args.c_pp_gb is not None else max(sizes.c_pp_gb, default=0.0) or 1e-9
     c_dp = args.c_dp_gb if args.c_dp_gb is not None else max(sizes.c_dp_gb)
+    return _checked_sizes(c_pp, c_dp)
+
+
+def _checked_sizes(c_pp: float, c_dp: float) -> tuple[float, float]:
+    from swarm.planner.topology import TopologyError
+
     for name, value in (("--c-pp-gb", c_pp), ("--c-dp-gb", c_dp)):
         if not (np.isfinite(value) and value > 0):
             raise TopologyError(f"{name} must be positive, got {value}")
