@@ -29,7 +29,8 @@ from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field
 
 from dht.announce import fetch_stage_records_async
-from dht.link_records import LinkMeasurement, LinkRecord, fetch_link_records_async, publish_links_async
+from dht.link_records import (MAX_LINKS_PER_RECORD, LinkMeasurement, LinkRecord, fetch_link_records_async,
+                               publish_links_async)
 from dht.records import PeerState
 from peers.protocol import RPC_PROBE, ProtocolError, encode_header, read_stream
 
@@ -208,8 +209,10 @@ class LinkProber:
                 self.links.pop(peer, None)
                 logger.info(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")
         now = get_dht_time()
-        self.links = {peer: link for peer, link in self.links.items()
-                      if peer in peers and now - link.measured_at <= self.settings.link_max_age_s}
+        fresh = sorted(((peer, link) for peer, link in self.links.items()
+                        if peer in peers and now - link.measured_at <= self.settings.link_max_age_s),
+                       key=lambda item: item[1].measured_at, reverse=True)
+        self.links = dict(fresh[:MAX_LINKS_PER_RECORD])  # a record holds a bounded number: the newest
         stage = self.stage()
         record = LinkRecord(peer_id=self.peer_id, model=self.model, stage=stage, num_stages=self.num_stages,
                             throughput=float(self.throughput()), measured_at=now,

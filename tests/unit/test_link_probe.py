@@ -187,3 +187,13 @@ def test_a_failing_round_does_not_end_the_loop(monkeypatch) -> None:
 
     asyncio.run(scenario())
     assert len(rounds) >= 3
+
+
+def test_a_record_keeps_only_the_newest_links_when_there_are_too_many(fake_network, monkeypatch) -> None:
+    prober, clock = fake_network
+    monkeypatch.setattr(link_probe, "MAX_LINKS_PER_RECORD", 2)
+    prober.settings = ProbeSettings(max_peers=1, period_s=10.0)
+    for _ in range(3):  # one new peer measured per round: A, B, C (in some order)
+        record = asyncio.run(prober.probe_round())
+        clock["now"] += 1
+    assert list(record.links) == prober.probed[:0:-1]  # the two newest, newest first
