@@ -104,7 +104,8 @@ def _payload_parts(payload_bytes: int) -> list[runtime_pb2.Tensor]:
             for offset in range(0, payload_bytes, PROBE_CHUNK_BYTES)]
 
 
-async def rpc_probe(requests: AsyncIterator[runtime_pb2.ExpertRequest], context) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+async def rpc_probe(requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                    context) -> AsyncIterator[runtime_pb2.ExpertResponse]:
     """Echo the payload back; a malformed request gets a `ProbeResponse.error`, not a dropped stream."""
     try:
         header, parts = await read_stream(requests, ProbeRequest, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
