@@ -10,6 +10,7 @@ until every pair is measured both ways. Then, on the topology that was asked for
   of the plan made from the true topology by the same search, and the mean of random balanced plans.
 
     flock /tmp/swarm-bench.lock nice -n 5 python benchmarks/live_plan.py [--peers-per-region 2] [--stages 4]
+    flock /tmp/swarm-bench.lock nice -n 5 python benchmarks/live_plan.py --peers tokyo=1,oregon=3,virginia=3,london=1
 
 Needs root (namespaces). Writes benchmarks/out/live_plan.json and prints what it measured.
 """
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", default=os.path.join(REPO, "benchmarks", "topologies", "world4.json"))
     parser.add_argument("--peers-per-region", type=int, default=2)
+    parser.add_argument("--peers", metavar="REGION=N,...",
+                        help="peers per region, e.g. tokyo=1,oregon=3,virginia=3,london=1 (instead of --peers-per-region)")
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages of the plan")
     parser.add_argument("--c-pp-gb", type=float, default=SMALL_C_PP_GB)
     parser.add_argument("--c-dp-gb", type=float, default=SMALL_C_DP_GB)
@@ -89,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"live_plan: {reason}", file=sys.stderr)
         return 2
     base = load_network(args.topology)
-    hosts = {f"{region}{i}": region for region in base.regions for i in range(args.peers_per_region)}
+    counts = {region: args.peers_per_region for region in base.regions}
+    if args.peers:
+        counts = {region: int(count) for region, count in (item.split("=") for item in args.peers.split(","))}
+    hosts = {f"{region}{i}": region for region, count in counts.items() for i in range(count)}
     network = base.with_hosts(hosts)
     names = list(hosts)
     if len(names) % args.stages:

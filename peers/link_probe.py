@@ -205,10 +205,10 @@ class LinkProber:
                 self.links[peer] = await measure_link(self.p2p, peer, self.settings)
             except asyncio.TimeoutError:
                 self.links.pop(peer, None)
-                logger.info(f"Probing {peer[-8:]} took over {self.settings.timeout_s} s; link left unmeasured")
+                logger.warning(f"Probing {peer[-8:]} took over {self.settings.timeout_s} s; link left unmeasured")
             except Exception as e:  # dead or unreachable peers fail in assorted ways; the loop must go on
                 self.links.pop(peer, None)
-                logger.info(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")
+                logger.warning(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")
         now = get_dht_time()
         fresh = sorted(((peer, link) for peer, link in self.links.items()
                         if peer in peers and now - link.measured_at <= self.settings.link_max_age_s),
