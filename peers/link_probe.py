@@ -10,15 +10,17 @@ bandwidth = 2 * size / (time - rtt), the payload crossing the link both ways.
 `LinkProber` runs on the peer's event loop: on a randomized period it finds the other peers of its
 model on the DHT, probes a bounded number of them (never measured first, then the oldest
 measurement), each under a time limit and one at a time (so probes do not measure each other), and
-publishes a `LinkRecord` with an expiry.
+publishes a `LinkRecord` with an expiry: each link as the median of its last few measurements.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import random
+import statistics
 import time
 from typing import AsyncIterator, Callable, Iterable, Mapping
 
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_CHUNK_BYTES = 1 << 20
 MAX_PROBE_BYTES = 8 << 20
+MAX_CONCURRENT_PROBES = 4  # echoes served at once: bounds the memory probes can take on a peer
 MIN_TRANSFER_FRACTION = 0.05  # a bulk echo is never credited with less than 5% of its time for the transfer
 
 
@@ -66,6 +69,7 @@ class ProbeSettings:
     bulk_start_bytes, bulk_max_bytes, bulk_target_s: the bandwidth echo starts at
         `bulk_start_bytes` and grows 4x while it takes under `bulk_target_s`, up to `bulk_max_bytes`.
     max_age_s: a measurement older than this is dropped from the published record (default 10 periods).
+    history: a link is published as the median of its last `history` measurements.
     """
 
     period_s: float = 60.0
@@ -77,12 +81,13 @@ class ProbeSettings:
     bulk_max_bytes: int = 4 << 20
     bulk_target_s: float = 0.25
     max_age_s: float | None = None
+    history: int = 3
 
     def __post_init__(self) -> None:
         if not (self.period_s > 0 and self.timeout_s > 0 and self.bulk_target_s > 0):
             raise ValueError("period_s, timeout_s and bulk_target_s must be positive")
-        if self.max_peers < 1 or self.tiny_repeats < 1:
-            raise ValueError("max_peers and tiny_repeats must be at least 1")
+        if self.max_peers < 1 or self.tiny_repeats < 1 or self.history < 1:
+            raise ValueError("max_peers, tiny_repeats and history must be at least 1")
         if not 0 < self.bulk_start_bytes <= self.bulk_max_bytes <= MAX_PROBE_BYTES:
             raise ValueError(f"need 0 < bulk_start_bytes <= bulk_max_bytes <= {MAX_PROBE_BYTES}")
 
@@ -172,6 +177,15 @@ def choose_probe_targets(candidates: Iterable[str], last_measured: Mapping[str, 
     return pool[:limit]
 
 
+def median_link(history: Iterable[LinkMeasurement]) -> LinkMeasurement:
+    """One link from its last measurements: the median round trip and bandwidth (a probe slowed by
+    a busy CPU moves neither), stamped with the newest measurement's time."""
+    history = list(history)
+    return LinkMeasurement(rtt_ms=statistics.median(m.rtt_ms for m in history),
+                           bandwidth_gbps=statistics.median(m.bandwidth_gbps for m in history),
+                           measured_at=max(m.measured_at for m in history))
+
+
 # --- the loop on the peer -------------------------------------------------------------------------
 
 class LinkProber:
@@ -183,7 +197,8 @@ class LinkProber:
         self.dht, self.p2p, self.peer_id, self.model, self.num_stages = dht, p2p, peer_id, model, num_stages
         self.stage, self.throughput, self.settings = stage, throughput, settings
         self.rng = rng or random.Random()
-        self.links: dict[str, LinkMeasurement] = {}
+        self.links: dict[str, LinkMeasurement] = {}  # what the record says: the median of each link's history
+        self.history: dict[str, collections.deque[LinkMeasurement]] = {}
         self.rounds = 0
 
     async def other_peers(self) -> set[str]:
@@ -202,18 +217,24 @@ class LinkProber:
         measured_at = {peer: link.measured_at for peer, link in self.links.items()}
         for peer in choose_probe_targets(peers, measured_at, limit=self.settings.max_peers, rng=self.rng):
             try:
-                self.links[peer] = await measure_link(self.p2p, peer, self.settings)
+                measurement = await measure_link(self.p2p, peer, self.settings)
             except asyncio.TimeoutError:
-                self.links.pop(peer, None)
+                self._forget(peer)
                 logger.warning(f"Probing {peer[-8:]} took over {self.settings.timeout_s} s; link left unmeasured")
+                continue
             except Exception as e:  # dead or unreachable peers fail in assorted ways; the loop must go on
-                self.links.pop(peer, None)
+                self._forget(peer)
                 logger.warning(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")
+                continue
+            history = self.history.setdefault(peer, collections.deque(maxlen=self.settings.history))
+            history.append(measurement)
+            self.links[peer] = median_link(history)
         now = get_dht_time()
         fresh = sorted(((peer, link) for peer, link in self.links.items()
                         if peer in peers and now - link.measured_at <= self.settings.link_max_age_s),
                        key=lambda item: item[1].measured_at, reverse=True)
         self.links = dict(fresh[:MAX_LINKS_PER_RECORD])  # a record holds a bounded number: the newest
+        self.history = {peer: history for peer, history in self.history.items() if peer in self.links}
         stage = self.stage()
         record = LinkRecord(peer_id=self.peer_id, model=self.model, stage=stage, num_stages=self.num_stages,
                             throughput=float(self.throughput()), measured_at=now,
@@ -221,6 +242,10 @@ class LinkProber:
         await publish_links_async(self.dht, record)
         self.rounds += 1
         return record
+
+    def _forget(self, peer: str) -> None:
+        self.links.pop(peer, None)
+        self.history.pop(peer, None)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Probe rounds until `stop` is set: the first soon after start, then every ~period. A round
@@ -246,8 +271,16 @@ class LinkProber:
             delay = self.settings.period_s * self.rng.uniform(0.75, 1.25)
 
 
-async def register_probe_handler(p2p: P2P) -> None:
-    await p2p.add_protobuf_handler(RPC_PROBE, rpc_probe, runtime_pb2.ExpertRequest, stream_input=True,
+async def register_probe_handler(p2p: P2P, *, max_concurrent: int = MAX_CONCURRENT_PROBES) -> None:
+    """Serve `RPC_PROBE` on `p2p`, at most `max_concurrent` echoes at once (the others wait)."""
+    slots = asyncio.Semaphore(max_concurrent)
+
+    async def bounded_probe(requests, context):
+        async with slots:
+            async for message in rpc_probe(requests, context):
+                yield message
+
+    await p2p.add_protobuf_handler(RPC_PROBE, bounded_probe, runtime_pb2.ExpertRequest, stream_input=True,
                                    stream_output=True)
 
 

@@ -197,3 +197,22 @@ def test_a_record_keeps_only_the_newest_links_when_there_are_too_many(fake_netwo
         record = asyncio.run(prober.probe_round())
         clock["now"] += 1
     assert list(record.links) == prober.probed[:0:-1]  # the two newest, newest first
+
+
+def test_one_slow_probe_does_not_move_the_published_link(fake_network, monkeypatch) -> None:
+    prober, clock = fake_network
+    prober.peers, prober.settings = {"A"}, ProbeSettings(max_peers=1, period_s=10.0, history=3)
+    results = iter([(2.0, 1.0), (2.2, 1.1), (80.0, 0.01), (2.1, 0.9)])  # the third: a CPU hiccup
+
+    async def measure(p2p, peer_id, settings):
+        rtt, bandwidth = next(results)
+        return LinkMeasurement(rtt_ms=rtt, bandwidth_gbps=bandwidth, measured_at=clock["now"])
+
+    monkeypatch.setattr(link_probe, "measure_link", measure)
+    published = []
+    for _ in range(4):
+        published.append(asyncio.run(prober.probe_round()).links["A"])
+        clock["now"] += 10
+    assert [link.rtt_ms for link in published] == [2.0, 2.1, 2.2, 2.2]
+    assert [link.bandwidth_gbps for link in published] == [1.0, 1.05, 1.0, 0.9]
+    assert published[-1].measured_at == clock["now"] - 10
