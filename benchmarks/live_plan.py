@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             completed, plan_path, topology_path = run_plan(net, planner_host, swarm, args, workdir)
             line = next((ln for ln in completed.stdout.splitlines() if ln.startswith("topology:")), completed.stderr)
             _say(f"  {time.monotonic() - started:5.0f} s: {line.strip()[:160]}")
-            if completed.returncode == 0 and " 0 one way only), 0 estimated" in completed.stdout:
+            if completed.returncode == 0 and "(0 one way only), 0 estimated" in completed.stdout:
                 break
             if time.monotonic() > deadline:
                 _say("  not every pair was measured both ways in time; planning with what there is")

@@ -216,14 +216,15 @@ class LinkProber:
         peers = await self.other_peers()
         measured_at = {peer: link.measured_at for peer, link in self.links.items()}
         for peer in choose_probe_targets(peers, measured_at, limit=self.settings.max_peers, rng=self.rng):
+            # A failed probe adds nothing: the link keeps its earlier measurements until they grow
+            # older than `link_max_age_s` or the peer leaves the DHT (a stream reset under load
+            # must not make a good link look unmeasured).
             try:
                 measurement = await measure_link(self.p2p, peer, self.settings)
             except asyncio.TimeoutError:
-                self._forget(peer)
-                logger.warning(f"Probing {peer[-8:]} took over {self.settings.timeout_s} s; link left unmeasured")
+                logger.warning(f"Probing {peer[-8:]} took over {self.settings.timeout_s} s; nothing measured")
                 continue
             except Exception as e:  # dead or unreachable peers fail in assorted ways; the loop must go on
-                self._forget(peer)
                 logger.warning(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")
                 continue
             history = self.history.setdefault(peer, collections.deque(maxlen=self.settings.history))
@@ -242,10 +243,6 @@ class LinkProber:
         await publish_links_async(self.dht, record)
         self.rounds += 1
         return record
-
-    def _forget(self, peer: str) -> None:
-        self.links.pop(peer, None)
-        self.history.pop(peer, None)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Probe rounds until `stop` is set: the first soon after start, then every ~period. A round

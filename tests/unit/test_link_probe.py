@@ -130,13 +130,17 @@ def test_a_round_probes_a_bounded_number_and_publishes_what_it_knows(fake_networ
     assert set(second.links) == {"A", "B", "C"}  # the one left out last round went first this round
 
 
-def test_a_round_forgets_peers_that_left_failed_or_went_stale(fake_network) -> None:
+def test_a_round_forgets_peers_that_left_or_went_stale_but_not_after_one_failure(fake_network) -> None:
     prober, clock = fake_network
     prober.settings = ProbeSettings(max_peers=3, period_s=10.0, max_age_s=25.0)
     assert set(asyncio.run(prober.probe_round()).links) == {"A", "B", "C"}
     clock["now"] += 10
-    prober.peers, prober.dead = {"A", "B"}, {"B"}  # C left, B stopped answering
-    assert set(asyncio.run(prober.probe_round()).links) == {"A"}
+    prober.peers, prober.dead = {"A", "B"}, {"B"}  # C left, B failed this probe
+    record = asyncio.run(prober.probe_round())
+    assert set(record.links) == {"A", "B"} and record.links["B"].measured_at == clock["now"] - 10
+    clock["now"] += 20  # B's only measurement is now 30 s old
+    record = asyncio.run(prober.probe_round())
+    assert set(record.links) == {"A"}
     clock["now"] += 30
     prober.peers, prober.settings = {"A", "D"}, ProbeSettings(max_peers=1, period_s=10.0, max_age_s=25.0)
     record = asyncio.run(prober.probe_round())  # probes the new D only; A's measurement is 30 s old
