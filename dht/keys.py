@@ -35,3 +35,15 @@ def split_key(model: str) -> str:
     """The key under which every peer of a model states the stage split it serves (subkey:
     `peer_subkey`), so that peers and trainers agree on one split."""
     return f"swarm/{model}/split"
+
+
+def links_key(model: str) -> str:
+    """The key under which every peer of a model publishes its measured links to other peers
+    (subkey: its peer id), read by `swarm plan --from-dht`."""
+    return f"swarm/{model}/links"
+
+
+def plan_key(model: str) -> str:
+    """The key under which `swarm plan --publish` stores placement plans (subkey: the planner's
+    peer id; the newest unexpired plan is the current one)."""
+    return f"swarm/{model}/plan"

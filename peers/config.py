@@ -73,6 +73,9 @@ class PeerConfig(NetworkConfig):
                                                 "without an online replica)")
     split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
                                           "profile`); default: the swarm's split, or the equal split")
+    link_probe_period_s: float = option(60.0, help="measure round-trip time and bandwidth to a few other peers about "
+                                        "this often (randomized) and publish them for `swarm plan --from-dht`; 0 = off")
+    link_probe_peers: int = option(8, help="peers probed per round, at most")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,7 +108,10 @@ class PeerConfig(NetworkConfig):
             raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0 or not 0.0 <= self.fault_garbage_rate <= 1.0:
             raise ConfigError("--fault-slowdown must be >= 1, --fault-fail-rate and --fault-garbage-rate within [0, 1]")
-        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests", "bad_request_burst"):
+        if self.link_probe_period_s < 0:
+            raise ConfigError("--link-probe-period-s must be >= 0 (0 turns probing off)")
+        for name in ("target_batch_size", "num_threads", "max_batch_size", "max_concurrent_requests", "bad_request_burst",
+                     "link_probe_peers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
 

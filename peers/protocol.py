@@ -25,6 +25,7 @@ RPC_FORWARD = "swarm.forward"
 RPC_BACKWARD = "swarm.backward"
 RPC_COMMIT = "swarm.commit"  # sync averaging: the trainer finished a step; replicas average and step
 RPC_STATE = "swarm.state"  # a joining replica downloads this stage's parameters and optimizer state
+RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (headers in peers/link_probe.py)
 STATE_CHUNK_BYTES = 1 << 20
 MAX_STATE_BYTES = 1 << 34
 MAX_HEADER_BYTES = 64 << 10

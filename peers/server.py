@@ -25,6 +25,7 @@ from peers.averaging import GradientSync, ParameterAveraging
 from peers.checkpoint import checkpoint_path
 from peers.config import PeerConfig
 from peers.health import write_status
+from peers.link_probe import register_probe_handler, start_link_probing
 from peers.metrics import PeerMetrics
 from peers.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_STATE
 from peers.replica_sync import ReplicaSyncHandlers
@@ -138,6 +139,7 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
                                        stream_input=True, stream_output=True)
         await p2p.add_protobuf_handler(RPC_COMMIT, self.rpc_commit, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(RPC_STATE, self.rpc_state, runtime_pb2.ExpertRequest, stream_output=True)
+        await register_probe_handler(p2p)  # other peers measure their link to us
         if self.config.standby:  # backup pool: wait, holding a copy of a stage, until one needs us
             if not await self._stand_by(p2p, stop):
                 await self._leave_standby()
@@ -154,6 +156,7 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         averager = (asyncio.create_task(self._average_parameters_forever(stop))
                     if isinstance(self.averaging, ParameterAveraging) else None)
+        prober = start_link_probing(self, p2p, stop)  # our links to others, for `swarm plan --from-dht`
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
               f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
         try:
@@ -164,6 +167,8 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
             self.state = PeerState.OFFLINE
             self.metrics.set_state(self.state.value)
             await announcer
+            if prober is not None:
+                await prober
             self._report_status(await announce(self.dht, self.record(), timeout_s=5.0))
             if averager is not None:
                 await averager

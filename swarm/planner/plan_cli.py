@@ -8,6 +8,8 @@ The plan file holds ``groups`` (device indices per stage, in pipeline order) and
 ``--method opfence`` places by bandwidth clusters instead of searching (``opfence.py``);
 ``--profile PROFILE.json --macro-batch-samples N [--split-boundaries 0,4,6]`` takes ``c_pp`` and
 ``c_dp`` from a ``swarm profile`` measurement instead of the topology file's constants.
+``--from-dht --initial-peers MADDR [--stages S] [--out PLAN.json] [--publish]`` plans for the
+peers of a running swarm from the links they measured (``live_cli.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from models.layer_costs import ModelProfile, ProfileError
+from swarm.planner.live_cli import add_live_arguments, run_live_plan
 from swarm.planner.opfence import PLACEMENTS, OpFenceResult, opfence_plan
 from swarm.planner.search import DEFAULT_PATIENCE_ROUNDS, SearchResult, search_plan
 from swarm.planner.topology import Topology, TopologyError, load_topology
@@ -34,11 +37,13 @@ EXIT_USAGE = 2
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``plan`` options to a parser (a subcommand's or a standalone one)."""
     parser.add_argument(
-        "--topology", required=True, type=Path, metavar="FILE.json",
-        help="topology JSON: stages, replicas, c_dp_gb, c_pp_gb, latency_ms, bandwidth_gbps",
+        "--topology", type=Path, metavar="FILE.json",
+        help="topology JSON: stages, replicas, c_dp_gb, c_pp_gb, latency_ms, bandwidth_gbps "
+        "(or --from-dht to plan for a running swarm)",
     )
     parser.add_argument(
-        "--out", required=True, type=Path, metavar="PLAN.json", help="where to write the plan"
+        "--out", type=Path, metavar="PLAN.json",
+        help="where to write the plan (required with --topology, optional with --from-dht)",
     )
     parser.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     parser.add_argument(
@@ -60,9 +65,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-boundaries", metavar="0,4,6",
                         help="with --profile: the stage split (default: the equal split into the topology's stages)")
     parser.add_argument("--macro-batch-samples", type=int, metavar="N",
-                        help="with --profile: samples each pipeline replica processes per macro-batch")
+                        help="with --profile or --from-dht: samples each pipeline replica processes per macro-batch "
+                        "(--from-dht default: 32)")
     parser.add_argument("--activation-wire-ratio", type=float, default=1.0,
                         help="with --profile: wire bytes per measured activation byte (0.5 for fp16; default 1)")
+    add_live_arguments(parser)
 
 
 def plan_record(topology: Topology, result: SearchResult, time_limit_s: float) -> dict[str, Any]:
@@ -155,6 +162,12 @@ def run_plan(args: argparse.Namespace) -> int:
         return _fail(f"--seed must be non-negative, got {args.seed}")
     if args.patience_rounds is not None and args.patience_rounds < 1:
         return _fail(f"--patience-rounds must be at least 1, got {args.patience_rounds}")
+    if getattr(args, "from_dht", False):
+        if args.topology is not None:
+            return _fail("give either --topology or --from-dht, not both")
+        return run_live_plan(args, _fail, _write_json_atomically)
+    if args.topology is None or args.out is None:
+        return _fail("--topology FILE.json and --out PLAN.json are required (or plan a running swarm with --from-dht)")
     try:
         topology = load_topology(args.topology)
         if getattr(args, "profile", None) is not None:

@@ -13,10 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+from models.config import GPTConfig
 from models.layer_costs import ModelProfile
 from swarm.planner.topology import Topology, TopologyError
 
-__all__ = ["CommunicationSizes", "communication_sizes", "with_communication_sizes"]
+__all__ = ["CommunicationSizes", "communication_sizes", "estimated_communication_sizes", "with_communication_sizes"]
 
 BYTES_PER_GB = 1e9
 
@@ -54,6 +55,38 @@ def communication_sizes(profile: ModelProfile, boundaries: Sequence[int], *, sam
     per_sample = profile.boundary_activation_bytes_per_sample(boundaries)
     c_pp = tuple(b * samples_per_macro_batch * activation_wire_ratio / BYTES_PER_GB for b in per_sample)
     c_dp = tuple(g * gradient_wire_ratio / BYTES_PER_GB for g in profile.stage_gradient_bytes(boundaries))
+    return CommunicationSizes(c_pp_gb=c_pp, c_dp_gb=c_dp)
+
+
+def estimated_communication_sizes(config: GPTConfig, boundaries: Sequence[int], *, samples_per_macro_batch: int,
+                                  activation_wire_ratio: float = 1.0) -> CommunicationSizes:
+    """Sizes of a split from the model's shapes alone, for when nothing was profiled: fp32
+    activations of (seq_len, d_model) per sample at every cut, fp32 gradients of every parameter.
+
+    Args:
+        config: the model.
+        boundaries: the split, (0, b_1, ..., n_layers).
+        samples_per_macro_batch: samples each pipeline replica sends through per macro-batch.
+        activation_wire_ratio: bytes on the wire per fp32 byte (0.25 for 8-bit activations).
+    """
+    if samples_per_macro_batch < 1:
+        raise ValueError(f"samples_per_macro_batch must be at least 1, got {samples_per_macro_batch}")
+    if not activation_wire_ratio > 0:
+        raise ValueError("activation_wire_ratio must be positive")
+    bounds = tuple(boundaries)
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != config.n_layers:
+        raise ValueError(f"boundaries {list(bounds)} do not split {config.n_layers} blocks")
+    fp32 = 4
+    d, v, t = config.d_model, config.vocab_size, config.seq_len
+    embedding = v * d + t * d  # token and position embeddings
+    head = 2 * d + d * v + v  # final norm and output layer
+    block = (config.num_parameters() - embedding - head) // config.n_layers
+    parameters = [(b - a) * block for a, b in zip(bounds, bounds[1:])]
+    parameters[0] += embedding
+    parameters[-1] += head
+    activation = t * d * fp32 * samples_per_macro_batch * activation_wire_ratio
+    c_pp = tuple(activation / BYTES_PER_GB for _ in bounds[1:-1])
+    c_dp = tuple(count * fp32 / BYTES_PER_GB for count in parameters)
     return CommunicationSizes(c_pp_gb=c_pp, c_dp_gb=c_dp)
 
 

@@ -1,0 +1,88 @@
+"""The live planner on a real swarm: peers on loopback probe each other and publish their links;
+`swarm plan --from-dht` plans for exactly those peers and publishes a plan the peers can read."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dht.link_records import fetch_link_records
+from dht.node import NetworkConfig, start_dht
+from dht.plan_record import fetch_plan, stage_in_plan
+from swarm.planner.cost import evaluate_plan, pair_costs
+from swarm.planner.topology import load_topology
+
+pytestmark = pytest.mark.slow
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def peer_id_of(process) -> str:
+    match = re.search(r"peer (\S+) online", process.log())
+    assert match, process.log()[-2000:]
+    return match.group(1)
+
+
+def run_plan(swarm, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm.cli", "plan", "--from-dht", "--initial-peers",
+                           *swarm.initial_peers, "--model", "tiny", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, tmp_path):
+    swarm = make_swarm(num_stages=2, peer_args=["--link-probe-period-s", "1", "--metrics-port", "-1"])
+    swarm.start_bootstrap()
+    processes = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
+    swarm.wait_online(processes)
+    peers = {peer_id_of(p) for p in processes}
+
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+    try:
+        # Every peer measures every other within a few probe rounds (each round probes up to 8).
+        deadline, records = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            records = fetch_link_records(dht, "tiny")
+            if {r.peer_id for r in records} == peers and all(set(r.links) == peers - {r.peer_id} for r in records):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"links not all measured within 60 s: {[(r.peer_id[-6:], sorted(r.links)) for r in records]}")
+        for record in records:
+            assert record.num_stages == 2 and record.stage in (0, 1) and record.throughput > 0
+            for link in record.links.values():
+                assert 0 < link.rtt_ms < 1000 and link.bandwidth_gbps > 0.01  # loopback: well under a second
+
+        out, topology_file = tmp_path / "plan.json", tmp_path / "measured.json"
+        completed = run_plan(swarm, "--out", str(out), "--publish", "--time-limit-s", "5",
+                             "--save-topology", str(topology_file))
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        assert "6 of 6 pairs measured" in completed.stdout and "0 estimated" in completed.stdout
+
+        plan = json.loads(out.read_text())
+        assert len(plan["stage_peers"]) == 2 and all(len(group) == 2 for group in plan["stage_peers"])
+        assert {peer for group in plan["stage_peers"] for peer in group} == peers
+        assert plan["spares"] == [] and plan["estimated_pairs"] == []
+        # The written cost is the cost model's for the written groups on the measured topology.
+        cost = evaluate_plan(pair_costs(load_topology(topology_file)), np.array(plan["groups"]))
+        assert plan["cost"]["total_s"] == pytest.approx(cost.total_s)
+
+        published = fetch_plan(dht, "tiny")
+        assert published is not None
+        assert [list(group) for group in published.stages] == plan["stage_peers"]
+        for stage, group in enumerate(plan["stage_peers"]):
+            for peer in group:
+                assert stage_in_plan(published, peer) == stage
+    finally:
+        dht.shutdown()
+
+    # A model nobody serves: a one-line error, no traceback.
+    completed = run_plan(swarm, "--model", "small")
+    assert completed.returncode == 2
+    assert "no peer of small has published link records" in completed.stderr
+    assert "Traceback" not in completed.stderr
