@@ -13,6 +13,9 @@ probed before anything is measured. On the same topology, data, model and steps 
                      is SIGKILLed once `--kill-at-step` steps are done
   6. gpipe kill      the baseline with the rank of `--kill-stage` SIGKILLed at the same step
 
+(`--runs` picks a subset; `fp16` and `topk` are swarm with those fixed codecs, e.g. to compare
+every codec on a mixed fast/slow topology such as `benchmarks/topologies/mixed4.json`.)
+
 and prints and writes (JSON) for each, over the steps after `--warmup`: tokens/s; bytes per token
 on the links (every host pair's htb counter, so Ethernet/IP/TCP headers, encryption and DHT
 traffic included) and, for swarm, the tensor payload the trainer counted; the CPU seconds all
