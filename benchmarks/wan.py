@@ -13,6 +13,9 @@ probed before anything is measured. On the same topology, data, model and steps 
                      is SIGKILLed once `--kill-at-step` steps are done
   6. gpipe kill      the baseline with the rank of `--kill-stage` SIGKILLed at the same step
 
+(`--runs` picks a subset; `fp16` and `topk` are swarm with those fixed codecs, e.g. to compare
+every codec on a mixed fast/slow topology such as `benchmarks/topologies/mixed4.json`.)
+
 and prints and writes (JSON) for each, over the steps after `--warmup`: tokens/s; bytes per token
 on the links (every host pair's htb counter, so Ethernet/IP/TCP headers, encryption and DHT
 traffic included) and, for swarm, the tensor payload the trainer counted; the CPU seconds all
@@ -49,6 +52,8 @@ from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
 
 GPIPE_PORT = 29500
+# gpipe / gpipe-kill: the baseline; faults: int8 swarm with a slowed and a killed peer; others: swarm with that codec
+RUNS = ("gpipe", "none", "fp16", "int8", "topk", "adaptive", "faults", "gpipe-kill")
 
 
 @dataclass
@@ -69,6 +74,8 @@ class RunResult:
     busiest_link_busy: float | None = None  # its bytes / its shaped rate, as a fraction of the timed steps' time
     notes: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    payload_by_codec: dict[str, dict[str, int]] = field(default_factory=dict)  # swarm: wire bytes sent/received per codec
+    backward_inputs_skipped: int | None = None  # swarm: backwards answered from the peer's activation cache
 
 
 @dataclass
@@ -359,6 +366,9 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
                        link_bytes_per_token=None, payload_bytes_per_token=report.get("wire_bytes_per_token"),
                        initial_loss=losses[0] if losses else None, final_loss=_final_loss(losses), wall_s=wall_s,
                        notes=notes, losses=losses)
+    result.payload_by_codec = {direction: {codec: totals["wire_bytes"] for codec, totals in per_codec.items()}
+                               for direction, per_codec in report.get("bytes_by_codec", {}).items()}
+    result.backward_inputs_skipped = report.get("backward_inputs_skipped")
     return _fill_measured(result, measured, step_seconds, s, net)
 
 
@@ -379,11 +389,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(results: list[RunResult], baseline: RunResult) -> None:
+def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
     _say("\nrun             steps  tokens/s  vs gpipe  link B/tok  payload B/tok  CPU s/1k tok  busiest link (busy)"
          "         loss   notes")
     for r in results:
-        ratio = (r.tokens_per_s / baseline.tokens_per_s if r.tokens_per_s and baseline.tokens_per_s else None)
+        ratio = (r.tokens_per_s / baseline.tokens_per_s if baseline and r.tokens_per_s and baseline.tokens_per_s
+                 else None)
         busiest = f"{r.busiest_link} ({r.busiest_link_busy:.0%})" if r.busiest_link else "-"
         _say(f"{r.name:<15} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {_fmt(ratio, '>7.2f')}x "
              f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
@@ -415,7 +426,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-stage", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int, default=None, help="default: half of --steps")
     parser.add_argument("--runs", default="gpipe,none,int8,adaptive,faults,gpipe-kill",
-                        help="comma-separated subset of gpipe,none,int8,adaptive,faults,gpipe-kill")
+                        help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--probe-seconds", type=float, default=1.0)
     parser.add_argument("--run-timeout-s", type=float, default=420.0)
     parser.add_argument("--out", default="benchmarks/out/wan.json")
@@ -437,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wan: error: {e}", file=sys.stderr)
         return 2
     runs = args.runs.split(",")
-    unknown = set(runs) - {"gpipe", "none", "int8", "adaptive", "faults", "gpipe-kill"}
+    unknown = set(runs) - set(RUNS)
     if unknown:
         print(f"wan: error: unknown runs {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -485,9 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("wan: interrupted; the network and all processes were torn down", file=sys.stderr)
         return 130
-    baseline = next((r for r in results if r.name == "gpipe"), None)
-    if baseline:
-        print_table(results, baseline)
+    print_table(results, next((r for r in results if r.name == "gpipe"), None))
     print_cpu_breakdown(results)
     out = {"benchmark": "wan", "command": " ".join(["benchmarks/wan.py", *(argv or sys.argv[1:])]),
            "topology": topology.to_dict(), "settings": asdict(settings), "cpus": os.cpu_count(),

@@ -44,6 +44,7 @@ class ErrorKind(str, Enum):
     BAD_REQUEST = "bad_request"  # the caller's fault: wrong shape/dtype/stage/codec; do not retry as is
     WRONG_STAGE = "wrong_stage"  # the peer serves another stage now (it moved); refresh the route
     INTERNAL = "internal"  # the peer failed; retry elsewhere
+    CACHE_MISS = "cache_miss"  # inputs_cached was set but this peer holds no current forward: resend with inputs
 
 
 class TensorMeta(BaseModel):
@@ -75,6 +76,8 @@ class RequestHeader(BaseModel):
     tensors: tuple[TensorMeta, ...] = Field(max_length=MAX_TENSORS)
     response_codec: str = Field(default="none", max_length=32)  # how the peer should encode what it returns
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
+    # backward only: no 'inputs' tensor is sent; use those this peer cached when it served the forward
+    inputs_cached: bool = False
 
 
 class ResponseHeader(BaseModel):

@@ -16,7 +16,7 @@ from dht.records import PeerState
 from peers.protocol import (ErrorKind, ProtocolError, RequestHeader, ResponseHeader, decode_tensors, encode_tensor,
                             from_wire, read_stream, response_messages, to_wire)
 from peers.request_limits import RequestTooLargeError
-from peers.stage_runtime import BadRequestError
+from peers.stage_runtime import ActivationCacheMissError, BadRequestError
 from swarm import compression
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,10 @@ class StageRpcHandlers:
             if self.requests_served == 1 and self.announced_online_at is not None:
                 print(f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
                       f"online record was stored", flush=True)
+        except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
+            kind = ErrorKind.CACHE_MISS
+            logger.debug(f"{rpc}: {e}")
+            response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             self.requests_failed += 1
             kind = ErrorKind.WRONG_STAGE if isinstance(e, WrongStageError) else ErrorKind.BAD_REQUEST
@@ -147,6 +151,13 @@ class StageRpcHandlers:
         if header.stage != self.runtime.stage:  # the peer moved while this request waited for the thread
             raise WrongStageError(f"this peer moved to stage {self.runtime.stage}, not serving stage {header.stage}")
         inputs = tensors.get("inputs")
+        if header.inputs_cached and header.rpc == "backward":
+            if inputs is not None:
+                raise BadRequestError("inputs_cached is set, yet the request carries 'inputs'")
+            grad_inputs, loss = self.runtime.backward(header.microbatch_id, None, batch_size=header.batch_size,
+                                                      grad_outputs=tensors.get("grad_outputs"),
+                                                      targets=tensors.get("targets"))
+            return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
         if inputs is None:
             raise BadRequestError("the request carries no 'inputs' tensor")
         if inputs.shape[:1] != (header.batch_size,):

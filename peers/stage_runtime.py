@@ -26,6 +26,11 @@ class BadRequestError(ValueError):
     """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
 
 
+class ActivationCacheMissError(BadRequestError):
+    """A backward asked to reuse this peer's cached forward inputs, but none are cached for that
+    microbatch at the current parameter version: the caller must send the inputs."""
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
     lr: float = 1e-3
@@ -138,21 +143,38 @@ class StageRuntime:
         self.throughput.observe(batch_size, (time.perf_counter() - start) * 3)  # fwd ~ 1/3 of fwd+bwd
         return outputs.detach()
 
-    def backward(self, microbatch_id: str, inputs: torch.Tensor, *, grad_outputs: torch.Tensor | None = None,
-                 targets: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float | None]:
+    def backward(self, microbatch_id: str, inputs: torch.Tensor | None, *, grad_outputs: torch.Tensor | None = None,
+                 targets: torch.Tensor | None = None,
+                 batch_size: int | None = None) -> tuple[torch.Tensor | None, float | None]:
         """Accumulate parameter gradients for one microbatch and return (input gradients, loss).
         The last stage takes `targets` and computes the loss itself; other stages take the
         gradient of the loss with respect to their outputs. Steps the optimizer once
-        `target_batch_size` samples have been accumulated."""
+        `target_batch_size` samples have been accumulated.
+
+        `inputs=None` reuses the inputs this peer's forward of `microbatch_id` cached (the caller
+        saves resending them); without a current cache entry it raises ActivationCacheMissError.
+        `batch_size`, if given, must match the cached inputs."""
+        cached = self.cache.pop(microbatch_id, None)
+        if cached is not None and cached.version != self.steps_done:
+            cached = None  # computed with older parameters
+        from_cache = inputs is None
+        if from_cache:  # "use what you cached": the caller saw this peer serve the forward
+            if cached is None:
+                self.cache_misses += 1
+                raise ActivationCacheMissError(f"no current forward of microbatch {microbatch_id!r} is cached on "
+                                               f"this peer; send the inputs")
+            inputs = cached.inputs.detach()  # validated when the forward took them
+            if batch_size is not None and inputs.shape[0] != batch_size:
+                raise BadRequestError(f"batch_size says {batch_size}, the cached inputs hold {inputs.shape[0]}")
+        else:
+            self.check_inputs(inputs.shape[0], inputs)
         batch_size = inputs.shape[0]
-        self.check_inputs(batch_size, inputs)
         if self.is_last:
             self.check_targets(batch_size, targets)
         else:
             self.check_grad_outputs(batch_size, grad_outputs)
         start = time.perf_counter()
-        cached = self.cache.pop(microbatch_id, None)
-        if cached is not None and cached.version == self.steps_done and torch.equal(cached.inputs.detach(), inputs):
+        if cached is not None and (from_cache or torch.equal(cached.inputs.detach(), inputs)):
             leaf, outputs = cached.inputs, cached.outputs
             self.cache_hits += 1
         else:  # served elsewhere, evicted or stale: recompute the forward

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -22,6 +23,15 @@ class FailureKind(str, Enum):
     WRONG_STAGE = "wrong_stage"  # the peer moved to another stage
     INTERNAL = "internal"  # the peer failed while computing
     GARBAGE = "garbage"  # the answer does not follow the contract or holds NaN/inf
+    CACHE_MISS = "cache_miss"  # a backward without inputs found no cached forward there: resend with inputs
+
+
+@dataclass(frozen=True)
+class CallResult:
+    outputs: dict[str, torch.Tensor]  # decoded
+    received: dict[str, EncodedTensor]  # the same tensors as they came over the wire (to pass on as they are)
+    response: ResponseHeader
+    moved: int  # payload bytes, both ways
 
 
 class PeerCallError(RuntimeError):
@@ -39,10 +49,20 @@ class StageClient:
                    tensors: list[tuple[str, EncodedTensor]], timeout_s: float,
                    response_codec: CodecChoice = CodecChoice("none")) -> tuple[dict[str, torch.Tensor], ResponseHeader, int]:
         """Returns the decoded outputs, the peer's response header, and the payload bytes moved both ways."""
+        result = await self.exchange(peer_id, rpc=rpc, stage=stage, microbatch_id=microbatch_id, batch_size=batch_size,
+                                     tensors=tensors, timeout_s=timeout_s, response_codec=response_codec)
+        return result.outputs, result.response, result.moved
+
+    async def exchange(self, peer_id: str, *, rpc: str, stage: int, microbatch_id: str, batch_size: int,
+                       tensors: list[tuple[str, EncodedTensor]], timeout_s: float,
+                       response_codec: CodecChoice = CodecChoice("none"), inputs_cached: bool = False) -> CallResult:
+        """One forward or backward call. `inputs_cached` (backward): no inputs are sent, the peer
+        reuses those of its forward, or fails with FailureKind.CACHE_MISS."""
         metas, parts = to_wire(tensors)
         header = RequestHeader(rpc=rpc, model=self.model, stage=stage, num_stages=self.num_stages,
                                microbatch_id=microbatch_id, batch_size=batch_size, tensors=metas,
-                               response_codec=response_codec.codec, response_codec_params=response_codec.params)
+                               response_codec=response_codec.codec, response_codec_params=response_codec.params,
+                               inputs_cached=inputs_cached)
         name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
         try:
             response, out_parts = await asyncio.wait_for(self._exchange(peer_id, name, header, parts), timeout=timeout_s)
@@ -55,8 +75,8 @@ class StageClient:
         except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
             raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
         if response.error is not None:
-            kind = {ErrorKind.BAD_REQUEST: FailureKind.REFUSED, ErrorKind.WRONG_STAGE: FailureKind.WRONG_STAGE}.get(
-                response.error_kind, FailureKind.INTERNAL)
+            kind = {ErrorKind.BAD_REQUEST: FailureKind.REFUSED, ErrorKind.WRONG_STAGE: FailureKind.WRONG_STAGE,
+                    ErrorKind.CACHE_MISS: FailureKind.CACHE_MISS}.get(response.error_kind, FailureKind.INTERNAL)
             raise PeerCallError(peer_id, kind, response.error)
         try:
             encoded = from_wire(response.tensors, out_parts)
@@ -68,7 +88,7 @@ class StageClient:
         for item in encoded.values():
             self.bytes.record_received(item)
         moved = sum(item.nbytes for _, item in tensors) + sum(item.nbytes for item in encoded.values())
-        return outputs, response, moved
+        return CallResult(outputs, encoded, response, moved)
 
     async def commit(self, peer_id: str, *, stage: int, step_id: str, group_size: int, timeout_s: float) -> CommitResponse:
         """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""

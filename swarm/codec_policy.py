@@ -1,14 +1,23 @@
 """Which codec each tensor crossing a trainer<->peer link uses: one fixed codec for every link, or
-`adaptive`, chosen per link from its measured bandwidth (see `swarm.compression.adaptive`).
+`adaptive`, chosen per link and per tensor.
 
-Adaptive target: a transfer should take at most `transfer_budget` times the compute the stage
-spends on the same microbatch, so that on a fast link nothing is compressed and on a slow link the
-transfer does not become the pipeline's bottleneck.
+The adaptive rule (the choice itself is `swarm.compression.adaptive.choose_codec`):
+
+- target: putting a tensor on the wire should take at most `transfer_budget` (0.5) times the
+  compute the stage spends on the same microbatch (an EMA of the compute seconds per sample the
+  peer reports), so that the link, not the compute, is never the pipeline's bottleneck;
+- link: bandwidth from the measured calls (payload bytes over the call time minus the peer's
+  compute and queueing, less the link's latency, taken as 0.9x the cheapest call seen);
+- choice: the first of none, fp16, int8 whose serialization time (bytes / bandwidth; latency is
+  not counted, no codec shortens it) fits the target; int8 also when it takes up to
+  `topk_slack` (4) times the target; top-k only on links slower than that, with the fraction
+  that fills `topk_slack` times the target (gradients with error feedback, floor 0.1%;
+  activations floor 5%). Before the stage's compute is measured, calls go uncompressed.
 """
 
 from __future__ import annotations
 
-from swarm.compression import CodecChoice, LinkBandwidthMeter, LinkEstimate, choose_codec, known_codecs
+from swarm.compression import BlockwiseInt8Codec, CodecChoice, LinkBandwidthMeter, LinkEstimate, choose_codec, known_codecs
 
 CODEC_MODES = [*known_codecs(), "adaptive"]
 
@@ -23,6 +32,12 @@ class CodecPolicy:
         self.meter = meter or LinkBandwidthMeter(default=LinkEstimate(bandwidth_bytes_per_s=1e9, latency_s=1e-3))
         self.compute_s: dict[int, float] = {}  # EMA of compute seconds per sample, per stage
         self._fixed_cost_s: dict[str, float] = {}  # per link: the cheapest call seen, taken as its latency
+
+    def warm_up(self) -> None:
+        """Load bitsandbytes' kernels now if this policy may pick int8 (the first call in a
+        process takes seconds, more on a busy machine), so that no timed call pays for it."""
+        if self.mode in ("int8", "adaptive"):
+            BlockwiseInt8Codec.warm_up()
 
     def choose(self, peer_id: str, stage: int, numel: int, batch_size: int, *, is_gradient: bool) -> CodecChoice:
         if self.mode != "adaptive":

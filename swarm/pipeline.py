@@ -17,10 +17,10 @@ import torch
 
 from dht.announce import fetch_stage_records_async
 from dht.records import PeerRecord, PeerState
-from peers.protocol import encode_tensor
+from peers.protocol import ResponseHeader, encode_tensor
 from swarm.client import FailureKind, PeerCallError, StageClient
 from swarm.codec_policy import CodecPolicy
-from swarm.compression import EncodedTensor, ErrorFeedback
+from swarm.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from swarm.data import Microbatch
 from swarm.failures import BanList, RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
 from swarm.metrics import TrainerMetrics
@@ -39,6 +39,25 @@ class PipelineCounters:
     calls_by_peer: dict[str, int] = field(default_factory=dict)
     commits: int = 0  # sync averaging: replicas that stepped on our commit
     averaged_commits: int = 0  # ... of which averaged with other replicas
+    backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
+    backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
+
+
+@dataclass(frozen=True)
+class StageAnswer:
+    outputs: dict[str, torch.Tensor]
+    response: ResponseHeader
+    peer_id: str  # the replica that answered
+    received: dict[str, dict[tuple, EncodedTensor]]  # name -> {codec key: the tensor as it came over the wire}
+
+
+def _choice_key(choice: CodecChoice) -> tuple:
+    return choice.codec, tuple(sorted(choice.params.items()))
+
+
+def _passed_on(received: dict[str, dict[tuple, EncodedTensor]], name: str, as_name: str) -> dict:
+    """An `_encode` cache that sends the tensor `name` on, as `as_name`, in the encoding it came in."""
+    return {(as_name, *key): item for key, item in received.get(name, {}).items()}
 
 
 class SwarmPipeline:
@@ -100,11 +119,13 @@ class SwarmPipeline:
     # --- one call, with failover -----------------------------------------------------------------
     def _encode(self, peer_id: str, stage: int, batch_size: int, tensors: list[tuple[str, torch.Tensor]],
                 cache: dict) -> list[tuple[str, EncodedTensor]]:
-        """Encode what goes to `peer_id` with the codec its link calls for (once per codec choice)."""
+        """Encode what goes to `peer_id` with the codec its link calls for, once per codec choice:
+        `cache` maps (name, codec, params) to an encoding, and may come pre-filled with the
+        encoding a tensor arrived in, which is then passed on as it is (no decode + re-encode)."""
         encoded = []
         for name, tensor in tensors:
             choice = self.codecs.choose(peer_id, stage, tensor.numel(), batch_size, is_gradient=name == "grad_outputs")
-            key = (name, choice.codec, tuple(sorted(choice.params.items())))
+            key = (name, *_choice_key(choice))
             if key not in cache:
                 feedback = self.feedback if name == "grad_outputs" and choice.codec == "topk" else None
                 cache[key] = encode_tensor(tensor, choice.codec, choice.params, feedback=feedback, feedback_key=stage)
@@ -112,11 +133,15 @@ class SwarmPipeline:
         return encoded
 
     async def call_stage(self, stage: int, rpc: str, microbatch_id: str, batch_size: int,
-                         tensors: list[tuple[str, torch.Tensor]], failures: list[str] | None = None):
+                         tensors: list[tuple[str, torch.Tensor]], failures: list[str] | None = None, *,
+                         encoded: dict | None = None, cached_on: str | None = None) -> StageAnswer:
         """Call one replica of `stage`, failing over until one answers. Failed attempts are
-        appended to `failures`."""
+        appended to `failures`. `encoded`: the encodings of `tensors` made so far (see `_encode`);
+        filled in as the call encodes more. `cached_on` (backward): the peer that served this
+        microbatch's forward on this stage; if it is chosen again, the inputs are not resent (it
+        answers a cache miss if it no longer holds them, and they are then sent)."""
         failures = [] if failures is None else failures
-        encoded_cache: dict = {}
+        encoded_cache: dict = {} if encoded is None else encoded
         numel_out = batch_size * self.seq_len * self.d_model
         budget = RetryBudget(stage, max_retries=self.max_retries)
         waited_since = None
@@ -130,13 +155,28 @@ class SwarmPipeline:
             waited_since = None
             timeout_s = self.timeouts.timeout_s(stage, rpc)
             started = time.perf_counter()
+            skip_inputs = rpc == "backward" and peer_id == cached_on and any(n == "inputs" for n, _ in tensors)
             try:
-                encoded = self._encode(peer_id, stage, batch_size, tensors, encoded_cache)
                 response_codec = self.codecs.choose(peer_id, stage, numel_out, batch_size, is_gradient=rpc == "backward")
-                outputs, response, moved = await self.client.call(
-                    peer_id, rpc=rpc, stage=stage, microbatch_id=microbatch_id, batch_size=batch_size,
-                    tensors=encoded, timeout_s=timeout_s, response_codec=response_codec)
-                self._check_outputs(peer_id, stage, rpc, batch_size, outputs, response.loss)
+                while True:
+                    sent = [(n, t) for n, t in tensors if not (skip_inputs and n == "inputs")]
+                    try:
+                        result = await self.client.exchange(
+                            peer_id, rpc=rpc, stage=stage, microbatch_id=microbatch_id, batch_size=batch_size,
+                            tensors=self._encode(peer_id, stage, batch_size, sent, encoded_cache), timeout_s=timeout_s,
+                            response_codec=response_codec, inputs_cached=skip_inputs)
+                        break
+                    except PeerCallError as e:
+                        # A cache miss (or an older peer refusing a request without inputs) is no
+                        # failure of the peer: ask it again, with the inputs this time.
+                        if not (skip_inputs and e.kind in (FailureKind.CACHE_MISS, FailureKind.REFUSED)):
+                            raise
+                        skip_inputs = False
+                        self.counters.backward_inputs_resent += 1
+                self._check_outputs(peer_id, stage, rpc, batch_size, result.outputs, result.response.loss)
+                if skip_inputs:
+                    self.counters.backward_inputs_skipped += 1
+                outputs, response, moved = result.outputs, result.response, result.moved
             except PeerCallError as e:
                 self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
                 self._note_failure(stage, peer_id, e, failed_after_s=time.perf_counter() - started)
@@ -165,7 +205,8 @@ class SwarmPipeline:
             self.bans.clear(peer_id)
             key = peer_id[-8:]
             self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
-            return outputs, response
+            received = {name: {_choice_key(response_codec): item} for name, item in result.received.items()}
+            return StageAnswer(outputs, response, peer_id, received)
 
     def _note_failure(self, stage: int, peer_id: str, error: PeerCallError, failed_after_s: float) -> None:
         self.schedulers[stage].report_failure(peer_id)
@@ -222,18 +263,25 @@ class SwarmPipeline:
             self.counters.microbatches_sent += 1
             failures: list[str] = []
             stage_inputs = [mb.inputs]
+            encodings: list[dict] = [{}]  # per stage: its inputs' encodings, reused by its backward
+            served_by: list[str] = []  # per stage: the peer that served the forward (and cached it)
             for stage in range(self.num_stages - 1):
-                outputs, _ = await self.call_stage(stage, "forward", microbatch_id, mb.size,
-                                                   [("inputs", stage_inputs[-1])], failures)
-                stage_inputs.append(outputs["outputs"])
+                answer = await self.call_stage(stage, "forward", microbatch_id, mb.size,
+                                               [("inputs", stage_inputs[-1])], failures, encoded=encodings[stage])
+                stage_inputs.append(answer.outputs["outputs"])
+                encodings.append(_passed_on(answer.received, "outputs", "inputs"))
+                served_by.append(answer.peer_id)
             last = self.num_stages - 1
-            outputs, response = await self.call_stage(last, "backward", microbatch_id, mb.size,
-                                                      [("inputs", stage_inputs[last]), ("targets", mb.targets)], failures)
-            grad = outputs.get("grad_inputs")
+            answer = await self.call_stage(last, "backward", microbatch_id, mb.size,
+                                           [("inputs", stage_inputs[last]), ("targets", mb.targets)], failures,
+                                           encoded=encodings[last])
+            response = answer.response
             for stage in reversed(range(last)):
-                tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", grad)]
-                outputs, _ = await self.call_stage(stage, "backward", microbatch_id, mb.size, tensors, failures)
-                grad = outputs.get("grad_inputs")
+                grad_encodings = _passed_on(answer.received, "grad_inputs", "grad_outputs")
+                tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", answer.outputs.get("grad_inputs"))]
+                answer = await self.call_stage(stage, "backward", microbatch_id, mb.size, tensors, failures,
+                                               encoded={**encodings[stage], **grad_encodings},
+                                               cached_on=served_by[stage])
             self.counters.microbatches_done += 1
             self.metrics.microbatches.inc()
             if failures:

@@ -32,13 +32,16 @@ def reference_update(config, kind: str, lr: float):
     return loss.item(), dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages):
+# cache_size 0: every backward sent without inputs (to the peer that served the forward) misses
+# the activation cache, and the trainer must resend it with the inputs.
+@pytest.mark.parametrize(("num_stages", "cache_size"), [(2, 64), (3, 64), (3, 0)])
+def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages, cache_size):
     config = get_model_config("tiny")
     kind, lr = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
     ckpt = str(tmp_path / "ckpt")
     swarm = make_swarm(num_stages=num_stages, peer_args=[
-        "--optimizer", kind, "--lr", str(lr), "--target-batch-size", str(BATCH), "--checkpoint-dir", ckpt])
+        "--optimizer", kind, "--lr", str(lr), "--target-batch-size", str(BATCH), "--checkpoint-dir", ckpt,
+        "--activation-cache-size", str(cache_size)])
     swarm.start_bootstrap()
     peers = [swarm.start_peer(stage) for stage in range(num_stages)]
     swarm.wait_online(peers)
@@ -54,6 +57,11 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
     ref_loss, ref_params = reference_update(config, kind, lr)
     assert report["losses"][0] == pytest.approx(ref_loss, abs=1e-5)
     assert report["microbatches_lost"] == 0
+    backwards_with_cache = (BATCH // MICROBATCH) * (num_stages - 1)  # the last stage's fused call needs its inputs
+    if cache_size:
+        assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (backwards_with_cache, 0)
+    else:
+        assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (0, backwards_with_cache)
     initial = dict(build_full_model(config).named_parameters())
     compared = 0
     for stage in range(num_stages):

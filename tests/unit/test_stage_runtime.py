@@ -5,7 +5,7 @@ import torch
 
 from models.config import get_model_config
 from models.stages import build_full_model, split_layers, StageSplitError
-from peers.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
+from peers.stage_runtime import ActivationCacheMissError, BadRequestError, OptimizerSettings, StageRuntime
 
 
 def reference_step(config, tokens, targets, settings, microbatch):
@@ -66,6 +66,41 @@ def test_activation_cache_is_used_and_retries_are_not_double_counted():
     assert stage.cache_hits == 1
     stage.backward("a", x, grad_outputs=grad)  # a retry of the same microbatch
     assert stage.cache_misses == 1 and stage.samples_accumulated == 2
+
+
+def test_backward_without_inputs_uses_the_cached_forward_and_equals_a_backward_with_inputs():
+    config = get_model_config("tiny")
+    settings = OptimizerSettings(kind="sgd", lr=0.5, target_batch_size=2)
+    with_inputs, without = StageRuntime(config, 1, 3, optimizer=settings), StageRuntime(config, 1, 3, optimizer=settings)
+    x = torch.randn(2, config.seq_len, config.d_model)
+    grad = torch.randn(2, config.seq_len, config.d_model)
+    for stage in (with_inputs, without):
+        stage.forward("a", x)
+    expected, _ = with_inputs.backward("a", x, grad_outputs=grad)
+    got, _ = without.backward("a", None, grad_outputs=grad, batch_size=2)
+    assert without.cache_hits == 1 and without.steps_done == 1
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for p, q in zip(with_inputs.module.parameters(), without.module.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_backward_without_inputs_raises_a_cache_miss_when_nothing_current_is_cached():
+    config = get_model_config("tiny")
+    stage = StageRuntime(config, 1, 3, optimizer=OptimizerSettings(target_batch_size=2))
+    x = torch.randn(2, config.seq_len, config.d_model)
+    grad = torch.randn(2, config.seq_len, config.d_model)
+    with pytest.raises(ActivationCacheMissError):
+        stage.backward("never-forwarded", None, grad_outputs=grad)
+    stage.forward("a", x)
+    stage.forward("b", x)
+    with pytest.raises(BadRequestError, match="batch_size says 3"):
+        stage.backward("a", None, grad_outputs=grad, batch_size=3)
+    stage.backward("b", x, grad_outputs=grad)  # 2 samples: the optimizer steps, cached graphs go stale
+    stage.forward("c", x)
+    stage.step()
+    with pytest.raises(ActivationCacheMissError):
+        stage.backward("c", None, grad_outputs=grad)
+    assert stage.samples_accumulated == 0  # nothing was accumulated by the refused calls
 
 
 def test_bad_inputs_are_refused_with_a_clear_error():
