@@ -14,6 +14,7 @@ import torch
 
 from dht.announce import fetch_stage_records
 from dht.node import start_dht
+from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import get_model_config
 from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
@@ -62,9 +63,16 @@ def run_peer(config: PeerConfig) -> None:
 def _auto_stage(config: PeerConfig, dht) -> int:
     """--stage auto / --standby: read every stage's records once and pick (peers/stage_choice.py)."""
     records = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
-    # Issue #8: a planner-published plan naming this peer goes in as choose_stage(..., planned_stage=...).
+    # A plan published by `swarm plan --from-dht --publish` that names this peer wins over the greedy choice.
+    planned = None if config.standby else stage_in_plan(fetch_plan(dht, config.model), dht.peer_id.to_base58())
+    if planned is not None and not 0 <= planned < config.num_stages:
+        print(f"the published plan names stage {planned}, but this swarm has {config.num_stages}: ignoring it",
+              flush=True)
+        planned = None
+    if planned is not None:
+        print(f"auto: the published plan puts this peer on stage {planned}", flush=True)
     stage = (choose_standby_stage(records, config.num_stages) if config.standby
-             else choose_stage(records, config.num_stages, my_throughput=0.0))
+             else choose_stage(records, config.num_stages, my_throughput=0.0, planned_stage=planned))
     print(f"{'standby for' if config.standby else 'auto: joining'} stage {stage} "
           f"(from {len(records)} records)", flush=True)
     return stage
