@@ -81,6 +81,14 @@ def build_optimizer(kind: str, params, *, lr: float, betas: tuple[float, float],
     raise DeviceError(f"unknown optimizer {kind!r}; use one of {', '.join(OPTIMIZERS)}")
 
 
+def check_optimizer(kind: str, device: torch.device) -> None:
+    """Refuse, in one line, an optimizer this machine cannot run (before anything is started)."""
+    if kind not in OPTIMIZERS:
+        raise DeviceError(f"unknown optimizer {kind!r}; use one of {', '.join(OPTIMIZERS)}")
+    if kind == "adamw8bit":
+        _adamw8bit_class(device)
+
+
 def _adamw8bit_class(device: torch.device):
     try:
         import bitsandbytes as bnb

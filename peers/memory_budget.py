@@ -45,31 +45,49 @@ def stage_parameters(config: GPTConfig, spec: StageSpec) -> int:
             + (config.head_parameters() if spec.is_last else 0))
 
 
-def activation_bytes_per_sample(config: GPTConfig, spec: StageSpec, precision: str = "fp32") -> int:
-    """Bytes autograd keeps for the backward of one sample (one cached forward of batch 1)."""
-    d, h, heads, vocab = config.d_model, config.hidden_size, config.n_heads, config.vocab_size
-    if config.arch == "llama":  # RMSNorm and rotary keep float32 copies; SwiGLU keeps gate, up and silu
-        values, reduced = 18 * d + 3 * h, 2 * h
-    else:  # LayerNorms, q/k/v, attention output, residuals; the MLP's hidden pre- and post-GELU
-        values, reduced = 14 * d + 2 * h + 2 * heads, 2 * h
-    if precision == "fp32":
-        reduced = 0
-    per_block = 4 * (values - reduced) + 2 * reduced  # autocast keeps the MLP hidden in 16 bits
+def _saved_per_token(config: GPTConfig, spec: StageSpec, precision: str) -> int:
+    """Bytes autograd saves per token of one sample. Fitted on the CPU with
+    saved_tensors_hooks: a GPT block keeps ~8d + 2h + 2 n_heads float32 values per token (LayerNorm
+    inputs, q/k/v, attention output, residuals, the MLP hidden before and after GELU), a LLaMA
+    block ~14d + 4h (RMSNorm and rotary keep float32 copies; SwiGLU keeps gate, up and their
+    product). Under bf16/fp16 autocast most of them are kept in 16 bits."""
+    d, h, heads = config.d_model, config.hidden_size, config.n_heads
+    fp32 = precision == "fp32"
+    if config.arch == "llama":
+        per_block = 4 * (14 * d + 4 * h + 2 * heads) if fp32 else 4 * (6 * d + 2 * heads) + 2 * (8 * d + 4 * h)
+    else:
+        per_block = 4 * (8 * d + 2 * h + 2 * heads) if fp32 else 4 * (2 * d + 2 * heads) + 2 * (6 * d + 2 * h)
     per_token = len(spec.layers) * per_block
     if spec.is_first:
-        per_token += 8  # token ids
+        per_token += 16  # token ids
     if spec.is_last:
-        per_token += 4 * (2 * d + vocab)  # final norm input/output and the log-softmax of the logits
-    return config.seq_len * per_token
+        per_token += 4 * (config.vocab_size + 3 * d + 1)  # final norm and the float32 log-softmax of the logits
+    return per_token
 
 
-def working_bytes_per_sample(config: GPTConfig, spec: StageSpec, precision: str = "fp32") -> int:
-    """Peak of one sample in flight: what is saved, plus the transient buffers of its backward
+def _autocast_weight_copies(config: GPTConfig, spec: StageSpec, precision: str) -> int:
+    """Under bf16/fp16 autocast each forward keeps its own 16-bit copies of the weight matrices."""
+    if precision == "fp32":
+        return 0
+    d, h = config.d_model, config.hidden_size
+    matrices = 4 * d * d + (3 if config.arch == "llama" else 2) * d * h
+    return 2 * (len(spec.layers) * matrices + (d * config.vocab_size if spec.is_last else 0))
+
+
+def activation_bytes(config: GPTConfig, spec: StageSpec, batch_size: int, precision: str = "fp32") -> int:
+    """Bytes autograd keeps for the backward of one forward of `batch_size` samples (what one
+    entry of the activation cache holds)."""
+    return (batch_size * config.seq_len * _saved_per_token(config, spec, precision)
+            + _autocast_weight_copies(config, spec, precision))
+
+
+def working_bytes(config: GPTConfig, spec: StageSpec, batch_size: int, precision: str = "fp32") -> int:
+    """Peak of one microbatch in flight: what is saved, plus the transient buffers of its backward
     (gradients of the widest activations; the logits and their gradient on the last stage)."""
     transient = 4 * 2 * max(config.hidden_size, config.d_model)
     if spec.is_last:
         transient += 4 * 2 * config.vocab_size
-    return activation_bytes_per_sample(config, spec, precision) + config.seq_len * transient
+    return activation_bytes(config, spec, batch_size, precision) + batch_size * config.seq_len * transient
 
 
 @dataclass(frozen=True)
@@ -102,7 +120,7 @@ def estimate_stage_memory(config: GPTConfig, spec: StageSpec, *, optimizer: str 
     return MemoryEstimate(
         parameters=n, parameter_bytes=4 * n, gradient_bytes=2 * 4 * n,
         optimizer_bytes=int(OPTIMIZER_BYTES_PER_PARAMETER[optimizer] * n),
-        working_bytes=batch_size * working_bytes_per_sample(config, spec, precision),
+        working_bytes=working_bytes(config, spec, batch_size, precision),
         overhead_bytes=PROCESS_OVERHEAD_BYTES if device_type == "cpu" else 0, batch_size=batch_size)
 
 

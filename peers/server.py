@@ -18,7 +18,8 @@ import hivemind
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from dht.announce import announce
+from dht.announce import announce, fetch_stage_records_async
+from dht.reachability import DialBackService, check_reachability, verdict
 from dht.records import PeerRecord, PeerState, SplitRecord
 from dht.split_agreement import publish_split_async
 from peers.averaging import GradientSync, ParameterAveraging
@@ -118,6 +119,15 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
             except asyncio.TimeoutError:
                 await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
 
+    async def _report_reachability(self, p2p) -> None:
+        """Ask a few online peers of this model to dial this one back, and print the verdict."""
+        helpers = set()
+        for stage in range(self.runtime.num_stages):
+            records = await fetch_stage_records_async(self.dht, self.config.model, stage)
+            helpers |= {r.peer_id for r in records if r.state == PeerState.ONLINE and r.peer_id != self.peer_id}
+        report = await check_reachability(p2p, helpers)
+        print(verdict(report, use_auto_relay=self.config.use_auto_relay), flush=True)
+
     # --- lifecycle -------------------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
         self._semaphore = asyncio.Semaphore(self.config.max_concurrent_requests)
@@ -128,6 +138,7 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
                                        stream_input=True, stream_output=True)
         await p2p.add_protobuf_handler(RPC_COMMIT, self.rpc_commit, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(RPC_STATE, self.rpc_state, runtime_pb2.ExpertRequest, stream_output=True)
+        await DialBackService().register(p2p)  # lets joining peers check that they are reachable
         if self.config.load_state:
             await announce(self.dht, self.record())  # joining: trainers do not route here yet
             await self._load_state_from_replica(p2p)
@@ -138,11 +149,15 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         averager = (asyncio.create_task(self._average_parameters_forever(stop))
                     if isinstance(self.averaging, ParameterAveraging) else None)
+        reachability = asyncio.create_task(self._report_reachability(p2p)) if self.config.check_reachability else None
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
               f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
         try:
             await stop.wait()
         finally:
+            if reachability is not None:
+                reachability.cancel()
+                await asyncio.gather(reachability, return_exceptions=True)
             self.state = PeerState.OFFLINE
             self.metrics.set_state(self.state.value)
             await announcer

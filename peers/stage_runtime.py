@@ -16,7 +16,7 @@ import torch
 
 from models.config import GPTConfig
 from peers import devices
-from peers.memory_budget import activation_bytes_per_sample
+from peers.memory_budget import activation_bytes
 from peers.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from models.stages import StageModule, build_stage
 
@@ -102,7 +102,6 @@ class StageRuntime:
         self.cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self.cache_size = activation_cache_size
         self.cache_budget_bytes = cache_budget_bytes  # None: bounded by entries only
-        self.cache_bytes_per_sample = activation_bytes_per_sample(config, self.module.spec, precision)
         self.accumulated_ids: set[str] = set()  # microbatches already counted in the current step
         self.throughput = ThroughputMeter()
         self.cache_hits = self.cache_misses = 0
@@ -158,7 +157,8 @@ class StageRuntime:
         with torch.enable_grad(), devices.autocast(self.device, self.precision):
             outputs = self.module(leaf, targets)
         self.cache[microbatch_id] = _CachedForward(leaf, outputs, self.steps_done,
-                                                   batch_size * self.cache_bytes_per_sample)
+                                                   activation_bytes(self.config, self.module.spec, batch_size,
+                                                                    self.precision))
         self.cache.move_to_end(microbatch_id)
         while len(self.cache) > self.cache_size or (
                 self.cache_budget_bytes is not None and self.cache
