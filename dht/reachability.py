@@ -99,6 +99,8 @@ def verdict(report: ReachabilityReport, *, use_auto_relay: bool) -> str:
         }.get(frozenset(scopes), "" if "public" in scopes else
               "it has no public address: machines outside this network need a port forward and --announce-maddrs "
               "/ip4/PUBLIC_IP/tcp/PORT, or --use-auto-relay")
+        if scopes == {"loopback"}:
+            return f"reachability: not checked: {scope_note} ({where})"
         return f"reachability: no other peer online to check with yet ({where}){'; ' + scope_note if scope_note else ''}"
     if report.reachable:
         note = " (loopback only: this machine's processes)" if scopes == {"loopback"} else ""

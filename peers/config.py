@@ -55,8 +55,9 @@ class PeerConfig(NetworkConfig):
                                     "sets --num-stages to the equal split with stages of at most that many blocks")
     init_weights: str | None = option(None, help="a local .safetensors file with the whole model's initial weights "
                                       "(names as in models.stages.build_full_model); this stage loads its part")
-    check_reachability: bool = option(True, help="at start, ask other peers to dial this one and say whether it is "
-                                      "reachable from outside")
+    reachability_check: str = option("auto", help="at start, ask up to 3 online peers to dial this one back and say "
+                                     "whether others can reach it: auto (skipped when every address is loopback, "
+                                     "where it proves nothing), always, off", choices=["auto", "always", "off"])
     split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
                                           "profile`); default: the swarm's split, or the equal split")
 

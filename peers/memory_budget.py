@@ -11,8 +11,10 @@ The model of a stage's memory:
   one float32 scale per 2048-value block (~2 B/parameter), SGD none;
 * activations: what autograd saves for backward, per token and per block, calibrated against
   `torch.autograd.graph.saved_tensors_hooks` on the CPU (tests/unit/test_memory_budget.py keeps
-  the estimate within 0.8-1.3x of the measured bytes); the working set of one microbatch of
-  `max_batch_size` samples adds the transient gradient buffers of the backward.
+  the estimate within 0.8-1.3x of the measured bytes, fp32 and bf16, GPT and LLaMA blocks);
+  under autocast each forward also keeps 16-bit copies of the weight matrices; the working set of
+  one microbatch of `max_batch_size` samples adds the transient gradient buffers of the backward.
+  Not checked on a GPU (none was available), where attention kernels may save other tensors.
 The activation cache is not in the check: it is an optimisation (a miss recomputes), and the
 runtime bounds it to the bytes left over (`cache_budget_bytes`).
 """

@@ -19,7 +19,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from dht.announce import announce, fetch_stage_records_async
-from dht.reachability import DialBackService, check_reachability, verdict
+from dht.reachability import (DialBackService, ReachabilityReport, address_scope, check_reachability, direct_maddrs,
+                              verdict)
 from dht.records import PeerRecord, PeerState, SplitRecord
 from dht.split_agreement import publish_split_async
 from peers.averaging import GradientSync, ParameterAveraging
@@ -121,11 +122,16 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
 
     async def _report_reachability(self, p2p) -> None:
         """Ask a few online peers of this model to dial this one back, and print the verdict."""
+        maddrs = direct_maddrs(str(m) for m in await p2p.get_visible_maddrs())
+        if self.config.reachability_check == "auto" and all(address_scope(m) == "loopback" for m in maddrs):
+            print(verdict(ReachabilityReport(tuple(maddrs), asked=0, reachable_by=0),
+                          use_auto_relay=self.config.use_auto_relay), flush=True)
+            return
         helpers = set()
         for stage in range(self.runtime.num_stages):
             records = await fetch_stage_records_async(self.dht, self.config.model, stage)
             helpers |= {r.peer_id for r in records if r.state == PeerState.ONLINE and r.peer_id != self.peer_id}
-        report = await check_reachability(p2p, helpers)
+        report = await check_reachability(p2p, helpers, maddrs=maddrs)
         print(verdict(report, use_auto_relay=self.config.use_auto_relay), flush=True)
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -149,7 +155,8 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers):
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         averager = (asyncio.create_task(self._average_parameters_forever(stop))
                     if isinstance(self.averaging, ParameterAveraging) else None)
-        reachability = asyncio.create_task(self._report_reachability(p2p)) if self.config.check_reachability else None
+        reachability = (asyncio.create_task(self._report_reachability(p2p))
+                        if self.config.reachability_check != "off" else None)
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
               f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
         try:
