@@ -58,7 +58,7 @@ def test_relay_enabled_peers_on_cpu_serve_a_trainer(make_swarm, tmp_path):
         log = peer.log()
         assert "device: cpu" in log and "(--device auto)" in log, log
         assert "optimizer adamw8bit" in log and "memory: stage needs about" in log, log
-        assert f"initial tensors of stage" in log, log
+        assert "initial tensors of stage" in log, log
     assert "precision bf16" in second.log()
     # The second peer asked the first to dial it back on a fresh connection.
     assert "reachability: 1/1 peer(s) could dial this peer directly" in second.log(), second.log()
