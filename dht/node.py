@@ -37,6 +37,10 @@ class NetworkConfig:
     allowed_peers: list[str] = option(default_factory=list, help="private swarm: only these peer ids may announce "
                                       "records this node reads and call this node's RPCs (give every process a stable "
                                       "--identity-path and list their ids); empty: an open swarm")
+    use_relay: bool = option(True, help="let libp2p circuit relays carry traffic to and from this node (libp2p's "
+                             "relay transport; needed to reach or be reached through a relay)")
+    use_auto_relay: bool = option(False, help="behind NAT or a firewall: look for relays among the swarm's public "
+                                  "peers and become reachable through them")
 
     def __post_init__(self) -> None:
         for peer_id in self.allowed_peers:
@@ -57,7 +61,8 @@ def _is_peer_id(text: str) -> bool:
 def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.DHT:
     """Start a DHT node in its own process, signing its records with its RSA identity and
     validating everyone else's (dht/signing.py). Raises `BootstrapError` with a plain message."""
-    kwargs = dict(host_maddrs=network.host_maddrs, startup_timeout=network.startup_timeout_s)
+    kwargs = dict(host_maddrs=network.host_maddrs, startup_timeout=network.startup_timeout_s,
+                  use_relay=network.use_relay, use_auto_relay=network.use_auto_relay)
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
     scratch = None
@@ -98,6 +103,9 @@ def _start(network: NetworkConfig, client_mode: bool, identity: SigningIdentity,
         if "bootstrap" in text.lower():
             raise BootstrapError(f"could not reach any of the initial peers {network.initial_peers}: is the "
                                  f"bootstrap node running and is the address (including /p2p/<id>) right?") from None
+        if "already taken" in text:
+            raise BootstrapError(f"another running peer uses the identity in {network.identity_path!r}: give each "
+                                 f"peer its own --identity-path") from None
         raise BootstrapError(f"the p2p daemon failed to start: {text}") from None
     except (ValueError, TimeoutError) as e:
         raise BootstrapError(f"could not start the DHT node: {e}") from None

@@ -11,7 +11,7 @@ class UnknownModelError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """A decoder-only transformer (nanoGPT-like).
+    """A decoder-only transformer: nanoGPT-like ("gpt") or LLaMA-like ("llama").
 
     vocab_size: tokens in the vocabulary (256 for byte-level text).
     seq_len: context length in tokens; every microbatch is (batch, seq_len).
@@ -20,6 +20,11 @@ class GPTConfig:
     n_heads: attention heads; d_model must be divisible by it.
     mlp_ratio: hidden width of the MLP as a multiple of d_model.
     dropout: kept at 0 so a pipeline and one process compute the same thing.
+    arch: "gpt" (LayerNorm, learned positions, GELU MLP, biases) or "llama" (RMSNorm, rotary
+        position embeddings, SwiGLU MLP, no biases); see models/gpt.py and models/llama.py.
+    mlp_hidden: hidden width of the MLP; default mlp_ratio * d_model ("gpt") or the LLaMA rule
+        (8/3 * d_model rounded up to a multiple of 256) for "llama".
+    rope_base: base of the rotary frequencies ("llama" only).
     """
 
     name: str
@@ -30,26 +35,60 @@ class GPTConfig:
     n_heads: int = 8
     mlp_ratio: int = 4
     dropout: float = 0.0
+    arch: str = "gpt"
+    mlp_hidden: int | None = None
+    rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r}; use one of {', '.join(ARCHITECTURES)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if min(self.vocab_size, self.seq_len, self.n_layers, self.d_model, self.n_heads) <= 0:
+        if min(self.vocab_size, self.seq_len, self.n_layers, self.d_model, self.n_heads, self.hidden_size) <= 0:
             raise ValueError(f"model config {self.name!r} has a non-positive size")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+
+    @property
+    def hidden_size(self) -> int:
+        """Hidden width of the MLP (of each of SwiGLU's gate and up projections for "llama")."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        if self.arch == "llama":
+            return 256 * -(-(8 * self.d_model // 3) // 256)
+        return self.mlp_ratio * self.d_model
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def block_parameters(self) -> int:
+        """Parameters of one transformer block."""
+        d, h = self.d_model, self.hidden_size
+        if self.arch == "llama":  # q, k, v, o; gate, up, down; two RMSNorm weights
+            return 4 * d * d + 3 * d * h + 2 * d
+        return 4 * d * d + 4 * d + 2 * h * d + h + d + 4 * d  # attn (+biases), MLP (+biases), two LayerNorms
+
+    def embedding_parameters(self) -> int:
+        positions = 0 if self.arch == "llama" else self.seq_len * self.d_model
+        return self.vocab_size * self.d_model + positions
+
+    def head_parameters(self) -> int:
+        if self.arch == "llama":  # RMSNorm weight, projection without bias
+            return self.d_model + self.d_model * self.vocab_size
+        return 2 * self.d_model + self.d_model * self.vocab_size + self.vocab_size
+
     def num_parameters(self) -> int:
-        """Parameter count of the whole model (embeddings, blocks, final norm and head)."""
-        d, v, t = self.d_model, self.vocab_size, self.seq_len
-        block = 4 * d * d + 4 * d + 2 * self.mlp_ratio * d * d + self.mlp_ratio * d + d + 4 * d
-        return v * d + t * d + self.n_layers * block + 2 * d + d * v + v
+        """Parameter count of the whole model (embeddings, blocks, final norm and head; the head is
+        not tied to the embedding, since they live on different stages)."""
+        return self.embedding_parameters() + self.n_layers * self.block_parameters() + self.head_parameters()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+ARCHITECTURES = ("gpt", "llama")
+GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary size; byte-level data (ids < 256) fits in it
 
 MODEL_CONFIGS: dict[str, GPTConfig] = {
     # For tests: trains in seconds on one core.
@@ -59,6 +98,20 @@ MODEL_CONFIGS: dict[str, GPTConfig] = {
     # Room for bigger ones (GPT-2 shapes with a byte-level vocabulary).
     "medium": GPTConfig(name="medium", seq_len=256, n_layers=12, d_model=512, n_heads=8),
     "gpt2-124m-bytes": GPTConfig(name="gpt2-124m-bytes", seq_len=512, n_layers=12, d_model=768, n_heads=12),
+    # GPT-2 shapes with GPT-2's vocabulary and context. GPT-2 ties its head to the embedding; here
+    # they sit on different stages, so the untied head adds vocab * d_model: 124M -> 163M,
+    # 350M -> 407M, 774M -> 838M parameters in total (see `num_parameters`).
+    "gpt2-124m": GPTConfig(name="gpt2-124m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=12, d_model=768,
+                           n_heads=12),
+    "gpt2-350m": GPTConfig(name="gpt2-350m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=24, d_model=1024,
+                           n_heads=16),
+    "gpt2-774m": GPTConfig(name="gpt2-774m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=36, d_model=1280,
+                           n_heads=20),
+    # LLaMA-style blocks (RMSNorm, rotary, SwiGLU), a 32k vocabulary, multi-head attention (no GQA).
+    # llama-tiny is for tests; llama-1b has 16 blocks of d=2048 (~0.95B parameters).
+    "llama-tiny": GPTConfig(name="llama-tiny", arch="llama", seq_len=32, n_layers=3, d_model=32, n_heads=4),
+    "llama-1b": GPTConfig(name="llama-1b", arch="llama", vocab_size=32000, seq_len=2048, n_layers=16,
+                          d_model=2048, n_heads=32, mlp_hidden=5632),
 }
 
 

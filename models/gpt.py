@@ -32,8 +32,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.up = nn.Linear(config.d_model, config.mlp_ratio * config.d_model)
-        self.down = nn.Linear(config.mlp_ratio * config.d_model, config.d_model)
+        self.up = nn.Linear(config.d_model, config.hidden_size)
+        self.down = nn.Linear(config.hidden_size, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from models.config import GPTConfig
+from models import llama
 from models.gpt import Block, Embedding, LMHead, init_weights_, language_model_loss
 
 
@@ -105,6 +106,12 @@ def _generator(seed: int, component: int) -> torch.Generator:
 
 _EMBEDDING, _HEAD = 0, 1  # component ids; block i is component 2 + i
 
+# The building blocks of each architecture: (embedding, block, head).
+_COMPONENTS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
+    "gpt": (Embedding, Block, LMHead),
+    "llama": (llama.TokenEmbedding, llama.LlamaBlock, llama.LlamaHead),
+}
+
 
 class StageModule(nn.Module):
     """One stage. Inputs: token ids (B, T) int64 on stage 0, hidden states (B, T, C) elsewhere.
@@ -113,15 +120,16 @@ class StageModule(nn.Module):
     def __init__(self, config: GPTConfig, spec: StageSpec, seed: int = 0):
         super().__init__()
         self.config, self.spec = config, spec
-        self.embedding = Embedding(config) if spec.is_first else None
+        embedding_cls, block_cls, head_cls = _COMPONENTS[config.arch]
+        self.embedding = embedding_cls(config) if spec.is_first else None
         if self.embedding is not None:
             init_weights_(self.embedding, _generator(seed, _EMBEDDING), config.n_layers)
         self.blocks = nn.ModuleList()
         for layer in spec.layers:
-            block = Block(config)
+            block = block_cls(config)
             init_weights_(block, _generator(seed, 2 + layer), config.n_layers)
             self.blocks.append(block)
-        self.head = LMHead(config) if spec.is_last else None
+        self.head = head_cls(config) if spec.is_last else None
         if self.head is not None:
             init_weights_(self.head, _generator(seed, _HEAD), config.n_layers)
 

@@ -8,6 +8,7 @@ from dht.configuration import ConfigError, option
 from dht.node import NetworkConfig
 from models.config import get_model_config
 from models.stages import stage_spec
+from peers.devices import DEVICE_CHOICES_HELP, OPTIMIZERS, PRECISIONS
 from peers.metrics import validate_metrics_options
 
 AUTO_STAGE = "auto"
@@ -20,7 +21,8 @@ class PeerConfig(NetworkConfig):
                                      "needs a peer most (see peers/stage_choice.py)")
     num_stages: int = option(2, help="number of pipeline stages the model is split into")
     seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
-    optimizer: str = option("adamw", help="local optimizer", choices=["adamw", "sgd"])
+    optimizer: str = option("adamw", help="local optimizer (adamw8bit: bitsandbytes' 8-bit AdamW, ~2 instead of 8 "
+                            "bytes of state per parameter)", choices=list(OPTIMIZERS))
     lr: float = option(1e-3, help="learning rate of the local optimizer")
     weight_decay: float = option(0.01, help="AdamW weight decay")
     target_batch_size: int = option(32, help="samples accumulated before each optimizer step")
@@ -71,6 +73,18 @@ class PeerConfig(NetworkConfig):
     standby_take_over_fraction: float = option(0.5, help="standby: also take over a stage whose throughput fell below "
                                                 "this fraction of the other stages' mean (0 = only a stage left "
                                                 "without an online replica)")
+    device: str = option("auto", help=f"where the stage computes: {DEVICE_CHOICES_HELP}")
+    precision: str = option("fp32", help="compute precision (bf16/fp16: autocast; weights and optimizer stay fp32; "
+                            "the wire format is the codec's either way)", choices=list(PRECISIONS))
+    memory_limit_gb: float | None = option(None, help="memory this peer may use (default: what the device has free); "
+                                           "the peer refuses to start when its stage does not fit")
+    num_layers: str | None = option(None, help="blocks per stage: N, or auto (the most that fit in memory); "
+                                    "sets --num-stages to the equal split with stages of at most that many blocks")
+    init_weights: str | None = option(None, help="a local .safetensors file with the whole model's initial weights "
+                                      "(names as in models.stages.build_full_model); this stage loads its part")
+    reachability_check: str = option("auto", help="at start, ask up to 3 online peers to dial this one back and say "
+                                     "whether others can reach it: auto (skipped when every address is loopback, "
+                                     "where it proves nothing), always, off", choices=["auto", "always", "off"])
     split_boundaries: str | None = option(None, help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
                                           "profile`); default: the swarm's split, or the equal split")
     link_probe_period_s: float = option(60.0, help="measure round-trip time and bandwidth to a few other peers about "
@@ -102,6 +116,13 @@ class PeerConfig(NetworkConfig):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         validate_metrics_options(self.metrics_host, self.metrics_port)
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise ConfigError("--memory-limit-gb must be positive")
+        if self.num_layers is not None:
+            if self.split_boundaries is not None:
+                raise ConfigError("--num-layers and --split-boundaries both choose the split; give one")
+            if self.num_layers != "auto" and not (self.num_layers.isdigit() and int(self.num_layers) >= 1):
+                raise ConfigError(f"--num-layers {self.num_layers!r}: expected a positive number of blocks or auto")
         if self.outer_lr < 0 or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
         if self.outer_lr > 0 and self.averaging != "periodic":

@@ -8,19 +8,25 @@ averager, and finally the server, which runs until SIGINT/SIGTERM and then annou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import signal
 
 import torch
 
 from dht.announce import fetch_stage_records
+from dht.configuration import ConfigError
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
-from models.config import get_model_config
+from models.config import GPTConfig, get_model_config
+from models.stages import stage_spec
+from peers import memory_budget
 from peers.config import AUTO_STAGE, PeerConfig
+from peers.devices import DeviceError, check_optimizer, describe_device, resolve_device
 from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
 from peers.server import PeerServer
 from peers.split_claim import claim_split
-from peers.stage_builder import StageBuilder, fault_settings
+from peers.stage_builder import StageBuilder, check_stage_memory, fault_settings
 from peers.stage_choice import choose_stage, choose_standby_stage
 from swarm import compression
 
@@ -29,6 +35,22 @@ def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.num_threads)
     model_config = get_model_config(config.model)
+    device = resolve_device(config.device)
+    print(f"device: {describe_device(device)} (--device {config.device}); precision {config.precision}; "
+          f"optimizer {config.optimizer}", flush=True)
+    check_optimizer(config.optimizer, device)
+    if config.init_weights and not os.path.isfile(config.init_weights):
+        raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
+    if device.type != "cpu" and config.averaging != "none":
+        raise DeviceError(f"--averaging {config.averaging} is only supported with --device cpu so far (hivemind's "
+                          f"averager works on CPU tensors); use --averaging none on a GPU")
+    available, source = _memory_available(config, device)
+    config = _resolve_num_layers(config, model_config, available, device)
+    # Refuse before joining anything when the requested stage cannot fit (--stage auto: checked on stage 0
+    # here, and again on the stage it picks).
+    first_guess = 0 if config.stage == AUTO_STAGE else config.stage
+    check_stage_memory(config, model_config, stage_spec(model_config, first_guess, config.num_stages,
+                                                        config.requested_boundaries), available, source, device)
     metrics = PeerMetrics()
     endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
     metrics_addr = endpoint and advertised_metrics_addr(endpoint.host, endpoint.port, host_maddrs=config.host_maddrs,
@@ -45,7 +67,8 @@ def run_peer(config: PeerConfig) -> None:
                             n_layers=model_config.n_layers, ttl_s=config.record_ttl_s)
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
         metrics.set_averaging_mode(config.averaging)
-        builder = StageBuilder(config, model_config, dht, split, on_averaging_round=metrics.observe_averaging_round)
+        builder = StageBuilder(config, model_config, dht, split, on_averaging_round=metrics.observe_averaging_round,
+                               device=device, available_bytes=available, memory_source=source)
         built = builder.build(stage)
         faults = fault_settings(config)
         if faults.enabled:
@@ -84,3 +107,24 @@ async def _serve_until_signalled(server: PeerServer) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await server.serve(stop)
+
+
+def _memory_available(config: PeerConfig, device: torch.device) -> tuple[int, str]:
+    if config.memory_limit_gb is not None:
+        return int(config.memory_limit_gb * memory_budget.GiB), "--memory-limit-gb"
+    return memory_budget.available_memory_bytes(device), f"the memory free on {device}"
+
+
+def _resolve_num_layers(config: PeerConfig, model_config: GPTConfig, available: int, device: torch.device) -> PeerConfig:
+    """--num-layers N|auto sets --num-stages (equal split with at most N blocks per stage)."""
+    if config.num_layers is None:
+        return config
+    if config.num_layers == "auto":
+        num_stages = memory_budget.fewest_stages_that_fit(
+            model_config, 0 if config.stage == AUTO_STAGE else config.stage, available, optimizer=config.optimizer,
+            precision=config.precision, batch_size=config.max_batch_size, device_type=device.type)
+    else:
+        num_stages = memory_budget.blocks_per_stage_to_num_stages(model_config.n_layers, int(config.num_layers))
+    print(f"--num-layers {config.num_layers}: {config.model} split into {num_stages} stage(s) of at most "
+          f"{-(-model_config.n_layers // num_stages)} block(s)", flush=True)
+    return dataclasses.replace(config, num_stages=num_stages)

@@ -18,7 +18,9 @@ import hivemind
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from dht.announce import announce
+from dht.announce import announce, fetch_stage_records_async
+from dht.reachability import (DialBackService, ReachabilityReport, address_scope, check_reachability, direct_maddrs,
+                              verdict)
 from dht.records import PeerRecord, PeerState, SplitRecord
 from dht.split_agreement import publish_split_async
 from peers.averaging import GradientSync, ParameterAveraging
@@ -129,6 +131,20 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
             except asyncio.TimeoutError:
                 await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
 
+    async def _report_reachability(self, p2p) -> None:
+        """Ask a few online peers of this model to dial this one back, and print the verdict."""
+        maddrs = direct_maddrs(str(m) for m in await p2p.get_visible_maddrs())
+        if self.config.reachability_check == "auto" and all(address_scope(m) == "loopback" for m in maddrs):
+            print(verdict(ReachabilityReport(tuple(maddrs), asked=0, reachable_by=0),
+                          use_auto_relay=self.config.use_auto_relay), flush=True)
+            return
+        helpers = set()
+        for stage in range(self.runtime.num_stages):
+            records = await fetch_stage_records_async(self.dht, self.config.model, stage)
+            helpers |= {r.peer_id for r in records if r.state == PeerState.ONLINE and r.peer_id != self.peer_id}
+        report = await check_reachability(p2p, helpers, maddrs=maddrs)
+        print(verdict(report, use_auto_relay=self.config.use_auto_relay), flush=True)
+
     # --- lifecycle -------------------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
         self._semaphore = asyncio.Semaphore(self.config.max_concurrent_requests)
@@ -140,6 +156,7 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
         await p2p.add_protobuf_handler(RPC_COMMIT, self.rpc_commit, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(RPC_STATE, self.rpc_state, runtime_pb2.ExpertRequest, stream_output=True)
         await register_probe_handler(p2p)  # other peers measure their link to us
+        await DialBackService().register(p2p)  # lets joining peers check that they are reachable
         if self.config.standby:  # backup pool: wait, holding a copy of a stage, until one needs us
             if not await self._stand_by(p2p, stop):
                 await self._leave_standby()
@@ -157,6 +174,8 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
         averager = (asyncio.create_task(self._average_parameters_forever(stop))
                     if isinstance(self.averaging, ParameterAveraging) else None)
         prober = start_link_probing(self, p2p, stop)  # our links to others, for `swarm plan --from-dht`
+        reachability = (asyncio.create_task(self._report_reachability(p2p))
+                        if self.config.reachability_check != "off" else None)
         print(f"peer {self.peer_id} online: {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages} "
               f"({self.runtime.throughput.value:.1f} samples/s measured)", flush=True)
         try:
@@ -164,6 +183,9 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
         finally:
             if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
                 await rebalancer
+            if reachability is not None:
+                reachability.cancel()
+                await asyncio.gather(reachability, return_exceptions=True)
             self.state = PeerState.OFFLINE
             self.metrics.set_state(self.state.value)
             await announcer

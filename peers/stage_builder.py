@@ -12,9 +12,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import hivemind
+import torch
 
 from dht.records import SplitRecord
+from dht.configuration import ConfigError
 from models.config import GPTConfig
+from models.init_weights import InitWeightsError, load_stage_weights
+from models.stages import stage_spec
+from peers import memory_budget
 from peers.averaging import GradientSync, ParameterAveraging
 from peers.outer_step import OuterSettings
 from peers.checkpoint import checkpoint_path
@@ -37,15 +42,31 @@ class StageBuilder:
     dht: hivemind.DHT
     split: SplitRecord
     on_averaging_round: Callable[..., None] | None = None
+    device: torch.device = torch.device("cpu")
+    available_bytes: int | None = None  # memory this peer may use; None: no check
+    memory_source: str = "--memory-limit-gb"
 
     def build(self, stage: int) -> BuiltStage:
         """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
         config = self.config
         settings = OptimizerSettings(lr=config.lr, weight_decay=config.weight_decay,
                                      target_batch_size=config.target_batch_size, kind=config.optimizer)
+        cache_budget = None
+        if self.available_bytes is not None:
+            spec = stage_spec(self.model_config, stage, config.num_stages, self.split.boundaries)
+            estimate = check_stage_memory(config, self.model_config, spec, self.available_bytes, self.memory_source,
+                                          self.device)
+            cache_budget = memory_budget.cache_budget_bytes(estimate, self.available_bytes)
         runtime = StageRuntime(self.model_config, stage, config.num_stages, seed=config.seed, optimizer=settings,
                                max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size,
-                               boundaries=self.split.boundaries)
+                               boundaries=self.split.boundaries, device=self.device, precision=config.precision,
+                               cache_budget_bytes=cache_budget)
+        if config.init_weights:
+            try:
+                count = load_stage_weights(runtime.module, config.init_weights)
+            except InitWeightsError as e:
+                raise ConfigError(str(e)) from None
+            print(f"loaded {count} initial tensors of stage {stage} from {config.init_weights}", flush=True)
         if config.checkpoint_dir:
             path = checkpoint_path(config.checkpoint_dir, config.model, stage, config.num_stages,
                                    split_tag(self.split, self.model_config.n_layers))
@@ -73,3 +94,17 @@ class StageBuilder:
 def fault_settings(config: PeerConfig) -> FaultSettings:
     return FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate,
                          garbage=config.fault_garbage, garbage_rate=config.fault_garbage_rate, seed=config.seed)
+
+
+def check_stage_memory(config: PeerConfig, model_config: GPTConfig, spec, available: int, source: str,
+                       device: torch.device) -> memory_budget.MemoryEstimate:
+    """Refuse (MemoryBudgetError, one line) when the stage, its optimizer and one microbatch do not fit."""
+    estimate = memory_budget.estimate_stage_memory(model_config, spec, optimizer=config.optimizer,
+                                                   precision=config.precision, batch_size=config.max_batch_size,
+                                                   device_type=device.type)
+    memory_budget.check_fits(estimate, available, source=source,
+                             what=f"{config.model} stage {spec.index}/{spec.num_stages} (blocks {spec.first_layer}.."
+                                  f"{spec.last_layer - 1}, {estimate.parameters / 1e6:.1f}M parameters)")
+    print(f"memory: stage needs about {estimate.describe()}; {source}: {available / memory_budget.GiB:.2f} GiB",
+          flush=True)
+    return estimate

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from models.config import GPTConfig
+from peers import devices
+from peers.memory_budget import activation_bytes
 from peers.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from models.stages import StageModule, build_stage
 
@@ -37,14 +39,11 @@ class OptimizerSettings:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     target_batch_size: int = 32  # samples accumulated per optimizer step
-    kind: str = "adamw"  # "adamw", or "sgd" (plain updates: what the gradient-equality tests use)
+    kind: str = "adamw"  # "adamw", "adamw8bit" (bitsandbytes), or "sgd" (what the gradient-equality tests use)
 
-    def build(self, params) -> torch.optim.Optimizer:
-        if self.kind == "sgd":
-            return torch.optim.SGD(params, lr=self.lr)
-        if self.kind == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
-        raise ValueError(f"unknown optimizer {self.kind!r}; use adamw or sgd")
+    def build(self, params, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+        return devices.build_optimizer(self.kind, params, lr=self.lr, betas=self.betas,
+                                       weight_decay=self.weight_decay, device=device)
 
 
 @dataclass
@@ -52,6 +51,7 @@ class _CachedForward:
     inputs: torch.Tensor
     outputs: torch.Tensor
     version: int
+    nbytes: int = 0  # estimated bytes autograd keeps for this forward
 
 
 class ThroughputMeter:
@@ -67,14 +67,41 @@ class ThroughputMeter:
         self.value = rate if self.value <= 0 else (1 - self.alpha) * self.value + self.alpha * rate
 
 
+class LossScale:
+    """A local dynamic loss scale for fp16 compute: backward runs on (scale * output gradient);
+    on overflow the scale halves and the backward is redone, on success the gradients are divided
+    by it. Gradients are linear in the output gradient, so every stage can keep its own scale."""
+
+    def __init__(self, initial: float, growth_interval: int = 200):
+        self.value, self.growth_interval, self.good_steps = initial, growth_interval, 0
+
+    def overflowed(self) -> bool:
+        """Halve after an overflow; False when the scale is already 1 (the inf is the model's own)."""
+        self.good_steps = 0
+        if self.value <= 1.0:
+            return False
+        self.value /= 2
+        return True
+
+    def succeeded(self) -> None:
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.value, self.good_steps = min(self.value * 2, 2.0**24), 0
+
+
 class StageRuntime:
     def __init__(self, config: GPTConfig, stage: int, num_stages: int, *, seed: int = 0,
                  optimizer: OptimizerSettings = OptimizerSettings(), max_batch_size: int = 256,
-                 activation_cache_size: int = 64, boundaries: tuple[int, ...] | None = None):
+                 activation_cache_size: int = 64, boundaries: tuple[int, ...] | None = None,
+                 device: torch.device = torch.device("cpu"), precision: str = "fp32",
+                 cache_budget_bytes: int | None = None):
         self.config, self.stage, self.num_stages = config, stage, num_stages
-        self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries)
+        self.device, self.precision = device, precision
+        devices.check_precision(device, precision)
+        self.loss_scale = LossScale(2.0**16 if precision == "fp16" else 1.0)
+        self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries).to(device)
         self.settings = optimizer
-        self.optimizer = optimizer.build(self.module.parameters())
+        self.optimizer = optimizer.build(self.module.parameters(), device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.samples_accumulated = 0
@@ -83,6 +110,7 @@ class StageRuntime:
         self.max_batch_size = max_batch_size
         self.cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self.cache_size = activation_cache_size
+        self.cache_budget_bytes = cache_budget_bytes  # None: bounded by entries only
         self.accumulated_ids: set[str] = set()  # microbatches already counted in the current step
         self.throughput = ThroughputMeter()
         self.cache_hits = self.cache_misses = 0
@@ -133,15 +161,20 @@ class StageRuntime:
         if self.is_last:
             self.check_targets(batch_size, targets)
         start = time.perf_counter()
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
         leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), devices.autocast(self.device, self.precision):
             outputs = self.module(leaf, targets)
-        self.cache[microbatch_id] = _CachedForward(leaf, outputs, self.steps_done)
+        self.cache[microbatch_id] = _CachedForward(leaf, outputs, self.steps_done,
+                                                   activation_bytes(self.config, self.module.spec, batch_size,
+                                                                    self.precision))
         self.cache.move_to_end(microbatch_id)
-        while len(self.cache) > self.cache_size:
+        while len(self.cache) > self.cache_size or (
+                self.cache_budget_bytes is not None and self.cache
+                and sum(entry.nbytes for entry in self.cache.values()) > self.cache_budget_bytes):
             self.cache.popitem(last=False)
         self.throughput.observe(batch_size, (time.perf_counter() - start) * 3)  # fwd ~ 1/3 of fwd+bwd
-        return outputs.detach()
+        return self._to_wire(outputs)
 
     def backward(self, microbatch_id: str, inputs: torch.Tensor | None, *, grad_outputs: torch.Tensor | None = None,
                  targets: torch.Tensor | None = None,
@@ -174,19 +207,19 @@ class StageRuntime:
         else:
             self.check_grad_outputs(batch_size, grad_outputs)
         start = time.perf_counter()
+        inputs, targets, grad_outputs = self._to_device(inputs), self._to_device(targets), self._to_device(grad_outputs)
         if cached is not None and (from_cache or torch.equal(cached.inputs.detach(), inputs)):
             leaf, outputs = cached.inputs, cached.outputs
             self.cache_hits += 1
         else:  # served elsewhere, evicted or stale: recompute the forward
             self.cache_misses += 1
             leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
-            with torch.enable_grad():
+            with torch.enable_grad(), devices.autocast(self.device, self.precision):
                 outputs = self.module(leaf, targets)
         wants_input_grad = leaf.dtype != torch.int64
         grad_targets = ([leaf] if wants_input_grad else []) + self.params
-        grads = torch.autograd.grad(outputs, grad_targets, grad_outputs=None if self.is_last else grad_outputs,
-                                    allow_unused=True)
-        input_grad = grads[0] if wants_input_grad else None
+        grads = self._scaled_grads(outputs, grad_targets, grad_outputs)
+        input_grad = self._to_wire(grads[0]) if wants_input_grad else None
         if microbatch_id not in self.accumulated_ids:  # a retried backward is answered but not counted twice
             self.accumulated_ids.add(microbatch_id)
             for grad_sum, grad in zip(self.grad_sums, grads[len(grad_targets) - len(self.params):]):
@@ -198,6 +231,34 @@ class StageRuntime:
         if self.auto_step and self.samples_accumulated >= self.settings.target_batch_size:
             self.step()
         return input_grad, loss
+
+    def _scaled_grads(self, outputs: torch.Tensor, grad_targets: list[torch.Tensor],
+                      grad_outputs: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """d(outputs)/d(grad_targets) given the output gradient (the loss's own on the last stage).
+        With fp16 the backward runs on a scaled output gradient so small values do not flush to
+        zero; an overflow halves the scale and redoes the backward."""
+        seed = torch.ones_like(outputs) if self.is_last else grad_outputs
+        while True:
+            scale = self.loss_scale.value
+            scaled = seed * scale if scale != 1.0 else seed
+            grads = torch.autograd.grad(outputs, grad_targets, grad_outputs=scaled, allow_unused=True,
+                                        retain_graph=scale != 1.0)
+            if scale == 1.0:
+                return list(grads)
+            if all(g is None or torch.isfinite(g).all() for g in grads):
+                self.loss_scale.succeeded()
+                return [None if g is None else g / scale for g in grads]
+            if not self.loss_scale.overflowed():
+                return list(grads)
+
+    def _to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
+        """What leaves the stage: a float32 CPU tensor whatever the device and precision (the codec
+        then picks the wire format)."""
+        return tensor.detach().to("cpu", torch.float32)
 
     def step(self) -> None:
         """Apply the mean of the locally accumulated gradients."""
@@ -262,13 +323,16 @@ class StageRuntime:
         shape, dtype = self.module.expected_input(batch_size)
         inputs = (torch.randint(0, self.config.vocab_size, shape) if dtype == torch.int64 else torch.randn(shape))
         targets = torch.randint(0, self.config.vocab_size, (batch_size, self.config.seq_len)) if self.is_last else None
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             leaf = inputs if dtype == torch.int64 else inputs.clone().requires_grad_(True)
-            with torch.enable_grad():
+            with torch.enable_grad(), devices.autocast(self.device, self.precision):
                 out = self.module(leaf, targets)
             torch.autograd.backward(out, None if self.is_last else torch.ones_like(out))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - start)
         self.module.zero_grad(set_to_none=True)
         self.throughput = ThroughputMeter(initial=batch_size / best)

@@ -1,0 +1,119 @@
+"""LLaMA-style building blocks: RMSNorm, rotary position embeddings, SwiGLU, no biases.
+
+Same interfaces as models/gpt.py (a block maps (B, T, C) -> (B, T, C); the embedding maps token
+ids to (B, T, C); the head maps (B, T, C) to logits), so `models.stages` splits either kind.
+Parameter names follow gpt.py where the roles match (`attn.qkv`, `attn.proj`, `mlp.up`,
+`mlp.down`), so `init_weights_` scales the residual projections the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.config import GPTConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rotary_tables(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (seq_len, head_dim // 2), in float32."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hs/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (even, odd) pair of features of x (B, nh, T, hs) by its position's angle."""
+    T = x.shape[2]
+    x32 = x.float()
+    even, odd = x32[..., 0::2], x32[..., 1::2]  # (B, nh, T, hs/2) each
+    c, s = cos[:T], sin[:T]  # (T, hs/2)
+    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)  # (B, nh, T, hs/2, 2)
+    return rotated.flatten(-2).to(x.dtype)  # (B, nh, T, hs)
+
+
+class RotaryAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        cos, sin = rotary_tables(config.head_dim, config.seq_len, config.rope_base)
+        self.register_buffer("cos", cos, persistent=False)  # derived, so never in a checkpoint
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.proj(y)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.hidden_size, bias=False)
+        self.up = nn.Linear(config.d_model, config.hidden_size, bias=False)
+        self.down = nn.Linear(config.hidden_size, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, C)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: x + attn(rmsnorm(x)), then x + swiglu(rmsnorm(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm_1 = RMSNorm(config.d_model)
+        self.attn = RotaryAttention(config)
+        self.norm_2 = RMSNorm(config.d_model)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        x = x + self.attn(self.norm_1(x))
+        return x + self.mlp(self.norm_2(x))
+
+
+class TokenEmbedding(nn.Module):
+    """Token embeddings only (positions enter through the rotary attention): (B, T) -> (B, T, C)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok(tokens)  # (B, T, C)
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm and projection to the vocabulary: (B, T, C) -> (B, T, V) logits."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.d_model)
+        self.out = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
