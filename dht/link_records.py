@@ -17,6 +17,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dht.signing import identity_of, owned_entries
 from dht.keys import links_key, peer_subkey
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def parse_link_records(entries: dict[Any, Any], *, model: str) -> list[LinkRecor
 
 async def publish_links_async(dht: hivemind.DHT, record: LinkRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` until its `expires_at`. Returns whether it was stored."""
-    future = dht.store(links_key(record.model), subkey=peer_subkey(record.peer_id), value=record.to_wire(),
+    future = dht.store(links_key(record.model), subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
+                       value=record.to_wire(),
                        expiration_time=record.expires_at, return_future=True)
     try:
         return bool(await asyncio.wait_for(future, timeout=timeout_s))
@@ -116,6 +118,7 @@ def _records_from_result(result, model: str) -> list[LinkRecord]:
         return []
     now = get_dht_time()
     entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
+    entries = owned_entries(entries, what=f"{model} link records")  # signed by the peer they name
     return parse_link_records(entries, model=model)
 
 

@@ -17,6 +17,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dht.signing import identity_of, owned_entries
 from dht.keys import peer_subkey, plan_key
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ def current_plan(entries: dict[Any, Any], *, model: str, now: float) -> PlanReco
 # --- DHT I/O -------------------------------------------------------------------------------------
 
 def _store(dht: hivemind.DHT, plan: PlanRecord):
-    return dht.store(plan_key(plan.model), subkey=peer_subkey(plan.planner_id), value=plan.to_wire(),
+    return dht.store(plan_key(plan.model), subkey=peer_subkey(plan.planner_id, identity_of(dht).owner_marker),
+                     value=plan.to_wire(),
                      expiration_time=plan.expires_at, return_future=True)
 
 
@@ -146,6 +148,7 @@ def _plan_from_result(result, model: str) -> PlanRecord | None:
         return None
     now = get_dht_time()
     entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
+    entries = owned_entries(entries, what=f"{model} plans")  # signed by the peer they name
     return current_plan(entries, model=model, now=now)
 
 

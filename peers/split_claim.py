@@ -4,6 +4,9 @@ flag and the swarm's split records, state them on the DHT, and refuse to start o
 
 from __future__ import annotations
 
+import logging
+import time
+
 import hivemind
 from hivemind.utils import get_dht_time
 
@@ -11,6 +14,8 @@ from dht.records import SplitRecord
 from dht.split_agreement import (SplitConflictError, choose_split, earlier_conflicting_claim, fetch_split_records,
                                  publish_split, split_in_force)
 from models.stages import equal_boundaries
+
+logger = logging.getLogger(__name__)
 
 
 def claim_split(dht: hivemind.DHT, *, model: str, peer_id: str, requested: tuple[int, ...] | None, num_stages: int,
@@ -24,8 +29,9 @@ def claim_split(dht: hivemind.DHT, *, model: str, peer_id: str, requested: tuple
     now = get_dht_time()
     mine = SplitRecord(peer_id=peer_id, model=model, num_stages=len(boundaries) - 1, boundaries=tuple(boundaries),
                        since=now, expires_at=now + ttl_s)
-    if not publish_split(dht, mine, timeout_s=timeout_s):
-        raise SplitConflictError(f"could not state this peer's split of {model} on the DHT")
+    if not _publish_with_retries(dht, mine, timeout_s=timeout_s):
+        raise SplitConflictError(f"could not state this peer's split of {model} on the DHT after "
+                                 f"{len(STORE_RETRY_DELAYS_S) + 1} attempts; is the bootstrap node reachable?")
     # Another peer may have stated a different split between our read and our write: the earlier
     # claim stands, the later one withdraws (both peers apply the same rule to the same records).
     try:
@@ -37,6 +43,22 @@ def claim_split(dht: hivemind.DHT, *, model: str, peer_id: str, requested: tuple
         raise SplitConflictError(f"peer {earlier.peer_id[-8:]} started serving {model} in {earlier.describe()} "
                                  f"just before this peer; a swarm never mixes two splits, so this peer stops")
     return mine
+
+
+STORE_RETRY_DELAYS_S = (1.0, 2.0, 4.0)
+
+
+def _publish_with_retries(dht: hivemind.DHT, claim: SplitRecord, *, timeout_s: float) -> bool:
+    """A store can fail while the swarm's nodes are still finding each other (several peers starting
+    at once on a loaded machine): try again a few times before refusing to start."""
+    for attempt, delay_s in enumerate((*STORE_RETRY_DELAYS_S, None), start=1):
+        if publish_split(dht, claim, timeout_s=timeout_s):
+            return True
+        if delay_s is not None:
+            logger.warning(f"Stating the split of {claim.model} on the DHT failed (attempt {attempt}); "
+                           f"retrying in {delay_s:.0f} s")
+            time.sleep(delay_s)
+    return False
 
 
 def renewed(claim: SplitRecord, *, active: bool, ttl_s: float) -> SplitRecord:

@@ -72,7 +72,11 @@ class StageRpcHandlers:
                 await _drain(requests, max_bytes)
                 raise RateLimitedError(f"too many bad requests from {caller[-8:]}; refused for the next "
                                        f"{self.penalties.seconds_until_allowed(caller):.0f} s")
-            header, parts = await read_stream(requests, RequestHeader, max_bytes=max_bytes)
+            try:
+                header, parts = await read_stream(requests, RequestHeader, max_bytes=max_bytes)
+            except RequestTooLargeError:
+                await _drain(requests, max_bytes)  # let the caller finish sending: it gets our answer, not a reset
+                raise
             arrived = time.perf_counter()  # the whole request is here: from now on, time is the peer's own
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
