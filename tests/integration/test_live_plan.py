@@ -12,9 +12,13 @@ import time
 import numpy as np
 import pytest
 
+from hivemind.utils import get_dht_time
+
+from dht.announce import fetch_stage_records
 from dht.link_records import fetch_link_records
 from dht.node import NetworkConfig, start_dht
-from dht.plan_record import fetch_plan, stage_in_plan
+from dht.plan_record import PlanRecord, fetch_plan, publish_plan, stage_in_plan
+from dht.signing import load_identity, new_identity_file
 from swarm.planner.cost import evaluate_plan, pair_costs
 from swarm.planner.topology import load_topology
 
@@ -86,3 +90,44 @@ def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, t
     assert completed.returncode == 2
     assert "no peer of small has published link records" in completed.stderr
     assert "Traceback" not in completed.stderr
+
+
+def test_a_peer_started_with_stage_auto_joins_the_stage_the_published_plan_names(make_swarm, tmp_path):
+    """Stage 1 has no replica, so the greedy choice of `--stage auto` is stage 1 (the control peer
+    shows it); a published plan that names the newcomer on stage 0 wins over it."""
+    swarm = make_swarm(num_stages=2, peer_args=["--metrics-port", "-1"])
+    swarm.start_bootstrap()
+    first = swarm.start_peer(0)
+    swarm.wait_online([first])
+    identity = str(tmp_path / "newcomer.key")
+    new_identity_file(identity)
+    newcomer_id = load_identity(identity).peer_id
+
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+    try:
+        now = get_dht_time()
+        plan = PlanRecord(model="tiny", num_stages=2, stages=((peer_id_of(first), newcomer_id), ("QmPlannedPeerNotStarted",)),
+                          total_s=1.0, data_parallel_s=0.25, pipeline_s=0.75, planner_id=dht.peer_id.to_base58(),
+                          created_at=now, expires_at=now + 300)
+        assert publish_plan(dht, plan)
+        assert stage_in_plan(fetch_plan(dht, "tiny"), newcomer_id) == 0
+
+        newcomer = swarm.start_peer("auto", "--identity-path", identity, name="newcomer")
+        swarm.wait_online([newcomer])
+        assert peer_id_of(newcomer) == newcomer_id
+        assert "auto: the published plan puts this peer on stage 0" in newcomer.log()
+        assert "auto: joining stage 0" in newcomer.log()
+
+        control = swarm.start_peer("auto", name="control")  # not in the plan: the greedy choice
+        swarm.wait_online([control])
+        assert "published plan" not in control.log() and "auto: joining stage 1" in control.log()
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            on_stage_0 = {r.peer_id for r in fetch_stage_records(dht, "tiny", 0)}
+            if newcomer_id in on_stage_0:
+                break
+            time.sleep(0.5)
+        assert newcomer_id in on_stage_0, "the newcomer does not announce itself on stage 0"
+    finally:
+        dht.shutdown()
