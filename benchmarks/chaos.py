@@ -16,7 +16,6 @@ import glob
 import json
 import os
 import random
-import re
 import signal
 import sys
 import tempfile

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from models.balanced_split import balanced_split, stage_times  # noqa: E402
 from models.config import get_model_config  # noqa: E402
-from models.layer_costs import ModelProfile, split_costs  # noqa: E402
+from models.layer_costs import split_costs  # noqa: E402
 from models.profile import profile_model  # noqa: E402
 from models.stages import equal_boundaries  # noqa: E402
 from peers.faults import FaultSettings, FaultyStageRuntime  # noqa: E402

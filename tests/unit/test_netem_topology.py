@@ -10,7 +10,7 @@ import time
 import pytest
 
 from benchmarks.netem.delay_proxy import relay
-from benchmarks.netem.topology import (LinkSpec, Topology, TopologyError, from_dtfm_case, load_topology,
+from benchmarks.netem.topology import (LinkSpec, TopologyError, from_dtfm_case, load_topology,
                                        topology_from_dict)
 
 WORLD4 = "benchmarks/topologies/world4.json"
