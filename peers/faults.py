@@ -19,8 +19,8 @@ GARBAGE_KINDS = ("none", "nan", "shape")
 # - sleep: waiting, off the CPU. Emulates a separate, slower device; the right choice when peers stand
 #   for machines of their own (a benchmark's shared cores are not what it measures).
 # - busy: computing, on the compute thread. The peer needs `slowdown` times the CPU time per call, so
-#   a slowed peer and its partner compete for a shared CPU on equal terms and their speeds keep the
-#   ratio `slowdown` under any machine load. With `sleep` they do not: the slowed peer computes
+#   a slowed peer and its partner compete for a shared CPU on equal terms and load that hits both
+#   alike keeps their speeds `slowdown` apart. With `sleep` they do not: the slowed peer computes
 #   only while its partner is busy too and so meets more contention, and its sleep then multiplies
 #   that contention (a peer slowed 3x served 0.23 of its partner's share in a loaded CI run).
 SLOWDOWN_MODES = ("sleep", "busy")
@@ -114,7 +114,8 @@ def burn_cpu(seconds: float) -> float:
     """Keep the calling thread computing until it has used `seconds` of CPU time (its own, so other
     processes' load stretches this as it stretches the real compute); returns the CPU time used.
     Matrix products release the GIL, so the peer's event loop keeps serving meanwhile. With one
-    torch thread (the peer's default) a product runs on this thread, where `thread_time` sees it."""
+    torch thread (the peer's default) a product runs on this thread, where `thread_time` sees it; with
+    more, compute done on torch's other threads is not counted, and a busy slowdown falls short."""
     started = time.thread_time()
     if seconds <= 0.0:
         return 0.0
