@@ -15,6 +15,15 @@ from peers.stage_runtime import StageRuntime, ThroughputMeter
 
 
 GARBAGE_KINDS = ("none", "nan", "shape")
+# How the extra time of a slowed compute is spent:
+# - sleep: waiting, off the CPU. Emulates a separate, slower device; the right choice when peers stand
+#   for machines of their own (a benchmark's shared cores are not what it measures).
+# - busy: computing, on the compute thread. The peer needs `slowdown` times the CPU time per call, so
+#   a slowed peer and its partner compete for a shared CPU on equal terms and load that hits both
+#   alike keeps their speeds `slowdown` apart. With `sleep` they do not: the slowed peer computes
+#   only while its partner is busy too and so meets more contention, and its sleep then multiplies
+#   that contention (a peer slowed 3x served 0.23 of its partner's share in a loaded CI run).
+SLOWDOWN_MODES = ("sleep", "busy")
 
 
 def garbled(value, kind: str):
@@ -34,7 +43,8 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class FaultSettings:
-    slowdown: float = 1.0  # every compute takes this many times as long (extra time is slept)
+    slowdown: float = 1.0  # every compute takes this many times as long
+    slowdown_mode: str = "sleep"  # how the extra time is spent: one of SLOWDOWN_MODES
     fail_rate: float = 0.0  # fraction of calls that fail with an internal error
     garbage: str = "none"  # what a garbage answer holds: none, nan or shape (one value short)
     garbage_rate: float = 1.0  # fraction of calls answered with garbage (with garbage != none)
@@ -47,6 +57,8 @@ class FaultSettings:
     def __post_init__(self) -> None:
         if self.slowdown < 1.0 or not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
+        if self.slowdown_mode not in SLOWDOWN_MODES:
+            raise ValueError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
         if self.garbage not in GARBAGE_KINDS or not 0.0 <= self.garbage_rate <= 1.0:
             raise ValueError(f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and "
                              f"--fault-garbage-rate within [0, 1]")
@@ -70,9 +82,15 @@ class FaultyStageRuntime:
     def _run(self, compute, *args, **kwargs):
         if self._rng.random() < self._settings.fail_rate:
             raise InjectedFault("injected failure (--fault-fail-rate)")
+        extra = self._settings.slowdown - 1.0
+        if self._settings.slowdown_mode == "busy":
+            started_cpu_s = time.thread_time()
+            result = compute(*args, **kwargs)
+            burn_cpu(extra * (time.thread_time() - started_cpu_s))
+            return result
         started = time.perf_counter()
         result = compute(*args, **kwargs)
-        time.sleep((self._settings.slowdown - 1.0) * (time.perf_counter() - started))
+        time.sleep(extra * (time.perf_counter() - started))
         return result
 
     def _garbage_now(self) -> bool:
@@ -87,3 +105,22 @@ class FaultyStageRuntime:
         if self._garbage_now():
             return garbled(grad_inputs, self._settings.garbage), garbled(loss, self._settings.garbage)
         return grad_inputs, loss
+
+
+_BURN_MATRIX_SIZE = 128  # one product takes well under a millisecond: the deadline is overshot by little
+
+
+def burn_cpu(seconds: float) -> float:
+    """Keep the calling thread computing until it has used `seconds` of CPU time (its own, so other
+    processes' load stretches this as it stretches the real compute); returns the CPU time used.
+    Matrix products release the GIL, so the peer's event loop keeps serving meanwhile. With one
+    torch thread (the peer's default) a product runs on this thread, where `thread_time` sees it; with
+    more, compute done on torch's other threads is not counted, and a busy slowdown falls short."""
+    started = time.thread_time()
+    if seconds <= 0.0:
+        return 0.0
+    matrix = torch.ones(_BURN_MATRIX_SIZE, _BURN_MATRIX_SIZE)
+    deadline = started + seconds
+    while time.thread_time() < deadline:
+        torch.mm(matrix, matrix)
+    return time.thread_time() - started

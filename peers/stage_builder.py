@@ -92,7 +92,8 @@ class StageBuilder:
 
 
 def fault_settings(config: PeerConfig) -> FaultSettings:
-    return FaultSettings(slowdown=config.fault_slowdown, fail_rate=config.fault_fail_rate,
+    return FaultSettings(slowdown=config.fault_slowdown, slowdown_mode=config.fault_slowdown_mode,
+                         fail_rate=config.fault_fail_rate,
                          garbage=config.fault_garbage, garbage_rate=config.fault_garbage_rate, seed=config.seed)
 
 

@@ -1,0 +1,49 @@
+"""The two ways a slowed peer spends its extra time (peers/faults.py): asleep, or computing."""
+
+import time
+
+import pytest
+import torch
+
+from peers.faults import FaultSettings, FaultyStageRuntime, burn_cpu
+
+COMPUTE_CPU_S = 0.02
+
+
+class _CpuBoundRuntime:
+    """Stands in for a StageRuntime: every forward uses COMPUTE_CPU_S of this thread's CPU."""
+
+    def forward(self, microbatch_id, inputs, targets=None):
+        burn_cpu(COMPUTE_CPU_S)
+        return inputs
+
+
+def _forward_costs(mode: str) -> tuple[float, float]:
+    """CPU seconds (this thread) and wall seconds of one forward slowed 3x in `mode`."""
+    runtime = FaultyStageRuntime(_CpuBoundRuntime(), FaultSettings(slowdown=3.0, slowdown_mode=mode))
+    cpu_started, wall_started = time.thread_time(), time.perf_counter()
+    runtime.forward("mb", torch.zeros(1))
+    return time.thread_time() - cpu_started, time.perf_counter() - wall_started
+
+
+def test_busy_slowdown_uses_the_cpu_time_of_a_slower_device():
+    cpu_s, wall_s = _forward_costs("busy")
+    assert 3 * COMPUTE_CPU_S * 0.95 <= cpu_s <= 3 * COMPUTE_CPU_S * 1.5, cpu_s
+    assert wall_s >= cpu_s * 0.99
+
+
+def test_sleep_slowdown_waits_off_the_cpu():
+    cpu_s, wall_s = _forward_costs("sleep")
+    assert cpu_s <= 2 * COMPUTE_CPU_S, cpu_s  # the compute itself, not the slowdown
+    assert wall_s >= 3 * COMPUTE_CPU_S * 0.95, wall_s
+
+
+def test_burn_cpu_counts_this_threads_cpu_time():
+    assert burn_cpu(0.0) == 0.0
+    used = burn_cpu(0.01)
+    assert 0.01 <= used < 0.05
+
+
+def test_an_unknown_slowdown_mode_is_refused():
+    with pytest.raises(ValueError, match="--fault-slowdown-mode"):
+        FaultSettings(slowdown=3.0, slowdown_mode="spin")
