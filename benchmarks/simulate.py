@@ -25,6 +25,21 @@ Model (every number below is a flag or a ``SimulationConfig`` field):
 - **Joining and moving cost.** A peer that joins or moves is ``joining`` for ``transfer_s``
   (downloading the stage's parameters and optimizer state) and contributes nothing meanwhile;
   its old stage loses it at once.
+- **Standby peers (backup pool; off by default).** A fraction ``standby_fraction`` of the peers
+  (at t=0 and of every arrival; drawn with its own seeded RNG, so the churn trace is unchanged)
+  start like the peer's ``--standby`` mode (peers/stage_moves.py ``_stand_by``): every
+  ``standby_check_s`` they call ``choose_standby_target`` and ``should_standby_take_over``
+  (``standby_take_over_fraction``) on the view, without standby records (peers/stage_choice.py
+  leaves them out). A standby serves nothing; it downloads the held stage's state (``transfer_s``)
+  when it first holds a stage, when the thinnest stage changes, and again ``standby_refresh_s``
+  after its last download, while that stage has an online replica. Taking over: **as the peer
+  does now**, when the stage still has an online replica, it first downloads that replica's latest
+  state (``transfer_s``, still a standby meanwhile, so other standbys see nothing change), then
+  serves; with no online replica left it serves at once from its copy. With
+  ``standby_instant_take_over`` (a *hypothetical* peer, not what peers/stage_moves.py does) it
+  serves at once from any copy it holds. A standby that took over is an ordinary online peer from
+  then on (it rebalances under ``rebalance``). Standbys are live hardware, so the optimum counts
+  them.
 - **Policies.** (1) ``static``: peers stay where ``choose_initial_stage`` put them.
   (2) ``rebalance``: each online peer calls ``decide_move`` (the function the peer server uses)
   after ``next_check_delay_s(check_period_s)`` and moves if told to. (3) ``optimum``: at each
@@ -55,9 +70,11 @@ from pathlib import Path
 from peers.rebalance import (
     ReplicaView,
     choose_initial_stage,
+    choose_standby_target,
     decide_move,
     next_check_delay_s,
     optimal_bottleneck,
+    should_standby_take_over,
 )
 from peers.stage_assignment import greedy_bottleneck
 
@@ -91,18 +108,33 @@ class SimulationConfig:
     """Mean interval between a peer's rebalancing checks (SWARM's paper: 300 s)."""
     min_gain: float = 0.01
     sample_period_s: float = 60.0
+    standby_fraction: float = 0.0
+    """Fraction of peers started with ``--standby`` (0: no backup pool, as in the first runs)."""
+    standby_check_s: float = 2.0
+    """The peer's ``--standby-check-s`` default."""
+    standby_refresh_s: float = 30.0
+    """The peer's ``--standby-refresh-s`` default."""
+    standby_take_over_fraction: float = 0.5
+    """The peer's ``--standby-take-over-fraction`` default."""
+    standby_instant_take_over: bool = False
+    """Hypothetical: take over from the held copy without first downloading the latest state."""
 
     def __post_init__(self) -> None:
         if self.peers < self.stages or self.stages < 1:
             raise ValueError(f"need peers >= stages >= 1, got {self.peers} peers, {self.stages} stages")
         for name in ("duration_s", "mean_lifetime_s", "view_period_s", "check_period_s", "record_ttl_s",
-                     "sample_period_s", "restore_mean_s", "burst_spread_s"):
+                     "sample_period_s", "restore_mean_s", "burst_spread_s", "standby_check_s",
+                     "standby_refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.join_scale < 0:
             raise ValueError("join_scale must be >= 0")
         if not 0 <= self.preempt_fraction <= 1:
             raise ValueError("preempt_fraction must be in [0, 1]")
+        if not 0 <= self.standby_fraction < 1:
+            raise ValueError("standby_fraction must be in [0, 1)")
+        if not 0 <= self.standby_take_over_fraction <= 1:
+            raise ValueError("standby_take_over_fraction must be in [0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +200,26 @@ class _Peer:
     version: int = 0
 
 
-def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict:
-    """Run one policy over the trace; per-sample throughput and move counts."""
+@dataclass
+class _Standby:
+    """A peer in the backup pool, as peers/stage_moves.py ``_stand_by`` runs it."""
+
+    held_stage: int | None = None
+    refreshed_at_s: float | None = None
+    """When its copy of ``held_stage`` was last downloaded (None: never, or the stage changed)."""
+
+
+def draw_standbys(trace: list[PeerLife], config: SimulationConfig) -> list[bool]:
+    """Which peers of the trace start with ``--standby``: each with ``standby_fraction``, own RNG."""
+    rng = random.Random(config.seed + 2)
+    return [config.standby_fraction > 0 and rng.random() < config.standby_fraction for _ in trace]
+
+
+def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
+           is_standby: list[bool] | None = None) -> dict:
+    """Run one policy over the trace; per-sample throughput and move counts.
+
+    ``is_standby`` (one flag per trace entry; default ``draw_standbys``) picks the backup pool."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}")
     check_rng = random.Random(config.seed + 1)
@@ -184,8 +234,15 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict
 
     live: dict[int, _Peer] = {}
     ghosts: dict[int, ReplicaView] = {}  # preempted peers whose records have not expired yet
+    standbys: dict[int, _Standby] = {}  # backup pool: not in views, serves nothing
+    if is_standby is None:
+        is_standby = draw_standbys(trace, config)
+    if len(is_standby) != len(trace):
+        raise ValueError(f"is_standby has {len(is_standby)} flags for {len(trace)} peers")
     for i, life in enumerate(trace):
-        if life.arrive_s == 0.0:  # bootstrap: placed one by one, fully informed, already online
+        if is_standby[i]:
+            schedule(life.arrive_s, "arrive", i)
+        elif life.arrive_s == 0.0:  # bootstrap: placed one by one, fully informed, already online
             view = [p.record for p in live.values()]
             stage = choose_initial_stage(view, config.stages, life.throughput)
             record = ReplicaView(life.peer_id, stage, life.throughput, "online")
@@ -200,11 +257,32 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict
     schedule(0.0, "sample")
 
     samples_per_s: list[float] = []
-    moves = checks = 0
+    moves = checks = take_overs = standby_downloads = 0
+    view_version = 0
+    standby_decision: tuple[int, int, bool, bool] | None = None  # (view_version, target, take_over, live)
+
+    def decide_standby() -> tuple[int, bool, bool]:
+        """What every standby concludes from the current view (all read the same one)."""
+        nonlocal standby_decision
+        if standby_decision is None or standby_decision[0] != view_version:
+            target = choose_standby_target(view, config.stages)
+            take_over = should_standby_take_over(view, config.stages, target,
+                                                 min_fraction=config.standby_take_over_fraction)
+            has_live = any(r.stage == target and r.state == "online" for r in view)
+            standby_decision = (view_version, target, take_over, has_live)
+        return standby_decision[1:]
+
+    def go_online(i: int, stage: int, now_s: float) -> None:
+        live[i] = _Peer(trace[i], stage, ReplicaView(trace[i].peer_id, stage, trace[i].throughput, "online"),
+                        online_at_s=now_s)
+        if policy == "rebalance":
+            schedule(now_s + next_check_delay_s(config.check_period_s, check_rng), "check", i)
+
     while events:
         now_s, _, kind, i = heapq.heappop(events)
         if kind == "view":
             view = [p.record for p in live.values()] + list(ghosts.values())
+            view_version += 1
             schedule(now_s + config.view_period_s, "view")
         elif kind == "sample":
             per_stage = [0.0] * config.stages
@@ -213,6 +291,36 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict
                     per_stage[p.stage] += p.life.throughput
             samples_per_s.append(min(per_stage))
             schedule(now_s + config.sample_period_s, "sample")
+        elif kind == "arrive" and is_standby[i]:
+            if trace[i].depart_s > now_s:
+                standbys[i] = _Standby()
+                schedule(now_s, "standby_check", i)
+        elif kind == "standby_check":
+            standby = standbys.get(i)
+            if standby is None:
+                continue
+            target, take_over, has_live = decide_standby()
+            if target != standby.held_stage:
+                standby.held_stage, standby.refreshed_at_s = target, None
+            stale = (standby.refreshed_at_s is None
+                     or now_s - standby.refreshed_at_s > config.standby_refresh_s)
+            if config.standby_instant_take_over and take_over and standby.refreshed_at_s is not None:
+                download = False
+            else:
+                download = has_live and (stale or take_over)
+            done_s = now_s + (config.transfer_s if download else 0.0)
+            standby_downloads += download
+            if take_over:
+                schedule(done_s, "take_over", i)
+            else:
+                if download:
+                    standby.refreshed_at_s = done_s
+                schedule(done_s + config.standby_check_s, "standby_check", i)
+        elif kind == "take_over":
+            standby = standbys.pop(i, None)
+            if standby is not None:
+                take_overs += 1
+                go_online(i, standby.held_stage, now_s)
         elif kind == "arrive":
             life = trace[i]
             if life.depart_s <= now_s:
@@ -224,6 +332,7 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict
             if policy == "rebalance":
                 schedule(now_s + config.transfer_s + next_check_delay_s(config.check_period_s, check_rng), "check", i)
         elif kind == "depart":
+            standbys.pop(i, None)
             peer = live.pop(i, None)
             if peer is not None and trace[i].preempted:
                 ghosts[i] = peer.record
@@ -253,7 +362,9 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str) -> dict
             schedule(now_s + delay_s, "check", i)
     peer_hours = sum(min(life.depart_s, config.duration_s) - life.arrive_s for life in trace) / 3600
     return {"samples_per_s": samples_per_s, "moves": moves, "checks": checks,
-            "moves_per_peer_hour": moves / peer_hours}
+            "moves_per_peer_hour": moves / peer_hours, "standby_peers": sum(is_standby),
+            "standby_take_overs": take_overs, "standby_downloads": standby_downloads,
+            "standby_at_end": len(standbys)}
 
 
 def _with_own_record(view: list[ReplicaView], own: ReplicaView) -> list[ReplicaView]:
@@ -318,12 +429,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transfer-s", type=float, default=defaults.transfer_s)
     parser.add_argument("--view-period-s", type=float, default=defaults.view_period_s)
     parser.add_argument("--join-scale", type=float, default=defaults.join_scale)
+    parser.add_argument("--standby-fraction", type=float, default=defaults.standby_fraction,
+                        help="fraction of peers started with --standby (backup pool)")
+    parser.add_argument("--standby-take-over-fraction", type=float, default=defaults.standby_take_over_fraction,
+                        help="the peer's --standby-take-over-fraction")
+    parser.add_argument("--standby-instant-take-over", action="store_true",
+                        help="hypothetical peer: take over from the held copy, no download first")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/simulate.json"))
     args = parser.parse_args(argv)
     config = SimulationConfig(
         seed=args.seed, peers=args.peers, stages=args.stages, duration_s=args.duration_s,
         min_gain=args.min_gain, check_period_s=args.check_period_s, transfer_s=args.transfer_s,
         view_period_s=args.view_period_s, join_scale=args.join_scale,
+        standby_fraction=args.standby_fraction, standby_take_over_fraction=args.standby_take_over_fraction,
+        standby_instant_take_over=args.standby_instant_take_over,
     )
     report = simulate(config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     for policy, figures in report["policies"].items():
         print(f"{policy:>9}: {figures['share_of_optimal']:.2%} of optimal "
               f"(worst sample {figures['worst_sample_share']:.2%}), "
-              f"{figures['moves']} moves ({figures['moves_per_peer_hour']:.3f} per peer-hour)")
+              f"{figures['moves']} moves ({figures['moves_per_peer_hour']:.3f} per peer-hour)"
+              + (f", {figures['standby_take_overs']} of {figures['standby_peers']} standbys took over"
+                 if figures["standby_peers"] else ""))
     print(f"LPT/upper bound {report['optimum']['lpt_over_bound']:.4f}; "
           f"{report['trace']['peers_total']} peers in trace; {report['wall_s']:.1f} s wall; wrote {args.out}")
 

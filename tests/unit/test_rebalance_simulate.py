@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.simulate import SimulationConfig, simulate
+from benchmarks.simulate import PeerLife, SimulationConfig, replay, simulate
 
 
 def test_small_simulation_is_deterministic_and_bounded():
@@ -15,3 +15,55 @@ def test_small_simulation_is_deterministic_and_bounded():
         assert 0.0 < figures["share_of_optimal"] <= 1.0
     assert first["policies"]["static"]["moves"] == 0
     assert first["policies"]["rebalance"]["moves"] > 0
+
+
+def _standby_trace(stage1_speeds: list[float]) -> list[PeerLife]:
+    """Stage 0: one 3.0 peer; stage 1: the given peers (placed in order by choose_initial_stage);
+    the last stage-1 peer leaves at t=310 s (announcing offline); then a standby (last entry)."""
+    lives = [PeerLife("a-stage0", 0, 3.0, 0.0, 10_000.0, False)]
+    for k, speed in enumerate(stage1_speeds):
+        leaves_s = 310.0 if k == len(stage1_speeds) - 1 else 10_000.0
+        lives.append(PeerLife(f"b-stage1-{k}", 0, speed, 0.0, leaves_s, False))
+    lives.append(PeerLife("standby", 0, 3.0, 0.0, 10_000.0, False))
+    return lives
+
+
+def _samples(trace: list[PeerLife], **overrides) -> dict:
+    # No refresh after the first download: a refresh in progress (120 s) would delay the take-over.
+    config = SimulationConfig(peers=2, stages=2, duration_s=600.0, standby_refresh_s=10_000.0, **overrides)
+    flags = [life.peer_id == "standby" for life in trace]
+    return replay(trace, config, "static", is_standby=flags)
+
+
+def test_a_standby_takes_over_a_stage_left_without_replica_at_once():
+    # Stage 1 = one 2.0 peer (not below 0.5 x 3.0: no take-over yet); it leaves at 310 s. The
+    # standby (3.0) holds stage 1, the thinnest.
+    result = _samples(_standby_trace([2.0]))
+    series = result["samples_per_s"]  # samples at 0, 60, ..., 540 s
+    assert series[5] == 2.0  # t=300 s
+    assert series[6] == 3.0  # t=360 s: serving from its copy, no download (no replica to download from)
+    assert result["standby_take_overs"] == 1
+
+
+def test_taking_over_a_stage_that_fell_behind_first_downloads_its_state_as_the_peer_does():
+    # Stage 1 = 2.0 + 0.9 (not below 0.9 x 3.0); the 0.9 peer leaves at 310 s: 2.0 < 2.7 -> take
+    # over, but a replica is online, so the peer downloads the latest state first (transfer_s = 120 s).
+    trace = _standby_trace([2.0, 0.9])
+    downloading = _samples(trace, standby_take_over_fraction=0.9)["samples_per_s"]
+    assert downloading[6] == 2.0 and downloading[7] == 2.0  # t=360, 420 s: still downloading
+    assert downloading[5] == 2.9 and downloading[8] == 3.0  # t=300 s: both there; t=480 s: serving
+    instant = _samples(trace, standby_take_over_fraction=0.9, standby_instant_take_over=True)["samples_per_s"]
+    assert instant[6] == 3.0  # the hypothetical peer serves from its held copy at once
+    never = _samples(trace, standby_take_over_fraction=0.0)  # 0: only a stage with no online replica
+    assert never["standby_take_overs"] == 0 and never["samples_per_s"][-1] == 2.0
+
+
+def test_standbys_serve_nothing_until_they_take_over_and_the_draw_is_seeded():
+    config = SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0, join_scale=0.0,
+                              standby_fraction=0.2, standby_take_over_fraction=0.9)
+    first, second = simulate(config), simulate(config)
+    first.pop("wall_s"), second.pop("wall_s")
+    assert first == second
+    static = first["policies"]["static"]
+    assert static["standby_peers"] > 0
+    assert 0 < static["standby_take_overs"] + static["standby_at_end"] <= static["standby_peers"]
