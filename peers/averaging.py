@@ -6,8 +6,17 @@ Two modes (`--averaging`):
   (so the result is the mean gradient over every sample of the step, as in one process) and then
   all step with it: their parameters stay identical. If the round fails, no replica steps; the
   gradients carry over to the next commit.
-* `periodic`: each replica steps on its own gradients; every `averaging_period_s` seconds
-  (aligned to DHT time, so replicas meet without coordination) they average their parameters.
+* `periodic`: each replica steps on its own gradients and they average their parameters on a
+  schedule (peers/averaging_schedule.py), one of:
+  - every `averaging_period_s` seconds (aligned to DHT time, so replicas meet without
+    coordination); each replica steps on its own once it holds `target_batch_size` samples, so
+    rounds and steps are not aligned;
+  - every `averaging_every_steps` = K local steps: each replica steps on the trainer's commit (on
+    the samples of the step it served, like `sync` but without averaging gradients), so all
+    replicas take step K at the same commit, and the round runs right after it, before the commit
+    is answered. The trainer thus waits for the round (bounded by the averaging timeout), and the
+    next step's forwards all see averaged parameters. A round that fails or finds no partner is
+    logged and counted as failed; the local step it followed stands.
   Optimizer state is not averaged. Optionally (`--outer-lr`) the average is not taken as is: an
   outer Nesterov step on the averaged parameter delta follows (DiLoCo, see peers/outer_step.py).
 
@@ -40,6 +49,7 @@ from hivemind.compression import (BlockwiseQuantization, CompressionBase, Compre
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 
+from peers.averaging_schedule import AveragingSchedule
 from peers.outer_step import OuterOptimizer, OuterSettings
 from peers.stage_runtime import StageRuntime
 
@@ -54,8 +64,9 @@ COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
 class AveragingOutcome:
     averaged: bool  # whether an all-reduce with other replicas took place
     group_size: int  # replicas in the round (1 = alone)
-    samples: int  # samples behind the applied update (sync mode)
-    stepped: bool
+    samples: int  # samples behind the applied update (sync mode) or the local step (periodic by steps)
+    stepped: bool  # sync and periodic by steps: the replica took an optimizer step on this commit
+    outer_stepped: bool = False  # periodic: an outer (DiLoCo) step followed the round
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,8 @@ class ReplicaAveraging:
                 control.allow_allreduce()
             # hivemind bounds matchmaking and the all-reduce by timeout_s each; this is a safety net
             gathered = control.result(timeout=2 * self.timeout_s + 5.0)
+            if gathered is None:
+                logger.warning("Averaging round failed: no group formed")
         except Exception as e:  # a failed round must not take the peer down; replicas re-converge later
             logger.warning(f"Averaging round failed: {type(e).__name__}: {e}")
             control.cancel()
@@ -212,15 +225,22 @@ class GradientSync(ReplicaAveraging):
 
 
 class ParameterAveraging(ReplicaAveraging):
-    """`periodic` mode: replicas step on their own and average parameters every period."""
+    """`periodic` mode: replicas step on their own and average parameters on a schedule (by time:
+    `schedule`/`average` from the peer's loop; by steps: `commit` from the commit handler)."""
 
     mode = "periodic"
 
-    def __init__(self, runtime: StageRuntime, dht: hivemind.DHT, model: str, *, period_s: float,
-                 timeout_s: float = 30.0, matchmaking_s: float = 1.0, compression: str = "none",
+    def __init__(self, runtime: StageRuntime, dht: hivemind.DHT, model: str, *, schedule: AveragingSchedule,
+                 timeout_s: float = 30.0, matchmaking_s: float | None = None, compression: str = "none",
                  outer: OuterSettings | None = None, on_round: Callable[[AveragingRound], None] | None = None):
-        self.runtime, self.period_s = runtime, period_s
+        self.runtime, self.rounds_schedule = runtime, schedule
         self.outer = OuterOptimizer(outer) if outer is not None else None
+        self.committed: set[str] = set()
+        if schedule.by_steps:
+            runtime.auto_step = False  # one local step per trainer commit, so replicas count steps together
+        if matchmaking_s is None:
+            # by steps, the replicas arrive together (the trainer commits to all at once), as in sync mode
+            matchmaking_s = 0.5 if schedule.by_steps else 1.0
         # .data: the same memory as the parameters, without autograd (the averager writes in place)
         super().__init__(dht, [p.data for p in runtime.params],
                          averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
@@ -228,12 +248,37 @@ class ParameterAveraging(ReplicaAveraging):
 
     def next_round_time(self) -> float:
         """The next multiple of the period in DHT time: every replica picks the same moment."""
-        now = get_dht_time()
-        return (int(now // self.period_s) + 1) * self.period_s
+        return self.rounds_schedule.next_round_time(get_dht_time())
+
+    def round_due_after_next_step(self) -> bool:
+        """By steps: whether the next commit's step is followed by a round (read on the event loop;
+        only commits change the step count in this mode)."""
+        return self.rounds_schedule.due_after_step(self.runtime.steps_done + 1)
+
+    def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
+        """By steps: take the local step on what this replica accumulated during the trainer's step,
+        then, after every K-th step, average parameters with the other replicas (`group_size` of
+        them, this one included). A repeated commit (a trainer retry) steps only once. A replica
+        that saw no sample of the step still counts it, so its step count stays aligned."""
+        if step_id in self.committed:
+            return AveragingOutcome(False, 1, 0, stepped=False)
+        self.committed.add(step_id)
+        samples = self.runtime.samples_accumulated
+        if samples > 0:
+            self.runtime.step()
+        else:
+            self.runtime.count_empty_step()
+        if not self.rounds_schedule.due_after_step(self.runtime.steps_done) or group_size < 2:
+            return AveragingOutcome(False, 1, samples, stepped=True)
+        gathered = self._all_reduce(group_size, weight=1.0)
+        outer_stepped = self._after_round(gathered)
+        return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, samples, stepped=True,
+                                outer_stepped=outer_stepped)
 
     def schedule(self, group_size: int, scheduled_time: float) -> StepControl | None:
-        """Look for the other replicas in the background; the compute thread goes on meanwhile and
-        only stops for the all-reduce itself (`average`). None when alone or if it cannot start."""
+        """By time: look for the other replicas in the background; the compute thread goes on
+        meanwhile and only stops for the all-reduce itself (`average`). None when alone or if it
+        cannot start."""
         if group_size < 2:
             return None
         try:
@@ -251,13 +296,21 @@ class ParameterAveraging(ReplicaAveraging):
     def average(self, control: StepControl) -> AveragingOutcome:
         """Run the all-reduce of a scheduled round (on the compute thread: it writes the parameters)."""
         gathered = self.finish_round(control)
+        outer_stepped = self._after_round(gathered)
+        return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, 0, stepped=False,
+                                outer_stepped=outer_stepped)
+
+    def _after_round(self, gathered: dict | None) -> bool:
+        """After a successful round: the outer step (if configured; returns whether it stepped) and
+        dropping cached graphs, which hold activations of the parameters before the round."""
+        if gathered is None:
+            return False
         stepped = False
-        if gathered is not None:
-            if self.outer is not None:
-                with self.averager.get_tensors() as params:  # the parameters' own memory
-                    stepped = self.outer.apply(params)
-            self.runtime.cache.clear()  # cached graphs hold activations of the parameters before the round
-        return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, 0, stepped=stepped)
+        if self.outer is not None:
+            with self.averager.get_tensors() as params:  # the parameters' own memory
+                stepped = self.outer.apply(params)
+        self.runtime.cache.clear()
+        return stepped
 
     def abandon(self, control: StepControl) -> None:
         """No group in time (or the peer is stopping): cancel the round and count it as failed."""

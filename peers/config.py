@@ -8,10 +8,12 @@ from dht.configuration import ConfigError, option
 from dht.node import NetworkConfig
 from models.config import get_model_config
 from models.stages import stage_spec
+from peers.averaging_schedule import AveragingSchedule
 from peers.devices import DEVICE_CHOICES_HELP, OPTIMIZERS, PRECISIONS
 from peers.metrics import validate_metrics_options
 
 AUTO_STAGE = "auto"
+DEFAULT_AVERAGING_PERIOD_S = 30.0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -41,8 +43,15 @@ class PeerConfig(NetworkConfig):
                                         "restore from it at start")
     averaging: str = option("none", help="how replicas of a stage agree: none (independent), sync (average "
                             "gradients on each trainer step, identical parameters), periodic (average parameters "
-                            "every --averaging-period-s)", choices=["none", "sync", "periodic"])
-    averaging_period_s: float = option(30.0, help="seconds between parameter averaging rounds (periodic mode)")
+                            "every --averaging-period-s or --averaging-every-steps)",
+                            choices=["none", "sync", "periodic"])
+    averaging_period_s: float | None = option(None, help="periodic mode: average parameters every this many seconds "
+                                              "of DHT time; each replica steps on its own at --target-batch-size "
+                                              f"(default {DEFAULT_AVERAGING_PERIOD_S:g} unless --averaging-every-steps)")
+    averaging_every_steps: int | None = option(None, help="periodic mode: instead of a period, average parameters "
+                                               "right after every this many local steps; each replica then steps on "
+                                               "the trainer's commit (on its share of the trainer's batch), and the "
+                                               "commit waits for the round (at most about --averaging-timeout-s)")
     averaging_compression: str | None = option(None, help="averaging traffic: none (default; replicas agree exactly), "
                                                "fp16 (half the bytes) or int8 (blockwise 8-bit, a quarter); compressed, "
                                                "replicas agree only up to the codec's rounding of their differences "
@@ -114,10 +123,22 @@ class PeerConfig(NetworkConfig):
             raise ConfigError("--standby-take-over-fraction must be within [0, 1]")
         if self.rebalance_period_s < 0 or self.rebalance_min_gain < 0:
             raise ConfigError("--rebalance-period-s and --rebalance-min-gain must be >= 0")
-        for name in ("lr", "announce_period_s", "averaging_period_s", "averaging_timeout_s", "standby_refresh_s",
+        if self.averaging_every_steps is not None:
+            if self.averaging_period_s is not None:
+                raise ConfigError("--averaging-period-s and --averaging-every-steps both set the averaging schedule; "
+                                  "give one")
+            if self.averaging != "periodic":
+                raise ConfigError("--averaging-every-steps schedules periodic averaging: use it with --averaging periodic")
+            if self.averaging_every_steps < 1:
+                raise ConfigError("--averaging-every-steps must be at least 1")
+        elif self.averaging_period_s is None:
+            self.averaging_period_s = DEFAULT_AVERAGING_PERIOD_S
+        for name in ("lr", "announce_period_s", "averaging_timeout_s", "standby_refresh_s",
                      "standby_check_s", "max_request_mb", "bad_request_refill_per_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.averaging_period_s is not None and self.averaging_period_s <= 0:
+            raise ConfigError("averaging_period_s must be positive")
         validate_metrics_options(self.metrics_host, self.metrics_port)
         if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
             raise ConfigError("--memory-limit-gb must be positive")
@@ -153,3 +174,10 @@ class PeerConfig(NetworkConfig):
     def record_ttl_s(self) -> float:
         """A record outlives a few missed announcements, no more."""
         return max(3 * self.announce_period_s, 3.0)
+
+    @property
+    def averaging_schedule(self) -> AveragingSchedule:
+        """When periodic averaging rounds happen: by steps if --averaging-every-steps, else by time."""
+        if self.averaging_every_steps is not None:
+            return AveragingSchedule(every_steps=self.averaging_every_steps)
+        return AveragingSchedule(period_s=self.averaging_period_s)

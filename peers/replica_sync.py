@@ -1,5 +1,6 @@
 """Replica agreement on the peer: the commit RPC (sync averaging), the state RPC (a joiner's download),
-loading state from a replica before going online, and the periodic parameter-averaging loop.
+loading state from a replica before going online, and periodic parameter averaging (by time: a loop;
+by steps: on the commit).
 
 `ReplicaSyncHandlers` is mixed into `PeerServer` (peers/server.py), which owns the runtime, the
 averager, the DHT and the executor these use.
@@ -16,7 +17,7 @@ from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
-from peers.averaging import GradientSync
+from peers.averaging import GradientSync, ParameterAveraging
 from peers.checkpoint import CheckpointError
 from peers.protocol import CommitRequest, CommitResponse, ProtocolError, StateHeader, StateRequest, decode_header, encode_header
 from peers.state_transfer import download_state, state_messages
@@ -33,14 +34,23 @@ class ReplicaSyncHandlers:
                                                                    self.runtime.num_stages):
                 raise ProtocolError(f"this peer serves {self.config.model} stage {self.runtime.stage}/"
                                     f"{self.runtime.num_stages}")
-            if not isinstance(self.averaging, GradientSync):
-                response = CommitResponse(steps_done=self.runtime.steps_done)  # not in sync mode: nothing to do
-            else:
+            averaging = self.averaging
+            if isinstance(averaging, GradientSync):
                 outcome = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.averaging.commit, commit.step_id, commit.group_size)
-                response = CommitResponse(stepped=outcome.stepped, averaged=outcome.averaged,
-                                          group_size=outcome.group_size, samples=outcome.samples,
-                                          steps_done=self.runtime.steps_done)
+                    self.executor, averaging.commit, commit.step_id, commit.group_size)
+            elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
+                # the round, if one follows this step, is sized for the replicas we see online (as by time)
+                group_size = await self._periodic_group_size() if averaging.round_due_after_next_step() else 1
+                outcome = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, averaging.commit, commit.step_id, group_size)
+                if outcome.averaged:
+                    self._print_round(outcome)
+            else:  # no averaging, or periodic by time: replicas step on their own, nothing to do
+                outcome = None
+            response = (CommitResponse(steps_done=self.runtime.steps_done) if outcome is None else
+                        CommitResponse(stepped=outcome.stepped, averaged=outcome.averaged,
+                                       group_size=outcome.group_size, samples=outcome.samples,
+                                       steps_done=self.runtime.steps_done))
         except ProtocolError as e:
             response = CommitResponse(error=str(e))
         return runtime_pb2.ExpertResponse(metadata=encode_header(response))
@@ -95,8 +105,20 @@ class ReplicaSyncHandlers:
                   flush=True)
         return False
 
+    async def _periodic_group_size(self) -> int:
+        """Replicas of this stage online in periodic mode, as the DHT shows them, this one included."""
+        records = await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+        group = [r for r in records if r.state == PeerState.ONLINE and r.averaging == "periodic"
+                 and r.num_stages == self.runtime.num_stages]
+        return len({r.peer_id for r in group} | {self.peer_id})
+
+    def _print_round(self, outcome) -> None:
+        print(f"averaged parameters with {outcome.group_size - 1} other replica(s) (round {self.averaging.rounds}"
+              f"{', then an outer step' if outcome.outer_stepped else ''}; {self.runtime.steps_done} steps done)",
+              flush=True)
+
     async def _average_parameters_forever(self, stop: asyncio.Event) -> None:
-        """Periodic mode: meet the other replicas at every multiple of the period (DHT time)."""
+        """Periodic mode by time: meet the other replicas at every multiple of the period (DHT time)."""
         while not stop.is_set():
             round_time = self.averaging.next_round_time()
             delay = max(round_time - get_dht_time() - 1.0, 0.0)  # join matchmaking a second early
@@ -105,10 +127,7 @@ class ReplicaSyncHandlers:
                 return
             except asyncio.TimeoutError:
                 pass
-            records = await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
-            group = [r for r in records if r.state == PeerState.ONLINE and r.averaging == "periodic"
-                     and r.num_stages == self.runtime.num_stages]
-            group_size = len({r.peer_id for r in group} | {self.peer_id})
+            group_size = await self._periodic_group_size()
             loop = asyncio.get_running_loop()
             # Matchmaking runs in the averager's process while this stage keeps computing; only the
             # all-reduce itself, which writes the parameters, takes the compute thread.
@@ -120,9 +139,7 @@ class ReplicaSyncHandlers:
                 if self.averaging.group_ready(control):
                     outcome = await loop.run_in_executor(self.executor, self.averaging.average, control)
                     if outcome.averaged:
-                        print(f"averaged parameters with {outcome.group_size - 1} other replica(s) "
-                              f"(round {self.averaging.rounds}{', then an outer step' if outcome.stepped else ''})",
-                              flush=True)
+                        self._print_round(outcome)
                 else:
                     self.averaging.abandon(control)
             await asyncio.sleep(1.0)

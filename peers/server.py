@@ -172,7 +172,8 @@ class PeerServer(StageRpcHandlers, ReplicaSyncHandlers, StageMoves):
                       if self.config.rebalance_period_s > 0 and self.builder is not None else None)
         checkpointer = asyncio.create_task(self._checkpoint_forever(stop)) if self.config.checkpoint_dir else None
         averager = (asyncio.create_task(self._average_parameters_forever(stop))
-                    if isinstance(self.averaging, ParameterAveraging) else None)
+                    if isinstance(self.averaging, ParameterAveraging) and not self.averaging.rounds_schedule.by_steps
+                    else None)  # by steps, rounds follow the trainer's commits (rpc_commit)
         prober = start_link_probing(self, p2p, stop)  # our links to others, for `swarm plan --from-dht`
         reachability = (asyncio.create_task(self._report_reachability(p2p))
                         if self.config.reachability_check != "off" else None)

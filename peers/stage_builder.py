@@ -80,7 +80,7 @@ class StageBuilder:
                                      compression=config.averaging_compression or "none",
                                      on_round=self.on_averaging_round)
         elif config.averaging == "periodic":
-            averaging = ParameterAveraging(runtime, self.dht, config.model, period_s=config.averaging_period_s,
+            averaging = ParameterAveraging(runtime, self.dht, config.model, schedule=config.averaging_schedule,
                                            timeout_s=config.averaging_timeout_s,
                                            compression=config.averaging_compression or "none",
                                            outer=OuterSettings(config.outer_lr, config.outer_momentum)

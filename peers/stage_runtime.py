@@ -265,6 +265,13 @@ class StageRuntime:
         n = max(self.samples_accumulated, 1)
         self.apply_gradients([grad_sum / n for grad_sum in self.grad_sums])
 
+    def count_empty_step(self) -> None:
+        """A step in which this replica saw no sample while its replicas stepped on theirs (periodic
+        averaging by steps): the parameters stay, the step count advances with the others'."""
+        self.accumulated_ids.clear()
+        self.cache.clear()
+        self.steps_done += 1
+
     def local_mean_gradients(self) -> list[torch.Tensor]:
         n = max(self.samples_accumulated, 1)
         return [grad_sum / n for grad_sum in self.grad_sums]

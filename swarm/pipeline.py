@@ -37,7 +37,7 @@ class PipelineCounters:
     microbatches_retried: int = 0  # microbatches that needed at least one retry
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     calls_by_peer: dict[str, int] = field(default_factory=dict)
-    commits: int = 0  # sync averaging: replicas that stepped on our commit
+    commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)
     averaged_commits: int = 0  # ... of which averaged with other replicas
     backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
@@ -298,15 +298,18 @@ class SwarmPipeline:
         return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
 
     async def commit_step(self, step_id: str, timeout_s: float = 120.0) -> None:
-        """Commit the step on every sync-averaging replica of every stage, all at once (they meet
-        in one all-reduce per stage). A replica that fails to commit is logged and banned; it will
-        fall behind its stage's parameters, and periodic checks or a restart bring it back."""
+        """Commit the step on every averaging replica of every stage, all at once: sync replicas
+        meet in one all-reduce per stage and step; periodic replicas that average every K steps
+        step on the commit (and average after every K-th); periodic replicas on a period answer
+        without doing anything. A replica that fails to commit is logged and banned; it will fall
+        behind its stage's parameters, and periodic checks or a restart bring it back."""
         calls = []
         for stage, records in enumerate(self.records):
-            group = [r.peer_id for r in records if r.averaging == "sync"]
-            for peer_id in group:
-                calls.append((stage, peer_id, self.client.commit(peer_id, stage=stage, step_id=step_id,
-                                                                 group_size=len(group), timeout_s=timeout_s)))
+            for mode in ("sync", "periodic"):
+                group = [r.peer_id for r in records if r.averaging == mode]
+                calls += [(stage, peer_id, self.client.commit(peer_id, stage=stage, step_id=step_id,
+                                                              group_size=len(group), timeout_s=timeout_s))
+                          for peer_id in group]
         if not calls:
             return
         results = await asyncio.gather(*[call for _, _, call in calls], return_exceptions=True)
@@ -316,7 +319,7 @@ class SwarmPipeline:
                 self.bans.ban(peer_id)
             elif isinstance(result, BaseException):
                 raise result
-            else:
+            elif result.stepped:
                 self.counters.commits += 1
                 if result.averaged:
                     self.counters.averaged_commits += 1

@@ -95,24 +95,42 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
             assert min_bytes_per_value * values <= sent <= max_bytes_per_value * values, (direction, sent, values)
 
 
-@pytest.mark.parametrize("outer", [[], ["--outer-lr", "0.7", "--outer-momentum", "0.9"]], ids=["plain", "outer-step"])
-def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path, outer):
+PERIOD = ["--averaging-period-s", "3"]
+OUTER = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]
+
+
+@pytest.mark.parametrize("schedule, outer", [(PERIOD, []), (PERIOD, OUTER), (["--averaging-every-steps", "2"], [])],
+                         ids=["plain", "outer-step", "every-2-steps"])
+def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path, schedule, outer):
     """Plain averaging, and with a DiLoCo outer step: replicas that took part in every round share
-    anchor and momentum, so they also hold equal parameters after the outer step."""
+    anchor and momentum, so they also hold equal parameters after the outer step. By steps, each
+    replica steps on every trainer commit and the round follows every 2nd step before the commit is
+    answered, so after 4 trainer steps both replicas have averaged twice and hold equal parameters
+    without waiting for anything."""
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "4", "--lr", "3e-3"])
     swarm.start_bootstrap()
-    periodic = ["--averaging", "periodic", "--averaging-period-s", "3", *outer]
+    periodic = ["--averaging", "periodic", *schedule, *outer]
     replicas = [swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "a")),
                 swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "b"))]
     last = swarm.start_peer(1)
     swarm.wait_online([*replicas, last])
     run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2")
-    rounds_after_training = [len(re.findall("averaged parameters", p.log())) for p in replicas]
-    wait_for(lambda: all(len(re.findall("averaged parameters", p.log())) > n
-                         for p, n in zip(replicas, rounds_after_training)), 30, "an averaging round after training")
+    by_steps = "--averaging-every-steps" in schedule
+    if by_steps:
+        for peer in replicas:
+            rounds = re.findall(r"averaged parameters with 1 other replica\(s\) \(round (\d+); (\d+) steps done\)",
+                                peer.log())
+            assert rounds == [("1", "2"), ("2", "4")], peer.log()[-2000:]
+    else:
+        rounds_after_training = [len(re.findall("averaged parameters", p.log())) for p in replicas]
+        wait_for(lambda: all(len(re.findall("averaged parameters", p.log())) > n
+                             for p, n in zip(replicas, rounds_after_training)), 30, "an averaging round after training")
     for peer in replicas:
         peer.stop()
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
+    if by_steps:  # one local step per trainer step on each replica
+        for ckpt in ("a", "b"):
+            assert load_checkpoint(checkpoint_path(str(tmp_path / ckpt), "tiny", 0, 2))[0].steps_done == 4
     if outer:  # the first round sets the anchor; later ones step from it
         assert all("then an outer step" in p.log() for p in replicas), replicas[0].log()[-2000:]
 

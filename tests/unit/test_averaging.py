@@ -1,4 +1,5 @@
-"""Averaging without a network: traffic accounting, its metrics, and what a failed sync round does."""
+"""Averaging without a network: traffic accounting, its metrics, what a failed sync round does, and
+periodic averaging by steps (a step on every commit, a round after every K-th, none lost)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from models.config import get_model_config
-from peers.averaging import (COMPRESSIONS, AveragingRound, GradientSync, allreduce_bytes_each_way,
-                             wire_bytes_per_value)
+from peers.averaging import (COMPRESSIONS, AveragingRound, GradientSync, ParameterAveraging,
+                             allreduce_bytes_each_way, wire_bytes_per_value)
+from peers.averaging_schedule import AveragingSchedule
 from peers.metrics import PeerMetrics
 from peers.stage_runtime import OptimizerSettings, StageRuntime
 
@@ -88,3 +90,38 @@ def test_a_failed_sync_round_does_not_step_and_keeps_the_gradients_for_the_next_
     outcome = sync.commit("run:1", group_size=2)
     assert outcome.stepped and outcome.samples == 4 and runtime.steps_done == 1
     assert sync.commit("run:1", group_size=2).stepped is False  # a retried commit does not step twice
+
+
+class _ControlledPeriodic(ParameterAveraging):
+    """ParameterAveraging by steps without a DHT: each round's outcome is set by the test."""
+
+    def __init__(self, runtime: StageRuntime, every_steps: int, round_result):
+        self.runtime, self.rounds_schedule, self.outer = runtime, AveragingSchedule(every_steps=every_steps), None
+        self.committed, self.round_result, self.rounds_tried = set(), round_result, []
+        runtime.auto_step = False
+
+    def _all_reduce(self, group_size: int, weight: float):
+        self.rounds_tried.append((self.runtime.steps_done, group_size))
+        return self.round_result()
+
+
+def test_periodic_by_steps_steps_on_every_commit_and_averages_after_every_kth():
+    runtime = _runtime_with_gradients()
+    averaging = _ControlledPeriodic(runtime, every_steps=2, round_result=lambda: {"self": 1.0, "other": 1.0})
+    first = averaging.commit("run:0", group_size=2)
+    assert first.stepped and not first.averaged and runtime.steps_done == 1 and averaging.rounds_tried == []
+    second = averaging.commit("run:1", group_size=2)  # no sample this time: the step still counts
+    assert second.stepped and second.samples == 0 and runtime.steps_done == 2
+    assert second.averaged and averaging.rounds_tried == [(2, 2)]
+    assert averaging.commit("run:1", group_size=2).stepped is False and runtime.steps_done == 2  # a retry
+
+
+def test_a_failed_periodic_round_keeps_the_local_step_and_a_lone_replica_does_not_try():
+    runtime = _runtime_with_gradients()
+    before = [p.detach().clone() for p in runtime.params]
+    averaging = _ControlledPeriodic(runtime, every_steps=1, round_result=lambda: None)  # no partner came
+    outcome = averaging.commit("run:0", group_size=2)
+    assert outcome.stepped and not outcome.averaged and runtime.steps_done == 1 and runtime.samples_accumulated == 0
+    assert not all(torch.equal(p, b) for p, b in zip(runtime.params, before))  # the step was not lost
+    alone = averaging.commit("run:1", group_size=1)
+    assert alone.stepped and not alone.averaged and averaging.rounds_tried == [(1, 2)]
