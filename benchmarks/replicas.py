@@ -10,6 +10,9 @@ stages trained by `swarm train` on the Shakespeare corpus with the same data ord
 * `2 replicas, periodic`: two peers per stage, each stepping on its half of every batch
   (`--target-batch-size` = batch / 2, so samples per step and steps per replica match the
   reference) and averaging parameters every `--period-s` seconds (`--averaging periodic`);
+* with `--every-steps K [K ...]`, `2 replicas, periodic-every-K`: two peers per stage, each stepping
+  on its share of every batch at the trainer's commit and averaging parameters right after every
+  K-th step (`--averaging periodic --averaging-every-steps K`); these rounds do not depend on timing;
 * optionally (`--with-outer`) `2 replicas, periodic + outer`: the same with a DiLoCo-style outer
   Nesterov step after each round (`--outer-lr`, `--outer-momentum`; DiLoCo's 0.7 and 0.9 by default);
 * optionally (`--with-unaveraged`) `2 replicas, none`: the same without averaging, to show drift.
@@ -17,9 +20,9 @@ stages trained by `swarm train` on the Shakespeare corpus with the same data ord
 Per run: the trainer's loss per step, the final training loss (mean of the last 5 steps, on the same
 batches in every run), and an evaluation loss of the final model on held-out windows (drawn with
 another seed) computed here from the peers' exit checkpoints, replica 0 of each stage. For two
-replicas, the largest parameter difference between them at the end. In periodic mode the run waits
-for one more averaging round after training before stopping the peers, so the evaluated model is
-an averaged one. Loss figures do not depend on timing; the tokens/s printed alongside do.
+replicas, the largest parameter difference between them at the end. In periodic mode by time the
+run waits for one more averaging round after training before stopping the peers, so the evaluated
+model is an averaged one (by steps, the last round follows the last step when K divides --steps). Loss figures do not depend on timing; the tokens/s printed alongside do.
 """
 
 from __future__ import annotations
@@ -92,9 +95,10 @@ def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[s
     workdir = tempfile.mkdtemp(prefix="swarm-replicas-")
     report_path = os.path.join(workdir, "report.json")
     target = args.batch_size // replicas if averaging in ("periodic", "none") else args.batch_size
+    by_steps = "--averaging-every-steps" in extra_peer_args
+    schedule = ["--averaging-period-s", str(args.period_s)] if averaging == "periodic" and not by_steps else []
     peer_args = ["--target-batch-size", str(target), "--num-threads", "1", "--lr", str(args.lr),
-                 "--averaging", averaging, "--averaging-period-s", str(args.period_s), "--no-load-state",
-                 *extra_peer_args]
+                 "--averaging", averaging, *schedule, "--no-load-state", *extra_peer_args]
     print(f"--- {name}", flush=True)
     started = time.monotonic()
     with LocalSwarm(model=args.model, num_stages=args.stages, workdir=workdir, peer_args=peer_args) as swarm:
@@ -107,7 +111,7 @@ def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[s
                                       str(args.stages), "--report", report_path, "--log-every", "10")
         if trainer.popen.wait(timeout=args.run_timeout_s) != 0:
             raise RuntimeError(f"{name}: the trainer failed:\n{trainer.log()[-3000:]}")
-        if averaging == "periodic" and replicas > 1:  # evaluate an averaged model: wait for one more round
+        if averaging == "periodic" and replicas > 1 and not by_steps:  # evaluate an averaged model: one more round
             done = {key: averaging_rounds(p.log()) for key, p in peers.items()}
             deadline = time.monotonic() + 4 * args.period_s + 30
             while time.monotonic() < deadline and not all(averaging_rounds(p.log()) > done[k] for k, p in peers.items()):
@@ -157,6 +161,8 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (with --with-outer)")
     parser.add_argument("--only", nargs="*", help="run only the layouts whose names contain one of these words "
                         "(the 1-replica reference always runs)")
+    parser.add_argument("--every-steps", type=int, nargs="*", default=[], metavar="K",
+                        help="also run periodic averaging after every K local steps, one run per K (periodic-every-K)")
     parser.add_argument("--with-unaveraged", action="store_true", help="also run 2 replicas without averaging")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/out/replicas.json")
@@ -169,11 +175,17 @@ def main() -> None:
     if args.with_outer:
         layouts.append((f"2 replicas, periodic + outer {args.outer_lr}/{args.outer_momentum}", 2, "periodic",
                         ("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum))))
+    for k in args.every_steps:
+        layouts.append((f"2 replicas, periodic-every-{k}", 2, "periodic", ("--averaging-every-steps", str(k))))
     if args.with_unaveraged:
         layouts.append(("2 replicas, none", 2, "none", ()))
     if args.only:
         layouts = [layouts[0]] + [layout for layout in layouts[1:] if any(word in layout[0] for word in args.only)]
+    load_before = os.getloadavg()
+    print(f"machine load (1/5/15 min) before: {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}", flush=True)
     runs = [run(name, args, replicas, averaging, extra) for name, replicas, averaging, extra in layouts]
+    load_after = os.getloadavg()
+    print(f"machine load (1/5/15 min) after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}", flush=True)
     reference = runs[0]
     for result in runs:
         for key in ("final_loss", "eval_loss"):
@@ -190,7 +202,8 @@ def main() -> None:
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        json.dump({"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                                "load_before": load_before, "load_after": load_after},
                    "runs": runs}, f, indent=2)
     print(f"\nwrote {args.out}")
 
