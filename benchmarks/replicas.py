@@ -22,7 +22,8 @@ batches in every run), and an evaluation loss of the final model on held-out win
 another seed) computed here from the peers' exit checkpoints, replica 0 of each stage. For two
 replicas, the largest parameter difference between them at the end. In periodic mode by time the
 run waits for one more averaging round after training before stopping the peers, so the evaluated
-model is an averaged one (by steps, the last round follows the last step when K divides --steps). Loss figures do not depend on timing; the tokens/s printed alongside do.
+model is an averaged one (by steps, the last round follows the last step when K divides --steps).
+Loss figures do not depend on timing; the tokens/s printed alongside do.
 """
 
 from __future__ import annotations
@@ -182,10 +183,10 @@ def main() -> None:
     if args.only:
         layouts = [layouts[0]] + [layout for layout in layouts[1:] if any(word in layout[0] for word in args.only)]
     load_before = os.getloadavg()
-    print(f"machine load (1/5/15 min) before: {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}", flush=True)
+    print("machine load (1/5/15 min) before: " + " ".join(f"{x:.1f}" for x in load_before), flush=True)
     runs = [run(name, args, replicas, averaging, extra) for name, replicas, averaging, extra in layouts]
     load_after = os.getloadavg()
-    print(f"machine load (1/5/15 min) after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}", flush=True)
+    print("machine load (1/5/15 min) after: " + " ".join(f"{x:.1f}" for x in load_after), flush=True)
     reference = runs[0]
     for result in runs:
         for key in ("final_loss", "eval_loss"):

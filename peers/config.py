@@ -47,11 +47,13 @@ class PeerConfig(NetworkConfig):
                             choices=["none", "sync", "periodic"])
     averaging_period_s: float | None = option(None, help="periodic mode: average parameters every this many seconds "
                                               "of DHT time; each replica steps on its own at --target-batch-size "
-                                              f"(default {DEFAULT_AVERAGING_PERIOD_S:g} unless --averaging-every-steps)")
+                                              f"(default {DEFAULT_AVERAGING_PERIOD_S:g} unless "
+                                              "--averaging-every-steps)")
     averaging_every_steps: int | None = option(None, help="periodic mode: instead of a period, average parameters "
                                                "right after every this many local steps; each replica then steps on "
                                                "the trainer's commit (on its share of the trainer's batch), and the "
-                                               "commit waits for the round (at most about --averaging-timeout-s)")
+                                               "commit waits for the round (hivemind bounds its matchmaking and its "
+                                               "all-reduce by --averaging-timeout-s each)")
     averaging_compression: str | None = option(None, help="averaging traffic: none (default; replicas agree exactly), "
                                                "fp16 (half the bytes) or int8 (blockwise 8-bit, a quarter); compressed, "
                                                "replicas agree only up to the codec's rounding of their differences "
@@ -128,7 +130,8 @@ class PeerConfig(NetworkConfig):
                 raise ConfigError("--averaging-period-s and --averaging-every-steps both set the averaging schedule; "
                                   "give one")
             if self.averaging != "periodic":
-                raise ConfigError("--averaging-every-steps schedules periodic averaging: use it with --averaging periodic")
+                raise ConfigError("--averaging-every-steps schedules periodic averaging: "
+                                  "use it with --averaging periodic")
             if self.averaging_every_steps < 1:
                 raise ConfigError("--averaging-every-steps must be at least 1")
         elif self.averaging_period_s is None:
