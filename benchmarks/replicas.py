@@ -23,7 +23,9 @@ another seed) computed here from the peers' exit checkpoints, replica 0 of each 
 replicas, the largest parameter difference between them at the end. In periodic mode by time the
 run waits for one more averaging round after training before stopping the peers, so the evaluated
 model is an averaged one (by steps, the last round follows the last step when K divides --steps).
-Loss figures do not depend on timing; the tokens/s printed alongside do.
+Loss figures depend on timing only slightly (periodic by time: through the rounds per step; every
+run: a peer sums a step's microbatch gradients in arrival order, which over 120 steps moved the
+1-replica reference by about 1%); the tokens/s printed alongside depend on it fully.
 """
 
 from __future__ import annotations
