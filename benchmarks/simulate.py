@@ -42,7 +42,10 @@ Model (every number below is a flag or a ``SimulationConfig`` field):
   them.
 - **Policies.** (1) ``static``: peers stay where ``choose_initial_stage`` put them.
   (2) ``rebalance``: each online peer calls ``decide_move`` (the function the peer server uses)
-  after ``next_check_delay_s(check_period_s)`` and moves if told to. (3) ``optimum``: at each
+  after ``next_check_delay_s(check_period_s)`` and moves if told to; with ``check_on_loss`` (the
+  default, as in the peer) every online peer also checks ``loss_check_delay_s`` after a view in
+  which ``stages_that_lost_replicas`` finds a stage that lost a replica. Peers deciding on the
+  same view share one ``plan_rebalance`` (``decision_in_plan``: the same answer as ``decide_move``). (3) ``optimum``: at each
   sample time, ``optimal_bottleneck`` over the throughputs of every live peer past its first
   join download (the assignment an oracle could use, with no move cost). For ~1,000 peers that
   is the upper bound ``min_k (sum - k largest)/(S - k)``, so shares are lower bounds; the LPT
@@ -61,13 +64,17 @@ import argparse
 import heapq
 import json
 import math
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from peers.rebalance import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
+from peers.rebalance import (  # noqa: E402
     RebalancePlan,
     ReplicaView,
     choose_initial_stage,
@@ -81,7 +88,7 @@ from peers.rebalance import (
     should_standby_take_over,
     stages_that_lost_replicas,
 )
-from peers.stage_assignment import greedy_bottleneck
+from peers.stage_assignment import greedy_bottleneck  # noqa: E402
 
 POLICIES = ("static", "rebalance")
 
@@ -111,10 +118,12 @@ class SimulationConfig:
     transfer_s: float = 120.0
     check_period_s: float = 300.0
     """Mean interval between a peer's rebalancing checks (SWARM's paper: 300 s)."""
-    check_on_loss: bool = False
+    check_on_loss: bool = True
     """Also check within ``loss_check_max_delay_s`` of a view in which a stage lost a replica
-    (``stages_that_lost_replicas``), as the peer's ``--rebalance-on-loss`` does."""
+    (``stages_that_lost_replicas``), as the peer does by default (``--rebalance-loss-watch-s``;
+    False: periodic checks only, the policy of the rows before commit f460ac0)."""
     loss_check_max_delay_s: float = 10.0
+    """The peer's ``--rebalance-loss-delay-s``."""
     min_gain: float = 0.01
     sample_period_s: float = 60.0
     standby_fraction: float = 0.0
@@ -467,8 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transfer-s", type=float, default=defaults.transfer_s)
     parser.add_argument("--view-period-s", type=float, default=defaults.view_period_s)
     parser.add_argument("--join-scale", type=float, default=defaults.join_scale)
-    parser.add_argument("--check-on-loss", action="store_true",
-                        help="also check right after a stage loses a replica (the peer's --rebalance-on-loss)")
+    parser.add_argument("--check-on-loss", action=argparse.BooleanOptionalAction, default=defaults.check_on_loss,
+                        help="also check right after a stage loses a replica, as the peer does "
+                             "(--no-check-on-loss: periodic checks only)")
     parser.add_argument("--loss-check-max-delay-s", type=float, default=defaults.loss_check_max_delay_s)
     parser.add_argument("--standby-fraction", type=float, default=defaults.standby_fraction,
                         help="fraction of peers started with --standby (backup pool)")

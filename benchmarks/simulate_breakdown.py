@@ -31,12 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.simulate import SimulationConfig, generate_trace, optimum_series, replay
-from peers.rebalance import ReplicaView, optimal_bottleneck, plan_rebalance
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
+from benchmarks.simulate import SimulationConfig, generate_trace, optimum_series, replay  # noqa: E402
+from peers.rebalance import ReplicaView, optimal_bottleneck, plan_rebalance  # noqa: E402
 
 SINCE_LOSS_BINS_S = (60.0, 180.0, 300.0, 600.0, math.inf)
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--join-scale", type=float, default=1.0)
-    parser.add_argument("--check-on-loss", action="store_true")
+    parser.add_argument("--check-on-loss", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--policy", default="rebalance", choices=("static", "rebalance"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/simulate_breakdown.json"))
     args = parser.parse_args(argv)
