@@ -68,10 +68,17 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
         bottleneck = min(range(config.stages), key=lambda s: (per_stage[s], s))
         joining_it = any(p.stage == bottleneck and p.record.state == "joining" for p in live.values())
         truth = [p.record for p in live.values()]
+        landed = [0.0] * config.stages  # once every move and join in flight has landed
+        for p in live.values():
+            landed[p.stage] += p.life.throughput
         plan = plan_rebalance(truth, config.stages, min_gain=config.min_gain)
+        plan_any_gain = plan_rebalance(truth, config.stages, min_gain=0.0)
         samples.append({
             "t_s": now_s, "achieved": achieved,
             "best_online": optimal_bottleneck([p.life.throughput for p in online], config.stages),
+            "landed": min(landed), "planned": plan.planned_bottleneck,
+            "planned_any_gain": plan_any_gain.planned_bottleneck,
+            "best_all": optimal_bottleneck([p.life.throughput for p in live.values()], config.stages),
             "repair_in_flight": joining_it, "true_plan_moves": len(plan.moves),
             "since_loss_s": now_s - lost_at_s[bottleneck],
             "live": len(live), "online": len(online),
@@ -96,12 +103,21 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
                 since[key] += gap
                 break
     achieved = math.fsum(s["achieved"] for s in samples)
+    landing = {
+        "transfers_landing": 100 * math.fsum(s["landed"] - s["achieved"] for s in samples) / total,
+        "placement_once_landed": 100 * math.fsum(s["best_all"] - s["landed"] for s in samples) / total,
+        "of_which_plan_not_yet_acted_on": 100 * math.fsum(s["planned"] - s["landed"] for s in samples) / total,
+        "of_which_min_gain": 100 * math.fsum(s["planned_any_gain"] - s["planned"] for s in samples) / total,
+        "of_which_planner_limit": 100 * math.fsum(s["best_all"] - s["planned_any_gain"] for s in samples) / total,
+        "optimum_minus_best_all": 100 * math.fsum(o - s["best_all"] for o, s in zip(optimum, samples)) / total,
+    }
     return {
         "config": {k: v for k, v in vars(config).items()},
         "policy": policy,
         "share_of_optimal": achieved / total,
         "lost_points": {k: 100 * v / total for k, v in parts.items()},
         "imbalance_by_time_since_bottleneck_lost_a_peer_points": {k: 100 * v / total for k, v in since.items()},
+        "lost_points_by_landing": landing,
         "moves": result["moves"], "checks": result["checks"],
         "samples": samples,
     }
@@ -123,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{args.policy}: {report['share_of_optimal']:.2%} of optimal, {report['moves']} moves; "
           f"points lost: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points"].items()))
+    print("points lost, other split: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points_by_landing"].items()))
     print("imbalance by time since the bottleneck stage lost a peer: "
           + ", ".join(f"{k} {v:.2f}" for k, v in
                       report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].items()))
