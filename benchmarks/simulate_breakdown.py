@@ -45,6 +45,12 @@ from peers.rebalance import ReplicaView, optimal_bottleneck, plan_rebalance  # n
 SINCE_LOSS_BINS_S = (60.0, 180.0, 300.0, 600.0, math.inf)
 
 
+def _thinnest_over_others_mean(totals: list[float]) -> float:
+    thinnest = min(range(len(totals)), key=lambda s: (totals[s], s))
+    others = [t for s, t in enumerate(totals) if s != thinnest]
+    return totals[thinnest] / (math.fsum(others) / len(others)) if others and math.fsum(others) > 0 else 1.0
+
+
 def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
     trace = generate_trace(config)
     optimum, _ = optimum_series(trace, config)
@@ -76,6 +82,8 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
         samples.append({
             "t_s": now_s, "achieved": achieved,
             "best_online": optimal_bottleneck([p.life.throughput for p in online], config.stages),
+            # what should_standby_take_over compares with its min_fraction (serving = online + joining)
+            "thinnest_over_others_mean": _thinnest_over_others_mean(landed),
             "landed": min(landed), "planned": plan.planned_bottleneck,
             "planned_any_gain": plan_any_gain.planned_bottleneck,
             "best_all": optimal_bottleneck([p.life.throughput for p in live.values()], config.stages),
@@ -118,6 +126,7 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
         "lost_points": {k: 100 * v / total for k, v in parts.items()},
         "imbalance_by_time_since_bottleneck_lost_a_peer_points": {k: 100 * v / total for k, v in since.items()},
         "lost_points_by_landing": landing,
+        "lowest_thinnest_over_others_mean": min(s["thinnest_over_others_mean"] for s in samples),
         "moves": result["moves"], "checks": result["checks"],
         "samples": samples,
     }
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     print("imbalance by time since the bottleneck stage lost a peer: "
           + ", ".join(f"{k} {v:.2f}" for k, v in
                       report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].items()))
+    print(f"lowest (thinnest stage / mean of the others), serving: {report['lowest_thinnest_over_others_mean']:.3f}")
     print(f"{time.perf_counter() - started:.1f} s wall; wrote {args.out}")
 
 
