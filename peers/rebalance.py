@@ -38,8 +38,9 @@ Rules, in one place:
 - **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
   them act on the same snapshot in the first place.
 - **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
-  looks at the swarm, a peer that served a stage stopped serving it (offline record, expired
-  record, moved away). Every peer then checks within ``loss_check_delay_s`` instead of waiting
+  looks at the swarm, a peer that served a stage stopped serving it (``offline`` record, or its
+  record expired; a planned move to another stage is not a loss: the plan that made it kept the
+  stage above the bottleneck). Every peer then checks within ``loss_check_delay_s`` instead of waiting
   for its randomised period; since only the peers named in the snapshot's plan move, the peers
   that react together move as one coordinated set. In a shrinking swarm this is where the
   periodic checks lost most (benchmarks/RESULTS.md: the named peer's next check was 150-450 s
@@ -316,9 +317,9 @@ def next_check_delay_s(period_s: float, rng: random.Random) -> float:
 def stages_that_lost_replicas(
     previous: Sequence[ReplicaView], current: Sequence[ReplicaView], num_stages: int
 ) -> tuple[int, ...]:
-    """Stages (ascending) where a peer that was *online* in ``previous`` is no longer serving in
-    ``current``: it announced ``offline``, its record expired (absent), or it moved to another
-    stage. A peer going from ``joining`` to ``online`` or arriving is no loss."""
+    """Stages (ascending) where a peer that was *online* in ``previous`` stopped serving by
+    ``current``: it announced ``offline`` there or its record expired (absent). A peer seen at
+    another stage moved by a plan (not a loss); a joining peer that leaves or an arrival is none."""
     before = _validated(previous, num_stages)
     now = {r.peer_id: r for r in _validated(current, num_stages)}
     lost: set[int] = set()

@@ -14,6 +14,9 @@ A move, in order:
    stage; a request for the old stage that reaches the thread later fails with `wrong_stage`
    (peers/stage_rpc.py), and the trainer fails it over to another replica;
 4. announce `online` at the new stage.
+
+When to check: every `--rebalance-period-s` (randomised), and within `--rebalance-loss-delay-s` of
+seeing a stage lose a replica (the swarm is re-read every `--rebalance-loss-watch-s`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class StageMoves:
             if time.monotonic() >= next_check_at:
                 next_check_at = time.monotonic() + next_check_delay_s(self.config.rebalance_period_s, rng)
             else:  # a look between periodic checks: check soon if a stage lost a replica since the last one
+                # (a DHT lookup that timed out reads as an empty stage: at worst one needless check)
                 try:
                     views = await self._swarm_views(include_self=False)
                     lost = () if seen is None else stages_that_lost_replicas(seen, views, self.runtime.num_stages)
