@@ -89,3 +89,22 @@ def test_a_check_on_loss_repairs_the_bottleneck_long_before_the_periodic_check()
     # The loss is seen in the view at 105 s, the check follows within 10 s, the move lands 120 s later.
     assert on_loss["samples_per_s"][1:4] == [3.0, 1.0, 1.0] and on_loss["samples_per_s"][4:] == [2.0] * 6
     assert on_loss["moves"] == 1 and on_loss["loss_checks"] >= 1
+
+
+def test_the_breakdown_accounts_for_the_whole_gap_to_the_optimum():
+    from benchmarks.simulate_breakdown import breakdown
+
+    config = SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0, join_scale=0.0, check_period_s=120.0)
+    report = breakdown(config)
+    assert report["share_of_optimal"] == simulate(config)["policies"]["rebalance"]["share_of_optimal"]
+    gap_points = 100 * (1 - report["share_of_optimal"])
+    assert gap_points > 0
+    by_landing = report["lost_points_by_landing"]
+    telescoped = (by_landing["transfers_landing"] + by_landing["placement_once_landed"]
+                  + by_landing["optimum_minus_best_all"])
+    assert abs(telescoped - gap_points) < 1e-9
+    placement = (by_landing["of_which_plan_not_yet_acted_on"] + by_landing["of_which_min_gain"]
+                 + by_landing["of_which_planner_limit"])
+    assert abs(placement - by_landing["placement_once_landed"]) < 1e-9
+    assert abs(sum(report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].values())
+               - sum(v for k, v in report["lost_points"].items() if k != "in_transit")) < 1e-9
