@@ -35,6 +35,7 @@ from peers.protocol import encode_tensor  # noqa: E402
 from swarm.client import FailureKind, PeerCallError, StageClient  # noqa: E402
 from swarm.compression import CodecChoice  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 
 def bad_requests(config):
@@ -194,9 +195,7 @@ def main() -> int:
         "garbage peer still up (banned, not crashed)": result["garbage_peer_alive"],
     }
     result["checks"] = checks
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_report(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "checkpoints"}, indent=2))
     print(f"{len(checkpoints)} checkpoints: {sorted(set(v.split(' (')[0] for v in checkpoints.values()))}")
     for name, ok in checks.items():

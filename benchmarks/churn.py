@@ -53,6 +53,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
+
 
 # --- the schedule ------------------------------------------------------------------------------------
 
@@ -341,11 +343,8 @@ def main() -> int:
         print(details[-2000:], file=sys.stderr)
         print(f"churn: error: {first_line}", file=sys.stderr)
         return 1
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
     print(summary(result))
-    print(f"wrote {args.out}")
+    write_report(args.out, result, indent=1)
     return 0
 
 

@@ -13,7 +13,6 @@ On a busy 2-core machine, torch's default of 2 intra-op threads can be several t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from swarm.compression import BlockwiseInt8Codec, decode, get_codec  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 CASES = [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.01}), ("topk", {"fraction": 0.1})]
 
@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

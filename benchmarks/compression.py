@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import get_model_config  # noqa: E402
 from swarm.codec_policy import CODEC_MODES  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 INT8_MAX_LOSS_INCREASE = 0.02  # goal: int8's final loss within 2% of the uncompressed one
 INT8_MIN_BYTE_REDUCTION = 3.5  # ... with at least 3.5x fewer bytes
@@ -148,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
            "topk_fraction": args.topk_fraction, "cpus": os.cpu_count(), "machine": platform.machine(),
            "load_average_at_end": os.getloadavg(), "wall_s": time.monotonic() - started,
            "results": list(results.values()), "goals": verdicts}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"\nwrote {args.out}")
+    write_report(args.out, out)
     return 0
 
 

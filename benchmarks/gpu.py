@@ -31,6 +31,7 @@ from peers import devices  # noqa: E402
 from peers.stage_runtime import OptimizerSettings  # noqa: E402
 from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 
 def plain_pytorch(model_name: str, device: torch.device, optimizer: str, precision: str, steps: int, warmup: int,
@@ -150,10 +151,7 @@ def main() -> int:
            "precision": args.precision, "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
            "microbatch_size": args.microbatch_size, "torch": torch.__version__, "machine": platform.machine(),
            "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"\nwrote {args.out}")
+    write_report(args.out, out)
     return 0
 
 

@@ -37,6 +37,7 @@ from swarm.local_swarm import LocalSwarm  # noqa: E402
 from swarm.planner.cost import evaluate_plan, pair_costs  # noqa: E402
 from swarm.planner.search import search_plan  # noqa: E402
 from swarm.planner.topology import topology_from_dict  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 # The small model's sizes (swarm/planner/workload.estimated_communication_sizes, 2 stages, 32 samples
 # per macro-batch, fp32): activations 4.2 MB per cut, gradients 9.9 MB per stage.
@@ -178,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"  from true topology:  {best.cost.total_s:.3f} s   {result['plan_from_true_topology']['stage_hosts']}")
     _say(f"  random plans:        mean {np.mean(random_costs):.3f} s (min {min(random_costs):.3f}, "
          f"max {max(random_costs):.3f}, {len(random_costs)} plans)")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    _say(f"wrote {args.out}")
+    write_report(args.out, result, indent=1)
     return 0
 
 

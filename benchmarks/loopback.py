@@ -28,6 +28,7 @@ from models.stages import build_full_model  # noqa: E402
 from peers.stage_runtime import OptimizerSettings  # noqa: E402
 from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 
 def plain_pytorch(model_name: str, steps: int, warmup: int, batch_size: int, microbatch_size: int,
@@ -111,10 +112,7 @@ def main() -> int:
     out = {"benchmark": "loopback", "model": args.model, "steps": args.steps, "warmup": args.warmup,
            "batch_size": args.batch_size, "microbatch_size": args.microbatch_size, "cpus": os.cpu_count(),
            "machine": platform.machine(), "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"\nwrote {args.out}")
+    write_report(args.out, out)
     return 0
 
 

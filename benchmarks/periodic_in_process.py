@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
 from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 VARIANTS = ("one", "params", "params+adam")
 
@@ -114,10 +114,7 @@ def main() -> None:
                 gap = result["final_loss"] / results["one"]["final_loss"] - 1
                 result["vs_one"] = gap
                 print(f"{variant}: {gap:+.1%} against one", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_report(args.out, {"args": vars(args), "results": results}, indent=1)
 
 
 if __name__ == "__main__":

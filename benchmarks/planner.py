@@ -10,7 +10,6 @@ best known cost (SEEDS.md). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -25,6 +24,7 @@ if str(REPO) not in sys.path:
 from swarm.planner.cost import evaluate_plan, pair_costs  # noqa: E402
 from swarm.planner.search import search_plan  # noqa: E402
 from swarm.planner.topology import load_topology  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 SCENARIOS = REPO / "benchmarks" / "dtfm_scenarios"
 PAPER_BEST_S = {"case1": 3.44, "case2": 49.50, "case3": 16.09, "case4": 34.80, "case5": 49.22}
@@ -87,15 +87,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['planner_best_found_s']:.1f} | {row['megatron_total_s']:.2f} "
             f"| {row['random_mean_total_s']:.2f} | {row['paper_best_total_s']:.2f} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_report(args.out, {
         "seed": args.seed,
         "time_limit_s": args.time_limit_s,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "results": rows,
-    }, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    }, indent=1)
     return 0
 
 

@@ -45,6 +45,7 @@ from swarm.planner.opfence import opfence_plan  # noqa: E402
 from swarm.planner.search import search_plan  # noqa: E402
 from swarm.planner.topology import load_topology  # noqa: E402
 from swarm.planner.workload import communication_sizes, with_communication_sizes  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 SCENARIOS = REPO / "benchmarks" / "dtfm_scenarios"
 RESULTS = REPO / "benchmarks" / "RESULTS_profile.md"
@@ -276,8 +277,7 @@ def main() -> int:
     if args.part in ("all", "planner"):
         result["planner"] = planner_part(args)
     result["load_after"] = os.getloadavg()[0]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_report(args.out, result, indent=1)
     command = "nice -n 10 .venv/bin/python benchmarks/profiled_split.py " + " ".join(sys.argv[1:])
     write_results(result, command.strip())
     print(f"wrote {args.out} and {RESULTS}")

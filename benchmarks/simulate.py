@@ -42,7 +42,10 @@ Model (every number below is a flag or a ``SimulationConfig`` field):
   them.
 - **Policies.** (1) ``static``: peers stay where ``choose_initial_stage`` put them.
   (2) ``rebalance``: each online peer calls ``decide_move`` (the function the peer server uses)
-  after ``next_check_delay_s(check_period_s)`` and moves if told to. (3) ``optimum``: at each
+  after ``next_check_delay_s(check_period_s)`` and moves if told to; with ``check_on_loss`` (the
+  default, as in the peer) every online peer also checks ``loss_check_delay_s`` after a view in
+  which ``stages_that_lost_replicas`` finds a stage that lost a replica. Peers deciding on the
+  same view share one ``plan_rebalance`` (``decision_in_plan``: the same answer as ``decide_move``). (3) ``optimum``: at each
   sample time, ``optimal_bottleneck`` over the throughputs of every live peer past its first
   join download (the assignment an oracle could use, with no move cost). For ~1,000 peers that
   is the upper bound ``min_k (sum - k largest)/(S - k)``, so shares are lower bounds; the LPT
@@ -61,22 +64,31 @@ import argparse
 import heapq
 import json
 import math
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from peers.rebalance import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
+from peers.rebalance import (  # noqa: E402
+    RebalancePlan,
     ReplicaView,
     choose_initial_stage,
     choose_standby_target,
     decide_move,
+    decision_in_plan,
+    loss_check_delay_s,
     next_check_delay_s,
     optimal_bottleneck,
+    plan_rebalance,
     should_standby_take_over,
+    stages_that_lost_replicas,
 )
-from peers.stage_assignment import greedy_bottleneck
+from peers.stage_assignment import greedy_bottleneck  # noqa: E402
 
 POLICIES = ("static", "rebalance")
 
@@ -106,6 +118,12 @@ class SimulationConfig:
     transfer_s: float = 120.0
     check_period_s: float = 300.0
     """Mean interval between a peer's rebalancing checks (SWARM's paper: 300 s)."""
+    check_on_loss: bool = True
+    """Also check within ``loss_check_max_delay_s`` of a view in which a stage lost a replica
+    (``stages_that_lost_replicas``), as the peer does by default (``--rebalance-loss-watch-s``;
+    False: periodic checks only, the policy of the rows before commit f460ac0)."""
+    loss_check_max_delay_s: float = 10.0
+    """The peer's ``--rebalance-loss-delay-s``."""
     min_gain: float = 0.01
     sample_period_s: float = 60.0
     standby_fraction: float = 0.0
@@ -127,6 +145,8 @@ class SimulationConfig:
                      "standby_refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if not self.loss_check_max_delay_s >= 0:
+            raise ValueError("loss_check_max_delay_s must be >= 0")
         if self.join_scale < 0:
             raise ValueError("join_scale must be >= 0")
         if not 0 <= self.preempt_fraction <= 1:
@@ -216,13 +236,16 @@ def draw_standbys(trace: list[PeerLife], config: SimulationConfig) -> list[bool]
 
 
 def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
-           is_standby: list[bool] | None = None) -> dict:
+           is_standby: list[bool] | None = None, observe=None) -> dict:
     """Run one policy over the trace; per-sample throughput and move counts.
 
-    ``is_standby`` (one flag per trace entry; default ``draw_standbys``) picks the backup pool."""
+    ``is_standby`` (one flag per trace entry; default ``draw_standbys``) picks the backup pool.
+    ``observe(now_s, live, view)``, if given, is called at every sample with the live peers
+    (trace index -> ``_Peer``) and the view peers decide on (benchmarks/simulate_breakdown.py)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}")
     check_rng = random.Random(config.seed + 1)
+    loss_rng = random.Random(config.seed + 3)  # own RNG: the periodic checks' timing is unchanged
     events: list[tuple[float, int, str, int]] = []  # (time_s, seq, kind, trace index)
     seq = 0
 
@@ -253,6 +276,10 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
             schedule(life.arrive_s, "arrive", i)
         schedule(life.depart_s, "depart", i)
     view: list[ReplicaView] = [p.record for p in live.values()]
+    view_records: dict[str, ReplicaView] = {r.peer_id: r for r in view}
+    view_plan: RebalancePlan | None = None  # plan_rebalance(view), computed at most once per view
+    pending_loss_checks: set[int] = set()
+    loss_checks = 0
     schedule(config.view_period_s, "view")
     schedule(0.0, "sample")
 
@@ -281,15 +308,26 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
     while events:
         now_s, _, kind, i = heapq.heappop(events)
         if kind == "view":
+            previous_view = view
             view = [p.record for p in live.values()] + list(ghosts.values())
+            view_records, view_plan = {r.peer_id: r for r in view}, None
             view_version += 1
             schedule(now_s + config.view_period_s, "view")
+            if (policy == "rebalance" and config.check_on_loss
+                    and stages_that_lost_replicas(previous_view, view, config.stages)):
+                for j, peer in live.items():
+                    if peer.record.state == "online" and j not in pending_loss_checks:
+                        pending_loss_checks.add(j)
+                        schedule(now_s + loss_check_delay_s(config.loss_check_max_delay_s, loss_rng),
+                                 "loss_check", j)
         elif kind == "sample":
             per_stage = [0.0] * config.stages
             for p in live.values():
                 if p.record.state == "online":
                     per_stage[p.stage] += p.life.throughput
             samples_per_s.append(min(per_stage))
+            if observe is not None:
+                observe(now_s, live, view)
             schedule(now_s + config.sample_period_s, "sample")
         elif kind == "arrive" and is_standby[i]:
             if trace[i].depart_s > now_s:
@@ -343,15 +381,23 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
             peer = live.get(i)
             if peer is not None and peer.online_at_s <= now_s:
                 peer.record = ReplicaView(peer.life.peer_id, peer.stage, peer.life.throughput, "online")
-        elif kind == "check":
+        elif kind in ("check", "loss_check"):
             peer = live.get(i)
+            if kind == "loss_check":
+                pending_loss_checks.discard(i)
             if peer is None:
                 continue
-            delay_s = next_check_delay_s(config.check_period_s, check_rng)
+            delay_s = next_check_delay_s(config.check_period_s, check_rng) if kind == "check" else 0.0
             if peer.record.state == "online":
                 checks += 1
-                decision = decide_move(peer.life.peer_id, _with_own_record(view, peer.record),
-                                       config.stages, min_gain=config.min_gain)
+                loss_checks += kind == "loss_check"
+                if view_records.get(peer.life.peer_id) == peer.record:  # the view holds its current record
+                    if view_plan is None:
+                        view_plan = plan_rebalance(view, config.stages, min_gain=config.min_gain)
+                    decision = decision_in_plan(peer.record, view_plan)
+                else:
+                    decision = decide_move(peer.life.peer_id, _with_own_record(view, peer.record),
+                                           config.stages, min_gain=config.min_gain)
                 if decision.move:
                     moves += 1
                     peer.stage = decision.to_stage
@@ -359,9 +405,10 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
                     peer.record = ReplicaView(peer.life.peer_id, peer.stage, peer.life.throughput, "joining")
                     schedule(peer.online_at_s, "online", i)
                     delay_s += config.transfer_s
-            schedule(now_s + delay_s, "check", i)
+            if kind == "check":
+                schedule(now_s + delay_s, "check", i)
     peer_hours = sum(min(life.depart_s, config.duration_s) - life.arrive_s for life in trace) / 3600
-    return {"samples_per_s": samples_per_s, "moves": moves, "checks": checks,
+    return {"samples_per_s": samples_per_s, "moves": moves, "checks": checks, "loss_checks": loss_checks,
             "moves_per_peer_hour": moves / peer_hours, "standby_peers": sum(is_standby),
             "standby_take_overs": take_overs, "standby_downloads": standby_downloads,
             "standby_at_end": len(standbys)}
@@ -429,6 +476,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transfer-s", type=float, default=defaults.transfer_s)
     parser.add_argument("--view-period-s", type=float, default=defaults.view_period_s)
     parser.add_argument("--join-scale", type=float, default=defaults.join_scale)
+    parser.add_argument("--check-on-loss", action=argparse.BooleanOptionalAction, default=defaults.check_on_loss,
+                        help="also check right after a stage loses a replica, as the peer does "
+                             "(--no-check-on-loss: periodic checks only)")
+    parser.add_argument("--loss-check-max-delay-s", type=float, default=defaults.loss_check_max_delay_s)
     parser.add_argument("--standby-fraction", type=float, default=defaults.standby_fraction,
                         help="fraction of peers started with --standby (backup pool)")
     parser.add_argument("--standby-take-over-fraction", type=float, default=defaults.standby_take_over_fraction,
@@ -440,7 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     config = SimulationConfig(
         seed=args.seed, peers=args.peers, stages=args.stages, duration_s=args.duration_s,
         min_gain=args.min_gain, check_period_s=args.check_period_s, transfer_s=args.transfer_s,
-        view_period_s=args.view_period_s, join_scale=args.join_scale,
+        view_period_s=args.view_period_s, join_scale=args.join_scale, check_on_loss=args.check_on_loss,
+        loss_check_max_delay_s=args.loss_check_max_delay_s,
         standby_fraction=args.standby_fraction, standby_take_over_fraction=args.standby_take_over_fraction,
         standby_instant_take_over=args.standby_instant_take_over,
     )

@@ -50,6 +50,7 @@ from benchmarks.netem.probe import verify_links  # noqa: E402
 from benchmarks.netem.topology import TopologyError, load_topology  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 GPIPE_PORT = 29500
 # gpipe / gpipe-kill: the baseline; faults: int8 swarm with a slowed and a killed peer; others: swarm with that codec
@@ -502,10 +503,8 @@ def main(argv: list[str] | None = None) -> int:
            "topology": topology.to_dict(), "settings": asdict(settings), "cpus": os.cpu_count(),
            "machine": platform.machine(), "wall_s": time.monotonic() - started,
            "links": [asdict(p) for p in probes], "results": [asdict(r) for r in results], "workdir": workdir}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    _say(f"\nwrote {args.out} (logs in {workdir}) after {out['wall_s']:.0f} s")
+    write_report(args.out, out)
+    _say(f"logs in {workdir}; {out['wall_s']:.0f} s in all")
     return 0
 
 

@@ -9,18 +9,14 @@ malformed one is logged and skipped.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from typing import Any
 
 import hivemind
-from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dht.signing import identity_of, owned_entries
 from dht.keys import links_key, peer_subkey
-
-logger = logging.getLogger(__name__)
+from dht.signing import identity_of, owned_entries
+from dht.subkey_records import await_store, lookup, lookup_async, misfiled_under, parse_entries
 
 MAX_LINKS_PER_RECORD = 256
 
@@ -84,18 +80,7 @@ class LinkRecord(BaseModel):
 def parse_link_records(entries: dict[Any, Any], *, model: str) -> list[LinkRecord]:
     """Parse every subkey of a model's links key, sorted by peer id; skip (with a warning) what is
     malformed, names another model, or whose subkey does not match the peer id inside."""
-    records = []
-    for subkey, value in sorted(entries.items(), key=lambda kv: str(kv[0])):
-        try:
-            record = LinkRecord.from_wire(value)
-        except ValueError as e:
-            logger.warning(f"Skipping link record {subkey!r} for {model}: {e}")
-            continue
-        if record.peer_id != subkey or record.model != model:
-            logger.warning(f"Skipping link record {subkey!r}: it names peer {record.peer_id}, model {record.model}")
-            continue
-        records.append(record)
-    return records
+    return parse_entries(entries, LinkRecord.from_wire, misfiled_under(model), kind="link record", where=model)
 
 
 # --- DHT I/O -------------------------------------------------------------------------------------
@@ -103,37 +88,21 @@ def parse_link_records(entries: dict[Any, Any], *, model: str) -> list[LinkRecor
 async def publish_links_async(dht: hivemind.DHT, record: LinkRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` until its `expires_at`. Returns whether it was stored."""
     future = dht.store(links_key(record.model), subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
-                       value=record.to_wire(),
-                       expiration_time=record.expires_at, return_future=True)
-    try:
-        return bool(await asyncio.wait_for(future, timeout=timeout_s))
-    except asyncio.TimeoutError:
-        future.cancel()
-        logger.warning(f"Publishing the links of {record.peer_id[-8:]} timed out after {timeout_s} s")
-        return False
+                       value=record.to_wire(), expiration_time=record.expires_at, return_future=True)
+    return await await_store(future, timeout_s=timeout_s, what=f"Publishing the links of {record.peer_id[-8:]}")
 
 
-def _records_from_result(result, model: str) -> list[LinkRecord]:
-    if result is None or not isinstance(result.value, dict):
-        return []
-    now = get_dht_time()
-    entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
+def _parse(entries: dict, model: str) -> list[LinkRecord]:
     entries = owned_entries(entries, what=f"{model} link records")  # signed by the peer they name
     return parse_link_records(entries, model=model)
 
 
 def fetch_link_records(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[LinkRecord]:
     """Every unexpired link record of a model (blocking; malformed entries are skipped)."""
-    result = dht.get(links_key(model), latest=True, return_future=True).result(timeout=timeout_s)
-    return _records_from_result(result, model)
+    return _parse(lookup(dht, links_key(model), timeout_s=timeout_s), model)
 
 
 async def fetch_link_records_async(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[LinkRecord]:
-    future = dht.get(links_key(model), latest=True, return_future=True)
-    try:
-        result = await asyncio.wait_for(future, timeout=timeout_s)
-    except asyncio.TimeoutError:
-        future.cancel()
-        logger.warning(f"DHT lookup of the links of {model} timed out after {timeout_s} s")
-        return []
-    return _records_from_result(result, model)
+    """Every unexpired link record of a model; [] (with a warning) when the lookup times out."""
+    entries = await lookup_async(dht, links_key(model), timeout_s=timeout_s, what=f"the links of {model}")
+    return _parse(entries or {}, model)

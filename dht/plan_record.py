@@ -8,8 +8,6 @@ a stage index, or None when the plan does not place it (a spare, or a peer that 
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
 from typing import Any
 
@@ -17,10 +15,9 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dht.signing import identity_of, owned_entries
 from dht.keys import peer_subkey, plan_key
-
-logger = logging.getLogger(__name__)
+from dht.signing import identity_of, owned_entries
+from dht.subkey_records import await_store, lookup, lookup_async, parse_entries, wait_store
 
 MAX_PLAN_PEERS = 1024
 
@@ -99,18 +96,13 @@ def current_plan(entries: dict[Any, Any], *, model: str, now: float) -> PlanReco
     """The newest (by `created_at`, then planner id) valid, unexpired plan of `model` among DHT
     entries {subkey: value}; malformed entries and ones whose subkey is not their planner are
     logged and skipped."""
-    plans = []
-    for subkey, value in sorted(entries.items(), key=lambda kv: str(kv[0])):
-        try:
-            plan = PlanRecord.from_wire(value)
-        except ValueError as e:
-            logger.warning(f"Skipping plan record {subkey!r} for {model}: {e}")
-            continue
+    def misplaced(subkey, plan: PlanRecord) -> str | None:
         if plan.planner_id != subkey or plan.model != model:
-            logger.warning(f"Skipping plan record {subkey!r}: it names planner {plan.planner_id}, model {plan.model}")
-            continue
-        if plan.expires_at > now:
-            plans.append(plan)
+            return f"it names planner {plan.planner_id}, model {plan.model}"
+        return None
+
+    plans = [plan for plan in parse_entries(entries, PlanRecord.from_wire, misplaced, kind="plan record", where=model)
+             if plan.expires_at > now]
     return max(plans, key=lambda p: (p.created_at, p.planner_id), default=None)
 
 
@@ -124,47 +116,24 @@ def _store(dht: hivemind.DHT, plan: PlanRecord):
 
 def publish_plan(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `plan` (blocking). Returns whether it was stored."""
-    future = _store(dht, plan)
-    try:
-        return bool(future.result(timeout=timeout_s))
-    except TimeoutError:
-        future.cancel()
-        logger.warning(f"Publishing the plan of {plan.model} timed out after {timeout_s} s")
-        return False
+    return wait_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
 
 
 async def publish_plan_async(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:
-    future = _store(dht, plan)
-    try:
-        return bool(await asyncio.wait_for(future, timeout=timeout_s))
-    except asyncio.TimeoutError:
-        future.cancel()
-        logger.warning(f"Publishing the plan of {plan.model} timed out after {timeout_s} s")
-        return False
+    return await await_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
 
 
-def _plan_from_result(result, model: str) -> PlanRecord | None:
-    if result is None or not isinstance(result.value, dict):
-        return None
-    now = get_dht_time()
-    entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
+def _current(entries: dict, model: str) -> PlanRecord | None:
     entries = owned_entries(entries, what=f"{model} plans")  # signed by the peer they name
-    return current_plan(entries, model=model, now=now)
+    return current_plan(entries, model=model, now=get_dht_time())
 
 
 def fetch_plan(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> PlanRecord | None:
     """The current plan of `model`, or None (blocking; raises TimeoutError if the DHT does not answer)."""
-    result = dht.get(plan_key(model), latest=True, return_future=True).result(timeout=timeout_s)
-    return _plan_from_result(result, model)
+    return _current(lookup(dht, plan_key(model), timeout_s=timeout_s), model)
 
 
 async def fetch_plan_async(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> PlanRecord | None:
     """The current plan of `model`, or None (also when the lookup times out, with a warning)."""
-    future = dht.get(plan_key(model), latest=True, return_future=True)
-    try:
-        result = await asyncio.wait_for(future, timeout=timeout_s)
-    except asyncio.TimeoutError:
-        future.cancel()
-        logger.warning(f"DHT lookup of the plan of {model} timed out after {timeout_s} s")
-        return None
-    return _plan_from_result(result, model)
+    entries = await lookup_async(dht, plan_key(model), timeout_s=timeout_s, what=f"the plan of {model}")
+    return None if entries is None else _current(entries, model)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-logger = logging.getLogger(__name__)
+from dht.subkey_records import misfiled_under, parse_entries
 
 PROTOCOL_VERSION = 1
 
@@ -57,19 +56,12 @@ class PeerRecord(BaseModel):
 def parse_records(entries: dict[Any, Any], *, model: str, stage: int) -> list[PeerRecord]:
     """Parse every subkey of a stage key; skip (with a warning) what is malformed, belongs to
     another stage or model, or whose subkey does not match the peer id inside."""
-    records = []
-    for subkey, value in sorted(entries.items(), key=lambda kv: str(kv[0])):
-        try:
-            record = PeerRecord.from_wire(value)
-        except ValueError as e:
-            logger.warning(f"Skipping DHT record {subkey!r} for {model} stage {stage}: {e}")
-            continue
+    def misplaced(subkey, record: PeerRecord) -> str | None:
         if record.peer_id != subkey or record.model != model or record.stage != stage:
-            logger.warning(f"Skipping DHT record {subkey!r}: it names peer {record.peer_id}, "
-                           f"model {record.model}, stage {record.stage}")
-            continue
-        records.append(record)
-    return records
+            return f"it names peer {record.peer_id}, model {record.model}, stage {record.stage}"
+        return None
+
+    return parse_entries(entries, PeerRecord.from_wire, misplaced, kind="DHT record", where=f"{model} stage {stage}")
 
 
 class SplitRecord(BaseModel):
@@ -118,15 +110,4 @@ class SplitRecord(BaseModel):
 def parse_split_records(entries: dict[Any, Any], *, model: str) -> list[SplitRecord]:
     """Parse every subkey of a model's split key; skip (with a warning) what is malformed, names
     another model, or whose subkey does not match the peer id inside."""
-    records = []
-    for subkey, value in sorted(entries.items(), key=lambda kv: str(kv[0])):
-        try:
-            record = SplitRecord.from_wire(value)
-        except ValueError as e:
-            logger.warning(f"Skipping split record {subkey!r} for {model}: {e}")
-            continue
-        if record.peer_id != subkey or record.model != model:
-            logger.warning(f"Skipping split record {subkey!r}: it names peer {record.peer_id}, model {record.model}")
-            continue
-        records.append(record)
-    return records
+    return parse_entries(entries, SplitRecord.from_wire, misfiled_under(model), kind="split record", where=model)

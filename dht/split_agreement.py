@@ -10,17 +10,12 @@ stored: the later claim (by `since`, then peer id) withdraws.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 import hivemind
-from hivemind.utils import get_dht_time
 
 from dht.keys import peer_subkey, split_key
 from dht.records import SplitRecord, parse_split_records
 from dht.signing import allowed_peers_of, identity_of, owned_entries
-
-logger = logging.getLogger(__name__)
+from dht.subkey_records import await_store, lookup, lookup_async, wait_store
 
 
 class SplitConflictError(RuntimeError):
@@ -89,45 +84,26 @@ def _store(dht: hivemind.DHT, record: SplitRecord):
                      expiration_time=record.expires_at, return_future=True)
 
 
-def _records_from_result(result, model: str, allowed: frozenset[str] | None) -> list[SplitRecord]:
-    if result is None or not isinstance(result.value, dict):
-        return []
-    now = get_dht_time()
-    entries = {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
-    return parse_split_records(owned_entries(entries, what=f"{model} split", allowed=allowed), model=model)
+def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[SplitRecord]:
+    owned = owned_entries(entries, what=f"{model} split", allowed=allowed_peers_of(dht))
+    return parse_split_records(owned, model=model)
 
 
 def publish_split(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` (blocking). Returns whether it was stored."""
-    try:
-        return bool(_store(dht, record).result(timeout=timeout_s))
-    except TimeoutError:
-        logger.warning(f"Stating the split of {record.model} timed out after {timeout_s} s")
-        return False
+    return wait_store(_store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
 
 
 async def publish_split_async(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
-    future = _store(dht, record)
-    try:
-        return bool(await asyncio.wait_for(future, timeout=timeout_s))
-    except asyncio.TimeoutError:
-        future.cancel()
-        logger.warning(f"Stating the split of {record.model} timed out after {timeout_s} s")
-        return False
+    return await await_store(_store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
 
 
 def fetch_split_records(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[SplitRecord]:
     """Every unexpired split record of a model (blocking; malformed entries are skipped)."""
-    result = dht.get(split_key(model), latest=True, return_future=True).result(timeout=timeout_s)
-    return _records_from_result(result, model, allowed_peers_of(dht))
+    return _parse(dht, lookup(dht, split_key(model), timeout_s=timeout_s), model)
 
 
 async def fetch_split_records_async(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[SplitRecord]:
-    future = dht.get(split_key(model), latest=True, return_future=True)
-    try:
-        result = await asyncio.wait_for(future, timeout=timeout_s)
-    except asyncio.TimeoutError:
-        future.cancel()
-        logger.warning(f"DHT lookup of the split of {model} timed out after {timeout_s} s")
-        return []
-    return _records_from_result(result, model, allowed_peers_of(dht))
+    """Every unexpired split record of a model; [] (with a warning) when the lookup times out."""
+    entries = await lookup_async(dht, split_key(model), timeout_s=timeout_s, what=f"the split of {model}")
+    return _parse(dht, entries or {}, model)

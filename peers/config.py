@@ -78,6 +78,11 @@ class PeerConfig(NetworkConfig):
     metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
     rebalance_period_s: float = option(0.0, help="check about this often (randomised in [0.5, 1.5] x) whether moving to "
                                        "another stage raises the swarm's bottleneck, and move if so (0 = never move)")
+    rebalance_loss_watch_s: float = option(5.0, help="with --rebalance-period-s: also re-read the swarm this often "
+                                           "and, when a stage lost a replica since the last look, check within "
+                                           "--rebalance-loss-delay-s instead of at the next period (0 = periodic only)")
+    rebalance_loss_delay_s: float = option(10.0, help="longest random delay from seeing a lost replica to the check "
+                                           "it triggers (spreads the peers' reads of the DHT)")
     rebalance_min_gain: float = option(0.2, help="move only if the swarm's bottleneck throughput rises by more than this "
                                        "fraction (hysteresis)")
     standby: bool = option(False, help="join the backup pool: serve nothing, keep a recent copy of the thinnest stage's "
@@ -123,8 +128,10 @@ class PeerConfig(NetworkConfig):
         stage_spec(config, 0 if self.stage == AUTO_STAGE else self.stage, self.num_stages, self.requested_boundaries)
         if not 0 <= self.standby_take_over_fraction <= 1:
             raise ConfigError("--standby-take-over-fraction must be within [0, 1]")
-        if self.rebalance_period_s < 0 or self.rebalance_min_gain < 0:
-            raise ConfigError("--rebalance-period-s and --rebalance-min-gain must be >= 0")
+        if min(self.rebalance_period_s, self.rebalance_min_gain, self.rebalance_loss_watch_s,
+               self.rebalance_loss_delay_s) < 0:
+            raise ConfigError("--rebalance-period-s, --rebalance-min-gain, --rebalance-loss-watch-s and "
+                              "--rebalance-loss-delay-s must be >= 0")
         if self.averaging_every_steps is not None:
             if self.averaging_period_s is not None:
                 raise ConfigError("--averaging-period-s and --averaging-every-steps both set the averaging schedule; "

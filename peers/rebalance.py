@@ -37,6 +37,14 @@ Rules, in one place:
   the measured trade-off between ``min_gain``, moves and throughput.
 - **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
   them act on the same snapshot in the first place.
+- **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
+  looks at the swarm, a peer that served a stage stopped serving it (``offline`` record, or its
+  record expired; a planned move to another stage is not a loss: the plan that made it kept the
+  stage above the bottleneck). Every peer then checks within ``loss_check_delay_s`` instead of waiting
+  for its randomised period; since only the peers named in the snapshot's plan move, the peers
+  that react together move as one coordinated set. In a shrinking swarm this is where the
+  periodic checks lost most (benchmarks/RESULTS.md: the named peer's next check was 150-450 s
+  away while the bottleneck stayed short).
 """
 
 from __future__ import annotations
@@ -60,11 +68,14 @@ __all__ = [
     "choose_initial_stage",
     "choose_standby_target",
     "decide_move",
+    "decision_in_plan",
+    "loss_check_delay_s",
     "next_check_delay_s",
     "optimal_bottleneck",
     "plan_rebalance",
     "should_standby_take_over",
     "stage_throughputs",
+    "stages_that_lost_replicas",
 ]
 
 STATES = ("joining", "online", "offline")
@@ -256,8 +267,14 @@ def decide_move(
     me = next((r for r in replicas if r.peer_id == self_peer_id), None)
     if me is None:
         raise ValueError(f"{self_peer_id!r} is not in the snapshot; add its own record first")
-    plan = plan_rebalance(replicas, num_stages, min_gain=min_gain)
-    mine = next((m for m in plan.moves if m.peer_id == self_peer_id), None)
+    return decision_in_plan(me, plan_rebalance(replicas, num_stages, min_gain=min_gain))
+
+
+def decision_in_plan(me: ReplicaView, plan: RebalancePlan) -> MoveDecision:
+    """``decide_move`` for the peer ``me`` given the snapshot's plan (``plan_rebalance`` of a
+    snapshot holding ``me``'s own record): it moves only if the plan names it. Lets a caller
+    that decides for many peers over one snapshot (benchmarks/simulate.py) plan once."""
+    mine = next((m for m in plan.moves if m.peer_id == me.peer_id), None)
     if mine is not None:
         return MoveDecision(
             True, me.stage, mine.to_stage, plan.current_bottleneck, plan.planned_bottleneck,
@@ -295,6 +312,32 @@ def next_check_delay_s(period_s: float, rng: random.Random) -> float:
     if not period_s > 0:
         raise ValueError(f"period_s must be > 0, got {period_s}")
     return rng.uniform(0.5, 1.5) * period_s
+
+
+def stages_that_lost_replicas(
+    previous: Sequence[ReplicaView], current: Sequence[ReplicaView], num_stages: int
+) -> tuple[int, ...]:
+    """Stages (ascending) where a peer that was *online* in ``previous`` stopped serving by
+    ``current``: it announced ``offline`` there or its record expired (absent). A peer seen at
+    another stage moved by a plan (not a loss); a joining peer that leaves or an arrival is none."""
+    before = _validated(previous, num_stages)
+    now = {r.peer_id: r for r in _validated(current, num_stages)}
+    lost: set[int] = set()
+    for r in before:
+        if r.state == "online":
+            later = now.get(r.peer_id)
+            if later is None or (later.state not in SERVING_STATES and later.stage == r.stage):
+                lost.add(r.stage)
+    return tuple(sorted(lost))
+
+
+def loss_check_delay_s(max_delay_s: float, rng: random.Random) -> float:
+    """Seconds from noticing a lost replica to the check it triggers: uniform in
+    [0, ``max_delay_s``], so that peers which noticed together do not all read the DHT at once
+    (and later readers already see earlier movers as ``joining`` at their new stage)."""
+    if not max_delay_s >= 0:
+        raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
+    return rng.uniform(0.0, max_delay_s)
 
 
 def choose_standby_target(replicas: Sequence[ReplicaView], num_stages: int) -> int:

@@ -56,6 +56,8 @@ class StageBuilder:
             spec = stage_spec(self.model_config, stage, config.num_stages, self.split.boundaries)
             estimate = check_stage_memory(config, self.model_config, spec, self.available_bytes, self.memory_source,
                                           self.device)
+            print(f"memory: stage {stage} needs about {estimate.describe()}; {self.memory_source}: "
+                  f"{self.available_bytes / memory_budget.GiB:.2f} GiB", flush=True)
             cache_budget = memory_budget.cache_budget_bytes(estimate, self.available_bytes)
         runtime = StageRuntime(self.model_config, stage, config.num_stages, seed=config.seed, optimizer=settings,
                                max_batch_size=config.max_batch_size, activation_cache_size=config.activation_cache_size,
@@ -106,6 +108,4 @@ def check_stage_memory(config: PeerConfig, model_config: GPTConfig, spec, availa
     memory_budget.check_fits(estimate, available, source=source,
                              what=f"{config.model} stage {spec.index}/{spec.num_stages} (blocks {spec.first_layer}.."
                                   f"{spec.last_layer - 1}, {estimate.parameters / 1e6:.1f}M parameters)")
-    print(f"memory: stage needs about {estimate.describe()}; {source}: {available / memory_budget.GiB:.2f} GiB",
-          flush=True)
     return estimate

@@ -14,6 +14,9 @@ A move, in order:
    stage; a request for the old stage that reaches the thread later fails with `wrong_stage`
    (peers/stage_rpc.py), and the trainer fails it over to another replica;
 4. announce `online` at the new stage.
+
+When to check: every `--rebalance-period-s` (randomised), and within `--rebalance-loss-delay-s` of
+seeing a stage lose a replica (the swarm is re-read every `--rebalance-loss-watch-s`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import zlib
 from dht.announce import announce, fetch_stage_records_async
 from dht.records import PeerRecord, PeerState
 from peers.rebalance import ReplicaView, decide_move, next_check_delay_s, should_standby_take_over
-from peers.rebalance import choose_standby_target
+from peers.rebalance import choose_standby_target, loss_check_delay_s, stages_that_lost_replicas
 from peers.stage_builder import BuiltStage
 from peers.stage_choice import replica_views
 from peers.faults import FaultyStageRuntime
@@ -62,12 +65,28 @@ class StageMoves:
     # --- rebalancing ------------------------------------------------------------------------------
     async def _rebalance_forever(self, p2p, stop: asyncio.Event) -> None:
         rng = random.Random(zlib.crc32(self.peer_id.encode()))  # peers started together check at different times
+        next_check_at = time.monotonic() + next_check_delay_s(self.config.rebalance_period_s, rng)
+        watch_s, seen = self.config.rebalance_loss_watch_s, None  # seen: the swarm at our last look
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=next_check_delay_s(self.config.rebalance_period_s, rng))
+            wake_at = next_check_at if watch_s <= 0 else min(next_check_at, time.monotonic() + watch_s)
+            if await self._stopped_within(stop, wake_at - time.monotonic()):
                 return
-            except asyncio.TimeoutError:
-                pass
+            if time.monotonic() >= next_check_at:
+                next_check_at = time.monotonic() + next_check_delay_s(self.config.rebalance_period_s, rng)
+            else:  # a look between periodic checks: check soon if a stage lost a replica since the last one
+                # (a DHT lookup that timed out reads as an empty stage: at worst one needless check)
+                try:
+                    views = await self._swarm_views(include_self=False)
+                    lost = () if seen is None else stages_that_lost_replicas(seen, views, self.runtime.num_stages)
+                except ValueError as e:
+                    logger.warning(f"Rebalancing look skipped: {e}")
+                    continue
+                seen = views
+                if not lost:
+                    continue
+                logger.info(f"stage(s) {list(lost)} lost a replica: checking whether to move")
+                if await self._stopped_within(stop, loss_check_delay_s(self.config.rebalance_loss_delay_s, rng)):
+                    return
             # Only with traffic: then our throughput is an EMA of served requests, not only the start-up
             # benchmark (measured to vary 4x on a loaded machine), and an idle swarm has nothing to gain.
             if self.state != PeerState.ONLINE or self.requests_served < MIN_REQUESTS_BEFORE_MOVING:
@@ -84,6 +103,14 @@ class StageMoves:
                       f"(bottleneck {decision.current_bottleneck:.1f} -> {decision.new_bottleneck:.1f} samples/s; "
                       f"{decision.reason})", flush=True)
                 await self.move_to_stage(decision.to_stage, p2p)
+
+    @staticmethod
+    async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=max(seconds, 0.0))
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def move_to_stage(self, stage: int, p2p) -> None:
         """Serve `stage` instead of the current one (see the module docstring for the steps)."""

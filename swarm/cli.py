@@ -7,6 +7,7 @@ traceback; the full traceback is shown with SWARM_DEBUG=1.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -147,5 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def run() -> None:
+    """The `swarm` command (and `python -m swarm.cli`): main(), then exit.
+
+    Before exiting, every object still alive is frozen out of the garbage collector: the exit frees
+    them all anyway, and the interpreter's last full collection over a process that holds torch and
+    hivemind took seconds (a peer took 6.3 s from "offline" to exit, 0.7 s with this), which every
+    `docker stop`, Ctrl-C and test teardown waited for. Everything the process must finish (offline
+    record, checkpoint, reports) is done before main() returns."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -89,6 +89,8 @@ class LocalSwarm:
 
     def start_bootstrap(self, timeout_s: float = 60.0, *extra_args: str, prefix: list[str] = ()) -> list[str]:
         maddrs_file = os.path.join(self.workdir, "bootstrap.maddrs")
+        if os.path.exists(maddrs_file):  # a reused workdir: the address of a bootstrap node long gone
+            os.remove(maddrs_file)
         process = self._spawn("bootstrap", ["dht", "--maddrs-file", maddrs_file, *extra_args], prefix)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(maddrs_file):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 
 import pytest
+
+from tests.integration.polling import trainer_step, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -17,21 +18,6 @@ def peer_key(process) -> str:
     match = re.search(r"peer (\S+) online", process.log())
     assert match, process.log()
     return match.group(1)[-8:]
-
-
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def trainer_step(trainer) -> int:
-    steps = re.findall(r"step\s+(\d+)/", trainer.log())
-    return int(steps[-1]) if steps else 0
 
 
 def test_sigkill_of_a_replica_loses_nothing(make_swarm, tmp_path):

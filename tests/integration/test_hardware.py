@@ -5,6 +5,7 @@ safetensors file, serving a trainer on loopback."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def test_relay_enabled_peers_on_cpu_serve_a_trainer(make_swarm, tmp_path):
     for peer in (first, second):
         log = peer.log()
         assert "device: cpu" in log and "(--device auto)" in log, log
-        assert "optimizer adamw8bit" in log and "memory: stage needs about" in log, log
+        assert "optimizer adamw8bit" in log and re.search(r"memory: stage \d+ needs about", log), log
         assert "initial tensors of stage" in log, log
     assert "precision bf16" in second.log()
     # The second peer asked the first to dial it back on a fresh connection.

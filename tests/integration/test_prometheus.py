@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from peers.metrics import free_port
+from tests.integration.polling import wait_for
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
@@ -55,16 +55,6 @@ def test_every_dashboard_query_is_valid_promql(tmp_path):
     result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
-
-
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def api(base: str, path: str, **params):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.integration.test_failover import trainer_step, wait_for
+from tests.integration.polling import trainer_step, wait_for
 
 pytestmark = pytest.mark.slow
 

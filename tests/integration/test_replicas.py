@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.config import get_model_config
 from peers.checkpoint import checkpoint_path, load_checkpoint
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
-from tests.integration.test_failover import wait_for
+from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,14 @@ from peers.rebalance import (
     choose_initial_stage,
     choose_standby_target,
     decide_move,
+    decision_in_plan,
+    loss_check_delay_s,
     next_check_delay_s,
     optimal_bottleneck,
     plan_rebalance,
     should_standby_take_over,
     stage_throughputs,
+    stages_that_lost_replicas,
 )
 from peers.stage_assignment import bottleneck_upper_bound, exact_bottleneck, greedy_bottleneck
 
@@ -218,3 +221,41 @@ def test_a_move_never_empties_a_stage_nor_lowers_the_bottleneck(case):
         had = [x for x in swarm if x.stage == stage and x.state == "online"]
         if had:
             assert any(x.peer_id not in moved for x in had)
+
+
+def test_stages_that_lost_replicas_sees_departures_expiries_and_offline_records_not_moves():
+    before = [online("a", 0), online("b", 0), online("c", 1), online("d", 2),
+              ReplicaView("e", 2, 1.0, "joining"), online("f", 1)]
+    after = [online("a", 0),                              # stayed
+             ReplicaView("c", 1, 1.0, "offline"),         # announced offline: stage 1 lost it
+             ReplicaView("f", 2, 1.0, "joining"),         # moved 1 -> 2 (planned): not a loss
+             online("e", 2),                              # joining -> online: not a loss
+             online("g", 0)]                              # arrived
+    # b's record expired (absent): stage 0 lost it; d's too: stage 2.
+    assert stages_that_lost_replicas(before, after, 3) == (0, 1, 2)
+    assert stages_that_lost_replicas(after, after, 3) == ()
+    assert stages_that_lost_replicas([], after, 3) == ()
+    # A joining peer that disappears was not serving yet: no loss.
+    assert stages_that_lost_replicas([ReplicaView("e", 2, 1.0, "joining")], [], 3) == ()
+    with pytest.raises(ValueError):
+        stages_that_lost_replicas([online("a", 5)], [], 3)
+
+
+def test_loss_check_delay_is_randomised_within_bounds():
+    rng = random.Random(0)
+    delays = [loss_check_delay_s(10.0, rng) for _ in range(1000)]
+    assert all(0.0 <= d <= 10.0 for d in delays) and max(delays) - min(delays) > 9.0
+    assert loss_check_delay_s(0.0, rng) == 0.0
+    with pytest.raises(ValueError):
+        loss_check_delay_s(-1.0, rng)
+
+
+def test_decision_in_plan_agrees_with_decide_move():
+    rng = random.Random(5)
+    # Stage 2 thin: a plan moves peers there; joining peers are in the snapshot too.
+    swarm = [ReplicaView(f"p{i}", rng.choice([0, 0, 1, 1, 2]), rng.uniform(0.5, 2),
+                         rng.choice(["online", "online", "joining"])) for i in range(30)]
+    plan = plan_rebalance(swarm, 3, min_gain=0.0)
+    assert plan.moves  # the check below covers movers and stayers
+    for me in swarm:
+        assert decision_in_plan(me, plan) == decide_move(me.peer_id, swarm, 3, min_gain=0.0)

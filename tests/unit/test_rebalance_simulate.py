@@ -67,3 +67,44 @@ def test_standbys_serve_nothing_until_they_take_over_and_the_draw_is_seeded():
     static = first["policies"]["static"]
     assert static["standby_peers"] > 0
     assert 0 < static["standby_take_overs"] + static["standby_at_end"] <= static["standby_peers"]
+
+
+def test_a_check_on_loss_repairs_the_bottleneck_long_before_the_periodic_check():
+    # Placed in order: stage 0 = p0 (2.0) + p2 + p4 (1.0 each) = 4, stage 1 = p1 (2.0) + p3 (1.0) = 3.
+    # p1 leaves at 100 s (announcing offline): stage 1 = 1. The plan moves p2 (the slower, then
+    # lower id, of the equally useful movers) to stage 1: bottleneck 2 once its 120 s download is done.
+    speeds_and_departures = [(2.0, 10_000.0), (2.0, 100.0), (1.0, 10_000.0), (1.0, 10_000.0), (1.0, 10_000.0)]
+    trace = [PeerLife(f"p{k}", 0, speed, 0.0, leaves_s, False)
+             for k, (speed, leaves_s) in enumerate(speeds_and_departures)]
+    flags = [False] * len(trace)
+
+    def series(check_on_loss: bool) -> dict:
+        config = SimulationConfig(peers=2, stages=2, duration_s=600.0, check_period_s=5000.0,
+                                  check_on_loss=check_on_loss, loss_check_max_delay_s=10.0)
+        return replay(trace, config, "rebalance", is_standby=flags)
+
+    periodic, on_loss = series(False), series(True)
+    assert periodic["samples_per_s"][1:] == [3.0] + [1.0] * 8  # first periodic check at >= 2500 s
+    assert periodic["moves"] == 0
+    # The loss is seen in the view at 105 s, the check follows within 10 s, the move lands 120 s later.
+    assert on_loss["samples_per_s"][1:4] == [3.0, 1.0, 1.0] and on_loss["samples_per_s"][4:] == [2.0] * 6
+    assert on_loss["moves"] == 1 and on_loss["loss_checks"] >= 1
+
+
+def test_the_breakdown_accounts_for_the_whole_gap_to_the_optimum():
+    from benchmarks.simulate_breakdown import breakdown
+
+    config = SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0, join_scale=0.0, check_period_s=120.0)
+    report = breakdown(config)
+    assert report["share_of_optimal"] == simulate(config)["policies"]["rebalance"]["share_of_optimal"]
+    gap_points = 100 * (1 - report["share_of_optimal"])
+    assert gap_points > 0
+    by_landing = report["lost_points_by_landing"]
+    telescoped = (by_landing["transfers_landing"] + by_landing["placement_once_landed"]
+                  + by_landing["optimum_minus_best_all"])
+    assert abs(telescoped - gap_points) < 1e-9
+    placement = (by_landing["of_which_plan_not_yet_acted_on"] + by_landing["of_which_min_gain"]
+                 + by_landing["of_which_planner_limit"])
+    assert abs(placement - by_landing["placement_once_landed"]) < 1e-9
+    assert abs(sum(report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].values())
+               - sum(v for k, v in report["lost_points"].items() if k != "in_transit")) < 1e-9

@@ -1,0 +1,28 @@
+"""Waiting on real processes: poll a condition until it holds or a deadline passes.
+
+Integration tests watch processes that run on their own clock (peers announcing, a trainer
+stepping), so they poll instead of sleeping a fixed time: a fast machine finishes early, a loaded one
+gets the whole deadline, and a miss fails with what was awaited.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
+    """Return condition()'s first truthy value; fail the test after timeout_s seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def trainer_step(trainer) -> int:
+    """The last step a `swarm train` process printed (0 before its first)."""
+    steps = re.findall(r"step\s+(\d+)/", trainer.log())
+    return int(steps[-1]) if steps else 0

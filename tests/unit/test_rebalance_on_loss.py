@@ -1,0 +1,65 @@
+"""The peer's rebalancing loop checks as soon as a stage loses a replica, not only at its period.
+
+Drives `StageMoves._rebalance_forever` with a scripted swarm (no DHT, no network): the decisions
+are the real peers/rebalance.py functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from dht.records import PeerState
+from peers.rebalance import ReplicaView
+from peers.stage_moves import StageMoves
+
+
+def online(peer_id: str, stage: int) -> ReplicaView:
+    return ReplicaView(peer_id, stage, 1.0, "online")
+
+
+class ScriptedPeer(StageMoves):
+    """Stage 0: us (a-me) + p1 + p2; stage 1: q1 + q2, until q2 leaves after our first look."""
+
+    def __init__(self, *, loss_watch_s: float) -> None:
+        self.peer_id, self.state, self.requests_served = "a-me", PeerState.ONLINE, 100
+        self.runtime = SimpleNamespace(stage=0, num_stages=2, throughput=SimpleNamespace(value=1.0))
+        self.config = SimpleNamespace(rebalance_period_s=1000.0, rebalance_loss_watch_s=loss_watch_s,
+                                      rebalance_loss_delay_s=0.05, rebalance_min_gain=0.2)
+        self.others = [online("p1", 0), online("p2", 0), online("q1", 1), online("q2", 1)]
+        self.looks = 0
+        self.moved_to: list[int] = []
+
+    async def _swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
+        self.looks += 1
+        if self.looks == 2:  # q2 leaves (its record expires) between our first and second look
+            self.others = [r for r in self.others if r.peer_id != "q2"]
+        return self.others + ([online(self.peer_id, self.runtime.stage)] if include_self else [])
+
+    async def move_to_stage(self, stage: int, p2p) -> None:
+        self.moved_to.append(stage)
+        self.stop.set()
+
+
+async def run_for(peer: ScriptedPeer, seconds: float) -> float:
+    peer.stop = asyncio.Event()
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(peer._rebalance_forever(None, peer.stop), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass
+    return time.monotonic() - started
+
+
+def test_a_lost_replica_triggers_a_check_long_before_the_period():
+    # 3 vs 1 after q2 left: the plan moves the lowest peer_id of stage 0 (us) to stage 1 (2 vs 2).
+    peer = ScriptedPeer(loss_watch_s=0.02)
+    elapsed_s = asyncio.run(run_for(peer, 5.0))
+    assert peer.moved_to == [1] and elapsed_s < 2.0  # the periodic check is 500-1500 s away
+
+
+def test_without_the_watch_the_peer_waits_for_its_period():
+    peer = ScriptedPeer(loss_watch_s=0.0)
+    asyncio.run(run_for(peer, 0.5))
+    assert peer.moved_to == [] and peer.looks == 0
