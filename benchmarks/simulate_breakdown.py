@@ -57,7 +57,6 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
     samples: list[dict] = []
     last_stage: dict[int, int] = {}  # trace index -> stage it served at the previous sample
     lost_at_s = [0.0] * config.stages  # when each stage last lost a serving peer
-    since_loss_start = [-math.inf] * config.stages
 
     def observe(now_s: float, live: dict, view: list[ReplicaView]) -> None:
         for i, stage in last_stage.items():
