@@ -7,7 +7,10 @@ after its peers rebalance themselves to 2:2, next to the same start with rebalan
 Making the bottleneck real on a small machine: every peer runs with `--fault-slowdown S` (default
 60), so each compute takes S times as long, the extra time slept. The peers then behave like four
 machines, each S times slower than a share of this CPU, instead of four processes fighting over
-the same 2 cores (where adding a replica to a stage adds no compute at all). The slowdown is the
+the same 2 cores (where adding a replica to a stage adds no compute at all). With
+`--slowdown-mode device` (the default since the runs of issue #7's third round) a call lasts S x the
+CPU time it used, so other processes' load on the shared machine is not multiplied by S; with
+`sleep` (the earlier runs) the extra time is S - 1 times the call's wall time, contention included. The slowdown is the
 same for every peer; the imbalance comes only from the 3:1 layout. With S = 10 the tiny model's
 compute was still small next to RPC latency and the trainer's own CPU on a loaded 2-core machine:
 the swarm was not stage-bound and rebalancing changed nothing (see benchmarks/RESULTS.md).
@@ -67,7 +70,7 @@ def run_swarm(args, *, rebalance: bool, stages: tuple[int, ...] = (0, 0, 0, 1)) 
     workdir = tempfile.mkdtemp(prefix="swarm-rebalance-bench-")
     report_path = os.path.join(workdir, "report.json")
     peer_args = ["--target-batch-size", str(args.batch_size), "--num-threads", "1", "--announce-period-s", "2",
-                 "--fault-slowdown", str(args.slowdown)]
+                 "--fault-slowdown", str(args.slowdown), "--fault-slowdown-mode", args.slowdown_mode]
     if rebalance:
         peer_args += ["--rebalance-period-s", str(args.rebalance_period_s), "--rebalance-min-gain", "0.2"]
     with LocalSwarm(model=args.model, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
@@ -131,6 +134,8 @@ def main() -> int:
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--max-in-flight", type=int, default=8)
     parser.add_argument("--slowdown", type=float, default=60.0, help="--fault-slowdown of every peer")
+    parser.add_argument("--slowdown-mode", default="device", choices=["device", "sleep"],
+                        help="--fault-slowdown-mode of every peer (runs before commit 3f34548 used sleep)")
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--with-balanced", action="store_true",
