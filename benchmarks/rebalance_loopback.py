@@ -135,7 +135,7 @@ def main() -> int:
     parser.add_argument("--max-in-flight", type=int, default=8)
     parser.add_argument("--slowdown", type=float, default=60.0, help="--fault-slowdown of every peer")
     parser.add_argument("--slowdown-mode", default="device", choices=["device", "sleep"],
-                        help="--fault-slowdown-mode of every peer (runs before commit 3f34548 used sleep)")
+                        help="--fault-slowdown-mode of every peer (runs 1-5 and r1 in RESULTS.md used sleep)")
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--with-balanced", action="store_true",
