@@ -66,8 +66,10 @@ class PeerConfig(NetworkConfig):
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_slowdown_mode: str = option("sleep", help="testing only: spend --fault-slowdown's extra time asleep (a "
-                                      "separate slower device) or busy computing (a slower device sharing this "
-                                      "machine's CPU with the other peers)", choices=["sleep", "busy"])
+                                      "separate slower device), busy computing (a slower device sharing this "
+                                      "machine's CPU with the other peers), or as a device: each call lasts "
+                                      "--fault-slowdown x the CPU time it used (others' load not multiplied)",
+                                      choices=["sleep", "busy", "device"])
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     fault_garbage: str = option("none", help="testing only: answer with garbage (nan: NaN values; shape: one value "
                                 "short) while computing correctly inside", choices=["none", "nan", "shape"])

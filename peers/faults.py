@@ -23,7 +23,12 @@ GARBAGE_KINDS = ("none", "nan", "shape")
 #   alike keeps their speeds `slowdown` apart. With `sleep` they do not: the slowed peer computes
 #   only while its partner is busy too and so meets more contention, and its sleep then multiplies
 #   that contention (a peer slowed 3x served 0.23 of its partner's share in a loaded CI run).
-SLOWDOWN_MODES = ("sleep", "busy")
+# - device: a separate device `slowdown` times slower than one uncontended core of this machine: the
+#   call lasts `slowdown` x the CPU time the compute used on its thread, asleep for the rest; if
+#   contention alone stretched the compute beyond that, nothing is added. Other processes' load is not
+#   multiplied (with `sleep`, the same static swarm ran at 322 and 431 tok/s four minutes apart on the
+#   shared machine, and a layout with more peers computing at once paid for their contention `slowdown` times).
+SLOWDOWN_MODES = ("sleep", "busy", "device")
 
 
 def garbled(value, kind: str):
@@ -88,9 +93,13 @@ class FaultyStageRuntime:
             result = compute(*args, **kwargs)
             burn_cpu(extra * (time.thread_time() - started_cpu_s))
             return result
-        started = time.perf_counter()
+        started, started_cpu_s = time.perf_counter(), time.thread_time()
         result = compute(*args, **kwargs)
-        time.sleep(extra * (time.perf_counter() - started))
+        elapsed_s = time.perf_counter() - started
+        if self._settings.slowdown_mode == "device":
+            time.sleep(max(self._settings.slowdown * (time.thread_time() - started_cpu_s) - elapsed_s, 0.0))
+        else:
+            time.sleep(extra * elapsed_s)
         return result
 
     def _garbage_now(self) -> bool:

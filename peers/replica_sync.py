@@ -86,9 +86,10 @@ class ReplicaSyncHandlers:
         for record in sorted(records, key=lambda r: r.load):
             try:
                 state = await download_state(p2p, record.peer_id, request, timeout_s=self.config.averaging_timeout_s * 4)
-                if state[0].steps_done < self.runtime.steps_done:  # e.g. a replica that served little or nothing
+                # Compared with the runtime that receives the state (a move's new stage, not the one served so far).
+                if state[0].steps_done < runtime.steps_done:  # e.g. a replica that served little or nothing
                     print(f"replica {record.peer_id[-8:]} has done {state[0].steps_done} steps, fewer than our "
-                          f"{self.runtime.steps_done}; not loading its state", flush=True)
+                          f"{runtime.steps_done}; not loading its state", flush=True)
                     continue
                 await asyncio.get_running_loop().run_in_executor(
                     self.executor, runtime.import_state, state, self.config.model,

@@ -8,8 +8,9 @@ A move, in order:
 1. announce `offline` at the old stage (trainers stop routing there at their next refresh) and
    `joining` at the new one (other peers' plans count us there, so no second peer rushes in);
 2. build the new stage's runtime off the compute thread while the old one keeps serving the
-   requests still arriving, and download its state from a live replica; then keep serving the old
-   stage until no request has been in flight for a second (trainers have re-read the DHT), 10 s at most;
+   requests still arriving; keep serving the old stage until no request has been in flight for a
+   second (trainers have re-read the DHT), 10 s at most; then download the new stage's state from a
+   live replica (last, so that the copy is not out of date by the replicas' steps during the drain);
 3. swap runtimes *on the compute thread*: requests computed before the swap finish on the old
    stage; a request for the old stage that reaches the thread later fails with `wrong_stage`
    (peers/stage_rpc.py), and the trainer fails it over to another replica;
@@ -129,12 +130,14 @@ class StageMoves:
             self.metrics.set_state(self.state.value)
             await announce(self.dht, self.record())
             return
+        drained_s = await self._drain_old_stage()
+        # The state last, right before the swap: the new stage's replicas keep stepping while we drain
+        # (up to 10 s), and a copy taken before that would be served several of their steps out of date.
         await self._load_state_from_replica(p2p, built.runtime)
         # Announce what this peer served, not the new stage's start-up benchmark: the plan assumed the
         # peer's throughput moves with it, and a benchmark taken in a quiet second (measured up to 4x
         # the served EMA) made peers move back and forth. Real requests correct the EMA from here.
         _compute(built.runtime).throughput = ThroughputMeter(initial=_compute(self.runtime).throughput.value)
-        drained_s = await self._drain_old_stage()
         await self._swap_stage(built)
         self.moving_to, self.state = None, PeerState.ONLINE
         self.metrics.set_state(self.state.value)

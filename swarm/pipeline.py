@@ -146,7 +146,8 @@ class SwarmPipeline:
         budget = RetryBudget(stage, max_retries=self.max_retries)
         waited_since = None
         while True:
-            peer_id = self.schedulers[stage].choose(rpc, batch_size, exclude=self.bans.banned() | budget.failed_peers())
+            peer_id = self.schedulers[stage].choose(rpc, batch_size, exclude=self.bans.banned() | budget.failed_peers(),
+                                                    cached_on=cached_on if rpc == "backward" else None)
             if peer_id is None:
                 waited_since = waited_since or time.monotonic()
                 await self._wait_for_replica(stage, waited_since, budget)
@@ -198,7 +199,9 @@ class SwarmPipeline:
             # fast the replica is: counting it made the busiest replica look slow.
             compute_s = min(max(response.compute_s, 0.0), elapsed)
             transfer_s = max(elapsed - max(response.queue_s, 0.0) - compute_s, 0.0)
-            self.schedulers[stage].report_success(peer_id, rpc, batch_size, max(compute_s, transfer_s))
+            # A backward answered without its inputs was served from the activation cache (no recompute).
+            task = "backward_cached" if skip_inputs else rpc
+            self.schedulers[stage].report_success(peer_id, task, batch_size, max(compute_s, transfer_s))
             self.codecs.observe(peer_id, stage, nbytes=moved, transfer_s=transfer_s,
                                 compute_s=compute_s, batch_size=batch_size)
             self.timeouts.observe(stage, rpc, elapsed)

@@ -13,7 +13,9 @@ task's duration of each other and never grow without bound, and a replica that s
 replica enters at the current minimum key for the same reason.
 
 Throughput is an EMA (``ema_alpha``) of measured seconds per forward-equivalent sample; a backward
-pass counts as ``backward_cost`` forward samples. The EMA is over seconds per sample rather than
+pass counts as ``backward_cost`` forward samples, or one fewer on the replica that served the
+microbatch's forward and still holds its activations (no recompute): a backward goes back there
+when that replica is expected to finish it no later than the least busy one. The EMA is over seconds per sample rather than
 samples per second so that the expected busy time stays unbiased when measurements are noisy.
 
 The value the peer announced on the DHT is only a prior, used until the trainer has measured the
@@ -37,7 +39,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Task = Literal["forward", "backward"]
+Task = Literal["forward", "backward", "backward_cached"]
+"""backward_cached: a backward answered from the activations the replica cached in its forward
+(reported as such, so that its shorter time is not read as a faster replica)."""
 
 # Bounds on seconds per sample keep every key finite whatever the DHT or a clock reports.
 _MIN_SECONDS_PER_SAMPLE = 1e-9
@@ -106,7 +110,9 @@ class ReplicaScheduler:
                 f"default_throughput must be positive samples/s, got {default_throughput}"
             )
         self._ema_alpha = ema_alpha
-        self._task_costs: dict[str, float] = {"forward": 1.0, "backward": backward_cost}
+        # A backward recomputes the forward (1) unless the replica cached it: then it costs one less.
+        self._task_costs: dict[str, float] = {"forward": 1.0, "backward": backward_cost,
+                                              "backward_cached": max(backward_cost - 1.0, 0.5 * backward_cost)}
         self._default_throughput = default_throughput
         self._clock = clock
         self._replicas: dict[str, _ReplicaState] = {}
@@ -131,10 +137,15 @@ class ReplicaScheduler:
             elif replica.measurements == 0:
                 replica.seconds_per_sample = seconds_per_sample
 
-    def choose(self, task: Task, samples: int, exclude: Collection[str] = ()) -> str | None:
+    def choose(self, task: Task, samples: int, exclude: Collection[str] = (), *,
+               cached_on: str | None = None) -> str | None:
         """Pick the replica with the least expected busy time and charge it this task.
 
         exclude: peers not to use (banned, or already failed for this microbatch).
+        cached_on (backward only): the replica that served this microbatch's forward and holds its
+            activations, so its backward skips the recomputed forward (``backward_cost - 1``
+            forward samples instead of ``backward_cost``). It is chosen when it is expected to
+            finish the backward no later than the least busy replica would, recompute included.
         Returns the chosen peer_id, or None when every replica is excluded or none is known.
         Ties go to the smallest peer_id, so the same calls always give the same choices.
         """
@@ -146,6 +157,15 @@ class ReplicaScheduler:
             return None
         key_s, peer_id = min(candidates)
         self._move_frontier_to(key_s)
+        if task == "backward" and cached_on is not None and cached_on != peer_id and cached_on in self._replicas \
+                and cached_on not in excluded:
+            holder = self._replicas[cached_on]
+            finish_there_s = holder.key_s + samples * (cost - 1.0) * holder.seconds_per_sample
+            finish_least_busy_s = samples * cost * self._replicas[peer_id].seconds_per_sample  # its key is now 0
+            if finish_there_s <= finish_least_busy_s:
+                peer_id = cached_on
+        if task == "backward" and peer_id == cached_on:
+            task, cost = "backward_cached", self._task_costs["backward_cached"]
         replica = self._replicas[peer_id]
         charge_s = samples * cost * replica.seconds_per_sample
         replica.key_s += charge_s
@@ -209,7 +229,7 @@ class ReplicaScheduler:
         try:
             return self._task_costs[task]
         except KeyError:
-            raise ValueError(f"task must be 'forward' or 'backward', got {task!r}") from None
+            raise ValueError(f"task must be 'forward', 'backward' or 'backward_cached', got {task!r}") from None
 
     def _seconds_per_sample_from(self, announced_throughput: float | None) -> float:
         throughput = announced_throughput

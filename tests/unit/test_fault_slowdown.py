@@ -1,4 +1,4 @@
-"""The two ways a slowed peer spends its extra time (peers/faults.py): asleep, or computing."""
+"""The ways a slowed peer spends its extra time (peers/faults.py): asleep, computing, or as a device."""
 
 import time
 
@@ -36,6 +36,36 @@ def test_sleep_slowdown_waits_off_the_cpu():
     cpu_s, wall_s = _forward_costs("sleep")
     assert cpu_s <= 2 * COMPUTE_CPU_S, cpu_s  # the compute itself, not the slowdown
     assert wall_s >= 3 * COMPUTE_CPU_S * 0.95, wall_s
+
+
+def test_device_slowdown_lasts_slowdown_times_the_cpu_time_whatever_the_wall_time():
+    cpu_s, wall_s = _forward_costs("device")
+    assert cpu_s <= 2 * COMPUTE_CPU_S, cpu_s
+    assert 3 * COMPUTE_CPU_S * 0.95 <= wall_s, wall_s
+
+
+def test_device_slowdown_does_not_multiply_time_spent_off_the_cpu():
+    """A compute stretched by waiting (here: 60 ms asleep, as if other processes held the core) is not
+    slowed further, where `sleep` triples the whole of it."""
+    class _WaitingRuntime:
+        def forward(self, microbatch_id, inputs, targets=None):
+            started = time.perf_counter()
+            burn_cpu(0.005)
+            time.sleep(0.06)
+            self.elapsed_s = time.perf_counter() - started
+            return inputs
+
+    def added_s(mode: str) -> tuple[float, float]:
+        inner = _WaitingRuntime()
+        runtime = FaultyStageRuntime(inner, FaultSettings(slowdown=3.0, slowdown_mode=mode))
+        started = time.perf_counter()
+        runtime.forward("mb", torch.zeros(1))
+        return time.perf_counter() - started - inner.elapsed_s, inner.elapsed_s
+
+    added, _ = added_s("device")
+    assert added < 0.03, added  # 3 x ~5 ms of CPU is less than the 60 ms the compute took anyway
+    added, elapsed = added_s("sleep")
+    assert added >= 2 * elapsed * 0.95, (added, elapsed)
 
 
 def test_burn_cpu_counts_this_threads_cpu_time():

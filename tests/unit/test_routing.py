@@ -70,6 +70,36 @@ def test_backward_task_is_charged_backward_cost_times_a_forward():
     assert scheduler.keys_s() == {"a": pytest.approx(4 * 2.5 / 2.0)}
 
 
+def test_backward_goes_back_to_the_replica_that_cached_its_forward_and_is_charged_no_recompute():
+    scheduler = make_scheduler({"a": 2.0, "b": 2.0})
+    assert scheduler.choose("forward", 4) == "a"  # a now holds the activations; b is the least busy
+    assert scheduler.choose("backward", 4, cached_on="a") == "a"
+    # a: the forward (4 / 2.0 s) plus a backward without recompute ((2.5 - 1) * 4 / 2.0 s).
+    assert scheduler.keys_s()["a"] == pytest.approx(4 / 2.0 + 1.5 * 4 / 2.0)
+
+
+def test_backward_goes_elsewhere_when_the_caching_replica_would_finish_it_later():
+    scheduler = make_scheduler({"a": 1.0, "b": 4.0})
+    assert scheduler.choose("forward", 4) == "a"  # a is 4 s busy, b idle
+    # On b the backward (recompute included) ends after 2.5 s; on a after 4 + 6 s.
+    assert scheduler.choose("backward", 4, cached_on="a") == "b"
+    assert scheduler.keys_s()["b"] == pytest.approx(2.5 * 4 / 4.0)
+
+
+def test_backward_never_goes_to_an_excluded_or_unknown_caching_replica():
+    scheduler = make_scheduler({"a": 2.0, "b": 2.0})
+    scheduler.choose("forward", 4)
+    assert scheduler.choose("backward", 4, cached_on="a", exclude={"a"}) == "b"
+    assert scheduler.choose("backward", 4, cached_on="gone") in {"a", "b"}
+
+
+def test_a_cached_backward_is_measured_as_one_forward_less():
+    scheduler = make_scheduler({"a": 1.0})
+    scheduler.choose("backward", 4, cached_on="a")
+    scheduler.report_success("a", "backward_cached", 4, 4 * 1.5 / 8.0)  # a really does 8 samples/s
+    assert scheduler.throughputs() == {"a": pytest.approx(8.0)}
+
+
 def test_measured_throughput_overrides_a_wrong_announcement():
     scheduler = make_scheduler({"a": 1.0, "b": 1.0})  # both claim the same speed
     true_throughputs = {"a": 30.0, "b": 10.0}  # but a is 3x faster
@@ -244,11 +274,12 @@ operations = st.one_of(
         st.sampled_from(["forward", "backward"]),
         st.integers(1, 10_000),
         st.sets(st.sampled_from(PEERS)),
+        st.one_of(st.none(), st.sampled_from(PEERS)),
     ),
     st.tuples(
         st.just("success"),
         st.sampled_from(PEERS),
-        st.sampled_from(["forward", "backward"]),
+        st.sampled_from(["forward", "backward", "backward_cached"]),
         st.integers(1, 10_000),
         st.floats(min_value=0.0, max_value=1e6),
     ),
@@ -268,8 +299,8 @@ def test_random_call_sequences_never_raise_nor_leave_the_current_set(ops):
             scheduler.update_replicas([ReplicaInfo(p, t) for p, t in op[1].items()])
             current = set(op[1])
         elif op[0] == "choose":
-            _, task, samples, exclude = op
-            chosen = scheduler.choose(task, samples, exclude=exclude)
+            _, task, samples, exclude, cached_on = op
+            chosen = scheduler.choose(task, samples, exclude=exclude, cached_on=cached_on)
             if current - exclude:
                 assert chosen in current - exclude
             else:
