@@ -15,7 +15,6 @@ probability `--same-backward` (else to a random one, which recomputes the forwar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -28,6 +27,7 @@ from models.config import get_model_config  # noqa: E402
 from peers.checkpoint import deserialize_state  # noqa: E402
 from peers.stage_runtime import OptimizerSettings, StageRuntime  # noqa: E402
 from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 
 def replay(args, layout: str) -> list[float]:
@@ -78,10 +78,7 @@ def main() -> int:
     for layout in args.layouts:
         results[layout] = replay(args, layout)
         print(f"{layout:>10}: {' '.join(f'{loss:.2f}' for loss in results[layout])}", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "loss_replay", "args": vars(args), "losses": results}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(args.out, {"benchmark": "loss_replay", "args": vars(args), "losses": results})
     return 0
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ .*replicas \[(\d+), (\d+)\]")
 METRICS_URL = re.compile(r"metrics on (http://\S+)")
@@ -169,10 +170,7 @@ def main() -> int:
     out = {"benchmark": "rebalance_loopback", "args": vars(args), "cpus": os.cpu_count(),
            "machine": platform.machine(), "static": static, "balanced_static": balanced, "rebalancing": moving,
            "after_over_before": ratio, "after_over_static": ratio_static}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+    write_report(args.out, out)
     return 0
 
 

@@ -50,6 +50,7 @@ from models.stages import build_stage  # noqa: E402
 from peers.checkpoint import checkpoint_path, load_checkpoint  # noqa: E402
 from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 EVAL_SEED = 12345
 
@@ -203,12 +204,9 @@ def main() -> None:
     for step in sorted({*range(0, args.steps, every), args.steps - 1}):
         print(f"{step:>6}" + "".join(f"{r['losses'][step]:>30.4f}" for r in runs))
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                                "load_before": load_before, "load_after": load_after},
-                   "runs": runs}, f, indent=2)
-    print(f"\nwrote {args.out}")
+    write_report(args.out, {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                                         "load_before": load_before, "load_after": load_after},
+                            "runs": runs})
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import os
 import random
@@ -89,6 +88,7 @@ from peers.rebalance import (  # noqa: E402
     stages_that_lost_replicas,
 )
 from peers.stage_assignment import greedy_bottleneck  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 POLICIES = ("static", "rebalance")
 
@@ -497,8 +497,7 @@ def main(argv: list[str] | None = None) -> None:
         standby_instant_take_over=args.standby_instant_take_over,
     )
     report = simulate(config)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     for policy, figures in report["policies"].items():
         print(f"{policy:>9}: {figures['share_of_optimal']:.2%} of optimal "
               f"(worst sample {figures['worst_sample_share']:.2%}), "

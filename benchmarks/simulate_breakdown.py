@@ -29,7 +29,6 @@ the replay.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks.simulate import SimulationConfig, generate_trace, optimum_series, replay  # noqa: E402
 from peers.rebalance import ReplicaView, optimal_bottleneck, plan_rebalance  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 
 SINCE_LOSS_BINS_S = (60.0, 180.0, 300.0, 600.0, math.inf)
 
@@ -143,8 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     config = replace(SimulationConfig(), seed=args.seed, join_scale=args.join_scale,
                      check_on_loss=args.check_on_loss)
     report = breakdown(config, args.policy)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report, indent=1)
     print(f"{args.policy}: {report['share_of_optimal']:.2%} of optimal, {report['moves']} moves; "
           f"points lost: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points"].items()))
     print("points lost, other split: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points_by_landing"].items()))
