@@ -110,6 +110,7 @@ class ReplicaAveraging:
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
         self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
+        self.committed: set[str] = set()  # step ids already committed (a trainer retries unanswered commits)
         codec = COMPRESSIONS[compression]()
         self.num_values = sum(t.numel() for t in tensors)
         self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
@@ -157,6 +158,13 @@ class ReplicaAveraging:
                                     received_bytes=each_way))
         return gathered
 
+    def _first_commit_of(self, step_id: str) -> bool:
+        """Whether this is the first commit of `step_id`; a repeated one must not step twice."""
+        if step_id in self.committed:
+            return False
+        self.committed.add(step_id)
+        return True
+
     def record_failure(self) -> None:
         self.failed_rounds += 1
         self._report(AveragingRound(self.mode, ok=False, group_size=0, sent_bytes=0, received_bytes=0))
@@ -192,14 +200,12 @@ class GradientSync(ReplicaAveraging):
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
         super().__init__(dht, self.buffers, averager_prefix(model, runtime.stage, runtime.num_stages, "grad"),
                          timeout_s=timeout_s, matchmaking_s=matchmaking_s, compression=compression, on_round=on_round)
-        self.committed: set[str] = set()
 
     def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
         """Average with the other replicas (when there are any) and step. A repeated commit of the
         same step (a trainer retry) is answered without stepping twice."""
-        if step_id in self.committed:
+        if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False)
-        self.committed.add(step_id)
         local_samples = self.runtime.samples_accumulated
         with self.averager.get_tensors() as buffers:
             for buffer, mean in zip(buffers, self.runtime.local_mean_gradients()):
@@ -235,7 +241,6 @@ class ParameterAveraging(ReplicaAveraging):
                  outer: OuterSettings | None = None, on_round: Callable[[AveragingRound], None] | None = None):
         self.runtime, self.rounds_schedule = runtime, schedule
         self.outer = OuterOptimizer(outer) if outer is not None else None
-        self.committed: set[str] = set()
         if schedule.by_steps:
             runtime.auto_step = False  # one local step per trainer commit, so replicas count steps together
         if matchmaking_s is None:
@@ -260,9 +265,8 @@ class ParameterAveraging(ReplicaAveraging):
         then, after every K-th step, average parameters with the other replicas (`group_size` of
         them, this one included). A repeated commit (a trainer retry) steps only once. A replica
         that saw no sample of the step still counts it, so its step count stays aligned."""
-        if step_id in self.committed:
+        if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False)
-        self.committed.add(step_id)
         samples = self.runtime.samples_accumulated
         if samples > 0:
             self.runtime.step()

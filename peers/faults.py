@@ -16,8 +16,8 @@ from peers.stage_runtime import StageRuntime, ThroughputMeter
 
 GARBAGE_KINDS = ("none", "nan", "shape")
 # How the extra time of a slowed compute is spent:
-# - sleep: waiting, off the CPU. Emulates a separate, slower device; the right choice when peers stand
-#   for machines of their own (a benchmark's shared cores are not what it measures).
+# - sleep: waiting, off the CPU, (slowdown - 1) x the compute's wall time. Simple, but on shared cores
+#   the wall time includes waiting for a core, so contention is multiplied too (see `device`).
 # - busy: computing, on the compute thread. The peer needs `slowdown` times the CPU time per call, so
 #   a slowed peer and its partner compete for a shared CPU on equal terms and load that hits both
 #   alike keeps their speeds `slowdown` apart. With `sleep` they do not: the slowed peer computes

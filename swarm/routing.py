@@ -160,7 +160,7 @@ class ReplicaScheduler:
         if task == "backward" and cached_on is not None and cached_on != peer_id and cached_on in self._replicas \
                 and cached_on not in excluded:
             holder = self._replicas[cached_on]
-            finish_there_s = holder.key_s + samples * (cost - 1.0) * holder.seconds_per_sample
+            finish_there_s = holder.key_s + samples * self._task_costs["backward_cached"] * holder.seconds_per_sample
             finish_least_busy_s = samples * cost * self._replicas[peer_id].seconds_per_sample  # its key is now 0
             if finish_there_s <= finish_least_busy_s:
                 peer_id = cached_on

@@ -5,12 +5,17 @@ from __future__ import annotations
 from benchmarks.simulate import PeerLife, SimulationConfig, replay, simulate
 
 
-def test_small_simulation_is_deterministic_and_bounded():
-    config = SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0, join_scale=0.0,
-                              min_gain=0.01, check_period_s=120.0)
+def simulated_twice_identically(config: SimulationConfig) -> dict:
+    """Simulate `config` twice and check the reports agree (wall time aside); return the first."""
     first, second = simulate(config), simulate(config)
     first.pop("wall_s"), second.pop("wall_s")
     assert first == second
+    return first
+
+
+def test_small_simulation_is_deterministic_and_bounded():
+    first = simulated_twice_identically(SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0,
+                                                         join_scale=0.0, min_gain=0.01, check_period_s=120.0))
     for figures in first["policies"].values():
         assert 0.0 < figures["share_of_optimal"] <= 1.0
     assert first["policies"]["static"]["moves"] == 0
@@ -59,11 +64,9 @@ def test_taking_over_a_stage_that_fell_behind_first_downloads_its_state_as_the_p
 
 
 def test_standbys_serve_nothing_until_they_take_over_and_the_draw_is_seeded():
-    config = SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0, join_scale=0.0,
-                              standby_fraction=0.2, standby_take_over_fraction=0.9)
-    first, second = simulate(config), simulate(config)
-    first.pop("wall_s"), second.pop("wall_s")
-    assert first == second
+    first = simulated_twice_identically(SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0,
+                                                         join_scale=0.0, standby_fraction=0.2,
+                                                         standby_take_over_fraction=0.9))
     static = first["policies"]["static"]
     assert static["standby_peers"] > 0
     assert 0 < static["standby_take_overs"] + static["standby_at_end"] <= static["standby_peers"]
