@@ -29,7 +29,8 @@ def claim_split(dht: hivemind.DHT, *, model: str, peer_id: str, requested: tuple
     now = get_dht_time()
     mine = SplitRecord(peer_id=peer_id, model=model, num_stages=len(boundaries) - 1, boundaries=tuple(boundaries),
                        since=now, expires_at=now + ttl_s)
-    if not _publish_with_retries(dht, mine, timeout_s=timeout_s):
+    mine = _publish_with_retries(dht, mine, ttl_s=ttl_s, timeout_s=timeout_s)
+    if mine is None:
         raise SplitConflictError(f"could not state this peer's split of {model} on the DHT after "
                                  f"{len(STORE_RETRY_DELAYS_S) + 1} attempts; is the bootstrap node reachable?")
     # Another peer may have stated a different split between our read and our write: the earlier
@@ -48,17 +49,25 @@ def claim_split(dht: hivemind.DHT, *, model: str, peer_id: str, requested: tuple
 STORE_RETRY_DELAYS_S = (1.0, 2.0, 4.0)
 
 
-def _publish_with_retries(dht: hivemind.DHT, claim: SplitRecord, *, timeout_s: float) -> bool:
-    """A store can fail while the swarm's nodes are still finding each other (several peers starting
-    at once on a loaded machine): try again a few times before refusing to start."""
+def _publish_with_retries(dht: hivemind.DHT, claim: SplitRecord, *, ttl_s: float,
+                          timeout_s: float) -> SplitRecord | None:
+    """Store `claim`; returns the record stored, or None after the last attempt failed.
+
+    A store can fail while the swarm's nodes are still finding each other (several peers starting
+    at once on a loaded machine), so it is tried a few times. Each retry carries a fresh expiry: a
+    node that kept an earlier attempt although the store as a whole failed (its answer came too
+    late, for instance) refuses the same subkey again unless the new expiry is later (hivemind's
+    storage), so retrying the identical record could never succeed (seen in CI: four attempts in a
+    row refused)."""
     for attempt, delay_s in enumerate((*STORE_RETRY_DELAYS_S, None), start=1):
         if publish_split(dht, claim, timeout_s=timeout_s):
-            return True
+            return claim
         if delay_s is not None:
             logger.warning(f"Stating the split of {claim.model} on the DHT failed (attempt {attempt}); "
                            f"retrying in {delay_s:.0f} s")
             time.sleep(delay_s)
-    return False
+            claim = renewed(claim, active=claim.active, ttl_s=ttl_s)
+    return None
 
 
 def renewed(claim: SplitRecord, *, active: bool, ttl_s: float) -> SplitRecord:
