@@ -50,6 +50,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 # The code last: a change to it rebuilds only these layers.
 WORKDIR /opt/swarm-src
 COPY pyproject.toml README.md ./
+COPY process/ process/
+COPY wire/ wire/
 COPY models/ models/
 COPY dht/ dht/
 COPY peers/ peers/

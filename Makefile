@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast lint format clean
 
 install: $(STAMP)
 
@@ -20,7 +20,16 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/swarm demo --peers 4 --stages 2 --steps 60 --report runs/demo.json
 
-test: install
+# One formatter and linter (ruff), checked before the suite runs.
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: install

@@ -26,16 +26,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from dht.announce import fetch_stage_records  # noqa: E402
 from dht.node import NetworkConfig, start_dht  # noqa: E402
 from dht.records import PeerState  # noqa: E402
 from models.config import get_model_config  # noqa: E402
-from peers.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from peers.protocol import encode_tensor  # noqa: E402
-from swarm.client import FailureKind, PeerCallError, StageClient  # noqa: E402
-from swarm.compression import CodecChoice  # noqa: E402
+from peers.compute.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
+from swarm.trainer.client import FailureKind, PeerCallError, StageClient  # noqa: E402
+from wire.compression import CodecChoice  # noqa: E402
+from wire.protocol import encode_tensor  # noqa: E402
 
 
 def bad_requests(config):
@@ -80,10 +80,16 @@ class BadClient:
             if records:
                 peer_id = self.rng.choice(records).peer_id
                 try:
-                    await client.call(peer_id, rpc="backward" if stage == 1 else "forward", stage=stage,
-                                      microbatch_id=f"bad-{time.time()}", batch_size=batch_size,
-                                      tensors=[(n, encode_tensor(x)) for n, x in tensors], timeout_s=20,
-                                      response_codec=CodecChoice(codec))
+                    await client.call(
+                        peer_id,
+                        rpc="backward" if stage == 1 else "forward",
+                        stage=stage,
+                        microbatch_id=f"bad-{time.time()}",
+                        batch_size=batch_size,
+                        tensors=[(n, encode_tensor(x)) for n, x in tensors],
+                        timeout_s=20,
+                        response_codec=CodecChoice(codec),
+                    )
                     outcome = f"ACCEPTED {what}"  # a check that failed
                 except PeerCallError as e:
                     outcome = "refused" if e.kind == FailureKind.REFUSED else f"{e.kind.value}"
@@ -109,8 +115,14 @@ def main() -> int:
     rng = random.Random(args.seed)
     workdir = tempfile.mkdtemp(prefix="swarm-chaos-")
     peer_args = ["--target-batch-size", "8", "--lr", "3e-3", "--checkpoint-period-s", "3", "--announce-period-s", "2"]
-    result: dict = {"model": args.model, "steps": args.steps, "replicas": args.replicas, "seed": args.seed,
-                    "kills": [], "restarts": 0}
+    result: dict = {
+        "model": args.model,
+        "steps": args.steps,
+        "replicas": args.replicas,
+        "seed": args.seed,
+        "kills": [],
+        "restarts": 0,
+    }
     started = time.monotonic()
     with LocalSwarm(model=args.model, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
         swarm.start_bootstrap()
@@ -125,8 +137,20 @@ def main() -> int:
         bad = BadClient(swarm.initial_peers, args.model, 2, args.bad_request_period_s, args.seed)
         bad.thread.start()
         report_path = os.path.join(workdir, "report.json")
-        trainer = swarm.start_trainer("--steps", str(args.steps), "--batch-size", "8", "--microbatch-size", "2",
-                                      "--num-stages", "2", "--refresh-period-s", "1", "--report", report_path)
+        trainer = swarm.start_trainer(
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            "8",
+            "--microbatch-size",
+            "2",
+            "--num-stages",
+            "2",
+            "--refresh-period-s",
+            "1",
+            "--report",
+            report_path,
+        )
         pending_restarts: list[tuple[float, str]] = []
         next_kill = time.monotonic() + rng.expovariate(1 / args.kill_period_s)
         while trainer.alive and time.monotonic() - started < args.deadline_s:
@@ -138,8 +162,13 @@ def main() -> int:
                 result["restarts"] += 1
             if now >= next_kill:
                 down = {name for _, name in pending_restarts}
-                candidates = [n for n, (stage, _, p) in slots.items() if n not in down and p.alive
-                              and sum(1 for m, (s, _, q) in slots.items() if s == stage and m not in down and q.alive) > 1]
+                candidates = [
+                    n
+                    for n, (stage, _, p) in slots.items()
+                    if n not in down
+                    and p.alive
+                    and sum(1 for m, (s, _, q) in slots.items() if s == stage and m not in down and q.alive) > 1
+                ]
                 if candidates:
                     name = rng.choice(sorted(candidates))
                     how = rng.choice(["SIGKILL", "SIGTERM"])
@@ -175,14 +204,23 @@ def main() -> int:
     leftovers = glob.glob(os.path.join(workdir, "ckpt-*", "*.tmp.*"))
     losses = report.get("losses", [])
     head, tail = losses[:5], losses[-5:]
-    result.update({
-        "wall_s": round(time.monotonic() - started, 1), "trainer_exit_code": trainer_rc, "timed_out": timed_out,
-        "completed": report.get("completed", False), "steps_done": report.get("steps", 0),
-        "microbatches_sent": report.get("microbatches_sent"), "microbatches_lost": report.get("microbatches_lost"),
-        "microbatches_retried": report.get("microbatches_retried"), "failures_by_kind": report.get("failures_by_kind"),
-        "loss_first5": sum(head) / len(head) if head else None, "loss_last5": sum(tail) / len(tail) if tail else None,
-        "checkpoints": checkpoints, "temporary_files_left": leftovers,
-    })
+    result.update(
+        {
+            "wall_s": round(time.monotonic() - started, 1),
+            "trainer_exit_code": trainer_rc,
+            "timed_out": timed_out,
+            "completed": report.get("completed", False),
+            "steps_done": report.get("steps", 0),
+            "microbatches_sent": report.get("microbatches_sent"),
+            "microbatches_lost": report.get("microbatches_lost"),
+            "microbatches_retried": report.get("microbatches_retried"),
+            "failures_by_kind": report.get("failures_by_kind"),
+            "loss_first5": sum(head) / len(head) if head else None,
+            "loss_last5": sum(tail) / len(tail) if tail else None,
+            "checkpoints": checkpoints,
+            "temporary_files_left": leftovers,
+        }
+    )
     checks = {
         f"at least {args.min_kills} peers killed and restarted": len(result["kills"]) >= args.min_kills
         and result["restarts"] >= args.min_kills,

@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
 
-
 # --- the schedule ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -78,6 +78,7 @@ SCHEDULE = (
 
 # --- pure analysis (tested in tests/unit/test_churn_analysis.py) ---------------------------------------
 
+
 def rate_between(step_end_s: Sequence[float], tokens_per_step: int, start_s: float, end_s: float) -> float:
     """Tokens/s of the steps that completed in (start_s, end_s]."""
     if end_s <= start_s:
@@ -86,8 +87,9 @@ def rate_between(step_end_s: Sequence[float], tokens_per_step: int, start_s: flo
     return steps * tokens_per_step / (end_s - start_s)
 
 
-def rate_series(step_end_s: Sequence[float], tokens_per_step: int, start_s: float, end_s: float,
-                bin_s: float = 1.0) -> list[tuple[float, float]]:
+def rate_series(
+    step_end_s: Sequence[float], tokens_per_step: int, start_s: float, end_s: float, bin_s: float = 1.0
+) -> list[tuple[float, float]]:
     """(bin start, tokens/s) for consecutive bins of bin_s seconds from start_s to end_s."""
     series, t = [], start_s
     while t + bin_s <= end_s + 1e-9:
@@ -108,8 +110,17 @@ def stall_after(step_end_s: Sequence[float], event_s: float, horizon_s: float) -
     return max(longest, event_s + horizon_s - previous)
 
 
-def recovery_after(step_end_s: Sequence[float], tokens_per_step: int, event_s: float, capacity: float, *,
-                   window_s: float, fraction: float = 0.9, horizon_s: float, hop_s: float = 0.1) -> float | None:
+def recovery_after(
+    step_end_s: Sequence[float],
+    tokens_per_step: int,
+    event_s: float,
+    capacity: float,
+    *,
+    window_s: float,
+    fraction: float = 0.9,
+    horizon_s: float,
+    hop_s: float = 0.1,
+) -> float | None:
     """Seconds from the event to the end of the first window (window_s long, starting at or after
     the event) whose tokens/s reach `fraction` of `capacity`; None if none does within horizon_s."""
     if capacity <= 0:
@@ -138,19 +149,35 @@ def align_clock(observations: Sequence[tuple[int, float]], step_end_s: Sequence[
     return min(offsets)
 
 
-def analyse(step_end_s: Sequence[float], tokens_per_step: int, phase_starts: dict[str, float], end_s: float, *,
-            settle_s: float, window_s: float, horizon_s: float, timeout_floor_s: float = 5.0) -> dict:
+def analyse(
+    step_end_s: Sequence[float],
+    tokens_per_step: int,
+    phase_starts: dict[str, float],
+    end_s: float,
+    *,
+    settle_s: float,
+    window_s: float,
+    horizon_s: float,
+    timeout_floor_s: float = 5.0,
+) -> dict:
     """Capacity of every phase, and stall and recovery after every kill (all times in one clock)."""
     names = [p.name for p in SCHEDULE]
-    bounds = {name: (phase_starts[name], phase_starts[names[i + 1]] if i + 1 < len(names) else end_s)
-              for i, name in enumerate(names)}
+    bounds = {
+        name: (phase_starts[name], phase_starts[names[i + 1]] if i + 1 < len(names) else end_s)
+        for i, name in enumerate(names)
+    }
     phases = {}
     for phase in SCHEDULE:
         start, end = bounds[phase.name]
-        phases[phase.name] = {"replicas": list(phase.replicas), "event": phase.action,
-                              "event_stage": phase.stage, "start_s": start, "end_s": end,
-                              "steady_tokens_per_s": rate_between(step_end_s, tokens_per_step, start + settle_s, end),
-                              "median_step_gap_s": median_gap(step_end_s, start + settle_s, end)}
+        phases[phase.name] = {
+            "replicas": list(phase.replicas),
+            "event": phase.action,
+            "event_stage": phase.stage,
+            "start_s": start,
+            "end_s": end,
+            "steady_tokens_per_s": rate_between(step_end_s, tokens_per_step, start + settle_s, end),
+            "median_step_gap_s": median_gap(step_end_s, start + settle_s, end),
+        }
     kills = []
     for phase in SCHEDULE:
         if phase.action != "kill":
@@ -158,19 +185,32 @@ def analyse(step_end_s: Sequence[float], tokens_per_step: int, phase_starts: dic
         start, end = bounds[phase.name]
         capacity = phases[phase.reference]["steady_tokens_per_s"]
         stall_s = stall_after(step_end_s, start, horizon_s)
-        recovery_s = (recovery_after(step_end_s, tokens_per_step, start, capacity, window_s=window_s,
-                                     horizon_s=min(horizon_s, end - start)) if capacity > 0 else None)
-        kills.append({"phase": phase.name, "stage": phase.stage, "at_s": start,
-                      "surviving_capacity_tokens_per_s": capacity, "capacity_measured_in": phase.reference,
-                      "stall_s": stall_s,
-                      "normal_step_gap_s": phases[phase.reference]["median_step_gap_s"],
-                      "recovery_s": recovery_s,
-                      "goal_stall_met": stall_s < 2 * timeout_floor_s,
-                      "goal_recovery_met": recovery_s is not None and recovery_s <= 30.0})
+        recovery_s = (
+            recovery_after(
+                step_end_s, tokens_per_step, start, capacity, window_s=window_s, horizon_s=min(horizon_s, end - start)
+            )
+            if capacity > 0
+            else None
+        )
+        kills.append(
+            {
+                "phase": phase.name,
+                "stage": phase.stage,
+                "at_s": start,
+                "surviving_capacity_tokens_per_s": capacity,
+                "capacity_measured_in": phase.reference,
+                "stall_s": stall_s,
+                "normal_step_gap_s": phases[phase.reference]["median_step_gap_s"],
+                "recovery_s": recovery_s,
+                "goal_stall_met": stall_s < 2 * timeout_floor_s,
+                "goal_recovery_met": recovery_s is not None and recovery_s <= 30.0,
+            }
+        )
     return {"phases": phases, "kills": kills}
 
 
 # --- running it --------------------------------------------------------------------------------------
+
 
 def _read_report(path: str) -> dict | None:
     try:
@@ -193,8 +233,16 @@ def run(args) -> dict:
     tokens_per_step = args.batch_size * seq_len
     workdir = tempfile.mkdtemp(prefix="swarm-churn-")
     report_path = os.path.join(workdir, "report.json")
-    peer_args = ["--target-batch-size", str(args.batch_size), "--num-threads", "1", "--announce-period-s",
-                 str(args.announce_period_s), "--fault-slowdown", str(args.slowdown)]
+    peer_args = [
+        "--target-batch-size",
+        str(args.batch_size),
+        "--num-threads",
+        "1",
+        "--announce-period-s",
+        str(args.announce_period_s),
+        "--fault-slowdown",
+        str(args.slowdown),
+    ]
     observations: list[tuple[int, float]] = []
     calls_at: dict[str, dict] = {}
     phase_starts: dict[str, float] = {}
@@ -204,10 +252,22 @@ def run(args) -> dict:
         swarm.start_bootstrap()
         peers = {0: [swarm.start_peer(0) for _ in range(2)], 1: [swarm.start_peer(1) for _ in range(2)]}
         swarm.wait_online(peers[0] + peers[1])
-        trainer = swarm.start_trainer("--steps", "1000000", "--batch-size", str(args.batch_size),
-                                      "--microbatch-size", str(args.microbatch_size), "--max-in-flight",
-                                      str(args.max_in_flight), "--num-stages", "2", "--refresh-period-s",
-                                      str(args.refresh_period_s), "--report", report_path)
+        trainer = swarm.start_trainer(
+            "--steps",
+            "1000000",
+            "--batch-size",
+            str(args.batch_size),
+            "--microbatch-size",
+            str(args.microbatch_size),
+            "--max-in-flight",
+            str(args.max_in_flight),
+            "--num-stages",
+            "2",
+            "--refresh-period-s",
+            str(args.refresh_period_s),
+            "--report",
+            report_path,
+        )
         clock0 = time.monotonic()
 
         def poll(until_s: float) -> dict | None:
@@ -247,8 +307,11 @@ def run(args) -> dict:
             poll(t)
             report = _read_report(report_path)
             calls_at[phase.name] = dict(report["calls_by_peer"]) if report else {}
-            print(f"[{time.monotonic() - clock0:7.1f} s] phase {phase.name} ({phase.replicas[0]} + "
-                  f"{phase.replicas[1]}) over, {report['steps'] if report else 0} steps", flush=True)
+            print(
+                f"[{time.monotonic() - clock0:7.1f} s] phase {phase.name} ({phase.replicas[0]} + "
+                f"{phase.replicas[1]}) over, {report['steps'] if report else 0} steps",
+                flush=True,
+            )
         end_s = time.monotonic() - clock0
         final = _read_report(report_path)
         for process in swarm.peers():
@@ -260,8 +323,15 @@ def run(args) -> dict:
                 joins[process.name]["first_request_after_online_record_s"] = float(served.group(1)) if served else None
         trainer_alive = trainer.alive
     step_end = [align_clock(observations, final["step_end_s"]) + t for t in final["step_end_s"]]
-    analysis = analyse(step_end, tokens_per_step, phase_starts, end_s, settle_s=args.settle_s,
-                       window_s=args.window_s, horizon_s=args.horizon_s)
+    analysis = analyse(
+        step_end,
+        tokens_per_step,
+        phase_starts,
+        end_s,
+        settle_s=args.settle_s,
+        window_s=args.window_s,
+        horizon_s=args.horizon_s,
+    )
     shares, previous = {}, {}
     for phase in SCHEDULE:
         now = calls_at.get(phase.name, {})
@@ -273,47 +343,75 @@ def run(args) -> dict:
             shares[phase.name].update({name: round(calls / total, 3) for name, calls in sorted(of_stage.items())})
         previous = now
     first = phase_starts[SCHEDULE[0].name]
-    return {"benchmark": "churn", "model": args.model, "batch_size": args.batch_size,
-            "microbatch_size": args.microbatch_size, "max_in_flight": args.max_in_flight,
-            "slowdown": args.slowdown, "phase_s": args.phase_s, "settle_s": args.settle_s,
-            "window_s": args.window_s, "refresh_period_s": args.refresh_period_s,
-            "announce_period_s": args.announce_period_s, "cpus": os.cpu_count(), "machine": platform.machine(),
-            "load_average_at_end": os.getloadavg(), "trainer_alive_at_end": trainer_alive,
-            "steps": final["steps"], "microbatches_sent": final["microbatches_sent"],
-            "microbatches_lost": final["microbatches_lost"], "microbatches_retried": final["microbatches_retried"],
-            "calls_retried": final["calls_retried"], "failures_by_kind": final["failures_by_kind"],
-            "calls_share_by_phase": shares, "joins": joins, **analysis,
-            "tokens_per_s_by_second": rate_series(step_end, tokens_per_step, first, end_s, 1.0),
-            "tokens_per_s_rolling_5s": [(round(t - first, 1), rate_between(step_end, tokens_per_step, t - 5.0, t))
-                                        for t in [first + 5.0 + i for i in range(int(end_s - first - 5.0) + 1)]],
-            "step_end_s": [round(t - first, 3) for t in step_end if t > first]}
+    return {
+        "benchmark": "churn",
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "microbatch_size": args.microbatch_size,
+        "max_in_flight": args.max_in_flight,
+        "slowdown": args.slowdown,
+        "phase_s": args.phase_s,
+        "settle_s": args.settle_s,
+        "window_s": args.window_s,
+        "refresh_period_s": args.refresh_period_s,
+        "announce_period_s": args.announce_period_s,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "load_average_at_end": os.getloadavg(),
+        "trainer_alive_at_end": trainer_alive,
+        "steps": final["steps"],
+        "microbatches_sent": final["microbatches_sent"],
+        "microbatches_lost": final["microbatches_lost"],
+        "microbatches_retried": final["microbatches_retried"],
+        "calls_retried": final["calls_retried"],
+        "failures_by_kind": final["failures_by_kind"],
+        "calls_share_by_phase": shares,
+        "joins": joins,
+        **analysis,
+        "tokens_per_s_by_second": rate_series(step_end, tokens_per_step, first, end_s, 1.0),
+        "tokens_per_s_rolling_5s": [
+            (round(t - first, 1), rate_between(step_end, tokens_per_step, t - 5.0, t))
+            for t in [first + 5.0 + i for i in range(int(end_s - first - 5.0) + 1)]
+        ],
+        "step_end_s": [round(t - first, 3) for t in step_end if t > first],
+    }
 
 
 def summary(result: dict) -> str:
-    lines = [f"churn: {result['model']}, batch {result['batch_size']} ({result['microbatch_size']}/microbatch), "
-             f"peers slowed {result['slowdown']}x, phases of {result['phase_s']:.0f} s; "
-             f"{result['steps']} steps, {result['microbatches_sent']} microbatches, lost {result['microbatches_lost']}, "
-             f"retried {result['microbatches_retried']} ({result['calls_retried']} calls: {result['failures_by_kind']})",
-             "phase  replicas  event           tokens/s (steady)  step gap  call shares"]
+    lines = [
+        f"churn: {result['model']}, batch {result['batch_size']} ({result['microbatch_size']}/microbatch), "
+        f"peers slowed {result['slowdown']}x, phases of {result['phase_s']:.0f} s; "
+        f"{result['steps']} steps, {result['microbatches_sent']} microbatches, lost {result['microbatches_lost']}, "
+        f"retried {result['microbatches_retried']} ({result['calls_retried']} calls: {result['failures_by_kind']})",
+        "phase  replicas  event           tokens/s (steady)  step gap  call shares",
+    ]
     for name, phase in result["phases"].items():
         event = phase["event"] if phase["event"] == "none" else f"{phase['event']} stage {phase['event_stage']}"
         gap = phase["median_step_gap_s"]
         shares = ", ".join(f"{k} {v:.2f}" for k, v in result["calls_share_by_phase"].get(name, {}).items())
-        lines.append(f"{name:<6} {phase['replicas'][0]} + {phase['replicas'][1]}     {event:<15} "
-                     f"{phase['steady_tokens_per_s']:>10,.0f}        {gap if gap is None else round(gap, 2)!s:>6} s  {shares}")
+        lines.append(
+            f"{name:<6} {phase['replicas'][0]} + {phase['replicas'][1]}     {event:<15} "
+            f"{phase['steady_tokens_per_s']:>10,.0f}        {gap if gap is None else round(gap, 2)!s:>6} s  {shares}"
+        )
     for kill in result["kills"]:
         recovery = "never" if kill["recovery_s"] is None else f"{kill['recovery_s']:.1f} s"
-        lines.append(f"kill in {kill['phase']} (stage {kill['stage']}): stall {kill['stall_s']:.1f} s (normal step gap "
-                     f"{kill['normal_step_gap_s']:.2f} s; goal < 10 s: {'met' if kill['goal_stall_met'] else 'NOT met'}), "
-                     f"back to 90% of {kill['surviving_capacity_tokens_per_s']:,.0f} tokens/s (phase "
-                     f"{kill['capacity_measured_in']}) after {recovery} (goal <= 30 s: "
-                     f"{'met' if kill['goal_recovery_met'] else 'NOT met'})")
+        lines.append(
+            f"kill in {kill['phase']} (stage {kill['stage']}): stall {kill['stall_s']:.1f} s (normal step gap "
+            f"{kill['normal_step_gap_s']:.2f} s; goal < 10 s: {'met' if kill['goal_stall_met'] else 'NOT met'}), "
+            f"back to 90% of {kill['surviving_capacity_tokens_per_s']:,.0f} tokens/s (phase "
+            f"{kill['capacity_measured_in']}) after {recovery} (goal <= 30 s: "
+            f"{'met' if kill['goal_recovery_met'] else 'NOT met'})"
+        )
     for name, join in result["joins"].items():
         first = join.get("first_request_after_online_record_s")
-        lines.append(f"join {name}: online {join['online_s'] - join['started_s']:.1f} s after its start, first request "
-                     f"{'never' if first is None else f'{first:.2f} s'} after its online record")
-    lines.append(f"lost microbatches: {result['microbatches_lost']} (goal 0: "
-                 f"{'met' if result['microbatches_lost'] == 0 and result['trainer_alive_at_end'] else 'NOT met'})")
+        lines.append(
+            f"join {name}: online {join['online_s'] - join['started_s']:.1f} s after its start, first request "
+            f"{'never' if first is None else f'{first:.2f} s'} after its online record"
+        )
+    lines.append(
+        f"lost microbatches: {result['microbatches_lost']} (goal 0: "
+        f"{'met' if result['microbatches_lost'] == 0 and result['trainer_alive_at_end'] else 'NOT met'})"
+    )
     return "\n".join(lines)
 
 
@@ -326,16 +424,24 @@ def main() -> int:
     parser.add_argument("--slowdown", type=float, default=10.0, help="every peer's --fault-slowdown")
     parser.add_argument("--phase-s", type=float, default=45.0, help="seconds per phase (5 phases + warm-up)")
     parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--settle-s", type=float, default=10.0, help="seconds after a phase starts that its steady "
-                        "rate leaves out")
+    parser.add_argument(
+        "--settle-s", type=float, default=10.0, help="seconds after a phase starts that its steady rate leaves out"
+    )
     parser.add_argument("--window-s", type=float, default=5.0, help="window of the recovery rate")
-    parser.add_argument("--horizon-s", type=float, default=40.0, help="how long after a kill stall and recovery "
-                        "are looked for (at most the phase)")
+    parser.add_argument(
+        "--horizon-s",
+        type=float,
+        default=40.0,
+        help="how long after a kill stall and recovery are looked for (at most the phase)",
+    )
     parser.add_argument("--refresh-period-s", type=float, default=3.0, help="the trainer's (its default)")
-    parser.add_argument("--announce-period-s", type=float, default=5.0, help="the peers' (their default; record TTL 3x)")
+    parser.add_argument(
+        "--announce-period-s", type=float, default=5.0, help="the peers' (their default; record TTL 3x)"
+    )
     parser.add_argument("--out", default="benchmarks/out/churn.json")
     args = parser.parse_args()
     from swarm.local_swarm import LocalSwarmError
+
     try:
         result = run(args)
     except (LocalSwarmError, RuntimeError) as e:  # a process that failed; its log tail is in the message

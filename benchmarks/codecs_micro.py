@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from swarm.compression import BlockwiseInt8Codec, decode, get_codec  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
+from wire.compression import BlockwiseInt8Codec, decode, get_codec  # noqa: E402
 
 CASES = [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.01}), ("topk", {"fraction": 0.1})]
 

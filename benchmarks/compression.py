@@ -28,10 +28,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import get_model_config  # noqa: E402
-from swarm.codec_policy import CODEC_MODES  # noqa: E402
-from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
+from models.config import get_model_config  # noqa: E402
+from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
+from swarm.trainer.codec_policy import CODEC_MODES  # noqa: E402
 
 INT8_MAX_LOSS_INCREASE = 0.02  # goal: int8's final loss within 2% of the uncompressed one
 INT8_MIN_BYTE_REDUCTION = 3.5  # ... with at least 3.5x fewer bytes
@@ -41,16 +41,33 @@ def train_with_codec(codec: str, args: argparse.Namespace) -> dict:
     workdir = tempfile.mkdtemp(prefix=f"swarm-compression-{codec}-")
     report_path = os.path.join(workdir, "report.json")
     started = time.monotonic()
-    with LocalSwarm(model=args.model, num_stages=args.stages, workdir=workdir,
-                    peer_args=["--target-batch-size", str(args.batch_size), "--num-threads", "1"]) as swarm:
+    with LocalSwarm(
+        model=args.model,
+        num_stages=args.stages,
+        workdir=workdir,
+        peer_args=["--target-batch-size", str(args.batch_size), "--num-threads", "1"],
+    ) as swarm:
         swarm.start_bootstrap()
         peers = [swarm.start_peer(stage) for stage in range(args.stages)]
         swarm.wait_online(peers, timeout_s=180.0)
-        trainer = swarm.start_trainer("--num-stages", str(args.stages), "--steps", str(args.steps),
-                                      "--batch-size", str(args.batch_size), "--microbatch-size",
-                                      str(args.microbatch_size), "--max-in-flight",
-                                      str(args.batch_size // args.microbatch_size), "--codec", codec,
-                                      "--topk-fraction", str(args.topk_fraction), "--report", report_path)
+        trainer = swarm.start_trainer(
+            "--num-stages",
+            str(args.stages),
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--microbatch-size",
+            str(args.microbatch_size),
+            "--max-in-flight",
+            str(args.batch_size // args.microbatch_size),
+            "--codec",
+            codec,
+            "--topk-fraction",
+            str(args.topk_fraction),
+            "--report",
+            report_path,
+        )
         try:
             returncode = trainer.popen.wait(timeout=args.run_timeout_s)
         except Exception:
@@ -60,7 +77,7 @@ def train_with_codec(codec: str, args: argparse.Namespace) -> dict:
     with open(report_path) as f:
         report = json.load(f)
     tokens_per_step = args.batch_size * get_model_config(args.model).seq_len
-    timed = report["tokens_per_s_by_step"][args.warmup:]
+    timed = report["tokens_per_s_by_step"][args.warmup :]
     timed_s = sum(tokens_per_step / t for t in timed)
     sent = report["bytes_by_codec"].get("sent", {})
     received = report["bytes_by_codec"].get("received", {})
@@ -73,8 +90,10 @@ def train_with_codec(codec: str, args: argparse.Namespace) -> dict:
         "losses": report["losses"],
         "wire_bytes_per_token": report["wire_bytes_per_token"],
         "tokens_per_s": len(timed) * tokens_per_step / timed_s if timed_s else None,
-        "wire_bytes_by_codec": {"sent": {c: v["wire_bytes"] for c, v in sent.items()},
-                                "received": {c: v["wire_bytes"] for c, v in received.items()}},
+        "wire_bytes_by_codec": {
+            "sent": {c: v["wire_bytes"] for c, v in sent.items()},
+            "received": {c: v["wire_bytes"] for c, v in received.items()},
+        },
         "backward_inputs_skipped": report.get("backward_inputs_skipped"),
         "microbatches_lost": report["microbatches_lost"],
         "wall_s": time.monotonic() - started,
@@ -89,9 +108,11 @@ def goals(results: dict[str, dict]) -> list[str]:
         loss_increase = int8["final_loss"] / none["final_loss"] - 1
         reduction = none["wire_bytes_per_token"] / int8["wire_bytes_per_token"]
         met = loss_increase <= INT8_MAX_LOSS_INCREASE and reduction >= INT8_MIN_BYTE_REDUCTION
-        lines.append(f"int8: final loss {int8['final_loss']:.4f} vs {none['final_loss']:.4f} uncompressed "
-                     f"({loss_increase:+.2%}, goal <= +{INT8_MAX_LOSS_INCREASE:.0%}), {reduction:.2f}x fewer bytes "
-                     f"(goal >= {INT8_MIN_BYTE_REDUCTION}x): {'met' if met else 'NOT met'}")
+        lines.append(
+            f"int8: final loss {int8['final_loss']:.4f} vs {none['final_loss']:.4f} uncompressed "
+            f"({loss_increase:+.2%}, goal <= +{INT8_MAX_LOSS_INCREASE:.0%}), {reduction:.2f}x fewer bytes "
+            f"(goal >= {INT8_MIN_BYTE_REDUCTION}x): {'met' if met else 'NOT met'}"
+        )
     return lines
 
 
@@ -104,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--topk-fraction", type=float, default=0.1)
-    parser.add_argument("--codecs", default=",".join(CODEC_MODES), help="comma-separated subset of "
-                        + ",".join(CODEC_MODES))
+    parser.add_argument(
+        "--codecs", default=",".join(CODEC_MODES), help="comma-separated subset of " + ",".join(CODEC_MODES)
+    )
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/out/compression.json")
     args = parser.parse_args(argv)
@@ -127,28 +149,46 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compression: error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
         r = results[codec]
-        print(f"{codec:<9} loss {r['initial_loss']:.3f} -> {r['final_loss']:.4f}  {r['wire_bytes_per_token']:>9,.0f} B/token"
-              f"  {r['tokens_per_s']:>7,.0f} tokens/s  ({r['wall_s']:.0f} s)", flush=True)
+        print(
+            f"{codec:<9} loss {r['initial_loss']:.3f} -> {r['final_loss']:.4f}  {r['wire_bytes_per_token']:>9,.0f} B/token"
+            f"  {r['tokens_per_s']:>7,.0f} tokens/s  ({r['wall_s']:.0f} s)",
+            flush=True,
+        )
 
     none = results.get("none")
-    print(f"\n{args.model}, {args.stages} stages on loopback, {args.steps} steps x {args.batch_size} x "
-          f"{get_model_config(args.model).seq_len} tokens (tokens/s over steps {args.warmup + 1}-{args.steps})")
+    print(
+        f"\n{args.model}, {args.stages} stages on loopback, {args.steps} steps x {args.batch_size} x "
+        f"{get_model_config(args.model).seq_len} tokens (tokens/s over steps {args.warmup + 1}-{args.steps})"
+    )
     print("codec      final loss  vs none   B/token  fewer bytes  tokens/s  vs none")
     for codec, r in results.items():
         loss_ratio = f"{r['final_loss'] / none['final_loss'] - 1:+7.2%}" if none else "      -"
         fewer = f"{none['wire_bytes_per_token'] / r['wire_bytes_per_token']:>10.2f}x" if none else "          -"
         speed = f"{r['tokens_per_s'] / none['tokens_per_s']:>6.2f}x" if none else "      -"
-        print(f"{codec:<9} {r['final_loss']:>11.4f}  {loss_ratio}  {r['wire_bytes_per_token']:>8,.0f}  {fewer}"
-              f"  {r['tokens_per_s']:>8,.0f}  {speed}")
+        print(
+            f"{codec:<9} {r['final_loss']:>11.4f}  {loss_ratio}  {r['wire_bytes_per_token']:>8,.0f}  {fewer}"
+            f"  {r['tokens_per_s']:>8,.0f}  {speed}"
+        )
     verdicts = goals(results)
     for line in verdicts:
         print(line)
-    out = {"benchmark": "compression", "command": " ".join(["benchmarks/compression.py", *(argv or sys.argv[1:])]),
-           "model": args.model, "stages": args.stages, "steps": args.steps, "warmup": args.warmup,
-           "batch_size": args.batch_size, "microbatch_size": args.microbatch_size,
-           "topk_fraction": args.topk_fraction, "cpus": os.cpu_count(), "machine": platform.machine(),
-           "load_average_at_end": os.getloadavg(), "wall_s": time.monotonic() - started,
-           "results": list(results.values()), "goals": verdicts}
+    out = {
+        "benchmark": "compression",
+        "command": " ".join(["benchmarks/compression.py", *(argv or sys.argv[1:])]),
+        "model": args.model,
+        "stages": args.stages,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "microbatch_size": args.microbatch_size,
+        "topk_fraction": args.topk_fraction,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "load_average_at_end": os.getloadavg(),
+        "wall_s": time.monotonic() - started,
+        "results": list(results.values()),
+        "goals": verdicts,
+    }
     write_report(args.out, out)
     return 0
 

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import get_model_config  # noqa: E402
 from models.gpt import language_model_loss  # noqa: E402
 from models.stages import StageModule, build_stage  # noqa: E402
-from peers.stage_runtime import OptimizerSettings  # noqa: E402
-from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,20 +79,32 @@ def run_rank(args: argparse.Namespace) -> int:
     master_host, master_port = args.master.rsplit(":", 1)
     report = BaselineReport(rank=args.rank, world_size=args.world_size, model=args.model)
     try:
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://{master_host}:{master_port}", rank=args.rank,
-                                             world_size=args.world_size,
-                                             timeout=datetime.timedelta(seconds=args.timeout_s))
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://{master_host}:{master_port}",
+            rank=args.rank,
+            world_size=args.world_size,
+            timeout=datetime.timedelta(seconds=args.timeout_s),
+        )
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         module = LogitsStage(build_stage(config, args.rank, args.world_size, seed=args.seed))
         microbatches = args.batch_size // args.microbatch_size
-        example = (torch.zeros(args.microbatch_size, config.seq_len, dtype=torch.int64) if args.rank == 0 else
-                   torch.zeros(args.microbatch_size, config.seq_len, config.d_model))
+        example = (
+            torch.zeros(args.microbatch_size, config.seq_len, dtype=torch.int64)
+            if args.rank == 0
+            else torch.zeros(args.microbatch_size, config.seq_len, config.d_model)
+        )
         stage = PipelineStage(module, args.rank, args.world_size, torch.device("cpu"), input_args=(example,))
         schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=language_model_loss)
         optimizer = OptimizerSettings(target_batch_size=args.batch_size).build(module.parameters())
-        sampler = MicrobatchSampler(load_corpus(args.data), seq_len=config.seq_len, batch_size=args.batch_size,
-                                    microbatch_size=args.microbatch_size, seed=args.seed)
+        sampler = MicrobatchSampler(
+            load_corpus(args.data),
+            seq_len=config.seq_len,
+            batch_size=args.batch_size,
+            microbatch_size=args.microbatch_size,
+            seed=args.seed,
+        )
         is_first, is_last = args.rank == 0, args.rank == args.world_size - 1
         for step in range(args.steps):
             started = time.perf_counter()
@@ -115,8 +127,11 @@ def run_rank(args: argparse.Namespace) -> int:
                 loss = float(torch.stack(losses).detach().mean())
                 report.losses.append(loss)
                 loss_text = f"  loss {loss:.4f}"
-            print(f"step {step + 1:>4}/{args.steps}{loss_text}  "
-                  f"{args.batch_size * config.seq_len / report.step_seconds[-1]:,.0f} tok/s", flush=True)
+            print(
+                f"step {step + 1:>4}/{args.steps}{loss_text}  "
+                f"{args.batch_size * config.seq_len / report.step_seconds[-1]:,.0f} tok/s",
+                flush=True,
+            )
         report.completed = True
         return 0
     except Exception as e:  # a dead rank surfaces as assorted gloo/runtime errors: record and fail
@@ -130,23 +145,65 @@ def run_rank(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
-def rank_command(rank: int, world_size: int, master: str, *, model: str, steps: int, batch_size: int,
-                 microbatch_size: int, report: str, timeout_s: float = 60.0, seed: int = 0,
-                 python: str = sys.executable) -> list[str]:
-    return [python, "-m", "benchmarks.gpipe_baseline", "--rank", str(rank), "--world-size", str(world_size),
-            "--master", master, "--model", model, "--steps", str(steps), "--batch-size", str(batch_size),
-            "--microbatch-size", str(microbatch_size), "--report", report, "--timeout-s", str(timeout_s),
-            "--seed", str(seed)]
+def rank_command(
+    rank: int,
+    world_size: int,
+    master: str,
+    *,
+    model: str,
+    steps: int,
+    batch_size: int,
+    microbatch_size: int,
+    report: str,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    python: str = sys.executable,
+) -> list[str]:
+    return [
+        python,
+        "-m",
+        "benchmarks.gpipe_baseline",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--master",
+        master,
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+        "--microbatch-size",
+        str(microbatch_size),
+        "--report",
+        report,
+        "--timeout-s",
+        str(timeout_s),
+        "--seed",
+        str(seed),
+    ]
 
 
-def launch(commands: list[list[str]], log_paths: list[str], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def launch(
+    commands: list[list[str]], log_paths: list[str], env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """Start one process per rank, each in its own process group (stop with `os.killpg`)."""
     processes = []
     for command, log_path in zip(commands, log_paths):
         with open(log_path, "w") as log:
-            processes.append(subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                                              start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **(env or {})},
+                    start_new_session=True,
+                )
+            )
     return processes
 
 

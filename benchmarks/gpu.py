@@ -25,21 +25,30 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
-from peers import devices  # noqa: E402
-from peers.stage_runtime import OptimizerSettings  # noqa: E402
-from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from peers.compute import devices  # noqa: E402
+from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 
-def plain_pytorch(model_name: str, device: torch.device, optimizer: str, precision: str, steps: int, warmup: int,
-                  batch_size: int, microbatch_size: int) -> dict:
+def plain_pytorch(
+    model_name: str,
+    device: torch.device,
+    optimizer: str,
+    precision: str,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    microbatch_size: int,
+) -> dict:
     """One process, the whole model on `device`, gradient accumulation over the same microbatches."""
     config = get_model_config(model_name)
-    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=batch_size,
-                                microbatch_size=microbatch_size)
+    sampler = MicrobatchSampler(
+        load_corpus(), seq_len=config.seq_len, batch_size=batch_size, microbatch_size=microbatch_size
+    )
     model = build_full_model(config).to(device)
     opt = OptimizerSettings(kind=optimizer).build(model.parameters(), device)
     if device.type == "cuda":
@@ -60,8 +69,11 @@ def plain_pytorch(model_name: str, device: torch.device, optimizer: str, precisi
         losses.append(float(total))  # one sync per step, as a user's logging loop would
     _sync(device)
     elapsed = time.perf_counter() - started
-    result = {"layout": f"plain pytorch, {optimizer}", "tokens_per_s": steps * batch_size * config.seq_len / elapsed,
-              "final_loss": sum(losses[-3:]) / len(losses[-3:])}
+    result = {
+        "layout": f"plain pytorch, {optimizer}",
+        "tokens_per_s": steps * batch_size * config.seq_len / elapsed,
+        "final_loss": sum(losses[-3:]) / len(losses[-3:]),
+    }
     if device.type == "cuda":
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     del model, opt
@@ -70,22 +82,53 @@ def plain_pytorch(model_name: str, device: torch.device, optimizer: str, precisi
     return result
 
 
-def swarm_run(model_name: str, device: torch.device, optimizer: str, precision: str, steps: int, warmup: int,
-              batch_size: int, microbatch_size: int, max_in_flight: int) -> dict:
+def swarm_run(
+    model_name: str,
+    device: torch.device,
+    optimizer: str,
+    precision: str,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    microbatch_size: int,
+    max_in_flight: int,
+) -> dict:
     """Two peers (stage 0 and stage 1) computing on `device`, a trainer streaming microbatches."""
     config = get_model_config(model_name)
     workdir = tempfile.mkdtemp(prefix="swarm-gpu-bench-")
     report_path = os.path.join(workdir, "report.json")
-    peer_args = ["--device", str(device), "--precision", precision, "--optimizer", optimizer,
-                 "--target-batch-size", str(batch_size), "--max-batch-size", str(microbatch_size),
-                 "--num-threads", "1"]
+    peer_args = [
+        "--device",
+        str(device),
+        "--precision",
+        precision,
+        "--optimizer",
+        optimizer,
+        "--target-batch-size",
+        str(batch_size),
+        "--max-batch-size",
+        str(microbatch_size),
+        "--num-threads",
+        "1",
+    ]
     with LocalSwarm(model=model_name, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
         swarm.start_bootstrap()
         peers = [swarm.start_peer(stage) for stage in range(2)]
         swarm.wait_online(peers, timeout_s=600)
-        trainer = swarm.start_trainer("--steps", str(warmup + steps), "--batch-size", str(batch_size),
-                                      "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
-                                      "--num-stages", "2", "--report", report_path)
+        trainer = swarm.start_trainer(
+            "--steps",
+            str(warmup + steps),
+            "--batch-size",
+            str(batch_size),
+            "--microbatch-size",
+            str(microbatch_size),
+            "--max-in-flight",
+            str(max_in_flight),
+            "--num-stages",
+            "2",
+            "--report",
+            report_path,
+        )
         if trainer.popen.wait(timeout=3600) != 0:
             raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
     with open(report_path) as f:
@@ -93,8 +136,12 @@ def swarm_run(model_name: str, device: torch.device, optimizer: str, precision: 
     timed = report["tokens_per_s_by_step"][warmup:]
     tokens = batch_size * config.seq_len
     seconds = sum(tokens / rate for rate in timed)
-    return {"layout": f"swarm 2 stages on one {device.type}, {optimizer}", "tokens_per_s": len(timed) * tokens / seconds,
-            "final_loss": report["final_loss"], "microbatches_lost": report["microbatches_lost"]}
+    return {
+        "layout": f"swarm 2 stages on one {device.type}, {optimizer}",
+        "tokens_per_s": len(timed) * tokens / seconds,
+        "final_loss": report["final_loss"],
+        "microbatches_lost": report["microbatches_lost"],
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -127,15 +174,18 @@ def main() -> int:
     if device.type != "cuda" and not args.device.startswith("cpu"):
         print("benchmarks/gpu.py: error: no CUDA GPU here; this benchmark measures a GPU", file=sys.stderr)
         return 2
-    print(f"device: {devices.describe_device(device)}; model {args.model} "
-          f"({get_model_config(args.model).num_parameters() / 1e6:.0f}M parameters); precision {args.precision}",
-          flush=True)
+    print(
+        f"device: {devices.describe_device(device)}; model {args.model} "
+        f"({get_model_config(args.model).num_parameters() / 1e6:.0f}M parameters); precision {args.precision}",
+        flush=True,
+    )
 
     results = []
     for optimizer in optimizers:
         for run in (plain_pytorch, swarm_run):
-            kwargs = dict(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                          microbatch_size=args.microbatch_size)
+            kwargs = dict(
+                steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, microbatch_size=args.microbatch_size
+            )
             if run is swarm_run:
                 kwargs["max_in_flight"] = args.max_in_flight
             results.append(run(args.model, device, optimizer, args.precision, **kwargs))
@@ -145,12 +195,23 @@ def main() -> int:
         r["ratio_to_plain_same_optimizer"] = r["tokens_per_s"] / plain["tokens_per_s"]
     print("\nlayout                                     tokens/s   ratio   final loss")
     for r in results:
-        print(f"{r['layout']:<40} {r['tokens_per_s']:>10,.0f}   {r['ratio_to_plain_same_optimizer']:.2f}    "
-              f"{r['final_loss']:.3f}")
-    out = {"benchmark": "gpu", "model": args.model, "device": devices.describe_device(device),
-           "precision": args.precision, "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
-           "microbatch_size": args.microbatch_size, "torch": torch.__version__, "machine": platform.machine(),
-           "results": results}
+        print(
+            f"{r['layout']:<40} {r['tokens_per_s']:>10,.0f}   {r['ratio_to_plain_same_optimizer']:.2f}    "
+            f"{r['final_loss']:.3f}"
+        )
+    out = {
+        "benchmark": "gpu",
+        "model": args.model,
+        "device": devices.describe_device(device),
+        "precision": args.precision,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "microbatch_size": args.microbatch_size,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "results": results,
+    }
     write_report(args.out, out)
     return 0
 

@@ -23,21 +23,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
-from peers.stage_runtime import OptimizerSettings  # noqa: E402
-from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 
-def plain_pytorch(model_name: str, steps: int, warmup: int, batch_size: int, microbatch_size: int,
-                  threads: int) -> dict:
+def plain_pytorch(
+    model_name: str, steps: int, warmup: int, batch_size: int, microbatch_size: int, threads: int
+) -> dict:
     """The baseline a user would write: one process, gradient accumulation over the same microbatches."""
     torch.set_num_threads(threads)
     config = get_model_config(model_name)
-    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=batch_size,
-                                microbatch_size=microbatch_size)
+    sampler = MicrobatchSampler(
+        load_corpus(), seq_len=config.seq_len, batch_size=batch_size, microbatch_size=microbatch_size
+    )
     model = build_full_model(config)
     optimizer = OptimizerSettings().build(model.parameters())
     losses, started = [], None
@@ -53,22 +55,49 @@ def plain_pytorch(model_name: str, steps: int, warmup: int, batch_size: int, mic
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     elapsed = time.perf_counter() - started
-    return {"layout": f"plain pytorch, {threads} thread(s)", "tokens_per_s": steps * batch_size * config.seq_len / elapsed,
-            "final_loss": sum(losses[-5:]) / len(losses[-5:]), "threads": torch.get_num_threads()}
+    return {
+        "layout": f"plain pytorch, {threads} thread(s)",
+        "tokens_per_s": steps * batch_size * config.seq_len / elapsed,
+        "final_loss": sum(losses[-5:]) / len(losses[-5:]),
+        "threads": torch.get_num_threads(),
+    }
 
 
-def swarm_run(model_name: str, stages: int, replicas: int, steps: int, warmup: int, batch_size: int,
-              microbatch_size: int, max_in_flight: int) -> dict:
+def swarm_run(
+    model_name: str,
+    stages: int,
+    replicas: int,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    microbatch_size: int,
+    max_in_flight: int,
+) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-bench-")
     report_path = os.path.join(workdir, "report.json")
-    with LocalSwarm(model=model_name, num_stages=stages, workdir=workdir,
-                    peer_args=["--target-batch-size", str(batch_size), "--num-threads", "1"]) as swarm:
+    with LocalSwarm(
+        model=model_name,
+        num_stages=stages,
+        workdir=workdir,
+        peer_args=["--target-batch-size", str(batch_size), "--num-threads", "1"],
+    ) as swarm:
         swarm.start_bootstrap()
         peers = [swarm.start_peer(s) for s in range(stages) for _ in range(replicas)]
         swarm.wait_online(peers)
-        trainer = swarm.start_trainer("--steps", str(warmup + steps), "--batch-size", str(batch_size),
-                                      "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
-                                      "--num-stages", str(stages), "--report", report_path)
+        trainer = swarm.start_trainer(
+            "--steps",
+            str(warmup + steps),
+            "--batch-size",
+            str(batch_size),
+            "--microbatch-size",
+            str(microbatch_size),
+            "--max-in-flight",
+            str(max_in_flight),
+            "--num-stages",
+            str(stages),
+            "--report",
+            report_path,
+        )
         if trainer.popen.wait(timeout=3600) != 0:
             raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
     with open(report_path) as f:
@@ -76,10 +105,13 @@ def swarm_run(model_name: str, stages: int, replicas: int, steps: int, warmup: i
     timed = report["tokens_per_s_by_step"][warmup:]
     # tokens/s over the timed steps = total tokens / total time of those steps
     seconds = sum(batch_size * get_model_config(model_name).seq_len / t for t in timed)
-    return {"layout": f"swarm {stages} stages x {replicas} peer(s)",
-            "tokens_per_s": len(timed) * batch_size * get_model_config(model_name).seq_len / seconds,
-            "final_loss": report["final_loss"], "microbatches_lost": report["microbatches_lost"],
-            "microbatches_retried": report["microbatches_retried"]}
+    return {
+        "layout": f"swarm {stages} stages x {replicas} peer(s)",
+        "tokens_per_s": len(timed) * batch_size * get_model_config(model_name).seq_len / seconds,
+        "final_loss": report["final_loss"],
+        "microbatches_lost": report["microbatches_lost"],
+        "microbatches_retried": report["microbatches_retried"],
+    }
 
 
 def main() -> int:
@@ -95,13 +127,24 @@ def main() -> int:
 
     results = []
     for threads in sorted({1, os.cpu_count() or 1}):
-        results.append(plain_pytorch(args.model, args.steps, args.warmup, args.batch_size, args.microbatch_size,
-                                     threads))
+        results.append(
+            plain_pytorch(args.model, args.steps, args.warmup, args.batch_size, args.microbatch_size, threads)
+        )
         print(f"{results[-1]['layout']:<32} {results[-1]['tokens_per_s']:>9,.0f} tokens/s", flush=True)
     plain_results = list(results)
     for replicas in (1, 2):
-        results.append(swarm_run(args.model, 2, replicas, args.steps, args.warmup, args.batch_size,
-                                 args.microbatch_size, args.max_in_flight))
+        results.append(
+            swarm_run(
+                args.model,
+                2,
+                replicas,
+                args.steps,
+                args.warmup,
+                args.batch_size,
+                args.microbatch_size,
+                args.max_in_flight,
+            )
+        )
         print(f"{results[-1]['layout']:<32} {results[-1]['tokens_per_s']:>9,.0f} tokens/s", flush=True)
     baseline = max(r["tokens_per_s"] for r in plain_results)  # compare with the stronger plain setting
     for r in results:
@@ -109,9 +152,17 @@ def main() -> int:
     print("\nlayout                            tokens/s   ratio   final loss")
     for r in results:
         print(f"{r['layout']:<32} {r['tokens_per_s']:>9,.0f}   {r['ratio_to_plain']:.2f}    {r['final_loss']:.3f}")
-    out = {"benchmark": "loopback", "model": args.model, "steps": args.steps, "warmup": args.warmup,
-           "batch_size": args.batch_size, "microbatch_size": args.microbatch_size, "cpus": os.cpu_count(),
-           "machine": platform.machine(), "results": results}
+    out = {
+        "benchmark": "loopback",
+        "model": args.model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "microbatch_size": args.microbatch_size,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "results": results,
+    }
     write_report(args.out, out)
     return 0
 

@@ -23,18 +23,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import get_model_config  # noqa: E402
-from peers.checkpoint import deserialize_state  # noqa: E402
-from peers.stage_runtime import OptimizerSettings, StageRuntime  # noqa: E402
-from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
+from models.config import get_model_config  # noqa: E402
+from peers.compute.checkpoint import deserialize_state  # noqa: E402
+from peers.compute.stage_runtime import OptimizerSettings, StageRuntime  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 
 def replay(args, layout: str) -> list[float]:
     config = get_model_config(args.model)
     settings = OptimizerSettings(target_batch_size=args.batch_size)
-    sampler = MicrobatchSampler(load_corpus(None), seq_len=config.seq_len, batch_size=args.batch_size,
-                                microbatch_size=args.microbatch_size, seed=0)
+    sampler = MicrobatchSampler(
+        load_corpus(None),
+        seq_len=config.seq_len,
+        batch_size=args.batch_size,
+        microbatch_size=args.microbatch_size,
+        seed=0,
+    )
     moving = layout.endswith("-move")
     n0, n1 = (int(n) for n in layout.removesuffix("-move").split(":"))
     stage0 = [StageRuntime(config, 0, 2, optimizer=settings) for _ in range(n0)]

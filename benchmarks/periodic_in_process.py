@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
-from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 VARIANTS = ("one", "params", "params+adam")
 
@@ -83,15 +83,23 @@ def train(variant: str, sampler: MicrobatchSampler, model_name: str, steps: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
-    parser.add_argument("--every", type=int, nargs="*", default=[], metavar="K",
-                        help="also run `params` averaging only every K-th step, for each K given")
+    parser.add_argument(
+        "--every",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="K",
+        help="also run `params` averaging only every K-th step, for each K given",
+    )
     parser.add_argument("--out", default="benchmarks/out/periodic_in_process.json")
     args = parser.parse_args()
     variants = args.variants.split(",") + [f"params/{k}" for k in args.every]
@@ -100,14 +108,17 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = get_model_config(args.model)
-    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=args.batch_size,
-                                microbatch_size=args.microbatch_size, seed=0)
+    sampler = MicrobatchSampler(
+        load_corpus(), seq_len=config.seq_len, batch_size=args.batch_size, microbatch_size=args.microbatch_size, seed=0
+    )
     results = {}
     for variant in variants:
         losses = train(variant, sampler, args.model, args.steps, args.lr)
         final = sum(losses[-5:]) / len(losses[-5:])
         results[variant] = {"losses": losses, "final_loss": final}
-        print(f"{variant:12s} final loss {final:.4f}   by step: " + " ".join(f"{x:.3f}" for x in losses[::4]), flush=True)
+        print(
+            f"{variant:12s} final loss {final:.4f}   by step: " + " ".join(f"{x:.3f}" for x in losses[::4]), flush=True
+        )
     if "one" in results:
         for variant, result in results.items():
             if variant != "one":

@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from swarm.planner.cost import evaluate_plan, pair_costs  # noqa: E402
 from swarm.planner.search import search_plan  # noqa: E402
 from swarm.planner.topology import load_topology  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
 
 SCENARIOS = REPO / "benchmarks" / "dtfm_scenarios"
 PAPER_BEST_S = {"case1": 3.44, "case2": 49.50, "case3": 16.09, "case4": 34.80, "case5": 49.22}
@@ -46,32 +46,34 @@ def main(argv: list[str] | None = None) -> int:
         megatron = evaluate_plan(costs, np.arange(topology.num_devices).reshape(stages, replicas))
         random_totals = [
             evaluate_plan(
-                costs, np.random.default_rng(seed).permutation(topology.num_devices).reshape(
-                    stages, replicas)
+                costs, np.random.default_rng(seed).permutation(topology.num_devices).reshape(stages, replicas)
             ).total_s
             for seed in range(RANDOM_LAYOUT_SEEDS)
         ]
         started = time.perf_counter()
         result = search_plan(topology, seed=args.seed, time_limit_s=args.time_limit_s)
         wall_s = time.perf_counter() - started
-        rows.append({
-            "scenario": case,
-            "planner_total_s": result.cost.total_s,
-            "planner_data_parallel_s": result.cost.data_parallel_s,
-            "planner_pipeline_s": result.cost.pipeline_s,
-            "planner_runtime_s": wall_s,
-            "planner_best_found_s": result.best_found_s,
-            "planner_rounds": result.rounds,
-            "planner_stopped_by_time": result.stopped_by_time,
-            "megatron_total_s": megatron.total_s,
-            "random_mean_total_s": float(np.mean(random_totals)),
-            "paper_best_total_s": PAPER_BEST_S[case],
-            "groups": result.groups.tolist(),
-        })
+        rows.append(
+            {
+                "scenario": case,
+                "planner_total_s": result.cost.total_s,
+                "planner_data_parallel_s": result.cost.data_parallel_s,
+                "planner_pipeline_s": result.cost.pipeline_s,
+                "planner_runtime_s": wall_s,
+                "planner_best_found_s": result.best_found_s,
+                "planner_rounds": result.rounds,
+                "planner_stopped_by_time": result.stopped_by_time,
+                "megatron_total_s": megatron.total_s,
+                "random_mean_total_s": float(np.mean(random_totals)),
+                "paper_best_total_s": PAPER_BEST_S[case],
+                "groups": result.groups.tolist(),
+            }
+        )
         row = rows[-1]
         print(
             f"{case}: planner {row['planner_total_s']:.2f} s in {wall_s:.1f} s "
-            f"(best at {result.best_found_s:.1f} s, {result.rounds} rounds)", flush=True
+            f"(best at {result.best_found_s:.1f} s, {result.rounds} rounds)",
+            flush=True,
         )
 
     header = (
@@ -87,13 +89,17 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['planner_best_found_s']:.1f} | {row['megatron_total_s']:.2f} "
             f"| {row['random_mean_total_s']:.2f} | {row['paper_best_total_s']:.2f} |"
         )
-    write_report(args.out, {
-        "seed": args.seed,
-        "time_limit_s": args.time_limit_s,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "results": rows,
-    }, indent=1)
+    write_report(
+        args.out,
+        {
+            "seed": args.seed,
+            "time_limit_s": args.time_limit_s,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "results": rows,
+        },
+        indent=1,
+    )
     return 0
 
 

@@ -37,14 +37,16 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
 
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ .*replicas \[(\d+), (\d+)\]")
 METRICS_URL = re.compile(r"metrics on (http://\S+)")
-METRIC_LINE = re.compile(r'^(swarm_peer_(?:compute|queue|request)_duration_seconds_(?:sum|count)|swarm_peer_samples_total|'
-                         r'swarm_peer_activation_cache_\w+|process_cpu_seconds_total)(?:\{(.*)\})? (\S+)$')
+METRIC_LINE = re.compile(
+    r"^(swarm_peer_(?:compute|queue|request)_duration_seconds_(?:sum|count)|swarm_peer_samples_total|"
+    r"swarm_peer_activation_cache_\w+|process_cpu_seconds_total)(?:\{(.*)\})? (\S+)$"
+)
 
 
 def peer_time_use(process) -> dict:
@@ -70,8 +72,18 @@ def peer_time_use(process) -> dict:
 def run_swarm(args, *, rebalance: bool, stages: tuple[int, ...] = (0, 0, 0, 1)) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-rebalance-bench-")
     report_path = os.path.join(workdir, "report.json")
-    peer_args = ["--target-batch-size", str(args.batch_size), "--num-threads", "1", "--announce-period-s", "2",
-                 "--fault-slowdown", str(args.slowdown), "--fault-slowdown-mode", args.slowdown_mode]
+    peer_args = [
+        "--target-batch-size",
+        str(args.batch_size),
+        "--num-threads",
+        "1",
+        "--announce-period-s",
+        "2",
+        "--fault-slowdown",
+        str(args.slowdown),
+        "--fault-slowdown-mode",
+        args.slowdown_mode,
+    ]
     if rebalance:
         peer_args += ["--rebalance-period-s", str(args.rebalance_period_s), "--rebalance-min-gain", "0.2"]
     with LocalSwarm(model=args.model, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
@@ -79,22 +91,44 @@ def run_swarm(args, *, rebalance: bool, stages: tuple[int, ...] = (0, 0, 0, 1)) 
         peers = [swarm.start_peer(stage) for stage in stages]
         swarm.wait_online(peers)
         started = time.monotonic()
-        trainer = swarm.start_trainer("--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                                      "--microbatch-size", str(args.microbatch_size), "--max-in-flight",
-                                      str(args.max_in_flight), "--num-stages", "2", "--refresh-period-s", "1",
-                                      "--report", report_path)
+        trainer = swarm.start_trainer(
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--microbatch-size",
+            str(args.microbatch_size),
+            "--max-in-flight",
+            str(args.max_in_flight),
+            "--num-stages",
+            "2",
+            "--refresh-period-s",
+            "1",
+            "--report",
+            report_path,
+        )
         if trainer.popen.wait(timeout=args.timeout_s) != 0:
             raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
         wall_s = time.monotonic() - started
         time_use = {p.name: peer_time_use(p) for p in peers}
-        busy = {name: round(sum(v for k, v in use.items() if k.startswith("swarm_peer_compute_duration_seconds_sum"))
-                            / wall_s, 2) for name, use in time_use.items() if use}
+        busy = {
+            name: round(
+                sum(v for k, v in use.items() if k.startswith("swarm_peer_compute_duration_seconds_sum")) / wall_s, 2
+            )
+            for name, use in time_use.items()
+            if use
+        }
         print(f"  compute thread busy (share of the trainer's wall time, slowdown included): {busy}", flush=True)
         moves = [line for p in peers for line in p.log().splitlines() if line.startswith("moved from stage")]
         # What each peer said about moves and state (the logs stay in `workdir` for a closer look).
-        peer_events = {p.name: [line for line in p.log().splitlines()
-                                if line.startswith(("rebalancing:", "moved from", "loaded stage", "replica ", "no replica"))]
-                       for p in peers}
+        peer_events = {
+            p.name: [
+                line
+                for line in p.log().splitlines()
+                if line.startswith(("rebalancing:", "moved from", "loaded stage", "replica ", "no replica"))
+            ]
+            for p in peers
+        }
         layouts = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in STEP_LINE.finditer(trainer.log())}
     with open(report_path) as f:
         report = json.load(f)
@@ -106,21 +140,34 @@ def run_swarm(args, *, rebalance: bool, stages: tuple[int, ...] = (0, 0, 0, 1)) 
         return {"steps": len(steps), "tokens_per_s": len(steps) * tokens_per_step / seconds if steps else None}
 
     timed = [s for s in range(args.warmup + 1, len(per_step) + 1)]
-    result = {"rebalancing": rebalance, "wall_s": wall_s, "moves": moves,
-              "microbatches_lost": report["microbatches_lost"], "microbatches_retried": report["microbatches_retried"],
-              "failures_by_kind": report["failures_by_kind"], "layout_by_step": [layouts.get(s) for s in
-                                                                                 range(1, len(per_step) + 1)],
-              "all_timed": window(timed), "workdir": workdir, "peer_events": peer_events,
-              "peer_time_use": time_use, "busy_share": busy,
-              "losses": report["losses"], "step_s": [tokens_per_step / t for t in per_step],
-              "step_end_s": report["step_end_s"], "calls_by_peer": report["calls_by_peer"],
-              "backward_inputs_skipped": report.get("backward_inputs_skipped"),
-              "backward_inputs_resent": report.get("backward_inputs_resent")}
+    result = {
+        "rebalancing": rebalance,
+        "wall_s": wall_s,
+        "moves": moves,
+        "microbatches_lost": report["microbatches_lost"],
+        "microbatches_retried": report["microbatches_retried"],
+        "failures_by_kind": report["failures_by_kind"],
+        "layout_by_step": [layouts.get(s) for s in range(1, len(per_step) + 1)],
+        "all_timed": window(timed),
+        "workdir": workdir,
+        "peer_events": peer_events,
+        "peer_time_use": time_use,
+        "busy_share": busy,
+        "losses": report["losses"],
+        "step_s": [tokens_per_step / t for t in per_step],
+        "step_end_s": report["step_end_s"],
+        "calls_by_peer": report["calls_by_peer"],
+        "backward_inputs_skipped": report.get("backward_inputs_skipped"),
+        "backward_inputs_resent": report.get("backward_inputs_resent"),
+    }
     if rebalance:
         before = [s for s in timed if layouts.get(s) == (3, 1)]
         first_balanced = next((s for s in range(1, len(per_step) + 1) if layouts.get(s) == (2, 2)), None)
-        after = ([s for s in timed if s >= first_balanced + args.settle_steps and layouts.get(s) == (2, 2)]
-                 if first_balanced else [])
+        after = (
+            [s for s in timed if s >= first_balanced + args.settle_steps and layouts.get(s) == (2, 2)]
+            if first_balanced
+            else []
+        )
         result.update(before=window(before), after=window(after), first_balanced_step=first_balanced)
     return result
 
@@ -135,41 +182,67 @@ def main() -> int:
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--max-in-flight", type=int, default=8)
     parser.add_argument("--slowdown", type=float, default=60.0, help="--fault-slowdown of every peer")
-    parser.add_argument("--slowdown-mode", default="device", choices=["device", "sleep"],
-                        help="--fault-slowdown-mode of every peer (runs 1-5 and r1 in RESULTS.md used sleep)")
+    parser.add_argument(
+        "--slowdown-mode",
+        default="device",
+        choices=["device", "sleep"],
+        help="--fault-slowdown-mode of every peer (runs 1-5 and r1 in RESULTS.md used sleep)",
+    )
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
-    parser.add_argument("--with-balanced", action="store_true",
-                        help="also run a swarm started 2:2 without rebalancing (the ceiling for 'after')")
+    parser.add_argument(
+        "--with-balanced",
+        action="store_true",
+        help="also run a swarm started 2:2 without rebalancing (the ceiling for 'after')",
+    )
     parser.add_argument("--out", default="benchmarks/out/rebalance_loopback.json")
     args = parser.parse_args()
     # A SIGTERM (e.g. from `timeout`) unwinds the `with LocalSwarm` blocks, which stop every process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     static = run_swarm(args, rebalance=False)
-    print(f"static 3:1                {static['all_timed']['tokens_per_s']:>9,.0f} tokens/s "
-          f"({static['all_timed']['steps']} steps, lost {static['microbatches_lost']})", flush=True)
+    print(
+        f"static 3:1                {static['all_timed']['tokens_per_s']:>9,.0f} tokens/s "
+        f"({static['all_timed']['steps']} steps, lost {static['microbatches_lost']})",
+        flush=True,
+    )
     balanced = None
     if args.with_balanced:  # the layout rebalancing aims at, started that way: what "after" can reach here
         balanced = run_swarm(args, rebalance=False, stages=(0, 0, 1, 1))
-        print(f"static 2:2 (control)      {balanced['all_timed']['tokens_per_s']:>9,.0f} tokens/s "
-              f"({balanced['all_timed']['steps']} steps, lost {balanced['microbatches_lost']}); "
-              f"{balanced['all_timed']['tokens_per_s'] / static['all_timed']['tokens_per_s']:.2f}x static 3:1",
-              flush=True)
+        print(
+            f"static 2:2 (control)      {balanced['all_timed']['tokens_per_s']:>9,.0f} tokens/s "
+            f"({balanced['all_timed']['steps']} steps, lost {balanced['microbatches_lost']}); "
+            f"{balanced['all_timed']['tokens_per_s'] / static['all_timed']['tokens_per_s']:.2f}x static 3:1",
+            flush=True,
+        )
     moving = run_swarm(args, rebalance=True)
     before, after = moving["before"], moving["after"]
-    print(f"rebalancing: before (3:1) {before['tokens_per_s'] or 0:>9,.0f} tokens/s ({before['steps']} steps)\n"
-          f"rebalancing: after (2:2)  {after['tokens_per_s'] or 0:>9,.0f} tokens/s ({after['steps']} steps, "
-          f"first 2:2 step {moving['first_balanced_step']}, lost {moving['microbatches_lost']})", flush=True)
+    print(
+        f"rebalancing: before (3:1) {before['tokens_per_s'] or 0:>9,.0f} tokens/s ({before['steps']} steps)\n"
+        f"rebalancing: after (2:2)  {after['tokens_per_s'] or 0:>9,.0f} tokens/s ({after['steps']} steps, "
+        f"first 2:2 step {moving['first_balanced_step']}, lost {moving['microbatches_lost']})",
+        flush=True,
+    )
     for line in moving["moves"]:
         print(f"  {line}")
     ratio = after["tokens_per_s"] / before["tokens_per_s"] if before["tokens_per_s"] and after["tokens_per_s"] else None
-    ratio_static = (after["tokens_per_s"] / static["all_timed"]["tokens_per_s"] if after["tokens_per_s"] else None)
-    print(f"after / before: {ratio:.2f}x; after / static 3:1: {ratio_static:.2f}x" if ratio else
-          "no before/after pair: the move came too early or too late for this --steps; see the JSON")
-    out = {"benchmark": "rebalance_loopback", "args": vars(args), "cpus": os.cpu_count(),
-           "machine": platform.machine(), "static": static, "balanced_static": balanced, "rebalancing": moving,
-           "after_over_before": ratio, "after_over_static": ratio_static}
+    ratio_static = after["tokens_per_s"] / static["all_timed"]["tokens_per_s"] if after["tokens_per_s"] else None
+    print(
+        f"after / before: {ratio:.2f}x; after / static 3:1: {ratio_static:.2f}x"
+        if ratio
+        else "no before/after pair: the move came too early or too late for this --steps; see the JSON"
+    )
+    out = {
+        "benchmark": "rebalance_loopback",
+        "args": vars(args),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "static": static,
+        "balanced_static": balanced,
+        "rebalancing": moving,
+        "after_over_before": ratio,
+        "after_over_static": ratio_static,
+    }
     write_report(args.out, out)
     return 0
 

@@ -45,12 +45,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_stage  # noqa: E402
-from peers.checkpoint import checkpoint_path, load_checkpoint  # noqa: E402
-from swarm.data import MicrobatchSampler, load_corpus  # noqa: E402
+from peers.compute.checkpoint import checkpoint_path, load_checkpoint  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 EVAL_SEED = 12345
 
@@ -63,8 +63,9 @@ def evaluation_loss(model_name: str, num_stages: int, stage_states: list[dict], 
         module = build_stage(config, stage, num_stages)
         module.load_state_dict(state)
         stages.append(module.eval())
-    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=samples, microbatch_size=samples,
-                                seed=EVAL_SEED)
+    sampler = MicrobatchSampler(
+        load_corpus(), seq_len=config.seq_len, batch_size=samples, microbatch_size=samples, seed=EVAL_SEED
+    )
     (batch,) = sampler.batch(0)
     with torch.no_grad():
         x = batch.inputs
@@ -91,8 +92,12 @@ def averaging_bytes_sent(log: str) -> float | None:
             text = response.read().decode()
     except OSError:
         return None
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "swarm_peer_averaging_bytes_total" and s.labels.get("direction") == "sent")
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "swarm_peer_averaging_bytes_total" and s.labels.get("direction") == "sent"
+    )
 
 
 def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[str, ...] = ()) -> dict:
@@ -101,24 +106,51 @@ def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[s
     target = args.batch_size // replicas if averaging in ("periodic", "none") else args.batch_size
     by_steps = "--averaging-every-steps" in extra_peer_args
     schedule = ["--averaging-period-s", str(args.period_s)] if averaging == "periodic" and not by_steps else []
-    peer_args = ["--target-batch-size", str(target), "--num-threads", "1", "--lr", str(args.lr),
-                 "--averaging", averaging, *schedule, "--no-load-state", *extra_peer_args]
+    peer_args = [
+        "--target-batch-size",
+        str(target),
+        "--num-threads",
+        "1",
+        "--lr",
+        str(args.lr),
+        "--averaging",
+        averaging,
+        *schedule,
+        "--no-load-state",
+        *extra_peer_args,
+    ]
     print(f"--- {name}", flush=True)
     started = time.monotonic()
     with LocalSwarm(model=args.model, num_stages=args.stages, workdir=workdir, peer_args=peer_args) as swarm:
         swarm.start_bootstrap()
-        peers = {(s, r): swarm.start_peer(s, "--checkpoint-dir", os.path.join(workdir, f"ckpt-s{s}-r{r}"))
-                 for s in range(args.stages) for r in range(replicas)}
+        peers = {
+            (s, r): swarm.start_peer(s, "--checkpoint-dir", os.path.join(workdir, f"ckpt-s{s}-r{r}"))
+            for s in range(args.stages)
+            for r in range(replicas)
+        }
         swarm.wait_online(list(peers.values()))
-        trainer = swarm.start_trainer("--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                                      "--microbatch-size", str(args.microbatch_size), "--num-stages",
-                                      str(args.stages), "--report", report_path, "--log-every", "10")
+        trainer = swarm.start_trainer(
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--microbatch-size",
+            str(args.microbatch_size),
+            "--num-stages",
+            str(args.stages),
+            "--report",
+            report_path,
+            "--log-every",
+            "10",
+        )
         if trainer.popen.wait(timeout=args.run_timeout_s) != 0:
             raise RuntimeError(f"{name}: the trainer failed:\n{trainer.log()[-3000:]}")
         if averaging == "periodic" and replicas > 1 and not by_steps:  # evaluate an averaged model: one more round
             done = {key: averaging_rounds(p.log()) for key, p in peers.items()}
             deadline = time.monotonic() + 4 * args.period_s + 30
-            while time.monotonic() < deadline and not all(averaging_rounds(p.log()) > done[k] for k, p in peers.items()):
+            while time.monotonic() < deadline and not all(
+                averaging_rounds(p.log()) > done[k] for k, p in peers.items()
+            ):
                 time.sleep(0.5)
         rounds = {f"stage{s}-replica{r}": averaging_rounds(p.log()) for (s, r), p in peers.items()}
         sent = {f"stage{s}-replica{r}": averaging_bytes_sent(p.log()) for (s, r), p in peers.items()}
@@ -126,27 +158,44 @@ def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[s
             peer.stop()  # a clean stop saves the exit checkpoint
     with open(report_path) as f:
         report = json.load(f)
-    states = {key: load_checkpoint(checkpoint_path(os.path.join(workdir, f"ckpt-s{key[0]}-r{key[1]}"), args.model,
-                                                   key[0], args.stages))[1] for key in peers}
+    states = {
+        key: load_checkpoint(
+            checkpoint_path(os.path.join(workdir, f"ckpt-s{key[0]}-r{key[1]}"), args.model, key[0], args.stages)
+        )[1]
+        for key in peers
+    }
     result = {
-        "name": name, "replicas_per_stage": replicas, "averaging": averaging, "target_batch_size": target,
-        "steps": report["steps"], "samples": report["steps"] * args.batch_size, "losses": report["losses"],
+        "name": name,
+        "replicas_per_stage": replicas,
+        "averaging": averaging,
+        "target_batch_size": target,
+        "steps": report["steps"],
+        "samples": report["steps"] * args.batch_size,
+        "losses": report["losses"],
         "final_loss": report["final_loss"],
-        "eval_loss": evaluation_loss(args.model, args.stages, [states[(s, 0)] for s in range(args.stages)],
-                                     args.eval_samples),
-        "tokens_per_s": report["steps"] * args.batch_size * get_model_config(args.model).seq_len
+        "eval_loss": evaluation_loss(
+            args.model, args.stages, [states[(s, 0)] for s in range(args.stages)], args.eval_samples
+        ),
+        "tokens_per_s": report["steps"]
+        * args.batch_size
+        * get_model_config(args.model).seq_len
         / sum(args.batch_size * get_model_config(args.model).seq_len / t for t in report["tokens_per_s_by_step"]),
-        "wall_s": time.monotonic() - started, "microbatches_lost": report["microbatches_lost"],
+        "wall_s": time.monotonic() - started,
+        "microbatches_lost": report["microbatches_lost"],
     }
     if replicas > 1:
         result["max_param_difference_between_replicas"] = {
-            f"stage{s}": max_param_difference(states[(s, 0)], states[(s, 1)]) for s in range(args.stages)}
+            f"stage{s}": max_param_difference(states[(s, 0)], states[(s, 1)]) for s in range(args.stages)
+        }
     if averaging == "periodic":
         result["parameter_averaging_rounds"] = rounds
     if averaging != "none":
         result["averaging_bytes_sent"] = sent  # from each peer's swarm_peer_averaging_bytes_total
-    print(f"{name}: final loss {result['final_loss']:.4f}, eval loss {result['eval_loss']:.4f}, "
-          f"{result['tokens_per_s']:.0f} tokens/s, {result['wall_s']:.0f} s", flush=True)
+    print(
+        f"{name}: final loss {result['final_loss']:.4f}, eval loss {result['eval_loss']:.4f}, "
+        f"{result['tokens_per_s']:.0f} tokens/s, {result['wall_s']:.0f} s",
+        flush=True,
+    )
     return result
 
 
@@ -163,10 +212,19 @@ def main() -> None:
     parser.add_argument("--with-outer", action="store_true", help="also run periodic averaging with an outer step")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (with --with-outer)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (with --with-outer)")
-    parser.add_argument("--only", nargs="*", help="run only the layouts whose names contain one of these words "
-                        "(the 1-replica reference always runs)")
-    parser.add_argument("--every-steps", type=int, nargs="*", default=[], metavar="K",
-                        help="also run periodic averaging after every K local steps, one run per K (periodic-every-K)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="run only the layouts whose names contain one of these words (the 1-replica reference always runs)",
+    )
+    parser.add_argument(
+        "--every-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="K",
+        help="also run periodic averaging after every K local steps, one run per K (periodic-every-K)",
+    )
     parser.add_argument("--with-unaveraged", action="store_true", help="also run 2 replicas without averaging")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/out/replicas.json")
@@ -174,11 +232,20 @@ def main() -> None:
     if args.batch_size % (2 * args.microbatch_size):
         parser.error("--batch-size must be a multiple of 2 x --microbatch-size (two replicas share each batch)")
 
-    layouts = [("1 replica", 1, "none", ()), ("2 replicas, sync", 2, "sync", ()),
-               ("2 replicas, periodic", 2, "periodic", ())]
+    layouts = [
+        ("1 replica", 1, "none", ()),
+        ("2 replicas, sync", 2, "sync", ()),
+        ("2 replicas, periodic", 2, "periodic", ()),
+    ]
     if args.with_outer:
-        layouts.append((f"2 replicas, periodic + outer {args.outer_lr}/{args.outer_momentum}", 2, "periodic",
-                        ("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum))))
+        layouts.append(
+            (
+                f"2 replicas, periodic + outer {args.outer_lr}/{args.outer_momentum}",
+                2,
+                "periodic",
+                ("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)),
+            )
+        )
     for k in args.every_steps:
         layouts.append((f"2 replicas, periodic-every-{k}", 2, "periodic", ("--averaging-every-steps", str(k))))
     if args.with_unaveraged:
@@ -197,16 +264,28 @@ def main() -> None:
 
     print(f"\n{'run':<30}{'samples':>8}{'final loss':>12}{'vs 1':>8}{'eval loss':>11}{'vs 1':>8}{'tokens/s':>10}")
     for r in runs:
-        print(f"{r['name']:<30}{r['samples']:>8}{r['final_loss']:>12.4f}{r['final_loss_vs_1_replica']:>+8.1%}"
-              f"{r['eval_loss']:>11.4f}{r['eval_loss_vs_1_replica']:>+8.1%}{r['tokens_per_s']:>10.0f}")
+        print(
+            f"{r['name']:<30}{r['samples']:>8}{r['final_loss']:>12.4f}{r['final_loss_vs_1_replica']:>+8.1%}"
+            f"{r['eval_loss']:>11.4f}{r['eval_loss_vs_1_replica']:>+8.1%}{r['tokens_per_s']:>10.0f}"
+        )
     every = max(args.steps // 10, 1)
     print("\nloss by step:\n" + f"{'step':>6}" + "".join(f"{r['name']:>30}" for r in runs))
     for step in sorted({*range(0, args.steps, every), args.steps - 1}):
         print(f"{step:>6}" + "".join(f"{r['losses'][step]:>30.4f}" for r in runs))
 
-    write_report(args.out, {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                                         "load_before": load_before, "load_after": load_after},
-                            "runs": runs})
+    write_report(
+        args.out,
+        {
+            "args": vars(args),
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "load_before": load_before,
+                "load_after": load_after,
+            },
+            "runs": runs,
+        },
+    )
 
 
 if __name__ == "__main__":

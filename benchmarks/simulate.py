@@ -27,16 +27,16 @@ Model (every number below is a flag or a ``SimulationConfig`` field):
   its old stage loses it at once.
 - **Standby peers (backup pool; off by default).** A fraction ``standby_fraction`` of the peers
   (at t=0 and of every arrival; drawn with its own seeded RNG, so the churn trace is unchanged)
-  start like the peer's ``--standby`` mode (peers/stage_moves.py ``_stand_by``): every
+  start like the peer's ``--standby`` mode (peers/placement/stage_moves.py ``_stand_by``): every
   ``standby_check_s`` they call ``choose_standby_target`` and ``should_standby_take_over``
-  (``standby_take_over_fraction``) on the view, without standby records (peers/stage_choice.py
+  (``standby_take_over_fraction``) on the view, without standby records (peers/placement/stage_choice.py
   leaves them out). A standby serves nothing; it downloads the held stage's state (``transfer_s``)
   when it first holds a stage, when the thinnest stage changes, and again ``standby_refresh_s``
   after its last download, while that stage has an online replica. Taking over: **as the peer
   does now**, when the stage still has an online replica, it first downloads that replica's latest
   state (``transfer_s``, still a standby meanwhile, so other standbys see nothing change), then
   serves; with no online replica left it serves at once from its copy. With
-  ``standby_instant_take_over`` (a *hypothetical* peer, not what peers/stage_moves.py does) it
+  ``standby_instant_take_over`` (a *hypothetical* peer, not what peers/placement/stage_moves.py does) it
   serves at once from any copy it holds. A standby that took over is an ordinary online peer from
   then on (it rebalances under ``rebalance``). Standbys are live hardware, so the optimum counts
   them.
@@ -73,7 +73,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
 
-from peers.rebalance import (  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
+from peers.placement.rebalance import (  # noqa: E402
     RebalancePlan,
     ReplicaView,
     choose_initial_stage,
@@ -87,8 +88,7 @@ from peers.rebalance import (  # noqa: E402
     should_standby_take_over,
     stages_that_lost_replicas,
 )
-from peers.stage_assignment import greedy_bottleneck  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
+from peers.placement.stage_assignment import greedy_bottleneck  # noqa: E402
 
 POLICIES = ("static", "rebalance")
 
@@ -140,9 +140,18 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if self.peers < self.stages or self.stages < 1:
             raise ValueError(f"need peers >= stages >= 1, got {self.peers} peers, {self.stages} stages")
-        for name in ("duration_s", "mean_lifetime_s", "view_period_s", "check_period_s", "record_ttl_s",
-                     "sample_period_s", "restore_mean_s", "burst_spread_s", "standby_check_s",
-                     "standby_refresh_s"):
+        for name in (
+            "duration_s",
+            "mean_lifetime_s",
+            "view_period_s",
+            "check_period_s",
+            "record_ttl_s",
+            "sample_period_s",
+            "restore_mean_s",
+            "burst_spread_s",
+            "standby_check_s",
+            "standby_refresh_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if not self.loss_check_max_delay_s >= 0:
@@ -177,13 +186,15 @@ def generate_trace(config: SimulationConfig) -> list[PeerLife]:
     lives: list[dict] = []
 
     def add(pool: int, arrive_s: float) -> None:
-        lives.append({
-            "pool": pool,
-            "throughput": pool_medians[pool] * math.exp(rng.gauss(0.0, config.peer_sigma)),
-            "arrive_s": arrive_s,
-            "depart_s": arrive_s + rng.expovariate(1.0 / config.mean_lifetime_s),
-            "preempted": False,
-        })
+        lives.append(
+            {
+                "pool": pool,
+                "throughput": pool_medians[pool] * math.exp(rng.gauss(0.0, config.peer_sigma)),
+                "arrive_s": arrive_s,
+                "depart_s": arrive_s + rng.expovariate(1.0 / config.mean_lifetime_s),
+                "preempted": False,
+            }
+        )
 
     for _ in range(config.peers):
         add(rng.randrange(config.pools), 0.0)
@@ -222,7 +233,7 @@ class _Peer:
 
 @dataclass
 class _Standby:
-    """A peer in the backup pool, as peers/stage_moves.py ``_stand_by`` runs it."""
+    """A peer in the backup pool, as peers/placement/stage_moves.py ``_stand_by`` runs it."""
 
     held_stage: int | None = None
     refreshed_at_s: float | None = None
@@ -235,8 +246,9 @@ def draw_standbys(trace: list[PeerLife], config: SimulationConfig) -> list[bool]
     return [config.standby_fraction > 0 and rng.random() < config.standby_fraction for _ in trace]
 
 
-def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
-           is_standby: list[bool] | None = None, observe=None) -> dict:
+def replay(
+    trace: list[PeerLife], config: SimulationConfig, policy: str, is_standby: list[bool] | None = None, observe=None
+) -> dict:
     """Run one policy over the trace; per-sample throughput and move counts.
 
     ``is_standby`` (one flag per trace entry; default ``draw_standbys``) picks the backup pool.
@@ -293,15 +305,17 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
         nonlocal standby_decision
         if standby_decision is None or standby_decision[0] != view_version:
             target = choose_standby_target(view, config.stages)
-            take_over = should_standby_take_over(view, config.stages, target,
-                                                 min_fraction=config.standby_take_over_fraction)
+            take_over = should_standby_take_over(
+                view, config.stages, target, min_fraction=config.standby_take_over_fraction
+            )
             has_live = any(r.stage == target and r.state == "online" for r in view)
             standby_decision = (view_version, target, take_over, has_live)
         return standby_decision[1:]
 
     def go_online(i: int, stage: int, now_s: float) -> None:
-        live[i] = _Peer(trace[i], stage, ReplicaView(trace[i].peer_id, stage, trace[i].throughput, "online"),
-                        online_at_s=now_s)
+        live[i] = _Peer(
+            trace[i], stage, ReplicaView(trace[i].peer_id, stage, trace[i].throughput, "online"), online_at_s=now_s
+        )
         if policy == "rebalance":
             schedule(now_s + next_check_delay_s(config.check_period_s, check_rng), "check", i)
 
@@ -313,13 +327,15 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
             view_records, view_plan = {r.peer_id: r for r in view}, None
             view_version += 1
             schedule(now_s + config.view_period_s, "view")
-            if (policy == "rebalance" and config.check_on_loss
-                    and stages_that_lost_replicas(previous_view, view, config.stages)):
+            if (
+                policy == "rebalance"
+                and config.check_on_loss
+                and stages_that_lost_replicas(previous_view, view, config.stages)
+            ):
                 for j, peer in live.items():
                     if peer.record.state == "online" and j not in pending_loss_checks:
                         pending_loss_checks.add(j)
-                        schedule(now_s + loss_check_delay_s(config.loss_check_max_delay_s, loss_rng),
-                                 "loss_check", j)
+                        schedule(now_s + loss_check_delay_s(config.loss_check_max_delay_s, loss_rng), "loss_check", j)
         elif kind == "sample":
             per_stage = [0.0] * config.stages
             for p in live.values():
@@ -340,8 +356,7 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
             target, take_over, has_live = decide_standby()
             if target != standby.held_stage:
                 standby.held_stage, standby.refreshed_at_s = target, None
-            stale = (standby.refreshed_at_s is None
-                     or now_s - standby.refreshed_at_s > config.standby_refresh_s)
+            stale = standby.refreshed_at_s is None or now_s - standby.refreshed_at_s > config.standby_refresh_s
             if config.standby_instant_take_over and take_over and standby.refreshed_at_s is not None:
                 download = False
             else:
@@ -396,8 +411,9 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
                         view_plan = plan_rebalance(view, config.stages, min_gain=config.min_gain)
                     decision = decision_in_plan(peer.record, view_plan)
                 else:
-                    decision = decide_move(peer.life.peer_id, _with_own_record(view, peer.record),
-                                           config.stages, min_gain=config.min_gain)
+                    decision = decide_move(
+                        peer.life.peer_id, _with_own_record(view, peer.record), config.stages, min_gain=config.min_gain
+                    )
                 if decision.move:
                     moves += 1
                     peer.stage = decision.to_stage
@@ -408,10 +424,17 @@ def replay(trace: list[PeerLife], config: SimulationConfig, policy: str,
             if kind == "check":
                 schedule(now_s + delay_s, "check", i)
     peer_hours = sum(min(life.depart_s, config.duration_s) - life.arrive_s for life in trace) / 3600
-    return {"samples_per_s": samples_per_s, "moves": moves, "checks": checks, "loss_checks": loss_checks,
-            "moves_per_peer_hour": moves / peer_hours, "standby_peers": sum(is_standby),
-            "standby_take_overs": take_overs, "standby_downloads": standby_downloads,
-            "standby_at_end": len(standbys)}
+    return {
+        "samples_per_s": samples_per_s,
+        "moves": moves,
+        "checks": checks,
+        "loss_checks": loss_checks,
+        "moves_per_peer_hour": moves / peer_hours,
+        "standby_peers": sum(is_standby),
+        "standby_take_overs": take_overs,
+        "standby_downloads": standby_downloads,
+        "standby_at_end": len(standbys),
+    }
 
 
 def _with_own_record(view: list[ReplicaView], own: ReplicaView) -> list[ReplicaView]:
@@ -420,7 +443,7 @@ def _with_own_record(view: list[ReplicaView], own: ReplicaView) -> list[ReplicaV
         if record.peer_id == own.peer_id:
             if record == own:
                 return view
-            return view[:j] + [own] + view[j + 1:]
+            return view[:j] + [own] + view[j + 1 :]
     return view + [own]
 
 
@@ -430,8 +453,11 @@ def optimum_series(trace: list[PeerLife], config: SimulationConfig) -> tuple[lis
     n_samples = math.ceil(config.duration_s / config.sample_period_s)
     for k in range(n_samples):
         t = k * config.sample_period_s
-        ready = [life.throughput for life in trace
-                 if life.arrive_s + (config.transfer_s if life.arrive_s > 0 else 0.0) <= t < life.depart_s]
+        ready = [
+            life.throughput
+            for life in trace
+            if life.arrive_s + (config.transfer_s if life.arrive_s > 0 else 0.0) <= t < life.depart_s
+        ]
         upper.append(optimal_bottleneck(ready, config.stages))
         lower.append(greedy_bottleneck(ready, config.stages))
     return upper, lower
@@ -455,10 +481,11 @@ def simulate(config: SimulationConfig) -> dict:
         }
     return {
         "config": asdict(config),
-        "trace": {"peers_total": len(trace),
-                  "live_at_end": sum(life.depart_s > config.duration_s for life in trace)},
-        "optimum": {"kind": "upper bound (min_k (sum - k largest)/(S - k)) for > 12 peers",
-                    "lpt_over_bound": math.fsum(optimum_lower) / total_optimum},
+        "trace": {"peers_total": len(trace), "live_at_end": sum(life.depart_s > config.duration_s for life in trace)},
+        "optimum": {
+            "kind": "upper bound (min_k (sum - k largest)/(S - k)) for > 12 peers",
+            "lpt_over_bound": math.fsum(optimum_lower) / total_optimum,
+        },
         "policies": policies,
         "wall_s": time.perf_counter() - started,
     }
@@ -476,36 +503,66 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transfer-s", type=float, default=defaults.transfer_s)
     parser.add_argument("--view-period-s", type=float, default=defaults.view_period_s)
     parser.add_argument("--join-scale", type=float, default=defaults.join_scale)
-    parser.add_argument("--check-on-loss", action=argparse.BooleanOptionalAction, default=defaults.check_on_loss,
-                        help="also check right after a stage loses a replica, as the peer does "
-                             "(--no-check-on-loss: periodic checks only)")
+    parser.add_argument(
+        "--check-on-loss",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.check_on_loss,
+        help="also check right after a stage loses a replica, as the peer does "
+        "(--no-check-on-loss: periodic checks only)",
+    )
     parser.add_argument("--loss-check-max-delay-s", type=float, default=defaults.loss_check_max_delay_s)
-    parser.add_argument("--standby-fraction", type=float, default=defaults.standby_fraction,
-                        help="fraction of peers started with --standby (backup pool)")
-    parser.add_argument("--standby-take-over-fraction", type=float, default=defaults.standby_take_over_fraction,
-                        help="the peer's --standby-take-over-fraction")
-    parser.add_argument("--standby-instant-take-over", action="store_true",
-                        help="hypothetical peer: take over from the held copy, no download first")
+    parser.add_argument(
+        "--standby-fraction",
+        type=float,
+        default=defaults.standby_fraction,
+        help="fraction of peers started with --standby (backup pool)",
+    )
+    parser.add_argument(
+        "--standby-take-over-fraction",
+        type=float,
+        default=defaults.standby_take_over_fraction,
+        help="the peer's --standby-take-over-fraction",
+    )
+    parser.add_argument(
+        "--standby-instant-take-over",
+        action="store_true",
+        help="hypothetical peer: take over from the held copy, no download first",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/simulate.json"))
     args = parser.parse_args(argv)
     config = SimulationConfig(
-        seed=args.seed, peers=args.peers, stages=args.stages, duration_s=args.duration_s,
-        min_gain=args.min_gain, check_period_s=args.check_period_s, transfer_s=args.transfer_s,
-        view_period_s=args.view_period_s, join_scale=args.join_scale, check_on_loss=args.check_on_loss,
+        seed=args.seed,
+        peers=args.peers,
+        stages=args.stages,
+        duration_s=args.duration_s,
+        min_gain=args.min_gain,
+        check_period_s=args.check_period_s,
+        transfer_s=args.transfer_s,
+        view_period_s=args.view_period_s,
+        join_scale=args.join_scale,
+        check_on_loss=args.check_on_loss,
         loss_check_max_delay_s=args.loss_check_max_delay_s,
-        standby_fraction=args.standby_fraction, standby_take_over_fraction=args.standby_take_over_fraction,
+        standby_fraction=args.standby_fraction,
+        standby_take_over_fraction=args.standby_take_over_fraction,
         standby_instant_take_over=args.standby_instant_take_over,
     )
     report = simulate(config)
     write_report(args.out, report)
     for policy, figures in report["policies"].items():
-        print(f"{policy:>9}: {figures['share_of_optimal']:.2%} of optimal "
-              f"(worst sample {figures['worst_sample_share']:.2%}), "
-              f"{figures['moves']} moves ({figures['moves_per_peer_hour']:.3f} per peer-hour)"
-              + (f", {figures['standby_take_overs']} of {figures['standby_peers']} standbys took over"
-                 if figures["standby_peers"] else ""))
-    print(f"LPT/upper bound {report['optimum']['lpt_over_bound']:.4f}; "
-          f"{report['trace']['peers_total']} peers in trace; {report['wall_s']:.1f} s wall; wrote {args.out}")
+        print(
+            f"{policy:>9}: {figures['share_of_optimal']:.2%} of optimal "
+            f"(worst sample {figures['worst_sample_share']:.2%}), "
+            f"{figures['moves']} moves ({figures['moves_per_peer_hour']:.3f} per peer-hour)"
+            + (
+                f", {figures['standby_take_overs']} of {figures['standby_peers']} standbys took over"
+                if figures["standby_peers"]
+                else ""
+            )
+        )
+    print(
+        f"LPT/upper bound {report['optimum']['lpt_over_bound']:.4f}; "
+        f"{report['trace']['peers_total']} peers in trace; {report['wall_s']:.1f} s wall; wrote {args.out}"
+    )
 
 
 if __name__ == "__main__":

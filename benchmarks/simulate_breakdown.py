@@ -22,7 +22,7 @@ points of the optimum's total) into:
 - ``since_loss``: the imbalance loss binned by how long ago the bottleneck stage last lost a
   serving peer (seen between consecutive samples; resolution ``sample_period_s``).
 
-Decisions are those of peers/rebalance.py, as in benchmarks/simulate.py; nothing here changes
+Decisions are those of peers/placement/rebalance.py, as in benchmarks/simulate.py; nothing here changes
 the replay.
 """
 
@@ -38,9 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
 
-from benchmarks.simulate import SimulationConfig, generate_trace, optimum_series, replay  # noqa: E402
-from peers.rebalance import ReplicaView, optimal_bottleneck, plan_rebalance  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
+from benchmarks.simulate import SimulationConfig, generate_trace, optimum_series, replay  # noqa: E402
+from peers.placement.rebalance import ReplicaView, optimal_bottleneck, plan_rebalance  # noqa: E402
 
 SINCE_LOSS_BINS_S = (60.0, 180.0, 300.0, 600.0, math.inf)
 
@@ -78,18 +78,24 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
             landed[p.stage] += p.life.throughput
         plan = plan_rebalance(truth, config.stages, min_gain=config.min_gain)
         plan_any_gain = plan_rebalance(truth, config.stages, min_gain=0.0)
-        samples.append({
-            "t_s": now_s, "achieved": achieved,
-            "best_online": optimal_bottleneck([p.life.throughput for p in online], config.stages),
-            # what should_standby_take_over compares with its min_fraction (serving = online + joining)
-            "thinnest_over_others_mean": _thinnest_over_others_mean(landed),
-            "landed": min(landed), "planned": plan.planned_bottleneck,
-            "planned_any_gain": plan_any_gain.planned_bottleneck,
-            "best_all": optimal_bottleneck([p.life.throughput for p in live.values()], config.stages),
-            "repair_in_flight": joining_it, "true_plan_moves": len(plan.moves),
-            "since_loss_s": now_s - lost_at_s[bottleneck],
-            "live": len(live), "online": len(online),
-        })
+        samples.append(
+            {
+                "t_s": now_s,
+                "achieved": achieved,
+                "best_online": optimal_bottleneck([p.life.throughput for p in online], config.stages),
+                # what should_standby_take_over compares with its min_fraction (serving = online + joining)
+                "thinnest_over_others_mean": _thinnest_over_others_mean(landed),
+                "landed": min(landed),
+                "planned": plan.planned_bottleneck,
+                "planned_any_gain": plan_any_gain.planned_bottleneck,
+                "best_all": optimal_bottleneck([p.life.throughput for p in live.values()], config.stages),
+                "repair_in_flight": joining_it,
+                "true_plan_moves": len(plan.moves),
+                "since_loss_s": now_s - lost_at_s[bottleneck],
+                "live": len(live),
+                "online": len(online),
+            }
+        )
 
     result = replay(trace, config, policy, observe=observe)
     assert len(samples) == len(optimum)
@@ -126,7 +132,8 @@ def breakdown(config: SimulationConfig, policy: str = "rebalance") -> dict:
         "imbalance_by_time_since_bottleneck_lost_a_peer_points": {k: 100 * v / total for k, v in since.items()},
         "lost_points_by_landing": landing,
         "lowest_thinnest_over_others_mean": min(s["thinnest_over_others_mean"] for s in samples),
-        "moves": result["moves"], "checks": result["checks"],
+        "moves": result["moves"],
+        "checks": result["checks"],
         "samples": samples,
     }
 
@@ -140,16 +147,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/simulate_breakdown.json"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    config = replace(SimulationConfig(), seed=args.seed, join_scale=args.join_scale,
-                     check_on_loss=args.check_on_loss)
+    config = replace(SimulationConfig(), seed=args.seed, join_scale=args.join_scale, check_on_loss=args.check_on_loss)
     report = breakdown(config, args.policy)
     write_report(args.out, report, indent=1)
-    print(f"{args.policy}: {report['share_of_optimal']:.2%} of optimal, {report['moves']} moves; "
-          f"points lost: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points"].items()))
+    print(
+        f"{args.policy}: {report['share_of_optimal']:.2%} of optimal, {report['moves']} moves; "
+        f"points lost: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points"].items())
+    )
     print("points lost, other split: " + ", ".join(f"{k} {v:.2f}" for k, v in report["lost_points_by_landing"].items()))
-    print("imbalance by time since the bottleneck stage lost a peer: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in
-                      report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].items()))
+    print(
+        "imbalance by time since the bottleneck stage lost a peer: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].items())
+    )
     print(f"lowest (thinnest stage / mean of the others), serving: {report['lowest_thinnest_over_others_mean']:.3f}")
     print(f"{time.perf_counter() - started:.1f} s wall; wrote {args.out}")
 

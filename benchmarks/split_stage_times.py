@@ -18,8 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.profiled_split import measured_stage_times  # noqa: E402
 
-CASES = [("2 stages, stage 1 2x slower", [1.0, 0.5], [(0, 3, 6), (0, 4, 6)]),
-         ("3 stages, stage 1 2x slower", [1.0, 0.5, 1.0], [(0, 2, 4, 6), (0, 3, 4, 6), (0, 2, 3, 6)])]
+CASES = [
+    ("2 stages, stage 1 2x slower", [1.0, 0.5], [(0, 3, 6), (0, 4, 6)]),
+    ("3 stages, stage 1 2x slower", [1.0, 0.5, 1.0], [(0, 2, 4, 6), (0, 3, 4, 6), (0, 2, 3, 6)]),
+]
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
@@ -27,6 +29,9 @@ if __name__ == "__main__":
     for label, speeds, splits in CASES:
         for boundaries in splits:
             runs = [measured_stage_times("small", boundaries, speeds, 4, 7) for _ in range(3)]
-            print(f"{label} {list(boundaries)}: stage ms {[[round(t * 1e3) for t in r] for r in runs]}, "
-                  f"slowest {[round(max(r) * 1e3) for r in runs]}", flush=True)
+            print(
+                f"{label} {list(boundaries)}: stage ms {[[round(t * 1e3) for t in r] for r in runs]}, "
+                f"slowest {[round(max(r) * 1e3) for r in runs]}",
+                flush=True,
+            )
     print(f"load average {os.getloadavg()[0]:.1f}")

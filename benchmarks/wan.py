@@ -48,9 +48,9 @@ from benchmarks import gpipe_baseline  # noqa: E402
 from benchmarks.netem.network import EmulatedNetwork, NetemError, missing_requirements  # noqa: E402
 from benchmarks.netem.probe import verify_links  # noqa: E402
 from benchmarks.netem.topology import TopologyError, load_topology  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
-from benchmarks.report_file import write_report  # noqa: E402
 
 GPIPE_PORT = 29500
 # gpipe / gpipe-kill: the baseline; faults: int8 swarm with a slowed and a killed peer; others: swarm with that codec
@@ -75,7 +75,9 @@ class RunResult:
     busiest_link_busy: float | None = None  # its bytes / its shaped rate, as a fraction of the timed steps' time
     notes: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    payload_by_codec: dict[str, dict[str, int]] = field(default_factory=dict)  # swarm: wire bytes sent/received per codec
+    payload_by_codec: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # swarm: wire bytes sent/received per codec
     backward_inputs_skipped: int | None = None  # swarm: backwards answered from the peer's activation cache
 
 
@@ -121,8 +123,14 @@ def process_kind(pid: int) -> str:
     except OSError:
         return "gone"
     text = b" ".join(argv).decode(errors="replace")
-    for needle, kind in (("p2pd", "p2pd"), ("delay_proxy", "delay proxy"), ("gpipe_baseline", "gpipe rank"),
-                         ("swarm.cli peer", "peer"), ("swarm.cli train", "trainer"), ("swarm.cli dht", "bootstrap")):
+    for needle, kind in (
+        ("p2pd", "p2pd"),
+        ("delay_proxy", "delay proxy"),
+        ("gpipe_baseline", "gpipe rank"),
+        ("swarm.cli peer", "peer"),
+        ("swarm.cli train", "trainer"),
+        ("swarm.cli dht", "bootstrap"),
+    ):
         if needle in text:
             return kind
     return "other"
@@ -179,24 +187,31 @@ class RunMeter:
                 for pid, cpu_s in self.latest.items():
                     kind = self.kinds.get(pid, "other")
                     by_kind[kind] = by_kind.get(kind, 0.0) + cpu_s - self.latest_at_marker.get(pid, 0.0)
-                self.result = Measured(sum(self.latest.values()) - self.at_marker.cpu_s,
-                                       {k: v - self.at_marker.link_bytes.get(k, 0) for k, v in now.items()}, by_kind)
+                self.result = Measured(
+                    sum(self.latest.values()) - self.at_marker.cpu_s,
+                    {k: v - self.at_marker.link_bytes.get(k, 0) for k, v in now.items()},
+                    by_kind,
+                )
         return self.result
 
 
-def _fill_measured(result: RunResult, measured: Measured | None, step_seconds: list[float], s: Settings,
-                   net: EmulatedNetwork) -> RunResult:
+def _fill_measured(
+    result: RunResult, measured: Measured | None, step_seconds: list[float], s: Settings, net: EmulatedNetwork
+) -> RunResult:
     """CPU per 1,000 tokens, link bytes per token, and the busiest link over the timed steps."""
-    timed_s = sum(step_seconds[s.warmup:result.steps_done])
+    timed_s = sum(step_seconds[s.warmup : result.steps_done])
     timed_tokens = (result.steps_done - s.warmup) * s.tokens_per_step
     if measured is None or timed_tokens <= 0 or timed_s <= 0:
         return result
     result.cpu_s_per_1k_tokens = 1000 * measured.cpu_s / timed_tokens
-    result.cpu_s_per_1k_tokens_by_kind = {kind: round(1000 * cpu_s / timed_tokens, 3)
-                                          for kind, cpu_s in sorted(measured.cpu_s_by_kind.items())}
+    result.cpu_s_per_1k_tokens_by_kind = {
+        kind: round(1000 * cpu_s / timed_tokens, 3) for kind, cpu_s in sorted(measured.cpu_s_by_kind.items())
+    }
     result.link_bytes_per_token = sum(measured.link_bytes.values()) / timed_tokens
-    busy = {pair: nbytes * 8 / (net.topology.host_link(*pair).bandwidth_mbit * 1e6) / timed_s
-            for pair, nbytes in measured.link_bytes.items()}
+    busy = {
+        pair: nbytes * 8 / (net.topology.host_link(*pair).bandwidth_mbit * 1e6) / timed_s
+        for pair, nbytes in measured.link_bytes.items()
+    }
     (src, dst), fraction = max(busy.items(), key=lambda item: item[1])
     result.busiest_link, result.busiest_link_busy = f"{src}->{dst}", fraction
     return result
@@ -240,9 +255,23 @@ def run_gpipe(net: EmulatedNetwork, s: Settings, workdir: str, *, kill: bool) ->
     master = f"{net.ip(s.stage_hosts[0])}:{GPIPE_PORT}"
     reports = [os.path.join(workdir, f"{name.replace(' ', '-')}-rank{r}.json") for r in range(world)]
     logs = [os.path.join(workdir, f"{name.replace(' ', '-')}-rank{r}.log") for r in range(world)]
-    commands = [[*net.exec_prefix(host), *gpipe_baseline.rank_command(
-        r, world, master, model=s.model, steps=s.steps, batch_size=s.batch_size, microbatch_size=s.microbatch_size,
-        report=reports[r], python=net.python)] for r, host in enumerate(s.stage_hosts)]
+    commands = [
+        [
+            *net.exec_prefix(host),
+            *gpipe_baseline.rank_command(
+                r,
+                world,
+                master,
+                model=s.model,
+                steps=s.steps,
+                batch_size=s.batch_size,
+                microbatch_size=s.microbatch_size,
+                report=reports[r],
+                python=net.python,
+            ),
+        ]
+        for r, host in enumerate(s.stage_hosts)
+    ]
     started = time.monotonic()
     processes = gpipe_baseline.launch(commands, logs, env={"GLOO_SOCKET_IFNAME": "wan0", "PYTHONUNBUFFERED": "1"})
     meter = RunMeter(net, logs[-1], _step_marker(s.warmup, s.steps))
@@ -253,7 +282,9 @@ def run_gpipe(net: EmulatedNetwork, s: Settings, workdir: str, *, kill: bool) ->
             marker = _step_marker(s.kill_at_step, s.steps)
             if _wait_for_line(logs[0], marker, processes[0], s.run_timeout_s):
                 os.killpg(processes[s.kill_stage].pid, signal.SIGKILL)
-                notes.append(f"rank {s.kill_stage} ({s.stage_hosts[s.kill_stage]}) SIGKILLed after step {s.kill_at_step}")
+                notes.append(
+                    f"rank {s.kill_stage} ({s.stage_hosts[s.kill_stage]}) SIGKILLed after step {s.kill_at_step}"
+                )
                 _say(f"   {notes[-1]}")
         deadline = time.monotonic() + s.run_timeout_s
         for process in processes:
@@ -281,11 +312,20 @@ def run_gpipe(net: EmulatedNetwork, s: Settings, workdir: str, *, kill: bool) ->
     if not completed and not any(p.returncode == 0 for p in processes):
         _say(f"   ranks exited with {[p.returncode for p in processes]}; see {logs[-1]}")
     losses = last.get("losses", [])
-    result = RunResult(name=name, completed=completed, steps_done=steps_done, steps=s.steps,
-                       tokens_per_s=_timed_tokens_per_s(step_seconds[:steps_done], s.warmup, s.tokens_per_step),
-                       link_bytes_per_token=None, payload_bytes_per_token=None,
-                       initial_loss=losses[0] if losses else None, final_loss=_final_loss(losses[:steps_done]),
-                       wall_s=wall_s, notes=notes, losses=losses)
+    result = RunResult(
+        name=name,
+        completed=completed,
+        steps_done=steps_done,
+        steps=s.steps,
+        tokens_per_s=_timed_tokens_per_s(step_seconds[:steps_done], s.warmup, s.tokens_per_step),
+        link_bytes_per_token=None,
+        payload_bytes_per_token=None,
+        initial_loss=losses[0] if losses else None,
+        final_loss=_final_loss(losses[:steps_done]),
+        wall_s=wall_s,
+        notes=notes,
+        losses=losses,
+    )
     return _fill_measured(result, measured, step_seconds, s, net)
 
 
@@ -307,15 +347,21 @@ def _read_json(path: str) -> dict | None:
 # --- swarm -------------------------------------------------------------------------------------------
 def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, faults: bool) -> RunResult:
     name = "swarm faults" if faults else f"swarm {codec}"
-    _say(f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
-         + (f" + standby {s.standby_hosts}" if faults else ""))
+    _say(
+        f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
+        + (f" + standby {s.standby_hosts}" if faults else "")
+    )
     report_path = os.path.join(workdir, f"{name.replace(' ', '-')}.json")
     swarm_dir = os.path.join(workdir, name.replace(" ", "-"))
     notes: list[str] = []
     started, meter, measured = time.monotonic(), None, None
     try:
-        with LocalSwarm(model=s.model, num_stages=len(s.stage_hosts), workdir=swarm_dir,
-                        peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1"]) as swarm:
+        with LocalSwarm(
+            model=s.model,
+            num_stages=len(s.stage_hosts),
+            workdir=swarm_dir,
+            peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1"],
+        ) as swarm:
             trainer_prefix = net.exec_prefix(s.trainer_host)
             swarm.start_bootstrap(60.0, "--host-maddrs", net.maddr(s.trainer_host), prefix=trainer_prefix)
             peers = {}
@@ -329,26 +375,44 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
                 peers[host] = swarm.start_peer(stage, *extra, name=f"peer-{host}", prefix=net.exec_prefix(host))
             swarm.wait_online(list(peers.values()), timeout_s=180.0)
             _say(f"   {len(peers)} peers online after {time.monotonic() - started:.0f} s")
-            trainer = swarm.start_trainer("--num-stages", str(len(s.stage_hosts)), "--steps", str(s.steps),
-                                          "--batch-size", str(s.batch_size), "--microbatch-size", str(s.microbatch_size),
-                                          "--max-in-flight", str(s.batch_size // s.microbatch_size), "--codec", codec,
-                                          "--host-maddrs", net.maddr(s.trainer_host), "--report", report_path,
-                                          prefix=trainer_prefix)
+            trainer = swarm.start_trainer(
+                "--num-stages",
+                str(len(s.stage_hosts)),
+                "--steps",
+                str(s.steps),
+                "--batch-size",
+                str(s.batch_size),
+                "--microbatch-size",
+                str(s.microbatch_size),
+                "--max-in-flight",
+                str(s.batch_size // s.microbatch_size),
+                "--codec",
+                codec,
+                "--host-maddrs",
+                net.maddr(s.trainer_host),
+                "--report",
+                report_path,
+                prefix=trainer_prefix,
+            )
             meter = RunMeter(net, trainer.log_path, _step_marker(s.warmup, s.steps))
             if faults:
                 notes.append(f"peer of stage {s.slow_stage} ({s.stage_hosts[s.slow_stage]}) {s.slowdown:g}x slower")
                 marker = _step_marker(s.kill_at_step, s.steps)
                 if _wait_for_line(trainer.log_path, marker, trainer.popen, s.run_timeout_s):
                     peers[s.stage_hosts[s.kill_stage]].signal(signal.SIGKILL)
-                    notes.append(f"peer of stage {s.kill_stage} ({s.stage_hosts[s.kill_stage]}) SIGKILLed "
-                                 f"after step {s.kill_at_step}")
+                    notes.append(
+                        f"peer of stage {s.kill_stage} ({s.stage_hosts[s.kill_stage]}) SIGKILLed "
+                        f"after step {s.kill_at_step}"
+                    )
                     _say(f"   {notes[-1]}")
             try:
                 trainer.popen.wait(timeout=s.run_timeout_s)
             except subprocess.TimeoutExpired:
                 notes.append(f"trainer timed out after {s.run_timeout_s:.0f} s")
             if trainer.popen.returncode not in (0, None):
-                notes.append(f"trainer exited with {trainer.popen.returncode}: {trainer.log().strip().splitlines()[-1:]}")
+                notes.append(
+                    f"trainer exited with {trainer.popen.returncode}: {trainer.log().strip().splitlines()[-1:]}"
+                )
             measured = meter.stop()  # before the peers stop: shutting down is not training
     finally:
         if meter is not None:
@@ -362,13 +426,24 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
         notes.append(f"{report['microbatches_lost']} microbatches lost")
     if report.get("microbatches_retried"):
         notes.append(f"{report['microbatches_retried']} microbatches retried")
-    result = RunResult(name=name, completed=bool(report.get("completed")), steps_done=steps_done, steps=s.steps,
-                       tokens_per_s=_timed_tokens_per_s(step_seconds, s.warmup, s.tokens_per_step),
-                       link_bytes_per_token=None, payload_bytes_per_token=report.get("wire_bytes_per_token"),
-                       initial_loss=losses[0] if losses else None, final_loss=_final_loss(losses), wall_s=wall_s,
-                       notes=notes, losses=losses)
-    result.payload_by_codec = {direction: {codec: totals["wire_bytes"] for codec, totals in per_codec.items()}
-                               for direction, per_codec in report.get("bytes_by_codec", {}).items()}
+    result = RunResult(
+        name=name,
+        completed=bool(report.get("completed")),
+        steps_done=steps_done,
+        steps=s.steps,
+        tokens_per_s=_timed_tokens_per_s(step_seconds, s.warmup, s.tokens_per_step),
+        link_bytes_per_token=None,
+        payload_bytes_per_token=report.get("wire_bytes_per_token"),
+        initial_loss=losses[0] if losses else None,
+        final_loss=_final_loss(losses),
+        wall_s=wall_s,
+        notes=notes,
+        losses=losses,
+    )
+    result.payload_by_codec = {
+        direction: {codec: totals["wire_bytes"] for codec, totals in per_codec.items()}
+        for direction, per_codec in report.get("bytes_by_codec", {}).items()
+    }
     result.backward_inputs_skipped = report.get("backward_inputs_skipped")
     return _fill_measured(result, measured, step_seconds, s, net)
 
@@ -391,15 +466,20 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
-    _say("\nrun             steps  tokens/s  vs gpipe  link B/tok  payload B/tok  CPU s/1k tok  busiest link (busy)"
-         "         loss   notes")
+    _say(
+        "\nrun             steps  tokens/s  vs gpipe  link B/tok  payload B/tok  CPU s/1k tok  busiest link (busy)"
+        "         loss   notes"
+    )
     for r in results:
-        ratio = (r.tokens_per_s / baseline.tokens_per_s if baseline and r.tokens_per_s and baseline.tokens_per_s
-                 else None)
+        ratio = (
+            r.tokens_per_s / baseline.tokens_per_s if baseline and r.tokens_per_s and baseline.tokens_per_s else None
+        )
         busiest = f"{r.busiest_link} ({r.busiest_link_busy:.0%})" if r.busiest_link else "-"
-        _say(f"{r.name:<15} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {_fmt(ratio, '>7.2f')}x "
-             f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
-             f"{_fmt(r.cpu_s_per_1k_tokens, '>12.2f')}  {busiest:<27} {_fmt(r.final_loss, '>5.3f')}  {'; '.join(r.notes)}")
+        _say(
+            f"{r.name:<15} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {_fmt(ratio, '>7.2f')}x "
+            f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
+            f"{_fmt(r.cpu_s_per_1k_tokens, '>12.2f')}  {busiest:<27} {_fmt(r.final_loss, '>5.3f')}  {'; '.join(r.notes)}"
+        )
 
 
 def print_cpu_breakdown(results: list[RunResult]) -> None:
@@ -426,8 +506,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slowdown", type=float, default=4.0)
     parser.add_argument("--kill-stage", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int, default=None, help="default: half of --steps")
-    parser.add_argument("--runs", default="gpipe,none,int8,adaptive,faults,gpipe-kill",
-                        help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument(
+        "--runs",
+        default="gpipe,none,int8,adaptive,faults,gpipe-kill",
+        help=f"comma-separated subset of {','.join(RUNS)}",
+    )
     parser.add_argument("--probe-seconds", type=float, default=1.0)
     parser.add_argument("--run-timeout-s", type=float, default=420.0)
     parser.add_argument("--out", default="benchmarks/out/wan.json")
@@ -454,11 +537,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wan: error: unknown runs {sorted(unknown)}", file=sys.stderr)
         return 2
     standby = {i: f"standby{i}" for i in (args.slow_stage, args.kill_stage) if f"standby{i}" in topology.hosts}
-    settings = Settings(model=args.model, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                        microbatch_size=args.microbatch_size, stage_hosts=stage_hosts, trainer_host="trainer",
-                        standby_hosts=standby, slow_stage=args.slow_stage, slowdown=args.slowdown,
-                        kill_stage=args.kill_stage, kill_at_step=args.kill_at_step or args.steps // 2,
-                        run_timeout_s=args.run_timeout_s)
+    settings = Settings(
+        model=args.model,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        microbatch_size=args.microbatch_size,
+        stage_hosts=stage_hosts,
+        trainer_host="trainer",
+        standby_hosts=standby,
+        slow_stage=args.slow_stage,
+        slowdown=args.slowdown,
+        kill_stage=args.kill_stage,
+        kill_at_step=args.kill_at_step or args.steps // 2,
+        run_timeout_s=args.run_timeout_s,
+    )
     if "faults" in runs and args.kill_stage not in standby:
         print(f"wan: error: the faults run needs a host standby{args.kill_stage} in the topology", file=sys.stderr)
         return 2
@@ -481,16 +574,32 @@ def main(argv: list[str] | None = None) -> int:
                     if run in ("gpipe", "gpipe-kill"):
                         results.append(run_gpipe(net, settings, workdir, kill=run == "gpipe-kill"))
                     else:
-                        results.append(run_swarm(net, settings, workdir, codec="int8" if run == "faults" else run,
-                                                 faults=run == "faults"))
+                        results.append(
+                            run_swarm(
+                                net, settings, workdir, codec="int8" if run == "faults" else run, faults=run == "faults"
+                            )
+                        )
                 except LocalSwarmError as e:  # peers that never came online: record it, go on
-                    results.append(RunResult(name=f"swarm {run}", completed=False, steps_done=0, steps=settings.steps,
-                                             tokens_per_s=None, link_bytes_per_token=None, payload_bytes_per_token=None,
-                                             initial_loss=None, final_loss=None, wall_s=0.0,
-                                             notes=[str(e).splitlines()[0]]))
+                    results.append(
+                        RunResult(
+                            name=f"swarm {run}",
+                            completed=False,
+                            steps_done=0,
+                            steps=settings.steps,
+                            tokens_per_s=None,
+                            link_bytes_per_token=None,
+                            payload_bytes_per_token=None,
+                            initial_loss=None,
+                            final_loss=None,
+                            wall_s=0.0,
+                            notes=[str(e).splitlines()[0]],
+                        )
+                    )
                 r = results[-1]
-                _say(f"   {r.name}: {r.steps_done}/{r.steps} steps, {_fmt(r.tokens_per_s, ',.0f')} tokens/s, "
-                     f"loss {_fmt(r.final_loss, '.3f')}, {r.wall_s:.0f} s")
+                _say(
+                    f"   {r.name}: {r.steps_done}/{r.steps} steps, {_fmt(r.tokens_per_s, ',.0f')} tokens/s, "
+                    f"loss {_fmt(r.final_loss, '.3f')}, {r.wall_s:.0f} s"
+                )
     except NetemError as e:
         print(f"wan: error: {e}", file=sys.stderr)
         return 1
@@ -499,10 +608,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print_table(results, next((r for r in results if r.name == "gpipe"), None))
     print_cpu_breakdown(results)
-    out = {"benchmark": "wan", "command": " ".join(["benchmarks/wan.py", *(argv or sys.argv[1:])]),
-           "topology": topology.to_dict(), "settings": asdict(settings), "cpus": os.cpu_count(),
-           "machine": platform.machine(), "wall_s": time.monotonic() - started,
-           "links": [asdict(p) for p in probes], "results": [asdict(r) for r in results], "workdir": workdir}
+    out = {
+        "benchmark": "wan",
+        "command": " ".join(["benchmarks/wan.py", *(argv or sys.argv[1:])]),
+        "topology": topology.to_dict(),
+        "settings": asdict(settings),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "wall_s": time.monotonic() - started,
+        "links": [asdict(p) for p in probes],
+        "results": [asdict(r) for r in results],
+        "workdir": workdir,
+    }
     write_report(args.out, out)
     _say(f"logs in {workdir}; {out['wall_s']:.0f} s in all")
     return 0

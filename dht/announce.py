@@ -16,10 +16,16 @@ async def announce(dht: hivemind.DHT, record: PeerRecord, *, timeout_s: float = 
     identity = identity_of(dht)
     if record.peer_id != identity.peer_id:
         raise ValueError(f"this node is {identity.peer_id} and can only announce its own record, not {record.peer_id}")
-    future = dht.store(stage_key(record.model, record.stage), subkey=peer_subkey(record.peer_id, identity.owner_marker),
-                       value=record.to_wire(), expiration_time=record.expires_at, return_future=True)
-    return await await_store(future, timeout_s=timeout_s,
-                             what=f"Announcing {record.state.value} for stage {record.stage}")
+    future = dht.store(
+        stage_key(record.model, record.stage),
+        subkey=peer_subkey(record.peer_id, identity.owner_marker),
+        value=record.to_wire(),
+        expiration_time=record.expires_at,
+        return_future=True,
+    )
+    return await await_store(
+        future, timeout_s=timeout_s, what=f"Announcing {record.state.value} for stage {record.stage}"
+    )
 
 
 def fetch_stage_records(dht: hivemind.DHT, model: str, stage: int, *, timeout_s: float = 10.0) -> list[PeerRecord]:
@@ -27,7 +33,9 @@ def fetch_stage_records(dht: hivemind.DHT, model: str, stage: int, *, timeout_s:
     return _parse(dht, lookup(dht, stage_key(model, stage), timeout_s=timeout_s), model, stage)
 
 
-async def fetch_stage_records_async(dht: hivemind.DHT, model: str, stage: int, *, timeout_s: float = 10.0) -> list[PeerRecord]:
+async def fetch_stage_records_async(
+    dht: hivemind.DHT, model: str, stage: int, *, timeout_s: float = 10.0
+) -> list[PeerRecord]:
     """All unexpired records of one stage; [] (with a warning) when the lookup times out."""
     entries = await lookup_async(dht, stage_key(model, stage), timeout_s=timeout_s, what=f"{model} stage {stage}")
     return _parse(dht, entries or {}, model, stage)

@@ -1,6 +1,6 @@
 """Measured links between peers, published on the DHT for the live planner (`swarm plan --from-dht`).
 
-Every peer probes a few other peers of its model now and then (peers/link_probe.py) and states what
+Every peer probes a few other peers of its model now and then (peers/placement/link_probe.py) and states what
 it measured as one `LinkRecord` under `links_key(model)`, subkey its peer id, with an expiry. A
 record also carries what the planner needs to know about the peer itself: the stage it serves now,
 the number of stages, and its measured throughput. Records are validated where they are read; a
@@ -48,7 +48,7 @@ class LinkRecord(BaseModel):
     links: dict[str, LinkMeasurement] = Field(default_factory=dict, max_length=MAX_LINKS_PER_RECORD)
 
     @model_validator(mode="after")
-    def _links_name_other_peers(self) -> "LinkRecord":
+    def _links_name_other_peers(self) -> LinkRecord:
         if self.peer_id in self.links:
             raise ValueError("a peer does not measure a link to itself")
         if any(not 1 <= len(target) <= 128 for target in self.links):
@@ -61,7 +61,7 @@ class LinkRecord(BaseModel):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_wire(cls, value: Any) -> "LinkRecord":
+    def from_wire(cls, value: Any) -> LinkRecord:
         """Parse a DHT value; raises `ValueError` for anything malformed."""
         if not isinstance(value, dict):
             raise ValueError(f"a link record must be a mapping, got {type(value).__name__}")
@@ -69,8 +69,9 @@ class LinkRecord(BaseModel):
         if not isinstance(links, dict):
             raise ValueError(f"'links' must be a mapping, got {type(links).__name__}")
         try:
-            return cls.model_validate({**value, "links": {target: LinkMeasurement.model_validate(item)
-                                                          for target, item in links.items()}})
+            return cls.model_validate(
+                {**value, "links": {target: LinkMeasurement.model_validate(item) for target, item in links.items()}}
+            )
         except ValidationError as e:
             error = e.errors()[0]
             where = ".".join(str(part) for part in error["loc"])
@@ -85,10 +86,16 @@ def parse_link_records(entries: dict[Any, Any], *, model: str) -> list[LinkRecor
 
 # --- DHT I/O -------------------------------------------------------------------------------------
 
+
 async def publish_links_async(dht: hivemind.DHT, record: LinkRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` until its `expires_at`. Returns whether it was stored."""
-    future = dht.store(links_key(record.model), subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
-                       value=record.to_wire(), expiration_time=record.expires_at, return_future=True)
+    future = dht.store(
+        links_key(record.model),
+        subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
+        value=record.to_wire(),
+        expiration_time=record.expires_at,
+        return_future=True,
+    )
     return await await_store(future, timeout_s=timeout_s, what=f"Publishing the links of {record.peer_id[-8:]}")
 
 

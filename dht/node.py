@@ -13,8 +13,8 @@ import base58
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
-from dht.configuration import ConfigError, option
 from dht.signing import IdentityError, SigningIdentity, load_identity, new_identity_file, register, validators
+from process.config import ConfigError, option
 
 logger = logging.getLogger(__name__)
 
@@ -27,25 +27,41 @@ class BootstrapError(RuntimeError):
 class NetworkConfig:
     """How a process joins the swarm's DHT (shared by the bootstrap node, peers and trainers)."""
 
-    initial_peers: list[str] = option(default_factory=list, help="multiaddrs of running DHT nodes to join "
-                                      "(e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
-    host_maddrs: list[str] = option(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
-                                    help="multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines")
-    announce_maddrs: list[str] = option(default_factory=list, help="public multiaddrs others should dial (behind NAT or a port map)")
+    initial_peers: list[str] = option(
+        default_factory=list, help="multiaddrs of running DHT nodes to join (e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)"
+    )
+    host_maddrs: list[str] = option(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        help="multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines",
+    )
+    announce_maddrs: list[str] = option(
+        default_factory=list, help="public multiaddrs others should dial (behind NAT or a port map)"
+    )
     identity_path: str | None = option(None, help="private key file for a stable peer id (created if missing)")
     startup_timeout_s: float = option(30.0, help="give up starting the DHT node after this many seconds")
-    allowed_peers: list[str] = option(default_factory=list, help="private swarm: only these peer ids may announce "
-                                      "records this node reads and call this node's RPCs (give every process a stable "
-                                      "--identity-path and list their ids); empty: an open swarm")
-    use_relay: bool = option(True, help="let libp2p circuit relays carry traffic to and from this node (libp2p's "
-                             "relay transport; needed to reach or be reached through a relay)")
-    use_auto_relay: bool = option(False, help="behind NAT or a firewall: look for relays among the swarm's public "
-                                  "peers and become reachable through them")
+    allowed_peers: list[str] = option(
+        default_factory=list,
+        help="private swarm: only these peer ids may announce "
+        "records this node reads and call this node's RPCs (give every process a stable "
+        "--identity-path and list their ids); empty: an open swarm",
+    )
+    use_relay: bool = option(
+        True,
+        help="let libp2p circuit relays carry traffic to and from this node (libp2p's "
+        "relay transport; needed to reach or be reached through a relay)",
+    )
+    use_auto_relay: bool = option(
+        False,
+        help="behind NAT or a firewall: look for relays among the swarm's public "
+        "peers and become reachable through them",
+    )
 
     def __post_init__(self) -> None:
         for peer_id in self.allowed_peers:
             if not _is_peer_id(peer_id):
-                raise ConfigError(f"--allowed-peers: {peer_id!r} is not a peer id (they look like Qm... or 12D3KooW...)")
+                raise ConfigError(
+                    f"--allowed-peers: {peer_id!r} is not a peer id (they look like Qm... or 12D3KooW...)"
+                )
         for maddr in [*self.initial_peers, *self.host_maddrs, *self.announce_maddrs]:
             if not maddr.startswith("/"):
                 raise ConfigError(f"{maddr!r} is not a multiaddr (they look like /ip4/127.0.0.1/tcp/31337/p2p/Qm...)")
@@ -61,8 +77,12 @@ def _is_peer_id(text: str) -> bool:
 def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.DHT:
     """Start a DHT node in its own process, signing its records with its RSA identity and
     validating everyone else's (dht/signing.py). Raises `BootstrapError` with a plain message."""
-    kwargs = dict(host_maddrs=network.host_maddrs, startup_timeout=network.startup_timeout_s,
-                  use_relay=network.use_relay, use_auto_relay=network.use_auto_relay)
+    kwargs = dict(
+        host_maddrs=network.host_maddrs,
+        startup_timeout=network.startup_timeout_s,
+        use_relay=network.use_relay,
+        use_auto_relay=network.use_auto_relay,
+    )
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
     scratch = None
@@ -92,20 +112,31 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.
     return dht
 
 
-def _start(network: NetworkConfig, client_mode: bool, identity: SigningIdentity, identity_path: str,
-           kwargs: dict) -> hivemind.DHT:
+def _start(
+    network: NetworkConfig, client_mode: bool, identity: SigningIdentity, identity_path: str, kwargs: dict
+) -> hivemind.DHT:
     try:
-        return hivemind.DHT(initial_peers=network.initial_peers, client_mode=client_mode, start=True,
-                            await_ready=True, record_validators=validators(identity), identity_path=identity_path,
-                            **kwargs)
+        return hivemind.DHT(
+            initial_peers=network.initial_peers,
+            client_mode=client_mode,
+            start=True,
+            await_ready=True,
+            record_validators=validators(identity),
+            identity_path=identity_path,
+            **kwargs,
+        )
     except P2PDaemonError as e:
         text = str(e)
         if "bootstrap" in text.lower():
-            raise BootstrapError(f"could not reach any of the initial peers {network.initial_peers}: is the "
-                                 f"bootstrap node running and is the address (including /p2p/<id>) right?") from None
+            raise BootstrapError(
+                f"could not reach any of the initial peers {network.initial_peers}: is the "
+                f"bootstrap node running and is the address (including /p2p/<id>) right?"
+            ) from None
         if "already taken" in text:
-            raise BootstrapError(f"another running peer uses the identity in {network.identity_path!r}: give each "
-                                 f"peer its own --identity-path") from None
+            raise BootstrapError(
+                f"another running peer uses the identity in {network.identity_path!r}: give each "
+                f"peer its own --identity-path"
+            ) from None
         raise BootstrapError(f"the p2p daemon failed to start: {text}") from None
     except (ValueError, TimeoutError) as e:
         raise BootstrapError(f"could not start the DHT node: {e}") from None

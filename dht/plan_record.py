@@ -40,7 +40,7 @@ class PlanRecord(BaseModel):
     expires_at: float = Field(allow_inf_nan=False)
 
     @model_validator(mode="after")
-    def _every_peer_in_one_place(self) -> "PlanRecord":
+    def _every_peer_in_one_place(self) -> PlanRecord:
         if len(self.stages) != self.num_stages:
             raise ValueError(f"num_stages is {self.num_stages} but the plan lists {len(self.stages)} stages")
         if any(not group for group in self.stages):
@@ -65,7 +65,7 @@ class PlanRecord(BaseModel):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_wire(cls, value: Any) -> "PlanRecord":
+    def from_wire(cls, value: Any) -> PlanRecord:
         """Parse a DHT value; raises `ValueError` for anything malformed."""
         if not isinstance(value, dict):
             raise ValueError(f"a plan record must be a mapping, got {type(value).__name__}")
@@ -96,22 +96,31 @@ def current_plan(entries: dict[Any, Any], *, model: str, now: float) -> PlanReco
     """The newest (by `created_at`, then planner id) valid, unexpired plan of `model` among DHT
     entries {subkey: value}; malformed entries and ones whose subkey is not their planner are
     logged and skipped."""
+
     def misplaced(subkey, plan: PlanRecord) -> str | None:
         if plan.planner_id != subkey or plan.model != model:
             return f"it names planner {plan.planner_id}, model {plan.model}"
         return None
 
-    plans = [plan for plan in parse_entries(entries, PlanRecord.from_wire, misplaced, kind="plan record", where=model)
-             if plan.expires_at > now]
+    plans = [
+        plan
+        for plan in parse_entries(entries, PlanRecord.from_wire, misplaced, kind="plan record", where=model)
+        if plan.expires_at > now
+    ]
     return max(plans, key=lambda p: (p.created_at, p.planner_id), default=None)
 
 
 # --- DHT I/O -------------------------------------------------------------------------------------
 
+
 def _store(dht: hivemind.DHT, plan: PlanRecord):
-    return dht.store(plan_key(plan.model), subkey=peer_subkey(plan.planner_id, identity_of(dht).owner_marker),
-                     value=plan.to_wire(),
-                     expiration_time=plan.expires_at, return_future=True)
+    return dht.store(
+        plan_key(plan.model),
+        subkey=peer_subkey(plan.planner_id, identity_of(dht).owner_marker),
+        value=plan.to_wire(),
+        expiration_time=plan.expires_at,
+        return_future=True,
+    )
 
 
 def publish_plan(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:

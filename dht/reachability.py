@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
@@ -42,6 +42,7 @@ class ReachabilityResponse(BaseModel):
 
 # --- pure ----------------------------------------------------------------------------------------
 
+
 def direct_maddrs(maddrs: Iterable[str]) -> list[str]:
     """Addresses a probe can dial directly: no relay circuits, no trailing /p2p/<id>."""
     result = []
@@ -56,7 +57,7 @@ def direct_maddrs(maddrs: Iterable[str]) -> list[str]:
 
 
 def address_scope(maddr: str) -> str:
-    """"loopback", "private" (LAN, link-local, CGNAT) or "public" for an /ip4 or /ip6 address;
+    """ "loopback", "private" (LAN, link-local, CGNAT) or "public" for an /ip4 or /ip6 address;
     "name" for /dns*."""
     parts = str(maddr).split("/")
     if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
@@ -90,29 +91,44 @@ def verdict(report: ReachabilityReport, *, use_auto_relay: bool) -> str:
     scopes = {address_scope(m) for m in report.maddrs}
     where = ", ".join(report.maddrs) or "no address"
     if not report.maddrs:
-        return ("reachability: this peer has no direct address to offer; others can reach it only through a relay"
-                + ("" if use_auto_relay else " (start with --use-auto-relay)"))
+        return "reachability: this peer has no direct address to offer; others can reach it only through a relay" + (
+            "" if use_auto_relay else " (start with --use-auto-relay)"
+        )
     if report.reachable is None:
         scope_note = {
             frozenset({"loopback"}): "it listens on loopback only, so only processes on this machine can reach it "
-                                     "(use --host-maddrs /ip4/0.0.0.0/tcp/PORT to accept other machines)",
-        }.get(frozenset(scopes), "" if "public" in scopes else
-              "it has no public address: machines outside this network need a port forward and --announce-maddrs "
-              "/ip4/PUBLIC_IP/tcp/PORT, or --use-auto-relay")
+            "(use --host-maddrs /ip4/0.0.0.0/tcp/PORT to accept other machines)",
+        }.get(
+            frozenset(scopes),
+            ""
+            if "public" in scopes
+            else "it has no public address: machines outside this network need a port forward and --announce-maddrs "
+            "/ip4/PUBLIC_IP/tcp/PORT, or --use-auto-relay",
+        )
         if scopes == {"loopback"}:
             return f"reachability: not checked: {scope_note} ({where})"
-        return f"reachability: no other peer online to check with yet ({where}){'; ' + scope_note if scope_note else ''}"
+        return (
+            f"reachability: no other peer online to check with yet ({where}){'; ' + scope_note if scope_note else ''}"
+        )
     if report.reachable:
         note = " (loopback only: this machine's processes)" if scopes == {"loopback"} else ""
-        return f"reachability: {report.reachable_by}/{report.asked} peer(s) could dial this peer directly at {where}{note}"
-    fix = ("--use-auto-relay is on, so it may still be reached through a relay once one is found"
-           if use_auto_relay else "start with --use-auto-relay to be reached through a relay")
-    return (f"reachability: NOT reachable: 0/{report.asked} peer(s) could dial this peer at {where}; trainers and "
-            f"other peers will fail to call it. Open or forward the TCP port and pass --announce-maddrs "
-            f"/ip4/PUBLIC_IP/tcp/PORT, or {fix}")
+        return (
+            f"reachability: {report.reachable_by}/{report.asked} peer(s) could dial this peer directly at {where}{note}"
+        )
+    fix = (
+        "--use-auto-relay is on, so it may still be reached through a relay once one is found"
+        if use_auto_relay
+        else "start with --use-auto-relay to be reached through a relay"
+    )
+    return (
+        f"reachability: NOT reachable: 0/{report.asked} peer(s) could dial this peer at {where}; trainers and "
+        f"other peers will fail to call it. Open or forward the TCP port and pass --announce-maddrs "
+        f"/ip4/PUBLIC_IP/tcp/PORT, or {fix}"
+    )
 
 
 # --- serving the check ---------------------------------------------------------------------------
+
 
 class DialBackService:
     """The `RPC_REACHABILITY` handler. One probe at a time; each probe daemon lives for one check."""
@@ -140,11 +156,13 @@ class DialBackService:
             return ReachabilityResponse(reachable=False, error="no direct address to dial")
         probe = None
         try:
-            probe = await asyncio.wait_for(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False,
-                                                      auto_nat=False), timeout=self.dial_timeout_s)
+            probe = await asyncio.wait_for(
+                P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False),
+                timeout=self.dial_timeout_s,
+            )
             await asyncio.wait_for(probe._client.connect(peer_id, maddrs), timeout=self.dial_timeout_s)
             return ReachabilityResponse(reachable=True)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return ReachabilityResponse(reachable=False, error=f"no answer within {self.dial_timeout_s:.0f} s")
         except Exception as e:  # a failed dial surfaces as several p2pd error types
             return ReachabilityResponse(reachable=False, error=f"{type(e).__name__}: {e}"[:500])
@@ -159,8 +177,15 @@ def _response(response: ReachabilityResponse) -> runtime_pb2.ExpertResponse:
 
 # --- asking for the check ------------------------------------------------------------------------
 
-async def check_reachability(p2p: P2P, helpers: Iterable[str], *, maddrs: Sequence[str] | None = None,
-                             max_helpers: int = 3, timeout_s: float = 20.0) -> ReachabilityReport:
+
+async def check_reachability(
+    p2p: P2P,
+    helpers: Iterable[str],
+    *,
+    maddrs: Sequence[str] | None = None,
+    max_helpers: int = 3,
+    timeout_s: float = 20.0,
+) -> ReachabilityReport:
     """Ask up to `max_helpers` peers (base58 ids) to dial this node at `maddrs` (default: its
     visible direct addresses)."""
     own_id = p2p.peer_id.to_base58()
@@ -168,18 +193,28 @@ async def check_reachability(p2p: P2P, helpers: Iterable[str], *, maddrs: Sequen
         maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
     tested = tuple(direct_maddrs(maddrs))
     request = runtime_pb2.ExpertRequest(
-        uid="reachability", metadata=ReachabilityRequest(peer_id=own_id, maddrs=tested[:MAX_MADDRS]).model_dump_json().encode())
+        uid="reachability",
+        metadata=ReachabilityRequest(peer_id=own_id, maddrs=tested[:MAX_MADDRS]).model_dump_json().encode(),
+    )
     chosen = sorted({h for h in helpers if h != own_id})[:max_helpers]
 
     async def ask(helper: str) -> ReachabilityResponse | None:
         try:
-            raw = await asyncio.wait_for(p2p.call_protobuf_handler(PeerID.from_base58(helper), RPC_REACHABILITY, request,
-                                                                   runtime_pb2.ExpertResponse), timeout=timeout_s)
+            raw = await asyncio.wait_for(
+                p2p.call_protobuf_handler(
+                    PeerID.from_base58(helper), RPC_REACHABILITY, request, runtime_pb2.ExpertResponse
+                ),
+                timeout=timeout_s,
+            )
             return ReachabilityResponse.model_validate_json(raw.metadata)
         except Exception as e:  # the helper may be old, gone or broken: it just does not count
             logger.info(f"Reachability helper {helper[-8:]} did not answer: {type(e).__name__}: {e}")
             return None
 
     answers = [a for a in await asyncio.gather(*(ask(h) for h in chosen)) if a is not None]
-    return ReachabilityReport(maddrs=tested, asked=len(answers), reachable_by=sum(a.reachable for a in answers),
-                              errors=tuple(a.error for a in answers if a.error))
+    return ReachabilityReport(
+        maddrs=tested,
+        asked=len(answers),
+        reachable_by=sum(a.reachable for a in answers),
+        errors=tuple(a.error for a in answers if a.error),
+    )

@@ -43,7 +43,7 @@ class PeerRecord(BaseModel):
         return data
 
     @classmethod
-    def from_wire(cls, value: Any) -> "PeerRecord":
+    def from_wire(cls, value: Any) -> PeerRecord:
         """Parse a DHT value; raises `ValueError` for anything malformed."""
         if not isinstance(value, dict):
             raise ValueError(f"a peer record must be a mapping, got {type(value).__name__}")
@@ -56,6 +56,7 @@ class PeerRecord(BaseModel):
 def parse_records(entries: dict[Any, Any], *, model: str, stage: int) -> list[PeerRecord]:
     """Parse every subkey of a stage key; skip (with a warning) what is malformed, belongs to
     another stage or model, or whose subkey does not match the peer id inside."""
+
     def misplaced(subkey, record: PeerRecord) -> str | None:
         if record.peer_id != subkey or record.model != model or record.stage != stage:
             return f"it names peer {record.peer_id}, model {record.model}, stage {record.stage}"
@@ -80,13 +81,13 @@ class SplitRecord(BaseModel):
     expires_at: float
 
     @model_validator(mode="after")
-    def _boundaries_describe_the_stages(self) -> "SplitRecord":
+    def _boundaries_describe_the_stages(self) -> SplitRecord:
         bounds = self.boundaries
         if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or any(b >= a for b, a in zip(bounds, bounds[1:])):
             raise ValueError(f"boundaries {list(bounds)} do not describe {self.num_stages} non-empty stages")
         return self
 
-    def same_split(self, other: "SplitRecord") -> bool:
+    def same_split(self, other: SplitRecord) -> bool:
         return (self.num_stages, self.boundaries) == (other.num_stages, other.boundaries)
 
     def describe(self) -> str:
@@ -96,7 +97,7 @@ class SplitRecord(BaseModel):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_wire(cls, value: Any) -> "SplitRecord":
+    def from_wire(cls, value: Any) -> SplitRecord:
         """Parse a DHT value; raises `ValueError` for anything malformed."""
         if not isinstance(value, dict):
             raise ValueError(f"a split record must be a mapping, got {type(value).__name__}")

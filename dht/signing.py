@@ -57,8 +57,9 @@ class SigningIdentity:
 
 def peer_id_of(public_key: rsa.RSAPublicKey) -> str:
     """The libp2p peer id (base58) of an RSA public key: sha256 multihash of its protobuf encoding."""
-    der = public_key.public_bytes(encoding=serialization.Encoding.DER,
-                                  format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    der = public_key.public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
     return base58.b58encode(digest).decode()
@@ -83,8 +84,10 @@ def load_identity(path: str) -> SigningIdentity:
     except Exception:  # protobuf raises its own DecodeError for garbage
         raise IdentityError(f"{path!r} is not a libp2p identity file") from None
     if message.key_type != crypto_pb2.KeyType.RSA:
-        raise IdentityError(f"the identity in {path!r} is not an RSA key, and swarm signs its DHT records with "
-                            f"the node's RSA identity; remove the file to make a new one")
+        raise IdentityError(
+            f"the identity in {path!r} is not an RSA key, and swarm signs its DHT records with "
+            f"the node's RSA identity; remove the file to make a new one"
+        )
     try:
         inner = serialization.load_der_private_key(message.data, password=None)
     except ValueError:
@@ -114,8 +117,8 @@ def validators(identity: SigningIdentity) -> list[RecordValidatorBase]:
 
 # Which identity signs for which running DHT node, and whose records it reads (filled by
 # dht.node.start_dht).
-_IDENTITIES: "weakref.WeakKeyDictionary[Any, SigningIdentity]" = weakref.WeakKeyDictionary()
-_ALLOWED: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
+_IDENTITIES: weakref.WeakKeyDictionary[Any, SigningIdentity] = weakref.WeakKeyDictionary()
+_ALLOWED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def register(dht, identity: SigningIdentity, *, allowed_peers=()) -> None:
@@ -133,7 +136,9 @@ def identity_of(dht) -> SigningIdentity:
     try:
         return _IDENTITIES[dht]
     except KeyError:
-        raise RuntimeError("this DHT node was not started by dht.node.start_dht, so it has no signing identity") from None
+        raise RuntimeError(
+            "this DHT node was not started by dht.node.start_dht, so it has no signing identity"
+        ) from None
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -157,8 +162,10 @@ def owned_entries(entries: dict[Any, Any], *, what: str, allowed: frozenset[str]
     for subkey, value in entries.items():
         parsed = parse_peer_subkey(subkey)
         if parsed is None:
-            _warn_once(subkey, f"Skipping an unsigned {what} record {str(subkey)[:80]!r} (a peer of an older "
-                               f"version, or a forgery)")
+            _warn_once(
+                subkey,
+                f"Skipping an unsigned {what} record {str(subkey)[:80]!r} (a peer of an older version, or a forgery)",
+            )
             continue
         peer_id, key_bytes = parsed
         try:
@@ -167,12 +174,16 @@ def owned_entries(entries: dict[Any, Any], *, what: str, allowed: frozenset[str]
         except Exception:  # cryptography raises assorted errors for malformed keys
             key_peer_id = None
         if key_peer_id != peer_id:
-            _warn_once(subkey, f"Skipping a {what} record that names peer {peer_id[:64]!r} but is signed by "
-                               f"another key (a forgery)")
+            _warn_once(
+                subkey,
+                f"Skipping a {what} record that names peer {peer_id[:64]!r} but is signed by another key (a forgery)",
+            )
             continue
         if allowed is not None and peer_id not in allowed:
-            _warn_once(subkey, f"Skipping the {what} record of peer {peer_id}: it is not on this private swarm's "
-                               f"--allowed-peers")
+            _warn_once(
+                subkey,
+                f"Skipping the {what} record of peer {peer_id}: it is not on this private swarm's --allowed-peers",
+            )
             continue
         owned[peer_id] = value
     return owned

@@ -24,6 +24,7 @@ class SplitConflictError(RuntimeError):
 
 # --- the rules -----------------------------------------------------------------------------------
 
+
 def _claim_order(record: SplitRecord) -> tuple[float, str]:
     return record.since, record.peer_id
 
@@ -44,24 +45,34 @@ def split_in_force(records: list[SplitRecord], *, excluding: str | None = None) 
         if not other.same_split(first):
             raise SplitConflictError(
                 f"peers of {first.model} disagree on the split: peer {first.peer_id[-8:]} serves {first.describe()}, "
-                f"peer {other.peer_id[-8:]} serves {other.describe()}; stop the peers of one of them")
+                f"peer {other.peer_id[-8:]} serves {other.describe()}; stop the peers of one of them"
+            )
     return first
 
 
-def choose_split(requested: tuple[int, ...] | None, num_stages: int, default: tuple[int, ...],
-                 in_force: SplitRecord | None, model: str) -> tuple[int, ...]:
+def choose_split(
+    requested: tuple[int, ...] | None,
+    num_stages: int,
+    default: tuple[int, ...],
+    in_force: SplitRecord | None,
+    model: str,
+) -> tuple[int, ...]:
     """The boundaries a starting peer serves: the ones it asked for, or the swarm's, or `default`
     (the equal split) when neither is known. Raises `SplitConflictError` on a disagreement."""
     if in_force is None:
         return requested if requested is not None else default
     flag = f"--num-stages {in_force.num_stages} --split-boundaries {','.join(map(str, in_force.boundaries))}"
     if requested is None and in_force.num_stages != num_stages:
-        raise SplitConflictError(f"the swarm serves {model} in {in_force.describe()}, this peer asked for "
-                                 f"{num_stages} stages; start it with {flag} (or without --split-boundaries)")
+        raise SplitConflictError(
+            f"the swarm serves {model} in {in_force.describe()}, this peer asked for "
+            f"{num_stages} stages; start it with {flag} (or without --split-boundaries)"
+        )
     if requested is not None and (in_force.num_stages, in_force.boundaries) != (num_stages, requested):
-        raise SplitConflictError(f"the swarm serves {model} in {in_force.describe()}, this peer asked for "
-                                 f"block boundaries {','.join(map(str, requested))}; a swarm never mixes two "
-                                 f"splits: start it with {flag}, or leave --split-boundaries out to adopt the swarm's")
+        raise SplitConflictError(
+            f"the swarm serves {model} in {in_force.describe()}, this peer asked for "
+            f"block boundaries {','.join(map(str, requested))}; a swarm never mixes two "
+            f"splits: start it with {flag}, or leave --split-boundaries out to adopt the swarm's"
+        )
     return in_force.boundaries
 
 
@@ -75,13 +86,18 @@ def earlier_conflicting_claim(mine: SplitRecord, records: list[SplitRecord]) -> 
 
 # --- DHT I/O -------------------------------------------------------------------------------------
 
+
 def _store(dht: hivemind.DHT, record: SplitRecord):
     identity = identity_of(dht)
     if record.peer_id != identity.peer_id:
         raise ValueError(f"this node is {identity.peer_id} and can only state its own split, not {record.peer_id}")
-    return dht.store(split_key(record.model), subkey=peer_subkey(record.peer_id, identity.owner_marker),
-                     value=record.to_wire(),
-                     expiration_time=record.expires_at, return_future=True)
+    return dht.store(
+        split_key(record.model),
+        subkey=peer_subkey(record.peer_id, identity.owner_marker),
+        value=record.to_wire(),
+        expiration_time=record.expires_at,
+        return_future=True,
+    )
 
 
 def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[SplitRecord]:

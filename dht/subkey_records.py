@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # parsing must not import hivemind (and torch): `peers.health` parses records every 30 s
     import hivemind
@@ -31,8 +32,14 @@ def unexpired_entries(result) -> dict[Any, Any]:
     return {subkey: item.value for subkey, item in result.value.items() if item.expiration_time > now}
 
 
-def parse_entries(entries: dict[Any, Any], parse: Callable[[Any], Record], misplaced: Callable[[Any, Record], str | None],
-                  *, kind: str, where: str) -> list[Record]:
+def parse_entries(
+    entries: dict[Any, Any],
+    parse: Callable[[Any], Record],
+    misplaced: Callable[[Any, Record], str | None],
+    *,
+    kind: str,
+    where: str,
+) -> list[Record]:
     """Parse every entry (sorted by subkey) with `parse`, which raises ValueError for anything
     malformed. `misplaced(subkey, record)` says why a well-formed record does not belong under this
     subkey and key (None when it does). Skipped entries are logged, one warning each."""
@@ -54,10 +61,12 @@ def parse_entries(entries: dict[Any, Any], parse: Callable[[Any], Record], mispl
 def misfiled_under(model: str) -> Callable[[Any, Any], str | None]:
     """The `misplaced` check of records with `peer_id` and `model` fields: a record belongs under
     the subkey of the peer it names, in the key of the model it names."""
+
     def misfiled(subkey, record) -> str | None:
         if record.peer_id != subkey or record.model != model:
             return f"it names peer {record.peer_id}, model {record.model}"
         return None
+
     return misfiled
 
 
@@ -65,7 +74,7 @@ async def await_store(future, *, timeout_s: float, what: str) -> bool:
     """Whether a `dht.store(..., return_future=True)` succeeded within timeout_s (else a warning)."""
     try:
         return bool(await asyncio.wait_for(future, timeout=timeout_s))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         future.cancel()
         logger.warning(f"{what} timed out after {timeout_s} s")
         return False
@@ -91,7 +100,7 @@ async def lookup_async(dht: hivemind.DHT, key: str, *, timeout_s: float, what: s
     future = dht.get(key, latest=True, return_future=True)
     try:
         result = await asyncio.wait_for(future, timeout=timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         future.cancel()
         logger.warning(f"DHT lookup of {what} timed out after {timeout_s} s")
         return None

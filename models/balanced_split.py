@@ -15,8 +15,8 @@ the remainder). No I/O, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -108,8 +108,9 @@ def _work_table(costs: SplitCosts, num_stages: int) -> tuple[np.ndarray, np.ndar
     return prefix, cut, extras
 
 
-def stage_times(costs: SplitCosts, boundaries: Sequence[int], stage_speeds: Sequence[float] | None = None
-                ) -> tuple[float, ...]:
+def stage_times(
+    costs: SplitCosts, boundaries: Sequence[int], stage_speeds: Sequence[float] | None = None
+) -> tuple[float, ...]:
     """Each stage's time per microbatch under a given split (the equal one, say)."""
     bounds = tuple(int(b) for b in boundaries)
     num_stages = len(bounds) - 1
@@ -118,8 +119,10 @@ def stage_times(costs: SplitCosts, boundaries: Sequence[int], stage_speeds: Sequ
     if num_stages < 1 or bounds[0] != 0 or bounds[-1] != n or any(b >= a for b, a in zip(bounds, bounds[1:])):
         raise BalancedSplitError(f"boundaries must strictly increase from 0 to {n}, got {list(bounds)}")
     prefix, cut, extras = _work_table(costs, num_stages)
-    return tuple(float((prefix[b] - prefix[a] + cut[a] + cut[b] + extras[j]) / speeds[j])
-                 for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    return tuple(
+        float((prefix[b] - prefix[a] + cut[a] + cut[b] + extras[j]) / speeds[j])
+        for j, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    )
 
 
 def balanced_split(costs: SplitCosts, num_stages: int, stage_speeds: Sequence[float] | None = None) -> BalancedSplit:

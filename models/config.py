@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 
 class UnknownModelError(ValueError):
@@ -101,17 +101,26 @@ MODEL_CONFIGS: dict[str, GPTConfig] = {
     # GPT-2 shapes with GPT-2's vocabulary and context. GPT-2 ties its head to the embedding; here
     # they sit on different stages, so the untied head adds vocab * d_model: 124M -> 163M,
     # 350M -> 407M, 774M -> 838M parameters in total (see `num_parameters`).
-    "gpt2-124m": GPTConfig(name="gpt2-124m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=12, d_model=768,
-                           n_heads=12),
-    "gpt2-350m": GPTConfig(name="gpt2-350m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=24, d_model=1024,
-                           n_heads=16),
-    "gpt2-774m": GPTConfig(name="gpt2-774m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=36, d_model=1280,
-                           n_heads=20),
+    "gpt2-124m": GPTConfig(name="gpt2-124m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=12, d_model=768, n_heads=12),
+    "gpt2-350m": GPTConfig(
+        name="gpt2-350m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=24, d_model=1024, n_heads=16
+    ),
+    "gpt2-774m": GPTConfig(
+        name="gpt2-774m", vocab_size=GPT2_VOCAB, seq_len=1024, n_layers=36, d_model=1280, n_heads=20
+    ),
     # LLaMA-style blocks (RMSNorm, rotary, SwiGLU), a 32k vocabulary, multi-head attention (no GQA).
     # llama-tiny is for tests; llama-1b has 16 blocks of d=2048 (~0.95B parameters).
     "llama-tiny": GPTConfig(name="llama-tiny", arch="llama", seq_len=32, n_layers=3, d_model=32, n_heads=4),
-    "llama-1b": GPTConfig(name="llama-1b", arch="llama", vocab_size=32000, seq_len=2048, n_layers=16,
-                          d_model=2048, n_heads=32, mlp_hidden=5632),
+    "llama-1b": GPTConfig(
+        name="llama-1b",
+        arch="llama",
+        vocab_size=32000,
+        seq_len=2048,
+        n_layers=16,
+        d_model=2048,
+        n_heads=32,
+        mlp_hidden=5632,
+    ),
 }
 
 

@@ -43,12 +43,16 @@ def load_stage_weights(module: StageModule, path: str) -> int:
             for local, target in wanted.items():
                 name = global_name(local, module.spec.first_layer)
                 if name not in available:
-                    raise InitWeightsError(f"--init-weights {path!r} has no tensor {name!r} (needed by stage "
-                                           f"{module.spec.index}); is it a {module.config.name} model?")
+                    raise InitWeightsError(
+                        f"--init-weights {path!r} has no tensor {name!r} (needed by stage "
+                        f"{module.spec.index}); is it a {module.config.name} model?"
+                    )
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(target.shape):
-                    raise InitWeightsError(f"--init-weights {path!r}: {name!r} has shape {tuple(tensor.shape)}, "
-                                           f"{module.config.name} needs {tuple(target.shape)}")
+                    raise InitWeightsError(
+                        f"--init-weights {path!r}: {name!r} has shape {tuple(tensor.shape)}, "
+                        f"{module.config.name} needs {tuple(target.shape)}"
+                    )
                 loaded[local] = tensor
     except (SafetensorError, OSError) as e:
         raise InitWeightsError(f"--init-weights {path!r} is not a readable safetensors file: {e}") from None

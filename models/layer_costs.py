@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -81,12 +82,14 @@ class ModelProfile(BaseModel):
     layers: tuple[LayerCost, ...]
 
     @model_validator(mode="after")
-    def _chain_matches_the_model(self) -> "ModelProfile":
+    def _chain_matches_the_model(self) -> ModelProfile:
         kinds = [layer.kind for layer in self.layers]
         expected = [LayerKind.EMBEDDING, *[LayerKind.BLOCK] * self.n_layers, LayerKind.HEAD]
         if kinds != expected:
-            raise ValueError(f"layers must be the embedding, {self.n_layers} blocks and the head, in that order; "
-                             f"got {[k.value for k in kinds]}")
+            raise ValueError(
+                f"layers must be the embedding, {self.n_layers} blocks and the head, in that order; "
+                f"got {[k.value for k in kinds]}"
+            )
         return self
 
     # --- views -----------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ class ModelProfile(BaseModel):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_dict(cls, data: Any) -> "ModelProfile":
+    def from_dict(cls, data: Any) -> ModelProfile:
         if not isinstance(data, dict):
             raise ProfileError(f"a profile must be a JSON object, got {type(data).__name__}")
         try:
@@ -139,7 +142,7 @@ class ModelProfile(BaseModel):
             raise ProfileError(f"not a valid model profile: {where}: {first['msg']}") from None
 
     @classmethod
-    def read(cls, path: str | Path) -> "ModelProfile":
+    def read(cls, path: str | Path) -> ModelProfile:
         """Read and validate a profile file; raises `ProfileError` with a one-line reason."""
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -182,5 +185,9 @@ def split_costs(profile: ModelProfile, *, link_bytes_per_s: float | None = None)
         if not link_bytes_per_s > 0:
             raise ProfileError(f"link_bytes_per_s must be positive, got {link_bytes_per_s}")
         cuts = tuple(2 * block.output_bytes / link_bytes_per_s for block in profile.blocks[:-1])
-    return SplitCosts(block_s=tuple(block.compute_s for block in profile.blocks),
-                      first_extra_s=profile.embedding.compute_s, last_extra_s=profile.head.compute_s, cut_s=cuts)
+    return SplitCosts(
+        block_s=tuple(block.compute_s for block in profile.blocks),
+        first_extra_s=profile.embedding.compute_s,
+        last_extra_s=profile.head.compute_s,
+        cut_s=cuts,
+    )

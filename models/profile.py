@@ -11,7 +11,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -56,12 +56,24 @@ def _time_once(run_forward: Callable[[], torch.Tensor], device: torch.device) ->
 def _sizes(module: nn.Module, optimizer: str) -> dict[str, int]:
     parameters = sum(p.numel() for p in module.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    return dict(parameters=parameters, parameter_bytes=parameter_bytes, gradient_bytes=parameter_bytes,
-                optimizer_bytes=OPTIMIZER_STATE_FACTOR[optimizer] * parameter_bytes)
+    return dict(
+        parameters=parameters,
+        parameter_bytes=parameter_bytes,
+        gradient_bytes=parameter_bytes,
+        optimizer_bytes=OPTIMIZER_STATE_FACTOR[optimizer] * parameter_bytes,
+    )
 
 
-def profile_model(config: GPTConfig, *, batch_size: int = 4, device: str = "cpu", repeats: int = 5, warmup: int = 2,
-                  optimizer: str = "adamw", seed: int = 0) -> ModelProfile:
+def profile_model(
+    config: GPTConfig,
+    *,
+    batch_size: int = 4,
+    device: str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    optimizer: str = "adamw",
+    seed: int = 0,
+) -> ModelProfile:
     """Measure every layer of `config` on `device` with microbatches of `batch_size` samples."""
     if batch_size < 1 or repeats < 1 or warmup < 0:
         raise ValueError("batch_size and repeats must be at least 1, warmup at least 0")
@@ -79,7 +91,8 @@ def profile_model(config: GPTConfig, *, batch_size: int = 4, device: str = "cpu"
         return hidden.detach().requires_grad_(True)  # a fresh input whose gradient is computed, as on a peer
 
     chain: list[tuple[str, LayerKind, nn.Module, Callable[[], torch.Tensor]]] = [
-        ("embedding", LayerKind.EMBEDDING, model.embedding, lambda: model.embedding(tokens))]
+        ("embedding", LayerKind.EMBEDDING, model.embedding, lambda: model.embedding(tokens))
+    ]
     for index, block in enumerate(model.blocks):
         chain.append((f"block.{index}", LayerKind.BLOCK, block, lambda block=block: block(leaf())))
     chain.append(("head", LayerKind.HEAD, model.head, lambda: language_model_loss(model.head(leaf()), targets)))
@@ -96,10 +109,28 @@ def profile_model(config: GPTConfig, *, batch_size: int = 4, device: str = "cpu"
             if round_index >= warmup:
                 forward_s[position].append(f)
                 backward_s[position].append(b)
-    layers = [LayerCost(name=name, kind=kind, forward_s=statistics.median(forward_s[i]),
-                        backward_s=statistics.median(backward_s[i]),
-                        output_bytes=outputs[i].numel() * outputs[i].element_size(), **_sizes(module, optimizer))
-              for i, (name, kind, module, _) in enumerate(chain)]
-    return ModelProfile(model=config.name, n_layers=config.n_layers, d_model=C, seq_len=T, batch_size=B,
-                        device=str(target), device_name=device_name(target), num_threads=torch.get_num_threads(),
-                        repeats=repeats, optimizer=optimizer, torch_version=torch.__version__, layers=tuple(layers))
+    layers = [
+        LayerCost(
+            name=name,
+            kind=kind,
+            forward_s=statistics.median(forward_s[i]),
+            backward_s=statistics.median(backward_s[i]),
+            output_bytes=outputs[i].numel() * outputs[i].element_size(),
+            **_sizes(module, optimizer),
+        )
+        for i, (name, kind, module, _) in enumerate(chain)
+    ]
+    return ModelProfile(
+        model=config.name,
+        n_layers=config.n_layers,
+        d_model=C,
+        seq_len=T,
+        batch_size=B,
+        device=str(target),
+        device_name=device_name(target),
+        num_threads=torch.get_num_threads(),
+        repeats=repeats,
+        optimizer=optimizer,
+        torch_version=torch.__version__,
+        layers=tuple(layers),
+    )

@@ -11,14 +11,14 @@ split.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn as nn
 
-from models.config import GPTConfig
 from models import llama
+from models.config import GPTConfig
 from models.gpt import Block, Embedding, LMHead, init_weights_, language_model_loss
 
 
@@ -79,11 +79,14 @@ def split_from_boundaries(n_layers: int, boundaries: Sequence[int]) -> list[Stag
     if bounds[0] != 0 or bounds[-1] != n_layers:
         raise StageSplitError(f"split boundaries must start at 0 and end at n_layers={n_layers}, got {list(bounds)}")
     if any(b >= a for b, a in zip(bounds, bounds[1:])):
-        raise StageSplitError(f"split boundaries must strictly increase (every stage holds at least one block), "
-                              f"got {list(bounds)}")
+        raise StageSplitError(
+            f"split boundaries must strictly increase (every stage holds at least one block), got {list(bounds)}"
+        )
     num_stages = len(bounds) - 1
-    return [StageSpec(index=i, num_stages=num_stages, first_layer=bounds[i], last_layer=bounds[i + 1])
-            for i in range(num_stages)]
+    return [
+        StageSpec(index=i, num_stages=num_stages, first_layer=bounds[i], last_layer=bounds[i + 1])
+        for i in range(num_stages)
+    ]
 
 
 def stage_spec(config: GPTConfig, stage: int, num_stages: int, boundaries: Sequence[int] | None = None) -> StageSpec:
@@ -96,7 +99,9 @@ def stage_spec(config: GPTConfig, stage: int, num_stages: int, boundaries: Seque
         if len(specs) != num_stages:
             raise StageSplitError(f"split boundaries {list(boundaries)} describe {len(specs)} stages, not {num_stages}")
     if not 0 <= stage < num_stages:
-        raise StageSplitError(f"stage {stage} is out of range: the model is split into {num_stages} stages (0..{num_stages - 1})")
+        raise StageSplitError(
+            f"stage {stage} is out of range: the model is split into {num_stages} stages (0..{num_stages - 1})"
+        )
     return specs[stage]
 
 
@@ -151,8 +156,9 @@ class StageModule(nn.Module):
         return (batch_size, T, self.config.d_model), torch.float32
 
 
-def build_stage(config: GPTConfig, stage: int, num_stages: int, seed: int = 0,
-                boundaries: Sequence[int] | None = None) -> StageModule:
+def build_stage(
+    config: GPTConfig, stage: int, num_stages: int, seed: int = 0, boundaries: Sequence[int] | None = None
+) -> StageModule:
     """One stage of the equal split, or of the split given by `boundaries`."""
     return StageModule(config, stage_spec(config, stage, num_stages, boundaries), seed)
 

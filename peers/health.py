@@ -18,8 +18,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dht.configuration import ConfigError, add_config_arguments, from_sources, option
 from dht.records import PeerRecord, PeerState
+from process.config import ConfigError, add_config_arguments, from_sources, option
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,23 @@ class HealthError(RuntimeError):
     """The status file is missing or unreadable."""
 
 
-def write_status(path: str, record: PeerRecord, *, announced: bool, ttl_s: float, requests_served: int,
-                 requests_failed: int) -> bool:
+def write_status(
+    path: str, record: PeerRecord, *, announced: bool, ttl_s: float, requests_served: int, requests_failed: int
+) -> bool:
     """Write the status atomically. Never raises for I/O: a full disk must not stop the announcer."""
     now = time.time()
-    status = PeerStatus(peer_id=record.peer_id, model=record.model, stage=record.stage, num_stages=record.num_stages,
-                        state=record.state, announced=announced, requests_served=requests_served,
-                        requests_failed=requests_failed, written_at=now, fresh_until=now + ttl_s)
+    status = PeerStatus(
+        peer_id=record.peer_id,
+        model=record.model,
+        stage=record.stage,
+        num_stages=record.num_stages,
+        state=record.state,
+        announced=announced,
+        requests_served=requests_served,
+        requests_failed=requests_failed,
+        written_at=now,
+        fresh_until=now + ttl_s,
+    )
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w") as f:
@@ -94,8 +104,9 @@ class HealthConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peers.health",
-                                     description="Exit 0 if the peer that writes the status file is serving.")
+    parser = argparse.ArgumentParser(
+        prog="python -m peers.health", description="Exit 0 if the peer that writes the status file is serving."
+    )
     add_config_arguments(parser, HealthConfig)
     try:
         config = from_sources(HealthConfig, parser.parse_args(argv))

@@ -15,20 +15,21 @@ import signal
 import torch
 
 from dht.announce import fetch_stage_records
-from dht.configuration import ConfigError
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import GPTConfig, get_model_config
 from models.stages import stage_spec
-from peers import memory_budget
+from peers.compute import memory_budget
+from peers.compute.devices import DeviceError, check_optimizer, describe_device, resolve_device
+from peers.compute.stage_builder import StageBuilder, check_stage_memory, fault_settings
 from peers.config import AUTO_STAGE, PeerConfig
-from peers.devices import DeviceError, check_optimizer, describe_device, resolve_device
-from peers.metrics import PeerMetrics, advertised_metrics_addr, serve_metrics
-from peers.server import PeerServer
-from peers.split_claim import claim_split
-from peers.stage_builder import StageBuilder, check_stage_memory, fault_settings
-from peers.stage_choice import choose_stage, choose_standby_stage
-from swarm import compression
+from peers.metrics import PeerMetrics
+from peers.placement.split_claim import claim_split
+from peers.placement.stage_choice import choose_stage, choose_standby_stage
+from peers.serving.server import PeerServer
+from process.config import ConfigError
+from process.metrics_http import advertised_metrics_addr, serve_metrics
+from wire import compression
 
 
 def run_peer(config: PeerConfig) -> None:
@@ -36,47 +37,87 @@ def run_peer(config: PeerConfig) -> None:
     torch.set_num_threads(config.num_threads)
     model_config = get_model_config(config.model)
     device = resolve_device(config.device)
-    print(f"device: {describe_device(device)} (--device {config.device}); precision {config.precision}; "
-          f"optimizer {config.optimizer}", flush=True)
+    print(
+        f"device: {describe_device(device)} (--device {config.device}); precision {config.precision}; "
+        f"optimizer {config.optimizer}",
+        flush=True,
+    )
     check_optimizer(config.optimizer, device)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
     if device.type != "cpu" and config.averaging != "none":
-        raise DeviceError(f"--averaging {config.averaging} is only supported with --device cpu so far (hivemind's "
-                          f"averager works on CPU tensors); use --averaging none on a GPU")
+        raise DeviceError(
+            f"--averaging {config.averaging} is only supported with --device cpu so far (hivemind's "
+            f"averager works on CPU tensors); use --averaging none on a GPU"
+        )
     available, source = _memory_available(config, device)
     config = _resolve_num_layers(config, model_config, available, device)
     # Refuse before joining anything when the requested stage cannot fit (--stage auto: checked on stage 0
     # here, and again on the stage it picks).
     first_guess = 0 if config.stage == AUTO_STAGE else config.stage
-    check_stage_memory(config, model_config, stage_spec(model_config, first_guess, config.num_stages,
-                                                        config.requested_boundaries), available, source, device)
+    check_stage_memory(
+        config,
+        model_config,
+        stage_spec(model_config, first_guess, config.num_stages, config.requested_boundaries),
+        available,
+        source,
+        device,
+    )
     metrics = PeerMetrics()
     endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
-    metrics_addr = endpoint and advertised_metrics_addr(endpoint.host, endpoint.port, host_maddrs=config.host_maddrs,
-                                                        announce_maddrs=config.announce_maddrs)
+    metrics_addr = endpoint and advertised_metrics_addr(
+        endpoint.host, endpoint.port, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs
+    )
     if endpoint:
-        print(f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
-              flush=True)
+        print(
+            f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
+            flush=True,
+        )
     dht = start_dht(config)
     try:
         # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
         # with the swarm's stops here with a SplitConflictError.
-        split = claim_split(dht, model=config.model, peer_id=dht.peer_id.to_base58(),
-                            requested=config.requested_boundaries, num_stages=config.num_stages,
-                            n_layers=model_config.n_layers, ttl_s=config.record_ttl_s)
+        split = claim_split(
+            dht,
+            model=config.model,
+            peer_id=dht.peer_id.to_base58(),
+            requested=config.requested_boundaries,
+            num_stages=config.num_stages,
+            n_layers=model_config.n_layers,
+            ttl_s=config.record_ttl_s,
+        )
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
         metrics.set_averaging_mode(config.averaging)
-        builder = StageBuilder(config, model_config, dht, split, on_averaging_round=metrics.observe_averaging_round,
-                               device=device, available_bytes=available, memory_source=source)
+        builder = StageBuilder(
+            config,
+            model_config,
+            dht,
+            split,
+            on_averaging_round=metrics.observe_averaging_round,
+            device=device,
+            available_bytes=available,
+            memory_source=source,
+        )
         built = builder.build(stage)
         faults = fault_settings(config)
         if faults.enabled:
             print(f"fault injection on: {faults}", flush=True)
         compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
         runtime, averaging = built.runtime, built.averaging
-        asyncio.run(_serve_until_signalled(PeerServer(config, runtime, dht, averaging, metrics=metrics,
-                                                      metrics_addr=metrics_addr, split=split, builder=builder)))
+        asyncio.run(
+            _serve_until_signalled(
+                PeerServer(
+                    config,
+                    runtime,
+                    dht,
+                    averaging,
+                    metrics=metrics,
+                    metrics_addr=metrics_addr,
+                    split=split,
+                    builder=builder,
+                )
+            )
+        )
     finally:
         dht.shutdown()
         if endpoint:
@@ -84,20 +125,26 @@ def run_peer(config: PeerConfig) -> None:
 
 
 def _auto_stage(config: PeerConfig, dht) -> int:
-    """--stage auto / --standby: read every stage's records once and pick (peers/stage_choice.py)."""
+    """--stage auto / --standby: read every stage's records once and pick (peers/placement/stage_choice.py)."""
     records = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
     # A plan published by `swarm plan --from-dht --publish` that names this peer wins over the greedy choice.
     planned = None if config.standby else stage_in_plan(fetch_plan(dht, config.model), dht.peer_id.to_base58())
     if planned is not None and not 0 <= planned < config.num_stages:
-        print(f"the published plan names stage {planned}, but this swarm has {config.num_stages}: ignoring it",
-              flush=True)
+        print(
+            f"the published plan names stage {planned}, but this swarm has {config.num_stages}: ignoring it", flush=True
+        )
         planned = None
     if planned is not None:
         print(f"auto: the published plan puts this peer on stage {planned}", flush=True)
-    stage = (choose_standby_stage(records, config.num_stages) if config.standby
-             else choose_stage(records, config.num_stages, my_throughput=0.0, planned_stage=planned))
-    print(f"{'standby for' if config.standby else 'auto: joining'} stage {stage} "
-          f"(from {len(records)} records)", flush=True)
+    stage = (
+        choose_standby_stage(records, config.num_stages)
+        if config.standby
+        else choose_stage(records, config.num_stages, my_throughput=0.0, planned_stage=planned)
+    )
+    print(
+        f"{'standby for' if config.standby else 'auto: joining'} stage {stage} (from {len(records)} records)",
+        flush=True,
+    )
     return stage
 
 
@@ -115,16 +162,27 @@ def _memory_available(config: PeerConfig, device: torch.device) -> tuple[int, st
     return memory_budget.available_memory_bytes(device), f"the memory free on {device}"
 
 
-def _resolve_num_layers(config: PeerConfig, model_config: GPTConfig, available: int, device: torch.device) -> PeerConfig:
+def _resolve_num_layers(
+    config: PeerConfig, model_config: GPTConfig, available: int, device: torch.device
+) -> PeerConfig:
     """--num-layers N|auto sets --num-stages (equal split with at most N blocks per stage)."""
     if config.num_layers is None:
         return config
     if config.num_layers == "auto":
         num_stages = memory_budget.fewest_stages_that_fit(
-            model_config, 0 if config.stage == AUTO_STAGE else config.stage, available, optimizer=config.optimizer,
-            precision=config.precision, batch_size=config.max_batch_size, device_type=device.type)
+            model_config,
+            0 if config.stage == AUTO_STAGE else config.stage,
+            available,
+            optimizer=config.optimizer,
+            precision=config.precision,
+            batch_size=config.max_batch_size,
+            device_type=device.type,
+        )
     else:
         num_stages = memory_budget.blocks_per_stage_to_num_stages(model_config.n_layers, int(config.num_layers))
-    print(f"--num-layers {config.num_layers}: {config.model} split into {num_stages} stage(s) of at most "
-          f"{-(-model_config.n_layers // num_stages)} block(s)", flush=True)
+    print(
+        f"--num-layers {config.num_layers}: {config.model} split into {num_stages} stage(s) of at most "
+        f"{-(-model_config.n_layers // num_stages)} block(s)",
+        flush=True,
+    )
     return dataclasses.replace(config, num_stages=num_stages)

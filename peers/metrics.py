@@ -1,33 +1,33 @@
 """The peer's Prometheus metrics, all defined here, named `swarm_peer_<what>_<unit>`.
 
 Labels only ever take bounded values: a stage index, an rpc name (`forward`, `backward`), a codec
-name (registered codecs only, see `swarm.compression.accounting`), a failure kind, a result, an
+name (registered codecs only, see `wire.compression.accounting`), a failure kind, a result, an
 averaging mode (`sync`, `periodic`). Never a peer id: Prometheus' own `instance` label already
 tells peers apart.
 
 Each `PeerMetrics` owns its registry (not prometheus_client's global one), so several can live in
-one test process. The HTTP endpoint that serves a registry is here too (`serve_metrics`), shared by
-the trainer's metrics (`swarm.metrics`).
+one test process. The HTTP endpoint that serves a registry is process plumbing shared by every role
+(`process.metrics_http`).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
-                               start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from dht.configuration import ConfigError
-
 if TYPE_CHECKING:
-    from peers.averaging import AveragingRound
+    from peers.replicas.averaging import AveragingRound
 
 disable_created_metrics()  # no `*_created` series: they double the series count and no panel or rule uses them
 
@@ -37,85 +37,9 @@ PEER_STATES = ("joining", "online", "offline", "standby")
 AVERAGING_MODES = ("sync", "periodic")  # the label values of the averaging metrics
 
 
-class MetricsServerError(ConfigError):
-    """The metrics HTTP endpoint could not start (port taken, bad address)."""
-
-
-# --- the HTTP endpoint ---------------------------------------------------------------------------
-@dataclass
-class MetricsEndpoint:
-    """A running `/metrics` HTTP server; `close()` stops it and frees the port."""
-
-    host: str
-    port: int
-    _server: WSGIServer
-
-    @property
-    def url(self) -> str:
-        return f"http://{_host_port(self.host, self.port)}/metrics"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint | None:
-    """Serve `registry` on host:port in a daemon thread; port 0 picks a free port, -1 serves nothing."""
-    if port == -1:
-        return None
-    try:
-        server, _ = start_http_server(port, addr=host, registry=registry)
-    except OSError as e:
-        raise MetricsServerError(f"cannot serve metrics on {_host_port(host, port)}: {e.strerror or e}; choose "
-                                 f"another --metrics-port (0 = any free port, -1 = off)") from None
-    return MetricsEndpoint(host=host, port=server.server_address[1], _server=server)
-
-
-def validate_metrics_options(host: str, port: int) -> None:
-    """Raise a ConfigError for a port outside [-1, 65535] or a host that is not an IP address."""
-    if not -1 <= port <= 65535:
-        raise ConfigError(f"--metrics-port must be -1 (off), 0 (any free port) or a port number, not {port}")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ConfigError(f"--metrics-host must be an IP address (127.0.0.1, 0.0.0.0, ::), not {host!r}") from None
-
-
-def advertised_metrics_addr(bound_host: str, port: int, *, announce_maddrs: Sequence[str] = (),
-                            host_maddrs: Sequence[str] = ()) -> str | None:
-    """The host:port others should scrape, or None when no reachable address is known.
-
-    A concrete bound address is used as is. For a wildcard bind (0.0.0.0, ::) the IP of the first
-    /ip4 or /ip6 announce multiaddr is used (the address the peer tells others to dial), else the
-    first non-wildcard listen multiaddr."""
-    if not ipaddress.ip_address(bound_host).is_unspecified:
-        return _host_port(bound_host, port)
-    for maddr in [*announce_maddrs, *host_maddrs]:
-        parts = maddr.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-            try:
-                ip = ipaddress.ip_address(parts[2])
-            except ValueError:
-                continue
-            if not ip.is_unspecified:
-                return _host_port(str(ip), port)
-    return None
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for tests and tools that must name a port up front)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # --- collectors read at scrape time --------------------------------------------------------------
 class ByteCounterCollector(Collector):
-    """Exposes a `swarm.compression.ByteCounter` (thread-safe snapshot) as per-codec counters:
+    """Exposes a `wire.compression.ByteCounter` (thread-safe snapshot) as per-codec counters:
     `<prefix>_{sent,received}_bytes_total` (on the wire) and `..._uncompressed_bytes_total`."""
 
     def __init__(self, prefix: str, snapshot: Callable[[], dict]):
@@ -124,10 +48,16 @@ class ByteCounterCollector(Collector):
     def _families(self, snapshot: dict) -> list[CounterMetricFamily]:
         families = []
         for direction in ("sent", "received"):
-            wire = CounterMetricFamily(f"{self.prefix}_{direction}_bytes",
-                                       f"Tensor payload bytes {direction} on the wire, by codec", labels=["codec"])
-            raw = CounterMetricFamily(f"{self.prefix}_{direction}_uncompressed_bytes",
-                                      f"What the tensors {direction} take uncompressed, by codec", labels=["codec"])
+            wire = CounterMetricFamily(
+                f"{self.prefix}_{direction}_bytes",
+                f"Tensor payload bytes {direction} on the wire, by codec",
+                labels=["codec"],
+            )
+            raw = CounterMetricFamily(
+                f"{self.prefix}_{direction}_uncompressed_bytes",
+                f"What the tensors {direction} take uncompressed, by codec",
+                labels=["codec"],
+            )
             for codec, totals in sorted(snapshot.get(direction, {}).items()):
                 wire.add_metric([codec], totals["wire_bytes"])
                 raw.add_metric([codec], totals["original_bytes"])
@@ -149,8 +79,11 @@ class _CallbackCounters(Collector):
 
     def _families(self, values: tuple[int, int, int] | None) -> list[CounterMetricFamily]:
         steps = CounterMetricFamily("swarm_peer_optimizer_steps", "Optimizer steps this peer applied to its stage")
-        cache = CounterMetricFamily("swarm_peer_activation_cache_lookups", "Backward requests that found their "
-                                    "forward activations cached (hit) or recomputed them (miss)", labels=["result"])
+        cache = CounterMetricFamily(
+            "swarm_peer_activation_cache_lookups",
+            "Backward requests that found their forward activations cached (hit) or recomputed them (miss)",
+            labels=["result"],
+        )
         if values is not None:
             steps_done, hits, misses = values
             steps.add_metric([], steps_done)
@@ -173,54 +106,105 @@ class PeerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
-        self.stage_info = Gauge("swarm_peer_stage_info", "1 for the stage this peer serves now",
-                                ["stage", "num_stages", "version"], registry=r)
-        self.state = Gauge("swarm_peer_state", "1 for the peer's current state (joining, online, offline)",
-                           ["state"], registry=r)
-        self.requests = Counter("swarm_peer_requests_total", "RPC requests handled (served or failed)",
-                                ["stage", "rpc"], registry=r)
-        self.failures = Counter("swarm_peer_request_failures_total", "RPC requests answered with an error, by kind "
-                                "(bad_request, wrong_stage, too_large, rate_limited, not_allowed, internal)", ["stage", "rpc", "kind"], registry=r)
-        self.samples = Counter("swarm_peer_samples_total", "Samples computed in served requests (rate() = samples/s)",
-                               ["stage", "rpc"], registry=r)
-        self.request_duration = Histogram("swarm_peer_request_duration_seconds", "From the first request message to "
-                                          "the answer ready to send", ["stage", "rpc"], buckets=LATENCY_BUCKETS_S,
-                                          registry=r)
-        self.queue_duration = Histogram("swarm_peer_queue_duration_seconds", "Time from a request's full arrival "
-                                        "to the start of its compute (decoding, waiting for a slot and for the "
-                                        "compute thread)", ["stage", "rpc"],
-                                        buckets=LATENCY_BUCKETS_S, registry=r)
-        self.compute_duration = Histogram("swarm_peer_compute_duration_seconds", "Time a request ran on the compute "
-                                          "thread (its wait for that thread is in the queue duration)", ["stage", "rpc"],
-                                          buckets=LATENCY_BUCKETS_S, registry=r)
-        self.in_flight = Gauge("swarm_peer_requests_in_flight", "Requests being received, queued or computed",
-                               registry=r)
-        self.throughput = Gauge("swarm_peer_throughput_samples_per_second", "Measured compute throughput the peer "
-                                "announces (EMA)", registry=r)
-        self.announcements = Counter("swarm_peer_announcements_total", "DHT announcements of this peer's record",
-                                     ["result"], registry=r)
-        self.checkpoint_saves = Counter("swarm_peer_checkpoint_saves_total", "Checkpoint saves", ["result"],
-                                        registry=r)
-        # Averaging (peers/averaging.py): updated by `observe_averaging_round`, mode = sync or periodic.
-        self.averaging_rounds = Counter("swarm_peer_averaging_rounds_total", "Averaging rounds with the stage's "
-                                        "other replicas (result=failed: no group formed in time, or the all-reduce "
-                                        "failed)", ["mode", "result"], registry=r)
-        self.averaging_bytes = Counter("swarm_peer_averaging_bytes_total", "Tensor bytes averaging sent and received "
-                                       "(computed per round from the group size and the codec's serialized size)",
-                                       ["mode", "direction"], registry=r)
-        self.averaging_group_size = Gauge("swarm_peer_averaging_group_size", "Replicas in the last successful "
-                                          "averaging round, this peer included", ["mode"], registry=r)
+        self.stage_info = Gauge(
+            "swarm_peer_stage_info",
+            "1 for the stage this peer serves now",
+            ["stage", "num_stages", "version"],
+            registry=r,
+        )
+        self.state = Gauge(
+            "swarm_peer_state", "1 for the peer's current state (joining, online, offline)", ["state"], registry=r
+        )
+        self.requests = Counter(
+            "swarm_peer_requests_total", "RPC requests handled (served or failed)", ["stage", "rpc"], registry=r
+        )
+        self.failures = Counter(
+            "swarm_peer_request_failures_total",
+            "RPC requests answered with an error, by kind "
+            "(bad_request, wrong_stage, too_large, rate_limited, not_allowed, internal)",
+            ["stage", "rpc", "kind"],
+            registry=r,
+        )
+        self.samples = Counter(
+            "swarm_peer_samples_total",
+            "Samples computed in served requests (rate() = samples/s)",
+            ["stage", "rpc"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "swarm_peer_request_duration_seconds",
+            "From the first request message to the answer ready to send",
+            ["stage", "rpc"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "swarm_peer_queue_duration_seconds",
+            "Time from a request's full arrival "
+            "to the start of its compute (decoding, waiting for a slot and for the "
+            "compute thread)",
+            ["stage", "rpc"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.compute_duration = Histogram(
+            "swarm_peer_compute_duration_seconds",
+            "Time a request ran on the compute thread (its wait for that thread is in the queue duration)",
+            ["stage", "rpc"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "swarm_peer_requests_in_flight", "Requests being received, queued or computed", registry=r
+        )
+        self.throughput = Gauge(
+            "swarm_peer_throughput_samples_per_second",
+            "Measured compute throughput the peer announces (EMA)",
+            registry=r,
+        )
+        self.announcements = Counter(
+            "swarm_peer_announcements_total", "DHT announcements of this peer's record", ["result"], registry=r
+        )
+        self.checkpoint_saves = Counter("swarm_peer_checkpoint_saves_total", "Checkpoint saves", ["result"], registry=r)
+        # Averaging (peers/replicas/averaging.py): updated by `observe_averaging_round`, mode = sync or periodic.
+        self.averaging_rounds = Counter(
+            "swarm_peer_averaging_rounds_total",
+            "Averaging rounds with the stage's "
+            "other replicas (result=failed: no group formed in time, or the all-reduce "
+            "failed)",
+            ["mode", "result"],
+            registry=r,
+        )
+        self.averaging_bytes = Counter(
+            "swarm_peer_averaging_bytes_total",
+            "Tensor bytes averaging sent and received "
+            "(computed per round from the group size and the codec's serialized size)",
+            ["mode", "direction"],
+            registry=r,
+        )
+        self.averaging_group_size = Gauge(
+            "swarm_peer_averaging_group_size",
+            "Replicas in the last successful averaging round, this peer included",
+            ["mode"],
+            registry=r,
+        )
         # Wired in by the rebalancing code; defined here so dashboards can rely on it.
-        self.rebalance_moves = Counter("swarm_peer_rebalance_moves_total", "Times this peer moved to another stage",
-                                       registry=r)
+        self.rebalance_moves = Counter(
+            "swarm_peer_rebalance_moves_total", "Times this peer moved to another stage", registry=r
+        )
         for result in ("ok", "failed"):
             self.announcements.labels(result=result)
         for result in ("ok", "error"):
             self.checkpoint_saves.labels(result=result)
 
     # --- wiring ----------------------------------------------------------------------------------
-    def watch(self, *, in_flight: Callable[[], float], throughput: Callable[[], float],
-              runtime_counts: Callable[[], tuple[int, int, int]]) -> None:
+    def watch(
+        self,
+        *,
+        in_flight: Callable[[], float],
+        throughput: Callable[[], float],
+        runtime_counts: Callable[[], tuple[int, int, int]],
+    ) -> None:
         """Read these at scrape time: requests in flight, announced throughput, and
         (optimizer steps, activation cache hits, misses)."""
         self.in_flight.set_function(in_flight)
@@ -258,9 +242,17 @@ class PeerMetrics:
         for name in PEER_STATES:
             self.state.labels(state=name).set(1 if name == state else 0)
 
-    def observe_request(self, *, stage: int, rpc: str, duration_s: float, samples: int = 0,
-                        queue_s: float | None = None, compute_s: float | None = None,
-                        failure_kind: str | None = None) -> None:
+    def observe_request(
+        self,
+        *,
+        stage: int,
+        rpc: str,
+        duration_s: float,
+        samples: int = 0,
+        queue_s: float | None = None,
+        compute_s: float | None = None,
+        failure_kind: str | None = None,
+    ) -> None:
         labels = dict(stage=str(stage), rpc=rpc)
         self.requests.labels(**labels).inc()
         self.request_duration.labels(**labels).observe(duration_s)

@@ -7,8 +7,8 @@ import os
 import signal
 import threading
 
-from dht.configuration import option
 from dht.node import NetworkConfig, start_dht
+from process.config import option
 
 
 @dataclasses.dataclass(kw_only=True)

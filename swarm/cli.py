@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from dht.configuration import ConfigError, add_config_arguments, describe, from_sources
+from process.config import ConfigError, add_config_arguments, describe, from_sources
 
 EXIT_USAGE = 2
 
@@ -28,17 +28,29 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dht.node import BootstrapError
     from dht.split_agreement import SplitConflictError
     from models.balanced_split import BalancedSplitError
-    from models.layer_costs import ProfileError
     from models.config import UnknownModelError
+    from models.layer_costs import ProfileError
     from models.stages import StageSplitError
-    from peers.checkpoint import CheckpointError
-    from swarm.data import CorpusError
-    from swarm.failures import RoutingError
-    from swarm.trainer import DiscoveryError, ResumeError
+    from peers.compute.checkpoint import CheckpointError
+    from swarm.trainer.data import CorpusError
+    from swarm.trainer.failures import RoutingError
+    from swarm.trainer.run import DiscoveryError, ResumeError
 
-    return (ConfigError, BootstrapError, UnknownModelError, StageSplitError, CorpusError, DiscoveryError,
-            RoutingError, CheckpointError, ResumeError, FileNotFoundError, SplitConflictError, BalancedSplitError,
-            ProfileError)
+    return (
+        ConfigError,
+        BootstrapError,
+        UnknownModelError,
+        StageSplitError,
+        CorpusError,
+        DiscoveryError,
+        RoutingError,
+        CheckpointError,
+        ResumeError,
+        FileNotFoundError,
+        SplitConflictError,
+        BalancedSplitError,
+        ProfileError,
+    )
 
 
 def cmd_dht(args: argparse.Namespace) -> int:
@@ -58,14 +70,17 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from swarm.config import TrainerConfig
-    from swarm.trainer import run_trainer
+    from swarm.trainer.config import TrainerConfig
+    from swarm.trainer.run import run_trainer
 
     config = from_sources(TrainerConfig, args)
     print(describe(config), flush=True)
     report = run_trainer(config)
-    print(f"done: {report.steps} steps, loss {report.initial_loss:.4f} -> {report.final_loss:.4f}, "
-          f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost", flush=True)
+    print(
+        f"done: {report.steps} steps, loss {report.initial_loss:.4f} -> {report.final_loss:.4f}, "
+        f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost",
+        flush=True,
+    )
     return 0
 
 
@@ -96,15 +111,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from peers.config import PeerConfig
     from swarm.bootstrap import BootstrapConfig
-    from swarm.config import TrainerConfig
     from swarm.demo import DemoConfig
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import add_plan_arguments, run_plan
     from swarm.profile_cli import ProfileConfig
     from swarm.status import StatusConfig
+    from swarm.trainer.config import TrainerConfig
 
-    parser = argparse.ArgumentParser(prog="swarm", description="Train one model across many volunteer machines: "
-                                     "peers serve pipeline stages, trainers stream microbatches through them.")
+    parser = argparse.ArgumentParser(
+        prog="swarm",
+        description="Train one model across many volunteer machines: "
+        "peers serve pipeline stages, trainers stream microbatches through them.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     roles = [
         ("dht", cmd_dht, BootstrapConfig, "run a bootstrap DHT node and print its multiaddrs"),
@@ -115,19 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
         ("profile", cmd_profile, ProfileConfig, "measure a model layer by layer and suggest a balanced stage split"),
     ]
     for name, handler, config_cls, help_text in roles:
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         add_config_arguments(p, config_cls)
         p.set_defaults(handler=handler)
-    plan = sub.add_parser("plan", help="assign devices to stages from a latency/bandwidth topology (DT-FM cost model)",
-                          description="Search a balanced assignment of devices to pipeline stages that minimises the "
-                          "data-parallel + pipeline communication cost of a topology file.")
+    plan = sub.add_parser(
+        "plan",
+        help="assign devices to stages from a latency/bandwidth topology (DT-FM cost model)",
+        description="Search a balanced assignment of devices to pipeline stages that minimises the "
+        "data-parallel + pipeline communication cost of a topology file.",
+    )
     add_plan_arguments(plan)
     plan.set_defaults(handler=run_plan)
     monitor = sub.add_parser("monitor", help="tools for Prometheus monitoring of a swarm")
     monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="TOOL")
-    targets = monitor_sub.add_parser("targets", help="keep a Prometheus file_sd file of the peers' metrics "
-                                     "endpoints up to date from the DHT")
+    targets = monitor_sub.add_parser(
+        "targets", help="keep a Prometheus file_sd file of the peers' metrics endpoints up to date from the DHT"
+    )
     add_config_arguments(targets, MonitorConfig)
     targets.set_defaults(handler=cmd_monitor_targets)
     return parser

@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 
-from dht.configuration import ConfigError, option
 from models.config import get_model_config
-from swarm.codec_policy import CODEC_MODES
+from process.config import ConfigError, option
 from swarm.local_swarm import LocalSwarm
+from swarm.trainer.codec_policy import CODEC_MODES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -37,8 +37,12 @@ class DemoConfig:
 
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
-    with LocalSwarm(model=config.model, num_stages=config.stages, workdir=config.workdir,
-                    peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]) as swarm:
+    with LocalSwarm(
+        model=config.model,
+        num_stages=config.stages,
+        workdir=config.workdir,
+        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)],
+    ) as swarm:
         print(f"[demo] logs in {swarm.workdir}", flush=True)
         maddrs = swarm.start_bootstrap()
         print(f"[demo] bootstrap DHT node at {maddrs[0]}", flush=True)
@@ -46,9 +50,20 @@ def run_demo(config: DemoConfig) -> int:
         swarm.wait_online(peers)
         print(f"[demo] {len(peers)} peers online over {config.stages} stages; starting the trainer", flush=True)
         report_path = config.report or os.path.join(swarm.workdir, "report.json")
-        args = ["--steps", str(config.steps), "--batch-size", str(config.batch_size),
-                "--microbatch-size", str(config.microbatch_size), "--report", report_path,
-                "--num-stages", str(config.stages), "--codec", config.codec]
+        args = [
+            "--steps",
+            str(config.steps),
+            "--batch-size",
+            str(config.batch_size),
+            "--microbatch-size",
+            str(config.microbatch_size),
+            "--report",
+            report_path,
+            "--num-stages",
+            str(config.stages),
+            "--codec",
+            config.codec,
+        ]
         if config.data:
             args += ["--data", config.data]
         trainer = swarm.start_trainer(*args)
@@ -69,9 +84,12 @@ def run_demo(config: DemoConfig) -> int:
             return 1
         with open(report_path) as f:
             report = json.load(f)
-        print(f"[demo] loss {report['initial_loss']:.3f} -> {report['final_loss']:.3f} over {report['steps']} steps, "
-              f"{report['tokens_per_s']:,.0f} tokens/s, {report['microbatches_sent']} microbatches sent, "
-              f"{report['microbatches_retried']} retried, {report['microbatches_lost']} lost", flush=True)
+        print(
+            f"[demo] loss {report['initial_loss']:.3f} -> {report['final_loss']:.3f} over {report['steps']} steps, "
+            f"{report['tokens_per_s']:,.0f} tokens/s, {report['microbatches_sent']} microbatches sent, "
+            f"{report['microbatches_retried']} retried, {report['microbatches_lost']} lost",
+            flush=True,
+        )
         print("[demo] stopping the swarm...", flush=True)
     print("[demo] all processes stopped", flush=True)
     return 0

@@ -81,8 +81,14 @@ class LocalSwarm:
         log_path = os.path.join(self.workdir, f"{name}.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(log_path, "w") as log:
-            popen = subprocess.Popen([*prefix, sys.executable, "-m", "swarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            popen = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "swarm.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         process = ManagedProcess(name, popen, log_path)
         self.processes.append(process)
         return process
@@ -103,12 +109,25 @@ class LocalSwarm:
             self.initial_peers = [line.strip() for line in f if line.strip()]
         return self.initial_peers
 
-    def start_peer(self, stage: int, *extra_args: str, name: str | None = None, prefix: list[str] = ()) -> ManagedProcess:
+    def start_peer(
+        self, stage: int, *extra_args: str, name: str | None = None, prefix: list[str] = ()
+    ) -> ManagedProcess:
         if not self.initial_peers:
             raise LocalSwarmError("start the bootstrap node first")
         name = name or f"peer-s{stage}-{sum(p.name.startswith(f'peer-s{stage}-') for p in self.processes)}"
-        args = ["peer", "--initial-peers", *self.initial_peers, "--model", self.model, "--stage", str(stage),
-                "--num-stages", str(self.num_stages), *self.peer_args, *extra_args]
+        args = [
+            "peer",
+            "--initial-peers",
+            *self.initial_peers,
+            "--model",
+            self.model,
+            "--stage",
+            str(stage),
+            "--num-stages",
+            str(self.num_stages),
+            *self.peer_args,
+            *extra_args,
+        ]
         return self._spawn(name, args, prefix)
 
     def wait_online(self, processes: list[ManagedProcess], timeout_s: float = 120.0) -> None:
@@ -126,12 +145,15 @@ class LocalSwarm:
             time.sleep(0.2)
 
     def start_trainer(self, *args: str, name: str = "trainer", prefix: list[str] = ()) -> ManagedProcess:
-        return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args], prefix)
+        return self._spawn(
+            name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args], prefix
+        )
 
     def start_monitor(self, *args: str, name: str = "monitor") -> ManagedProcess:
         """`swarm monitor targets` on this swarm's DHT (pass --out FILE and any other flags)."""
-        return self._spawn(name, ["monitor", "targets", "--initial-peers", *self.initial_peers, "--model", self.model,
-                                  *args])
+        return self._spawn(
+            name, ["monitor", "targets", "--initial-peers", *self.initial_peers, "--model", self.model, *args]
+        )
 
     def peers(self) -> list[ManagedProcess]:
         return [p for p in self.processes if p.name.startswith("peer-")]
@@ -145,7 +167,7 @@ class LocalSwarm:
         for process in order:
             process.stop()
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -21,15 +21,17 @@ from collections.abc import Iterable
 from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records_async
-from dht.configuration import ConfigError, option
 from dht.node import NetworkConfig, start_dht
 from dht.records import PeerRecord, PeerState
+from process.config import ConfigError, option
 from swarm.bootstrap import write_atomically
 
 logger = logging.getLogger(__name__)
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
-                       r"[A-Za-z0-9])?)*$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+    r"[A-Za-z0-9])?)*$"
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -104,9 +106,13 @@ def file_sd_groups(records: Iterable[PeerRecord]) -> list[dict]:
             logger.warning(f"Peer {record.peer_id[-8:]} announces a bad metrics address: {e}")
             continue
         groups.setdefault((record.model, record.stage, record.num_stages), set()).add(target)
-    return [{"targets": sorted(targets),
-             "labels": {"swarm_model": model, "swarm_stage": str(stage), "swarm_num_stages": str(num_stages)}}
-            for (model, stage, num_stages), targets in sorted(groups.items())]
+    return [
+        {
+            "targets": sorted(targets),
+            "labels": {"swarm_model": model, "swarm_stage": str(stage), "swarm_num_stages": str(num_stages)},
+        }
+        for (model, stage, num_stages), targets in sorted(groups.items())
+    ]
 
 
 def render(groups: list[dict]) -> str:
@@ -131,8 +137,12 @@ class TargetsWriter:
         """One pass; returns whether the file was rewritten."""
         timeout_s = self.config.lookup_timeout_s
         first = await fetch_stage_records_async(self.dht, self.config.model, 0, timeout_s=timeout_s)
-        rest = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.config.model, s, timeout_s=timeout_s)
-                                      for s in range(1, self.stages_to_read(first))])
+        rest = await asyncio.gather(
+            *[
+                fetch_stage_records_async(self.dht, self.config.model, s, timeout_s=timeout_s)
+                for s in range(1, self.stages_to_read(first))
+            ]
+        )
         fresh = [record for records in [first, *rest] for record in records]
         self.known = merge_records(self.known, fresh, now=get_dht_time())
         text = render(file_sd_groups(self.known.values()))
@@ -152,7 +162,7 @@ class TargetsWriter:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.period_s)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

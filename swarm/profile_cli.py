@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dht.configuration import ConfigError, option
 from models.balanced_split import BalancedSplit, balanced_split, stage_times
 from models.config import get_model_config
 from models.layer_costs import ModelProfile, split_costs
+from process.config import ConfigError, option
 
 BITS_PER_BYTE = 8
 
@@ -31,10 +31,14 @@ class ProfileConfig:
     seed: int = option(0, help="seed of the weights and inputs measured")
     from_profile: str | None = option(None, help="split this profile file instead of measuring")
     num_stages: int | None = option(None, help="suggest a balanced split into this many stages")
-    stage_speeds: list[float] | None = option(None, help="each stage's expected aggregate throughput relative to the "
-                                              "measuring device (e.g. 1 0.5: the second stage is half as fast)")
-    link_mbit_s: float | None = option(None, help="also count each cut's activation and gradient transfer over "
-                                       "links of this speed (Mbit/s)")
+    stage_speeds: list[float] | None = option(
+        None,
+        help="each stage's expected aggregate throughput relative to the "
+        "measuring device (e.g. 1 0.5: the second stage is half as fast)",
+    )
+    link_mbit_s: float | None = option(
+        None, help="also count each cut's activation and gradient transfer over links of this speed (Mbit/s)"
+    )
 
     def __post_init__(self) -> None:
         if self.out is None:
@@ -51,7 +55,9 @@ class ProfileConfig:
         if self.stage_speeds and self.num_stages is None:
             raise ConfigError("--stage-speeds needs --num-stages")
         if self.stage_speeds and len(self.stage_speeds) != self.num_stages:
-            raise ConfigError(f"--stage-speeds needs one value per stage ({self.num_stages}), got {len(self.stage_speeds)}")
+            raise ConfigError(
+                f"--stage-speeds needs one value per stage ({self.num_stages}), got {len(self.stage_speeds)}"
+            )
         if self.link_mbit_s is not None and not self.link_mbit_s > 0:
             raise ConfigError("link_mbit_s must be positive")
 
@@ -64,8 +70,15 @@ def measure(config: ProfileConfig) -> ModelProfile:
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {config.device}: this machine has no CUDA device (use --device cpu)")
     torch.set_num_threads(config.num_threads)
-    return profile_model(get_model_config(config.model), batch_size=config.batch_size, device=config.device,
-                         repeats=config.repeats, warmup=config.warmup, optimizer=config.optimizer, seed=config.seed)
+    return profile_model(
+        get_model_config(config.model),
+        batch_size=config.batch_size,
+        device=config.device,
+        repeats=config.repeats,
+        warmup=config.warmup,
+        optimizer=config.optimizer,
+        seed=config.seed,
+    )
 
 
 def suggest_split(profile: ModelProfile, config: ProfileConfig) -> tuple[BalancedSplit, BalancedSplit]:
@@ -79,23 +92,36 @@ def suggest_split(profile: ModelProfile, config: ProfileConfig) -> tuple[Balance
     return balanced, BalancedSplit(equal, stage_times(costs, equal, config.stage_speeds))
 
 
-def split_record(profile: ModelProfile, config: ProfileConfig, balanced: BalancedSplit, equal: BalancedSplit
-                 ) -> dict[str, Any]:
-    return {"num_stages": config.num_stages, "boundaries": list(balanced.boundaries),
-            "stage_times_s": list(balanced.stage_times_s), "bottleneck_s": balanced.bottleneck_s,
-            "equal_boundaries": list(equal.boundaries), "equal_stage_times_s": list(equal.stage_times_s),
-            "equal_bottleneck_s": equal.bottleneck_s, "stage_speeds": config.stage_speeds,
-            "link_mbit_s": config.link_mbit_s,
-            "stage_memory_bytes": list(profile.stage_memory_bytes(balanced.boundaries))}
+def split_record(
+    profile: ModelProfile, config: ProfileConfig, balanced: BalancedSplit, equal: BalancedSplit
+) -> dict[str, Any]:
+    return {
+        "num_stages": config.num_stages,
+        "boundaries": list(balanced.boundaries),
+        "stage_times_s": list(balanced.stage_times_s),
+        "bottleneck_s": balanced.bottleneck_s,
+        "equal_boundaries": list(equal.boundaries),
+        "equal_stage_times_s": list(equal.stage_times_s),
+        "equal_bottleneck_s": equal.bottleneck_s,
+        "stage_speeds": config.stage_speeds,
+        "link_mbit_s": config.link_mbit_s,
+        "stage_memory_bytes": list(profile.stage_memory_bytes(balanced.boundaries)),
+    }
 
 
 def print_profile(profile: ModelProfile) -> None:
-    print(f"{profile.model} on {profile.device} ({profile.device_name}, {profile.num_threads} thread(s)), "
-          f"microbatch {profile.batch_size} x {profile.seq_len} tokens, median of {profile.repeats}:")
-    print(f"  {'layer':<12} {'forward ms':>10} {'backward ms':>11} {'parameters':>11} {'memory MB':>9} {'hands on KB':>11}")
+    print(
+        f"{profile.model} on {profile.device} ({profile.device_name}, {profile.num_threads} thread(s)), "
+        f"microbatch {profile.batch_size} x {profile.seq_len} tokens, median of {profile.repeats}:"
+    )
+    print(
+        f"  {'layer':<12} {'forward ms':>10} {'backward ms':>11} {'parameters':>11} {'memory MB':>9} {'hands on KB':>11}"
+    )
     for layer in profile.layers:
-        print(f"  {layer.name:<12} {layer.forward_s * 1e3:>10.2f} {layer.backward_s * 1e3:>11.2f} "
-              f"{layer.parameters:>11,} {layer.memory_bytes / 1e6:>9.2f} {layer.output_bytes / 1e3:>11.1f}")
+        print(
+            f"  {layer.name:<12} {layer.forward_s * 1e3:>10.2f} {layer.backward_s * 1e3:>11.2f} "
+            f"{layer.parameters:>11,} {layer.memory_bytes / 1e6:>9.2f} {layer.output_bytes / 1e3:>11.1f}"
+        )
 
 
 def run_profile(config: ProfileConfig) -> int:
@@ -106,12 +132,18 @@ def run_profile(config: ProfileConfig) -> int:
         balanced, equal = suggest_split(profile, config)
         extra["suggested_split"] = split_record(profile, config, balanced, equal)
         times = lambda split: ", ".join(f"{t * 1e3:.1f}" for t in split.stage_times_s)  # noqa: E731
-        print(f"equal split    {','.join(map(str, equal.boundaries)):<16} stage ms [{times(equal)}]  "
-              f"slowest {equal.bottleneck_s * 1e3:.1f} ms")
-        print(f"balanced split {','.join(map(str, balanced.boundaries)):<16} stage ms [{times(balanced)}]  "
-              f"slowest {balanced.bottleneck_s * 1e3:.1f} ms")
-        print(f"start every peer with: --num-stages {config.num_stages} "
-              f"--split-boundaries {','.join(map(str, balanced.boundaries))}")
+        print(
+            f"equal split    {','.join(map(str, equal.boundaries)):<16} stage ms [{times(equal)}]  "
+            f"slowest {equal.bottleneck_s * 1e3:.1f} ms"
+        )
+        print(
+            f"balanced split {','.join(map(str, balanced.boundaries)):<16} stage ms [{times(balanced)}]  "
+            f"slowest {balanced.bottleneck_s * 1e3:.1f} ms"
+        )
+        print(
+            f"start every peer with: --num-stages {config.num_stages} "
+            f"--split-boundaries {','.join(map(str, balanced.boundaries))}"
+        )
     profile.write(config.out, extra=extra)
     print(f"wrote {config.out}")
     return 0

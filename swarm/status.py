@@ -7,9 +7,9 @@ import dataclasses
 import json
 
 from dht.announce import fetch_stage_records_async
-from dht.configuration import option
 from dht.node import NetworkConfig, start_dht
 from dht.records import PeerRecord, PeerState
+from process.config import option
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -36,8 +36,10 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
         if not records:
             lines.append(f"{stage:>5}  (no peers)")
         for r in records:
-            lines.append(f"{stage:>5}  {'…' + r.peer_id[-12:]:<14} {r.state.value:<8} {r.throughput:>10.1f} "
-                         f"{r.load:>5.0f}  {r.version:<8} {r.metrics_addr or '-'}")
+            lines.append(
+                f"{stage:>5}  {'…' + r.peer_id[-12:]:<14} {r.state.value:<8} {r.throughput:>10.1f} "
+                f"{r.load:>5.0f}  {r.version:<8} {r.metrics_addr or '-'}"
+            )
         lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
     return "\n".join(lines)
 
@@ -49,8 +51,12 @@ def run_status(config: StatusConfig) -> int:
     finally:
         dht.shutdown()
     if config.json:
-        print(json.dumps({"model": config.model, "stages": {str(s): [r.to_wire() for r in rs]
-                                                             for s, rs in stages.items()}}, indent=2))
+        print(
+            json.dumps(
+                {"model": config.model, "stages": {str(s): [r.to_wire() for r in rs] for s, rs in stages.items()}},
+                indent=2,
+            )
+        )
     else:
         print(format_table(config.model, stages))
     return 0

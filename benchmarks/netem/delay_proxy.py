@@ -120,8 +120,10 @@ class DelayProxy:
             await asyncio.sleep(2 * delay_s)
             upstream_reader, upstream_writer = await asyncio.open_connection(sock=upstream, limit=CHUNK_BYTES)
             self.connections += 1
-            relays = [asyncio.create_task(relay(client_reader, upstream_writer, delay_s)),
-                      asyncio.create_task(relay(upstream_reader, client_writer, delay_s))]
+            relays = [
+                asyncio.create_task(relay(client_reader, upstream_writer, delay_s)),
+                asyncio.create_task(relay(upstream_reader, client_writer, delay_s)),
+            ]
             try:
                 # Both directions end at EOF (half-closes pass through); a reset ends both.
                 await asyncio.wait(relays, return_when=asyncio.FIRST_EXCEPTION)
@@ -132,7 +134,7 @@ class DelayProxy:
             for result in results:
                 if isinstance(result, Exception) and not isinstance(result, (OSError, asyncio.CancelledError)):
                     print(f"delay proxy: relay to {ip}:{port} failed: {result!r}", file=sys.stderr, flush=True)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass  # a refused or reset connection: closing both ends tells the application
         finally:
             for writer in (client_writer, upstream_writer):

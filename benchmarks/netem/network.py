@@ -72,10 +72,52 @@ def missing_requirements() -> str | None:
         return f"cannot create a network namespace: {e}"
     try:
         run_command(["ip", "-n", namespace, "link", "add", "chk0", "type", "veth", "peer", "name", "chk1"])
-        run_command(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "chk0", "root", "handle", "1:",
-                     "htb", "default", "1"])
-        run_command(["ip", "netns", "exec", namespace, "iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp",
-                     "-d", "10.0.0.1/32", "-m", "mark", "!", "--mark", "1", "-j", "REDIRECT", "--to-ports", "1"])
+        run_command(
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "chk0",
+                "root",
+                "handle",
+                "1:",
+                "htb",
+                "default",
+                "1",
+            ]
+        )
+        run_command(
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "iptables",
+                "-w",
+                "-t",
+                "nat",
+                "-A",
+                "OUTPUT",
+                "-p",
+                "tcp",
+                "-d",
+                "10.0.0.1/32",
+                "-m",
+                "mark",
+                "!",
+                "--mark",
+                "1",
+                "-j",
+                "REDIRECT",
+                "--to-ports",
+                "1",
+            ]
+        )
     except NetemError as e:
         return f"this kernel or toolset cannot shape or redirect traffic: {e}"
     finally:
@@ -150,8 +192,16 @@ class EmulatedNetwork:
         the proxy's own connections, which the rule lets through.
     """
 
-    def __init__(self, topology: Topology, *, subnet: str = DEFAULT_SUBNET, proxy_port: int = 7777,
-                 mark: int = 0x77, python: str = sys.executable, workdir: str | None = None):
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        subnet: str = DEFAULT_SUBNET,
+        proxy_port: int = 7777,
+        mark: int = 0x77,
+        python: str = sys.executable,
+        workdir: str | None = None,
+    ):
         if not topology.hosts:
             raise NetemError(f"topology {topology.name!r} places no hosts")
         network = ipaddress.ip_network(subnet)
@@ -164,8 +214,10 @@ class EmulatedNetwork:
         self.hub = f"{run_id}.hub"
         addresses = network.hosts()
         next(addresses)  # .1 stays free
-        self.hosts = {name: Host(name, region, f"{run_id}-{name}", str(next(addresses)))
-                      for name, region in topology.hosts.items()}
+        self.hosts = {
+            name: Host(name, region, f"{run_id}-{name}", str(next(addresses)))
+            for name, region in topology.hosts.items()
+        }
         self._classes: dict[tuple[str, str], str] = {}  # (src host, dst host) -> htb class on src's link
         self._created: list[str] = []
         self._proxies: list[subprocess.Popen] = []
@@ -289,8 +341,23 @@ class EmulatedNetwork:
     def _create_host(self, index: int, host: Host) -> None:
         self._add_namespace(host.namespace)
         hub_side = f"v{index}"
-        run_command(["ip", "link", "add", INTERFACE, "netns", host.namespace, "type", "veth",
-                     "peer", "name", hub_side, "netns", self.hub])
+        run_command(
+            [
+                "ip",
+                "link",
+                "add",
+                INTERFACE,
+                "netns",
+                host.namespace,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                hub_side,
+                "netns",
+                self.hub,
+            ]
+        )
         run_command(["ip", "-n", self.hub, "link", "set", hub_side, "master", "br0"])
         run_command(["ip", "-n", self.hub, "link", "set", hub_side, "up"])
         run_command(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/{self.prefix_len}", "dev", INTERFACE])
@@ -300,35 +367,121 @@ class EmulatedNetwork:
         """Egress of `host`: one htb class per destination host at the pair's bandwidth."""
         tc = ["ip", "netns", "exec", host.namespace, "tc"]
         run_command([*tc, "qdisc", "add", "dev", INTERFACE, "root", "handle", "1:", "htb", "default", "1"])
-        run_command([*tc, "class", "add", "dev", INTERFACE, "parent", "1:", "classid", "1:1", "htb",
-                     "rate", "10gbit", "quantum", "60000"])  # ARP and anything not to a host
+        run_command(
+            [
+                *tc,
+                "class",
+                "add",
+                "dev",
+                INTERFACE,
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                "10gbit",
+                "quantum",
+                "60000",
+            ]
+        )  # ARP and anything not to a host
         for index, other in enumerate(h for h in self.hosts.values() if h.name != host.name):
             link = self.topology.link(host.region, other.region)
             rate = f"{max(round(link.bandwidth_mbit * 1000), 8)}kbit"
             classid = f"1:{100 + index}"
             self._classes[(host.name, other.name)] = classid
-            run_command([*tc, "class", "add", "dev", INTERFACE, "parent", "1:", "classid", classid, "htb",
-                         "rate", rate, "ceil", rate, "quantum", "1514"])
-            run_command([*tc, "filter", "add", "dev", INTERFACE, "parent", "1:", "protocol", "ip", "prio", "1",
-                         "u32", "match", "ip", "dst", f"{other.ip}/32", "flowid", classid])
+            run_command(
+                [
+                    *tc,
+                    "class",
+                    "add",
+                    "dev",
+                    INTERFACE,
+                    "parent",
+                    "1:",
+                    "classid",
+                    classid,
+                    "htb",
+                    "rate",
+                    rate,
+                    "ceil",
+                    rate,
+                    "quantum",
+                    "1514",
+                ]
+            )
+            run_command(
+                [
+                    *tc,
+                    "filter",
+                    "add",
+                    "dev",
+                    INTERFACE,
+                    "parent",
+                    "1:",
+                    "protocol",
+                    "ip",
+                    "prio",
+                    "1",
+                    "u32",
+                    "match",
+                    "ip",
+                    "dst",
+                    f"{other.ip}/32",
+                    "flowid",
+                    classid,
+                ]
+            )
 
     def _redirect(self, host: Host) -> None:
         """Outgoing TCP to other hosts goes through the delay proxy, except the proxy's own."""
         iptables = ["ip", "netns", "exec", host.namespace, "iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp"]
         run_command([*iptables, "-d", f"{host.ip}/32", "-j", "RETURN"])
-        run_command([*iptables, "-d", self.subnet, "-m", "mark", "!", "--mark", str(self.mark),
-                     "-j", "REDIRECT", "--to-ports", str(self.proxy_port)])
+        run_command(
+            [
+                *iptables,
+                "-d",
+                self.subnet,
+                "-m",
+                "mark",
+                "!",
+                "--mark",
+                str(self.mark),
+                "-j",
+                "REDIRECT",
+                "--to-ports",
+                str(self.proxy_port),
+            ]
+        )
 
     def _start_proxy(self, host: Host) -> None:
-        delays = {other.ip: self.topology.link(host.region, other.region).one_way_delay_s
-                  for other in self.hosts.values() if other.name != host.name}
+        delays = {
+            other.ip: self.topology.link(host.region, other.region).one_way_delay_s
+            for other in self.hosts.values()
+            if other.name != host.name
+        }
         log_path = os.path.join(self.workdir, f"proxy-{host.name}.log")
         with open(log_path, "w") as log:
-            proxy = subprocess.Popen([*self.exec_prefix(host.name), self.python, "-m", "benchmarks.netem.delay_proxy",
-                                      "--port", str(self.proxy_port), "--mark", str(self.mark),
-                                      "--delays", json.dumps(delays)],
-                                     cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=normal_priority)
+            proxy = subprocess.Popen(
+                [
+                    *self.exec_prefix(host.name),
+                    self.python,
+                    "-m",
+                    "benchmarks.netem.delay_proxy",
+                    "--port",
+                    str(self.proxy_port),
+                    "--mark",
+                    str(self.mark),
+                    "--delays",
+                    json.dumps(delays),
+                ],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=normal_priority,
+            )
         self._proxies.append(proxy)
 
     def _wait_for_proxies(self, timeout_s: float = 30.0) -> None:

@@ -113,30 +113,64 @@ def measure(target: str, nbytes: int) -> dict:
         sock.sendall(b"D" + struct.pack("!Q", nbytes))
         _recv_exactly(sock, nbytes)
         download_s = time.perf_counter() - started - rtt_s
-    return {"rtt_ms": rtt_s * 1e3, "forward_mbit": nbytes * 8 / upload_s / 1e6,
-            "reverse_mbit": nbytes * 8 / download_s / 1e6}
+    return {
+        "rtt_ms": rtt_s * 1e3,
+        "forward_mbit": nbytes * 8 / upload_s / 1e6,
+        "reverse_mbit": nbytes * 8 / download_s / 1e6,
+    }
 
 
 # --- driving them from outside -----------------------------------------------------------------------
-def probe_link(net: EmulatedNetwork, src: str, dst: str, seconds: float = 1.0, timeout_s: float = 60.0) -> LinkMeasurement:
+def probe_link(
+    net: EmulatedNetwork, src: str, dst: str, seconds: float = 1.0, timeout_s: float = 60.0
+) -> LinkMeasurement:
     """Measure the link src -> dst of an `EmulatedNetwork`, each bulk transfer ~`seconds` long."""
     link = net.topology.host_link(src, dst)
     nbytes = max(int(link.bytes_per_s * seconds), 64 * 1024)
     # Like the proxies, the probes run at the default priority: they measure the links, and a
     # `nice`d caller on a busy machine would otherwise measure its own scheduling delays.
-    server = subprocess.Popen([*net.exec_prefix(dst), net.python, "-m", "benchmarks.netem.probe", "serve",
-                               "--host", net.ip(dst), "--port", str(PROBE_PORT)], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              preexec_fn=normal_priority)
+    server = subprocess.Popen(
+        [
+            *net.exec_prefix(dst),
+            net.python,
+            "-m",
+            "benchmarks.netem.probe",
+            "serve",
+            "--host",
+            net.ip(dst),
+            "--port",
+            str(PROBE_PORT),
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=normal_priority,
+    )
     try:
         ready = server.stdout.readline()
         if "ready" not in ready:
             raise NetemError(f"the probe server in {dst} did not start: {ready.strip()}")
         try:
-            done = subprocess.run([*net.exec_prefix(src), net.python, "-m", "benchmarks.netem.probe", "client",
-                                   "--target", f"{net.ip(dst)}:{PROBE_PORT}", "--bytes", str(nbytes)],
-                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
-                                  preexec_fn=normal_priority)
+            done = subprocess.run(
+                [
+                    *net.exec_prefix(src),
+                    net.python,
+                    "-m",
+                    "benchmarks.netem.probe",
+                    "client",
+                    "--target",
+                    f"{net.ip(dst)}:{PROBE_PORT}",
+                    "--bytes",
+                    str(nbytes),
+                ],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                preexec_fn=normal_priority,
+            )
         except subprocess.TimeoutExpired:
             raise NetemError(f"probing {src} -> {dst} took over {timeout_s:.0f} s") from None
         if done.returncode != 0:
@@ -149,29 +183,37 @@ def probe_link(net: EmulatedNetwork, src: str, dst: str, seconds: float = 1.0, t
             pass
         server.wait(timeout=5)
         server.stdout.close()
-    return LinkMeasurement(src=src, dst=dst, rtt_ms=result["rtt_ms"], forward_mbit=result["forward_mbit"],
-                           reverse_mbit=result["reverse_mbit"], expected_rtt_ms=link.rtt_ms,
-                           expected_mbit=link.bandwidth_mbit)
+    return LinkMeasurement(
+        src=src,
+        dst=dst,
+        rtt_ms=result["rtt_ms"],
+        forward_mbit=result["forward_mbit"],
+        reverse_mbit=result["reverse_mbit"],
+        expected_rtt_ms=link.rtt_ms,
+        expected_mbit=link.bandwidth_mbit,
+    )
 
 
-def verify_links(net: EmulatedNetwork, pairs: list[tuple[str, str]], tolerance: float = 0.2, seconds: float = 1.0,
-                 say=print) -> list[LinkMeasurement]:
+def verify_links(
+    net: EmulatedNetwork, pairs: list[tuple[str, str]], tolerance: float = 0.2, seconds: float = 1.0, say=print
+) -> list[LinkMeasurement]:
     """Probe every pair; raise NetemError if any RTT or rate is off by more than `tolerance`
     (RTTs: or by more than RTT_FLOOR_MS)."""
     measurements, problems = [], []
     for src, dst in pairs:
         for attempt in range(2):  # a busy machine can stall one probe: measure once more
             m = probe_link(net, src, dst, seconds)
-            say(f"  link {src:>9} -> {dst:<9} RTT {m.rtt_ms:7.1f} ms (asked {m.expected_rtt_ms:5.1f})   "
+            say(
+                f"  link {src:>9} -> {dst:<9} RTT {m.rtt_ms:7.1f} ms (asked {m.expected_rtt_ms:5.1f})   "
                 f"rate {m.forward_mbit:7.2f} / {m.reverse_mbit:7.2f} Mbit/s (asked {m.expected_mbit:.2f})"
-                + ("   (second probe)" if attempt else ""))
+                + ("   (second probe)" if attempt else "")
+            )
             if not m.errors(tolerance):
                 break
         measurements.append(m)
         problems += [f"{src} -> {dst}: {p}" for p in m.errors(tolerance)]
     if problems:
-        raise NetemError("emulated links are off by more than "
-                         f"{tolerance:.0%}: " + "; ".join(problems))
+        raise NetemError(f"emulated links are off by more than {tolerance:.0%}: " + "; ".join(problems))
     return measurements
 
 
@@ -194,4 +236,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -104,18 +104,29 @@ class Topology:
 
     def with_hosts(self, hosts: dict[str, str]) -> Topology:
         """The same regions and links with another set of hosts."""
-        return Topology(self.name, self.regions, self.intra_region, dict(self.links), dict(hosts),
-                        self.description, dict(self.source))
+        return Topology(
+            self.name,
+            self.regions,
+            self.intra_region,
+            dict(self.links),
+            dict(hosts),
+            self.description,
+            dict(self.source),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         links = []
         for a, b in itertools.combinations(self.regions, 2):
             spec = self.links[frozenset((a, b))]
             links.append({"regions": [a, b], "rtt_ms": spec.rtt_ms, "bandwidth_mbit": spec.bandwidth_mbit})
-        out: dict[str, Any] = {"name": self.name, "description": self.description, "regions": list(self.regions),
-                               "intra_region": {"rtt_ms": self.intra_region.rtt_ms,
-                                                "bandwidth_mbit": self.intra_region.bandwidth_mbit},
-                               "links": links, "hosts": dict(self.hosts)}
+        out: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "regions": list(self.regions),
+            "intra_region": {"rtt_ms": self.intra_region.rtt_ms, "bandwidth_mbit": self.intra_region.bandwidth_mbit},
+            "links": links,
+            "hosts": dict(self.hosts),
+        }
         if self.source:
             out["source"] = self.source
         return out
@@ -153,9 +164,15 @@ def topology_from_dict(raw: Any) -> Topology:
     hosts = raw.get("hosts", {})
     if not isinstance(hosts, dict) or not all(isinstance(v, str) for v in hosts.values()):
         raise TopologyError("'hosts' must map host names to region names")
-    return Topology(name=str(raw.get("name", "")), regions=tuple(regions),
-                    intra_region=_link_from(raw.get("intra_region"), "intra_region"), links=links,
-                    hosts=dict(hosts), description=str(raw.get("description", "")), source=raw.get("source") or {})
+    return Topology(
+        name=str(raw.get("name", "")),
+        regions=tuple(regions),
+        intra_region=_link_from(raw.get("intra_region"), "intra_region"),
+        links=links,
+        hosts=dict(hosts),
+        description=str(raw.get("description", "")),
+        source=raw.get("source") or {},
+    )
 
 
 def load_topology(path: str | Path) -> Topology:
@@ -168,9 +185,16 @@ def load_topology(path: str | Path) -> Topology:
     return topology_from_dict(raw)
 
 
-def from_dtfm_case(case: dict[str, Any], regions: dict[str, int], *, intra_region_pair: tuple[int, int],
-                   bandwidth_divisor: float, name: str, hosts: dict[str, str] | None = None,
-                   description: str = "") -> Topology:
+def from_dtfm_case(
+    case: dict[str, Any],
+    regions: dict[str, int],
+    *,
+    intra_region_pair: tuple[int, int],
+    bandwidth_divisor: float,
+    name: str,
+    hosts: dict[str, str] | None = None,
+    description: str = "",
+) -> Topology:
     """Regions cut out of a DT-FM scenario (`latency_ms`, `bandwidth_gbps` per device pair).
 
     regions: region name -> one device id of that region in the scenario. The scenario's
@@ -192,10 +216,22 @@ def from_dtfm_case(case: dict[str, Any], regions: dict[str, int], *, intra_regio
 
     names = list(regions)
     links = {frozenset((a, b)): spec(regions[a], regions[b]) for a, b in itertools.combinations(names, 2)}
-    source = {"scenario": case.get("name", ""), "devices": dict(regions), "intra_region_pair": list(intra_region_pair),
-              "bandwidth_divisor": bandwidth_divisor, "latency_ms_used_as": "rtt_ms"}
-    return Topology(name=name, regions=tuple(names), intra_region=spec(*intra_region_pair), links=links,
-                    hosts=dict(hosts or {}), description=description, source=source)
+    source = {
+        "scenario": case.get("name", ""),
+        "devices": dict(regions),
+        "intra_region_pair": list(intra_region_pair),
+        "bandwidth_divisor": bandwidth_divisor,
+        "latency_ms_used_as": "rtt_ms",
+    }
+    return Topology(
+        name=name,
+        regions=tuple(names),
+        intra_region=spec(*intra_region_pair),
+        links=links,
+        hosts=dict(hosts or {}),
+        description=description,
+        source=source,
+    )
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -228,13 +264,22 @@ def main(argv: list[str] | None = None) -> int:
         case = json.loads(Path(args.scenario).read_text())
         regions = {name: int(device) for name, device in _pairs(args.region, "--region").items()}
         i, j = (int(x) for x in args.intra_region_pair.split(","))
-        topology = from_dtfm_case(case, regions, intra_region_pair=(i, j), bandwidth_divisor=args.bandwidth_divisor,
-                                  name=args.name, hosts=_pairs(args.host, "--host"), description=args.description)
+        topology = from_dtfm_case(
+            case,
+            regions,
+            intra_region_pair=(i, j),
+            bandwidth_divisor=args.bandwidth_divisor,
+            name=args.name,
+            hosts=_pairs(args.host, "--host"),
+            description=args.description,
+        )
     except (OSError, ValueError) as e:
         print(f"topology: error: {e}", file=sys.stderr)
         return 2
     data = topology.to_dict()
-    data["source"]["command"] = "python -m benchmarks.netem.topology " + shlex.join(sys.argv[1:] if argv is None else argv)
+    data["source"]["command"] = "python -m benchmarks.netem.topology " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
     Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -21,14 +21,29 @@ def target(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False
     return t
 
 
-def panel(title: str, kind: str, targets: list[dict], *, description: str = "", unit: str = "short",
-          w: int = 12, h: int = 8, options: dict | None = None, transformations: list | None = None) -> dict:
+def panel(
+    title: str,
+    kind: str,
+    targets: list[dict],
+    *,
+    description: str = "",
+    unit: str = "short",
+    w: int = 12,
+    h: int = 8,
+    options: dict | None = None,
+    transformations: list | None = None,
+) -> dict:
     refs = "ABCDEFGH"
     return {
-        "title": title, "type": kind, "description": description, "datasource": DATASOURCE,
+        "title": title,
+        "type": kind,
+        "description": description,
+        "datasource": DATASOURCE,
         "targets": [{**t, "refId": refs[i]} for i, t in enumerate(targets)],
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": options or {}, "transformations": transformations or [], "gridPos": {"w": w, "h": h},
+        "options": options or {},
+        "transformations": transformations or [],
+        "gridPos": {"w": w, "h": h},
     }
 
 
@@ -38,95 +53,232 @@ def row(title: str) -> dict:
 
 PANELS = [
     row("Swarm"),
-    panel("Online peers per stage", "bargauge", [
-        target("count by (stage) (swarm_peer_stage_info)", "stage {{stage}}", instant=True)],
+    panel(
+        "Online peers per stage",
+        "bargauge",
+        [target("count by (stage) (swarm_peer_stage_info)", "stage {{stage}}", instant=True)],
         description="Peers scraped now, by the stage they serve (swarm_peer_stage_info). A thin stage is "
-                    "the pipeline's bottleneck.", w=6),
-    panel("Training progress", "stat", [
-        target("max(swarm_trainer_step)", "step", instant=True),
-        target("max(swarm_trainer_target_steps)", "of", instant=True),
-        target("max(swarm_trainer_loss)", "loss", instant=True)],
-        description="Steps done, steps planned and the last step's loss.", w=6),
-    panel("Live replicas per stage (trainer's view)", "timeseries", [
-        target("swarm_trainer_live_replicas", "stage {{stage}}")],
+        "the pipeline's bottleneck.",
+        w=6,
+    ),
+    panel(
+        "Training progress",
+        "stat",
+        [
+            target("max(swarm_trainer_step)", "step", instant=True),
+            target("max(swarm_trainer_target_steps)", "of", instant=True),
+            target("max(swarm_trainer_loss)", "loss", instant=True),
+        ],
+        description="Steps done, steps planned and the last step's loss.",
+        w=6,
+    ),
+    panel(
+        "Live replicas per stage (trainer's view)",
+        "timeseries",
+        [target("swarm_trainer_live_replicas", "stage {{stage}}")],
         description="Online replicas of each stage in the DHT as the trainer last read them; 0 blocks training.",
-        w=12),
-    panel("Peers", "table", [
-        target("swarm_peer_stage_info", "", instant=True, table=True),
-        target("swarm_peer_throughput_samples_per_second", "", instant=True, table=True),
-        target("swarm_peer_requests_in_flight", "", instant=True, table=True)],
+        w=12,
+    ),
+    panel(
+        "Peers",
+        "table",
+        [
+            target("swarm_peer_stage_info", "", instant=True, table=True),
+            target("swarm_peer_throughput_samples_per_second", "", instant=True, table=True),
+            target("swarm_peer_requests_in_flight", "", instant=True, table=True),
+        ],
         description="Every scraped peer: stage, version, announced throughput (samples/s), requests in flight.",
-        w=24, h=8, options={"showHeader": True},
-        transformations=[{"id": "merge", "options": {}},  # one row per peer (instance)
-                         {"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True,
-                                                                          "Value #A": True},
-                                                        "renameByName": {"Value #B": "samples/s",
-                                                                         "Value #C": "in flight"}}}]),
+        w=24,
+        h=8,
+        options={"showHeader": True},
+        transformations=[
+            {"id": "merge", "options": {}},  # one row per peer (instance)
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True, "__name__": True, "Value #A": True},
+                    "renameByName": {"Value #B": "samples/s", "Value #C": "in flight"},
+                },
+            },
+        ],
+    ),
     row("Training"),
-    panel("Loss", "timeseries", [target("swarm_trainer_loss", "{{instance}}")],
-          description="Mean cross-entropy (nats) of each step.", w=8),
-    panel("Tokens/s", "timeseries", [target(f"sum(rate(swarm_trainer_tokens_total[{RATE}]))", "tokens/s")],
-          unit="short", w=8),
-    panel("Step time", "timeseries", [
-        target(f"histogram_quantile(0.5, sum by (le) (rate(swarm_trainer_step_duration_seconds_bucket[{RATE}])))",
-               "p50"),
-        target(f"histogram_quantile(0.9, sum by (le) (rate(swarm_trainer_step_duration_seconds_bucket[{RATE}])))",
-               "p90")], unit="s", w=8),
+    panel(
+        "Loss",
+        "timeseries",
+        [target("swarm_trainer_loss", "{{instance}}")],
+        description="Mean cross-entropy (nats) of each step.",
+        w=8,
+    ),
+    panel(
+        "Tokens/s",
+        "timeseries",
+        [target(f"sum(rate(swarm_trainer_tokens_total[{RATE}]))", "tokens/s")],
+        unit="short",
+        w=8,
+    ),
+    panel(
+        "Step time",
+        "timeseries",
+        [
+            target(
+                f"histogram_quantile(0.5, sum by (le) (rate(swarm_trainer_step_duration_seconds_bucket[{RATE}])))",
+                "p50",
+            ),
+            target(
+                f"histogram_quantile(0.9, sum by (le) (rate(swarm_trainer_step_duration_seconds_bucket[{RATE}])))",
+                "p90",
+            ),
+        ],
+        unit="s",
+        w=8,
+    ),
     row("Stages"),
-    panel("Throughput per stage", "timeseries", [
-        target(f"sum by (stage) (rate(swarm_peer_samples_total[{RATE}]))", "stage {{stage}} computed"),
-        target("sum by (stage) (swarm_peer_throughput_samples_per_second * on (instance, job) group_left (stage) "
-               "swarm_peer_stage_info)", "stage {{stage}} capacity")],
+    panel(
+        "Throughput per stage",
+        "timeseries",
+        [
+            target(f"sum by (stage) (rate(swarm_peer_samples_total[{RATE}]))", "stage {{stage}} computed"),
+            target(
+                "sum by (stage) (swarm_peer_throughput_samples_per_second * on (instance, job) group_left (stage) "
+                "swarm_peer_stage_info)",
+                "stage {{stage}} capacity",
+            ),
+        ],
         description="Samples/s the stage's peers computed (forward and backward) vs the throughput they announce.",
-        unit="short", w=12),
-    panel("Requests in flight per peer", "timeseries", [
-        target("swarm_peer_requests_in_flight", "{{instance}}")],
-        description="Queue depth: requests being received, waiting for compute, or computed.", w=12),
-    panel("Peer request latency (p90)", "timeseries", [
-        target("histogram_quantile(0.9, sum by (le, stage, rpc) "
-               f"(rate(swarm_peer_request_duration_seconds_bucket[{RATE}])))", "stage {{stage}} {{rpc}}"),
-        target("histogram_quantile(0.9, sum by (le, stage, rpc) "
-               f"(rate(swarm_peer_queue_duration_seconds_bucket[{RATE}])))", "stage {{stage}} {{rpc}} queued")],
-        unit="s", w=12),
-    panel("Trainer call latency (p90)", "timeseries", [
-        target("histogram_quantile(0.9, sum by (le, stage, rpc) "
-               f"(rate(swarm_trainer_call_duration_seconds_bucket[{RATE}])))", "stage {{stage}} {{rpc}}")],
-        description="Round trip of successful calls, transfer and compute included.", unit="s", w=12),
+        unit="short",
+        w=12,
+    ),
+    panel(
+        "Requests in flight per peer",
+        "timeseries",
+        [target("swarm_peer_requests_in_flight", "{{instance}}")],
+        description="Queue depth: requests being received, waiting for compute, or computed.",
+        w=12,
+    ),
+    panel(
+        "Peer request latency (p90)",
+        "timeseries",
+        [
+            target(
+                "histogram_quantile(0.9, sum by (le, stage, rpc) "
+                f"(rate(swarm_peer_request_duration_seconds_bucket[{RATE}])))",
+                "stage {{stage}} {{rpc}}",
+            ),
+            target(
+                "histogram_quantile(0.9, sum by (le, stage, rpc) "
+                f"(rate(swarm_peer_queue_duration_seconds_bucket[{RATE}])))",
+                "stage {{stage}} {{rpc}} queued",
+            ),
+        ],
+        unit="s",
+        w=12,
+    ),
+    panel(
+        "Trainer call latency (p90)",
+        "timeseries",
+        [
+            target(
+                "histogram_quantile(0.9, sum by (le, stage, rpc) "
+                f"(rate(swarm_trainer_call_duration_seconds_bucket[{RATE}])))",
+                "stage {{stage}} {{rpc}}",
+            )
+        ],
+        description="Round trip of successful calls, transfer and compute included.",
+        unit="s",
+        w=12,
+    ),
     row("Network"),
-    panel("Bytes/s by codec", "timeseries", [
-        target(f"sum by (codec) (rate(swarm_trainer_sent_bytes_total[{RATE}]))", "trainer sent {{codec}}"),
-        target(f"sum by (codec) (rate(swarm_trainer_received_bytes_total[{RATE}]))", "trainer received {{codec}}"),
-        target(f"sum by (codec) (rate(swarm_peer_sent_bytes_total[{RATE}]))", "peers sent {{codec}}"),
-        target(f"sum by (codec) (rate(swarm_peer_received_bytes_total[{RATE}]))", "peers received {{codec}}")],
-        description="Tensor payload bytes on the wire, by codec.", unit="Bps", w=12),
-    panel("Compression ratio by codec", "timeseries", [
-        target(f"sum by (codec) (rate(swarm_peer_sent_uncompressed_bytes_total[{RATE}])) "
-               f"/ sum by (codec) (rate(swarm_peer_sent_bytes_total[{RATE}]))", "peers {{codec}}"),
-        target(f"sum by (codec) (rate(swarm_trainer_sent_uncompressed_bytes_total[{RATE}])) "
-               f"/ sum by (codec) (rate(swarm_trainer_sent_bytes_total[{RATE}]))", "trainer {{codec}}")],
-        description="Uncompressed size / size on the wire.", w=12),
+    panel(
+        "Bytes/s by codec",
+        "timeseries",
+        [
+            target(f"sum by (codec) (rate(swarm_trainer_sent_bytes_total[{RATE}]))", "trainer sent {{codec}}"),
+            target(f"sum by (codec) (rate(swarm_trainer_received_bytes_total[{RATE}]))", "trainer received {{codec}}"),
+            target(f"sum by (codec) (rate(swarm_peer_sent_bytes_total[{RATE}]))", "peers sent {{codec}}"),
+            target(f"sum by (codec) (rate(swarm_peer_received_bytes_total[{RATE}]))", "peers received {{codec}}"),
+        ],
+        description="Tensor payload bytes on the wire, by codec.",
+        unit="Bps",
+        w=12,
+    ),
+    panel(
+        "Compression ratio by codec",
+        "timeseries",
+        [
+            target(
+                f"sum by (codec) (rate(swarm_peer_sent_uncompressed_bytes_total[{RATE}])) "
+                f"/ sum by (codec) (rate(swarm_peer_sent_bytes_total[{RATE}]))",
+                "peers {{codec}}",
+            ),
+            target(
+                f"sum by (codec) (rate(swarm_trainer_sent_uncompressed_bytes_total[{RATE}])) "
+                f"/ sum by (codec) (rate(swarm_trainer_sent_bytes_total[{RATE}]))",
+                "trainer {{codec}}",
+            ),
+        ],
+        description="Uncompressed size / size on the wire.",
+        w=12,
+    ),
     row("Failures"),
-    panel("Failed calls (trainer) and requests (peers)", "timeseries", [
-        target(f"sum by (stage, kind) (rate(swarm_trainer_call_failures_total[{RATE}]))",
-               "trainer: stage {{stage}} {{kind}}"),
-        target(f"sum by (stage, kind) (rate(swarm_peer_request_failures_total[{RATE}]))",
-               "peers: stage {{stage}} {{kind}}")], unit="reqps", w=12),
-    panel("Retries, bans and waits", "timeseries", [
-        target(f"sum by (stage) (rate(swarm_trainer_retries_total[{RATE}]))", "retries stage {{stage}}"),
-        target(f"sum by (stage) (rate(swarm_trainer_bans_total[{RATE}]))", "bans stage {{stage}}"),
-        target(f"sum by (stage) (rate(swarm_trainer_stage_wait_seconds_total[{RATE}]))",
-               "waiting for stage {{stage}} (s/s)")], w=12),
+    panel(
+        "Failed calls (trainer) and requests (peers)",
+        "timeseries",
+        [
+            target(
+                f"sum by (stage, kind) (rate(swarm_trainer_call_failures_total[{RATE}]))",
+                "trainer: stage {{stage}} {{kind}}",
+            ),
+            target(
+                f"sum by (stage, kind) (rate(swarm_peer_request_failures_total[{RATE}]))",
+                "peers: stage {{stage}} {{kind}}",
+            ),
+        ],
+        unit="reqps",
+        w=12,
+    ),
+    panel(
+        "Retries, bans and waits",
+        "timeseries",
+        [
+            target(f"sum by (stage) (rate(swarm_trainer_retries_total[{RATE}]))", "retries stage {{stage}}"),
+            target(f"sum by (stage) (rate(swarm_trainer_bans_total[{RATE}]))", "bans stage {{stage}}"),
+            target(
+                f"sum by (stage) (rate(swarm_trainer_stage_wait_seconds_total[{RATE}]))",
+                "waiting for stage {{stage}} (s/s)",
+            ),
+        ],
+        w=12,
+    ),
     row("Averaging, rebalancing, checkpoints"),
-    panel("Averaging", "timeseries", [
-        target(f"sum by (result) (rate(swarm_peer_averaging_rounds_total[{RATE}]))", "rounds {{result}}"),
-        target(f"sum by (direction) (rate(swarm_peer_averaging_bytes_total[{RATE}]))", "bytes {{direction}}")],
-        w=8),
-    panel("Rebalancing moves", "timeseries", [
-        target(f"sum(increase(swarm_peer_rebalance_moves_total[{RATE}]))", "moves")], w=8),
-    panel("Checkpoints and optimizer steps", "timeseries", [
-        target(f"sum by (result) (increase(swarm_peer_checkpoint_saves_total[{RATE}]))", "saves {{result}}"),
-        target(f"sum by (stage) (rate(swarm_peer_optimizer_steps_total[{RATE}]) * on (instance, job) "
-               "group_left (stage) swarm_peer_stage_info)", "optimizer steps/s stage {{stage}}")], w=8),
+    panel(
+        "Averaging",
+        "timeseries",
+        [
+            target(f"sum by (result) (rate(swarm_peer_averaging_rounds_total[{RATE}]))", "rounds {{result}}"),
+            target(f"sum by (direction) (rate(swarm_peer_averaging_bytes_total[{RATE}]))", "bytes {{direction}}"),
+        ],
+        w=8,
+    ),
+    panel(
+        "Rebalancing moves",
+        "timeseries",
+        [target(f"sum(increase(swarm_peer_rebalance_moves_total[{RATE}]))", "moves")],
+        w=8,
+    ),
+    panel(
+        "Checkpoints and optimizer steps",
+        "timeseries",
+        [
+            target(f"sum by (result) (increase(swarm_peer_checkpoint_saves_total[{RATE}]))", "saves {{result}}"),
+            target(
+                f"sum by (stage) (rate(swarm_peer_optimizer_steps_total[{RATE}]) * on (instance, job) "
+                "group_left (stage) swarm_peer_stage_info)",
+                "optimizer steps/s stage {{stage}}",
+            ),
+        ],
+        w=8,
+    ),
 ]
 
 
@@ -157,10 +309,18 @@ def dashboard() -> dict:
         "editable": True,
         "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [{
-            "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-            "current": {"text": "Prometheus", "value": "swarm-prometheus"}, "hide": 0,
-        }]},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {"text": "Prometheus", "value": "swarm-prometheus"},
+                    "hide": 0,
+                }
+            ]
+        },
         "annotations": {"list": []},
         "panels": layout(PANELS),
     }

@@ -13,8 +13,8 @@ pipeline cost to every other peer) are left out as spares.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -50,8 +50,10 @@ class LiveTopology:
     def describe(self) -> str:
         """One line on how much of the topology was measured."""
         total = len(self.peer_ids) * (len(self.peer_ids) - 1) // 2
-        text = (f"{len(self.peer_ids)} peers, {self.measured_pairs} of {total} pairs measured "
-                f"({self.one_way_pairs} one way only), {len(self.estimated_pairs)} estimated")
+        text = (
+            f"{len(self.peer_ids)} peers, {self.measured_pairs} of {total} pairs measured "
+            f"({self.one_way_pairs} one way only), {len(self.estimated_pairs)} estimated"
+        )
         if self.stale_links:
             text += f", {self.stale_links} stale measurements ignored"
         if self.spares:
@@ -59,8 +61,9 @@ class LiveTopology:
         return text
 
 
-def _directed_matrices(records: Sequence[LinkRecord], peers: list[str], now: float,
-                       max_link_age_s: float | None) -> tuple[np.ndarray, np.ndarray, int]:
+def _directed_matrices(
+    records: Sequence[LinkRecord], peers: list[str], now: float, max_link_age_s: float | None
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(N, N) one-way latency in ms and bandwidth in Gbit/s as measured from row to column; NaN
     where unmeasured. Also the number of stale measurements skipped."""
     index = {peer: i for i, peer in enumerate(peers)}
@@ -83,8 +86,16 @@ def _directed_matrices(records: Sequence[LinkRecord], peers: list[str], now: flo
     return latency_ms, bandwidth, stale
 
 
-def topology_from_link_records(records: Sequence[LinkRecord], *, stages: int, c_dp_gb: float, c_pp_gb: float,
-                               now: float, max_link_age_s: float | None = None, name: str = "") -> LiveTopology:
+def topology_from_link_records(
+    records: Sequence[LinkRecord],
+    *,
+    stages: int,
+    c_dp_gb: float,
+    c_pp_gb: float,
+    now: float,
+    max_link_age_s: float | None = None,
+    name: str = "",
+) -> LiveTopology:
     """Build the topology for ``stages`` pipeline stages from the peers' link records.
 
     Args:
@@ -106,8 +117,9 @@ def topology_from_link_records(records: Sequence[LinkRecord], *, stages: int, c_
             newest[record.peer_id] = record
     peers = sorted(newest)
     if len(peers) < stages:
-        raise TopologyError(f"only {len(peers)} peer(s) published link records; a plan for {stages} stages "
-                            f"needs at least {stages}")
+        raise TopologyError(
+            f"only {len(peers)} peer(s) published link records; a plan for {stages} stages needs at least {stages}"
+        )
     ordered = [newest[p] for p in peers]
     latency_ms, bandwidth, stale = _directed_matrices(ordered, peers, now, max_link_age_s)
     count = len(peers)
@@ -116,8 +128,10 @@ def topology_from_link_records(records: Sequence[LinkRecord], *, stages: int, c_
     either = (measured | measured.T) & off_diagonal
     both = measured & measured.T & off_diagonal
     if count > 1 and not either.any():
-        raise TopologyError(f"none of the {count} peers has measured a link to another yet; wait for a "
-                            f"probe round (a peer's --link-probe-period-s) and try again")
+        raise TopologyError(
+            f"none of the {count} peers has measured a link to another yet; wait for a "
+            f"probe round (a peer's --link-probe-period-s) and try again"
+        )
     # One-way pairs: copy the measured direction onto the other.
     latency_ms = np.where(measured, latency_ms, latency_ms.T)
     bandwidth = np.where(measured, bandwidth, bandwidth.T)
@@ -131,15 +145,22 @@ def topology_from_link_records(records: Sequence[LinkRecord], *, stages: int, c_
     estimated = [(peers[i], peers[j]) for i, j in zip(*np.nonzero(np.triu(missing)))]
 
     replicas = count // stages
-    keep = _keep_best_connected(latency_ms, bandwidth, [newest[p].throughput for p in peers], peers,
-                                stages * replicas, c_pp_gb)
+    keep = _keep_best_connected(
+        latency_ms, bandwidth, [newest[p].throughput for p in peers], peers, stages * replicas, c_pp_gb
+    )
     kept = [peers[i] for i in keep]
     spares = tuple(p for p in peers if p not in set(kept))
-    topology = topology_from_dict({
-        "name": name, "stages": stages, "replicas": replicas, "c_dp_gb": c_dp_gb, "c_pp_gb": c_pp_gb,
-        "latency_ms": latency_ms[np.ix_(keep, keep)].tolist(),
-        "bandwidth_gbps": bandwidth[np.ix_(keep, keep)].tolist(),
-    })
+    topology = topology_from_dict(
+        {
+            "name": name,
+            "stages": stages,
+            "replicas": replicas,
+            "c_dp_gb": c_dp_gb,
+            "c_pp_gb": c_pp_gb,
+            "latency_ms": latency_ms[np.ix_(keep, keep)].tolist(),
+            "bandwidth_gbps": bandwidth[np.ix_(keep, keep)].tolist(),
+        }
+    )
     kept_set = set(kept)
     return LiveTopology(
         topology=topology,
@@ -152,8 +173,9 @@ def topology_from_link_records(records: Sequence[LinkRecord], *, stages: int, c_
     )
 
 
-def _keep_best_connected(latency_ms: np.ndarray, bandwidth: np.ndarray, throughput: list[float], peers: list[str],
-                         keep: int, c_pp_gb: float) -> list[int]:
+def _keep_best_connected(
+    latency_ms: np.ndarray, bandwidth: np.ndarray, throughput: list[float], peers: list[str], keep: int, c_pp_gb: float
+) -> list[int]:
     """Indices (ascending) of the ``keep`` peers with the lowest mean pipeline cost to the others;
     ties go to the higher throughput, then the smaller peer id."""
     count = len(peers)

@@ -132,12 +132,17 @@ def opfence_plan(topology: Topology, *, placement: str = "best") -> OpFenceResul
     started = time.perf_counter()
     costs = pair_costs(topology)
     candidates = []
-    for kind in (("stages", "pipelines") if placement == "best" else (placement,)):
+    for kind in ("stages", "pipelines") if placement == "best" else (placement,):
         groups, levels = _pack(topology, costs, kind)
         cost = evaluate_plan(costs, groups)
         candidates.append((cost.total_s, kind, groups, levels, cost))
     total, kind, groups, levels, cost = min(candidates, key=lambda c: c[0])  # ties: "stages", listed first
     ordered = np.sort(groups[list(cost.order)], axis=1)  # (G, R) in pipeline order
     final = PlanCost(cost.data_parallel_s, cost.pipeline_s, cost.total_s, tuple(range(len(ordered))))
-    return OpFenceResult(groups=ordered, cost=final, placement=kind, unit_levels_gbps=tuple(levels),
-                         elapsed_s=time.perf_counter() - started)
+    return OpFenceResult(
+        groups=ordered,
+        cost=final,
+        placement=kind,
+        unit_levels_gbps=tuple(levels),
+        elapsed_s=time.perf_counter() - started,
+    )

@@ -24,8 +24,9 @@ from typing import Any
 
 from models.layer_costs import ModelProfile, ProfileError
 from swarm.planner.live_cli import add_live_arguments, run_live_plan
-from swarm.planner.opfence import PLACEMENTS, OpFenceResult, opfence_plan
-from swarm.planner.search import DEFAULT_PATIENCE_ROUNDS, SearchResult, search_plan
+from swarm.planner.opfence import PLACEMENTS, opfence_plan
+from swarm.planner.plan_json import opfence_record, plan_record
+from swarm.planner.search import DEFAULT_PATIENCE_ROUNDS, search_plan
 from swarm.planner.topology import Topology, TopologyError, load_topology
 
 __all__ = ["add_plan_arguments", "run_plan", "plan_record", "main"]
@@ -37,79 +38,70 @@ EXIT_USAGE = 2
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``plan`` options to a parser (a subcommand's or a standalone one)."""
     parser.add_argument(
-        "--topology", type=Path, metavar="FILE.json",
+        "--topology",
+        type=Path,
+        metavar="FILE.json",
         help="topology JSON: stages, replicas, c_dp_gb, c_pp_gb, latency_ms, bandwidth_gbps "
         "(or --from-dht to plan for a running swarm)",
     )
     parser.add_argument(
-        "--out", type=Path, metavar="PLAN.json",
+        "--out",
+        type=Path,
+        metavar="PLAN.json",
         help="where to write the plan (required with --topology, optional with --from-dht)",
     )
     parser.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     parser.add_argument(
-        "--time-limit-s", type=float, default=60.0,
+        "--time-limit-s",
+        type=float,
+        default=60.0,
         help="wall-clock cap on the search in seconds (default 60)",
     )
     parser.add_argument(
-        "--patience-rounds", type=int, default=DEFAULT_PATIENCE_ROUNDS,
+        "--patience-rounds",
+        type=int,
+        default=DEFAULT_PATIENCE_ROUNDS,
         help=f"stop after this many rounds without improvement (default {DEFAULT_PATIENCE_ROUNDS})",
     )
-    parser.add_argument("--method", choices=["search", "opfence"], default="search",
-                        help="search: iterated local search (default); opfence: cluster devices by bandwidth, "
-                        "place whole stages or pipelines in the fastest clusters (no search)")
-    parser.add_argument("--placement", choices=PLACEMENTS, default="best",
-                        help="with --method opfence: keep whole stages or whole pipelines in clusters, or the "
-                        "cheaper of both (default best)")
-    parser.add_argument("--profile", type=Path, metavar="PROFILE.json",
-                        help="take c_pp and c_dp from this `swarm profile` output instead of the topology file")
-    parser.add_argument("--split-boundaries", metavar="0,4,6",
-                        help="with --profile: the stage split (default: the equal split into the topology's stages)")
-    parser.add_argument("--macro-batch-samples", type=int, metavar="N",
-                        help="with --profile or --from-dht: samples each pipeline replica processes per macro-batch "
-                        "(--from-dht default: 32)")
-    parser.add_argument("--activation-wire-ratio", type=float, default=1.0,
-                        help="with --profile: wire bytes per measured activation byte (0.5 for fp16; default 1)")
+    parser.add_argument(
+        "--method",
+        choices=["search", "opfence"],
+        default="search",
+        help="search: iterated local search (default); opfence: cluster devices by bandwidth, "
+        "place whole stages or pipelines in the fastest clusters (no search)",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="best",
+        help="with --method opfence: keep whole stages or whole pipelines in clusters, or the "
+        "cheaper of both (default best)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="PROFILE.json",
+        help="take c_pp and c_dp from this `swarm profile` output instead of the topology file",
+    )
+    parser.add_argument(
+        "--split-boundaries",
+        metavar="0,4,6",
+        help="with --profile: the stage split (default: the equal split into the topology's stages)",
+    )
+    parser.add_argument(
+        "--macro-batch-samples",
+        type=int,
+        metavar="N",
+        help="with --profile or --from-dht: samples each pipeline replica processes per macro-batch "
+        "(--from-dht default: 32)",
+    )
+    parser.add_argument(
+        "--activation-wire-ratio",
+        type=float,
+        default=1.0,
+        help="with --profile: wire bytes per measured activation byte (0.5 for fp16; default 1)",
+    )
     add_live_arguments(parser)
-
-
-def plan_record(topology: Topology, result: SearchResult, time_limit_s: float) -> dict[str, Any]:
-    """The JSON-ready plan: groups in pipeline order, cost in seconds, how it was searched."""
-    return {
-        "method": "search",
-        "topology": topology.name,
-        "stages": topology.stages,
-        "replicas": topology.replicas,
-        "groups": [[int(device) for device in group] for group in result.groups],
-        "cost": {
-            "data_parallel_s": result.cost.data_parallel_s,
-            "pipeline_s": result.cost.pipeline_s,
-            "total_s": result.cost.total_s,
-        },
-        "seed": result.seed,
-        "search_time_s": result.elapsed_s,
-        "search_rounds": result.rounds,
-        "time_limit_s": time_limit_s,
-        "stopped_by_time": result.stopped_by_time,
-    }
-
-
-def opfence_record(topology: Topology, result: OpFenceResult) -> dict[str, Any]:
-    """The JSON-ready OP-Fence plan, in the same shape as `plan_record`'s."""
-    return {
-        "method": "opfence",
-        "topology": topology.name,
-        "stages": topology.stages,
-        "replicas": topology.replicas,
-        "groups": [[int(device) for device in group] for group in result.groups],
-        "cost": {
-            "data_parallel_s": result.cost.data_parallel_s,
-            "pipeline_s": result.cost.pipeline_s,
-            "total_s": result.cost.total_s,
-        },
-        "placement": result.placement,
-        "unit_levels_gbps": list(result.unit_levels_gbps),
-        "search_time_s": result.elapsed_s,
-    }
 
 
 def _topology_with_profile(topology: Topology, args: argparse.Namespace) -> Topology:
@@ -131,8 +123,12 @@ def _topology_with_profile(topology: Topology, args: argparse.Namespace) -> Topo
         raise TopologyError(f"{error} (the topology has {topology.stages} stages)") from None
     except ValueError:
         raise TopologyError(f"--split-boundaries {args.split_boundaries!r}: expected e.g. 0,4,6") from None
-    sizes = communication_sizes(profile, boundaries, samples_per_macro_batch=args.macro_batch_samples,
-                                activation_wire_ratio=args.activation_wire_ratio)
+    sizes = communication_sizes(
+        profile,
+        boundaries,
+        samples_per_macro_batch=args.macro_batch_samples,
+        activation_wire_ratio=args.activation_wire_ratio,
+    )
     return with_communication_sizes(topology, sizes)
 
 
@@ -187,8 +183,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return _write_and_report(args, topology, record, result.cost, result.elapsed_s)
 
 
-def _write_and_report(args: argparse.Namespace, topology: Topology, record: dict[str, Any], cost, elapsed_s: float
-                      ) -> int:
+def _write_and_report(
+    args: argparse.Namespace, topology: Topology, record: dict[str, Any], cost, elapsed_s: float
+) -> int:
     record["c_pp_gb"], record["c_dp_gb"] = topology.c_pp_gb, topology.c_dp_gb
     try:
         _write_json_atomically(args.out, record)

@@ -157,18 +157,13 @@ class _Evaluator:
         data_mean = (data.sum() - data[first] - data[second] + data_left + data_right) / self.stages
 
         replaced = {first: new_left, second: new_right}
-        touched = sorted(
-            {t for t in (first - 1, first, second - 1, second) if 0 <= t < self.stages - 1}
-        )
+        touched = sorted({t for t in (first - 1, first, second - 1, second) if 0 <= t < self.stages - 1})
         path = np.full(new_left.shape[0], edges.sum())
         relax = np.full(new_left.shape[0], relaxed.sum())
         if touched:
             count = new_left.shape[0]
             lefts = [replaced.get(t, np.broadcast_to(groups[t], (count, replicas))) for t in touched]
-            rights = [
-                replaced.get(t + 1, np.broadcast_to(groups[t + 1], (count, replicas)))
-                for t in touched
-            ]
+            rights = [replaced.get(t + 1, np.broadcast_to(groups[t + 1], (count, replicas))) for t in touched]
             cost, soft = self.edge_scores(np.concatenate(lefts), np.concatenate(rights))
             cost = cost.reshape(len(touched), count)
             soft = soft.reshape(len(touched), count)
@@ -196,9 +191,7 @@ def _local_search(evaluator: _Evaluator, groups: np.ndarray, rng: np.random.Gene
         improved = False
         for index in rng.permutation(len(pairs)):
             first, second = pairs[index]
-            cand_total, cand_secondary, i, j = evaluator.best_swap(
-                groups, data, edges, relaxed, first, second
-            )
+            cand_total, cand_secondary, i, j = evaluator.best_swap(groups, data, edges, relaxed, first, second)
             if _better(cand_total, cand_secondary, total, secondary):
                 groups[first, i], groups[second, j] = groups[second, j], groups[first, i]
                 total, secondary, data, edges, relaxed = evaluator.score(groups)
@@ -213,9 +206,7 @@ def _local_search(evaluator: _Evaluator, groups: np.ndarray, rng: np.random.Gene
             return groups
 
 
-def _greedy_clusters(
-    cost: np.ndarray, count: int, size: int, rng: np.random.Generator
-) -> list[list[int]]:
+def _greedy_clusters(cost: np.ndarray, count: int, size: int, rng: np.random.Generator) -> list[list[int]]:
     """``count`` clusters of ``size`` devices: grow each from a random seed by cheapest addition."""
     free = list(range(cost.shape[0]))
     clusters = []

@@ -95,9 +95,7 @@ def _square_matrix(data: dict[str, Any], key: str, size: int) -> np.ndarray:
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
         raise TopologyError(f"field {key!r} must be a square N x N list, got shape {matrix.shape}")
     if matrix.shape[0] != size:
-        raise TopologyError(
-            f"field {key!r} is {matrix.shape[0]} x {matrix.shape[0]}, but stages * replicas = {size}"
-        )
+        raise TopologyError(f"field {key!r} is {matrix.shape[0]} x {matrix.shape[0]}, but stages * replicas = {size}")
     bad = np.argwhere(~np.isfinite(matrix))
     if bad.size:
         row, col = bad[0]
@@ -129,9 +127,7 @@ def topology_from_dict(data: Any) -> Topology:
     not_positive = np.argwhere((bandwidth_gbps <= 0) & off_diagonal)
     if not_positive.size:
         row, col = not_positive[0]
-        raise TopologyError(
-            f"bandwidth_gbps[{row}][{col}] = {bandwidth_gbps[row, col]} must be positive"
-        )
+        raise TopologyError(f"bandwidth_gbps[{row}][{col}] = {bandwidth_gbps[row, col]} must be positive")
 
     # The paper's symmetrisation: edge (d, d') gets the mean of both directions.
     latency_s = (latency_ms + latency_ms.T) / 2.0 / 1e3  # (N, N) seconds

@@ -10,8 +10,8 @@ are in GB (1e9 bytes), as the topology files state them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from models.config import GPTConfig
 from models.layer_costs import ModelProfile
@@ -36,8 +36,14 @@ class CommunicationSizes:
     c_dp_gb: tuple[float, ...]
 
 
-def communication_sizes(profile: ModelProfile, boundaries: Sequence[int], *, samples_per_macro_batch: int,
-                        activation_wire_ratio: float = 1.0, gradient_wire_ratio: float = 1.0) -> CommunicationSizes:
+def communication_sizes(
+    profile: ModelProfile,
+    boundaries: Sequence[int],
+    *,
+    samples_per_macro_batch: int,
+    activation_wire_ratio: float = 1.0,
+    gradient_wire_ratio: float = 1.0,
+) -> CommunicationSizes:
     """Sizes of a split of the profiled model.
 
     Args:
@@ -58,8 +64,9 @@ def communication_sizes(profile: ModelProfile, boundaries: Sequence[int], *, sam
     return CommunicationSizes(c_pp_gb=c_pp, c_dp_gb=c_dp)
 
 
-def estimated_communication_sizes(config: GPTConfig, boundaries: Sequence[int], *, samples_per_macro_batch: int,
-                                  activation_wire_ratio: float = 1.0) -> CommunicationSizes:
+def estimated_communication_sizes(
+    config: GPTConfig, boundaries: Sequence[int], *, samples_per_macro_batch: int, activation_wire_ratio: float = 1.0
+) -> CommunicationSizes:
     """Sizes of a split from the model's shapes alone, for when nothing was profiled: fp32
     activations of (seq_len, d_model) per sample at every cut, fp32 gradients of every parameter.
 

@@ -14,16 +14,22 @@ import torch
 
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
-from peers.protocol import encode_tensor
-from swarm.client import FailureKind, PeerCallError, StageClient
-from swarm.compression import CodecChoice
+from swarm.trainer.client import FailureKind, PeerCallError, StageClient
+from wire.compression import CodecChoice
+from wire.protocol import encode_tensor
 
 DEAD_BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "swarm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -35,14 +41,17 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         assert fragment in error_lines[0], error_lines[0]
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["peer", "--model", "tiny", "--stage", "5", "--num-stages", "2"], ["stage 5 is out of range"]),
-    (["peer", "--model", "nonexistent", "--stage", "0"], ["unknown model 'nonexistent'", "tiny"]),
-    (["peer", "--model", "tiny"], ["--stage is required"]),
-    (["train", "--model", "tiny", "--data", "/no/such/file.txt"], ["no such file"]),
-    (["train", "--model", "tiny", "--batch-size", "10", "--microbatch-size", "4"], ["multiple of"]),
-    (["peer", "--model", "tiny", "--stage", "0", "--initial-peers", "not-a-multiaddr"], ["is not a multiaddr"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["peer", "--model", "tiny", "--stage", "5", "--num-stages", "2"], ["stage 5 is out of range"]),
+        (["peer", "--model", "nonexistent", "--stage", "0"], ["unknown model 'nonexistent'", "tiny"]),
+        (["peer", "--model", "tiny"], ["--stage is required"]),
+        (["train", "--model", "tiny", "--data", "/no/such/file.txt"], ["no such file"]),
+        (["train", "--model", "tiny", "--batch-size", "10", "--microbatch-size", "4"], ["multiple of"]),
+        (["peer", "--model", "tiny", "--stage", "0", "--initial-peers", "not-a-multiaddr"], ["is not a multiaddr"]),
+    ],
+)
 def test_bad_arguments_give_one_line_errors(args, fragments):
     assert_one_line_error(run_cli(*args), *fragments)
 
@@ -71,27 +80,52 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
 
         async def backward(inputs):
             tensors = [("inputs", encode_tensor(inputs)), ("targets", encode_tensor(targets))]
-            outputs, response, _ = await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m",
-                                                     batch_size=inputs.shape[0], tensors=tensors, timeout_s=60)
+            outputs, response, _ = await client.call(
+                peer_id,
+                rpc="backward",
+                stage=1,
+                microbatch_id="m",
+                batch_size=inputs.shape[0],
+                tensors=tensors,
+                timeout_s=60,
+            )
             return outputs, response
 
-        bad_inputs = [(torch.randn(2, config.seq_len, config.d_model + 3), "expects inputs of shape"),
-                      (torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64), "dtype float32"),
-                      (torch.full((2, config.seq_len, config.d_model), float("nan")), "NaN")]
+        bad_inputs = [
+            (torch.randn(2, config.seq_len, config.d_model + 3), "expects inputs of shape"),
+            (torch.randn(2, config.seq_len, config.d_model, dtype=torch.float64), "dtype float32"),
+            (torch.full((2, config.seq_len, config.d_model), float("nan")), "NaN"),
+        ]
         for inputs, message in bad_inputs:
             with pytest.raises(PeerCallError) as refused:
                 await backward(inputs)
             assert refused.value.kind == FailureKind.REFUSED
             assert message in str(refused.value)
         with pytest.raises(PeerCallError) as wrong_stage:
-            await client.call(peer_id, rpc="forward", stage=0, microbatch_id="m", batch_size=2,
-                              tensors=[("inputs", encode_tensor(targets))], timeout_s=60)
+            await client.call(
+                peer_id,
+                rpc="forward",
+                stage=0,
+                microbatch_id="m",
+                batch_size=2,
+                tensors=[("inputs", encode_tensor(targets))],
+                timeout_s=60,
+            )
         assert wrong_stage.value.kind == FailureKind.WRONG_STAGE
         with pytest.raises(PeerCallError, match="unknown response codec 'zstd'"):
-            await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m", batch_size=2,
-                              tensors=[("inputs", encode_tensor(torch.randn(2, config.seq_len, config.d_model))),
-                                       ("targets", encode_tensor(targets))],
-                              timeout_s=60, response_codec=CodecChoice("zstd"))
+            await client.call(
+                peer_id,
+                rpc="backward",
+                stage=1,
+                microbatch_id="m",
+                batch_size=2,
+                tensors=[
+                    ("inputs", encode_tensor(torch.randn(2, config.seq_len, config.d_model))),
+                    ("targets", encode_tensor(targets)),
+                ],
+                timeout_s=60,
+                response_codec=CodecChoice("zstd"),
+            )
         outputs, response = await backward(torch.randn(2, config.seq_len, config.d_model))  # still serving
         assert outputs["grad_inputs"].shape == (2, config.seq_len, config.d_model)
         assert response.loss > 0
@@ -108,8 +142,17 @@ def test_peer_refuses_oversized_requests_and_rate_limits_a_caller_that_keeps_sen
     config = get_model_config("tiny")
     swarm = make_swarm(num_stages=2)
     swarm.start_bootstrap()
-    peer = swarm.start_peer(1, "--max-request-mb", "0.05", "--bad-request-burst", "3",
-                            "--bad-request-refill-per-s", "0.01", "--metrics-port", "0")
+    peer = swarm.start_peer(
+        1,
+        "--max-request-mb",
+        "0.05",
+        "--bad-request-burst",
+        "3",
+        "--bad-request-refill-per-s",
+        "0.01",
+        "--metrics-port",
+        "0",
+    )
     swarm.wait_online([peer])
     peer_id = peer.log().split("peer ", 1)[1].split(" ", 1)[0]
     metrics_url = re.search(r"metrics on (http://\S+)", peer.log()).group(1)
@@ -121,8 +164,15 @@ def test_peer_refuses_oversized_requests_and_rate_limits_a_caller_that_keeps_sen
 
         async def backward(inputs):
             tensors = [("inputs", encode_tensor(inputs)), ("targets", encode_tensor(targets))]
-            return await client.call(peer_id, rpc="backward", stage=1, microbatch_id="m", batch_size=inputs.shape[0],
-                                     tensors=tensors, timeout_s=60)
+            return await client.call(
+                peer_id,
+                rpc="backward",
+                stage=1,
+                microbatch_id="m",
+                batch_size=inputs.shape[0],
+                tensors=tensors,
+                timeout_s=60,
+            )
 
         row_bytes = config.seq_len * config.d_model * 4
         assert 2 * row_bytes < 0.05 * (1 << 20) / 2
@@ -143,6 +193,8 @@ def test_peer_refuses_oversized_requests_and_rate_limits_a_caller_that_keeps_sen
         dht.shutdown()
     assert peer.alive
     metrics = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    refused = {kind: float(value) for kind, value in
-               re.findall(r'swarm_peer_request_failures_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)', metrics)}
+    refused = {
+        kind: float(value)
+        for kind, value in re.findall(r'swarm_peer_request_failures_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)', metrics)
+    }
     assert refused == {"too_large": 1.0, "bad_request": 2.0, "rate_limited": 1.0}, refused

@@ -30,13 +30,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dht.configuration import from_sources
 from peers.config import PeerConfig
 from peers.health import HealthConfig
+from process.config import from_sources
 from swarm.bootstrap import BootstrapConfig
 from swarm.cli import build_parser
-from swarm.config import TrainerConfig
 from swarm.monitor import MonitorConfig
+from swarm.trainer.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "localhost/swarm-test-base:bookworm"
@@ -64,8 +64,11 @@ def dockerfile_env() -> dict[str, str]:
 
 
 def unknown_variables(names, known: set[str]) -> list[str]:
-    return sorted(n for n in names if n not in known | CLI_VARIABLES and not (n in PENDING_OPTIONS and n not in
-                                                                              option_variables(PeerConfig)))
+    return sorted(
+        n
+        for n in names
+        if n not in known | CLI_VARIABLES and not (n in PENDING_OPTIONS and n not in option_variables(PeerConfig))
+    )
 
 
 # --- cheap checks --------------------------------------------------------------------------------------
@@ -85,8 +88,11 @@ def test_dockerfile_passes_hadolint():
 def test_the_image_gets_every_package_the_project_installs():
     with open(ROOT / "pyproject.toml", "rb") as f:
         patterns = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
-                      and any(p.name == pattern.rstrip("*") for pattern in patterns))
+    packages = sorted(
+        p.name
+        for p in ROOT.iterdir()
+        if (p / "__init__.py").exists() and any(p.name == pattern.rstrip("*") for pattern in patterns)
+    )
     assert packages, "no top-level packages found"
     dockerfile = (ROOT / "Dockerfile").read_text()
     allowed = (ROOT / ".dockerignore").read_text().split()
@@ -165,9 +171,17 @@ def test_compose_services_use_distinct_ports():
 
 
 def test_compose_mounts_the_monitoring_files():
-    mounts = [volume.split(":")[0] for service in compose_services().values() for volume in service.get("volumes", [])
-              if volume.startswith("./")]
-    assert {"./monitoring/prometheus.yml", "./monitoring/grafana/provisioning", "./monitoring/grafana/dashboards"} <= set(mounts)
+    mounts = [
+        volume.split(":")[0]
+        for service in compose_services().values()
+        for volume in service.get("volumes", [])
+        if volume.startswith("./")
+    ]
+    assert {
+        "./monitoring/prometheus.yml",
+        "./monitoring/grafana/provisioning",
+        "./monitoring/grafana/dashboards",
+    } <= set(mounts)
     if not (ROOT / "monitoring").exists():
         pytest.skip("monitoring/ is not in this build yet (issue 9)")
     missing = [m for m in mounts if not (ROOT / m).exists()]
@@ -196,14 +210,34 @@ def peer_image(tmp_path_factory) -> str:
         pytest.skip("image build skipped: needs root (buildah --isolation chroot, podman)")
     missing = [tool for tool in ("buildah", "podman", "runc", "mmdebstrap") if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"image build skipped: {', '.join(missing)} missing (apt-get install -y buildah podman runc mmdebstrap)")
+        pytest.skip(
+            f"image build skipped: {', '.join(missing)} missing (apt-get install -y buildah podman runc mmdebstrap)"
+        )
     logs = tmp_path_factory.mktemp("image")
     steps = [
         ("base image", ["docker/base_image.sh", BASE_IMAGE], {}),
         ("wheelhouse", ["docker/wheelhouse.sh", "cpu"], {"PYTHON": sys.executable}),
-        ("image build", ["buildah", "bud", "--pull=never", "--isolation", "chroot", "--format", "docker", "--layers",
-                         "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", "TORCH_VARIANT=cpu",
-                         "-t", IMAGE, "."], {}),
+        (
+            "image build",
+            [
+                "buildah",
+                "bud",
+                "--pull=never",
+                "--isolation",
+                "chroot",
+                "--format",
+                "docker",
+                "--layers",
+                "--build-arg",
+                f"BASE_IMAGE={BASE_IMAGE}",
+                "--build-arg",
+                "TORCH_VARIANT=cpu",
+                "-t",
+                IMAGE,
+                ".",
+            ],
+            {},
+        ),
     ]
     for name, cmd, env in steps:
         started = time.monotonic()
@@ -244,19 +278,35 @@ def test_image_runs_swarm_peer_as_a_non_root_user(peer_image):
     assert uid.stdout.strip() not in ("", "0"), uid.stdout + uid.stderr
 
     # Environment variables configure it, flags still override them, and a mistake is one plain line.
-    bad = run([*PODMAN_RUN, "--rm", "--network", "none", "-e", "SWARM_MODEL=tiny", "-e", "SWARM_STAGE=7", peer_image],
-              timeout_s=120)
+    bad = run(
+        [*PODMAN_RUN, "--rm", "--network", "none", "-e", "SWARM_MODEL=tiny", "-e", "SWARM_STAGE=7", peer_image],
+        timeout_s=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert without_systemd_noise(bad.stderr).strip().startswith("swarm peer: error:") and "7" in bad.stderr
-    overridden = run([*PODMAN_RUN, "--rm", "--network", "none", "-e", "SWARM_MODEL=nope", peer_image,
-                      "--model", "also-nope"], timeout_s=120)
+    overridden = run(
+        [*PODMAN_RUN, "--rm", "--network", "none", "-e", "SWARM_MODEL=nope", peer_image, "--model", "also-nope"],
+        timeout_s=120,
+    )
     assert overridden.returncode == 2 and "'also-nope'" in overridden.stderr
 
     inspected = json.loads(run(["podman", "image", "inspect", peer_image], timeout_s=60).stdout)[0]
     assert inspected["Healthcheck"]["Test"] == ["CMD", "python", "-m", "peers.health"]
     assert set(inspected["Config"]["ExposedPorts"]) >= {"31337/tcp"} and "/data" in inspected["Config"]["Volumes"]
-    corpus = run([*PODMAN_RUN, "--rm", "--network", "none", "--entrypoint", "test", peer_image,
-                  "-s", "/usr/share/common-licenses/GPL-3"], timeout_s=120)
+    corpus = run(
+        [
+            *PODMAN_RUN,
+            "--rm",
+            "--network",
+            "none",
+            "--entrypoint",
+            "test",
+            peer_image,
+            "-s",
+            "/usr/share/common-licenses/GPL-3",
+        ],
+        timeout_s=120,
+    )
     assert corpus.returncode == 0, "compose.yaml's trainer reads this file"
 
 
@@ -287,10 +337,32 @@ def test_a_peer_inside_the_container_serves_a_trainer_outside_it(peer_image, mak
     swarm.start_bootstrap()
     volume, name = containers("volume"), containers("container")
     assert run(["podman", "volume", "create", volume], timeout_s=60).returncode == 0
-    started = run([*PODMAN_RUN, "--detach", "--name", name, "--network", "host", "-v", f"{volume}:/data",
-                   "-e", "SWARM_INITIAL_PEERS=" + " ".join(swarm.initial_peers), "-e", "SWARM_MODEL=tiny",
-                   "-e", "SWARM_STAGE=0", "-e", "SWARM_NUM_STAGES=2", "-e", "SWARM_HOST_MADDRS=/ip4/127.0.0.1/tcp/0",
-                   peer_image, "--announce-period-s", "2"], timeout_s=120)
+    started = run(
+        [
+            *PODMAN_RUN,
+            "--detach",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "-v",
+            f"{volume}:/data",
+            "-e",
+            "SWARM_INITIAL_PEERS=" + " ".join(swarm.initial_peers),
+            "-e",
+            "SWARM_MODEL=tiny",
+            "-e",
+            "SWARM_STAGE=0",
+            "-e",
+            "SWARM_NUM_STAGES=2",
+            "-e",
+            "SWARM_HOST_MADDRS=/ip4/127.0.0.1/tcp/0",
+            peer_image,
+            "--announce-period-s",
+            "2",
+        ],
+        timeout_s=120,
+    )
     assert started.returncode == 0, started.stderr
     host_peer = swarm.start_peer(1)
     swarm.wait_online([host_peer])
@@ -298,8 +370,9 @@ def test_a_peer_inside_the_container_serves_a_trainer_outside_it(peer_image, mak
     peer_id = re.search(r"peer (\S+) online:", log).group(1)
 
     report = tmp_path / "report.json"
-    trainer = swarm.start_trainer("--steps", "3", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2",
-                                  "--report", str(report))
+    trainer = swarm.start_trainer(
+        "--steps", "3", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2", "--report", str(report)
+    )
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     assert json.loads(report.read_text())["microbatches_lost"] == 0
     wait_for_log(name, "first request served", timeout_s=30)
@@ -324,8 +397,28 @@ def test_a_peer_inside_the_container_serves_a_trainer_outside_it(peer_image, mak
 
     # The volume keeps the identity (same peer id) and the stage's checkpoint across a new container.
     again = containers("container")
-    assert run([*PODMAN_RUN, "--detach", "--name", again, "--network", "none", "-v", f"{volume}:/data",
-                "-e", "SWARM_MODEL=tiny", "-e", "SWARM_STAGE=0", "-e", "SWARM_NUM_STAGES=2", peer_image],
-               timeout_s=120).returncode == 0
+    assert (
+        run(
+            [
+                *PODMAN_RUN,
+                "--detach",
+                "--name",
+                again,
+                "--network",
+                "none",
+                "-v",
+                f"{volume}:/data",
+                "-e",
+                "SWARM_MODEL=tiny",
+                "-e",
+                "SWARM_STAGE=0",
+                "-e",
+                "SWARM_NUM_STAGES=2",
+                peer_image,
+            ],
+            timeout_s=120,
+        ).returncode
+        == 0
+    )
     log = wait_for_log(again, " online:", timeout_s=180)
     assert f"peer {peer_id} online:" in log and "restored stage 0 from /data/checkpoints/" in log

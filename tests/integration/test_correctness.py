@@ -9,9 +9,9 @@ import torch
 
 from models.config import get_model_config
 from models.stages import build_full_model, stage_spec
-from peers.checkpoint import checkpoint_path, load_checkpoint
-from peers.stage_runtime import OptimizerSettings
-from swarm.data import MicrobatchSampler, load_corpus
+from peers.compute.checkpoint import checkpoint_path, load_checkpoint
+from peers.compute.stage_runtime import OptimizerSettings
+from swarm.trainer.data import MicrobatchSampler, load_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -38,15 +38,37 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
     config = get_model_config("tiny")
     kind, lr = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
     ckpt = str(tmp_path / "ckpt")
-    swarm = make_swarm(num_stages=num_stages, peer_args=[
-        "--optimizer", kind, "--lr", str(lr), "--target-batch-size", str(BATCH), "--checkpoint-dir", ckpt,
-        "--activation-cache-size", str(cache_size)])
+    swarm = make_swarm(
+        num_stages=num_stages,
+        peer_args=[
+            "--optimizer",
+            kind,
+            "--lr",
+            str(lr),
+            "--target-batch-size",
+            str(BATCH),
+            "--checkpoint-dir",
+            ckpt,
+            "--activation-cache-size",
+            str(cache_size),
+        ],
+    )
     swarm.start_bootstrap()
     peers = [swarm.start_peer(stage) for stage in range(num_stages)]
     swarm.wait_online(peers)
     report_path = str(tmp_path / "report.json")
-    trainer = swarm.start_trainer("--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
-                                  "--num-stages", str(num_stages), "--report", report_path)
+    trainer = swarm.start_trainer(
+        "--steps",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--microbatch-size",
+        str(MICROBATCH),
+        "--num-stages",
+        str(num_stages),
+        "--report",
+        report_path,
+    )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
     for peer in peers:  # a clean exit writes each stage's checkpoint
         peer.stop()

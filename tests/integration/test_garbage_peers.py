@@ -12,8 +12,20 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]
-TRAIN_ARGS = ["--steps", str(STEPS), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2",
-              "--refresh-period-s", "1", "--seed", "3"]
+TRAIN_ARGS = [
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    "8",
+    "--microbatch-size",
+    "2",
+    "--num-stages",
+    "2",
+    "--refresh-period-s",
+    "1",
+    "--seed",
+    "3",
+]
 
 
 def peer_key(process) -> str:

@@ -16,23 +16,33 @@ from models.stages import build_full_model
 from tests.integration.test_bad_input import assert_one_line_error, run_cli
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["peer", "--model", "llama-1b", "--stage", "0", "--num-stages", "2", "--memory-limit-gb", "2"],
-     ["llama-1b stage 0/2", "does not fit", "--memory-limit-gb is 2.00 GiB", "serve fewer layers"]),
-    (["peer", "--model", "gpt2-124m", "--stage", "1", "--num-stages", "2", "--memory-limit-gb", "4"],
-     ["does not fit", "lower --max-batch-size"]),
-    (["peer", "--model", "tiny", "--stage", "0", "--device", "tpu"], ["--device 'tpu'", "auto"]),
-    (["peer", "--model", "tiny", "--stage", "0", "--init-weights", "/no/such.safetensors"], ["no such file"]),
-    (["peer", "--model", "tiny", "--stage", "0", "--num-layers", "many"], ["--num-layers 'many'"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (
+            ["peer", "--model", "llama-1b", "--stage", "0", "--num-stages", "2", "--memory-limit-gb", "2"],
+            ["llama-1b stage 0/2", "does not fit", "--memory-limit-gb is 2.00 GiB", "serve fewer layers"],
+        ),
+        (
+            ["peer", "--model", "gpt2-124m", "--stage", "1", "--num-stages", "2", "--memory-limit-gb", "4"],
+            ["does not fit", "lower --max-batch-size"],
+        ),
+        (["peer", "--model", "tiny", "--stage", "0", "--device", "tpu"], ["--device 'tpu'", "auto"]),
+        (["peer", "--model", "tiny", "--stage", "0", "--init-weights", "/no/such.safetensors"], ["no such file"]),
+        (["peer", "--model", "tiny", "--stage", "0", "--num-layers", "many"], ["--num-layers 'many'"]),
+    ],
+)
 def test_peers_refuse_what_cannot_work_in_one_line(args, fragments):
     assert_one_line_error(run_cli(*args), *fragments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_on_a_cpu_machine_is_refused():
-    assert_one_line_error(run_cli("peer", "--model", "tiny", "--stage", "0", "--device", "cuda"),
-                          "torch sees no CUDA GPU", "--device cpu or auto")
+    assert_one_line_error(
+        run_cli("peer", "--model", "tiny", "--stage", "0", "--device", "cuda"),
+        "torch sees no CUDA GPU",
+        "--device cpu or auto",
+    )
 
 
 @pytest.mark.slow
@@ -40,9 +50,23 @@ def test_relay_enabled_peers_on_cpu_serve_a_trainer(make_swarm, tmp_path):
     config = get_model_config("tiny")
     weights = str(tmp_path / "init.safetensors")
     save_full_weights(build_full_model(config, seed=11), weights)
-    swarm = make_swarm(num_stages=2, peer_args=[
-        "--use-relay", "--use-auto-relay", "--device", "auto", "--optimizer", "adamw8bit", "--init-weights", weights,
-        "--memory-limit-gb", "4", "--target-batch-size", "8"])
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=[
+            "--use-relay",
+            "--use-auto-relay",
+            "--device",
+            "auto",
+            "--optimizer",
+            "adamw8bit",
+            "--init-weights",
+            weights,
+            "--memory-limit-gb",
+            "4",
+            "--target-batch-size",
+            "8",
+        ],
+    )
     swarm.start_bootstrap()
     first = swarm.start_peer(0)
     swarm.wait_online([first])
@@ -50,8 +74,19 @@ def test_relay_enabled_peers_on_cpu_serve_a_trainer(make_swarm, tmp_path):
     second = swarm.start_peer(1, "--precision", "bf16", "--reachability-check", "always")
     swarm.wait_online([second])
     report = str(tmp_path / "report.json")
-    trainer = swarm.start_trainer("--steps", "2", "--batch-size", "8", "--microbatch-size", "4", "--num-stages", "2",
-                                  "--use-auto-relay", "--report", report)
+    trainer = swarm.start_trainer(
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--microbatch-size",
+        "4",
+        "--num-stages",
+        "2",
+        "--use-auto-relay",
+        "--report",
+        report,
+    )
     assert trainer.popen.wait(timeout=240) == 0, trainer.log()
     with open(report) as f:
         assert json.load(f)  # the trainer finished and wrote its report

@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-
 from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records
@@ -34,9 +33,24 @@ def peer_id_of(process) -> str:
 
 
 def run_plan(swarm, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.cli", "plan", "--from-dht", "--initial-peers",
-                           *swarm.initial_peers, "--model", "tiny", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "plan",
+            "--from-dht",
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--model",
+            "tiny",
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, tmp_path):
@@ -63,8 +77,9 @@ def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, t
                 assert 0 < link.rtt_ms < 1000 and link.bandwidth_gbps > 0.01  # loopback: well under a second
 
         out, topology_file = tmp_path / "plan.json", tmp_path / "measured.json"
-        completed = run_plan(swarm, "--out", str(out), "--publish", "--time-limit-s", "5",
-                             "--save-topology", str(topology_file))
+        completed = run_plan(
+            swarm, "--out", str(out), "--publish", "--time-limit-s", "5", "--save-topology", str(topology_file)
+        )
         assert completed.returncode == 0, completed.stderr[-3000:]
         assert "6 of 6 pairs measured" in completed.stdout and "0 estimated" in completed.stdout
 
@@ -106,9 +121,17 @@ def test_a_peer_started_with_stage_auto_joins_the_stage_the_published_plan_names
     dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
     try:
         now = get_dht_time()
-        plan = PlanRecord(model="tiny", num_stages=2, stages=((peer_id_of(first), newcomer_id), ("QmPlannedPeerNotStarted",)),
-                          total_s=1.0, data_parallel_s=0.25, pipeline_s=0.75, planner_id=dht.peer_id.to_base58(),
-                          created_at=now, expires_at=now + 300)
+        plan = PlanRecord(
+            model="tiny",
+            num_stages=2,
+            stages=((peer_id_of(first), newcomer_id), ("QmPlannedPeerNotStarted",)),
+            total_s=1.0,
+            data_parallel_s=0.25,
+            pipeline_s=0.75,
+            planner_id=dht.peer_id.to_base58(),
+            created_at=now,
+            expires_at=now + 300,
+        )
         assert publish_plan(dht, plan)
         assert stage_in_plan(fetch_plan(dht, "tiny"), newcomer_id) == 0
 

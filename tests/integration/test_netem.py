@@ -20,9 +20,13 @@ RTT_MS, MBIT = 80.0, 20.0
 
 
 def two_hosts() -> Topology:
-    return Topology(name="pair", regions=("east", "west"), intra_region=LinkSpec(rtt_ms=1.0, bandwidth_mbit=1000.0),
-                    links={frozenset(("east", "west")): LinkSpec(rtt_ms=RTT_MS, bandwidth_mbit=MBIT)},
-                    hosts={"a": "east", "b": "west"})
+    return Topology(
+        name="pair",
+        regions=("east", "west"),
+        intra_region=LinkSpec(rtt_ms=1.0, bandwidth_mbit=1000.0),
+        links={frozenset(("east", "west")): LinkSpec(rtt_ms=RTT_MS, bandwidth_mbit=MBIT)},
+        hosts={"a": "east", "b": "west"},
+    )
 
 
 def _our_state(net: EmulatedNetwork) -> dict:

@@ -12,8 +12,8 @@ from dht.announce import fetch_stage_records
 from dht.node import NetworkConfig, start_dht
 from dht.signing import load_identity, new_identity_file
 from models.config import get_model_config
-from peers.protocol import encode_tensor
-from swarm.client import FailureKind, PeerCallError, StageClient
+from swarm.trainer.client import FailureKind, PeerCallError, StageClient
+from wire.protocol import encode_tensor
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +28,27 @@ def test_a_private_peer_serves_only_allowed_peers(make_swarm, tmp_path):
     peer = swarm.start_peer(1, "--identity-path", paths["peer"], "--allowed-peers", ids["peer"], ids["trainer"])
     swarm.wait_online([peer])
     config = get_model_config("tiny")
-    allowed = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, identity_path=paths["trainer"],
-                                      allowed_peers=[ids["peer"], ids["trainer"]]), client_mode=True)
-    stranger = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, allowed_peers=[ids["trainer"]]),
-                         client_mode=True)
+    allowed = start_dht(
+        NetworkConfig(
+            initial_peers=swarm.initial_peers,
+            identity_path=paths["trainer"],
+            allowed_peers=[ids["peer"], ids["trainer"]],
+        ),
+        client_mode=True,
+    )
+    stranger = start_dht(
+        NetworkConfig(initial_peers=swarm.initial_peers, allowed_peers=[ids["trainer"]]), client_mode=True
+    )
 
     async def backward(dht):
         client = StageClient(await dht.replicate_p2p(), model="tiny", num_stages=2)
-        tensors = [("inputs", encode_tensor(torch.randn(2, config.seq_len, config.d_model))),
-                   ("targets", encode_tensor(torch.randint(0, config.vocab_size, (2, config.seq_len))))]
-        return await client.call(ids["peer"], rpc="backward", stage=1, microbatch_id="m", batch_size=2,
-                                 tensors=tensors, timeout_s=60)
+        tensors = [
+            ("inputs", encode_tensor(torch.randn(2, config.seq_len, config.d_model))),
+            ("targets", encode_tensor(torch.randint(0, config.vocab_size, (2, config.seq_len)))),
+        ]
+        return await client.call(
+            ids["peer"], rpc="backward", stage=1, microbatch_id="m", batch_size=2, tensors=tensors, timeout_s=60
+        )
 
     try:
         assert [r.peer_id for r in fetch_stage_records(allowed, "tiny", 1)] == [ids["peer"]]

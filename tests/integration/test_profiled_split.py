@@ -11,7 +11,7 @@ import torch
 from models.balanced_split import SplitCosts, balanced_split
 from models.config import get_model_config
 from models.stages import build_full_model, equal_boundaries
-from peers.checkpoint import checkpoint_path, load_checkpoint
+from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,10 @@ def test_profiled_split_trains_like_one_process_and_is_never_mixed(make_swarm, t
 
     kind, lr = "sgd", 0.5
     ckpt = str(tmp_path / "ckpt")
-    swarm = make_swarm(num_stages=2, peer_args=[
-        "--optimizer", kind, "--lr", str(lr), "--target-batch-size", str(BATCH), "--checkpoint-dir", ckpt])
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=["--optimizer", kind, "--lr", str(lr), "--target-batch-size", str(BATCH), "--checkpoint-dir", ckpt],
+    )
     swarm.start_bootstrap()
     first = swarm.start_peer(0, "--split-boundaries", flag)
     swarm.wait_online([first])
@@ -39,8 +41,18 @@ def test_profiled_split_trains_like_one_process_and_is_never_mixed(make_swarm, t
     swarm.wait_online([adopter])
 
     report_path = str(tmp_path / "report.json")
-    trainer = swarm.start_trainer("--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
-                                  "--num-stages", "2", "--report", report_path)
+    trainer = swarm.start_trainer(
+        "--steps",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--microbatch-size",
+        str(MICROBATCH),
+        "--num-stages",
+        "2",
+        "--report",
+        report_path,
+    )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
     for peer in (first, adopter):  # a clean exit writes each stage's checkpoint
         peer.stop()

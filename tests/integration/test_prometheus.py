@@ -19,15 +19,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from peers.metrics import free_port
+from process.metrics_http import free_port
 from tests.integration.polling import wait_for
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed "
-                                    "(apt-get install -y prometheus)")
-needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed "
-                                      "(apt-get install -y prometheus)")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (apt-get install -y prometheus)"
+)
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="the prometheus server is not installed (apt-get install -y prometheus)"
+)
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -36,9 +38,11 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 @needs_promtool
 def test_promtool_accepts_the_config_and_the_rules():
-    for args in (["check", "config", str(MONITORING / "prometheus.yml")],
-                 ["check", "rules", str(MONITORING / "alerts.yml")],
-                 ["test", "rules", str(MONITORING / "alerts_test.yml")]):
+    for args in (
+        ["check", "config", str(MONITORING / "prometheus.yml")],
+        ["check", "rules", str(MONITORING / "alerts.yml")],
+        ["test", "rules", str(MONITORING / "alerts_test.yml")],
+    ):
         result = promtool(*args)
         assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
         assert "SUCCESS" in result.stdout + result.stderr
@@ -48,8 +52,11 @@ def test_promtool_accepts_the_config_and_the_rules():
 def test_every_dashboard_query_is_valid_promql(tmp_path):
     board = json.loads((MONITORING / "grafana" / "dashboards" / "swarm.json").read_text())
     exprs = [t["expr"].replace("$__rate_interval", "1m") for p in board["panels"] for t in p.get("targets", [])]
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": e}
-                                                        for i, e in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": e} for i, e in enumerate(exprs)]}
+        ]
+    }
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump(rules))
     result = promtool("check", "rules", str(path))
@@ -82,9 +89,18 @@ def run_prometheus(tmp_path):
         config_path.write_text(yaml.safe_dump(config))
         port = free_port()
         log = open(tmp_path / "prometheus.log", "w")
-        popen = subprocess.Popen([PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                  f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        popen = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         started.append(popen)
         return f"http://127.0.0.1:{port}"
@@ -112,14 +128,32 @@ def test_prometheus_scrapes_a_live_swarm(make_swarm, run_prometheus, tmp_path):
     targets_dir = tmp_path / "targets"
     targets_dir.mkdir()
     monitor = swarm.start_monitor("--out", str(targets_dir / "peers.json"), "--period-s", "1")
-    wait_for(lambda: (targets_dir / "peers.json").exists()
-             and sum(len(g["targets"]) for g in json.loads((targets_dir / "peers.json").read_text())) == 2,
-             60, f"two targets in the file_sd file\n{monitor.log()}")
+    wait_for(
+        lambda: (
+            (targets_dir / "peers.json").exists()
+            and sum(len(g["targets"]) for g in json.loads((targets_dir / "peers.json").read_text())) == 2
+        ),
+        60,
+        f"two targets in the file_sd file\n{monitor.log()}",
+    )
 
-    trainer = swarm.start_trainer("--steps", "100000", "--batch-size", "4", "--microbatch-size", "2",
-                                  "--max-in-flight", "1", "--num-stages", "2", "--metrics-port", "0")
-    trainer_addr = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", trainer.log()), 60,
-                            "the trainer's metrics address").group(1)
+    trainer = swarm.start_trainer(
+        "--steps",
+        "100000",
+        "--batch-size",
+        "4",
+        "--microbatch-size",
+        "2",
+        "--max-in-flight",
+        "1",
+        "--num-stages",
+        "2",
+        "--metrics-port",
+        "0",
+    )
+    trainer_addr = wait_for(
+        lambda: re.search(r"metrics on http://(\S+)/metrics", trainer.log()), 60, "the trainer's metrics address"
+    ).group(1)
 
     # the shipped configuration, with the test's paths, the trainer's address and 1 s intervals
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
@@ -133,24 +167,39 @@ def test_prometheus_scrapes_a_live_swarm(make_swarm, run_prometheus, tmp_path):
     def log_tail() -> str:
         return (tmp_path / "prometheus.log").read_text()[-2000:]
 
-    by_stage = wait_for(lambda: {r["metric"].get("stage"): r for r in query(base, "swarm_peer_requests_total > 0")
-                                 if r["metric"]["rpc"] == "backward"}.keys() >= {"0", "1"}
-                        and query(base, "swarm_peer_requests_total > 0"), 90,
-                        f"requests counted by both peers to be scraped\n{log_tail()}")
+    by_stage = wait_for(
+        lambda: (
+            {
+                r["metric"].get("stage"): r
+                for r in query(base, "swarm_peer_requests_total > 0")
+                if r["metric"]["rpc"] == "backward"
+            }.keys()
+            >= {"0", "1"}
+            and query(base, "swarm_peer_requests_total > 0")
+        ),
+        90,
+        f"requests counted by both peers to be scraped\n{log_tail()}",
+    )
     peer_series = by_stage[0]["metric"]
     assert peer_series["job"] == "swarm-peer" and peer_series["swarm_model"] == "tiny"  # labels from file_sd
     assert peer_series["swarm_stage"] == peer_series["stage"]
 
-    step = wait_for(lambda: query(base, 'swarm_trainer_step{job="swarm-trainer"} > 0'), 60,
-                    f"the trainer's step to be scraped\n{trainer.log()[-2000:]}\n{log_tail()}")
+    step = wait_for(
+        lambda: query(base, 'swarm_trainer_step{job="swarm-trainer"} > 0'),
+        60,
+        f"the trainer's step to be scraped\n{trainer.log()[-2000:]}\n{log_tail()}",
+    )
     assert float(step[0]["value"][1]) >= 1
     replicas = {r["metric"]["stage"]: float(r["value"][1]) for r in query(base, "swarm_trainer_live_replicas")}
     assert replicas == {"0": 1.0, "1": 1.0}
 
     active = api(base, "/api/v1/targets")["activeTargets"]
     assert sorted(t["labels"]["job"] for t in active) == ["swarm-peer", "swarm-peer", "swarm-trainer"]
-    wait_for(lambda: all(t["health"] == "up" for t in api(base, "/api/v1/targets")["activeTargets"]), 30,
-             "every target to be up")
+    wait_for(
+        lambda: all(t["health"] == "up" for t in api(base, "/api/v1/targets")["activeTargets"]),
+        30,
+        "every target to be up",
+    )
 
     def evaluated_rules():
         rules = [r for g in api(base, "/api/v1/rules")["groups"] for r in g["rules"]]

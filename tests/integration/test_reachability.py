@@ -23,14 +23,16 @@ def closed_port() -> int:
 def test_dial_back_says_reachable_for_the_real_address_and_not_for_a_dead_one():
     async def main():
         helper = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        asker = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                 initial_peers=[str(m) for m in await helper.get_visible_maddrs()])
+        asker = await P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in await helper.get_visible_maddrs()]
+        )
         try:
             await DialBackService(dial_timeout_s=5).register(helper)
             helper_id = helper.peer_id.to_base58()
             good = await check_reachability(asker, [helper_id], timeout_s=30)
-            bad = await check_reachability(asker, [helper_id], maddrs=[f"/ip4/127.0.0.1/tcp/{closed_port()}"],
-                                           timeout_s=30)
+            bad = await check_reachability(
+                asker, [helper_id], maddrs=[f"/ip4/127.0.0.1/tcp/{closed_port()}"], timeout_s=30
+            )
             nobody = await check_reachability(asker, [], timeout_s=5)
             return good, bad, nobody
         finally:

@@ -18,9 +18,24 @@ REBALANCING = ["--rebalance-period-s", "3", "--rebalance-min-gain", "0.2", "--an
 
 def online_per_stage(swarm, num_stages: int = 2) -> list[int]:
     """What the DHT says, through the same `swarm status` a user runs."""
-    out = subprocess.run([sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *swarm.initial_peers,
-                          "--model", swarm.model, "--num-stages", str(num_stages), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "status",
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--model",
+            swarm.model,
+            "--num-stages",
+            str(num_stages),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     stages = json.loads(out.stdout)["stages"]
     return [sum(r["state"] == "online" for r in stages[str(s)]) for s in range(num_stages)]
@@ -37,10 +52,25 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
     report_path = tmp_path / "report.json"
     # 16 microbatches a step: on an idle machine 80 steps of 4 microbatches took under 5 s, which can
     # end before the move (a peer considers moving after 20 served requests and a 3 s period).
-    trainer = swarm.start_trainer("--steps", "80", "--batch-size", "32", "--microbatch-size", "2", "--num-stages", "2",
-                                  "--refresh-period-s", "1", "--report", str(report_path))
-    moved = wait_for(lambda: [p for p in peers if "moved from stage 0 to stage 1" in p.log()], 40,
-                     "a stage-0 peer to move to stage 1")
+    trainer = swarm.start_trainer(
+        "--steps",
+        "80",
+        "--batch-size",
+        "32",
+        "--microbatch-size",
+        "2",
+        "--num-stages",
+        "2",
+        "--refresh-period-s",
+        "1",
+        "--report",
+        str(report_path),
+    )
+    moved = wait_for(
+        lambda: [p for p in peers if "moved from stage 0 to stage 1" in p.log()],
+        40,
+        "a stage-0 peer to move to stage 1",
+    )
     assert trainer.alive, trainer.log()[-3000:]
     wait_for(lambda: online_per_stage(swarm) == [2, 2], 20, "the DHT to show 2 online peers on each stage")
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
@@ -52,8 +82,9 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
     # One coordinated move, no herd and no moving back.
     assert len(moved) == 1 and sum(len(re.findall("rebalancing: moving", p.log())) for p in peers) == 1
     assert online_per_stage(swarm) == [2, 2]
-    assert re.search(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps done\)", moved[0].log()), \
-        moved[0].log()[-2000:]
+    assert re.search(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps done\)", moved[0].log()), moved[
+        0
+    ].log()[-2000:]
 
 
 def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm, tmp_path):
@@ -62,19 +93,46 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
     # Stage 1's only peer is slowed down so that stage 1 is clearly the thinnest (the one the standby holds).
     peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1, "--fault-slowdown", "3")]
     swarm.wait_online(peers)
-    standby = swarm.start_peer("auto", "--standby", "--standby-refresh-s", "2", "--standby-check-s", "0.5",
-                               "--standby-take-over-fraction", "0", name="peer-standby")
+    standby = swarm.start_peer(
+        "auto",
+        "--standby",
+        "--standby-refresh-s",
+        "2",
+        "--standby-check-s",
+        "0.5",
+        "--standby-take-over-fraction",
+        "0",
+        name="peer-standby",
+    )
     wait_for(lambda: "standby for stage 1" in standby.log(), 60, "the standby to pick the thinnest stage, 1")
     report_path = tmp_path / "report.json"
-    trainer = swarm.start_trainer("--steps", "30", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2",
-                                  "--refresh-period-s", "1", "--report", str(report_path))
+    trainer = swarm.start_trainer(
+        "--steps",
+        "30",
+        "--batch-size",
+        "8",
+        "--microbatch-size",
+        "2",
+        "--num-stages",
+        "2",
+        "--refresh-period-s",
+        "1",
+        "--report",
+        str(report_path),
+    )
     wait_for(lambda: trainer_step(trainer) >= 8, 90, "8 trainer steps")
-    wait_for(lambda: len(re.findall(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps", standby.log())) > 0,
-             30, "the standby to hold a copy of stage 1 with steps done")
+    wait_for(
+        lambda: len(re.findall(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps", standby.log())) > 0,
+        30,
+        "the standby to hold a copy of stage 1 with steps done",
+    )
     assert " online:" not in standby.log()  # it served nothing so far
     peers[2].signal(9)  # SIGKILL the only stage-1 replica
-    wait_for(lambda: "standby: taking over stage 1" in standby.log() and " online:" in standby.log(), 30,
-             "the standby to take over stage 1")
+    wait_for(
+        lambda: "standby: taking over stage 1" in standby.log() and " online:" in standby.log(),
+        30,
+        "the standby to take over stage 1",
+    )
     held = int(re.search(r"taking over stage 1 .* (\d+) steps done", standby.log()).group(1))
     assert held > 0, standby.log()[-2000:]
     assert trainer.popen.wait(timeout=150) == 0, trainer.log()[-3000:]

@@ -14,9 +14,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.config import get_model_config
-from peers.checkpoint import checkpoint_path, load_checkpoint
-from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
+from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from tests.integration.polling import wait_for
+from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,11 @@ def scrape(peer) -> dict[tuple[str, tuple], float]:
     assert match, peer.log()[-2000:]
     with urllib.request.urlopen(match.group(1), timeout=10) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def averaging_sample(metrics: dict, name: str, **labels) -> float | None:
@@ -65,15 +68,20 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
     so they agree only within the codec's rounding (documented at --averaging-compression), for
     half (fp16) or about a quarter (int8, plus a codebook per tensor part) of the bytes."""
     tolerance, (min_bytes_per_value, max_bytes_per_value) = SYNC_COMPRESSIONS[compression]
-    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync",
-                                                "--averaging-compression", compression])
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--averaging-compression", compression],
+    )
     swarm.start_bootstrap()
-    peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
-             swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
-             swarm.start_peer(1, "--checkpoint-dir", str(tmp_path / "c"))]
+    peers = [
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
+        swarm.start_peer(1, "--checkpoint-dir", str(tmp_path / "c")),
+    ]
     swarm.wait_online(peers)
-    report = run_trainer(swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH),
-                         "--microbatch-size", str(MICROBATCH))
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
+    )
     replica_metrics = [scrape(peer) for peer in peers[:2]]
     for peer in peers:
         peer.stop()
@@ -99,8 +107,11 @@ PERIOD = ["--averaging-period-s", "3"]
 OUTER = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]
 
 
-@pytest.mark.parametrize("schedule, outer", [(PERIOD, []), (PERIOD, OUTER), (["--averaging-every-steps", "2"], [])],
-                         ids=["plain", "outer-step", "every-2-steps"])
+@pytest.mark.parametrize(
+    "schedule, outer",
+    [(PERIOD, []), (PERIOD, OUTER), (["--averaging-every-steps", "2"], [])],
+    ids=["plain", "outer-step", "every-2-steps"],
+)
 def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, tmp_path, schedule, outer):
     """Plain averaging, and with a DiLoCo outer step: replicas that took part in every round share
     anchor and momentum, so they also hold equal parameters after the outer step. By steps, each
@@ -110,21 +121,29 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "4", "--lr", "3e-3"])
     swarm.start_bootstrap()
     periodic = ["--averaging", "periodic", *schedule, *outer]
-    replicas = [swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "a")),
-                swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "b"))]
+    replicas = [
+        swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "a")),
+        swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "b")),
+    ]
     last = swarm.start_peer(1)
     swarm.wait_online([*replicas, last])
     run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2")
     by_steps = "--averaging-every-steps" in schedule
     if by_steps:
         for peer in replicas:
-            rounds = re.findall(r"averaged parameters with 1 other replica\(s\) \(round (\d+); (\d+) steps done\)",
-                                peer.log())
+            rounds = re.findall(
+                r"averaged parameters with 1 other replica\(s\) \(round (\d+); (\d+) steps done\)", peer.log()
+            )
             assert rounds == [("1", "2"), ("2", "4")], peer.log()[-2000:]
     else:
         rounds_after_training = [len(re.findall("averaged parameters", p.log())) for p in replicas]
-        wait_for(lambda: all(len(re.findall("averaged parameters", p.log())) > n
-                             for p, n in zip(replicas, rounds_after_training)), 30, "an averaging round after training")
+        wait_for(
+            lambda: all(
+                len(re.findall("averaged parameters", p.log())) > n for p, n in zip(replicas, rounds_after_training)
+            ),
+            30,
+            "an averaging round after training",
+        )
     for peer in replicas:
         peer.stop()
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
@@ -174,14 +193,30 @@ def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     path = checkpoint_path(str(ckpt), "tiny", 0, 2)
-    from peers.stage_runtime import StageRuntime
+    from peers.compute.stage_runtime import StageRuntime
+
     StageRuntime(get_model_config("tiny"), 0, 2).save(path, "tiny")
     data = open(path, "rb").read()
     for damaged in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint"):
         with open(path, "wb") as f:
             f.write(damaged)
-        result = subprocess.run([sys.executable, "-m", "swarm.cli", "peer", "--model", "tiny", "--stage", "0",
-                                 "--checkpoint-dir", str(ckpt)], capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "swarm.cli",
+                "peer",
+                "--model",
+                "tiny",
+                "--stage",
+                "0",
+                "--checkpoint-dir",
+                str(ckpt),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert re.search(r"corrupted or truncated|not a swarm checkpoint", result.stderr), result.stderr
 

@@ -20,8 +20,15 @@ from dht.signing import identity_of
 
 
 def record_of(peer_id: str, *, state: PeerState, throughput: float) -> PeerRecord:
-    return PeerRecord(peer_id=peer_id, model="tiny", stage=0, num_stages=2, state=state, throughput=throughput,
-                      expires_at=get_dht_time() + 60)
+    return PeerRecord(
+        peer_id=peer_id,
+        model="tiny",
+        stage=0,
+        num_stages=2,
+        state=state,
+        throughput=throughput,
+        expires_at=get_dht_time() + 60,
+    )
 
 
 def entries_seen_by(node, key: str) -> dict:
@@ -53,8 +60,9 @@ def test_forged_records_for_another_peer_are_rejected():
         # A forger that signs with its own key, and one that runs no validators at all (so its own
         # storage keeps whatever it writes and serves it to readers).
         attacker_key = RSAPrivateKey()
-        signing_forger = hivemind.DHT(initial_peers=initial_peers, start=True,
-                                      record_validators=[RSASignatureValidator(attacker_key)])
+        signing_forger = hivemind.DHT(
+            initial_peers=initial_peers, start=True, record_validators=[RSASignatureValidator(attacker_key)]
+        )
         raw_forger = hivemind.DHT(initial_peers=initial_peers, start=True)
         nodes += [signing_forger, raw_forger]
         forged = record_of(victim_id, state=PeerState.OFFLINE, throughput=1e9).to_wire()
@@ -73,8 +81,11 @@ def test_forged_records_for_another_peer_are_rejected():
         # bytes one with the same expiration makes the forger's own store raise TypeError.
         stored = []
         for forger, subkey, expiration in forgeries:
-            stored.append(forger.store(key, subkey=subkey, value=forged, expiration_time=expiration,
-                                       return_future=True).result(timeout=15))
+            stored.append(
+                forger.store(key, subkey=subkey, value=forged, expiration_time=expiration, return_future=True).result(
+                    timeout=15
+                )
+            )
         assert stored[0], "the forger could not even store a record under its own key: the test proves nothing"
 
         reader = start_dht(NetworkConfig(initial_peers=initial_peers), client_mode=True)

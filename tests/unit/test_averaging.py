@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from models.config import get_model_config
-from peers.averaging import (COMPRESSIONS, AveragingRound, GradientSync, ParameterAveraging,
-                             allreduce_bytes_each_way, wire_bytes_per_value)
-from peers.averaging_schedule import AveragingSchedule
+from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
 from peers.metrics import PeerMetrics
-from peers.stage_runtime import OptimizerSettings, StageRuntime
+from peers.replicas.averaging import (
+    COMPRESSIONS,
+    AveragingRound,
+    GradientSync,
+    ParameterAveraging,
+    allreduce_bytes_each_way,
+    wire_bytes_per_value,
+)
+from peers.replicas.averaging_schedule import AveragingSchedule
 
 
 def test_a_replica_alone_moves_nothing_and_a_pair_moves_its_whole_tensor_each_way():
@@ -42,7 +48,9 @@ def test_averaging_rounds_and_bytes_are_counted_per_mode():
     assert r.get_sample_value("swarm_peer_averaging_rounds_total", {"mode": "periodic", "result": "ok"}) == 2
     assert r.get_sample_value("swarm_peer_averaging_rounds_total", {"mode": "periodic", "result": "failed"}) == 1
     for direction in ("sent", "received"):
-        assert r.get_sample_value("swarm_peer_averaging_bytes_total", {"mode": "periodic", "direction": direction}) == 900
+        assert (
+            r.get_sample_value("swarm_peer_averaging_bytes_total", {"mode": "periodic", "direction": direction}) == 900
+        )
     assert r.get_sample_value("swarm_peer_averaging_group_size", {"mode": "periodic"}) == 3
 
 

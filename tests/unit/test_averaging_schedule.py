@@ -1,12 +1,12 @@
-"""When periodic averaging meets (peers/averaging_schedule.py) and how the peer's flags choose it."""
+"""When periodic averaging meets (peers/replicas/averaging_schedule.py) and how the peer's flags choose it."""
 
 from __future__ import annotations
 
 import pytest
 
-from dht.configuration import ConfigError
-from peers.averaging_schedule import AveragingSchedule
 from peers.config import PeerConfig
+from peers.replicas.averaging_schedule import AveragingSchedule
+from process.config import ConfigError
 
 
 def test_by_steps_a_round_follows_every_kth_step_and_no_other():
@@ -39,12 +39,15 @@ def test_the_peer_flags_pick_one_schedule():
     assert by_steps.averaging_schedule == AveragingSchedule(every_steps=2) and by_steps.averaging_period_s is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"averaging": "periodic", "averaging_every_steps": 2, "averaging_period_s": 5.0}, "give one"),
-    ({"averaging": "sync", "averaging_every_steps": 2}, "use it with --averaging periodic"),
-    ({"averaging": "periodic", "averaging_every_steps": 0}, "at least 1"),
-    ({"averaging": "periodic", "averaging_period_s": -1.0}, "must be positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"averaging": "periodic", "averaging_every_steps": 2, "averaging_period_s": 5.0}, "give one"),
+        ({"averaging": "sync", "averaging_every_steps": 2}, "use it with --averaging periodic"),
+        ({"averaging": "periodic", "averaging_every_steps": 0}, "at least 1"),
+        ({"averaging": "periodic", "averaging_period_s": -1.0}, "must be positive"),
+    ],
+)
 def test_a_bad_schedule_is_refused_in_one_line(kwargs, message):
     with pytest.raises(ConfigError, match=message) as error:
         PeerConfig(stage=0, **kwargs)

@@ -30,9 +30,12 @@ def random_case(rng: np.random.Generator):
     # Integer-valued costs make exact ties common, which is where tie-breaking bugs hide.
     integer = rng.random() < 0.5
     draw = (lambda size: rng.integers(0, 6, size).astype(float)) if integer else (lambda size: rng.random(size) * 5)
-    costs = SplitCosts(block_s=tuple(draw(num_blocks)), first_extra_s=float(draw(1)[0]),
-                       last_extra_s=float(draw(1)[0]),
-                       cut_s=tuple(draw(num_blocks - 1)) if rng.random() < 0.5 else None)
+    costs = SplitCosts(
+        block_s=tuple(draw(num_blocks)),
+        first_extra_s=float(draw(1)[0]),
+        last_extra_s=float(draw(1)[0]),
+        cut_s=tuple(draw(num_blocks - 1)) if rng.random() < 0.5 else None,
+    )
     speeds = tuple(rng.choice([0.5, 1.0, 2.0, 3.0], size=num_stages)) if rng.random() < 0.5 else None
     return costs, num_stages, speeds
 
@@ -80,16 +83,19 @@ def test_transfer_cost_discourages_interior_stages_from_taking_less():
     assert split.bottleneck_s == pytest.approx(brute_force(costs, 3)[0])
 
 
-@pytest.mark.parametrize("kwargs, num_stages, speeds, message", [
-    (dict(block_s=()), 1, None, "at least one block"),
-    (dict(block_s=(1.0, -1.0)), 1, None, ">= 0"),
-    (dict(block_s=(1.0, float("nan"))), 1, None, ">= 0"),
-    (dict(block_s=(1.0, 1.0), cut_s=(1.0, 1.0)), 1, None, "one entry per cut"),
-    (dict(block_s=(1.0, 1.0)), 3, None, "at most 2"),
-    (dict(block_s=(1.0, 1.0)), 0, None, "at least 1"),
-    (dict(block_s=(1.0, 1.0)), 2, [1.0], "one speed per stage"),
-    (dict(block_s=(1.0, 1.0)), 2, [1.0, 0.0], "positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, num_stages, speeds, message",
+    [
+        (dict(block_s=()), 1, None, "at least one block"),
+        (dict(block_s=(1.0, -1.0)), 1, None, ">= 0"),
+        (dict(block_s=(1.0, float("nan"))), 1, None, ">= 0"),
+        (dict(block_s=(1.0, 1.0), cut_s=(1.0, 1.0)), 1, None, "one entry per cut"),
+        (dict(block_s=(1.0, 1.0)), 3, None, "at most 2"),
+        (dict(block_s=(1.0, 1.0)), 0, None, "at least 1"),
+        (dict(block_s=(1.0, 1.0)), 2, [1.0], "one speed per stage"),
+        (dict(block_s=(1.0, 1.0)), 2, [1.0, 0.0], "positive"),
+    ],
+)
 def test_bad_input_is_refused_with_a_reason(kwargs, num_stages, speeds, message):
     with pytest.raises(BalancedSplitError, match=message):
         balanced_split(SplitCosts(**kwargs), num_stages, speeds)

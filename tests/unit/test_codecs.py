@@ -1,4 +1,4 @@
-"""Round trips, error bounds, compression ratios and strict decoding of swarm.compression codecs."""
+"""Round trips, error bounds, compression ratios and strict decoding of wire.compression codecs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from swarm.compression import (
+from wire.compression import (
     BlockwiseInt8Codec,
     ByteCounter,
     CodecError,
@@ -26,7 +26,7 @@ from swarm.compression import (
     get_codec,
     known_codecs,
 )
-from swarm.compression.base import DEFAULT_MAX_PART_BYTES, MAX_NUMEL
+from wire.compression.base import DEFAULT_MAX_PART_BYTES, MAX_NUMEL
 
 SMALL_PARTS = 8192  # forces several parts on small tensors
 ALL_CODECS = [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.1})]
@@ -427,13 +427,13 @@ def test_byte_counter_counts_per_codec_across_threads():
 
 
 def test_compression_is_a_leaf_package():
-    """Peers import swarm.compression; it must not pull in the trainer or other project packages."""
+    """Peers import wire.compression; it must not pull in the trainer or other project packages."""
     import ast
     import pathlib
 
-    import swarm.compression
+    import wire.compression
 
-    package = pathlib.Path(swarm.compression.__file__).parent
+    package = pathlib.Path(wire.compression.__file__).parent
     project_roots = {"swarm", "peers", "dht", "models"}
     for module in package.glob("*.py"):
         for node in ast.walk(ast.parse(module.read_text())):
@@ -442,4 +442,4 @@ def test_compression_is_a_leaf_package():
                 names = [node.module or ""]
             for name in names:
                 if name.split(".")[0] in project_roots:
-                    assert name.startswith("swarm.compression"), f"{module.name} imports {name}"
+                    assert name.startswith("wire.compression"), f"{module.name} imports {name}"

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.compression import LinkBandwidthMeter, LinkEstimate, choose_codec, encode
-from swarm.compression.adaptive import (
+from wire.compression import LinkBandwidthMeter, LinkEstimate, choose_codec, encode
+from wire.compression.adaptive import (
     MIN_TOPK_FRACTION_ACTIVATION,
     MIN_TOPK_FRACTION_GRADIENT,
     estimated_nbytes,
@@ -49,8 +49,9 @@ def test_a_link_somewhat_too_slow_for_the_target_keeps_int8_rather_than_lossy_to
     # 10 Mbit/s: int8 (0.53 MB) takes 0.42 s, 2.1x the 0.2 s target; within the default 4x slack.
     choice = choose_codec(link(1.25 * MB, 0.05), ACTIVATION_BYTES, target_transfer_s=0.2, is_gradient=True)
     assert choice.codec == "int8"
-    strict = choose_codec(link(1.25 * MB, 0.05), ACTIVATION_BYTES, target_transfer_s=0.2, is_gradient=True,
-                          topk_slack=1.0)
+    strict = choose_codec(
+        link(1.25 * MB, 0.05), ACTIVATION_BYTES, target_transfer_s=0.2, is_gradient=True, topk_slack=1.0
+    )
     assert strict.codec == "topk"
 
 

@@ -11,8 +11,8 @@ from hivemind.proto import runtime_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarm.compression import BlockwiseInt8Codec, CodecError, EncodedTensor, TensorHeader, decode, get_codec
-from swarm.compression.base import SUPPORTED_DTYPES
+from wire.compression import BlockwiseInt8Codec, CodecError, EncodedTensor, TensorHeader, decode, get_codec
+from wire.compression.base import SUPPORTED_DTYPES
 
 CODECS = [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.3})]
 # SWARM_CODEC_FUZZ_EXAMPLES=5000 turns these into a longer fuzzing run.

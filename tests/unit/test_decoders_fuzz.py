@@ -18,29 +18,61 @@ from hypothesis import strategies as st
 from dht.keys import parse_peer_subkey
 from dht.records import PeerRecord, PeerState, SplitRecord, parse_records, parse_split_records
 from dht.signing import owned_entries
-from peers.checkpoint import MAGIC, CheckpointError, CheckpointMeta, deserialize_state, serialize_state
-from peers.protocol import (CommitRequest, CommitResponse, ProtocolError, RequestHeader, ResponseHeader, StateHeader,
-                            StateRequest, TensorMeta, decode_header, decode_tensors, encode_header, from_wire,
-                            pack_named)
+from peers.compute.checkpoint import MAGIC, CheckpointError, CheckpointMeta, deserialize_state, serialize_state
+from wire.protocol import (
+    CommitRequest,
+    CommitResponse,
+    ProtocolError,
+    RequestHeader,
+    ResponseHeader,
+    StateHeader,
+    StateRequest,
+    TensorMeta,
+    decode_header,
+    decode_tensors,
+    encode_header,
+    from_wire,
+    pack_named,
+)
 
-FUZZ = settings(max_examples=int(os.environ.get("SWARM_FUZZ_EXAMPLES", "150")), deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=int(os.environ.get("SWARM_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 HEADERS = [RequestHeader, ResponseHeader, CommitRequest, CommitResponse, StateRequest, StateHeader]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=40),
-                    st.binary(max_size=40))
-json_like = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                                          st.dictionaries(st.text(max_size=12), inner, max_size=6)),
-                         max_leaves=20)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+)
+json_like = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=12), inner, max_size=6)),
+    max_leaves=20,
+)
 
 
 def valid_request() -> RequestHeader:
     metas, _ = pack_named([("inputs", torch.randn(2, 4, 8)), ("targets", torch.randint(0, 9, (2, 4)))])
-    return RequestHeader(rpc="backward", model="tiny", stage=1, num_stages=2, microbatch_id="r:0:1", batch_size=2,
-                         tensors=metas, response_codec="int8")
+    return RequestHeader(
+        rpc="backward",
+        model="tiny",
+        stage=1,
+        num_stages=2,
+        microbatch_id="r:0:1",
+        batch_size=2,
+        tensors=metas,
+        response_codec="int8",
+    )
 
 
 # --- wire headers ----------------------------------------------------------------------------------
+
 
 @FUZZ
 @given(cls=st.sampled_from(HEADERS), data=st.binary(max_size=512))
@@ -76,8 +108,24 @@ def test_any_msgpack_value_as_a_header_gives_a_protocol_error_or_a_valid_header(
 
 
 @FUZZ
-@given(fields=st.dictionaries(st.sampled_from(["rpc", "model", "stage", "num_stages", "microbatch_id", "batch_size",
-                                               "tensors", "response_codec", "response_codec_params"]), json_like))
+@given(
+    fields=st.dictionaries(
+        st.sampled_from(
+            [
+                "rpc",
+                "model",
+                "stage",
+                "num_stages",
+                "microbatch_id",
+                "batch_size",
+                "tensors",
+                "response_codec",
+                "response_codec_params",
+            ]
+        ),
+        json_like,
+    )
+)
 def test_request_headers_with_wrong_field_types_give_a_protocol_error(fields):
     raw = {**valid_request().model_dump(mode="json"), **fields}
     try:
@@ -88,23 +136,40 @@ def test_request_headers_with_wrong_field_types_give_a_protocol_error(fields):
 
 # --- tensors: metas + parts ------------------------------------------------------------------------
 
-metas = st.builds(lambda name, codec, shape, dtype, num_parts, params: dict(
-    name=name, codec=codec, shape=shape, dtype=dtype, num_parts=num_parts, params=params),
-    st.sampled_from(["inputs", "targets", "grad_outputs", "x"]), st.sampled_from(["none", "fp16", "int8", "topk", "zz"]),
-    st.lists(st.integers(-2, 9), max_size=4), st.sampled_from(["float32", "int64", "float16", "bfloat16", "bogus"]),
-    st.integers(0, 3), st.dictionaries(st.sampled_from(["fraction", "exponent", "blocksize", "q"]),
-                                       st.one_of(st.integers(-5, 5000), st.floats(), st.text(max_size=5)), max_size=3))
-parts = st.lists(st.builds(lambda buffer, dtype, size: runtime_pb2.Tensor(buffer=buffer, dtype=dtype, size=size),
-                           st.binary(max_size=256), st.sampled_from(["", "float32", "int64", "uint8", "junk"]),
-                           st.lists(st.integers(0, 64), max_size=3)), max_size=6)
+metas = st.builds(
+    lambda name, codec, shape, dtype, num_parts, params: dict(
+        name=name, codec=codec, shape=shape, dtype=dtype, num_parts=num_parts, params=params
+    ),
+    st.sampled_from(["inputs", "targets", "grad_outputs", "x"]),
+    st.sampled_from(["none", "fp16", "int8", "topk", "zz"]),
+    st.lists(st.integers(-2, 9), max_size=4),
+    st.sampled_from(["float32", "int64", "float16", "bfloat16", "bogus"]),
+    st.integers(0, 3),
+    st.dictionaries(
+        st.sampled_from(["fraction", "exponent", "blocksize", "q"]),
+        st.one_of(st.integers(-5, 5000), st.floats(), st.text(max_size=5)),
+        max_size=3,
+    ),
+)
+parts = st.lists(
+    st.builds(
+        lambda buffer, dtype, size: runtime_pb2.Tensor(buffer=buffer, dtype=dtype, size=size),
+        st.binary(max_size=256),
+        st.sampled_from(["", "float32", "int64", "uint8", "junk"]),
+        st.lists(st.integers(0, 64), max_size=3),
+    ),
+    max_size=6,
+)
 
 
 @FUZZ
 @given(raw_metas=st.lists(metas, max_size=4), raw_parts=parts)
 def test_random_tensor_metas_and_parts_give_a_protocol_error_or_tensors_of_the_stated_shape(raw_metas, raw_parts):
     try:
-        header = decode_header(RequestHeader, msgpack.packb({**valid_request().model_dump(mode="json"),
-                                                             "tensors": raw_metas}, use_bin_type=True))
+        header = decode_header(
+            RequestHeader,
+            msgpack.packb({**valid_request().model_dump(mode="json"), "tensors": raw_metas}, use_bin_type=True),
+        )
         decoded = decode_tensors(from_wire(header.tensors, raw_parts))
     except ProtocolError:
         return
@@ -115,13 +180,16 @@ def test_random_tensor_metas_and_parts_give_a_protocol_error_or_tensors_of_the_s
 @FUZZ
 @given(cut=st.integers(0, 200), data=st.data())
 def test_truncated_tensor_parts_give_a_protocol_error(cut, data):
-    metas_, wire_parts = pack_named([("inputs", torch.randn(3, 5)), ("targets", torch.randint(0, 9, (3,)))],
-                                    codec=data.draw(st.sampled_from(["none", "fp16", "int8", "topk"])),
-                                    params=None)
+    metas_, wire_parts = pack_named(
+        [("inputs", torch.randn(3, 5)), ("targets", torch.randint(0, 9, (3,)))],
+        codec=data.draw(st.sampled_from(["none", "fp16", "int8", "topk"])),
+        params=None,
+    )
     index = data.draw(st.integers(0, len(wire_parts) - 1))
     damaged = list(wire_parts)
-    damaged[index] = runtime_pb2.Tensor(buffer=damaged[index].buffer[:cut], dtype=damaged[index].dtype,
-                                        size=damaged[index].size)
+    damaged[index] = runtime_pb2.Tensor(
+        buffer=damaged[index].buffer[:cut], dtype=damaged[index].dtype, size=damaged[index].size
+    )
     try:
         decode_tensors(from_wire(metas_, damaged))
     except ProtocolError:
@@ -135,14 +203,27 @@ def test_a_tensor_meta_is_strict():
 
 # --- DHT records -----------------------------------------------------------------------------------
 
-record_fields = st.fixed_dictionaries({}, optional={
-    "peer_id": st.one_of(st.text(max_size=130), scalars), "model": st.one_of(st.just("tiny"), scalars),
-    "stage": st.one_of(st.integers(-1, 3), scalars), "num_stages": st.one_of(st.integers(0, 3), scalars),
-    "state": st.one_of(st.sampled_from([s.value for s in PeerState]), scalars),
-    "throughput": st.one_of(st.floats(), scalars), "load": scalars, "version": scalars, "protocol": scalars,
-    "expires_at": st.one_of(st.floats(), scalars), "metrics_addr": scalars, "averaging": scalars,
-    "boundaries": st.one_of(st.lists(st.integers(-1, 9), max_size=5), scalars), "since": scalars,
-    "active": scalars, "unknown_future_field": json_like})
+record_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "peer_id": st.one_of(st.text(max_size=130), scalars),
+        "model": st.one_of(st.just("tiny"), scalars),
+        "stage": st.one_of(st.integers(-1, 3), scalars),
+        "num_stages": st.one_of(st.integers(0, 3), scalars),
+        "state": st.one_of(st.sampled_from([s.value for s in PeerState]), scalars),
+        "throughput": st.one_of(st.floats(), scalars),
+        "load": scalars,
+        "version": scalars,
+        "protocol": scalars,
+        "expires_at": st.one_of(st.floats(), scalars),
+        "metrics_addr": scalars,
+        "averaging": scalars,
+        "boundaries": st.one_of(st.lists(st.integers(-1, 9), max_size=5), scalars),
+        "since": scalars,
+        "active": scalars,
+        "unknown_future_field": json_like,
+    },
+)
 
 
 @FUZZ
@@ -156,8 +237,13 @@ def test_any_dht_value_parses_as_a_record_or_gives_a_value_error(value):
 
 
 @FUZZ
-@given(entries=st.dictionaries(st.one_of(st.text(max_size=20), st.binary(max_size=60), st.integers()),
-                               st.one_of(json_like, record_fields), max_size=5))
+@given(
+    entries=st.dictionaries(
+        st.one_of(st.text(max_size=20), st.binary(max_size=60), st.integers()),
+        st.one_of(json_like, record_fields),
+        max_size=5,
+    )
+)
 def test_record_readers_skip_whatever_is_malformed(entries):
     for record in parse_records(entries, model="tiny", stage=0):
         assert record.model == "tiny" and record.stage == 0
@@ -166,8 +252,10 @@ def test_record_readers_skip_whatever_is_malformed(entries):
 
 
 @FUZZ
-@given(subkey=st.one_of(st.binary(max_size=200), st.text(max_size=50), st.integers(), st.none()),
-       prefix=st.binary(max_size=60))
+@given(
+    subkey=st.one_of(st.binary(max_size=200), st.text(max_size=50), st.integers(), st.none()),
+    prefix=st.binary(max_size=60),
+)
 def test_subkeys_parse_or_are_refused(subkey, prefix):
     for candidate in (subkey, prefix + b"[owner:" + (subkey if isinstance(subkey, bytes) else b"x") + b"]"):
         parsed = parse_peer_subkey(candidate)
@@ -178,6 +266,7 @@ def test_subkeys_parse_or_are_refused(subkey, prefix):
 
 
 # --- checkpoints and state transfer ---------------------------------------------------------------
+
 
 def a_checkpoint() -> bytes:
     module = {"w": torch.randn(4, 3)}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from models.config import get_model_config
-from peers.checkpoint import load_checkpoint
-from peers.stage_runtime import StageRuntime
+from peers.compute.checkpoint import load_checkpoint
+from peers.compute.stage_runtime import StageRuntime
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_intact(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from models.config import get_model_config
-from peers.devices import DeviceError, build_optimizer, resolve_device
-from peers.stage_runtime import LossScale, OptimizerSettings, StageRuntime
+from peers.compute.devices import DeviceError, build_optimizer, resolve_device
+from peers.compute.stage_runtime import LossScale, OptimizerSettings, StageRuntime
 
 
 def test_auto_falls_back_to_the_cpu_without_a_gpu():
@@ -19,10 +19,15 @@ def test_auto_falls_back_to_the_cpu_without_a_gpu():
         assert resolve_device("auto") == torch.device("cpu")  # what this machine's torch reports
 
 
-@pytest.mark.parametrize("requested, message", [
-    ("cuda", "torch sees no CUDA GPU"), ("cuda:0", "torch sees no CUDA GPU"), ("tpu", "use auto"),
-    ("cuda:x", "use auto"),
-])
+@pytest.mark.parametrize(
+    "requested, message",
+    [
+        ("cuda", "torch sees no CUDA GPU"),
+        ("cuda:0", "torch sees no CUDA GPU"),
+        ("tpu", "use auto"),
+        ("cuda:x", "use auto"),
+    ],
+)
 def test_impossible_devices_are_refused_in_one_line(requested, message):
     with pytest.raises(DeviceError, match=message) as error:
         resolve_device(requested, cuda_count=0)
@@ -105,7 +110,8 @@ def test_adamw8bit_trains_on_the_cpu_and_its_state_travels():
     states = [s for s in runtime.optimizer.state.values() if "state1" in s]
     assert states and any(s["state1"].dtype == torch.uint8 for s in states)  # 8-bit moments really used
     copy = StageRuntime(config, 1, 2, optimizer=settings)
-    from peers.checkpoint import deserialize_state
+    from peers.compute.checkpoint import deserialize_state
+
     copy.import_state(deserialize_state(runtime.export_state("tiny")), "tiny", "test")
     _, a = runtime.backward("next", hidden, targets=targets)
     _, b = copy.backward("next", hidden, targets=targets)
@@ -114,5 +120,11 @@ def test_adamw8bit_trains_on_the_cpu_and_its_state_travels():
 
 def test_unknown_optimizer_is_a_clear_error():
     with pytest.raises(DeviceError, match="adamw8bit"):
-        build_optimizer("lion", [torch.nn.Parameter(torch.zeros(2))], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
-                        device=torch.device("cpu"))
+        build_optimizer(
+            "lion",
+            [torch.nn.Parameter(torch.zeros(2))],
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            device=torch.device("cpu"),
+        )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarm.failures import (
+from swarm.trainer.failures import (
     BanList,
     RetriesExhaustedError,
     RetryBudget,
@@ -10,7 +10,7 @@ from swarm.failures import (
     StageUnavailableError,
     TimeoutPolicy,
 )
-from swarm.routing import ReplicaInfo, ReplicaScheduler
+from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 
 
 class FakeClock:
@@ -193,7 +193,7 @@ def test_retry_budget_rejects_negative_retries():
         RetryBudget(stage=0, max_retries=-1)
 
 
-# The pieces together, as the trainer's loop uses them (see the swarm.failures docstring).
+# The pieces together, as the trainer's loop uses them (see the swarm.trainer.failures docstring).
 
 
 def route_one_microbatch(scheduler, bans, timeouts, budget, call, stage=0, samples=4):
@@ -227,9 +227,7 @@ def test_microbatch_fails_over_to_a_healthy_replica_and_the_bad_one_is_banned():
             raise TimeoutError(f"{peer_id} did not answer in {timeout_s} s")
         return 0.4
 
-    served_by = [
-        route_one_microbatch(scheduler, bans, timeouts, RetryBudget(0), call) for _ in range(5)
-    ]
+    served_by = [route_one_microbatch(scheduler, bans, timeouts, RetryBudget(0), call) for _ in range(5)]
     assert served_by == ["b"] * 5
     assert bans.banned() == {"a"}
 

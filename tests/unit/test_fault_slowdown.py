@@ -1,11 +1,11 @@
-"""The ways a slowed peer spends its extra time (peers/faults.py): asleep, computing, or as a device."""
+"""The ways a slowed peer spends its extra time (peers/compute/faults.py): asleep, computing, or as a device."""
 
 import time
 
 import pytest
 import torch
 
-from peers.faults import FaultSettings, FaultyStageRuntime, burn_cpu
+from peers.compute.faults import FaultSettings, FaultyStageRuntime, burn_cpu
 
 COMPUTE_CPU_S = 0.02
 
@@ -47,6 +47,7 @@ def test_device_slowdown_lasts_slowdown_times_the_cpu_time_whatever_the_wall_tim
 def test_device_slowdown_does_not_multiply_time_spent_off_the_cpu():
     """A compute stretched by waiting (here: 60 ms asleep, as if other processes held the core) is not
     slowed further, where `sleep` triples the whole of it."""
+
     class _WaitingRuntime:
         def forward(self, microbatch_id, inputs, targets=None):
             started = time.perf_counter()

@@ -10,10 +10,18 @@ import pytest
 from hivemind.proto import runtime_pb2
 
 from dht.link_records import LinkMeasurement
-from peers import link_probe
-from peers.link_probe import (PROBE_CHUNK_BYTES, LinkProber, ProbeRequest, ProbeResponse, ProbeSettings,
-                              choose_probe_targets, measure_link, rpc_probe)
-from peers.protocol import decode_header, encode_header
+from peers.placement import link_probe
+from peers.placement.link_probe import (
+    PROBE_CHUNK_BYTES,
+    LinkProber,
+    ProbeRequest,
+    ProbeResponse,
+    ProbeSettings,
+    choose_probe_targets,
+    measure_link,
+    rpc_probe,
+)
+from wire.protocol import decode_header, encode_header
 
 
 async def _collect(stream) -> list:
@@ -22,8 +30,7 @@ async def _collect(stream) -> list:
 
 async def _requests(header_bytes: int, payload_bytes: int):
     parts = link_probe._payload_parts(payload_bytes)
-    yield runtime_pb2.ExpertRequest(metadata=encode_header(ProbeRequest(payload_bytes=header_bytes)),
-                                    tensors=parts[:1])
+    yield runtime_pb2.ExpertRequest(metadata=encode_header(ProbeRequest(payload_bytes=header_bytes)), tensors=parts[:1])
     for part in parts[1:]:
         yield runtime_pb2.ExpertRequest(tensors=[part])
 
@@ -78,9 +85,16 @@ def test_probe_targets_never_measured_first_then_oldest_and_bounded() -> None:
     assert choose_probe_targets([], {}, limit=3, rng=random.Random(0)) == []
 
 
-@pytest.mark.parametrize("kwargs", [dict(period_s=0), dict(max_peers=0), dict(timeout_s=-1),
-                                    dict(bulk_start_bytes=8 << 20, bulk_max_bytes=1 << 20),
-                                    dict(bulk_max_bytes=64 << 20)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(period_s=0),
+        dict(max_peers=0),
+        dict(timeout_s=-1),
+        dict(bulk_start_bytes=8 << 20, bulk_max_bytes=1 << 20),
+        dict(bulk_max_bytes=64 << 20),
+    ],
+)
 def test_probe_settings_refuse_impossible_values(kwargs) -> None:
     with pytest.raises(ValueError):
         ProbeSettings(**kwargs)
@@ -90,8 +104,17 @@ class FakeProber(LinkProber):
     """A prober whose DHT and links are simulated: `peers` is who is online, `dead` fail to answer."""
 
     def __init__(self, peers: set[str], dead: set[str] = frozenset(), **settings):
-        super().__init__(None, None, peer_id="SELF", model="tiny", num_stages=2, stage=lambda: 1,
-                         throughput=lambda: 12.5, settings=ProbeSettings(**settings), rng=random.Random(0))
+        super().__init__(
+            None,
+            None,
+            peer_id="SELF",
+            model="tiny",
+            num_stages=2,
+            stage=lambda: 1,
+            throughput=lambda: 12.5,
+            settings=ProbeSettings(**settings),
+            rng=random.Random(0),
+        )
         self.peers, self.dead, self.published, self.probed = peers, dead, [], []
 
     async def other_peers(self) -> set[str]:

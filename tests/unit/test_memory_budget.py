@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from models.config import GPTConfig, get_model_config
 from models.stages import build_stage, split_layers
-from peers import devices
-from peers.memory_budget import (GiB, MemoryBudgetError, activation_bytes, available_memory_bytes,
-                                 blocks_per_stage_to_num_stages, check_fits, estimate_stage_memory,
-                                 fewest_stages_that_fit, stage_parameters)
-from peers.stage_runtime import StageRuntime
+from peers.compute import devices
+from peers.compute.memory_budget import (
+    GiB,
+    MemoryBudgetError,
+    activation_bytes,
+    available_memory_bytes,
+    blocks_per_stage_to_num_stages,
+    check_fits,
+    estimate_stage_memory,
+    fewest_stages_that_fit,
+    stage_parameters,
+)
+from peers.compute.stage_runtime import StageRuntime
 
 
 def saved_tensor_bytes(config: GPTConfig, stage: int, num_stages: int, batch: int, precision: str) -> int:
@@ -110,8 +117,11 @@ def test_the_activation_cache_stays_within_its_byte_budget():
     entry = activation_bytes(config, split_layers(config.n_layers, 2)[1], 2)
     runtime = StageRuntime(config, 1, 2, cache_budget_bytes=int(2.5 * entry))
     for i in range(5):
-        runtime.forward(f"mb{i}", torch.randn(2, config.seq_len, config.d_model),
-                        torch.randint(0, config.vocab_size, (2, config.seq_len)))
+        runtime.forward(
+            f"mb{i}",
+            torch.randn(2, config.seq_len, config.d_model),
+            torch.randint(0, config.vocab_size, (2, config.seq_len)),
+        )
     assert list(runtime.cache) == ["mb3", "mb4"]  # two microbatches of 2 samples fit, the oldest went
 
 
@@ -120,12 +130,17 @@ def test_num_layers_sets_the_number_of_stages_at_start_up(capsys):
     from peers.launch import _resolve_num_layers
 
     config = get_model_config("gpt2-124m")
-    fixed = _resolve_num_layers(PeerConfig(model="gpt2-124m", stage=0, num_layers="5"), config, 64 * GiB,
-                                torch.device("cpu"))
+    fixed = _resolve_num_layers(
+        PeerConfig(model="gpt2-124m", stage=0, num_layers="5"), config, 64 * GiB, torch.device("cpu")
+    )
     assert fixed.num_stages == 3  # 12 blocks, at most 5 per stage
     budget = estimate_stage_memory(config, split_layers(12, 4)[1], batch_size=1).total_bytes
-    auto = _resolve_num_layers(PeerConfig(model="gpt2-124m", stage=1, num_layers="auto", max_batch_size=1), config,
-                               budget, torch.device("cpu"))
-    assert auto.num_stages == fewest_stages_that_fit(config, 1, budget, optimizer="adamw", precision="fp32",
-                                                     batch_size=1) <= 4
+    auto = _resolve_num_layers(
+        PeerConfig(model="gpt2-124m", stage=1, num_layers="auto", max_batch_size=1), config, budget, torch.device("cpu")
+    )
+    assert (
+        auto.num_stages
+        == fewest_stages_that_fit(config, 1, budget, optimizer="adamw", precision="fp32", batch_size=1)
+        <= 4
+    )
     assert "--num-layers auto: gpt2-124m split into" in capsys.readouterr().out

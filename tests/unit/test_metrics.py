@@ -10,15 +10,26 @@ import pytest
 import torch
 from prometheus_client import Counter, Histogram
 
-from dht.configuration import ConfigError
-from peers.metrics import (MetricsServerError, PeerMetrics, advertised_metrics_addr, serve_metrics,
-                           validate_metrics_options)
-from swarm import compression
-from swarm.metrics import TrainerMetrics
+from peers.metrics import PeerMetrics
+from process.config import ConfigError
+from process.metrics_http import MetricsServerError, advertised_metrics_addr, serve_metrics, validate_metrics_options
+from swarm.trainer.metrics import TrainerMetrics
+from wire import compression
 
 # Every label any swarm metric may carry: each takes a small, known set of values.
-BOUNDED_LABELS = {"stage", "num_stages", "rpc", "kind", "codec", "result", "direction", "state", "version", "model",
-                  "mode"}
+BOUNDED_LABELS = {
+    "stage",
+    "num_stages",
+    "rpc",
+    "kind",
+    "codec",
+    "result",
+    "direction",
+    "state",
+    "version",
+    "model",
+    "mode",
+}
 
 
 def sample(registry, name: str, **labels) -> float | None:
@@ -81,8 +92,9 @@ def test_peer_stage_info_follows_a_move_and_state_is_one_hot():
 def test_peer_values_owned_elsewhere_are_read_at_scrape_time():
     m = PeerMetrics()
     state = {"in_flight": 0, "steps": 0}
-    m.watch(in_flight=lambda: state["in_flight"], throughput=lambda: 123.5,
-            runtime_counts=lambda: (state["steps"], 7, 2))
+    m.watch(
+        in_flight=lambda: state["in_flight"], throughput=lambda: 123.5, runtime_counts=lambda: (state["steps"], 7, 2)
+    )
     state.update(in_flight=3, steps=5)
     r = m.registry
     assert sample(r, "swarm_peer_requests_in_flight") == 3
@@ -166,9 +178,19 @@ def test_bad_metrics_options_are_config_errors(host, port):
 def test_the_advertised_address_is_one_others_can_dial():
     assert advertised_metrics_addr("127.0.0.1", 9100) == "127.0.0.1:9100"
     assert advertised_metrics_addr("::1", 9100) == "[::1]:9100"
-    assert advertised_metrics_addr("0.0.0.0", 9100, announce_maddrs=["/ip4/203.0.113.5/tcp/31337"],
-                                   host_maddrs=["/ip4/0.0.0.0/tcp/0"]) == "203.0.113.5:9100"
-    assert advertised_metrics_addr("0.0.0.0", 9100, host_maddrs=["/ip4/0.0.0.0/tcp/0", "/ip4/10.1.2.3/tcp/5"]) \
+    assert (
+        advertised_metrics_addr(
+            "0.0.0.0", 9100, announce_maddrs=["/ip4/203.0.113.5/tcp/31337"], host_maddrs=["/ip4/0.0.0.0/tcp/0"]
+        )
+        == "203.0.113.5:9100"
+    )
+    assert (
+        advertised_metrics_addr("0.0.0.0", 9100, host_maddrs=["/ip4/0.0.0.0/tcp/0", "/ip4/10.1.2.3/tcp/5"])
         == "10.1.2.3:9100"
-    assert advertised_metrics_addr("0.0.0.0", 9100, announce_maddrs=["/dns4/example.org/tcp/1"],
-                                   host_maddrs=["/ip4/0.0.0.0/tcp/0"]) is None
+    )
+    assert (
+        advertised_metrics_addr(
+            "0.0.0.0", 9100, announce_maddrs=["/dns4/example.org/tcp/1"], host_maddrs=["/ip4/0.0.0.0/tcp/0"]
+        )
+        is None
+    )

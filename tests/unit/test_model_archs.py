@@ -16,8 +16,16 @@ from models.stages import build_full_model, build_stage, split_layers
 def tiny_version(name: str) -> GPTConfig:
     """The named config's architecture with a test-sized shape."""
     config = get_model_config(name)
-    return dataclasses.replace(config, name=f"{name}-test", vocab_size=300, seq_len=16, n_layers=4, d_model=32,
-                               n_heads=4, mlp_hidden=None if config.mlp_hidden is None else 48)
+    return dataclasses.replace(
+        config,
+        name=f"{name}-test",
+        vocab_size=300,
+        seq_len=16,
+        n_layers=4,
+        d_model=32,
+        n_heads=4,
+        mlp_hidden=None if config.mlp_hidden is None else 48,
+    )
 
 
 NEW_CONFIGS = ["gpt2-124m", "gpt2-350m", "gpt2-774m", "llama-1b"]

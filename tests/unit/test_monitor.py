@@ -8,33 +8,67 @@ import os
 
 import pytest
 
-from dht.configuration import ConfigError
 from dht.records import PeerRecord, PeerState
+from process.config import ConfigError
 from swarm import monitor
 from swarm.cli import main
 from swarm.monitor import MonitorConfig, TargetsWriter, file_sd_groups, merge_records, parse_metrics_addr
 
 
-def record(peer: str, stage: int = 0, *, addr: str | None = "127.0.0.1:9000", state=PeerState.ONLINE,
-           expires_at: float = 100.0, model: str = "tiny", num_stages: int = 2) -> PeerRecord:
-    return PeerRecord(peer_id=peer, model=model, stage=stage, num_stages=num_stages, state=state, throughput=10.0,
-                      expires_at=expires_at, metrics_addr=addr)
+def record(
+    peer: str,
+    stage: int = 0,
+    *,
+    addr: str | None = "127.0.0.1:9000",
+    state=PeerState.ONLINE,
+    expires_at: float = 100.0,
+    model: str = "tiny",
+    num_stages: int = 2,
+) -> PeerRecord:
+    return PeerRecord(
+        peer_id=peer,
+        model=model,
+        stage=stage,
+        num_stages=num_stages,
+        state=state,
+        throughput=10.0,
+        expires_at=expires_at,
+        metrics_addr=addr,
+    )
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("127.0.0.1:9100", "127.0.0.1:9100"),
-    (" 10.0.0.1:80 ", "10.0.0.1:80"),
-    ("[::1]:9100", "[::1]:9100"),
-    ("[2001:DB8::1]:9100", "[2001:db8::1]:9100"),
-    ("Peer-3.example.org:9100", "peer-3.example.org:9100"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("127.0.0.1:9100", "127.0.0.1:9100"),
+        (" 10.0.0.1:80 ", "10.0.0.1:80"),
+        ("[::1]:9100", "[::1]:9100"),
+        ("[2001:DB8::1]:9100", "[2001:db8::1]:9100"),
+        ("Peer-3.example.org:9100", "peer-3.example.org:9100"),
+    ],
+)
 def test_good_metrics_addresses_are_normalised(text, expected):
     assert parse_metrics_addr(text) == expected
 
 
-@pytest.mark.parametrize("text", ["127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", "0.0.0.0:9100", "[::]:9100",
-                                  "::1:9100", "host:9100/metrics", "http://h:1", "a b:1", "-bad.example:1", "",
-                                  "x" * 300 + ":1", "h:1\n- targets: [evil]"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:70000",
+        "0.0.0.0:9100",
+        "[::]:9100",
+        "::1:9100",
+        "host:9100/metrics",
+        "http://h:1",
+        "a b:1",
+        "-bad.example:1",
+        "",
+        "x" * 300 + ":1",
+        "h:1\n- targets: [evil]",
+    ],
+)
 def test_bad_metrics_addresses_are_refused(text):
     with pytest.raises(ValueError):
         parse_metrics_addr(text)
@@ -57,11 +91,18 @@ def test_merge_ignores_an_older_copy_of_a_record():
 
 
 def test_file_sd_groups_by_stage_sorted_and_skips_peers_without_a_good_address():
-    records = [record("d", 1, addr="127.0.0.1:9004"), record("a", 0, addr="127.0.0.1:9002"),
-               record("b", 0, addr="127.0.0.1:9001"), record("c", 1, addr=None), record("e", 1, addr="nonsense")]
+    records = [
+        record("d", 1, addr="127.0.0.1:9004"),
+        record("a", 0, addr="127.0.0.1:9002"),
+        record("b", 0, addr="127.0.0.1:9001"),
+        record("c", 1, addr=None),
+        record("e", 1, addr="nonsense"),
+    ]
     assert file_sd_groups(records) == [
-        {"targets": ["127.0.0.1:9001", "127.0.0.1:9002"],
-         "labels": {"swarm_model": "tiny", "swarm_stage": "0", "swarm_num_stages": "2"}},
+        {
+            "targets": ["127.0.0.1:9001", "127.0.0.1:9002"],
+            "labels": {"swarm_model": "tiny", "swarm_stage": "0", "swarm_num_stages": "2"},
+        },
         {"targets": ["127.0.0.1:9004"], "labels": {"swarm_model": "tiny", "swarm_stage": "1", "swarm_num_stages": "2"}},
     ]
     assert file_sd_groups([]) == []
@@ -85,8 +126,10 @@ def test_the_writer_rewrites_the_file_only_when_targets_change(tmp_path, monkeyp
     monkeypatch.setattr(monitor, "get_dht_time", lambda: 10.0)
     out = tmp_path / "peers.json"
     writer = TargetsWriter(MonitorConfig(out=str(out), model="tiny"), dht=None)
-    lookups.by_stage = {0: [record("a", 0, addr="127.0.0.1:9001", num_stages=3)],
-                        2: [record("c", 2, addr="127.0.0.1:9003", num_stages=3)]}
+    lookups.by_stage = {
+        0: [record("a", 0, addr="127.0.0.1:9001", num_stages=3)],
+        2: [record("c", 2, addr="127.0.0.1:9003", num_stages=3)],
+    }
     assert asyncio.run(writer.refresh()) is True
     assert sorted(lookups.asked) == [0, 1, 2]  # the stage count came from the records
     groups = json.loads(out.read_text())

@@ -12,12 +12,11 @@ import pytest
 import yaml
 
 from peers.metrics import PeerMetrics
-from swarm.compression import ByteCounter
-from swarm.metrics import TrainerMetrics
+from swarm.trainer.metrics import TrainerMetrics
+from wire.compression import ByteCounter
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
-                "offset"}
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset"}
 BUILTIN_SERIES = {"up"}  # written by Prometheus itself for every target
 
 
@@ -30,8 +29,11 @@ def exported_series_names() -> set[str]:
     names = set()
     for registry in (peer.registry, trainer.registry):
         for family in registry.collect():
-            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
-                        "summary": ["_sum", "_count", ""]}.get(family.type, [""])
+            suffixes = {
+                "counter": ["_total"],
+                "histogram": ["_bucket", "_sum", "_count"],
+                "summary": ["_sum", "_count", ""],
+            }.get(family.type, [""])
             names |= {family.name + suffix for suffix in suffixes}
     return names
 
@@ -45,7 +47,7 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     names = set()
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
-        if text[match.end():].lstrip().startswith("(") or match.group(0) in PROMQL_WORDS:
+        if text[match.end() :].lstrip().startswith("(") or match.group(0) in PROMQL_WORDS:
             continue  # a function call or a keyword
         names.add(match.group(0))
     return names
@@ -65,11 +67,17 @@ def alert_exprs() -> list[str]:
 
 
 def test_the_metric_name_reader_skips_functions_labels_and_durations():
-    expr = ('histogram_quantile(0.9, sum by (le, stage) (rate(swarm_peer_request_duration_seconds_bucket'
-            '{job="swarm-peer", stage=~"1|2"}[$__rate_interval]))) / on (instance) group_left (stage) '
-            'swarm_peer_stage_info and time() - process_start_time_seconds > 600 unless up == 0')
-    assert metric_names(expr) == {"swarm_peer_request_duration_seconds_bucket", "swarm_peer_stage_info",
-                                  "process_start_time_seconds", "up"}
+    expr = (
+        "histogram_quantile(0.9, sum by (le, stage) (rate(swarm_peer_request_duration_seconds_bucket"
+        '{job="swarm-peer", stage=~"1|2"}[$__rate_interval]))) / on (instance) group_left (stage) '
+        "swarm_peer_stage_info and time() - process_start_time_seconds > 600 unless up == 0"
+    )
+    assert metric_names(expr) == {
+        "swarm_peer_request_duration_seconds_bucket",
+        "swarm_peer_stage_info",
+        "process_start_time_seconds",
+        "up",
+    }
 
 
 @pytest.mark.parametrize("source, exprs", [("dashboard", dashboard_exprs), ("alert rules", alert_exprs)])
@@ -91,12 +99,19 @@ def test_a_renamed_metric_would_be_caught():
 
 def test_the_dashboard_shows_what_the_issue_asks_for():
     named = set().union(*(metric_names(e) for e in dashboard_exprs()))
-    for metric in ["swarm_peer_stage_info", "swarm_trainer_live_replicas",  # stages and replicas
-                   "swarm_peer_samples_total",  # throughput per stage
-                   "swarm_peer_sent_bytes_total", "swarm_trainer_sent_bytes_total",  # bytes per codec
-                   "swarm_trainer_call_failures_total", "swarm_peer_request_failures_total",  # failures
-                   "swarm_trainer_loss", "swarm_trainer_tokens_total",  # loss, tokens/s
-                   "swarm_peer_averaging_rounds_total", "swarm_peer_rebalance_moves_total"]:
+    for metric in [
+        "swarm_peer_stage_info",
+        "swarm_trainer_live_replicas",  # stages and replicas
+        "swarm_peer_samples_total",  # throughput per stage
+        "swarm_peer_sent_bytes_total",
+        "swarm_trainer_sent_bytes_total",  # bytes per codec
+        "swarm_trainer_call_failures_total",
+        "swarm_peer_request_failures_total",  # failures
+        "swarm_trainer_loss",
+        "swarm_trainer_tokens_total",  # loss, tokens/s
+        "swarm_peer_averaging_rounds_total",
+        "swarm_peer_rebalance_moves_total",
+    ]:
         assert metric in named, metric
 
 
@@ -104,8 +119,9 @@ def test_the_dashboard_is_well_formed_and_generated_from_its_script():
     spec = importlib.util.spec_from_file_location("build_dashboard", MONITORING / "grafana" / "build_dashboard.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert (MONITORING / "grafana" / "dashboards" / "swarm.json").read_text() == module.render(), \
+    assert (MONITORING / "grafana" / "dashboards" / "swarm.json").read_text() == module.render(), (
         "run `python monitoring/grafana/build_dashboard.py` after editing it"
+    )
     board = dashboard()
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))

@@ -10,15 +10,19 @@ import time
 import pytest
 
 from benchmarks.netem.delay_proxy import relay
-from benchmarks.netem.topology import (LinkSpec, TopologyError, from_dtfm_case, load_topology,
-                                       topology_from_dict)
+from benchmarks.netem.topology import LinkSpec, TopologyError, from_dtfm_case, load_topology, topology_from_dict
 
 WORLD4 = "benchmarks/topologies/world4.json"
 
 
 def _raw(**changes):
-    raw = {"name": "t", "regions": ["a", "b"], "intra_region": {"rtt_ms": 1, "bandwidth_mbit": 100},
-           "links": [{"regions": ["a", "b"], "rtt_ms": 50, "bandwidth_mbit": 10}], "hosts": {"x": "a", "y": "b"}}
+    raw = {
+        "name": "t",
+        "regions": ["a", "b"],
+        "intra_region": {"rtt_ms": 1, "bandwidth_mbit": 100},
+        "links": [{"regions": ["a", "b"], "rtt_ms": 50, "bandwidth_mbit": 10}],
+        "hosts": {"x": "a", "y": "b"},
+    }
     raw.update(changes)
     return raw
 
@@ -32,17 +36,20 @@ def test_a_valid_topology_answers_links_by_host_and_region():
     assert topology_from_dict(t.to_dict()) == t
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"links": []}, "no link between regions 'a' and 'b'"),
-    ({"hosts": {"x": "mars"}}, "not one of"),
-    ({"links": [{"regions": ["a", "b"], "rtt_ms": 5, "bandwidth_mbit": 10}] * 2}, "listed twice"),
-    ({"links": [{"regions": ["a", "a"], "rtt_ms": 5, "bandwidth_mbit": 10}]}, "two distinct"),
-    ({"links": [{"regions": ["a", "b"], "rtt_ms": 5}]}, "missing 'bandwidth_mbit'"),
-    ({"links": [{"regions": ["a", "b"], "rtt_ms": -1, "bandwidth_mbit": 10}]}, "rtt_ms must lie"),
-    ({"links": [{"regions": ["a", "b"], "rtt_ms": 1, "bandwidth_mbit": "fast"}]}, "must be numbers"),
-    ({"hosts": {"Bad Name": "a"}}, "lower-case"),
-    ({"regions": "a"}, "list of names"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"links": []}, "no link between regions 'a' and 'b'"),
+        ({"hosts": {"x": "mars"}}, "not one of"),
+        ({"links": [{"regions": ["a", "b"], "rtt_ms": 5, "bandwidth_mbit": 10}] * 2}, "listed twice"),
+        ({"links": [{"regions": ["a", "a"], "rtt_ms": 5, "bandwidth_mbit": 10}]}, "two distinct"),
+        ({"links": [{"regions": ["a", "b"], "rtt_ms": 5}]}, "missing 'bandwidth_mbit'"),
+        ({"links": [{"regions": ["a", "b"], "rtt_ms": -1, "bandwidth_mbit": 10}]}, "rtt_ms must lie"),
+        ({"links": [{"regions": ["a", "b"], "rtt_ms": 1, "bandwidth_mbit": "fast"}]}, "must be numbers"),
+        ({"hosts": {"Bad Name": "a"}}, "lower-case"),
+        ({"regions": "a"}, "list of names"),
+    ],
+)
 def test_invalid_topologies_say_what_to_fix(changes, message):
     with pytest.raises(TopologyError, match=message):
         topology_from_dict(_raw(**changes))
@@ -53,8 +60,14 @@ def test_world4_is_cut_from_case5_as_recorded():
     world4 = load_topology(WORLD4)
     source = world4.source
     case = json.load(open(f"benchmarks/dtfm_scenarios/{source['scenario']}.json"))
-    again = from_dtfm_case(case, source["devices"], intra_region_pair=tuple(source["intra_region_pair"]),
-                           bandwidth_divisor=source["bandwidth_divisor"], name=world4.name, hosts=world4.hosts)
+    again = from_dtfm_case(
+        case,
+        source["devices"],
+        intra_region_pair=tuple(source["intra_region_pair"]),
+        bandwidth_divisor=source["bandwidth_divisor"],
+        name=world4.name,
+        hosts=world4.hosts,
+    )
     assert again.links == world4.links and again.intra_region == world4.intra_region
     # case5: Oregon (device 0) - London (device 40) is 136 ms and 0.42 Gbit/s.
     assert world4.link("oregon", "london").rtt_ms == 136.0

@@ -1,11 +1,11 @@
-"""The DiLoCo-style outer step of periodic averaging (peers/outer_step.py): pure math."""
+"""The DiLoCo-style outer step of periodic averaging (peers/replicas/outer_step.py): pure math."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peers.outer_step import OuterOptimizer, OuterSettings, outer_step
+from peers.replicas.outer_step import OuterOptimizer, OuterSettings, outer_step
 
 
 def test_the_outer_step_is_sgd_with_nesterov_on_the_anchor():
@@ -58,7 +58,7 @@ def test_replicas_with_different_anchors_converge_on_common_averages():
         a.apply(pa)
         b.apply(pb)
     last = float((pa[0] - pb[0]).norm())
-    assert last < first * 0.52 ** 20 * 10, (first, last)
+    assert last < first * 0.52**20 * 10, (first, last)
     assert last < 1e-4 * first
 
 

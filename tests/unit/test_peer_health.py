@@ -17,13 +17,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def record(state: PeerState = PeerState.ONLINE) -> PeerRecord:
-    return PeerRecord(peer_id="QmPeerIdOfSomeVolunteer", model="tiny", stage=1, num_stages=2, state=state,
-                      throughput=10.0, load=0.0, version="test", expires_at=time.time() + 15)
+    return PeerRecord(
+        peer_id="QmPeerIdOfSomeVolunteer",
+        model="tiny",
+        stage=1,
+        num_stages=2,
+        state=state,
+        throughput=10.0,
+        load=0.0,
+        version="test",
+        expires_at=time.time() + 15,
+    )
 
 
 def write(path, state=PeerState.ONLINE, announced=True, ttl_s=15.0) -> None:
-    assert write_status(str(path), record(state), announced=announced, ttl_s=ttl_s, requests_served=7,
-                        requests_failed=1)
+    assert write_status(
+        str(path), record(state), announced=announced, ttl_s=ttl_s, requests_served=7, requests_failed=1
+    )
 
 
 def test_an_online_fresh_announced_peer_is_healthy(tmp_path):
@@ -66,15 +76,34 @@ def test_missing_or_malformed_status_is_unhealthy_with_a_reason(tmp_path, capsys
 def test_the_status_file_comes_from_the_environment_like_every_peer_option(tmp_path):
     """The image sets SWARM_STATUS_FILE once; the peer writes there and the HEALTHCHECK reads there."""
     write(tmp_path / "status.json")
-    result = subprocess.run([sys.executable, "-m", "peers.health"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                            env={"SWARM_STATUS_FILE": str(tmp_path / "status.json"), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-m", "peers.health"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"SWARM_STATUS_FILE": str(tmp_path / "status.json"), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == EXIT_HEALTHY, result.stderr
     assert result.stdout.startswith("healthy: serving tiny stage 1/2")
-    assert "torch" not in subprocess.run(  # cheap enough to run every 30 s
-        [sys.executable, "-c", "import sys, peers.health; print(' '.join(sys.modules))"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT).stdout.split()
+    assert (
+        "torch"
+        not in subprocess.run(  # cheap enough to run every 30 s
+            [sys.executable, "-c", "import sys, peers.health; print(' '.join(sys.modules))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        ).stdout.split()
+    )
 
 
 def test_an_unwritable_status_file_does_not_raise(tmp_path):
-    assert not write_status(str(tmp_path / "no" / "such" / "dir" / "status.json"), record(), announced=True,
-                            ttl_s=15.0, requests_served=0, requests_failed=0)
+    assert not write_status(
+        str(tmp_path / "no" / "such" / "dir" / "status.json"),
+        record(),
+        announced=True,
+        ttl_s=15.0,
+        requests_served=0,
+        requests_failed=0,
+    )

@@ -7,10 +7,10 @@ import asyncio
 
 import torch
 
-from peers.protocol import ResponseHeader, encode_tensor
-from swarm.client import CallResult, FailureKind, PeerCallError
-from swarm.pipeline import SwarmPipeline
-from swarm.routing import ReplicaInfo
+from swarm.trainer.client import CallResult, FailureKind, PeerCallError
+from swarm.trainer.pipeline import SwarmPipeline
+from swarm.trainer.routing import ReplicaInfo
+from wire.protocol import ResponseHeader, encode_tensor
 
 B, T, D = 2, 8, 4
 
@@ -22,8 +22,9 @@ class ScriptedClient:
     def __init__(self, missing: set[str] = frozenset()):
         self.missing, self.calls = missing, []
 
-    async def exchange(self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec,
-                       inputs_cached=False):
+    async def exchange(
+        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
+    ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
             raise PeerCallError(peer_id, FailureKind.CACHE_MISS, "nothing cached")
@@ -33,8 +34,18 @@ class ScriptedClient:
 
 
 def make_pipeline(client, peers=("peer-a",)) -> SwarmPipeline:
-    pipeline = SwarmPipeline(None, client, model="tiny", num_stages=3, d_model=D, seq_len=T, max_retries=2,
-                             stage_wait_timeout_s=1.0, max_in_flight=1, run_id="run")
+    pipeline = SwarmPipeline(
+        None,
+        client,
+        model="tiny",
+        num_stages=3,
+        d_model=D,
+        seq_len=T,
+        max_retries=2,
+        stage_wait_timeout_s=1.0,
+        max_in_flight=1,
+        run_id="run",
+    )
     for scheduler in pipeline.schedulers:
         scheduler.update_replicas([ReplicaInfo(p, 10.0) for p in peers])
     return pipeline
@@ -64,7 +75,9 @@ def test_a_cache_miss_is_resent_with_inputs_to_the_same_peer_without_a_ban():
     pipeline = make_pipeline(client)
     answer = backward(pipeline, cached_on="peer-a")
     assert [(c["peer"], c["inputs_cached"], "inputs" in c["tensors"]) for c in client.calls] == [
-        ("peer-a", True, False), ("peer-a", False, True)]
+        ("peer-a", True, False),
+        ("peer-a", False, True),
+    ]
     assert answer.peer_id == "peer-a"
     assert (pipeline.counters.backward_inputs_skipped, pipeline.counters.backward_inputs_resent) == (0, 1)
     assert pipeline.counters.calls_retried == 0 and not pipeline.bans.banned()

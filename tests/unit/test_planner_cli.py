@@ -29,8 +29,23 @@ def topology_file(tmp_path: Path) -> Path:
 
 def test_round_trip_writes_a_plan_with_its_cost(topology_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "nested" / "plan.json"
-    assert main(["--topology", str(topology_file), "--out", str(out), "--seed", "4",
-                 "--time-limit-s", "10", "--patience-rounds", "3"]) == 0
+    assert (
+        main(
+            [
+                "--topology",
+                str(topology_file),
+                "--out",
+                str(out),
+                "--seed",
+                "4",
+                "--time-limit-s",
+                "10",
+                "--patience-rounds",
+                "3",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(out.read_text())
     assert plan["seed"] == 4
     assert plan["search_time_s"] > 0
@@ -38,16 +53,15 @@ def test_round_trip_writes_a_plan_with_its_cost(topology_file: Path, tmp_path: P
     assert groups.shape == (3, 3)
     cost = evaluate_plan(pair_costs(load_topology(topology_file)), groups)
     assert plan["cost"]["total_s"] == pytest.approx(cost.total_s)
-    assert plan["cost"]["data_parallel_s"] + plan["cost"]["pipeline_s"] == pytest.approx(
-        plan["cost"]["total_s"]
-    )
+    assert plan["cost"]["data_parallel_s"] + plan["cost"]["pipeline_s"] == pytest.approx(plan["cost"]["total_s"])
 
 
 def test_works_as_a_subcommand(topology_file: Path, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="swarm")
     add_plan_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
-    args = parser.parse_args(["plan", "--topology", str(topology_file),
-                              "--out", str(tmp_path / "p.json"), "--patience-rounds", "2"])
+    args = parser.parse_args(
+        ["plan", "--topology", str(topology_file), "--out", str(tmp_path / "p.json"), "--patience-rounds", "2"]
+    )
     assert run_plan(args) == 0
 
 
@@ -75,17 +89,18 @@ def test_bad_topology_is_one_line_and_exit_2(
 
 
 def test_bad_time_limit_is_rejected(topology_file: Path, tmp_path: Path) -> None:
-    assert main(["--topology", str(topology_file), "--out", str(tmp_path / "p.json"),
-                 "--time-limit-s", "0"]) == 2
+    assert main(["--topology", str(topology_file), "--out", str(tmp_path / "p.json"), "--time-limit-s", "0"]) == 2
 
 
 def test_runs_standalone_without_traceback(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
     path.write_text("[]")
     completed = subprocess.run(
-        [sys.executable, "-m", "swarm.planner.plan_cli", "--topology", str(path),
-         "--out", str(tmp_path / "plan.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "swarm.planner.plan_cli", "--topology", str(path), "--out", str(tmp_path / "plan.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from swarm.planner.cost import (
+    _bottleneck_scipy,
     bottleneck_assignment_costs,
     evaluate_plan,
     pair_costs,
     shortest_open_path,
 )
-from swarm.planner.cost import _bottleneck_scipy
 from swarm.planner.topology import TopologyError, load_topology, topology_from_dict
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "benchmarks" / "dtfm_scenarios"
@@ -44,9 +44,7 @@ def small_topology_dict(stages: int, replicas: int, seed: int) -> dict:
 def test_megatron_layout_matches_seeds(case: str) -> None:
     topology = load_topology(SCENARIOS / f"{case}.json")
     groups = np.arange(64).reshape(8, 8)  # group j = devices 8j..8j+7
-    assert evaluate_plan(pair_costs(topology), groups).total_s == pytest.approx(
-        MEGATRON_S[case], abs=0.01
-    )
+    assert evaluate_plan(pair_costs(topology), groups).total_s == pytest.approx(MEGATRON_S[case], abs=0.01)
 
 
 @pytest.mark.parametrize("case", sorted(PAPER_BEST_S))
@@ -54,9 +52,7 @@ def test_one_pipeline_per_block_matches_paper_best(case: str) -> None:
     # The paper's best layouts have the cost of group j = {j, j+8, ..., j+56}.
     topology = load_topology(SCENARIOS / f"{case}.json")
     groups = np.arange(64).reshape(8, 8).T
-    assert evaluate_plan(pair_costs(topology), groups).total_s == pytest.approx(
-        PAPER_BEST_S[case], abs=0.01
-    )
+    assert evaluate_plan(pair_costs(topology), groups).total_s == pytest.approx(PAPER_BEST_S[case], abs=0.01)
 
 
 def test_cost_by_hand_on_two_by_two() -> None:
@@ -64,8 +60,14 @@ def test_cost_by_hand_on_two_by_two() -> None:
     bandwidth = np.ones((4, 4))
     bandwidth[0, 1] = bandwidth[1, 0] = bandwidth[2, 3] = bandwidth[3, 2] = 4.0
     topology = topology_from_dict(
-        {"stages": 2, "replicas": 2, "c_dp_gb": 1.0, "c_pp_gb": 0.5,
-         "latency_ms": np.full((4, 4), 10.0).tolist(), "bandwidth_gbps": bandwidth.tolist()}
+        {
+            "stages": 2,
+            "replicas": 2,
+            "c_dp_gb": 1.0,
+            "c_pp_gb": 0.5,
+            "latency_ms": np.full((4, 4), 10.0).tolist(),
+            "bandwidth_gbps": bandwidth.tolist(),
+        }
     )
     cost = evaluate_plan(pair_costs(topology), np.array([[0, 1], [2, 3]]))
     assert cost.data_parallel_s == pytest.approx(2 * (0.01 + 8 * 1.0 / (2 * 4.0)))
@@ -75,9 +77,7 @@ def test_cost_by_hand_on_two_by_two() -> None:
 
 def brute_force_bottleneck(matrix: np.ndarray) -> float:
     size = matrix.shape[0]
-    return min(
-        max(matrix[i, p[i]] for i in range(size)) for p in itertools.permutations(range(size))
-    )
+    return min(max(matrix[i, p[i]] for i in range(size)) for p in itertools.permutations(range(size)))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 6])
@@ -108,9 +108,7 @@ def test_shortest_open_path_is_exact(count: int) -> None:
     cost, order = shortest_open_path(edges)
     assert sorted(order) == list(range(count))
     assert cost == pytest.approx(sum(edges[a, b] for a, b in zip(order, order[1:])))
-    best = min(
-        sum(edges[a, b] for a, b in zip(p, p[1:])) for p in itertools.permutations(range(count))
-    )
+    best = min(sum(edges[a, b] for a, b in zip(p, p[1:])) for p in itertools.permutations(range(count)))
     assert cost == pytest.approx(best)
 
 

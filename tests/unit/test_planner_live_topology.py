@@ -19,13 +19,28 @@ from swarm.planner.workload import estimated_communication_sizes
 NOW = 1000.0
 
 
-def record(peer: str, links: dict[str, tuple[float, float]], *, throughput: float = 10.0, measured_at: float = NOW,
-           stage: int | None = 0) -> LinkRecord:
+def record(
+    peer: str,
+    links: dict[str, tuple[float, float]],
+    *,
+    throughput: float = 10.0,
+    measured_at: float = NOW,
+    stage: int | None = 0,
+) -> LinkRecord:
     """links: {target: (rtt_ms, bandwidth_gbps)}."""
-    return LinkRecord(peer_id=peer, model="tiny", stage=stage, num_stages=2, throughput=throughput,
-                      measured_at=measured_at, expires_at=measured_at + 60.0,
-                      links={target: LinkMeasurement(rtt_ms=rtt, bandwidth_gbps=bw, measured_at=measured_at)
-                             for target, (rtt, bw) in links.items()})
+    return LinkRecord(
+        peer_id=peer,
+        model="tiny",
+        stage=stage,
+        num_stages=2,
+        throughput=throughput,
+        measured_at=measured_at,
+        expires_at=measured_at + 60.0,
+        links={
+            target: LinkMeasurement(rtt_ms=rtt, bandwidth_gbps=bw, measured_at=measured_at)
+            for target, (rtt, bw) in links.items()
+        },
+    )
 
 
 def build(records, stages=2, **kwargs):
@@ -55,8 +70,12 @@ def test_a_pair_measured_one_way_uses_that_measurement_both_ways() -> None:
 
 
 def test_unmeasured_pairs_get_the_worst_link_seen_and_are_reported() -> None:
-    records = [record("A", {"B": (2.0, 1.0), "C": (40.0, 0.1)}), record("B", {}), record("C", {}),
-               record("D", {"A": (6.0, 0.8)})]
+    records = [
+        record("A", {"B": (2.0, 1.0), "C": (40.0, 0.1)}),
+        record("B", {}),
+        record("C", {}),
+        record("D", {"A": (6.0, 0.8)}),
+    ]
     live = build(records)
     index = {p: i for i, p in enumerate(live.peer_ids)}
     estimated = {frozenset(pair) for pair in live.estimated_pairs}
@@ -68,8 +87,10 @@ def test_unmeasured_pairs_get_the_worst_link_seen_and_are_reported() -> None:
 
 
 def test_links_to_peers_without_a_record_and_stale_links_are_ignored() -> None:
-    records = [record("A", {"B": (2.0, 1.0), "GONE": (1.0, 9.0)}),
-               record("B", {"A": (100.0, 0.01)}, measured_at=NOW - 500.0)]
+    records = [
+        record("A", {"B": (2.0, 1.0), "GONE": (1.0, 9.0)}),
+        record("B", {"A": (100.0, 0.01)}, measured_at=NOW - 500.0),
+    ]
     live = build(records, stages=1, max_link_age_s=300.0)
     assert live.peer_ids == ("A", "B")
     assert live.stale_links == 1
@@ -113,8 +134,9 @@ def test_plan_finds_the_fast_pairs_and_does_not_depend_on_record_order() -> None
     def same_site(a, b):
         return (a in "ABC") == (b in "ABC")
 
-    records = full_mesh(peers, lambda a, b: 2.0 if same_site(a, b) else 200.0,
-                        lambda a, b: 10.0 if same_site(a, b) else 0.1)
+    records = full_mesh(
+        peers, lambda a, b: 2.0 if same_site(a, b) else 200.0, lambda a, b: 10.0 if same_site(a, b) else 0.1
+    )
     plans = []
     for seed in range(3):
         shuffled = list(records)

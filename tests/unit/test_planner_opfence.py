@@ -22,8 +22,15 @@ def two_machines(stages: int = 2, replicas: int = 2, fast: float = 100.0, slow: 
     size = stages * replicas
     machine = np.arange(size) // replicas
     bandwidth = np.where(machine[:, None] == machine[None, :], fast, slow)
-    return {"name": "machines", "stages": stages, "replicas": replicas, "c_dp_gb": 1.0, "c_pp_gb": 1.0,
-            "latency_ms": np.zeros((size, size)).tolist(), "bandwidth_gbps": bandwidth.tolist()}
+    return {
+        "name": "machines",
+        "stages": stages,
+        "replicas": replicas,
+        "c_dp_gb": 1.0,
+        "c_pp_gb": 1.0,
+        "latency_ms": np.zeros((size, size)).tolist(),
+        "bandwidth_gbps": bandwidth.tolist(),
+    }
 
 
 def test_clusters_follow_bandwidth_levels():
@@ -86,19 +93,40 @@ def test_unknown_placement_is_refused():
 
 # --- sizes from a profile --------------------------------------------------------------------------
 
+
 def synthetic_profile(n_layers: int = 4, d_model: int = 8, seq_len: int = 16, batch_size: int = 2) -> ModelProfile:
     activation = batch_size * seq_len * d_model * 4
 
     def layer(name, kind, params, output):
-        return LayerCost(name=name, kind=kind, forward_s=0.001, backward_s=0.002, parameters=params,
-                         parameter_bytes=4 * params, gradient_bytes=4 * params, optimizer_bytes=8 * params,
-                         output_bytes=output)
+        return LayerCost(
+            name=name,
+            kind=kind,
+            forward_s=0.001,
+            backward_s=0.002,
+            parameters=params,
+            parameter_bytes=4 * params,
+            gradient_bytes=4 * params,
+            optimizer_bytes=8 * params,
+            output_bytes=output,
+        )
 
-    layers = (layer("embedding", LayerKind.EMBEDDING, 100, activation),
-              *[layer(f"block.{i}", LayerKind.BLOCK, 1000, activation) for i in range(n_layers)],
-              layer("head", LayerKind.HEAD, 50, 4))
-    return ModelProfile(model="synthetic", n_layers=n_layers, d_model=d_model, seq_len=seq_len, batch_size=batch_size,
-                        device="cpu", num_threads=1, repeats=1, optimizer="adamw", layers=layers)
+    layers = (
+        layer("embedding", LayerKind.EMBEDDING, 100, activation),
+        *[layer(f"block.{i}", LayerKind.BLOCK, 1000, activation) for i in range(n_layers)],
+        layer("head", LayerKind.HEAD, 50, 4),
+    )
+    return ModelProfile(
+        model="synthetic",
+        n_layers=n_layers,
+        d_model=d_model,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        device="cpu",
+        num_threads=1,
+        repeats=1,
+        optimizer="adamw",
+        layers=layers,
+    )
 
 
 def test_sizes_come_from_the_layer_graph():
@@ -130,14 +158,46 @@ def test_plan_cli_with_a_profile_and_opfence(tmp_path: Path, capsys):
     profile_path = tmp_path / "profile.json"
     synthetic_profile().write(profile_path)
     out = tmp_path / "plan.json"
-    assert main(["--topology", str(topology_path), "--out", str(out), "--method", "opfence",
-                 "--profile", str(profile_path), "--macro-batch-samples", "10", "--split-boundaries", "0,1,4"]) == 0
+    assert (
+        main(
+            [
+                "--topology",
+                str(topology_path),
+                "--out",
+                str(out),
+                "--method",
+                "opfence",
+                "--profile",
+                str(profile_path),
+                "--macro-batch-samples",
+                "10",
+                "--split-boundaries",
+                "0,1,4",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(out.read_text())
     assert plan["method"] == "opfence"
     assert plan["c_dp_gb"] == pytest.approx(4 * 3050 / 1e9)
     assert plan["c_pp_gb"] == pytest.approx(10 * 16 * 8 * 4 / 1e9)
     assert main(["--topology", str(topology_path), "--out", str(out), "--profile", str(profile_path)]) == 2
     assert "--macro-batch-samples" in capsys.readouterr().err
-    assert main(["--topology", str(topology_path), "--out", str(out), "--profile", str(profile_path),
-                 "--macro-batch-samples", "4", "--split-boundaries", "0,1,2,4"]) == 2
+    assert (
+        main(
+            [
+                "--topology",
+                str(topology_path),
+                "--out",
+                str(out),
+                "--profile",
+                str(profile_path),
+                "--macro-batch-samples",
+                "4",
+                "--split-boundaries",
+                "0,1,2,4",
+            ]
+        )
+        == 2
+    )
     assert "3 stages but the topology 2" in capsys.readouterr().err

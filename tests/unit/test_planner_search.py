@@ -43,8 +43,16 @@ def brute_force_optimum(topology) -> float:
 @pytest.mark.parametrize(
     ("stages", "replicas", "seed"),
     [
-        (2, 4, 0), (4, 2, 1), (3, 3, 2), (3, 3, 3), (3, 3, 7), (3, 3, 8), (2, 5, 4), (2, 6, 9),
-        (5, 2, 5), (4, 2, 10),
+        (2, 4, 0),
+        (4, 2, 1),
+        (3, 3, 2),
+        (3, 3, 3),
+        (3, 3, 7),
+        (3, 3, 8),
+        (2, 5, 4),
+        (2, 6, 9),
+        (5, 2, 5),
+        (4, 2, 10),
         pytest.param(4, 3, 6, marks=pytest.mark.slow),  # 15,400 partitions to brute-force
         pytest.param(3, 4, 12, marks=pytest.mark.slow),  # 5,775 partitions
     ],

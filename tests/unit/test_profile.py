@@ -11,8 +11,14 @@ from models.balanced_split import SplitCosts, balanced_split
 from models.config import get_model_config
 from models.layer_costs import LayerKind, ModelProfile, ProfileError, split_costs
 from models.profile import profile_model
-from models.stages import (StageSplitError, build_full_model, build_stage, equal_boundaries, split_from_boundaries,
-                           stage_spec)
+from models.stages import (
+    StageSplitError,
+    build_full_model,
+    build_stage,
+    equal_boundaries,
+    split_from_boundaries,
+    stage_spec,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +29,11 @@ def tiny_profile() -> ModelProfile:
 def test_profile_is_the_chain_of_the_model_with_its_sizes(tiny_profile):
     config = get_model_config("tiny")
     assert [layer.name for layer in tiny_profile.layers] == ["embedding", "block.0", "block.1", "block.2", "head"]
-    assert [layer.kind for layer in tiny_profile.layers] == [LayerKind.EMBEDDING, *[LayerKind.BLOCK] * 3, LayerKind.HEAD]
+    assert [layer.kind for layer in tiny_profile.layers] == [
+        LayerKind.EMBEDDING,
+        *[LayerKind.BLOCK] * 3,
+        LayerKind.HEAD,
+    ]
     assert sum(layer.parameters for layer in tiny_profile.layers) == config.num_parameters()
     for layer in tiny_profile.layers:
         assert layer.forward_s > 0 and layer.backward_s > 0
@@ -38,8 +48,10 @@ def test_profile_is_the_chain_of_the_model_with_its_sizes(tiny_profile):
 def test_stage_sizes_follow_the_split(tiny_profile):
     layers = tiny_profile.layers
     grads = tiny_profile.stage_gradient_bytes((0, 1, 3))
-    assert grads == (layers[0].gradient_bytes + layers[1].gradient_bytes,
-                     layers[2].gradient_bytes + layers[3].gradient_bytes + layers[4].gradient_bytes)
+    assert grads == (
+        layers[0].gradient_bytes + layers[1].gradient_bytes,
+        layers[2].gradient_bytes + layers[3].gradient_bytes + layers[4].gradient_bytes,
+    )
     assert sum(tiny_profile.stage_memory_bytes((0, 2, 3))) == sum(layer.memory_bytes for layer in layers)
     with pytest.raises(ProfileError, match="strictly increase"):
         tiny_profile.stage_gradient_bytes((0, 3, 3))
@@ -52,13 +64,16 @@ def test_profile_round_trips_through_json_and_ignores_extra_keys(tiny_profile, t
     assert json.loads(path.read_text())["suggested_split"] == {"boundaries": [0, 1, 3]}
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["layers"].pop(1), "3 blocks"),
-    (lambda d: d["layers"].reverse(), "in that order"),
-    (lambda d: d["layers"][1].update(forward_s=-1.0), "forward_s"),
-    (lambda d: d["layers"][1].update(parameters="many"), "parameters"),
-    (lambda d: d.pop("batch_size"), "batch_size"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["layers"].pop(1), "3 blocks"),
+        (lambda d: d["layers"].reverse(), "in that order"),
+        (lambda d: d["layers"][1].update(forward_s=-1.0), "forward_s"),
+        (lambda d: d["layers"][1].update(parameters="many"), "parameters"),
+        (lambda d: d.pop("batch_size"), "batch_size"),
+    ],
+)
 def test_malformed_profiles_are_refused_with_one_line(tiny_profile, tmp_path, mutate, message):
     data = tiny_profile.to_dict()
     mutate(data)
@@ -116,12 +131,15 @@ def test_any_split_of_one_seed_holds_the_weights_of_the_whole_model():
         assert seen == set(whole)
 
 
-@pytest.mark.parametrize("boundaries, message", [
-    ((0, 3, 3), "strictly increase"),
-    ((1, 3), "start at 0"),
-    ((0, 2), "end at n_layers=3"),
-    ((0,), "at least two"),
-])
+@pytest.mark.parametrize(
+    "boundaries, message",
+    [
+        ((0, 3, 3), "strictly increase"),
+        ((1, 3), "start at 0"),
+        ((0, 2), "end at n_layers=3"),
+        ((0,), "at least two"),
+    ],
+)
 def test_bad_boundaries_are_refused(boundaries, message):
     with pytest.raises(StageSplitError, match=message):
         split_from_boundaries(3, boundaries)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from swarm.progress import CLEAR_LINE, StepProgress, TrainingProgress, format_bar, format_duration, format_line
+from swarm.trainer.progress import CLEAR_LINE, StepProgress, TrainingProgress, format_bar, format_duration, format_line
 
 
 def progress(step: int, total: int = 10, **kw) -> StepProgress:

@@ -4,8 +4,17 @@ import msgpack
 import pytest
 import torch
 
-from peers.protocol import (ProtocolError, RequestHeader, ResponseHeader, TensorMeta, decode_header, encode_header,
-                            from_wire, pack_named, unpack_named)
+from wire.protocol import (
+    ProtocolError,
+    RequestHeader,
+    ResponseHeader,
+    TensorMeta,
+    decode_header,
+    encode_header,
+    from_wire,
+    pack_named,
+    unpack_named,
+)
 
 
 def test_tensors_round_trip_through_parts_with_each_codec():
@@ -22,13 +31,26 @@ def test_tensors_round_trip_through_parts_with_each_codec():
 
 def test_headers_round_trip_and_malformed_headers_are_refused():
     metas, _ = pack_named([("inputs", torch.zeros(2, 3))])
-    header = RequestHeader(rpc="forward", model="tiny", stage=1, num_stages=2, microbatch_id="a:0:1", batch_size=2,
-                           tensors=metas, response_codec="int8")
+    header = RequestHeader(
+        rpc="forward",
+        model="tiny",
+        stage=1,
+        num_stages=2,
+        microbatch_id="a:0:1",
+        batch_size=2,
+        tensors=metas,
+        response_codec="int8",
+    )
     assert decode_header(RequestHeader, encode_header(header)) == header
     response = ResponseHeader(loss=1.5, error=None)
     assert decode_header(ResponseHeader, encode_header(response)) == response
-    for junk in [b"", b"\xff\x00garbage", msgpack.packb({"rpc": "explode"}), msgpack.packb([1, 2, 3]),
-                 msgpack.packb({**header.model_dump(mode="json"), "stage": -1})]:
+    for junk in [
+        b"",
+        b"\xff\x00garbage",
+        msgpack.packb({"rpc": "explode"}),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({**header.model_dump(mode="json"), "stage": -1}),
+    ]:
         with pytest.raises(ProtocolError):
             decode_header(RequestHeader, junk)
 

@@ -8,8 +8,11 @@ ID = "12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
 
 
 def test_relay_circuits_are_not_direct_addresses():
-    maddrs = [f"/ip4/1.2.3.4/tcp/31337/p2p/{ID}", f"/ip4/5.6.7.8/tcp/4001/p2p/{ID}/p2p-circuit/p2p/{ID}",
-              "/ip4/1.2.3.4/tcp/31337"]
+    maddrs = [
+        f"/ip4/1.2.3.4/tcp/31337/p2p/{ID}",
+        f"/ip4/5.6.7.8/tcp/4001/p2p/{ID}/p2p-circuit/p2p/{ID}",
+        "/ip4/1.2.3.4/tcp/31337",
+    ]
     assert direct_maddrs(maddrs) == ["/ip4/1.2.3.4/tcp/31337"]
 
 

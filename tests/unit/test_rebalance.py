@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peers.rebalance import (
+from peers.placement.rebalance import (
     ReplicaView,
     choose_initial_stage,
     choose_standby_target,
@@ -23,7 +23,7 @@ from peers.rebalance import (
     stage_throughputs,
     stages_that_lost_replicas,
 )
-from peers.stage_assignment import bottleneck_upper_bound, exact_bottleneck, greedy_bottleneck
+from peers.placement.stage_assignment import bottleneck_upper_bound, exact_bottleneck, greedy_bottleneck
 
 
 def online(peer_id: str, stage: int, throughput: float = 1.0) -> ReplicaView:
@@ -86,8 +86,11 @@ def test_gain_below_margin_means_no_move():
 
 def test_joining_and_offline_peers():
     swarm = [
-        online("a", 0), online("b", 0), online("c", 0),
-        ReplicaView("j", 0, 1.0, "joining"), ReplicaView("gone", 1, 9.0, "offline"),
+        online("a", 0),
+        online("b", 0),
+        online("c", 0),
+        ReplicaView("j", 0, 1.0, "joining"),
+        ReplicaView("gone", 1, 9.0, "offline"),
         online("d", 1),
     ]
     assert stage_throughputs(swarm, 2) == [4.0, 1.0]
@@ -224,13 +227,21 @@ def test_a_move_never_empties_a_stage_nor_lowers_the_bottleneck(case):
 
 
 def test_stages_that_lost_replicas_sees_departures_expiries_and_offline_records_not_moves():
-    before = [online("a", 0), online("b", 0), online("c", 1), online("d", 2),
-              ReplicaView("e", 2, 1.0, "joining"), online("f", 1)]
-    after = [online("a", 0),                              # stayed
-             ReplicaView("c", 1, 1.0, "offline"),         # announced offline: stage 1 lost it
-             ReplicaView("f", 2, 1.0, "joining"),         # moved 1 -> 2 (planned): not a loss
-             online("e", 2),                              # joining -> online: not a loss
-             online("g", 0)]                              # arrived
+    before = [
+        online("a", 0),
+        online("b", 0),
+        online("c", 1),
+        online("d", 2),
+        ReplicaView("e", 2, 1.0, "joining"),
+        online("f", 1),
+    ]
+    after = [
+        online("a", 0),  # stayed
+        ReplicaView("c", 1, 1.0, "offline"),  # announced offline: stage 1 lost it
+        ReplicaView("f", 2, 1.0, "joining"),  # moved 1 -> 2 (planned): not a loss
+        online("e", 2),  # joining -> online: not a loss
+        online("g", 0),
+    ]  # arrived
     # b's record expired (absent): stage 0 lost it; d's too: stage 2.
     assert stages_that_lost_replicas(before, after, 3) == (0, 1, 2)
     assert stages_that_lost_replicas(after, after, 3) == ()
@@ -253,8 +264,12 @@ def test_loss_check_delay_is_randomised_within_bounds():
 def test_decision_in_plan_agrees_with_decide_move():
     rng = random.Random(5)
     # Stage 2 thin: a plan moves peers there; joining peers are in the snapshot too.
-    swarm = [ReplicaView(f"p{i}", rng.choice([0, 0, 1, 1, 2]), rng.uniform(0.5, 2),
-                         rng.choice(["online", "online", "joining"])) for i in range(30)]
+    swarm = [
+        ReplicaView(
+            f"p{i}", rng.choice([0, 0, 1, 1, 2]), rng.uniform(0.5, 2), rng.choice(["online", "online", "joining"])
+        )
+        for i in range(30)
+    ]
     plan = plan_rebalance(swarm, 3, min_gain=0.0)
     assert plan.moves  # the check below covers movers and stayers
     for me in swarm:

@@ -1,7 +1,7 @@
 """The peer's rebalancing loop checks as soon as a stage loses a replica, not only at its period.
 
 Drives `StageMoves._rebalance_forever` with a scripted swarm (no DHT, no network): the decisions
-are the real peers/rebalance.py functions.
+are the real peers/placement/rebalance.py functions.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 from types import SimpleNamespace
 
 from dht.records import PeerState
-from peers.rebalance import ReplicaView
-from peers.stage_moves import StageMoves
+from peers.placement.rebalance import ReplicaView
+from peers.placement.stage_moves import StageMoves
 
 
 def online(peer_id: str, stage: int) -> ReplicaView:
@@ -25,8 +25,12 @@ class ScriptedPeer(StageMoves):
     def __init__(self, *, loss_watch_s: float) -> None:
         self.peer_id, self.state, self.requests_served = "a-me", PeerState.ONLINE, 100
         self.runtime = SimpleNamespace(stage=0, num_stages=2, throughput=SimpleNamespace(value=1.0))
-        self.config = SimpleNamespace(rebalance_period_s=1000.0, rebalance_loss_watch_s=loss_watch_s,
-                                      rebalance_loss_delay_s=0.05, rebalance_min_gain=0.2)
+        self.config = SimpleNamespace(
+            rebalance_period_s=1000.0,
+            rebalance_loss_watch_s=loss_watch_s,
+            rebalance_loss_delay_s=0.05,
+            rebalance_min_gain=0.2,
+        )
         self.others = [online("p1", 0), online("p2", 0), online("q1", 1), online("q2", 1)]
         self.looks = 0
         self.moved_to: list[int] = []
@@ -47,7 +51,7 @@ async def run_for(peer: ScriptedPeer, seconds: float) -> float:
     started = time.monotonic()
     try:
         await asyncio.wait_for(peer._rebalance_forever(None, peer.stop), timeout=seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     return time.monotonic() - started
 

@@ -14,8 +14,11 @@ def simulated_twice_identically(config: SimulationConfig) -> dict:
 
 
 def test_small_simulation_is_deterministic_and_bounded():
-    first = simulated_twice_identically(SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0,
-                                                         join_scale=0.0, min_gain=0.01, check_period_s=120.0))
+    first = simulated_twice_identically(
+        SimulationConfig(
+            seed=3, peers=60, stages=4, duration_s=1800.0, join_scale=0.0, min_gain=0.01, check_period_s=120.0
+        )
+    )
     for figures in first["policies"].values():
         assert 0.0 < figures["share_of_optimal"] <= 1.0
     assert first["policies"]["static"]["moves"] == 0
@@ -64,9 +67,17 @@ def test_taking_over_a_stage_that_fell_behind_first_downloads_its_state_as_the_p
 
 
 def test_standbys_serve_nothing_until_they_take_over_and_the_draw_is_seeded():
-    first = simulated_twice_identically(SimulationConfig(seed=3, peers=60, stages=4, duration_s=1800.0,
-                                                         join_scale=0.0, standby_fraction=0.2,
-                                                         standby_take_over_fraction=0.9))
+    first = simulated_twice_identically(
+        SimulationConfig(
+            seed=3,
+            peers=60,
+            stages=4,
+            duration_s=1800.0,
+            join_scale=0.0,
+            standby_fraction=0.2,
+            standby_take_over_fraction=0.9,
+        )
+    )
     static = first["policies"]["static"]
     assert static["standby_peers"] > 0
     assert 0 < static["standby_take_overs"] + static["standby_at_end"] <= static["standby_peers"]
@@ -77,13 +88,20 @@ def test_a_check_on_loss_repairs_the_bottleneck_long_before_the_periodic_check()
     # p1 leaves at 100 s (announcing offline): stage 1 = 1. The plan moves p2 (the slower, then
     # lower id, of the equally useful movers) to stage 1: bottleneck 2 once its 120 s download is done.
     speeds_and_departures = [(2.0, 10_000.0), (2.0, 100.0), (1.0, 10_000.0), (1.0, 10_000.0), (1.0, 10_000.0)]
-    trace = [PeerLife(f"p{k}", 0, speed, 0.0, leaves_s, False)
-             for k, (speed, leaves_s) in enumerate(speeds_and_departures)]
+    trace = [
+        PeerLife(f"p{k}", 0, speed, 0.0, leaves_s, False) for k, (speed, leaves_s) in enumerate(speeds_and_departures)
+    ]
     flags = [False] * len(trace)
 
     def series(check_on_loss: bool) -> dict:
-        config = SimulationConfig(peers=2, stages=2, duration_s=600.0, check_period_s=5000.0,
-                                  check_on_loss=check_on_loss, loss_check_max_delay_s=10.0)
+        config = SimulationConfig(
+            peers=2,
+            stages=2,
+            duration_s=600.0,
+            check_period_s=5000.0,
+            check_on_loss=check_on_loss,
+            loss_check_max_delay_s=10.0,
+        )
         return replay(trace, config, "rebalance", is_standby=flags)
 
     periodic, on_loss = series(False), series(True)
@@ -103,11 +121,20 @@ def test_the_breakdown_accounts_for_the_whole_gap_to_the_optimum():
     gap_points = 100 * (1 - report["share_of_optimal"])
     assert gap_points > 0
     by_landing = report["lost_points_by_landing"]
-    telescoped = (by_landing["transfers_landing"] + by_landing["placement_once_landed"]
-                  + by_landing["optimum_minus_best_all"])
+    telescoped = (
+        by_landing["transfers_landing"] + by_landing["placement_once_landed"] + by_landing["optimum_minus_best_all"]
+    )
     assert abs(telescoped - gap_points) < 1e-9
-    placement = (by_landing["of_which_plan_not_yet_acted_on"] + by_landing["of_which_min_gain"]
-                 + by_landing["of_which_planner_limit"])
+    placement = (
+        by_landing["of_which_plan_not_yet_acted_on"]
+        + by_landing["of_which_min_gain"]
+        + by_landing["of_which_planner_limit"]
+    )
     assert abs(placement - by_landing["placement_once_landed"]) < 1e-9
-    assert abs(sum(report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].values())
-               - sum(v for k, v in report["lost_points"].items() if k != "in_transit")) < 1e-9
+    assert (
+        abs(
+            sum(report["imbalance_by_time_since_bottleneck_lost_a_peer_points"].values())
+            - sum(v for k, v in report["lost_points"].items() if k != "in_transit")
+        )
+        < 1e-9
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peers.request_limits import PenaltyBox, RequestTooLargeError, check_request_bytes
+from wire.request_limits import PenaltyBox, RequestTooLargeError, check_request_bytes
 
 
 class Clock:
@@ -54,8 +54,9 @@ def test_memory_stays_bounded_under_made_up_caller_ids():
     assert box.limited() == sorted(f"sybil-{i}" for i in range(9_900, 10_000))
 
 
-@pytest.mark.parametrize("kwargs", [dict(burst=0), dict(refill_per_s=0.0), dict(refill_per_s=float("inf")),
-                                    dict(max_callers=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(burst=0), dict(refill_per_s=0.0), dict(refill_per_s=float("inf")), dict(max_callers=0)]
+)
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         PenaltyBox(**kwargs)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.routing import ReplicaInfo, ReplicaScheduler
+from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 
 
 class FakeClock:

@@ -5,14 +5,14 @@ peer is on the allowlist)."""
 from __future__ import annotations
 
 import pytest
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
 
 from dht.keys import parse_peer_subkey, peer_subkey
 from dht.node import NetworkConfig
-from dht.configuration import ConfigError
 from dht.signing import BytesSubkeyValidator, IdentityError, load_identity, new_identity_file, owned_entries
-from hivemind.dht.validation import DHTRecord
-from hivemind.utils import MSGPackSerializer
+from process.config import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from dht.configuration import ConfigError
 from dht.records import SplitRecord, parse_split_records
-from dht.split_agreement import (SplitConflictError, choose_split, earlier_conflicting_claim, split_in_force)
+from dht.split_agreement import SplitConflictError, choose_split, earlier_conflicting_claim, split_in_force
 from models.stages import StageSplitError
 from peers.config import PeerConfig
-from peers.split_claim import split_tag
+from peers.placement.split_claim import split_tag
+from process.config import ConfigError
 
 
 def claim(peer: str, boundaries, since: float = 0.0, active: bool = True, model: str = "tiny") -> SplitRecord:
-    return SplitRecord(peer_id=peer, model=model, num_stages=len(boundaries) - 1, boundaries=tuple(boundaries),
-                       since=since, active=active, expires_at=100.0)
+    return SplitRecord(
+        peer_id=peer,
+        model=model,
+        num_stages=len(boundaries) - 1,
+        boundaries=tuple(boundaries),
+        since=since,
+        active=active,
+        expires_at=100.0,
+    )
 
 
 def test_a_record_must_describe_its_stages():

@@ -3,7 +3,7 @@ attempt accept (they refuse a subkey whose expiry is not later than the one they
 
 from __future__ import annotations
 
-import peers.split_claim as split_claim
+import peers.placement.split_claim as split_claim
 from dht.records import SplitRecord
 
 

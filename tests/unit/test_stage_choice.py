@@ -2,25 +2,46 @@
 
 import pytest
 
-from dht.configuration import ConfigError
 from dht.records import PeerRecord, PeerState
 from peers.config import AUTO_STAGE, PeerConfig
-from peers.rebalance import ReplicaView, decide_move
-from peers.stage_choice import choose_stage, choose_standby_stage, replica_views
+from peers.placement.rebalance import ReplicaView, decide_move
+from peers.placement.stage_choice import choose_stage, choose_standby_stage, replica_views
+from process.config import ConfigError
 
 
-def record(peer_id: str, stage: int, state: str = "online", throughput: float = 1.0, *, expires_at: float = 100.0,
-           num_stages: int = 2) -> PeerRecord:
-    return PeerRecord(peer_id=peer_id, model="tiny", stage=stage, num_stages=num_stages, state=PeerState(state),
-                      throughput=throughput, expires_at=expires_at)
+def record(
+    peer_id: str,
+    stage: int,
+    state: str = "online",
+    throughput: float = 1.0,
+    *,
+    expires_at: float = 100.0,
+    num_stages: int = 2,
+) -> PeerRecord:
+    return PeerRecord(
+        peer_id=peer_id,
+        model="tiny",
+        stage=stage,
+        num_stages=num_stages,
+        state=PeerState(state),
+        throughput=throughput,
+        expires_at=expires_at,
+    )
 
 
 def test_a_moved_peer_counts_once_at_its_new_stage():
-    records = [record("a", 0, "offline", expires_at=200.0), record("a", 1, "joining", expires_at=150.0),
-               record("b", 0), record("c", 0)]
+    records = [
+        record("a", 0, "offline", expires_at=200.0),
+        record("a", 1, "joining", expires_at=150.0),
+        record("b", 0),
+        record("c", 0),
+    ]
     views = replica_views(records, 2)
-    assert [(v.peer_id, v.stage, v.state) for v in views] == [("a", 1, "joining"), ("b", 0, "online"),
-                                                                ("c", 0, "online")]
+    assert [(v.peer_id, v.stage, v.state) for v in views] == [
+        ("a", 1, "joining"),
+        ("b", 0, "online"),
+        ("c", 0, "online"),
+    ]
 
 
 def test_of_two_serving_records_the_later_one_wins_and_my_own_view_beats_the_dht():
@@ -43,8 +64,11 @@ def test_views_feed_decide_move_without_duplicates():
     movers = [p for p, d in decisions.items() if d.move]
     assert len(movers) == 1 and decisions[movers[0]].to_stage == 1
     # Once the mover is seen joining stage 1, nobody else moves.
-    after = replica_views(records + [record(movers[0], 0, "offline", expires_at=300.0),
-                                     record(movers[0], 1, "joining", expires_at=301.0)], 2)
+    after = replica_views(
+        records
+        + [record(movers[0], 0, "offline", expires_at=300.0), record(movers[0], 1, "joining", expires_at=301.0)],
+        2,
+    )
     assert not any(decide_move(p, after, 2, min_gain=0.2).move for p in "abcd")
 
 

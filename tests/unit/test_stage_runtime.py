@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from models.config import get_model_config
-from models.stages import build_full_model, split_layers, StageSplitError
-from peers.stage_runtime import ActivationCacheMissError, BadRequestError, OptimizerSettings, StageRuntime
+from models.stages import StageSplitError, build_full_model, split_layers
+from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, OptimizerSettings, StageRuntime
 
 
 def reference_step(config, tokens, targets, settings, microbatch):
@@ -21,7 +21,7 @@ def pipeline_step(config, tokens, targets, settings, num_stages, microbatch):
     stages = [StageRuntime(config, s, num_stages, optimizer=settings) for s in range(num_stages)]
     losses = []
     for i in range(0, tokens.shape[0], microbatch):
-        mb_id, x, y = f"mb{i}", tokens[i:i + microbatch], targets[i:i + microbatch]
+        mb_id, x, y = f"mb{i}", tokens[i : i + microbatch], targets[i : i + microbatch]
         inputs = [x]
         for stage in stages[:-1]:
             inputs.append(stage.forward(mb_id, inputs[-1]))
@@ -71,7 +71,10 @@ def test_activation_cache_is_used_and_retries_are_not_double_counted():
 def test_backward_without_inputs_uses_the_cached_forward_and_equals_a_backward_with_inputs():
     config = get_model_config("tiny")
     settings = OptimizerSettings(kind="sgd", lr=0.5, target_batch_size=2)
-    with_inputs, without = StageRuntime(config, 1, 3, optimizer=settings), StageRuntime(config, 1, 3, optimizer=settings)
+    with_inputs, without = (
+        StageRuntime(config, 1, 3, optimizer=settings),
+        StageRuntime(config, 1, 3, optimizer=settings),
+    )
     x = torch.randn(2, config.seq_len, config.d_model)
     grad = torch.randn(2, config.seq_len, config.d_model)
     for stage in (with_inputs, without):

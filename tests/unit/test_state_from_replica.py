@@ -5,9 +5,9 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from dht.records import PeerRecord, PeerState
-from peers import replica_sync
-from peers.checkpoint import CheckpointMeta
-from peers.replica_sync import ReplicaSyncHandlers
+from peers.compute.checkpoint import CheckpointMeta
+from peers.replicas import replica_sync
+from peers.replicas.replica_sync import ReplicaSyncHandlers
 
 
 class FakeRuntime:
@@ -21,14 +21,22 @@ class FakeRuntime:
 
 
 def replica(peer_id: str, stage: int) -> PeerRecord:
-    return PeerRecord(peer_id=peer_id, model="tiny", stage=stage, num_stages=2, state=PeerState.ONLINE,
-                      throughput=1.0, expires_at=1e12)
+    return PeerRecord(
+        peer_id=peer_id,
+        model="tiny",
+        stage=stage,
+        num_stages=2,
+        state=PeerState.ONLINE,
+        throughput=1.0,
+        expires_at=1e12,
+    )
 
 
 def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monkeypatch):
     """The replica's steps are compared with the runtime that receives them (the new stage's, fresh), not
     with the stage the peer served so far: a peer that had done 9 steps on stage 0 and moves to stage 1,
     whose replica has done 4, must take that state, not serve stage 1 from its initial weights."""
+
     async def records(dht, model, stage):
         return [replica("stage1-replica", stage)]
 
@@ -38,8 +46,13 @@ def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monke
     monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
     monkeypatch.setattr(replica_sync, "download_state", download)
     with ThreadPoolExecutor(max_workers=1) as executor:
-        peer = SimpleNamespace(config=SimpleNamespace(model="tiny", averaging_timeout_s=1.0), dht=None,
-                               peer_id="mover", runtime=FakeRuntime(stage=0, steps_done=9), executor=executor)
+        peer = SimpleNamespace(
+            config=SimpleNamespace(model="tiny", averaging_timeout_s=1.0),
+            dht=None,
+            peer_id="mover",
+            runtime=FakeRuntime(stage=0, steps_done=9),
+            executor=executor,
+        )
         new_stage = FakeRuntime(stage=1, steps_done=0)
         loaded = asyncio.run(ReplicaSyncHandlers._load_state_from_replica(peer, None, new_stage))
         assert loaded and new_stage.steps_done == 4 and new_stage.imported is not None

@@ -7,14 +7,31 @@ from swarm.status import format_table
 
 
 def record(peer: str, stage: int, state=PeerState.ONLINE, metrics_addr=None) -> PeerRecord:
-    return PeerRecord(peer_id=peer, model="tiny", stage=stage, num_stages=2, state=state, throughput=120.0, load=3.0,
-                      version="0.1.0", expires_at=1e12, metrics_addr=metrics_addr)
+    return PeerRecord(
+        peer_id=peer,
+        model="tiny",
+        stage=stage,
+        num_stages=2,
+        state=state,
+        throughput=120.0,
+        load=3.0,
+        version="0.1.0",
+        expires_at=1e12,
+        metrics_addr=metrics_addr,
+    )
 
 
 def test_the_table_lists_peers_per_stage_with_their_metrics_address():
-    text = format_table("tiny", {0: [record("QmAAAAAAAAAAAAAAAAA0", 0, metrics_addr="127.0.0.1:9100"),
-                                     record("QmBBBBBBBBBBBBBBBBB1", 0, state=PeerState.OFFLINE)],
-                                 1: []})
+    text = format_table(
+        "tiny",
+        {
+            0: [
+                record("QmAAAAAAAAAAAAAAAAA0", 0, metrics_addr="127.0.0.1:9100"),
+                record("QmBBBBBBBBBBBBBBBBB1", 0, state=PeerState.OFFLINE),
+            ],
+            1: [],
+        },
+    )
     lines = text.splitlines()
     assert lines[0] == "model tiny: 2 stages"
     assert lines[1].split() == ["stage", "peer", "state", "samples/s", "load", "version", "metrics"]

@@ -1,0 +1,135 @@
+"""Fault injection for tests and benchmarks: a stage runtime that is slower than it should be,
+fails a fraction of its calls, or returns garbage (NaNs, or a wrong shape) while computing
+correctly inside. Only built when a `--fault-*` flag is set, so the normal code path never
+branches on it."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
+
+GARBAGE_KINDS = ("none", "nan", "shape")
+# How the extra time of a slowed compute is spent:
+# - sleep: waiting, off the CPU, (slowdown - 1) x the compute's wall time. Simple, but on shared cores
+#   the wall time includes waiting for a core, so contention is multiplied too (see `device`).
+# - busy: computing, on the compute thread. The peer needs `slowdown` times the CPU time per call, so
+#   a slowed peer and its partner compete for a shared CPU on equal terms and load that hits both
+#   alike keeps their speeds `slowdown` apart. With `sleep` they do not: the slowed peer computes
+#   only while its partner is busy too and so meets more contention, and its sleep then multiplies
+#   that contention (a peer slowed 3x served 0.23 of its partner's share in a loaded CI run).
+# - device: a separate device `slowdown` times slower than one uncontended core of this machine: the
+#   call lasts `slowdown` x the CPU time the compute used on its thread, asleep for the rest; if
+#   contention alone stretched the compute beyond that, nothing is added. Other processes' load is not
+#   multiplied (with `sleep`, the same static swarm ran at 322 and 431 tok/s four minutes apart on the
+#   shared machine, and a layout with more peers computing at once paid for their contention `slowdown` times).
+SLOWDOWN_MODES = ("sleep", "busy", "device")
+
+
+def garbled(value, kind: str):
+    """What a broken peer sends instead of `value` (a tensor, a loss, or None)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        return float("nan") if kind == "nan" else value
+    if kind == "nan":
+        return torch.full_like(value, float("nan"))
+    return value[..., :-1].contiguous()  # one value short in the last dimension
+
+
+class InjectedFault(RuntimeError):
+    """A failure injected on purpose (`--fault-fail-rate`)."""
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    slowdown: float = 1.0  # every compute takes this many times as long
+    slowdown_mode: str = "sleep"  # how the extra time is spent: one of SLOWDOWN_MODES
+    fail_rate: float = 0.0  # fraction of calls that fail with an internal error
+    garbage: str = "none"  # what a garbage answer holds: none, nan or shape (one value short)
+    garbage_rate: float = 1.0  # fraction of calls answered with garbage (with garbage != none)
+    seed: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.slowdown != 1.0 or self.fail_rate > 0.0 or self.garbage != "none"
+
+    def __post_init__(self) -> None:
+        if self.slowdown < 1.0 or not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
+        if self.slowdown_mode not in SLOWDOWN_MODES:
+            raise ValueError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
+        if self.garbage not in GARBAGE_KINDS or not 0.0 <= self.garbage_rate <= 1.0:
+            raise ValueError(
+                f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
+            )
+
+
+class FaultyStageRuntime:
+    """Wraps a StageRuntime; forwards everything else to it unchanged."""
+
+    def __init__(self, runtime: StageRuntime, settings: FaultSettings):
+        self._runtime, self._settings = runtime, settings
+        self._rng = random.Random(settings.seed)
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    @property
+    def throughput(self) -> ThroughputMeter:
+        """What the peer announces: the inner measurement, slowed down as the calls are."""
+        return ThroughputMeter(initial=self._runtime.throughput.value / self._settings.slowdown)
+
+    def _run(self, compute, *args, **kwargs):
+        if self._rng.random() < self._settings.fail_rate:
+            raise InjectedFault("injected failure (--fault-fail-rate)")
+        extra = self._settings.slowdown - 1.0
+        if self._settings.slowdown_mode == "busy":
+            started_cpu_s = time.thread_time()
+            result = compute(*args, **kwargs)
+            burn_cpu(extra * (time.thread_time() - started_cpu_s))
+            return result
+        started, started_cpu_s = time.perf_counter(), time.thread_time()
+        result = compute(*args, **kwargs)
+        elapsed_s = time.perf_counter() - started
+        if self._settings.slowdown_mode == "device":
+            time.sleep(max(self._settings.slowdown * (time.thread_time() - started_cpu_s) - elapsed_s, 0.0))
+        else:
+            time.sleep(extra * elapsed_s)
+        return result
+
+    def _garbage_now(self) -> bool:
+        return self._settings.garbage != "none" and self._rng.random() < self._settings.garbage_rate
+
+    def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets)
+        return garbled(outputs, self._settings.garbage) if self._garbage_now() else outputs
+
+    def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
+        grad_inputs, loss = self._run(self._runtime.backward, microbatch_id, inputs, **kwargs)
+        if self._garbage_now():
+            return garbled(grad_inputs, self._settings.garbage), garbled(loss, self._settings.garbage)
+        return grad_inputs, loss
+
+
+_BURN_MATRIX_SIZE = 128  # one product takes well under a millisecond: the deadline is overshot by little
+
+
+def burn_cpu(seconds: float) -> float:
+    """Keep the calling thread computing until it has used `seconds` of CPU time (its own, so other
+    processes' load stretches this as it stretches the real compute); returns the CPU time used.
+    Matrix products release the GIL, so the peer's event loop keeps serving meanwhile. With one
+    torch thread (the peer's default) a product runs on this thread, where `thread_time` sees it; with
+    more, compute done on torch's other threads is not counted, and a busy slowdown falls short."""
+    started = time.thread_time()
+    if seconds <= 0.0:
+        return 0.0
+    matrix = torch.ones(_BURN_MATRIX_SIZE, _BURN_MATRIX_SIZE)
+    deadline = started + seconds
+    while time.thread_time() < deadline:
+        torch.mm(matrix, matrix)
+    return time.thread_time() - started

@@ -1,0 +1,157 @@
+"""Building what a peer needs to serve one stage: the runtime (restored from a checkpoint if there
+is one, its throughput measured, fault injection wrapped around it) and the replica averager.
+
+The launcher builds the first stage with it; a peer that moves (peers/placement/stage_moves.py) builds the
+next one with the same settings, so a moved peer serves exactly as if it had started there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import hivemind
+import torch
+
+from dht.records import SplitRecord
+from models.config import GPTConfig
+from models.init_weights import InitWeightsError, load_stage_weights
+from models.stages import stage_spec
+from peers.compute import memory_budget
+from peers.compute.checkpoint import checkpoint_path
+from peers.compute.faults import FaultSettings, FaultyStageRuntime
+from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
+from peers.config import PeerConfig
+from peers.placement.split_claim import split_tag
+from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.outer_step import OuterSettings
+from process.config import ConfigError
+
+
+@dataclass
+class BuiltStage:
+    runtime: StageRuntime | FaultyStageRuntime
+    averaging: GradientSync | ParameterAveraging | None
+
+
+@dataclass
+class StageBuilder:
+    config: PeerConfig
+    model_config: GPTConfig
+    dht: hivemind.DHT
+    split: SplitRecord
+    on_averaging_round: Callable[..., None] | None = None
+    device: torch.device = torch.device("cpu")
+    available_bytes: int | None = None  # memory this peer may use; None: no check
+    memory_source: str = "--memory-limit-gb"
+
+    def build(self, stage: int) -> BuiltStage:
+        """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
+        config = self.config
+        settings = OptimizerSettings(
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            target_batch_size=config.target_batch_size,
+            kind=config.optimizer,
+        )
+        cache_budget = None
+        if self.available_bytes is not None:
+            spec = stage_spec(self.model_config, stage, config.num_stages, self.split.boundaries)
+            estimate = check_stage_memory(
+                config, self.model_config, spec, self.available_bytes, self.memory_source, self.device
+            )
+            print(
+                f"memory: stage {stage} needs about {estimate.describe()}; {self.memory_source}: "
+                f"{self.available_bytes / memory_budget.GiB:.2f} GiB",
+                flush=True,
+            )
+            cache_budget = memory_budget.cache_budget_bytes(estimate, self.available_bytes)
+        runtime = StageRuntime(
+            self.model_config,
+            stage,
+            config.num_stages,
+            seed=config.seed,
+            optimizer=settings,
+            max_batch_size=config.max_batch_size,
+            activation_cache_size=config.activation_cache_size,
+            boundaries=self.split.boundaries,
+            device=self.device,
+            precision=config.precision,
+            cache_budget_bytes=cache_budget,
+        )
+        if config.init_weights:
+            try:
+                count = load_stage_weights(runtime.module, config.init_weights)
+            except InitWeightsError as e:
+                raise ConfigError(str(e)) from None
+            print(f"loaded {count} initial tensors of stage {stage} from {config.init_weights}", flush=True)
+        if config.checkpoint_dir:
+            path = checkpoint_path(
+                config.checkpoint_dir,
+                config.model,
+                stage,
+                config.num_stages,
+                split_tag(self.split, self.model_config.n_layers),
+            )
+            if os.path.exists(path):
+                runtime.restore(path, config.model)
+                print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
+        runtime.measure_throughput()
+        averaging = None
+        if config.averaging == "sync":
+            averaging = GradientSync(
+                runtime,
+                self.dht,
+                config.model,
+                timeout_s=config.averaging_timeout_s,
+                compression=config.averaging_compression or "none",
+                on_round=self.on_averaging_round,
+            )
+        elif config.averaging == "periodic":
+            averaging = ParameterAveraging(
+                runtime,
+                self.dht,
+                config.model,
+                schedule=config.averaging_schedule,
+                timeout_s=config.averaging_timeout_s,
+                compression=config.averaging_compression or "none",
+                outer=OuterSettings(config.outer_lr, config.outer_momentum) if config.outer_lr > 0 else None,
+                on_round=self.on_averaging_round,
+            )
+        faults = fault_settings(config)
+        served = FaultyStageRuntime(runtime, faults) if faults.enabled else runtime
+        return BuiltStage(served, averaging)
+
+
+def fault_settings(config: PeerConfig) -> FaultSettings:
+    return FaultSettings(
+        slowdown=config.fault_slowdown,
+        slowdown_mode=config.fault_slowdown_mode,
+        fail_rate=config.fault_fail_rate,
+        garbage=config.fault_garbage,
+        garbage_rate=config.fault_garbage_rate,
+        seed=config.seed,
+    )
+
+
+def check_stage_memory(
+    config: PeerConfig, model_config: GPTConfig, spec, available: int, source: str, device: torch.device
+) -> memory_budget.MemoryEstimate:
+    """Refuse (MemoryBudgetError, one line) when the stage, its optimizer and one microbatch do not fit."""
+    estimate = memory_budget.estimate_stage_memory(
+        model_config,
+        spec,
+        optimizer=config.optimizer,
+        precision=config.precision,
+        batch_size=config.max_batch_size,
+        device_type=device.type,
+    )
+    memory_budget.check_fits(
+        estimate,
+        available,
+        source=source,
+        what=f"{config.model} stage {spec.index}/{spec.num_stages} (blocks {spec.first_layer}.."
+        f"{spec.last_layer - 1}, {estimate.parameters / 1e6:.1f}M parameters)",
+    )
+    return estimate

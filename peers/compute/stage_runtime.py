@@ -1,0 +1,378 @@
+"""The compute side of a peer: one stage, its optimizer, gradient accumulation and an activation
+cache. No I/O and no asyncio: the server calls these methods on one dedicated compute thread.
+
+Gradients are accumulated weighted by each microbatch's sample count and divided by the samples
+seen when the optimizer steps, so the update equals the one a single process would make on the
+mean loss of the same samples, however they were cut into microbatches or spread over calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from models.config import GPTConfig
+from models.stages import StageModule, build_stage
+from peers.compute import devices
+from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
+from peers.compute.memory_budget import activation_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class BadRequestError(ValueError):
+    """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
+
+
+class ActivationCacheMissError(BadRequestError):
+    """A backward asked to reuse this peer's cached forward inputs, but none are cached for that
+    microbatch at the current parameter version: the caller must send the inputs."""
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    target_batch_size: int = 32  # samples accumulated per optimizer step
+    kind: str = "adamw"  # "adamw", "adamw8bit" (bitsandbytes), or "sgd" (what the gradient-equality tests use)
+
+    def build(self, params, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+        return devices.build_optimizer(
+            self.kind, params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, device=device
+        )
+
+
+@dataclass
+class _CachedForward:
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    version: int
+    nbytes: int = 0  # estimated bytes autograd keeps for this forward
+
+
+class ThroughputMeter:
+    """EMA of samples per second of compute, with a measured seed value."""
+
+    def __init__(self, alpha: float = 0.1, initial: float = 0.0):
+        self.alpha, self.value = alpha, initial
+
+    def observe(self, samples: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = samples / seconds
+        self.value = rate if self.value <= 0 else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+class LossScale:
+    """A local dynamic loss scale for fp16 compute: backward runs on (scale * output gradient);
+    on overflow the scale halves and the backward is redone, on success the gradients are divided
+    by it. Gradients are linear in the output gradient, so every stage can keep its own scale."""
+
+    def __init__(self, initial: float, growth_interval: int = 200):
+        self.value, self.growth_interval, self.good_steps = initial, growth_interval, 0
+
+    def overflowed(self) -> bool:
+        """Halve after an overflow; False when the scale is already 1 (the inf is the model's own)."""
+        self.good_steps = 0
+        if self.value <= 1.0:
+            return False
+        self.value /= 2
+        return True
+
+    def succeeded(self) -> None:
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.value, self.good_steps = min(self.value * 2, 2.0**24), 0
+
+
+class StageRuntime:
+    def __init__(
+        self,
+        config: GPTConfig,
+        stage: int,
+        num_stages: int,
+        *,
+        seed: int = 0,
+        optimizer: OptimizerSettings = OptimizerSettings(),
+        max_batch_size: int = 256,
+        activation_cache_size: int = 64,
+        boundaries: tuple[int, ...] | None = None,
+        device: torch.device = torch.device("cpu"),
+        precision: str = "fp32",
+        cache_budget_bytes: int | None = None,
+    ):
+        self.config, self.stage, self.num_stages = config, stage, num_stages
+        self.device, self.precision = device, precision
+        devices.check_precision(device, precision)
+        self.loss_scale = LossScale(2.0**16 if precision == "fp16" else 1.0)
+        self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries).to(device)
+        self.settings = optimizer
+        self.optimizer = optimizer.build(self.module.parameters(), device)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        self.samples_accumulated = 0
+        self.steps_skipped = 0  # optimizer steps skipped for non-finite gradients
+        self.steps_done = 0  # also the parameter version: cached graphs from older versions are stale
+        self.max_batch_size = max_batch_size
+        self.cache: OrderedDict[str, _CachedForward] = OrderedDict()
+        self.cache_size = activation_cache_size
+        self.cache_budget_bytes = cache_budget_bytes  # None: bounded by entries only
+        self.accumulated_ids: set[str] = set()  # microbatches already counted in the current step
+        self.throughput = ThroughputMeter()
+        self.cache_hits = self.cache_misses = 0
+        self.auto_step = True  # False when replicas step together on the trainer's commit (sync averaging)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    # --- validation ------------------------------------------------------------------------------
+    def check_inputs(self, batch_size: int, inputs: torch.Tensor) -> None:
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise BadRequestError(f"batch_size {batch_size} is outside 1..{self.max_batch_size}")
+        shape, dtype = self.module.expected_input(batch_size)
+        if tuple(inputs.shape) != shape or inputs.dtype != dtype:
+            raise BadRequestError(
+                f"stage {self.stage} expects inputs of shape {shape} and dtype "
+                f"{str(dtype).removeprefix('torch.')}, got {tuple(inputs.shape)} "
+                f"{str(inputs.dtype).removeprefix('torch.')}"
+            )
+        if dtype == torch.int64:
+            if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= self.config.vocab_size):
+                raise BadRequestError(f"token ids must lie in [0, {self.config.vocab_size})")
+        elif not torch.isfinite(inputs).all():
+            raise BadRequestError("inputs contain NaN or inf")
+
+    def check_targets(self, batch_size: int, targets: torch.Tensor | None) -> None:
+        if targets is None:
+            raise BadRequestError("the last stage needs 'targets'")
+        shape = (batch_size, self.config.seq_len)
+        if tuple(targets.shape) != shape or targets.dtype != torch.int64:
+            raise BadRequestError(f"targets must be int64 of shape {shape}, got {tuple(targets.shape)} {targets.dtype}")
+        if int(targets.min()) < 0 or int(targets.max()) >= self.config.vocab_size:
+            raise BadRequestError(f"target ids must lie in [0, {self.config.vocab_size})")
+
+    def check_grad_outputs(self, batch_size: int, grad_outputs: torch.Tensor | None) -> None:
+        shape = (batch_size, self.config.seq_len, self.config.d_model)
+        if grad_outputs is None or tuple(grad_outputs.shape) != shape or grad_outputs.dtype != torch.float32:
+            got = None if grad_outputs is None else (tuple(grad_outputs.shape), grad_outputs.dtype)
+            raise BadRequestError(f"grad_outputs must be float32 of shape {shape}, got {got}")
+        if not torch.isfinite(grad_outputs).all():
+            raise BadRequestError("grad_outputs contain NaN or inf")
+
+    # --- compute ---------------------------------------------------------------------------------
+    def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Outputs of this stage (the loss on the last stage). Keeps the graph for a backward
+        that comes back to this peer."""
+        batch_size = inputs.shape[0]
+        self.check_inputs(batch_size, inputs)
+        if self.is_last:
+            self.check_targets(batch_size, targets)
+        start = time.perf_counter()
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+        with torch.enable_grad(), devices.autocast(self.device, self.precision):
+            outputs = self.module(leaf, targets)
+        self.cache[microbatch_id] = _CachedForward(
+            leaf, outputs, self.steps_done, activation_bytes(self.config, self.module.spec, batch_size, self.precision)
+        )
+        self.cache.move_to_end(microbatch_id)
+        while len(self.cache) > self.cache_size or (
+            self.cache_budget_bytes is not None
+            and self.cache
+            and sum(entry.nbytes for entry in self.cache.values()) > self.cache_budget_bytes
+        ):
+            self.cache.popitem(last=False)
+        self.throughput.observe(batch_size, (time.perf_counter() - start) * 3)  # fwd ~ 1/3 of fwd+bwd
+        return self._to_wire(outputs)
+
+    def backward(
+        self,
+        microbatch_id: str,
+        inputs: torch.Tensor | None,
+        *,
+        grad_outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        batch_size: int | None = None,
+    ) -> tuple[torch.Tensor | None, float | None]:
+        """Accumulate parameter gradients for one microbatch and return (input gradients, loss).
+        The last stage takes `targets` and computes the loss itself; other stages take the
+        gradient of the loss with respect to their outputs. Steps the optimizer once
+        `target_batch_size` samples have been accumulated.
+
+        `inputs=None` reuses the inputs this peer's forward of `microbatch_id` cached (the caller
+        saves resending them); without a current cache entry it raises ActivationCacheMissError.
+        `batch_size`, if given, must match the cached inputs."""
+        cached = self.cache.pop(microbatch_id, None)
+        if cached is not None and cached.version != self.steps_done:
+            cached = None  # computed with older parameters
+        from_cache = inputs is None
+        if from_cache:  # "use what you cached": the caller saw this peer serve the forward
+            if cached is None:
+                self.cache_misses += 1
+                raise ActivationCacheMissError(
+                    f"no current forward of microbatch {microbatch_id!r} is cached on this peer; send the inputs"
+                )
+            inputs = cached.inputs.detach()  # validated when the forward took them
+            if batch_size is not None and inputs.shape[0] != batch_size:
+                raise BadRequestError(f"batch_size says {batch_size}, the cached inputs hold {inputs.shape[0]}")
+        else:
+            self.check_inputs(inputs.shape[0], inputs)
+        batch_size = inputs.shape[0]
+        if self.is_last:
+            self.check_targets(batch_size, targets)
+        else:
+            self.check_grad_outputs(batch_size, grad_outputs)
+        start = time.perf_counter()
+        inputs, targets, grad_outputs = self._to_device(inputs), self._to_device(targets), self._to_device(grad_outputs)
+        if cached is not None and (from_cache or torch.equal(cached.inputs.detach(), inputs)):
+            leaf, outputs = cached.inputs, cached.outputs
+            self.cache_hits += 1
+        else:  # served elsewhere, evicted or stale: recompute the forward
+            self.cache_misses += 1
+            leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+            with torch.enable_grad(), devices.autocast(self.device, self.precision):
+                outputs = self.module(leaf, targets)
+        wants_input_grad = leaf.dtype != torch.int64
+        grad_targets = ([leaf] if wants_input_grad else []) + self.params
+        grads = self._scaled_grads(outputs, grad_targets, grad_outputs)
+        input_grad = self._to_wire(grads[0]) if wants_input_grad else None
+        if microbatch_id not in self.accumulated_ids:  # a retried backward is answered but not counted twice
+            self.accumulated_ids.add(microbatch_id)
+            for grad_sum, grad in zip(self.grad_sums, grads[len(grad_targets) - len(self.params) :]):
+                if grad is not None:
+                    grad_sum.add_(grad, alpha=batch_size)
+            self.samples_accumulated += batch_size
+        loss = float(outputs.detach()) if self.is_last else None
+        self.throughput.observe(batch_size, time.perf_counter() - start)
+        if self.auto_step and self.samples_accumulated >= self.settings.target_batch_size:
+            self.step()
+        return input_grad, loss
+
+    def _scaled_grads(
+        self, outputs: torch.Tensor, grad_targets: list[torch.Tensor], grad_outputs: torch.Tensor | None
+    ) -> list[torch.Tensor | None]:
+        """d(outputs)/d(grad_targets) given the output gradient (the loss's own on the last stage).
+        With fp16 the backward runs on a scaled output gradient so small values do not flush to
+        zero; an overflow halves the scale and redoes the backward."""
+        seed = torch.ones_like(outputs) if self.is_last else grad_outputs
+        while True:
+            scale = self.loss_scale.value
+            scaled = seed * scale if scale != 1.0 else seed
+            grads = torch.autograd.grad(
+                outputs, grad_targets, grad_outputs=scaled, allow_unused=True, retain_graph=scale != 1.0
+            )
+            if scale == 1.0:
+                return list(grads)
+            if all(g is None or torch.isfinite(g).all() for g in grads):
+                self.loss_scale.succeeded()
+                return [None if g is None else g / scale for g in grads]
+            if not self.loss_scale.overflowed():
+                return list(grads)
+
+    def _to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
+        """What leaves the stage: a float32 CPU tensor whatever the device and precision (the codec
+        then picks the wire format)."""
+        return tensor.detach().to("cpu", torch.float32)
+
+    def step(self) -> None:
+        """Apply the mean of the locally accumulated gradients."""
+        n = max(self.samples_accumulated, 1)
+        self.apply_gradients([grad_sum / n for grad_sum in self.grad_sums])
+
+    def count_empty_step(self) -> None:
+        """A step in which this replica saw no sample while its replicas stepped on theirs (periodic
+        averaging by steps): the parameters stay, the step count advances with the others'."""
+        self.accumulated_ids.clear()
+        self.cache.clear()
+        self.steps_done += 1
+
+    def local_mean_gradients(self) -> list[torch.Tensor]:
+        n = max(self.samples_accumulated, 1)
+        return [grad_sum / n for grad_sum in self.grad_sums]
+
+    def apply_gradients(self, mean_gradients: list[torch.Tensor]) -> None:
+        """One optimizer step with the given mean gradients (local, or averaged across replicas),
+        then start a new accumulation. Non-finite gradients (a NaN or inf loss) skip the step with a
+        message instead of poisoning the weights."""
+        if not all(torch.isfinite(grad).all() for grad in mean_gradients):
+            self.steps_skipped += 1
+            logger.warning(
+                f"stage {self.stage}: skipped an optimizer step whose gradients hold NaN or inf "
+                f"({self.samples_accumulated} samples dropped; {self.steps_skipped} steps skipped so far)"
+            )
+        else:
+            for param, grad in zip(self.params, mean_gradients):
+                param.grad = grad.clone()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        for grad_sum in self.grad_sums:
+            grad_sum.zero_()
+        self.samples_accumulated = 0
+        self.accumulated_ids.clear()
+        self.cache.clear()
+        self.steps_done += 1
+
+    # --- state -----------------------------------------------------------------------------------
+    def export_state(self, model_name: str) -> bytes:
+        meta = CheckpointMeta(
+            model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done
+        )
+        return serialize_state(meta, self.module.state_dict(), self.optimizer.state_dict())
+
+    def save(self, path: str, model_name: str) -> None:
+        meta = CheckpointMeta(
+            model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done
+        )
+        save_checkpoint(path, meta, self.module.state_dict(), self.optimizer.state_dict())
+
+    def restore(self, path: str, model_name: str) -> None:
+        """Load a checkpoint of this very stage; raises CheckpointError otherwise."""
+        self.import_state(load_checkpoint(path), model_name, f"checkpoint {path!r}")
+
+    def import_state(self, state: tuple[CheckpointMeta, dict, dict], model_name: str, source: str) -> None:
+        meta, module_state, optimizer_state = state
+        if (meta.model, meta.stage, meta.num_stages) != (model_name, self.stage, self.num_stages):
+            raise CheckpointError(
+                f"{source} holds {meta.model} stage {meta.stage}/{meta.num_stages}, "
+                f"not {model_name} stage {self.stage}/{self.num_stages}"
+            )
+        if set(module_state) != set(self.module.state_dict()):
+            raise CheckpointError(f"{source} does not fit this stage: its tensors are not this stage's")
+        try:
+            with torch.no_grad():  # in place: averagers may share these tensors' memory
+                for name, value in self.module.state_dict().items():
+                    value.copy_(module_state[name])
+            self.optimizer.load_state_dict(optimizer_state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{source} does not fit this stage: {e}") from None
+        self.steps_done = meta.steps_done
+
+    def measure_throughput(self, batch_size: int = 4, repeats: int = 2) -> float:
+        """A short start-up benchmark (forward + backward on random data, no update)."""
+        shape, dtype = self.module.expected_input(batch_size)
+        inputs = torch.randint(0, self.config.vocab_size, shape) if dtype == torch.int64 else torch.randn(shape)
+        targets = torch.randint(0, self.config.vocab_size, (batch_size, self.config.seq_len)) if self.is_last else None
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            leaf = inputs if dtype == torch.int64 else inputs.clone().requires_grad_(True)
+            with torch.enable_grad(), devices.autocast(self.device, self.precision):
+                out = self.module(leaf, targets)
+            torch.autograd.backward(out, None if self.is_last else torch.ones_like(out))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - start)
+        self.module.zero_grad(set_to_none=True)
+        self.throughput = ThroughputMeter(initial=batch_size / best)
+        return self.throughput.value

@@ -1,0 +1,375 @@
+"""Which stage a peer should serve: pure decisions over a snapshot of the swarm's announcements.
+
+A pipeline runs at the speed of its slowest stage, and a stage's throughput is the sum of its
+serving replicas' throughputs (samples/s). Every function here takes a snapshot of announced
+records (``ReplicaView``), does no I/O, and returns the same answer for the same snapshot in any
+order, so every peer that reads the same snapshot reaches the same conclusion about who moves.
+
+Rules, in one place:
+
+- **Serving** means ``online`` or ``joining``. A joining peer is downloading its stage's state
+  and will serve within seconds to minutes; counting it stops a second peer from rushing to a
+  stage that is already being refilled (the herd a stale view would otherwise cause).
+- **Never leave a stage without a replica**: a stage may only give up peers while it keeps at
+  least one *online* replica. Joining replicas do not count here, because they may be
+  downloading the stage's state from the very replica that would leave.
+- **Only online peers move**; a joining peer finishes its download first.
+- **Coordinated plan (the herd rule).** From one snapshot, ``plan_rebalance`` builds a single
+  deterministic plan by water-filling: repeatedly the thinnest stage (ties: lowest index)
+  receives one peer from the fullest stage (ties: lowest index) that can give one without
+  sinking to the thinnest's level; the mover is the peer of that stage that best evens the two,
+  i.e. maximises ``min(donor - x, thinnest + x)``; ties go to the *slower* peer (its departure
+  hurts its stage least), then to the lower ``peer_id``. A peer moves only if it is in the
+  plan, so peers reading the same snapshot move as one coordinated set, never as a herd; peers
+  reading a later snapshot see earlier movers as ``joining`` at their new stage and plan
+  around them.
+- **Safety of any partial plan.** Donors are ranked and limited by their *online* throughput
+  (joining replicas do not serve yet), a stage that has received never donates and vice versa,
+  and the plan is cut after the last move that raised the bottleneck. So every donor's online
+  replicas stay above the current bottleneck: any subset of the plan, applied in any order
+  (peers check at different times), lowers neither the bottleneck counting joining replicas
+  nor the one of what is serving right now.
+- **Hysteresis**: the plan is carried out only if its final bottleneck beats the current one by
+  more than ``min_gain`` (relative). The gain is judged for the plan, not for one move: with
+  hundreds of peers per stage a single move changes the bottleneck by well under 1%, so a
+  per-move margin would freeze a large swarm. Being stateless, the rule keeps the swarm within
+  ``min_gain`` of what a rebalance can reach, not at it; see benchmarks/RESULTS_simulate.md for
+  the measured trade-off between ``min_gain``, moves and throughput.
+- **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
+  them act on the same snapshot in the first place.
+- **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
+  looks at the swarm, a peer that served a stage stopped serving it (``offline`` record, or its
+  record expired; a planned move to another stage is not a loss: the plan that made it kept the
+  stage above the bottleneck). Every peer then checks within ``loss_check_delay_s`` instead of waiting
+  for its randomised period; since only the peers named in the snapshot's plan move, the peers
+  that react together move as one coordinated set. In a shrinking swarm this is where the
+  periodic checks lost most (benchmarks/RESULTS.md: the named peer's next check was 150-450 s
+  away while the bottleneck stayed short).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+from peers.placement.stage_assignment import optimal_bottleneck
+
+__all__ = [
+    "SERVING_STATES",
+    "STATES",
+    "MoveDecision",
+    "PlannedMove",
+    "RebalancePlan",
+    "ReplicaView",
+    "choose_initial_stage",
+    "choose_standby_target",
+    "decide_move",
+    "decision_in_plan",
+    "loss_check_delay_s",
+    "next_check_delay_s",
+    "optimal_bottleneck",
+    "plan_rebalance",
+    "should_standby_take_over",
+    "stage_throughputs",
+    "stages_that_lost_replicas",
+]
+
+STATES = ("joining", "online", "offline")
+SERVING_STATES = frozenset({"joining", "online"})
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One peer's announcement as the rebalancer sees it."""
+
+    peer_id: str
+    stage: int
+    throughput: float
+    """Samples/s this peer processes for its stage."""
+    state: str
+    """``joining`` (downloading state), ``online`` (serving) or ``offline`` (gone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveDecision:
+    """What one peer should do after looking at a snapshot."""
+
+    move: bool
+    from_stage: int
+    to_stage: int | None
+    """Target stage if ``move``, else None."""
+    current_bottleneck: float
+    """min over stages of serving throughput now, samples/s."""
+    new_bottleneck: float
+    """Bottleneck once the snapshot's coordinated plan has landed (== current if no plan)."""
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedMove:
+    peer_id: str
+    from_stage: int
+    to_stage: int
+    throughput: float
+
+
+@dataclass(frozen=True, slots=True)
+class RebalancePlan:
+    """The moves every peer reading the same snapshot agrees on (empty: nobody moves)."""
+
+    moves: tuple[PlannedMove, ...]
+    current_bottleneck: float
+    planned_bottleneck: float
+    reason: str
+
+
+def _validated(replicas: Sequence[ReplicaView], num_stages: int) -> list[ReplicaView]:
+    """The replicas as a list; explanatory ValueError on a malformed snapshot.
+
+    Callers stay order-independent without sorting everything: stage sums use ``math.fsum``
+    (exact) and candidate movers are sorted by ``(throughput, peer_id)``.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    seen: set[str] = set()
+    for r in replicas:
+        if not 0 <= r.stage < num_stages:
+            raise ValueError(f"{r.peer_id}: stage {r.stage} outside [0, {num_stages})")
+        if not math.isfinite(r.throughput) or r.throughput < 0:
+            raise ValueError(f"{r.peer_id}: throughput must be finite and >= 0, got {r.throughput}")
+        if r.state not in STATES:
+            raise ValueError(f"{r.peer_id}: state must be one of {STATES}, got {r.state!r}")
+        if r.peer_id in seen:
+            raise ValueError(f"duplicate peer_id {r.peer_id!r}: deduplicate records before deciding")
+        seen.add(r.peer_id)
+    return list(replicas)
+
+
+def _stage_sums(replicas: Sequence[ReplicaView], num_stages: int) -> list[float]:
+    per_stage: list[list[float]] = [[] for _ in range(num_stages)]
+    for r in replicas:
+        if r.state in SERVING_STATES:
+            per_stage[r.stage].append(r.throughput)
+    return [math.fsum(xs) for xs in per_stage]  # exact, so independent of input order
+
+
+def stage_throughputs(replicas: Sequence[ReplicaView], num_stages: int) -> list[float]:
+    """Per-stage sum of serving (online + joining) replicas' throughputs, samples/s."""
+    return _stage_sums(_validated(replicas, num_stages), num_stages)
+
+
+def _thinnest_stage(throughputs: Sequence[float]) -> int:
+    return min(range(len(throughputs)), key=lambda s: (throughputs[s], s))
+
+
+def _best_mover_index(speeds: list[float], source_total: float, target_total: float) -> int | None:
+    """Index (into ``speeds``, sorted by (speed, peer_id)) of the mover that best evens the two
+    stages, i.e. maximises ``min(source - x, target + x)``; ties to the slower peer, then the
+    lower peer_id. None if no move leaves both stages above ``target_total``."""
+    # min(source - x, target + x) peaks at x = half the difference: check both neighbours.
+    peak = bisect.bisect_left(speeds, (source_total - target_total) / 2)
+    best: tuple[float, float, int] | None = None  # (-value, x, index)
+    for i in (peak - 1, peak):
+        if 0 <= i < len(speeds):
+            i = bisect.bisect_left(speeds, speeds[i])  # lowest peer_id among equal speeds
+            value = min(source_total - speeds[i], target_total + speeds[i])
+            if value > target_total and (best is None or (-value, speeds[i], i) < best):
+                best = (-value, speeds[i], i)
+    return None if best is None else best[2]
+
+
+def plan_rebalance(replicas: Sequence[ReplicaView], num_stages: int, *, min_gain: float = 0.1) -> RebalancePlan:
+    """The coordinated set of moves for this snapshot (see the module docstring for the rules)."""
+    if not min_gain >= 0:
+        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+    snapshot = _validated(replicas, num_stages)
+    totals = _stage_sums(snapshot, num_stages)
+    current = min(totals)
+    if num_stages == 1:
+        return RebalancePlan((), current, current, "a single stage: nothing to rebalance")
+    if current > 0 and math.fsum(totals) / num_stages <= current * (1 + min_gain):
+        return RebalancePlan((), current, current, "balanced within min_gain")
+
+    online = [0] * num_stages
+    # What a donor can give is its *online* throughput: joining replicas do not serve yet.
+    online_totals = _stage_sums([r for r in snapshot if r.state == "online"], num_stages)
+    # Per stage, candidate movers sorted by (throughput, peer_id): parallel lists for bisect.
+    mover_speeds: list[list[float]] = [[] for _ in range(num_stages)]
+    mover_ids: list[list[str]] = [[] for _ in range(num_stages)]
+    for r in sorted(snapshot, key=attrgetter("throughput", "peer_id")):
+        if r.state == "online":
+            online[r.stage] += 1
+            if r.throughput > 0:
+                mover_speeds[r.stage].append(r.throughput)
+                mover_ids[r.stage].append(r.peer_id)
+
+    donors: set[int] = set()
+    receivers: set[int] = set()
+    moves: list[PlannedMove] = []
+    useful_moves = 0  # shortest prefix of ``moves`` that reaches the final bottleneck
+    planned = current
+    while True:
+        target = _thinnest_stage(totals)
+        if target in donors:
+            break  # raising it would mean moving peers back: the plan has done what it can
+        best: tuple[int, int] | None = None  # (source stage, index into its movers)
+        # Water-filling: the fullest stage that can give without sinking to the target's level.
+        for source in sorted(range(num_stages), key=lambda s: (-online_totals[s], s)):
+            if source != target and source not in receivers and online[source] >= 2:
+                index = _best_mover_index(mover_speeds[source], online_totals[source], totals[target])
+                if index is not None:
+                    best = (source, index)
+                    break
+        if best is None:
+            break
+        source, i = best
+        x, peer_id = mover_speeds[source].pop(i), mover_ids[source].pop(i)
+        online[source] -= 1
+        online_totals[source] -= x
+        totals[source] -= x
+        totals[target] += x
+        donors.add(source)
+        receivers.add(target)
+        moves.append(PlannedMove(peer_id, source, target, x))
+        if min(totals) > planned:
+            planned, useful_moves = min(totals), len(moves)
+    # Later steps only lifted stages above the bottleneck (no gain, so no reason to move).
+    moves = moves[:useful_moves]
+
+    if current == 0:
+        worth_it = planned > 0
+    else:
+        worth_it = planned > current * (1 + min_gain)
+    if not moves or not worth_it:
+        return RebalancePlan((), current, current, "no plan beats the bottleneck by min_gain")
+    gain = "a stage is empty" if current == 0 else f"+{planned / current - 1:.1%}"
+    return RebalancePlan(tuple(moves), current, planned, f"{len(moves)} move(s), bottleneck {gain}")
+
+
+def decide_move(
+    self_peer_id: str,
+    replicas: Sequence[ReplicaView],
+    num_stages: int,
+    *,
+    min_gain: float = 0.1,
+) -> MoveDecision:
+    """Should the peer ``self_peer_id`` move, and where? It moves only if it is in the plan.
+
+    ``replicas`` must include this peer's own record (its local view is authoritative; merge it
+    into the DHT snapshot before calling). Raises ValueError on a malformed snapshot.
+    """
+    me = next((r for r in replicas if r.peer_id == self_peer_id), None)
+    if me is None:
+        raise ValueError(f"{self_peer_id!r} is not in the snapshot; add its own record first")
+    return decision_in_plan(me, plan_rebalance(replicas, num_stages, min_gain=min_gain))
+
+
+def decision_in_plan(me: ReplicaView, plan: RebalancePlan) -> MoveDecision:
+    """``decide_move`` for the peer ``me`` given the snapshot's plan (``plan_rebalance`` of a
+    snapshot holding ``me``'s own record): it moves only if the plan names it. Lets a caller
+    that decides for many peers over one snapshot (benchmarks/simulate.py) plan once."""
+    mine = next((m for m in plan.moves if m.peer_id == me.peer_id), None)
+    if mine is not None:
+        return MoveDecision(
+            True,
+            me.stage,
+            mine.to_stage,
+            plan.current_bottleneck,
+            plan.planned_bottleneck,
+            f"planned: {plan.reason}",
+        )
+    if me.state != "online":
+        reason = f"{me.state} peers do not move"
+    elif plan.moves:
+        reason = f"not in this snapshot's plan ({plan.reason})"
+    else:
+        reason = plan.reason
+    return MoveDecision(False, me.stage, None, plan.current_bottleneck, plan.planned_bottleneck, reason)
+
+
+def choose_initial_stage(replicas: Sequence[ReplicaView], num_stages: int, my_throughput: float) -> int:
+    """Stage for a peer started with ``--stage auto``: the one whose addition raises the
+    bottleneck most, i.e. the thinnest stage (ties: lowest index)."""
+    if not math.isfinite(my_throughput) or my_throughput < 0:
+        raise ValueError(f"my_throughput must be finite and >= 0, got {my_throughput}")
+    totals = stage_throughputs(replicas, num_stages)
+
+    def bottleneck_if_added(stage: int) -> float:
+        return min(t + my_throughput if s == stage else t for s, t in enumerate(totals))
+
+    return min(range(num_stages), key=lambda s: (-bottleneck_if_added(s), totals[s], s))
+
+
+def next_check_delay_s(period_s: float, rng: random.Random) -> float:
+    """Seconds until the next rebalancing check: uniform in [0.5, 1.5] * ``period_s``, so that
+    peers which started together do not keep checking (and acting) together."""
+    if not period_s > 0:
+        raise ValueError(f"period_s must be > 0, got {period_s}")
+    return rng.uniform(0.5, 1.5) * period_s
+
+
+def stages_that_lost_replicas(
+    previous: Sequence[ReplicaView], current: Sequence[ReplicaView], num_stages: int
+) -> tuple[int, ...]:
+    """Stages (ascending) where a peer that was *online* in ``previous`` stopped serving by
+    ``current``: it announced ``offline`` there or its record expired (absent). A peer seen at
+    another stage moved by a plan (not a loss); a joining peer that leaves or an arrival is none."""
+    before = _validated(previous, num_stages)
+    now = {r.peer_id: r for r in _validated(current, num_stages)}
+    lost: set[int] = set()
+    for r in before:
+        if r.state == "online":
+            later = now.get(r.peer_id)
+            if later is None or (later.state not in SERVING_STATES and later.stage == r.stage):
+                lost.add(r.stage)
+    return tuple(sorted(lost))
+
+
+def loss_check_delay_s(max_delay_s: float, rng: random.Random) -> float:
+    """Seconds from noticing a lost replica to the check it triggers: uniform in
+    [0, ``max_delay_s``], so that peers which noticed together do not all read the DHT at once
+    (and later readers already see earlier movers as ``joining`` at their new stage)."""
+    if not max_delay_s >= 0:
+        raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
+    return rng.uniform(0.0, max_delay_s)
+
+
+def choose_standby_target(replicas: Sequence[ReplicaView], num_stages: int) -> int:
+    """Stage a standby (backup-pool) peer keeps a warm copy of: the thinnest stage, ties going
+    to the stage with fewer online replicas (closer to losing its state), then lowest index."""
+    snapshot = _validated(replicas, num_stages)
+    totals = _stage_sums(snapshot, num_stages)
+    online = [0] * num_stages
+    for r in snapshot:
+        online[r.stage] += r.state == "online"
+    return min(range(num_stages), key=lambda s: (totals[s], online[s], s))
+
+
+def should_standby_take_over(
+    replicas: Sequence[ReplicaView],
+    num_stages: int,
+    standby_stage: int,
+    *,
+    min_fraction: float = 0.5,
+) -> bool:
+    """Should a standby holding ``standby_stage`` start serving it?
+
+    Yes if the stage has no online replica left (its state would otherwise be lost), or if its
+    serving throughput fell below ``min_fraction`` of the mean of the other stages.
+    """
+    if not 0 <= standby_stage < num_stages:
+        raise ValueError(f"standby_stage {standby_stage} outside [0, {num_stages})")
+    if not 0 <= min_fraction <= 1:
+        raise ValueError(f"min_fraction must be in [0, 1], got {min_fraction}")
+    snapshot = _validated(replicas, num_stages)
+    if not any(r.stage == standby_stage and r.state == "online" for r in snapshot):
+        return True
+    totals = _stage_sums(snapshot, num_stages)
+    others = [t for s, t in enumerate(totals) if s != standby_stage]
+    if not others:
+        return False
+    return totals[standby_stage] < min_fraction * math.fsum(others) / len(others)

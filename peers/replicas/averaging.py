@@ -1,0 +1,390 @@
+"""Keeping the replicas of one stage in agreement, on hivemind's DecentralizedAverager.
+
+Two modes (`--averaging`):
+* `sync`: replicas do not step on their own. When the trainer has finished a step it sends every
+  replica a commit; the replicas all-reduce their mean gradients weighted by the samples each saw
+  (so the result is the mean gradient over every sample of the step, as in one process) and then
+  all step with it: their parameters stay identical. If the round fails, no replica steps; the
+  gradients carry over to the next commit.
+* `periodic`: each replica steps on its own gradients and they average their parameters on a
+  schedule (peers/replicas/averaging_schedule.py), one of:
+  - every `averaging_period_s` seconds (aligned to DHT time, so replicas meet without
+    coordination); each replica steps on its own once it holds `target_batch_size` samples, so
+    rounds and steps are not aligned;
+  - every `averaging_every_steps` = K local steps: each replica steps on the trainer's commit (on
+    the samples of the step it served, like `sync` but without averaging gradients), so all
+    replicas take step K at the same commit, and the round runs right after it, before the commit
+    is answered. The trainer thus waits for the round (bounded by the averaging timeout), and the
+    next step's forwards all see averaged parameters. A round that fails or finds no partner is
+    logged and counted as failed; the local step it followed stands.
+  Optimizer state is not averaged. Optionally (`--outer-lr`) the average is not taken as is: an
+  outer Nesterov step on the averaged parameter delta follows (DiLoCo, see peers/replicas/outer_step.py).
+
+Compression (`--averaging-compression`, default none): hivemind's butterfly all-reduce sends each
+groupmate its part of our tensors and, once that part is averaged, the difference between the
+average and the groupmate's own part, both compressed; the part a replica averages itself never
+crosses the wire and stays exact. So with fp16 (2 bytes a value) or int8 (blockwise 8-bit, about
+1 byte a value) the traffic shrinks, but the replicas then agree only up to the codec's rounding of
+those differences (measured after one sync step of the tiny model with SGD at lr 0.5: fp16 6e-5
+apart, int8 1.6e-3); uncompressed, they agree exactly. Hence none by default.
+
+Traffic is counted per round (`AveragingRound`, exported as Prometheus counters): with a group of
+n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
+codec's serialized size measured on its own tensors at start-up.
+
+Every method here runs on the peer's compute thread, so no forward or backward ever sees
+tensors halfway through an averaging round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.compression import (
+    BlockwiseQuantization,
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+)
+from hivemind.utils import get_dht_time
+
+from peers.compute.stage_runtime import StageRuntime
+from peers.replicas.averaging_schedule import AveragingSchedule
+from peers.replicas.outer_step import OuterOptimizer, OuterSettings
+
+logger = logging.getLogger(__name__)
+
+AVERAGING_MODES = ("none", "sync", "periodic")
+COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "int8": BlockwiseQuantization,
+}
+
+
+@dataclass(frozen=True)
+class AveragingOutcome:
+    averaged: bool  # whether an all-reduce with other replicas took place
+    group_size: int  # replicas in the round (1 = alone)
+    samples: int  # samples behind the applied update (sync mode) or the local step (periodic by steps)
+    stepped: bool  # sync and periodic by steps: the replica took an optimizer step on this commit
+    outer_stepped: bool = False  # periodic: an outer (DiLoCo) step followed the round
+
+
+@dataclass(frozen=True)
+class AveragingRound:
+    """One attempted all-reduce with the stage's other replicas, as the metrics see it."""
+
+    mode: str  # "sync" or "periodic"
+    ok: bool  # False: no group formed in time, or the all-reduce failed
+    group_size: int  # replicas in the round (0 when it failed)
+    sent_bytes: int
+    received_bytes: int
+
+
+def averager_prefix(model: str, stage: int, num_stages: int, kind: str) -> str:
+    return f"swarm_{model}_stage{stage}of{num_stages}_{kind}".replace(".", "_")
+
+
+def allreduce_bytes_each_way(num_values: int, group_size: int, wire_bytes_per_value: float) -> int:
+    """Bytes one replica sends (and as many it receives) in a butterfly all-reduce of `num_values`
+    values over `group_size` replicas with equal parts: its n-1 foreign parts go out and come back
+    averaged, and the n-1 groupmates' copies of its own part come in and go back as differences."""
+    if group_size < 2:
+        return 0
+    return round(2 * (group_size - 1) / group_size * num_values * wire_bytes_per_value)
+
+
+def wire_bytes_per_value(compression: CompressionBase, tensors: Sequence[torch.Tensor]) -> float:
+    """The codec's serialized size per value, measured on these tensors."""
+    total = sum(len(compression.compress(t, CompressionInfo.from_tensor(t)).SerializeToString()) for t in tensors)
+    return total / max(sum(t.numel() for t in tensors), 1)
+
+
+class ReplicaAveraging:
+    """What both modes share: a DecentralizedAverager over some tensors, rounds of all-reduce with
+    a timeout, and the count of rounds, failures and bytes (reported through `on_round`)."""
+
+    mode = ""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        tensors: list[torch.Tensor],
+        prefix: str,
+        *,
+        timeout_s: float,
+        matchmaking_s: float,
+        compression: str,
+        on_round: Callable[[AveragingRound], None] | None = None,
+    ):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
+        self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
+        self.committed: set[str] = set()  # step ids already committed (a trainer retries unanswered commits)
+        codec = COMPRESSIONS[compression]()
+        self.num_values = sum(t.numel() for t in tensors)
+        self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
+        self.averager = hivemind.averaging.DecentralizedAverager(
+            tensors,
+            dht,
+            start=True,
+            prefix=prefix,
+            min_matchmaking_time=matchmaking_s,
+            request_timeout=min(matchmaking_s / 2, 1.0),
+            compression=codec,
+            min_group_size=2,
+            allreduce_timeout=timeout_s,
+        )
+        self.rounds = self.failed_rounds = 0
+        self.bytes_sent = self.bytes_received = 0
+
+    @property
+    def bytes_averaged(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+    def begin_round(
+        self, group_size: int, weight: float, scheduled_time: float | None = None, *, wait_for_trigger: bool = False
+    ) -> StepControl:
+        """Start looking for a group of `group_size` replicas in the background (the averager's own
+        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`."""
+        self.averager.target_group_size = group_size
+        return self.averager.step(
+            weight=weight,
+            gather=weight,
+            timeout=self.timeout_s,
+            scheduled_time=scheduled_time,
+            allow_retries=False,
+            require_trigger=wait_for_trigger,
+            wait=False,
+        )
+
+    def finish_round(self, control: StepControl) -> dict | None:
+        """Let the all-reduce run, wait for it and count it: the gathered data of the group, or
+        None if the round failed. Writes the averaged tensors, so call it on the compute thread."""
+        try:
+            if not control.triggered:
+                control.allow_allreduce()
+            # hivemind bounds matchmaking and the all-reduce by timeout_s each; this is a safety net
+            gathered = control.result(timeout=2 * self.timeout_s + 5.0)
+            if gathered is None:
+                logger.warning("Averaging round failed: no group formed")
+        except Exception as e:  # a failed round must not take the peer down; replicas re-converge later
+            logger.warning(f"Averaging round failed: {type(e).__name__}: {e}")
+            control.cancel()
+            gathered = None
+        if gathered is None:
+            self.record_failure()
+            return None
+        each_way = allreduce_bytes_each_way(self.num_values, len(gathered), self.wire_bytes_per_value)
+        self.rounds += 1
+        self.bytes_sent += each_way
+        self.bytes_received += each_way
+        self._report(
+            AveragingRound(self.mode, ok=True, group_size=len(gathered), sent_bytes=each_way, received_bytes=each_way)
+        )
+        return gathered
+
+    def _first_commit_of(self, step_id: str) -> bool:
+        """Whether this is the first commit of `step_id`; a repeated one must not step twice."""
+        if step_id in self.committed:
+            return False
+        self.committed.add(step_id)
+        return True
+
+    def record_failure(self) -> None:
+        self.failed_rounds += 1
+        self._report(AveragingRound(self.mode, ok=False, group_size=0, sent_bytes=0, received_bytes=0))
+
+    def _all_reduce(self, group_size: int, weight: float) -> dict | None:
+        """One round, from matchmaking to the averaged tensors, all on the calling thread."""
+        try:
+            control = self.begin_round(group_size, weight)
+        except Exception as e:
+            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
+            self.record_failure()
+            return None
+        return self.finish_round(control)
+
+    def _report(self, averaging_round: AveragingRound) -> None:
+        if self.on_round is not None:
+            self.on_round(averaging_round)
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+
+
+class GradientSync(ReplicaAveraging):
+    """`sync` mode: all replicas apply the same sample-weighted mean gradient on every commit."""
+
+    mode = "sync"
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        dht: hivemind.DHT,
+        model: str,
+        *,
+        timeout_s: float = 30.0,
+        matchmaking_s: float = 0.5,
+        compression: str = "none",
+        on_round: Callable[[AveragingRound], None] | None = None,
+    ):
+        self.runtime = runtime
+        runtime.auto_step = False
+        self.buffers = [torch.zeros_like(p) for p in runtime.params]
+        super().__init__(
+            dht,
+            self.buffers,
+            averager_prefix(model, runtime.stage, runtime.num_stages, "grad"),
+            timeout_s=timeout_s,
+            matchmaking_s=matchmaking_s,
+            compression=compression,
+            on_round=on_round,
+        )
+
+    def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
+        """Average with the other replicas (when there are any) and step. A repeated commit of the
+        same step (a trainer retry) is answered without stepping twice."""
+        if not self._first_commit_of(step_id):
+            return AveragingOutcome(False, 1, 0, stepped=False)
+        local_samples = self.runtime.samples_accumulated
+        with self.averager.get_tensors() as buffers:
+            for buffer, mean in zip(buffers, self.runtime.local_mean_gradients()):
+                buffer.copy_(mean)
+        gathered = None
+        if group_size > 1:
+            # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
+            gathered = self._all_reduce(group_size, weight=max(float(local_samples), 1e-9))
+            if gathered is None:
+                # Stepping on local gradients would part this replica from the others for good (sync
+                # mode never averages parameters). Skipping keeps them equal: the gradients stay
+                # accumulated and the next commit averages them with the next step's.
+                logger.warning(
+                    f"stage {self.runtime.stage}: no averaging round with the other replicas; "
+                    f"not stepping, the gradients carry over to the next commit"
+                )
+                return AveragingOutcome(False, 1, 0, stepped=False)
+        total = sum(int(round(w)) for w in gathered.values()) if gathered else local_samples
+        if total == 0:
+            return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
+        with self.averager.get_tensors() as buffers:
+            mean_gradients = [buffer.clone() for buffer in buffers]
+        self.runtime.apply_gradients(mean_gradients)
+        return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
+
+
+class ParameterAveraging(ReplicaAveraging):
+    """`periodic` mode: replicas step on their own and average parameters on a schedule (by time:
+    `schedule`/`average` from the peer's loop; by steps: `commit` from the commit handler)."""
+
+    mode = "periodic"
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        dht: hivemind.DHT,
+        model: str,
+        *,
+        schedule: AveragingSchedule,
+        timeout_s: float = 30.0,
+        matchmaking_s: float | None = None,
+        compression: str = "none",
+        outer: OuterSettings | None = None,
+        on_round: Callable[[AveragingRound], None] | None = None,
+    ):
+        self.runtime, self.rounds_schedule = runtime, schedule
+        self.outer = OuterOptimizer(outer) if outer is not None else None
+        if schedule.by_steps:
+            runtime.auto_step = False  # one local step per trainer commit, so replicas count steps together
+        if matchmaking_s is None:
+            # by steps, the replicas arrive together (the trainer commits to all at once), as in sync mode
+            matchmaking_s = 0.5 if schedule.by_steps else 1.0
+        # .data: the same memory as the parameters, without autograd (the averager writes in place)
+        super().__init__(
+            dht,
+            [p.data for p in runtime.params],
+            averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
+            timeout_s=timeout_s,
+            matchmaking_s=matchmaking_s,
+            compression=compression,
+            on_round=on_round,
+        )
+
+    def next_round_time(self) -> float:
+        """The next multiple of the period in DHT time: every replica picks the same moment."""
+        return self.rounds_schedule.next_round_time(get_dht_time())
+
+    def round_due_after_next_step(self) -> bool:
+        """By steps: whether the next commit's step is followed by a round (read on the event loop;
+        only commits change the step count in this mode)."""
+        return self.rounds_schedule.due_after_step(self.runtime.steps_done + 1)
+
+    def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
+        """By steps: take the local step on what this replica accumulated during the trainer's step,
+        then, after every K-th step, average parameters with the other replicas (`group_size` of
+        them, this one included). A repeated commit (a trainer retry) steps only once. A replica
+        that saw no sample of the step still counts it, so its step count stays aligned."""
+        if not self._first_commit_of(step_id):
+            return AveragingOutcome(False, 1, 0, stepped=False)
+        samples = self.runtime.samples_accumulated
+        if samples > 0:
+            self.runtime.step()
+        else:
+            self.runtime.count_empty_step()
+        if not self.rounds_schedule.due_after_step(self.runtime.steps_done) or group_size < 2:
+            return AveragingOutcome(False, 1, samples, stepped=True)
+        gathered = self._all_reduce(group_size, weight=1.0)
+        outer_stepped = self._after_round(gathered)
+        return AveragingOutcome(
+            gathered is not None, len(gathered) if gathered else 1, samples, stepped=True, outer_stepped=outer_stepped
+        )
+
+    def schedule(self, group_size: int, scheduled_time: float) -> StepControl | None:
+        """By time: look for the other replicas in the background; the compute thread goes on
+        meanwhile and only stops for the all-reduce itself (`average`). None when alone or if it
+        cannot start."""
+        if group_size < 2:
+            return None
+        try:
+            return self.begin_round(group_size, weight=1.0, scheduled_time=scheduled_time, wait_for_trigger=True)
+        except Exception as e:
+            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
+            self.record_failure()
+            return None
+
+    @staticmethod
+    def group_ready(control: StepControl) -> bool:
+        """True once matchmaking has formed a group (or given up): time to call `average`."""
+        return control.done() or control.stage == AveragingStage.AWAITING_TRIGGER
+
+    def average(self, control: StepControl) -> AveragingOutcome:
+        """Run the all-reduce of a scheduled round (on the compute thread: it writes the parameters)."""
+        gathered = self.finish_round(control)
+        outer_stepped = self._after_round(gathered)
+        return AveragingOutcome(
+            gathered is not None, len(gathered) if gathered else 1, 0, stepped=False, outer_stepped=outer_stepped
+        )
+
+    def _after_round(self, gathered: dict | None) -> bool:
+        """After a successful round: the outer step (if configured; returns whether it stepped) and
+        dropping cached graphs, which hold activations of the parameters before the round."""
+        if gathered is None:
+            return False
+        stepped = False
+        if self.outer is not None:
+            with self.averager.get_tensors() as params:  # the parameters' own memory
+                stepped = self.outer.apply(params)
+        self.runtime.cache.clear()
+        return stepped
+
+    def abandon(self, control: StepControl) -> None:
+        """No group in time (or the peer is stopping): cancel the round and count it as failed."""
+        control.cancel()
+        self.record_failure()

@@ -1,0 +1,188 @@
+"""Calling one peer: a typed stub over hivemind's P2P with a timeout on every call."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from wire.compression import ByteCounter, CodecChoice, EncodedTensor
+from wire.protocol import (
+    RPC_BACKWARD,
+    RPC_COMMIT,
+    RPC_FORWARD,
+    CommitRequest,
+    CommitResponse,
+    ErrorKind,
+    ProtocolError,
+    RequestHeader,
+    ResponseHeader,
+    StreamClosedError,
+    decode_header,
+    decode_tensors,
+    encode_header,
+    from_wire,
+    read_stream,
+    request_messages,
+    to_wire,
+)
+
+
+class FailureKind(str, Enum):
+    TIMEOUT = "timeout"
+    TRANSPORT = "transport"  # could not connect, stream broken, peer gone
+    REFUSED = "refused"  # the peer says the request is bad: a bug on our side, do not ban
+    WRONG_STAGE = "wrong_stage"  # the peer moved to another stage
+    INTERNAL = "internal"  # the peer failed while computing
+    GARBAGE = "garbage"  # the answer does not follow the contract or holds NaN/inf
+    CACHE_MISS = "cache_miss"  # a backward without inputs found no cached forward there: resend with inputs
+
+
+@dataclass(frozen=True)
+class CallResult:
+    outputs: dict[str, torch.Tensor]  # decoded
+    received: dict[str, EncodedTensor]  # the same tensors as they came over the wire (to pass on as they are)
+    response: ResponseHeader
+    moved: int  # payload bytes, both ways
+
+
+class PeerCallError(RuntimeError):
+    def __init__(self, peer_id: str, kind: FailureKind, message: str):
+        super().__init__(f"peer {peer_id[-8:]}: {kind.value}: {message}")
+        self.peer_id, self.kind = peer_id, kind
+
+
+class StageClient:
+    def __init__(self, p2p: P2P, *, model: str, num_stages: int):
+        self.p2p, self.model, self.num_stages = p2p, model, num_stages
+        self.bytes = ByteCounter()
+
+    async def call(
+        self,
+        peer_id: str,
+        *,
+        rpc: str,
+        stage: int,
+        microbatch_id: str,
+        batch_size: int,
+        tensors: list[tuple[str, EncodedTensor]],
+        timeout_s: float,
+        response_codec: CodecChoice = CodecChoice("none"),
+    ) -> tuple[dict[str, torch.Tensor], ResponseHeader, int]:
+        """Returns the decoded outputs, the peer's response header, and the payload bytes moved both ways."""
+        result = await self.exchange(
+            peer_id,
+            rpc=rpc,
+            stage=stage,
+            microbatch_id=microbatch_id,
+            batch_size=batch_size,
+            tensors=tensors,
+            timeout_s=timeout_s,
+            response_codec=response_codec,
+        )
+        return result.outputs, result.response, result.moved
+
+    async def exchange(
+        self,
+        peer_id: str,
+        *,
+        rpc: str,
+        stage: int,
+        microbatch_id: str,
+        batch_size: int,
+        tensors: list[tuple[str, EncodedTensor]],
+        timeout_s: float,
+        response_codec: CodecChoice = CodecChoice("none"),
+        inputs_cached: bool = False,
+    ) -> CallResult:
+        """One forward or backward call. `inputs_cached` (backward): no inputs are sent, the peer
+        reuses those of its forward, or fails with FailureKind.CACHE_MISS."""
+        metas, parts = to_wire(tensors)
+        header = RequestHeader(
+            rpc=rpc,
+            model=self.model,
+            stage=stage,
+            num_stages=self.num_stages,
+            microbatch_id=microbatch_id,
+            batch_size=batch_size,
+            tensors=metas,
+            response_codec=response_codec.codec,
+            response_codec_params=response_codec.params,
+            inputs_cached=inputs_cached,
+        )
+        name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
+        try:
+            response, out_parts = await asyncio.wait_for(
+                self._exchange(peer_id, name, header, parts), timeout=timeout_s
+            )
+        except TimeoutError:
+            raise PeerCallError(
+                peer_id, FailureKind.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s"
+            ) from None
+        except StreamClosedError as e:  # the connection dropped: not an answer, so not garbage
+            raise PeerCallError(peer_id, FailureKind.TRANSPORT, str(e)) from None
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+        except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
+            raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        if response.error is not None:
+            kind = {
+                ErrorKind.BAD_REQUEST: FailureKind.REFUSED,
+                ErrorKind.WRONG_STAGE: FailureKind.WRONG_STAGE,
+                ErrorKind.CACHE_MISS: FailureKind.CACHE_MISS,
+            }.get(response.error_kind, FailureKind.INTERNAL)
+            raise PeerCallError(peer_id, kind, response.error)
+        try:
+            encoded = from_wire(response.tensors, out_parts)
+            outputs = decode_tensors(encoded)
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+        for _, item in tensors:
+            self.bytes.record_sent(item)
+        for item in encoded.values():
+            self.bytes.record_received(item)
+        moved = sum(item.nbytes for _, item in tensors) + sum(item.nbytes for item in encoded.values())
+        return CallResult(outputs, encoded, response, moved)
+
+    async def commit(
+        self, peer_id: str, *, stage: int, step_id: str, group_size: int, timeout_s: float
+    ) -> CommitResponse:
+        """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""
+        request = CommitRequest(
+            model=self.model, stage=stage, num_stages=self.num_stages, step_id=step_id, group_size=group_size
+        )
+        message = runtime_pb2.ExpertRequest(uid="commit", metadata=encode_header(request))
+        try:
+            reply = await asyncio.wait_for(
+                self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer_id), RPC_COMMIT, message, runtime_pb2.ExpertResponse
+                ),
+                timeout=timeout_s,
+            )
+            response = decode_header(CommitResponse, reply.metadata)
+        except TimeoutError:
+            raise PeerCallError(
+                peer_id, FailureKind.TIMEOUT, f"commit on stage {stage} took over {timeout_s:.0f} s"
+            ) from None
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+        except Exception as e:
+            raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        if response.error:
+            raise PeerCallError(peer_id, FailureKind.REFUSED, response.error)
+        return response
+
+    async def _exchange(self, peer_id: str, name: str, header: RequestHeader, parts: list[runtime_pb2.Tensor]):
+        stream = await self.p2p.iterate_protobuf_handler(
+            PeerID.from_base58(peer_id), name, _aiter(request_messages(header, parts)), runtime_pb2.ExpertResponse
+        )
+        return await read_stream(stream, ResponseHeader)
+
+
+async def _aiter(items):
+    for item in items:
+        yield item

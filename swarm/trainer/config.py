@@ -1,0 +1,65 @@
+"""The trainer's configuration: one dataclass, filled from CLI flags and SWARM_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from dht.node import NetworkConfig
+from models.config import get_model_config
+from process.config import ConfigError, option
+from process.metrics_http import validate_metrics_options
+from swarm.trainer.codec_policy import CODEC_MODES
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig(NetworkConfig):
+    model: str = option("small", help="model name; must match the peers'")
+    num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
+    steps: int = option(100, help="optimizer steps to train")
+    batch_size: int = option(
+        32, help="samples per step; peers step after --target-batch-size samples (keep them equal)"
+    )
+    microbatch_size: int = option(4, help="samples per microbatch sent through the pipeline")
+    max_in_flight: int = option(8, help="microbatches in the pipeline at once")
+    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    seed: int = option(0, help="seed of the data order")
+    report: str | None = option(None, help="write a JSON report of the run to this file")
+    resume: bool = option(False, help="continue the run recorded in --report from its last step (same data position)")
+    refresh_period_s: float = option(3.0, help="re-read the peers' records from the DHT this often")
+    max_retries: int = option(8, help="retries of one call on other replicas before waiting for the stage")
+    stage_wait_timeout_s: float = option(300.0, help="give up if a stage has no live replica for this long")
+    discovery_timeout_s: float = option(120.0, help="give up if no peer of the model appears within this time")
+    codec: str = option(
+        "none",
+        help="compression of activations and gradients on the wire: none, fp16, int8, "
+        "topk, or adaptive (per link, from its measured bandwidth)",
+        choices=CODEC_MODES,
+    )
+    topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")
+    log_every: int = option(
+        1, help="print progress every N steps (when stdout is not a terminal; a terminal gets a progress bar)"
+    )
+    metrics_port: int = option(
+        0, help="serve Prometheus metrics on this port (0 = any free port, printed at start; -1 = off)"
+    )
+    metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        get_model_config(self.model)
+        if self.data is not None and not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file")
+        if self.steps < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:
+            raise ConfigError("steps, batch_size, microbatch_size and max_in_flight must be at least 1")
+        if self.batch_size % self.microbatch_size:
+            raise ConfigError(
+                f"batch_size {self.batch_size} must be a multiple of microbatch_size {self.microbatch_size}"
+            )
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ConfigError("topk_fraction must lie in (0, 1]")
+        if self.resume and not (self.report and os.path.isfile(self.report)):
+            raise ConfigError("--resume needs --report pointing at the report of the run to continue")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ConfigError("num_stages must be at least 1")
+        validate_metrics_options(self.metrics_host, self.metrics_port)

@@ -1,0 +1,251 @@
+"""What the trainer does about failing calls to replicas, as pure bookkeeping.
+
+- ``TimeoutPolicy``: how long to wait for a call, from the latencies observed so far.
+- ``BanList``: how long to avoid a peer after a failure, with exponential backoff.
+- ``RetryBudget``: how many times one microbatch may fail at a stage before the trainer gives up
+  loudly, raising an error that says what happened and what to do.
+
+No I/O, no asyncio, time only from an injected clock. The intended loop, per microbatch and stage::
+
+    budget = RetryBudget(stage, max_retries=5)
+    while True:
+        peer = scheduler.choose(task, samples, exclude=bans.banned() | budget.failed_peers())
+        if peer is None:
+            raise StageUnavailableError(stage, "all replicas are banned or already failed")
+        try:
+            result = call(peer, timeout_s=timeouts.timeout_s(stage, task))
+        except (TimeoutError, ConnectionError, RemoteCallError) as error:  # specific, never all
+            scheduler.report_failure(peer)
+            bans.ban(peer)
+            budget.record_failure(peer, repr(error))  # raises RetriesExhaustedError when spent
+            continue
+        timeouts.observe(stage, task, elapsed_s)
+        scheduler.report_success(peer, task, samples, elapsed_s)
+        bans.clear(peer)
+        break
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from swarm.trainer.routing import Task
+
+
+class RoutingError(RuntimeError):
+    """A microbatch could not be pushed through a stage of the swarm."""
+
+
+class StageUnavailableError(RoutingError):
+    """No replica of the stage can take work right now."""
+
+    def __init__(self, stage: int, reason: str) -> None:
+        self.stage = stage
+        self.reason = reason
+        super().__init__(
+            f"stage {stage} has no usable replica: {reason}. Start a peer serving stage {stage}, "
+            f"or wait: banned peers become usable again when their ban expires."
+        )
+
+
+class RetriesExhaustedError(RoutingError):
+    """One microbatch failed at a stage more times than the retry budget allows."""
+
+    def __init__(self, stage: int, failures: Sequence[tuple[str, str]]) -> None:
+        self.stage = stage
+        self.failures = tuple(failures)
+        attempts = "; ".join(f"{peer_id}: {reason}" for peer_id, reason in self.failures)
+        super().__init__(
+            f"stage {stage}: gave up on a microbatch after {len(self.failures)} failed attempts "
+            f"({attempts}). Check those peers' logs and the network between them and this "
+            f"trainer; if the failures are transient, raise max_retries."
+        )
+
+
+class TimeoutPolicy:
+    """Per-call timeout for each (stage, task), from recently observed latencies.
+
+    timeout = clamp(quantile(latencies, quantile) * margin, floor_s, cap_s); until
+    ``min_observations`` latencies have been observed it is ``initial_s``.
+
+    quantile: in [0, 1]; 0.95 leaves room for the usual tail.
+    margin: multiplier on that quantile, so that a slow-but-working peer is not cut off.
+    floor_s, cap_s: bounds of the timeout in seconds.
+    initial_s: timeout in seconds before enough latencies are known.
+    min_observations: latencies needed before the quantile is trusted.
+    window: how many recent latencies are kept per (stage, task).
+    """
+
+    def __init__(
+        self,
+        *,
+        quantile: float = 0.95,
+        margin: float = 3.0,
+        floor_s: float = 5.0,
+        cap_s: float = 120.0,
+        initial_s: float = 60.0,
+        min_observations: int = 5,
+        window: int = 100,
+    ) -> None:
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+        if not (math.isfinite(margin) and margin > 0.0):
+            raise ValueError(f"margin must be a positive number, got {margin}")
+        if not (0.0 < floor_s <= cap_s and math.isfinite(cap_s)):
+            raise ValueError(f"need 0 < floor_s <= cap_s < inf, got {floor_s} and {cap_s}")
+        if not (math.isfinite(initial_s) and initial_s > 0.0):
+            raise ValueError(f"initial_s must be a positive number of seconds, got {initial_s}")
+        if not 1 <= min_observations <= window:
+            raise ValueError(f"need 1 <= min_observations <= window, got {min_observations} and {window}")
+        self._quantile = quantile
+        self._margin = margin
+        self._floor_s = floor_s
+        self._cap_s = cap_s
+        self._initial_s = initial_s
+        self._min_observations = min_observations
+        self._window = window
+        self._latencies_s: dict[tuple[int, Task], deque[float]] = {}
+
+    def observe(self, stage: int, task: Task, seconds: float) -> None:
+        """Record the latency, in seconds, of a call that succeeded."""
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"latency must be a finite number of seconds >= 0, got {seconds}")
+        window = self._latencies_s.setdefault((stage, task), deque(maxlen=self._window))
+        window.append(seconds)
+
+    def timeout_s(self, stage: int, task: Task) -> float:
+        """Seconds to wait for the next call to this stage and task."""
+        latencies_s = self._latencies_s.get((stage, task), ())
+        if len(latencies_s) < self._min_observations:
+            return self._initial_s
+        timeout_s = _quantile(sorted(latencies_s), self._quantile) * self._margin
+        return min(max(timeout_s, self._floor_s), self._cap_s)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    position = q * (len(sorted_values) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(sorted_values) - 1)
+    fraction = position - below
+    return sorted_values[below] + (sorted_values[above] - sorted_values[below]) * fraction
+
+
+@dataclass
+class _BanRecord:
+    failures: int
+    until_s: float
+
+
+class BanList:
+    """Peers to avoid after failures, with exponential backoff.
+
+    The n-th consecutive failure bans a peer for ``base_s * 2**(n-1)`` seconds, at most ``max_s``,
+    and at least ``at_least_s`` when the caller gives one: a failed call that took long (a timeout)
+    should not be tried again soon, while one refused at once (connection refused, stream closed)
+    costs almost nothing to retry, so a short ``base_s`` lets a peer that had a glitch come back
+    quickly without making the trainer wait long on a stage whose every replica is banned.
+    Failures reported while the peer is still banned belong to the same incident (calls that
+    were in flight together) and neither extend the ban nor double the next one. ``clear`` after
+    a success resets the backoff. Bans end by themselves as the clock passes them; a peer's
+    failure count is forgotten ``forget_after_s`` after its ban ends, so memory stays bounded
+    under churn.
+
+    base_s: first ban, in seconds.
+    max_s: longest ban, in seconds.
+    forget_after_s: seconds after a ban ends until its failure count is forgotten.
+    clock: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_s: float = 15.0,
+        max_s: float = 300.0,
+        forget_after_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (0.0 < base_s <= max_s and math.isfinite(max_s)):
+            raise ValueError(f"need 0 < base_s <= max_s < inf, got base_s={base_s} max_s={max_s}")
+        if not (math.isfinite(forget_after_s) and forget_after_s >= 0.0):
+            raise ValueError(f"forget_after_s must be a finite number >= 0, got {forget_after_s}")
+        self._base_s = base_s
+        self._max_s = max_s
+        self._forget_after_s = forget_after_s
+        self._clock = clock
+        self._records: dict[str, _BanRecord] = {}
+
+    def ban(self, peer_id: str, *, at_least_s: float = 0.0) -> float:
+        """Ban the peer after a failure; returns the seconds until the ban ends.
+
+        at_least_s: the shortest ban for this failure (still at most ``max_s``)."""
+        if not (math.isfinite(at_least_s) and at_least_s >= 0.0):
+            raise ValueError(f"at_least_s must be a finite number >= 0, got {at_least_s}")
+        now_s = self._clock()
+        self._forget_old(now_s)
+        record = self._records.get(peer_id)
+        if record is not None and now_s < record.until_s:
+            return record.until_s - now_s
+        failures = 1 if record is None else record.failures + 1
+        # The exponent is capped so that a long-failing peer cannot overflow the float.
+        duration_s = min(max(self._base_s * 2.0 ** min(failures - 1, 64), at_least_s), self._max_s)
+        self._records[peer_id] = _BanRecord(failures, now_s + duration_s)
+        return duration_s
+
+    def is_banned(self, peer_id: str) -> bool:
+        record = self._records.get(peer_id)
+        return record is not None and self._clock() < record.until_s
+
+    def banned(self) -> set[str]:
+        """Peers banned right now."""
+        now_s = self._clock()
+        self._forget_old(now_s)
+        return {p for p, record in self._records.items() if now_s < record.until_s}
+
+    def clear(self, peer_id: str) -> None:
+        """Lift any ban and reset the backoff, after the peer served a call successfully."""
+        self._records.pop(peer_id, None)
+
+    def seconds_until_next_unban(self) -> float | None:
+        """Seconds until the first current ban ends, or None when no peer is banned."""
+        now_s = self._clock()
+        remaining_s = [r.until_s - now_s for r in self._records.values() if now_s < r.until_s]
+        return min(remaining_s, default=None)
+
+    def _forget_old(self, now_s: float) -> None:
+        for peer_id in [p for p, r in self._records.items() if now_s >= r.until_s + self._forget_after_s]:
+            del self._records[peer_id]
+
+
+class RetryBudget:
+    """Failed attempts of one microbatch at one stage, up to ``max_retries`` retries.
+
+    The first attempt is free; after ``max_retries`` retries have failed too,
+    ``record_failure`` raises ``RetriesExhaustedError`` listing every peer and reason.
+    """
+
+    def __init__(self, stage: int, *, max_retries: int = 5) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.stage = stage
+        self.max_retries = max_retries
+        self._failures: list[tuple[str, str]] = []
+
+    def record_failure(self, peer_id: str, reason: str) -> None:
+        """Count a failed attempt; raises RetriesExhaustedError once the budget is spent."""
+        self._failures.append((peer_id, reason))
+        if len(self._failures) > self.max_retries:
+            raise RetriesExhaustedError(self.stage, self._failures)
+
+    @property
+    def attempts_left(self) -> int:
+        """Attempts this microbatch may still make at this stage (the first one included)."""
+        return max(self.max_retries + 1 - len(self._failures), 0)
+
+    def failed_peers(self) -> set[str]:
+        """Peers that already failed this microbatch (to exclude from the next choice)."""
+        return {peer_id for peer_id, _ in self._failures}
