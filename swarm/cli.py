@@ -33,8 +33,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
     from swarm.trainer.data import CorpusError
+    from swarm.trainer.discovery import DiscoveryError
     from swarm.trainer.failures import RoutingError
-    from swarm.trainer.run import DiscoveryError, ResumeError
+    from swarm.trainer.run import ResumeError
 
     return (
         ConfigError,
