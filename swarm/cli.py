@@ -33,8 +33,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
     from swarm.trainer.data import CorpusError
+    from swarm.trainer.discovery import DiscoveryError
     from swarm.trainer.failures import RoutingError
-    from swarm.trainer.run import DiscoveryError, ResumeError
+    from swarm.trainer.run import ResumeError
 
     return (
         ConfigError,
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.bootstrap import BootstrapConfig
     from swarm.demo import DemoConfig
     from swarm.monitor import MonitorConfig
-    from swarm.planner.plan_cli import add_plan_arguments, run_plan
+    from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
     from swarm.status import StatusConfig
     from swarm.trainer.config import TrainerConfig
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Search a balanced assignment of devices to pipeline stages that minimises the "
         "data-parallel + pipeline communication cost of a topology file.",
     )
-    add_plan_arguments(plan)
+    add_config_arguments(plan, PlanConfig)
     plan.set_defaults(handler=run_plan)
     monitor = sub.add_parser("monitor", help="tools for Prometheus monitoring of a swarm")
     monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="TOOL")

@@ -1,4 +1,17 @@
-"""The trainer's configuration: one dataclass, filled from CLI flags and SWARM_* environment variables."""
+"""The trainer's configuration: one dataclass nested by section, filled from CLI flags and SWARM_*
+environment variables (process/config.py derives both from the leaf fields, whose names are the
+flags' names: `batch.batch_size` is `--batch-size` and SWARM_BATCH_SIZE).
+
+Sections, one per component that reads them:
+- `network` (dht/node.py's NetworkConfig): how the trainer joins the DHT;
+- `corpus`: what it trains on (swarm/trainer/data.py);
+- `schedule`: steps and microbatches (swarm/trainer/schedule.py);
+- `discovery`: how it finds the stages' replicas (swarm/trainer/discovery.py);
+- `failover`: how long it retries and waits for a failing stage (swarm/trainer/stage_call.py);
+- `compression`: the codec on the wire (swarm/trainer/codec_policy.py);
+- `reporting`: the JSON report, progress lines and the Prometheus endpoint.
+Each section validates its own fields.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +20,53 @@ import os
 
 from dht.node import NetworkConfig
 from models.config import get_model_config
-from process.config import ConfigError, option
+from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
 from swarm.trainer.codec_policy import CODEC_MODES
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainerConfig(NetworkConfig):
-    model: str = option("small", help="model name; must match the peers'")
-    num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
+class CorpusSettings:
+    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    seed: int = option(0, help="seed of the data order")
+
+    def __post_init__(self) -> None:
+        if self.data is not None and not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScheduleSettings:
     steps: int = option(100, help="optimizer steps to train")
     batch_size: int = option(
         32, help="samples per step; peers step after --target-batch-size samples (keep them equal)"
     )
     microbatch_size: int = option(4, help="samples per microbatch sent through the pipeline")
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
-    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
-    seed: int = option(0, help="seed of the data order")
-    report: str | None = option(None, help="write a JSON report of the run to this file")
-    resume: bool = option(False, help="continue the run recorded in --report from its last step (same data position)")
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:
+            raise ConfigError("steps, batch_size, microbatch_size and max_in_flight must be at least 1")
+        if self.batch_size % self.microbatch_size:
+            raise ConfigError(
+                f"batch_size {self.batch_size} must be a multiple of microbatch_size {self.microbatch_size}"
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class DiscoverySettings:
     refresh_period_s: float = option(3.0, help="re-read the peers' records from the DHT this often")
+    discovery_timeout_s: float = option(120.0, help="give up if no peer of the model appears within this time")
+
+
+@dataclasses.dataclass(kw_only=True)
+class FailoverSettings:
     max_retries: int = option(8, help="retries of one call on other replicas before waiting for the stage")
     stage_wait_timeout_s: float = option(300.0, help="give up if a stage has no live replica for this long")
-    discovery_timeout_s: float = option(120.0, help="give up if no peer of the model appears within this time")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CompressionSettings:
     codec: str = option(
         "none",
         help="compression of activations and gradients on the wire: none, fp16, int8, "
@@ -37,6 +74,16 @@ class TrainerConfig(NetworkConfig):
         choices=CODEC_MODES,
     )
     topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ConfigError("topk_fraction must lie in (0, 1]")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReportingSettings:
+    report: str | None = option(None, help="write a JSON report of the run to this file")
+    resume: bool = option(False, help="continue the run recorded in --report from its last step (same data position)")
     log_every: int = option(
         1, help="print progress every N steps (when stdout is not a terminal; a terminal gets a progress bar)"
     )
@@ -46,20 +93,24 @@ class TrainerConfig(NetworkConfig):
     metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        get_model_config(self.model)
-        if self.data is not None and not os.path.isfile(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file")
-        if self.steps < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:
-            raise ConfigError("steps, batch_size, microbatch_size and max_in_flight must be at least 1")
-        if self.batch_size % self.microbatch_size:
-            raise ConfigError(
-                f"batch_size {self.batch_size} must be a multiple of microbatch_size {self.microbatch_size}"
-            )
-        if not 0.0 < self.topk_fraction <= 1.0:
-            raise ConfigError("topk_fraction must lie in (0, 1]")
         if self.resume and not (self.report and os.path.isfile(self.report)):
             raise ConfigError("--resume needs --report pointing at the report of the run to continue")
+        validate_metrics_options(self.metrics_host, self.metrics_port)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    model: str = option("small", help="model name; must match the peers'")
+    num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
+    network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
+    corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
+    schedule: ScheduleSettings = section(ScheduleSettings, help="steps, batches and microbatches")
+    discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
+    failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
+    compression: CompressionSettings = section(CompressionSettings, help="compression on the wire")
+    reporting: ReportingSettings = section(ReportingSettings, help="report file, progress lines and metrics")
+
+    def __post_init__(self) -> None:
+        get_model_config(self.model)
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")
-        validate_metrics_options(self.metrics_host, self.metrics_port)

@@ -1,5 +1,10 @@
 """The trainer: holds no weights; reads the corpus, streams each step's microbatches through the
-swarm, and reports loss and throughput."""
+swarm, and reports loss and throughput.
+
+`train` composes the three parts of the pipeline: the `SwarmView` (discovery.py: which replicas
+serve each stage), the `StageCaller` (stage_call.py: one call to a stage, with failover and the
+encoding of what it sends) and the `StepSchedule` (schedule.py: a step's microbatches through the
+stages and back, then the commit)."""
 
 from __future__ import annotations
 
@@ -14,23 +19,18 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
-from dht.announce import fetch_stage_records_async
 from dht.node import start_dht
-from dht.records import PeerState
-from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
 from models.config import get_model_config
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.data import MicrobatchSampler, load_corpus
+from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.pipeline import SwarmPipeline
 from swarm.trainer.progress import StepProgress, TrainingProgress
-
-
-class DiscoveryError(RuntimeError):
-    """No usable peers of the model were found."""
+from swarm.trainer.schedule import StepSchedule
+from swarm.trainer.stage_call import StageCaller
 
 
 class ResumeError(RuntimeError):
@@ -88,124 +88,82 @@ class TrainingReport:
         os.replace(tmp, path)
 
 
-async def discover_num_stages(dht: hivemind.DHT, model: str, timeout_s: float, say=print) -> int:
-    deadline = time.monotonic() + timeout_s
-    announced = False
-    while time.monotonic() < deadline:
-        records = [r for r in await fetch_stage_records_async(dht, model, 0) if r.state == PeerState.ONLINE]
-        if records:
-            counts = sorted({r.num_stages for r in records})
-            if len(counts) > 1:
-                say(
-                    f"peers of {model} disagree on the number of stages {counts}; using {counts[-1]} (pass --num-stages)"
-                )
-            return counts[-1]
-        if not announced:
-            say(f"waiting for peers of {model} to appear on the DHT...")
-            announced = True
-        await asyncio.sleep(1.0)
-    raise DiscoveryError(f"no peer serving {model} stage 0 appeared within {timeout_s:.0f} s")
-
-
-async def read_split(dht: hivemind.DHT, model: str, num_stages: int) -> list[int] | None:
-    """The split the peers serve; a `DiscoveryError` if they disagree or it has another number of stages."""
-    try:
-        split = split_in_force(await fetch_split_records_async(dht, model))
-    except SplitConflictError as e:
-        raise DiscoveryError(str(e)) from None
-    if split is not None and split.num_stages != num_stages:
-        raise DiscoveryError(f"the peers serve {model} in {split.describe()}, not in {num_stages} stages")
-    return list(split.boundaries) if split is not None else None
-
-
-async def wait_for_every_stage(pipeline: SwarmPipeline, timeout_s: float, say=print) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        await pipeline.refresh()
-        counts = pipeline.live_replicas()
-        if all(counts):
-            return
-        if time.monotonic() > deadline:
-            missing = [s for s, n in enumerate(counts) if not n]
-            raise DiscoveryError(f"stages {missing} have no online peer after {timeout_s:.0f} s")
-        await asyncio.sleep(1.0)
-
-
 async def train(
     config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport, say=print, metrics: TrainerMetrics | None = None
 ) -> TrainingReport:
-    """Train for `config.steps` steps, filling `report` as it goes (it stays valid on failure)."""
+    """Train for `config.schedule.steps` steps, filling `report` as it goes (it stays valid on failure)."""
     metrics = metrics or TrainerMetrics()
+    batches, reporting = config.schedule, config.reporting
     # A bar only where our lines go straight to a terminal; a caller's own `say` gets plain lines.
     progress = TrainingProgress(
-        config.steps, log_every=config.log_every, say=say, interactive=say is print and sys.stdout.isatty()
+        batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
     model_config = get_model_config(config.model)
-    tokens = load_corpus(config.data)
+    tokens = load_corpus(config.corpus.data)
     sampler = MicrobatchSampler(
         tokens,
         seq_len=model_config.seq_len,
-        batch_size=config.batch_size,
-        microbatch_size=config.microbatch_size,
-        seed=config.seed,
+        batch_size=batches.batch_size,
+        microbatch_size=batches.microbatch_size,
+        seed=config.corpus.seed,
     )
-    num_stages = config.num_stages or await discover_num_stages(dht, config.model, config.discovery_timeout_s, say)
+    discovery_timeout_s = config.discovery.discovery_timeout_s
+    num_stages = config.num_stages or await discover_num_stages(dht, config.model, discovery_timeout_s, say)
     p2p = await dht.replicate_p2p()
     client = StageClient(p2p, model=config.model, num_stages=num_stages)
-    pipeline = SwarmPipeline(
-        dht,
+    view = SwarmView(dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics)
+    codecs = CodecPolicy(config.compression.codec, topk_fraction=config.compression.topk_fraction)
+    caller = StageCaller(
+        view,
         client,
-        model=config.model,
-        num_stages=num_stages,
         d_model=model_config.d_model,
         seq_len=model_config.seq_len,
-        max_retries=config.max_retries,
-        stage_wait_timeout_s=config.stage_wait_timeout_s,
-        max_in_flight=config.max_in_flight,
-        run_id=secrets.token_hex(4),
-        on_wait=say,
-        codecs=CodecPolicy(config.codec, topk_fraction=config.topk_fraction),
-        metrics=metrics,
+        failover=config.failover,
+        codecs=codecs,
+        say=say,
     )
-    pipeline.codecs.warm_up()
-    metrics.set_run(model=config.model, num_stages=num_stages, codec=config.codec, target_steps=config.steps)
+    schedule = StepSchedule(caller, max_in_flight=batches.max_in_flight, run_id=secrets.token_hex(4))
+    codecs.warm_up()
+    metrics.set_run(
+        model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
+    )
     metrics.count_bytes(client.bytes.snapshot)
-    await wait_for_every_stage(pipeline, config.discovery_timeout_s, say)
+    await wait_for_every_stage(view, discovery_timeout_s)
     report.split_boundaries = await read_split(dht, config.model, num_stages)  # every stage's peers stated theirs
     say(
-        f"training {config.model} over {num_stages} stages with {pipeline.live_replicas()} replicas; "
-        f"{len(tokens):,} tokens of data, batch {config.batch_size} x {model_config.seq_len} tokens"
+        f"training {config.model} over {num_stages} stages with {view.live_replicas()} replicas; "
+        f"{len(tokens):,} tokens of data, batch {batches.batch_size} x {model_config.seq_len} tokens"
     )
     report.num_stages = num_stages
-    refresher = asyncio.create_task(pipeline.refresh_forever(config.refresh_period_s))
-    tokens_per_step = config.batch_size * model_config.seq_len
+    refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
+    tokens_per_step = batches.batch_size * model_config.seq_len
     started = time.perf_counter()
     try:
         first_step = report.steps  # > 0 when resuming: continue from the same data position
         if first_step:
-            say(f"resuming at step {first_step} of {config.steps}")
-        for step in range(first_step, config.steps):
+            say(f"resuming at step {first_step} of {batches.steps}")
+        for step in range(first_step, batches.steps):
             step_started = time.perf_counter()
-            loss = await pipeline.run_step(sampler.batch(step))
+            loss = await schedule.run_step(sampler.batch(step))
             step_s = time.perf_counter() - step_started
             report.steps, report.tokens = step + 1, (step + 1) * tokens_per_step
             report.losses.append(loss)
             report.tokens_per_s_by_step.append(tokens_per_step / step_s)
             report.step_end_s.append(time.perf_counter() - started)
-            if config.report:  # after every step, so a killed trainer can resume where it was
-                _fill_report(report, pipeline, time.perf_counter() - started)
-                report.write(config.report)
+            if reporting.report:  # after every step, so a killed trainer can resume where it was
+                _fill_report(report, schedule, time.perf_counter() - started)
+                report.write(reporting.report)
             metrics.observe_step(step=step + 1, loss=loss, tokens=tokens_per_step, duration_s=step_s)
             elapsed = time.perf_counter() - started
             progress.update(
                 StepProgress(
                     step=step + 1,
-                    total_steps=config.steps,
+                    total_steps=batches.steps,
                     loss=loss,
                     tokens_per_s=(step + 1 - first_step) * tokens_per_step / elapsed,
-                    live_replicas=pipeline.live_replicas(),
-                    calls_retried=pipeline.counters.calls_retried,
+                    live_replicas=view.live_replicas(),
+                    calls_retried=caller.counters.calls_retried,
                     elapsed_s=elapsed,
                 )
             )
@@ -213,15 +171,15 @@ async def train(
     finally:
         progress.close()
         refresher.cancel()
-        _fill_report(report, pipeline, time.perf_counter() - started)
+        _fill_report(report, schedule, time.perf_counter() - started)
     return report
 
 
-def _fill_report(report: TrainingReport, pipeline: SwarmPipeline, train_time_s: float) -> None:
-    counters = pipeline.counters
+def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: float) -> None:
+    calls, microbatches = schedule.caller.counters, schedule.counters
     report.train_time_s = train_time_s
-    report.codec = pipeline.codecs.mode
-    report.bytes_by_codec = pipeline.client.bytes.snapshot()
+    report.codec = schedule.caller.codecs.mode
+    report.bytes_by_codec = schedule.client.bytes.snapshot()
     total_bytes = sum(item["wire_bytes"] for direction in report.bytes_by_codec.values() for item in direction.values())
     report.wire_bytes_per_token = total_bytes / report.tokens if report.tokens else 0.0
     if report.losses:
@@ -230,14 +188,14 @@ def _fill_report(report: TrainingReport, pipeline: SwarmPipeline, train_time_s: 
         report.final_loss = sum(tail) / len(tail)
     timed_tokens = report.tokens - report.resumed_from_step * (report.tokens // max(report.steps, 1))
     report.tokens_per_s = timed_tokens / report.train_time_s if report.train_time_s > 0 else 0.0
-    report.microbatches_sent = counters.microbatches_sent
-    report.microbatches_retried = counters.microbatches_retried
-    report.microbatches_lost = counters.microbatches_sent - counters.microbatches_done
-    report.calls_retried = counters.calls_retried
-    report.backward_inputs_skipped = counters.backward_inputs_skipped
-    report.backward_inputs_resent = counters.backward_inputs_resent
-    report.failures_by_kind = dict(counters.failures_by_kind)
-    report.calls_by_peer = dict(counters.calls_by_peer)
+    report.microbatches_sent = microbatches.microbatches_sent
+    report.microbatches_retried = microbatches.microbatches_retried
+    report.microbatches_lost = microbatches.microbatches_sent - microbatches.microbatches_done
+    report.calls_retried = calls.calls_retried
+    report.backward_inputs_skipped = calls.backward_inputs_skipped
+    report.backward_inputs_resent = calls.backward_inputs_resent
+    report.failures_by_kind = dict(calls.failures_by_kind)
+    report.calls_by_peer = dict(calls.calls_by_peer)
 
 
 def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
@@ -247,20 +205,23 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     # 54 ms with 2 on the busy 2-core machine).
     torch.set_num_threads(1)
     metrics = TrainerMetrics()
-    endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
+    reporting = config.reporting
+    endpoint = serve_metrics(
+        metrics.registry, reporting.metrics_host, reporting.metrics_port
+    )  # before the DHT: fails fast
     if endpoint:
         say(f"metrics on {endpoint.url}")
     report = TrainingReport(model=config.model, num_stages=config.num_stages or 0)
-    if config.resume:
-        report = TrainingReport.load(config.report, model=config.model)
+    if reporting.resume:
+        report = TrainingReport.load(reporting.report, model=config.model)
         report.resumed_from_step = report.steps
-    dht = start_dht(config, client_mode=True)
+    dht = start_dht(config.network, client_mode=True)
     try:
         asyncio.run(train(config, dht, report, say, metrics=metrics))
     finally:
         dht.shutdown()
         if endpoint:
             endpoint.close()
-        if config.report:
-            report.write(config.report)
+        if reporting.report:
+            report.write(reporting.report)
     return report

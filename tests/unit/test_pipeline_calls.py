@@ -1,5 +1,5 @@
-"""SwarmPipeline.call_stage against a scripted client: backward without inputs, the cache-miss
-resend, and encodings passed on as received. No network, no DHT."""
+"""StageCaller.call and StepSchedule against scripted clients: backward without inputs, the
+cache-miss resend, and encodings passed on as received. No network, no DHT."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import asyncio
 import torch
 
 from swarm.trainer.client import CallResult, FailureKind, PeerCallError
-from swarm.trainer.pipeline import SwarmPipeline
+from swarm.trainer.config import FailoverSettings
+from swarm.trainer.data import Microbatch
+from swarm.trainer.discovery import SwarmView
 from swarm.trainer.routing import ReplicaInfo
+from swarm.trainer.schedule import StepSchedule
+from swarm.trainer.stage_call import Payload, StageCaller
 from wire.protocol import ResponseHeader, encode_tensor
 
 B, T, D = 2, 8, 4
@@ -33,59 +37,104 @@ class ScriptedClient:
         return CallResult({"grad_inputs": grad}, {"grad_inputs": encoded}, ResponseHeader(compute_s=0.01), 100)
 
 
-def make_pipeline(client, peers=("peer-a",)) -> SwarmPipeline:
-    pipeline = SwarmPipeline(
-        None,
-        client,
-        model="tiny",
-        num_stages=3,
-        d_model=D,
-        seq_len=T,
-        max_retries=2,
-        stage_wait_timeout_s=1.0,
-        max_in_flight=1,
-        run_id="run",
+def make_caller(client, peers=("peer-a",)) -> StageCaller:
+    view = SwarmView(None, model="tiny", num_stages=3)
+    caller = StageCaller(
+        view, client, d_model=D, seq_len=T, failover=FailoverSettings(max_retries=2, stage_wait_timeout_s=1.0)
     )
-    for scheduler in pipeline.schedulers:
+    for scheduler in view.schedulers:
         scheduler.update_replicas([ReplicaInfo(p, 10.0) for p in peers])
-    return pipeline
+    return caller
 
 
-def backward(pipeline, *, cached_on, encoded=None):
-    tensors = [("inputs", torch.randn(B, T, D)), ("grad_outputs", torch.randn(B, T, D))]
-    return asyncio.run(pipeline.call_stage(1, "backward", "mb", B, tensors, encoded=encoded, cached_on=cached_on))
+def backward(caller, *, cached_on, grad_encodings=None):
+    grad_outputs = Payload(torch.randn(B, T, D), dict(grad_encodings or {}))
+    tensors = [("inputs", Payload(torch.randn(B, T, D))), ("grad_outputs", grad_outputs)]
+    return asyncio.run(caller.call(1, "backward", "mb", B, tensors, cached_on=cached_on))
 
 
 def test_backward_to_the_forward_replica_sends_no_inputs():
     client = ScriptedClient()
-    pipeline = make_pipeline(client)
-    answer = backward(pipeline, cached_on="peer-a")
+    caller = make_caller(client)
+    answer = backward(caller, cached_on="peer-a")
     assert [(c["inputs_cached"], sorted(c["tensors"])) for c in client.calls] == [(True, ["grad_outputs"])]
-    assert answer.peer_id == "peer-a" and pipeline.counters.backward_inputs_skipped == 1
+    assert answer.peer_id == "peer-a" and caller.counters.backward_inputs_skipped == 1
 
 
 def test_backward_elsewhere_sends_the_inputs():
     client = ScriptedClient()
-    backward(make_pipeline(client), cached_on="peer-gone")
+    backward(make_caller(client), cached_on="peer-gone")
     assert [(c["inputs_cached"], sorted(c["tensors"])) for c in client.calls] == [(False, ["grad_outputs", "inputs"])]
 
 
 def test_a_cache_miss_is_resent_with_inputs_to_the_same_peer_without_a_ban():
     client = ScriptedClient(missing={"peer-a"})
-    pipeline = make_pipeline(client)
-    answer = backward(pipeline, cached_on="peer-a")
+    caller = make_caller(client)
+    answer = backward(caller, cached_on="peer-a")
     assert [(c["peer"], c["inputs_cached"], "inputs" in c["tensors"]) for c in client.calls] == [
         ("peer-a", True, False),
         ("peer-a", False, True),
     ]
     assert answer.peer_id == "peer-a"
-    assert (pipeline.counters.backward_inputs_skipped, pipeline.counters.backward_inputs_resent) == (0, 1)
-    assert pipeline.counters.calls_retried == 0 and not pipeline.bans.banned()
+    assert (caller.counters.backward_inputs_skipped, caller.counters.backward_inputs_resent) == (0, 1)
+    assert caller.counters.calls_retried == 0 and not caller.view.bans.banned()
 
 
 def test_an_encoding_received_earlier_is_sent_on_as_it_is():
     client = ScriptedClient()
-    pipeline = make_pipeline(client)
+    caller = make_caller(client)
     received = encode_tensor(torch.randn(B, T, D))
-    backward(pipeline, cached_on="peer-a", encoded={("grad_outputs", "none", ()): received})
+    backward(caller, cached_on="peer-a", grad_encodings={("none", ()): received})
     assert client.calls[0]["tensors"]["grad_outputs"] is received
+
+
+class ScriptedStages:
+    """Every stage answers as a healthy peer would: forwards return activations, the last stage's
+    backward a loss and gradients, stage 0's backward nothing. Backwards sent without inputs find
+    no cached forward, so the inputs are sent again."""
+
+    def __init__(self, num_stages: int):
+        self.num_stages, self.calls, self.returned = num_stages, [], []
+
+    async def exchange(
+        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
+    ):
+        self.calls.append({"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
+        if inputs_cached:
+            self.returned.append({})
+            raise PeerCallError(peer_id, FailureKind.CACHE_MISS, "nothing cached")
+        name = "outputs" if rpc == "forward" else "grad_inputs"
+        outputs = {} if rpc == "backward" and stage == 0 else {name: torch.randn(batch_size, T, D)}
+        loss = 2.5 if stage == self.num_stages - 1 else None
+        encoded = {n: encode_tensor(t) for n, t in outputs.items()}
+        self.returned.append(encoded)
+        return CallResult(outputs, encoded, ResponseHeader(loss=loss, compute_s=0.01), 100)
+
+
+def test_a_microbatch_goes_forward_and_back_passing_encodings_on_as_received():
+    client = ScriptedStages(num_stages=3)
+    caller = make_caller(client, peers=("peer-a",))
+    schedule = StepSchedule(caller, max_in_flight=2, run_id="run")
+    inputs = torch.randint(0, 10, (B, T))
+    loss = asyncio.run(schedule.run_step([Microbatch(step=0, index=0, inputs=inputs, targets=inputs)]))
+    assert loss == 2.5
+    calls = [(c["stage"], c["rpc"], c["inputs_cached"]) for c in client.calls]
+    assert calls == [
+        (0, "forward", False),
+        (1, "forward", False),
+        (2, "backward", False),  # the last stage: forward and backward in one call, with the targets
+        (1, "backward", True),
+        (1, "backward", False),  # a cache miss: resent with the inputs
+        (0, "backward", True),
+        (0, "backward", False),
+    ]
+    sent, returned = [c["tensors"] for c in client.calls], client.returned
+    assert sorted(sent[2]) == ["inputs", "targets"]
+    # what one stage sent back is sent on to the next as it came, not decoded and encoded again
+    assert sent[1]["inputs"] is returned[0]["outputs"] and sent[2]["inputs"] is returned[1]["outputs"]
+    assert sent[3]["grad_outputs"] is sent[4]["grad_outputs"] is returned[2]["grad_inputs"]
+    assert sent[5]["grad_outputs"] is sent[6]["grad_outputs"] is returned[4]["grad_inputs"]
+    # a backward that resends its inputs sends the encoding made for (or received before) the forward
+    assert sent[6]["inputs"] is sent[0]["inputs"] and sent[4]["inputs"] is sent[1]["inputs"]
+    assert (schedule.counters.microbatches_sent, schedule.counters.microbatches_done) == (1, 1)
+    assert caller.counters.backward_inputs_resent == 2 and caller.counters.calls_retried == 0

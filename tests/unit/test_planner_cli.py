@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from process.config import add_config_arguments
 from swarm.planner.cost import evaluate_plan, pair_costs
-from swarm.planner.plan_cli import add_plan_arguments, main, run_plan
+from swarm.planner.plan_cli import PlanConfig, main, run_plan
 from swarm.planner.topology import load_topology
 from tests.unit.test_planner_cost import small_topology_dict
 
@@ -58,7 +59,7 @@ def test_round_trip_writes_a_plan_with_its_cost(topology_file: Path, tmp_path: P
 
 def test_works_as_a_subcommand(topology_file: Path, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="swarm")
-    add_plan_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
+    add_config_arguments(parser.add_subparsers(dest="command").add_parser("plan"), PlanConfig)
     args = parser.parse_args(
         ["plan", "--topology", str(topology_file), "--out", str(tmp_path / "p.json"), "--patience-rounds", "2"]
     )

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
 from models.config import get_model_config
+from process.config import from_sources
 from swarm.planner.live_cli import DEFAULT_MACRO_BATCH_SAMPLES, _sizes
-from swarm.planner.plan_cli import add_plan_arguments, main
+from swarm.planner.plan_cli import PlanConfig, main
 from swarm.planner.topology import TopologyError
 
 
@@ -39,13 +39,9 @@ def test_live_argument_errors_are_one_line(
     assert message in err
 
 
-def _size_args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    args = parser.parse_args(["--from-dht", "--model", "tiny"])
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
+def _size_args(**overrides) -> PlanConfig:
+    dht = "/ip4/127.0.0.1/tcp/1/p2p/QmX"
+    return from_sources(PlanConfig, env={}, from_dht=True, model="tiny", initial_peers=[dht], **overrides)
 
 
 def test_transfer_sizes_come_from_the_model_unless_given() -> None:

@@ -1,0 +1,117 @@
+"""The microbatch schedule of one optimizer step, and its commit.
+
+`StepSchedule.run_step` streams a step's microbatches through the stages, at most `max_in_flight`
+at once: each goes forward through stages 0..S-2, takes a fused forward+backward on the last stage
+(which owns the loss), and goes backward through S-2..0, every call through `StageCaller`
+(swarm/trainer/stage_call.py, which fails over). Nothing is dropped: a microbatch either finishes
+or the run stops with the error that stopped it. Then the step is committed on the replicas that
+average (sync, or periodic every K steps), so that they step together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from swarm.trainer.client import PeerCallError, StageClient
+from swarm.trainer.data import Microbatch
+from swarm.trainer.discovery import SwarmView
+from swarm.trainer.metrics import TrainerMetrics
+from swarm.trainer.stage_call import Payload, StageCaller
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduleCounters:
+    microbatches_sent: int = 0
+    microbatches_done: int = 0
+    microbatches_retried: int = 0  # microbatches that needed at least one retry
+    commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)
+    averaged_commits: int = 0  # ... of which averaged with other replicas
+
+
+class StepSchedule:
+    def __init__(self, caller: StageCaller, *, max_in_flight: int, run_id: str):
+        self.caller, self.run_id = caller, run_id
+        self.view: SwarmView = caller.view
+        self.client: StageClient = caller.client
+        self.num_stages = self.view.num_stages
+        self.counters = ScheduleCounters()
+        self.metrics: TrainerMetrics = caller.metrics
+        self._slots = asyncio.Semaphore(max_in_flight)
+
+    async def run_microbatch(self, mb: Microbatch) -> float:
+        """Forward through stages 0..S-2, a fused forward+backward on the last stage (it owns the
+        loss), then backward through S-2..0. Returns the microbatch's mean loss."""
+        async with self._slots:
+            microbatch_id = f"{self.run_id}:{mb.step}:{mb.index}"
+            self.counters.microbatches_sent += 1
+            failures: list[str] = []
+            call = self.caller.call
+            # Per stage: its inputs (their encodings are reused by its backward) and the peer that
+            # served its forward (and cached it, so that the backward need not resend the inputs).
+            stage_inputs = [Payload(mb.inputs)]
+            served_by: list[str] = []
+            for stage in range(self.num_stages - 1):
+                answer = await call(stage, "forward", microbatch_id, mb.size, [("inputs", stage_inputs[-1])], failures)
+                stage_inputs.append(answer.payload("outputs"))
+                served_by.append(answer.peer_id)
+            last = self.num_stages - 1
+            tensors = [("inputs", stage_inputs[last]), ("targets", Payload(mb.targets))]
+            answer = await call(last, "backward", microbatch_id, mb.size, tensors, failures)
+            response = answer.response
+            for stage in reversed(range(last)):
+                tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", answer.payload("grad_inputs"))]
+                answer = await call(
+                    stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
+                )
+            self.counters.microbatches_done += 1
+            self.metrics.microbatches.inc()
+            if failures:
+                self.counters.microbatches_retried += 1
+                self.metrics.microbatches_retried.inc()
+            return float(response.loss)
+
+    async def run_step(self, microbatches: list[Microbatch]) -> float:
+        """All microbatches of one optimizer step; returns the mean loss over their samples. Then,
+        if replicas average in sync mode, tell them the step is over so they average and step."""
+        losses = await asyncio.gather(*[self.run_microbatch(mb) for mb in microbatches])
+        total = sum(mb.size for mb in microbatches)
+        await self.commit_step(f"{self.run_id}:{microbatches[0].step}")
+        return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
+
+    async def commit_step(self, step_id: str, timeout_s: float = 120.0) -> None:
+        """Commit the step on every averaging replica of every stage, all at once: sync replicas
+        meet in one all-reduce per stage and step; periodic replicas that average every K steps
+        step on the commit (and average after every K-th); periodic replicas on a period answer
+        without doing anything. A replica that fails to commit is logged and banned; it will fall
+        behind its stage's parameters, and periodic checks or a restart bring it back."""
+        calls = []
+        for stage, records in enumerate(self.view.records):
+            for mode in ("sync", "periodic"):
+                group = [r.peer_id for r in records if r.averaging == mode]
+                calls += [
+                    (
+                        stage,
+                        peer_id,
+                        self.client.commit(
+                            peer_id, stage=stage, step_id=step_id, group_size=len(group), timeout_s=timeout_s
+                        ),
+                    )
+                    for peer_id in group
+                ]
+        if not calls:
+            return
+        results = await asyncio.gather(*[call for _, _, call in calls], return_exceptions=True)
+        for (stage, peer_id, _), result in zip(calls, results):
+            if isinstance(result, PeerCallError):
+                logger.warning(f"stage {stage}: commit failed: {result}")
+                self.view.bans.ban(peer_id)
+            elif isinstance(result, BaseException):
+                raise result
+            elif result.stepped:
+                self.counters.commits += 1
+                if result.averaged:
+                    self.counters.averaged_commits += 1

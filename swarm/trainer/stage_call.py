@@ -1,0 +1,290 @@
+"""One microbatch's call to one stage, with failover: the trainer's retry loop.
+
+`StageCaller.call` picks a replica of the stage (the stage's `ReplicaScheduler` in the
+`SwarmView`, swarm/trainer/discovery.py), encodes what it sends with the codec that replica's link
+calls for, sends it through `StageClient.exchange` (swarm/trainer/client.py, which sends encoded
+tensors and decodes the answer), and checks the answer. A failed call is noted (the scheduler, a
+ban, a counter, a metric) and retried on another replica; after `max_retries` failures, or when no
+replica can take the call, it waits for the stage (refreshing the view) until one can or
+`stage_wait_timeout_s` runs out, which stops the run with an error instead of losing data. The
+bookkeeping itself (timeouts, bans, the retry budget) is pure: swarm/trainer/failures.py.
+
+Encoding lives here and only here. A `Payload` is a tensor together with the encodings made or
+received of it so far, one per codec choice: each is made once (a retry, or the backward that
+resends a forward's inputs, reuses it), and an encoding that came over the wire from one stage is
+sent on to the next as it came (no decode + re-encode) when the next link uses the same codec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.trainer.client import FailureKind, PeerCallError, StageClient
+from swarm.trainer.codec_policy import CodecPolicy
+from swarm.trainer.config import FailoverSettings
+from swarm.trainer.discovery import SwarmView
+from swarm.trainer.failures import RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
+from swarm.trainer.metrics import TrainerMetrics
+from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
+from wire.protocol import ResponseHeader, encode_tensor
+
+logger = logging.getLogger(__name__)
+
+
+def codec_key(choice: CodecChoice) -> tuple:
+    """What makes two encodings of one tensor the same: the codec and its parameters."""
+    return choice.codec, tuple(sorted(choice.params.items()))
+
+
+@dataclass
+class Payload:
+    """A tensor to send, and its encodings made or received so far (codec key -> encoding)."""
+
+    tensor: torch.Tensor
+    encodings: dict[tuple, EncodedTensor] = field(default_factory=dict)
+
+
+@dataclass
+class CallCounters:
+    calls_retried: int = 0
+    failures_by_kind: dict[str, int] = field(default_factory=dict)
+    calls_by_peer: dict[str, int] = field(default_factory=dict)
+    backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
+    backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
+
+
+@dataclass(frozen=True)
+class StageAnswer:
+    outputs: dict[str, torch.Tensor]
+    response: ResponseHeader
+    peer_id: str  # the replica that answered
+    received: dict[str, EncodedTensor]  # the outputs as they came over the wire
+    received_codec: tuple  # their codec key
+
+    def payload(self, name: str) -> Payload:
+        """Output `name`, to send on to the next stage in the encoding it came in."""
+        return Payload(self.outputs[name], {self.received_codec: self.received[name]} if name in self.received else {})
+
+
+class StageCaller:
+    def __init__(
+        self,
+        view: SwarmView,
+        client: StageClient,
+        *,
+        d_model: int,
+        seq_len: int,
+        failover: FailoverSettings,
+        codecs: CodecPolicy | None = None,
+        say=print,
+    ):
+        self.view, self.client = view, client
+        self.d_model, self.seq_len = d_model, seq_len
+        self.max_retries, self.stage_wait_timeout_s = failover.max_retries, failover.stage_wait_timeout_s
+        self.codecs = codecs or CodecPolicy("none")
+        self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
+        self.timeouts = TimeoutPolicy()
+        self.counters = CallCounters()
+        self._say = say
+        self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
+
+    def _encode(
+        self, peer_id: str, stage: int, batch_size: int, tensors: list[tuple[str, Payload]]
+    ) -> list[tuple[str, EncodedTensor]]:
+        """Encode what goes to `peer_id` with the codec its link calls for, reusing an encoding the
+        payload already holds for that codec."""
+        encoded = []
+        for name, payload in tensors:
+            is_gradient = name == "grad_outputs"
+            choice = self.codecs.choose(peer_id, stage, payload.tensor.numel(), batch_size, is_gradient=is_gradient)
+            key = codec_key(choice)
+            if key not in payload.encodings:
+                feedback = self.feedback if is_gradient and choice.codec == "topk" else None
+                payload.encodings[key] = encode_tensor(
+                    payload.tensor, choice.codec, choice.params, feedback=feedback, feedback_key=stage
+                )
+            encoded.append((name, payload.encodings[key]))
+        return encoded
+
+    async def call(
+        self,
+        stage: int,
+        rpc: str,
+        microbatch_id: str,
+        batch_size: int,
+        tensors: list[tuple[str, Payload]],
+        failures: list[str] | None = None,
+        *,
+        cached_on: str | None = None,
+    ) -> StageAnswer:
+        """Call one replica of `stage`, failing over until one answers. Failed attempts are
+        appended to `failures`. `cached_on` (backward): the peer that served this microbatch's
+        forward on this stage; if it is chosen again, the inputs are not resent (it answers a cache
+        miss if it no longer holds them, and they are then sent)."""
+        failures = [] if failures is None else failures
+        numel_out = batch_size * self.seq_len * self.d_model
+        scheduler, bans = self.view.schedulers[stage], self.view.bans
+        budget = RetryBudget(stage, max_retries=self.max_retries)
+        waited_since = None
+        while True:
+            peer_id = scheduler.choose(
+                rpc,
+                batch_size,
+                exclude=bans.banned() | budget.failed_peers(),
+                cached_on=cached_on if rpc == "backward" else None,
+            )
+            if peer_id is None:
+                waited_since = waited_since or time.monotonic()
+                await self._wait_for_replica(stage, waited_since, budget)
+                budget = RetryBudget(stage, max_retries=self.max_retries)
+                continue
+            waited_since = None
+            timeout_s = self.timeouts.timeout_s(stage, rpc)
+            started = time.perf_counter()
+            skip_inputs = rpc == "backward" and peer_id == cached_on and any(n == "inputs" for n, _ in tensors)
+            try:
+                response_codec = self.codecs.choose(
+                    peer_id, stage, numel_out, batch_size, is_gradient=rpc == "backward"
+                )
+                while True:
+                    sent = [(n, t) for n, t in tensors if not (skip_inputs and n == "inputs")]
+                    try:
+                        result = await self.client.exchange(
+                            peer_id,
+                            rpc=rpc,
+                            stage=stage,
+                            microbatch_id=microbatch_id,
+                            batch_size=batch_size,
+                            tensors=self._encode(peer_id, stage, batch_size, sent),
+                            timeout_s=timeout_s,
+                            response_codec=response_codec,
+                            inputs_cached=skip_inputs,
+                        )
+                        break
+                    except PeerCallError as e:
+                        # A cache miss (or an older peer refusing a request without inputs) is no
+                        # failure of the peer: ask it again, with the inputs this time.
+                        if not (skip_inputs and e.kind in (FailureKind.CACHE_MISS, FailureKind.REFUSED)):
+                            raise
+                        skip_inputs = False
+                        self.counters.backward_inputs_resent += 1
+                check_answer(
+                    peer_id,
+                    stage,
+                    rpc,
+                    num_stages=self.view.num_stages,
+                    expected_shape=(batch_size, self.seq_len, self.d_model),
+                    outputs=result.outputs,
+                    loss=result.response.loss,
+                )
+                if skip_inputs:
+                    self.counters.backward_inputs_skipped += 1
+            except PeerCallError as e:
+                self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
+                self._note_failure(stage, peer_id, e, failed_after_s=time.perf_counter() - started)
+                failures.append(str(e))
+                try:
+                    budget.record_failure(peer_id, str(e))
+                except RetriesExhaustedError as exhausted:
+                    logger.warning(str(exhausted))
+                    waited_since = time.monotonic()
+                    await self._wait_for_replica(stage, waited_since, budget)
+                    budget = RetryBudget(stage, max_retries=self.max_retries)
+                continue
+            elapsed = time.perf_counter() - started
+            self._note_success(stage, rpc, peer_id, batch_size, elapsed, result.response, result.moved, skip_inputs)
+            return StageAnswer(result.outputs, result.response, peer_id, result.received, codec_key(response_codec))
+
+    def _note_success(
+        self,
+        stage: int,
+        rpc: str,
+        peer_id: str,
+        batch_size: int,
+        elapsed: float,
+        response: ResponseHeader,
+        moved: int,
+        from_cache: bool,
+    ) -> None:
+        self.metrics.observe_call(stage=stage, rpc=rpc, duration_s=elapsed)
+        # A replica's throughput is set by its busier own resource: its compute thread, or its link
+        # (the call minus what the peer spent queued and computing: wire time both ways and
+        # (de)serialization). With several calls in flight the two overlap, so the larger one is the
+        # bound, not their sum. Time queued behind our other requests says how much we sent, not how
+        # fast the replica is: counting it made the busiest replica look slow.
+        compute_s = min(max(response.compute_s, 0.0), elapsed)
+        transfer_s = max(elapsed - max(response.queue_s, 0.0) - compute_s, 0.0)
+        # A backward answered without its inputs was served from the activation cache (no recompute).
+        task = "backward_cached" if from_cache else rpc
+        self.view.schedulers[stage].report_success(peer_id, task, batch_size, max(compute_s, transfer_s))
+        self.codecs.observe(
+            peer_id, stage, nbytes=moved, transfer_s=transfer_s, compute_s=compute_s, batch_size=batch_size
+        )
+        self.timeouts.observe(stage, rpc, elapsed)
+        self.view.bans.clear(peer_id)
+        key = peer_id[-8:]
+        self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
+
+    def _note_failure(self, stage: int, peer_id: str, error: PeerCallError, failed_after_s: float) -> None:
+        self.view.schedulers[stage].report_failure(peer_id)
+        self.counters.calls_retried += 1
+        kind = error.kind.value
+        self.counters.failures_by_kind[kind] = self.counters.failures_by_kind.get(kind, 0) + 1
+        if error.kind != FailureKind.WRONG_STAGE:  # a peer that moved is not banned: a refresh drops it
+            # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
+            self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
+            self.metrics.bans.labels(stage=str(stage)).inc()
+        logger.warning(f"stage {stage}: {error}; retrying on another replica")
+
+    async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
+        """No replica can take this call now: refresh the peer list until one can, or give up."""
+        waited = time.monotonic() - since
+        if waited > self.stage_wait_timeout_s:
+            raise StageUnavailableError(
+                stage,
+                f"no live replica for {waited:.0f} s (failed: "
+                f"{sorted(p[-8:] for p in budget.failed_peers())}); start a peer "
+                f"with --stage {stage} or raise --stage-wait-timeout-s",
+            )
+        bans = self.view.bans
+        if int(waited) % 10 == 0:
+            self._say(
+                f"waiting for a live replica of stage {stage} ({waited:.0f} s so far; {len(bans.banned())} peers banned)"
+            )
+        next_unban = bans.seconds_until_next_unban()
+        pause_s = min(1.0, next_unban if next_unban is not None else 1.0)
+        await asyncio.sleep(pause_s)
+        self.metrics.stage_wait.labels(stage=str(stage)).inc(pause_s)
+        await self.view.refresh()
+
+
+def check_answer(
+    peer_id: str,
+    stage: int,
+    rpc: str,
+    *,
+    num_stages: int,
+    expected_shape: tuple[int, int, int],
+    outputs: dict[str, torch.Tensor],
+    loss: float | None,
+) -> None:
+    """Refuse answers that break the contract: a peer returning garbage is treated as failed
+    (`PeerCallError` of kind GARBAGE)."""
+    is_last = stage == num_stages - 1
+    name = "outputs" if rpc == "forward" else "grad_inputs"
+    needs_tensor = not (rpc == "forward" and is_last) and not (rpc == "backward" and stage == 0)
+    if needs_tensor:
+        tensor = outputs.get(name)
+        if tensor is None or tuple(tensor.shape) != expected_shape or tensor.dtype != torch.float32:
+            got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, f"expected {name} {expected_shape} float32, got {got}")
+        if not torch.isfinite(tensor).all():
+            raise PeerCallError(peer_id, FailureKind.GARBAGE, f"{name} contain NaN or inf")
+    if is_last and (loss is None or not math.isfinite(loss)):
+        raise PeerCallError(peer_id, FailureKind.GARBAGE, f"the last stage returned loss {loss}")

@@ -1,0 +1,183 @@
+"""The command-line surface of `swarm train` and `swarm plan`, frozen: every flag, every SWARM_*
+variable and every default they had before their configs were nested by section (issue #19) is
+still there. A flag that goes away, or a default that changes, must change this file too."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from process.config import env_variables, from_sources, options
+from swarm.cli import build_parser
+from swarm.planner.plan_config import PlanConfig
+from swarm.trainer.config import TrainerConfig
+
+NETWORK_FLAGS = {
+    "--allowed-peers",
+    "--announce-maddrs",
+    "--host-maddrs",
+    "--identity-path",
+    "--initial-peers",
+    "--startup-timeout-s",
+    "--use-auto-relay",
+    "--no-use-auto-relay",
+    "--use-relay",
+    "--no-use-relay",
+}
+NETWORK_DEFAULTS = {
+    "initial_peers": [],
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "announce_maddrs": [],
+    "identity_path": None,
+    "startup_timeout_s": 30.0,
+    "allowed_peers": [],
+    "use_relay": True,
+    "use_auto_relay": False,
+}
+
+# Read from `swarm train --help` and TrainerConfig before the nesting (flat, on NetworkConfig).
+TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
+    "--batch-size",
+    "--codec",
+    "--data",
+    "--discovery-timeout-s",
+    "--log-every",
+    "--max-in-flight",
+    "--max-retries",
+    "--metrics-host",
+    "--metrics-port",
+    "--microbatch-size",
+    "--model",
+    "--num-stages",
+    "--refresh-period-s",
+    "--report",
+    "--resume",
+    "--no-resume",
+    "--seed",
+    "--stage-wait-timeout-s",
+    "--steps",
+    "--topk-fraction",
+}
+TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
+    "model": "small",
+    "num_stages": None,
+    "steps": 100,
+    "batch_size": 32,
+    "microbatch_size": 4,
+    "max_in_flight": 8,
+    "data": None,
+    "seed": 0,
+    "report": None,
+    "resume": False,
+    "refresh_period_s": 3.0,
+    "max_retries": 8,
+    "stage_wait_timeout_s": 300.0,
+    "discovery_timeout_s": 120.0,
+    "codec": "none",
+    "topk_fraction": 0.1,
+    "log_every": 1,
+    "metrics_port": 0,
+    "metrics_host": "127.0.0.1",
+}
+
+# Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
+PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {
+    "--activation-wire-ratio",
+    "--c-dp-gb",
+    "--c-pp-gb",
+    "--from-dht",
+    "--macro-batch-samples",
+    "--max-link-age-s",
+    "--method",
+    "--model",
+    "--out",
+    "--patience-rounds",
+    "--placement",
+    "--plan-ttl-s",
+    "--profile",
+    "--publish",
+    "--save-topology",
+    "--seed",
+    "--split-boundaries",
+    "--stages",
+    "--time-limit-s",
+    "--topology",
+}
+PLAN_FLAGS_ADDED = {"--no-from-dht", "--no-publish"}  # booleans are BooleanOptionalAction, as in every command
+PLAN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
+    "topology": None,
+    "out": None,
+    "seed": 0,
+    "time_limit_s": 60.0,
+    "patience_rounds": 30,
+    "method": "search",
+    "placement": "best",
+    "profile": None,
+    "split_boundaries": None,
+    "macro_batch_samples": None,
+    "activation_wire_ratio": 1.0,
+    "from_dht": False,
+    "model": "small",
+    "stages": None,
+    "c_pp_gb": None,
+    "c_dp_gb": None,
+    "max_link_age_s": 600.0,
+    "publish": False,
+    "plan_ttl_s": 3600.0,
+    "save_topology": None,
+}
+# Before, only the network options of `swarm plan` had variables (issue #29); now every flag has one.
+PLAN_VARIABLES_BEFORE = {f"SWARM_{name.upper()}" for name in NETWORK_DEFAULTS}
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def flags(name: str) -> set[str]:
+    return {s for a in subcommand(name)._actions for s in a.option_strings} - {"-h", "--help"}
+
+
+def documented_variables(name: str) -> set[str]:
+    """The variables `swarm NAME --help` names, one `[env SWARM_...]` per flag."""
+    return set(re.findall(r"\[env (SWARM_\w+)\]", " ".join(subcommand(name).format_help().split())))
+
+
+def leaf_values(config) -> dict:
+    values = {}
+    for path, field, _ in options(type(config)):
+        holder = config
+        for part in path:
+            holder = getattr(holder, part)
+        values[field.name] = getattr(holder, field.name)
+    return values
+
+
+def variable_of(flag: str) -> str:
+    return "SWARM_" + flag.removeprefix("--").removeprefix("no-").replace("-", "_").upper()
+
+
+def test_swarm_train_keeps_every_flag_variable_and_default():
+    assert flags("train") == TRAIN_FLAGS_BEFORE
+    expected_variables = {variable_of(f) for f in TRAIN_FLAGS_BEFORE}
+    assert documented_variables("train") == env_variables(TrainerConfig) == expected_variables
+    args = build_parser().parse_args(["train"])
+    assert leaf_values(from_sources(TrainerConfig, args, env={})) == TRAIN_DEFAULTS_BEFORE
+
+
+def test_swarm_plan_keeps_every_flag_and_default_and_now_has_a_variable_per_flag():
+    assert flags("plan") == PLAN_FLAGS_BEFORE | PLAN_FLAGS_ADDED
+    expected_variables = {variable_of(f) for f in PLAN_FLAGS_BEFORE}
+    assert PLAN_VARIABLES_BEFORE < expected_variables
+    assert documented_variables("plan") == env_variables(PlanConfig) == expected_variables
+    args = build_parser().parse_args(["plan", "--topology", "t.json", "--out", "p.json"])
+    defaults = leaf_values(from_sources(PlanConfig, args, env={}))
+    assert {**defaults, "topology": None, "out": None} == PLAN_DEFAULTS_BEFORE  # (both required: given)
+    assert (str(defaults["topology"]), str(defaults["out"])) == ("t.json", "p.json")
+
+
+def test_a_plan_variable_sets_its_option_and_a_flag_wins_over_it():
+    env = {"SWARM_TIME_LIMIT_S": "5", "SWARM_TOPOLOGY": "t.json", "SWARM_OUT": "p.json", "SWARM_METHOD": "opfence"}
+    config = from_sources(PlanConfig, build_parser().parse_args(["plan", "--method", "search"]), env=env)
+    assert (config.search.time_limit_s, str(config.topology), config.search.method) == (5.0, "t.json", "search")
