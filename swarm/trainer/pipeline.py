@@ -17,14 +17,16 @@ import torch
 
 from dht.announce import fetch_stage_records_async
 from dht.records import PeerRecord, PeerState
-from swarm.trainer.client import FailureKind, PeerCallError, StageClient
+from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.data import Microbatch
 from swarm.trainer.failures import BanList, RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
-from wire.protocol import ResponseHeader, encode_tensor
+from wire.failures import Failure
+from wire.protocol import ResponseHeader
+from wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +213,7 @@ class SwarmPipeline:
                     except PeerCallError as e:
                         # A cache miss (or an older peer refusing a request without inputs) is no
                         # failure of the peer: ask it again, with the inputs this time.
-                        if not (skip_inputs and e.kind in (FailureKind.CACHE_MISS, FailureKind.REFUSED)):
+                        if not (skip_inputs and e.kind in (Failure.CACHE_MISS, Failure.REFUSED)):
                             raise
                         skip_inputs = False
                         self.counters.backward_inputs_resent += 1
@@ -258,7 +260,7 @@ class SwarmPipeline:
         self.counters.calls_retried += 1
         kind = error.kind.value
         self.counters.failures_by_kind[kind] = self.counters.failures_by_kind.get(kind, 0) + 1
-        if error.kind == FailureKind.WRONG_STAGE:
+        if error.kind == Failure.WRONG_STAGE:
             self._refreshed.clear()  # the peer moved: a refresh will drop it from this stage
         else:
             # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
@@ -299,11 +301,11 @@ class SwarmPipeline:
             tensor = outputs.get(name)
             if tensor is None or tuple(tensor.shape) != expected or tensor.dtype != torch.float32:
                 got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
-                raise PeerCallError(peer_id, FailureKind.GARBAGE, f"expected {name} {expected} float32, got {got}")
+                raise PeerCallError(peer_id, Failure.GARBAGE, f"expected {name} {expected} float32, got {got}")
             if not torch.isfinite(tensor).all():
-                raise PeerCallError(peer_id, FailureKind.GARBAGE, f"{name} contain NaN or inf")
+                raise PeerCallError(peer_id, Failure.GARBAGE, f"{name} contain NaN or inf")
         if is_last and (loss is None or not math.isfinite(loss)):
-            raise PeerCallError(peer_id, FailureKind.GARBAGE, f"the last stage returned loss {loss}")
+            raise PeerCallError(peer_id, Failure.GARBAGE, f"the last stage returned loss {loss}")
 
     # --- one microbatch through every stage ------------------------------------------------------
     async def run_microbatch(self, mb: Microbatch) -> float:

@@ -7,10 +7,12 @@ import asyncio
 
 import torch
 
-from swarm.trainer.client import CallResult, FailureKind, PeerCallError
+from swarm.trainer.client import CallResult, PeerCallError
 from swarm.trainer.pipeline import SwarmPipeline
 from swarm.trainer.routing import ReplicaInfo
-from wire.protocol import ResponseHeader, encode_tensor
+from wire.failures import Failure
+from wire.protocol import ResponseHeader
+from wire.tensors import encode_tensor
 
 B, T, D = 2, 8, 4
 
@@ -27,7 +29,7 @@ class ScriptedClient:
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
-            raise PeerCallError(peer_id, FailureKind.CACHE_MISS, "nothing cached")
+            raise PeerCallError(peer_id, Failure.CACHE_MISS, "nothing cached")
         grad = torch.ones(batch_size, T, D)
         encoded = encode_tensor(grad)
         return CallResult({"grad_inputs": grad}, {"grad_inputs": encoded}, ResponseHeader(compute_s=0.01), 100)
