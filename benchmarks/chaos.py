@@ -33,9 +33,10 @@ from dht.records import PeerState  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from peers.compute.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from swarm.trainer.client import FailureKind, PeerCallError, StageClient  # noqa: E402
+from swarm.trainer.client import PeerCallError, StageClient  # noqa: E402
 from wire.compression import CodecChoice  # noqa: E402
-from wire.protocol import encode_tensor  # noqa: E402
+from wire.failures import Failure  # noqa: E402
+from wire.tensors import encode_tensor  # noqa: E402
 
 
 def bad_requests(config):
@@ -92,7 +93,7 @@ class BadClient:
                     )
                     outcome = f"ACCEPTED {what}"  # a check that failed
                 except PeerCallError as e:
-                    outcome = "refused" if e.kind == FailureKind.REFUSED else f"{e.kind.value}"
+                    outcome = "refused" if e.kind == Failure.REFUSED else f"{e.kind.value}"
                     if outcome != "refused" and len(self.examples.setdefault(outcome, [])) < 3:
                         self.examples[outcome].append(f"{what}: {str(e)[:200]}")
                 self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

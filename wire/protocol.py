@@ -1,36 +1,56 @@
-"""The peer's wire contract, in one place: RPC names, typed request/response headers, and how
-tensors are packed into a stream of hivemind protobuf messages.
+"""The wire contract between a trainer and a peer, and between peers: the RPCs, their typed headers
+and the limits a receiver enforces. `wire.messages` turns these headers (and tensors) into
+hivemind protobuf messages and back.
 
-A call is a stream of `ExpertRequest` messages: the first carries the msgpack-encoded
-`RequestHeader` in `metadata`; tensor parts (each at most 1 MiB, encoded by the codec the header
-names, see `wire.compression`) follow, in the order the header lists the tensors. The answer is
-a stream of `ExpertResponse` messages built the same way around a `ResponseHeader`. A peer answers a request it refuses with `ResponseHeader.error` set,
-never by dropping the stream, so the trainer can tell a bad request from a dead peer.
+The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.ExpertRequest` or
+`ExpertResponse` whose `metadata` carries a msgpack-encoded header):
+
+    RPC_FORWARD, RPC_BACKWARD  stream -> stream  RequestHeader + tensors -> ResponseHeader + tensors
+    RPC_COMMIT                 unary  -> unary   CommitRequest -> CommitResponse
+    RPC_STATE                  unary  -> stream  StateRequest -> StateHeader + the state in chunks
+    RPC_PROBE                  stream -> stream  ProbeRequest + payload -> ProbeResponse + the payload
+
+A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
+`tensors` field of that message and the ones after it, in the order the header's `tensors` list
+them. Each tensor is described by the codec's `TensorHeader` (`wire.compression`: codec, shape,
+dtype, number of parts, decode parameters) under its name ("inputs", "targets", "grad_outputs",
+"outputs", "grad_inputs"); on the wire, `tensors` is a list of `{"name": ..., **TensorHeader}`.
+
+Everything a receiver reads comes from an untrusted peer. Decoding a header validates it against
+the limits below and the codec's (`MAX_NUMEL`, `MAX_NDIM`, `MAX_PARTS`, parameter limits); every
+malformed input raises `ProtocolError` and nothing else. Unknown header fields are ignored, so a
+newer peer may add some.
+
+A peer answers a request it refuses or fails with `ResponseHeader.error` and `error_kind` (a
+`wire.failures.Failure` from `ANSWERS`), never by dropping the stream, so the trainer can tell a
+bad request from a dead peer.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
-from enum import Enum
-from typing import Literal
+from collections.abc import Mapping
+from typing import Annotated, Literal, TypeVar
 
 import msgpack
-import torch
-from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError
 
-from wire import compression
-from wire.request_limits import check_request_bytes
+from wire.compression import TensorHeader
+from wire.failures import ANSWERS, Failure
 
 RPC_FORWARD = "swarm.forward"
 RPC_BACKWARD = "swarm.backward"
 RPC_COMMIT = "swarm.commit"  # sync averaging: the trainer finished a step; replicas average and step
 RPC_STATE = "swarm.state"  # a joining replica downloads this stage's parameters and optimizer state
-RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (headers in peers/placement/link_probe.py)
+RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (peers/placement/link_probe.py)
+
+MAX_HEADER_BYTES = 64 << 10  # one encoded header
+MAX_TENSORS = 4  # tensors in one request or response
+MAX_TENSOR_NAME_CHARS = 32
+MAX_STREAM_PARTS = 1 << 16  # tensor parts in one stream (a peer also caps a request's bytes: --max-request-mb)
 STATE_CHUNK_BYTES = 1 << 20
 MAX_STATE_BYTES = 1 << 34
-MAX_HEADER_BYTES = 64 << 10
-MAX_TENSORS = 4
+PROBE_CHUNK_BYTES = 1 << 20
+MAX_PROBE_BYTES = 8 << 20
 
 
 class ProtocolError(ValueError):
@@ -41,31 +61,66 @@ class StreamClosedError(ProtocolError):
     """The stream ended before any message: the other side closed it or the connection broke."""
 
 
-class ErrorKind(str, Enum):
-    BAD_REQUEST = "bad_request"  # the caller's fault: wrong shape/dtype/stage/codec; do not retry as is
-    WRONG_STAGE = "wrong_stage"  # the peer serves another stage now (it moved); refresh the route
-    INTERNAL = "internal"  # the peer failed; retry elsewhere
-    CACHE_MISS = "cache_miss"  # inputs_cached was set but this peer holds no current forward: resend with inputs
+# --- field types -----------------------------------------------------------------------------------
 
 
-class TensorMeta(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+def _tensor_headers(value: object) -> dict[str, TensorHeader]:
+    """A `tensors` field: name -> TensorHeader, in the order the parts follow. Accepts the wire form
+    (a list of `{"name": ..., **TensorHeader.to_dict()}`) or, in code, such a dict. Raises ValueError
+    (which the model reports as a validation error) on anything malformed."""
+    if isinstance(value, Mapping):
+        named = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        if len(value) > MAX_TENSORS:
+            raise ValueError(f"more than {MAX_TENSORS} tensors")
+        named = []
+        for entry in value:
+            if not isinstance(entry, dict):
+                raise ValueError(f"a tensor header must be a map, got {type(entry).__name__}")
+            named.append((entry.get("name"), TensorHeader.from_dict(entry)))
+    else:
+        raise ValueError(f"tensors must be a list of tensor headers, got {type(value).__name__}")
+    if len(named) > MAX_TENSORS:
+        raise ValueError(f"more than {MAX_TENSORS} tensors")
+    headers: dict[str, TensorHeader] = {}
+    for name, header in named:
+        if not isinstance(name, str) or len(name) > MAX_TENSOR_NAME_CHARS:
+            raise ValueError(f"a tensor name must be a string of at most {MAX_TENSOR_NAME_CHARS} characters")
+        if not isinstance(header, TensorHeader):
+            raise ValueError(f"tensor {name!r}: expected a TensorHeader, got {type(header).__name__}")
+        if name in headers:
+            raise ValueError(f"tensor {name!r} is sent twice")
+        headers[name] = header
+    return headers
 
-    name: str = Field(max_length=32)
-    codec: str = Field(max_length=32)
-    shape: tuple[int, ...] = Field(max_length=8)
-    dtype: str = Field(max_length=16)
-    num_parts: int = Field(ge=0, le=1 << 16)
-    params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
 
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+def _tensor_headers_on_the_wire(headers: dict[str, TensorHeader]) -> list[dict]:
+    return [{"name": name, **header.to_dict()} for name, header in headers.items()]
+
+
+TensorHeaders = Annotated[
+    dict[str, TensorHeader],
+    PlainValidator(_tensor_headers),
+    PlainSerializer(_tensor_headers_on_the_wire),
+]
+
+
+def _answer_kind(value: object) -> object:
+    """`error_kind` arrives as its string value; only the kinds a peer may answer are accepted."""
+    if value is None:
+        return None
+    kind = Failure(value)  # ValueError for an unknown kind
+    if kind not in ANSWERS:
+        raise ValueError(f"{kind.value!r} is not a kind a peer answers")
+    return kind
+
+
+# --- headers ---------------------------------------------------------------------------------------
 
 
 class RequestHeader(BaseModel):
+    """A forward or backward request to the peer serving `stage`."""
+
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     rpc: Literal["forward", "backward"]
@@ -74,7 +129,7 @@ class RequestHeader(BaseModel):
     num_stages: int = Field(ge=1)
     microbatch_id: str = Field(min_length=1, max_length=128)
     batch_size: int = Field(ge=1)
-    tensors: tuple[TensorMeta, ...] = Field(max_length=MAX_TENSORS)
+    tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_request
     response_codec: str = Field(default="none", max_length=32)  # how the peer should encode what it returns
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
     # backward only: no 'inputs' tensor is sent; use those this peer cached when it served the forward
@@ -82,14 +137,16 @@ class RequestHeader(BaseModel):
 
 
 class ResponseHeader(BaseModel):
+    """A peer's answer to a RequestHeader: the outputs and loss, or `error` with its `error_kind`."""
+
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
-    tensors: tuple[TensorMeta, ...] = Field(default=(), max_length=MAX_TENSORS)
+    tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_response
     loss: float | None = None
     compute_s: float = 0.0  # seconds the request ran on the peer's compute thread
     queue_s: float = 0.0  # seconds from its full arrival to the start of that compute (decode, wait)
     error: str | None = Field(default=None, max_length=4096)
-    error_kind: ErrorKind | None = None
+    error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
 
 
 class CommitRequest(BaseModel):
@@ -122,6 +179,8 @@ class StateRequest(BaseModel):
 
 
 class StateHeader(BaseModel):
+    """Precedes a stage's state: `total_bytes` of checkpoint bytes follow in chunks."""
+
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     total_bytes: int = Field(default=0, ge=0, le=MAX_STATE_BYTES)
@@ -129,137 +188,35 @@ class StateHeader(BaseModel):
     error: str | None = Field(default=None, max_length=4096)
 
 
+class ProbeRequest(BaseModel):
+    """Precedes `payload_bytes` of payload the peer echoes back."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    payload_bytes: int = Field(ge=0, le=MAX_PROBE_BYTES)
+
+
+class ProbeResponse(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    payload_bytes: int = Field(default=0, ge=0, le=MAX_PROBE_BYTES)
+    error: str | None = Field(default=None, max_length=1024)
+
+
+# --- header bytes ----------------------------------------------------------------------------------
+
+Header = TypeVar("Header", bound=BaseModel)
+
+
 def encode_header(header: BaseModel) -> bytes:
     return msgpack.packb(header.model_dump(mode="json"), use_bin_type=True)
 
 
-def decode_header(cls: type[BaseModel], data: bytes) -> BaseModel:
+def decode_header(cls: type[Header], data: bytes) -> Header:
+    """Parse and validate a header received from a peer; ProtocolError on anything malformed."""
     if len(data) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES)
-        if isinstance(raw, dict) and "tensors" in raw and isinstance(raw["tensors"], list):
-            raw["tensors"] = tuple(
-                {**t, "shape": tuple(t["shape"])} if isinstance(t, dict) and isinstance(t.get("shape"), list) else t
-                for t in raw["tensors"]
-            )
-        if isinstance(raw, dict) and raw.get("error_kind") is not None:
-            raw["error_kind"] = ErrorKind(raw["error_kind"])
-        return cls.model_validate(raw)
+        return cls.model_validate(msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES))
     except (ValidationError, ValueError, TypeError, msgpack.UnpackException) as e:
         raise ProtocolError(f"malformed {cls.__name__}: {e}") from None
-
-
-# --- tensors <-> parts ---------------------------------------------------------------------------
-
-
-def encode_tensor(
-    tensor: torch.Tensor,
-    codec: str = "none",
-    params: dict | None = None,
-    *,
-    feedback: compression.ErrorFeedback | None = None,
-    feedback_key=None,
-) -> compression.EncodedTensor:
-    """Encode one tensor (parts of at most 1 MiB). Integer tensors (token ids) always travel
-    losslessly. With `feedback`, what the codec drops is kept and added to the next tensor under
-    the same key (error feedback, for top-k gradients)."""
-    try:
-        codec_impl = compression.get_codec(codec, **(params or {}))
-        if feedback is not None and tensor.is_floating_point():
-            return feedback.compress(feedback_key, tensor.detach(), codec_impl)
-        return codec_impl.encode(tensor.detach())
-    except compression.CodecError as e:
-        raise ProtocolError(str(e)) from None
-
-
-def to_wire(
-    named: Iterable[tuple[str, compression.EncodedTensor]],
-) -> tuple[tuple[TensorMeta, ...], list[runtime_pb2.Tensor]]:
-    metas, parts = [], []
-    for name, encoded in named:
-        h = encoded.header
-        metas.append(
-            TensorMeta(name=name, codec=h.codec, shape=h.shape, dtype=h.dtype, num_parts=h.num_parts, params=h.params)
-        )
-        parts.extend(encoded.parts)
-    return tuple(metas), parts
-
-
-def from_wire(metas: tuple[TensorMeta, ...], parts: list[runtime_pb2.Tensor]) -> dict[str, compression.EncodedTensor]:
-    """Regroup parts by tensor and validate each header; nothing is decoded yet."""
-    expected = sum(m.num_parts for m in metas)
-    if len(parts) != expected:
-        raise ProtocolError(f"expected {expected} tensor parts in total, got {len(parts)}")
-    result, offset = {}, 0
-    for meta in metas:
-        if meta.name in result:
-            raise ProtocolError(f"tensor {meta.name!r} is sent twice")
-        try:
-            header = compression.TensorHeader(
-                codec=meta.codec, shape=meta.shape, dtype=meta.dtype, num_parts=meta.num_parts, params=dict(meta.params)
-            )
-            if meta.codec not in compression.known_codecs():
-                raise compression.UnknownCodecError(meta.codec, compression.known_codecs())
-            result[meta.name] = compression.EncodedTensor(header, tuple(parts[offset : offset + meta.num_parts]))
-        except compression.CodecError as e:
-            raise ProtocolError(f"tensor {meta.name!r}: {e}") from None
-        offset += meta.num_parts
-    return result
-
-
-def decode_tensors(encoded: dict[str, compression.EncodedTensor]) -> dict[str, torch.Tensor]:
-    decoded = {}
-    for name, item in encoded.items():
-        try:
-            decoded[name] = compression.decode(item)
-        except compression.CodecError as e:
-            raise ProtocolError(f"tensor {name!r}: {e}") from None
-    return decoded
-
-
-def pack_named(
-    tensors: Iterable[tuple[str, torch.Tensor]], codec: str = "none", params: dict | None = None
-) -> tuple[tuple[TensorMeta, ...], list[runtime_pb2.Tensor]]:
-    return to_wire((name, encode_tensor(tensor, codec, params)) for name, tensor in tensors)
-
-
-def unpack_named(metas: tuple[TensorMeta, ...], parts: list[runtime_pb2.Tensor]) -> dict[str, torch.Tensor]:
-    return decode_tensors(from_wire(metas, parts))
-
-
-# --- messages ------------------------------------------------------------------------------------
-
-
-def request_messages(header: RequestHeader, parts: list[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertRequest]:
-    yield runtime_pb2.ExpertRequest(uid=header.rpc, metadata=encode_header(header), tensors=parts[:1])
-    for part in parts[1:]:
-        yield runtime_pb2.ExpertRequest(tensors=[part])
-
-
-def response_messages(header: ResponseHeader, parts: list[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertResponse]:
-    yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=parts[:1])
-    for part in parts[1:]:
-        yield runtime_pb2.ExpertResponse(tensors=[part])
-
-
-async def read_stream(
-    messages: AsyncIterator, header_cls: type[BaseModel], *, max_parts: int = 1 << 16, max_bytes: int | None = None
-):
-    """Collect a header and its tensor parts from a stream of request or response messages; with
-    `max_bytes`, stop reading (RequestTooLargeError) once the parts carry more than that."""
-    header, parts, received = None, [], 0
-    async for message in messages:
-        if max_bytes is not None:
-            received += sum(len(part.buffer) for part in message.tensors)
-            check_request_bytes(received, max_bytes)
-        if header is None:
-            if not message.metadata:
-                raise ProtocolError("the first message carries no header")
-            header = decode_header(header_cls, message.metadata)
-        parts.extend(message.tensors)
-        if len(parts) > max_parts:
-            raise ProtocolError(f"more than {max_parts} tensor parts")
-    if header is None:
-        raise StreamClosedError("empty stream: closed before any message")
-    return header, parts

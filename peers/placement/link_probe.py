@@ -1,7 +1,8 @@
 """Measuring links to other peers and publishing them for the live planner (`swarm plan --from-dht`).
 
 The probe RPC (`RPC_PROBE`) echoes a payload: the caller streams a `ProbeRequest` header and
-`payload_bytes` of data in 1 MiB parts; the peer answers with a `ProbeResponse` and the same parts.
+`payload_bytes` of data in 1 MiB parts; the peer answers with a `ProbeResponse` and the same parts
+(both headers in `wire.protocol`).
 Round-trip time is the fastest of a few tiny echoes (after one uncounted echo, which may
 include dialing the peer); bandwidth comes from a larger echo whose size
 grows until it takes a noticeable time (`bulk_target_s`) or reaches `bulk_max_bytes`:
@@ -28,7 +29,6 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ConfigDict, Field
 
 from dht.announce import fetch_stage_records_async
 from dht.link_records import (
@@ -39,27 +39,13 @@ from dht.link_records import (
     publish_links_async,
 )
 from dht.records import PeerState
-from wire.protocol import RPC_PROBE, ProtocolError, encode_header, read_stream
+from wire.messages import read_request, read_response, request_messages, response_messages
+from wire.protocol import MAX_PROBE_BYTES, PROBE_CHUNK_BYTES, RPC_PROBE, ProbeRequest, ProbeResponse, ProtocolError
 
 logger = logging.getLogger(__name__)
 
-PROBE_CHUNK_BYTES = 1 << 20
-MAX_PROBE_BYTES = 8 << 20
 MAX_CONCURRENT_PROBES = 4  # echoes served at once: bounds the memory probes can take on a peer
 MIN_TRANSFER_FRACTION = 0.05  # a bulk echo is never credited with less than 5% of its time for the transfer
-
-
-class ProbeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
-
-    payload_bytes: int = Field(ge=0, le=MAX_PROBE_BYTES)
-
-
-class ProbeResponse(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
-
-    payload_bytes: int = Field(default=0, ge=0, le=MAX_PROBE_BYTES)
-    error: str | None = Field(default=None, max_length=1024)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,25 +108,21 @@ async def rpc_probe(
 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
     """Echo the payload back; a malformed request gets a `ProbeResponse.error`, not a dropped stream."""
     try:
-        header, parts = await read_stream(requests, ProbeRequest, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
+        request = await read_request(requests, ProbeRequest, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
+        header, parts = request.header, request.parts
         received = sum(len(part.buffer) for part in parts)
         if received != header.payload_bytes:
             raise ProtocolError(f"the header announced {header.payload_bytes} bytes, {received} came")
         response = ProbeResponse(payload_bytes=received)
     except ProtocolError as e:
         response, parts = ProbeResponse(error=str(e)), []
-    yield runtime_pb2.ExpertResponse(metadata=encode_header(response), tensors=parts[:1])
-    for part in parts[1:]:
-        yield runtime_pb2.ExpertResponse(tensors=[part])
+    for message in response_messages(response, parts):
+        yield message
 
 
 async def _request_messages(payload_bytes: int) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-    parts = _payload_parts(payload_bytes)
-    yield runtime_pb2.ExpertRequest(
-        uid="probe", metadata=encode_header(ProbeRequest(payload_bytes=payload_bytes)), tensors=parts[:1]
-    )
-    for part in parts[1:]:
-        yield runtime_pb2.ExpertRequest(tensors=[part])
+    for message in request_messages(ProbeRequest(payload_bytes=payload_bytes), _payload_parts(payload_bytes)):
+        yield message
 
 
 async def echo(p2p: P2P, peer_id: str, payload_bytes: int) -> float:
@@ -149,7 +131,8 @@ async def echo(p2p: P2P, peer_id: str, payload_bytes: int) -> float:
     stream = await p2p.iterate_protobuf_handler(
         PeerID.from_base58(peer_id), RPC_PROBE, _request_messages(payload_bytes), runtime_pb2.ExpertResponse
     )
-    header, parts = await read_stream(stream, ProbeResponse, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
+    answer = await read_response(stream, ProbeResponse, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
+    header, parts = answer.header, answer.parts
     elapsed = time.perf_counter() - started
     if header.error:
         raise ProtocolError(f"peer {peer_id[-8:]} refused the probe: {header.error}")

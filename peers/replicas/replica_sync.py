@@ -19,16 +19,9 @@ from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
-from peers.replicas.state_transfer import download_state, state_messages
-from wire.protocol import (
-    CommitRequest,
-    CommitResponse,
-    ProtocolError,
-    StateHeader,
-    StateRequest,
-    decode_header,
-    encode_header,
-)
+from peers.replicas.state_transfer import download_state
+from wire.messages import read_unary, unary_response, write_state
+from wire.protocol import CommitRequest, CommitResponse, ProtocolError, StateHeader, StateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +30,7 @@ class ReplicaSyncHandlers:
     async def rpc_commit(self, request: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
         """Sync averaging: the trainer finished a step; average gradients with the other replicas and step."""
         try:
-            commit = decode_header(CommitRequest, request.metadata)
+            commit = read_unary(request, CommitRequest)
             if (commit.model, commit.stage, commit.num_stages) != (
                 self.config.model,
                 self.runtime.stage,
@@ -74,7 +67,7 @@ class ReplicaSyncHandlers:
             )
         except ProtocolError as e:
             response = CommitResponse(error=str(e))
-        return runtime_pb2.ExpertResponse(metadata=encode_header(response))
+        return unary_response(response)
 
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
         """Stream this stage's parameters and optimizer state to a joining replica."""
@@ -82,7 +75,7 @@ class ReplicaSyncHandlers:
             caller = context.remote_id.to_base58() if getattr(context, "remote_id", None) else "unknown"
             if self.config.allowed_peers and caller not in self.config.allowed_peers:
                 raise ProtocolError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
-            wanted = decode_header(StateRequest, request.metadata)
+            wanted = read_unary(request, StateRequest)
             if (wanted.model, wanted.stage, wanted.num_stages) != (
                 self.config.model,
                 self.runtime.stage,
@@ -97,7 +90,7 @@ class ReplicaSyncHandlers:
             header = StateHeader(total_bytes=len(data), steps_done=self.runtime.steps_done)
         except ProtocolError as e:
             header, data = StateHeader(error=str(e)), b""
-        for message in state_messages(header, data):
+        for message in write_state(header, data):
             yield message
 
     async def _load_state_from_replica(self, p2p, runtime=None) -> bool:

@@ -15,19 +15,11 @@ import torch
 from dht.records import PeerState
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError
 from wire import compression
-from wire.protocol import (
-    ErrorKind,
-    ProtocolError,
-    RequestHeader,
-    ResponseHeader,
-    decode_tensors,
-    encode_tensor,
-    from_wire,
-    read_stream,
-    response_messages,
-    to_wire,
-)
+from wire.failures import Failure
+from wire.messages import read_request, write_response
+from wire.protocol import ProtocolError, RequestHeader, ResponseHeader
 from wire.request_limits import RequestTooLargeError
+from wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +66,23 @@ class StageRpcHandlers:
         try:
             max_bytes = int(self.config.max_request_mb * (1 << 20))
             if self.config.allowed_peers and caller not in self.config.allowed_peers:
-                failure_kind = "not_allowed"
+                failure_kind = Failure.NOT_ALLOWED
                 await _drain(requests, max_bytes)  # answering before the caller finished sending resets the stream
                 raise NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
             if not self.penalties.allows(caller):  # refused before anything is decoded
-                failure_kind = "rate_limited"
+                failure_kind = Failure.RATE_LIMITED
                 await _drain(requests, max_bytes)
                 raise RateLimitedError(
                     f"too many bad requests from {caller[-8:]}; refused for the next "
                     f"{self.penalties.seconds_until_allowed(caller):.0f} s"
                 )
             try:
-                header, parts = await read_stream(requests, RequestHeader, max_bytes=max_bytes)
+                request = await read_request(requests, RequestHeader, max_bytes=max_bytes)
             except RequestTooLargeError:
                 await _drain(requests, max_bytes)  # let the caller finish sending: it gets our answer, not a reset
                 raise
             arrived = time.perf_counter()  # the whole request is here: from now on, time is the peer's own
+            header = request.header
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
             self._check_route(header)
@@ -98,10 +91,7 @@ class StageRpcHandlers:
                     f"unknown response codec {header.response_codec!r}; this peer knows "
                     f"{', '.join(compression.known_codecs())}"
                 )
-            encoded = from_wire(header.tensors, parts)
-            for item in encoded.values():
-                self.bytes.record_received(item)
-            tensors = decode_tensors(encoded)
+            tensors = request.decoded(self.bytes)
             async with self._semaphore:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
@@ -110,10 +100,7 @@ class StageRpcHandlers:
                 )
             queue_s, samples = compute_started - arrived, header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
-            for _, item in encoded_outputs:
-                self.bytes.record_sent(item)
-            metas, out_parts = to_wire(encoded_outputs)
-            response = ResponseHeader(tensors=metas, loss=loss, compute_s=compute_s, queue_s=queue_s)
+            response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
             self.requests_served += 1
             if self.requests_served == 1 and self.announced_online_at is not None:
                 print(
@@ -122,33 +109,34 @@ class StageRpcHandlers:
                     flush=True,
                 )
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
-            kind = ErrorKind.CACHE_MISS
+            kind = Failure.CACHE_MISS
             logger.debug(f"{rpc}: {e}")
-            response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
+            response, encoded_outputs = ResponseHeader(error=str(e), error_kind=kind), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             self.requests_failed += 1
-            kind = ErrorKind.WRONG_STAGE if isinstance(e, WrongStageError) else ErrorKind.BAD_REQUEST
+            kind = Failure.WRONG_STAGE if isinstance(e, WrongStageError) else Failure.BAD_REQUEST
             if not isinstance(e, (WrongStageError, RateLimitedError, NotAllowedError)):  # a stale route is no offence
                 self.penalties.penalize(caller)
-            failure_kind = failure_kind or ("too_large" if isinstance(e, RequestTooLargeError) else kind)
+            failure_kind = failure_kind or (Failure.TOO_LARGE if isinstance(e, RequestTooLargeError) else kind)
             if not isinstance(e, (RateLimitedError, NotAllowedError)):
                 logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
-            response, out_parts = ResponseHeader(error=str(e), error_kind=kind), []
+            response, encoded_outputs = ResponseHeader(error=str(e), error_kind=kind), []
         except (MemoryError, torch.OutOfMemoryError):  # this request was too big for us now; keep serving
             self.requests_failed += 1
-            failure_kind = ErrorKind.INTERNAL
+            failure_kind = Failure.INTERNAL
             logger.error(f"Out of memory serving a {rpc} request from {caller[-8:]}; refused it and kept serving")
-            response, out_parts = (
-                ResponseHeader(
-                    error="the peer ran out of memory computing this request", error_kind=ErrorKind.INTERNAL
-                ),
+            response, encoded_outputs = (
+                ResponseHeader(error="the peer ran out of memory computing this request", error_kind=Failure.INTERNAL),
                 [],
             )
         except Exception as e:  # a bug or resource failure here must not take the peer down
             self.requests_failed += 1
             logger.exception(f"{rpc} failed")
-            failure_kind = ErrorKind.INTERNAL
-            response, out_parts = ResponseHeader(error=f"{type(e).__name__}: {e}", error_kind=ErrorKind.INTERNAL), []
+            failure_kind = Failure.INTERNAL
+            response, encoded_outputs = (
+                ResponseHeader(error=f"{type(e).__name__}: {e}", error_kind=Failure.INTERNAL),
+                [],
+            )
         finally:
             self.in_flight -= 1
             self.metrics.observe_request(
@@ -160,7 +148,7 @@ class StageRpcHandlers:
                 compute_s=compute_s,
                 failure_kind=getattr(failure_kind, "value", failure_kind),
             )
-        for message in response_messages(response, out_parts):
+        for message in write_response(response, encoded_outputs, self.bytes):
             yield message
 
     def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:

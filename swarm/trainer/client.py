@@ -1,45 +1,35 @@
-"""Calling one peer: a typed stub over hivemind's P2P with a timeout on every call."""
+"""Calling one peer: a typed stub over hivemind's P2P with a timeout on every call.
+
+Each call builds its request with one `wire.messages` call and reads the answer with one; a failed
+call raises `PeerCallError` with a `wire.failures.Failure` saying why (timeout, transport, garbage,
+or the peer's own answer as `caller_failure` classifies it).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from wire.compression import ByteCounter, CodecChoice, EncodedTensor
+from wire.failures import Failure, caller_failure
+from wire.messages import Received, read_response, read_unary, unary_request, write_request
 from wire.protocol import (
     RPC_BACKWARD,
     RPC_COMMIT,
     RPC_FORWARD,
     CommitRequest,
     CommitResponse,
-    ErrorKind,
     ProtocolError,
     RequestHeader,
     ResponseHeader,
     StreamClosedError,
-    decode_header,
-    decode_tensors,
-    encode_header,
-    from_wire,
-    read_stream,
-    request_messages,
-    to_wire,
 )
-
-
-class FailureKind(str, Enum):
-    TIMEOUT = "timeout"
-    TRANSPORT = "transport"  # could not connect, stream broken, peer gone
-    REFUSED = "refused"  # the peer says the request is bad: a bug on our side, do not ban
-    WRONG_STAGE = "wrong_stage"  # the peer moved to another stage
-    INTERNAL = "internal"  # the peer failed while computing
-    GARBAGE = "garbage"  # the answer does not follow the contract or holds NaN/inf
-    CACHE_MISS = "cache_miss"  # a backward without inputs found no cached forward there: resend with inputs
+from wire.tensors import decode_tensors
 
 
 @dataclass(frozen=True)
@@ -51,7 +41,7 @@ class CallResult:
 
 
 class PeerCallError(RuntimeError):
-    def __init__(self, peer_id: str, kind: FailureKind, message: str):
+    def __init__(self, peer_id: str, kind: Failure, message: str):
         super().__init__(f"peer {peer_id[-8:]}: {kind.value}: {message}")
         self.peer_id, self.kind = peer_id, kind
 
@@ -100,47 +90,42 @@ class StageClient:
         inputs_cached: bool = False,
     ) -> CallResult:
         """One forward or backward call. `inputs_cached` (backward): no inputs are sent, the peer
-        reuses those of its forward, or fails with FailureKind.CACHE_MISS."""
-        metas, parts = to_wire(tensors)
-        header = RequestHeader(
-            rpc=rpc,
-            model=self.model,
-            stage=stage,
-            num_stages=self.num_stages,
-            microbatch_id=microbatch_id,
-            batch_size=batch_size,
-            tensors=metas,
-            response_codec=response_codec.codec,
-            response_codec_params=response_codec.params,
-            inputs_cached=inputs_cached,
+        reuses those of its forward, or fails with Failure.CACHE_MISS."""
+        request = write_request(
+            RequestHeader(
+                rpc=rpc,
+                model=self.model,
+                stage=stage,
+                num_stages=self.num_stages,
+                microbatch_id=microbatch_id,
+                batch_size=batch_size,
+                response_codec=response_codec.codec,
+                response_codec_params=response_codec.params,
+                inputs_cached=inputs_cached,
+            ),
+            tensors,
         )
         name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
         try:
-            response, out_parts = await asyncio.wait_for(
-                self._exchange(peer_id, name, header, parts), timeout=timeout_s
-            )
+            answer = await asyncio.wait_for(self._exchange(peer_id, name, request), timeout=timeout_s)
         except TimeoutError:
             raise PeerCallError(
-                peer_id, FailureKind.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s"
+                peer_id, Failure.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s"
             ) from None
         except StreamClosedError as e:  # the connection dropped: not an answer, so not garbage
-            raise PeerCallError(peer_id, FailureKind.TRANSPORT, str(e)) from None
+            raise PeerCallError(peer_id, Failure.TRANSPORT, str(e)) from None
         except ProtocolError as e:
-            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+            raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
         except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
-            raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
+            raise PeerCallError(peer_id, Failure.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        response = answer.header
         if response.error is not None:
-            kind = {
-                ErrorKind.BAD_REQUEST: FailureKind.REFUSED,
-                ErrorKind.WRONG_STAGE: FailureKind.WRONG_STAGE,
-                ErrorKind.CACHE_MISS: FailureKind.CACHE_MISS,
-            }.get(response.error_kind, FailureKind.INTERNAL)
-            raise PeerCallError(peer_id, kind, response.error)
+            raise PeerCallError(peer_id, caller_failure(response.error_kind), response.error)
         try:
-            encoded = from_wire(response.tensors, out_parts)
+            encoded = answer.encoded()
             outputs = decode_tensors(encoded)
         except ProtocolError as e:
-            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+            raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
         for _, item in tensors:
             self.bytes.record_sent(item)
         for item in encoded.values():
@@ -152,10 +137,11 @@ class StageClient:
         self, peer_id: str, *, stage: int, step_id: str, group_size: int, timeout_s: float
     ) -> CommitResponse:
         """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""
-        request = CommitRequest(
-            model=self.model, stage=stage, num_stages=self.num_stages, step_id=step_id, group_size=group_size
+        message = unary_request(
+            CommitRequest(
+                model=self.model, stage=stage, num_stages=self.num_stages, step_id=step_id, group_size=group_size
+            )
         )
-        message = runtime_pb2.ExpertRequest(uid="commit", metadata=encode_header(request))
         try:
             reply = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(
@@ -163,26 +149,23 @@ class StageClient:
                 ),
                 timeout=timeout_s,
             )
-            response = decode_header(CommitResponse, reply.metadata)
+            response = read_unary(reply, CommitResponse)
         except TimeoutError:
             raise PeerCallError(
-                peer_id, FailureKind.TIMEOUT, f"commit on stage {stage} took over {timeout_s:.0f} s"
+                peer_id, Failure.TIMEOUT, f"commit on stage {stage} took over {timeout_s:.0f} s"
             ) from None
         except ProtocolError as e:
-            raise PeerCallError(peer_id, FailureKind.GARBAGE, str(e)) from None
+            raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
         except Exception as e:
-            raise PeerCallError(peer_id, FailureKind.TRANSPORT, f"{type(e).__name__}: {e}") from None
+            raise PeerCallError(peer_id, Failure.TRANSPORT, f"{type(e).__name__}: {e}") from None
         if response.error:
-            raise PeerCallError(peer_id, FailureKind.REFUSED, response.error)
+            raise PeerCallError(peer_id, Failure.REFUSED, response.error)
         return response
 
-    async def _exchange(self, peer_id: str, name: str, header: RequestHeader, parts: list[runtime_pb2.Tensor]):
+    async def _exchange(
+        self, peer_id: str, name: str, request: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> Received[ResponseHeader]:
         stream = await self.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer_id), name, _aiter(request_messages(header, parts)), runtime_pb2.ExpertResponse
+            PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse
         )
-        return await read_stream(stream, ResponseHeader)
-
-
-async def _aiter(items):
-    for item in items:
-        yield item
+        return await read_response(stream, ResponseHeader)

@@ -1,7 +1,7 @@
 """The trainer's Prometheus metrics, all defined here, named `swarm_trainer_<what>_<unit>`.
 
-Labels only take bounded values: a stage index, an rpc name, a failure kind (`swarm.trainer.client.
-FailureKind`), a codec name. Never a peer id. Updates come from the event loop (pipeline, training
+Labels only take bounded values: a stage index, an rpc name, a failure kind (`wire.failures.Failure`),
+a codec name. Never a peer id. Updates come from the event loop (pipeline, training
 loop); nothing here reads the pipeline's own structures from the HTTP thread.
 """
 

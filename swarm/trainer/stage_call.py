@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.trainer.client import FailureKind, PeerCallError, StageClient
+from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.failures import RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
 from swarm.trainer.metrics import TrainerMetrics
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
-from wire.protocol import ResponseHeader, encode_tensor
+from wire.failures import Failure
+from wire.protocol import ResponseHeader
+from wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +172,7 @@ class StageCaller:
                     except PeerCallError as e:
                         # A cache miss (or an older peer refusing a request without inputs) is no
                         # failure of the peer: ask it again, with the inputs this time.
-                        if not (skip_inputs and e.kind in (FailureKind.CACHE_MISS, FailureKind.REFUSED)):
+                        if not (skip_inputs and e.kind in (Failure.CACHE_MISS, Failure.REFUSED)):
                             raise
                         skip_inputs = False
                         self.counters.backward_inputs_resent += 1
@@ -236,7 +238,7 @@ class StageCaller:
         self.counters.calls_retried += 1
         kind = error.kind.value
         self.counters.failures_by_kind[kind] = self.counters.failures_by_kind.get(kind, 0) + 1
-        if error.kind != FailureKind.WRONG_STAGE:  # a peer that moved is not banned: a refresh drops it
+        if error.kind != Failure.WRONG_STAGE:  # a peer that moved is not banned: a refresh drops it
             # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
             self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
             self.metrics.bans.labels(stage=str(stage)).inc()
@@ -283,8 +285,8 @@ def check_answer(
         tensor = outputs.get(name)
         if tensor is None or tuple(tensor.shape) != expected_shape or tensor.dtype != torch.float32:
             got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
-            raise PeerCallError(peer_id, FailureKind.GARBAGE, f"expected {name} {expected_shape} float32, got {got}")
+            raise PeerCallError(peer_id, Failure.GARBAGE, f"expected {name} {expected_shape} float32, got {got}")
         if not torch.isfinite(tensor).all():
-            raise PeerCallError(peer_id, FailureKind.GARBAGE, f"{name} contain NaN or inf")
+            raise PeerCallError(peer_id, Failure.GARBAGE, f"{name} contain NaN or inf")
     if is_last and (loss is None or not math.isfinite(loss)):
-        raise PeerCallError(peer_id, FailureKind.GARBAGE, f"the last stage returned loss {loss}")
+        raise PeerCallError(peer_id, Failure.GARBAGE, f"the last stage returned loss {loss}")

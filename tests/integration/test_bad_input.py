@@ -14,9 +14,10 @@ import torch
 
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
-from swarm.trainer.client import FailureKind, PeerCallError, StageClient
+from swarm.trainer.client import PeerCallError, StageClient
 from wire.compression import CodecChoice
-from wire.protocol import encode_tensor
+from wire.failures import Failure
+from wire.tensors import encode_tensor
 
 DEAD_BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
 
@@ -99,7 +100,7 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
         for inputs, message in bad_inputs:
             with pytest.raises(PeerCallError) as refused:
                 await backward(inputs)
-            assert refused.value.kind == FailureKind.REFUSED
+            assert refused.value.kind == Failure.REFUSED
             assert message in str(refused.value)
         with pytest.raises(PeerCallError) as wrong_stage:
             await client.call(
@@ -111,7 +112,7 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
                 tensors=[("inputs", encode_tensor(targets))],
                 timeout_s=60,
             )
-        assert wrong_stage.value.kind == FailureKind.WRONG_STAGE
+        assert wrong_stage.value.kind == Failure.WRONG_STAGE
         with pytest.raises(PeerCallError, match="unknown response codec 'zstd'"):
             await client.call(
                 peer_id,
@@ -185,7 +186,7 @@ def test_peer_refuses_oversized_requests_and_rate_limits_a_caller_that_keeps_sen
                 await backward(torch.full((2, config.seq_len, config.d_model), float("nan")))
         with pytest.raises(PeerCallError, match="too many bad requests") as limited:  # ...so even a good one waits
             await backward(torch.randn(2, config.seq_len, config.d_model))
-        assert limited.value.kind == FailureKind.REFUSED
+        assert limited.value.kind == Failure.REFUSED
 
     try:
         asyncio.run(scenario())

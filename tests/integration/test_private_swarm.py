@@ -12,8 +12,9 @@ from dht.announce import fetch_stage_records
 from dht.node import NetworkConfig, start_dht
 from dht.signing import load_identity, new_identity_file
 from models.config import get_model_config
-from swarm.trainer.client import FailureKind, PeerCallError, StageClient
-from wire.protocol import encode_tensor
+from swarm.trainer.client import PeerCallError, StageClient
+from wire.failures import Failure
+from wire.tensors import encode_tensor
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def test_a_private_peer_serves_only_allowed_peers(make_swarm, tmp_path):
         assert response.loss > 0
         with pytest.raises(PeerCallError, match="private swarm") as refused:
             asyncio.run(backward(stranger))
-        assert refused.value.kind == FailureKind.REFUSED
+        assert refused.value.kind == Failure.REFUSED
         assert stranger.peer_id.to_base58() in str(refused.value)
     finally:
         allowed.shutdown()

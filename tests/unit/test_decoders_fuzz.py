@@ -19,28 +19,38 @@ from dht.keys import parse_peer_subkey
 from dht.records import PeerRecord, PeerState, SplitRecord, parse_records, parse_split_records
 from dht.signing import owned_entries
 from peers.compute.checkpoint import MAGIC, CheckpointError, CheckpointMeta, deserialize_state, serialize_state
+from wire.compression import TensorHeader
+from wire.compression.base import MAX_NDIM
 from wire.protocol import (
     CommitRequest,
     CommitResponse,
+    ProbeRequest,
+    ProbeResponse,
     ProtocolError,
     RequestHeader,
     ResponseHeader,
     StateHeader,
     StateRequest,
-    TensorMeta,
     decode_header,
-    decode_tensors,
     encode_header,
-    from_wire,
-    pack_named,
 )
+from wire.tensors import decode_tensors, encode_tensor, group_parts
 
 FUZZ = settings(
     max_examples=int(os.environ.get("SWARM_FUZZ_EXAMPLES", "150")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-HEADERS = [RequestHeader, ResponseHeader, CommitRequest, CommitResponse, StateRequest, StateHeader]
+HEADERS = [
+    RequestHeader,
+    ResponseHeader,
+    CommitRequest,
+    CommitResponse,
+    StateRequest,
+    StateHeader,
+    ProbeRequest,
+    ProbeResponse,
+]
 
 scalars = st.one_of(
     st.none(),
@@ -58,7 +68,7 @@ json_like = st.recursive(
 
 
 def valid_request() -> RequestHeader:
-    metas, _ = pack_named([("inputs", torch.randn(2, 4, 8)), ("targets", torch.randint(0, 9, (2, 4)))])
+    tensors = {"inputs": torch.randn(2, 4, 8), "targets": torch.randint(0, 9, (2, 4))}
     return RequestHeader(
         rpc="backward",
         model="tiny",
@@ -66,7 +76,7 @@ def valid_request() -> RequestHeader:
         num_stages=2,
         microbatch_id="r:0:1",
         batch_size=2,
-        tensors=metas,
+        tensors={name: encode_tensor(tensor).header for name, tensor in tensors.items()},
         response_codec="int8",
     )
 
@@ -134,7 +144,7 @@ def test_request_headers_with_wrong_field_types_give_a_protocol_error(fields):
         pass
 
 
-# --- tensors: metas + parts ------------------------------------------------------------------------
+# --- tensors: headers + parts ----------------------------------------------------------------------
 
 metas = st.builds(
     lambda name, codec, shape, dtype, num_parts, params: dict(
@@ -170,35 +180,38 @@ def test_random_tensor_metas_and_parts_give_a_protocol_error_or_tensors_of_the_s
             RequestHeader,
             msgpack.packb({**valid_request().model_dump(mode="json"), "tensors": raw_metas}, use_bin_type=True),
         )
-        decoded = decode_tensors(from_wire(header.tensors, raw_parts))
+        decoded = decode_tensors(group_parts(header.tensors, raw_parts))
     except ProtocolError:
         return
-    for meta in header.tensors:
-        assert tuple(decoded[meta.name].shape) == meta.shape
+    for name, tensor_header in header.tensors.items():
+        assert tuple(decoded[name].shape) == tensor_header.shape
 
 
 @FUZZ
 @given(cut=st.integers(0, 200), data=st.data())
 def test_truncated_tensor_parts_give_a_protocol_error(cut, data):
-    metas_, wire_parts = pack_named(
-        [("inputs", torch.randn(3, 5)), ("targets", torch.randint(0, 9, (3,)))],
-        codec=data.draw(st.sampled_from(["none", "fp16", "int8", "topk"])),
-        params=None,
-    )
+    codec = data.draw(st.sampled_from(["none", "fp16", "int8", "topk"]))
+    encoded = {"inputs": encode_tensor(torch.randn(3, 5), codec), "targets": encode_tensor(torch.randint(0, 9, (3,)))}
+    headers = {name: item.header for name, item in encoded.items()}
+    wire_parts = [part for item in encoded.values() for part in item.parts]
     index = data.draw(st.integers(0, len(wire_parts) - 1))
     damaged = list(wire_parts)
     damaged[index] = runtime_pb2.Tensor(
         buffer=damaged[index].buffer[:cut], dtype=damaged[index].dtype, size=damaged[index].size
     )
     try:
-        decode_tensors(from_wire(metas_, damaged))
+        decode_tensors(group_parts(headers, damaged))
     except ProtocolError:
         pass
 
 
-def test_a_tensor_meta_is_strict():
+def test_a_tensor_header_is_strict_in_code_and_on_the_wire():
     with pytest.raises(ValueError):
-        TensorMeta(name="x", codec="none", shape=(1,) * 9, dtype="float32", num_parts=1)
+        TensorHeader(codec="none", shape=(1,) * (MAX_NDIM + 1), dtype="float32", num_parts=1)
+    too_deep = {"name": "x", "codec": "none", "shape": [1] * (MAX_NDIM + 1), "dtype": "float32", "num_parts": 1}
+    raw = {**valid_request().model_dump(mode="json"), "tensors": [{**too_deep, "params": {}}]}
+    with pytest.raises(ProtocolError, match="MAX|at most"):
+        decode_header(RequestHeader, msgpack.packb(raw, use_bin_type=True))
 
 
 # --- DHT records -----------------------------------------------------------------------------------

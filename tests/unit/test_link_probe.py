@@ -11,17 +11,8 @@ from hivemind.proto import runtime_pb2
 
 from dht.link_records import LinkMeasurement
 from peers.placement import link_probe
-from peers.placement.link_probe import (
-    PROBE_CHUNK_BYTES,
-    LinkProber,
-    ProbeRequest,
-    ProbeResponse,
-    ProbeSettings,
-    choose_probe_targets,
-    measure_link,
-    rpc_probe,
-)
-from wire.protocol import decode_header, encode_header
+from peers.placement.link_probe import LinkProber, ProbeSettings, choose_probe_targets, measure_link, rpc_probe
+from wire.protocol import PROBE_CHUNK_BYTES, ProbeRequest, ProbeResponse, decode_header, encode_header
 
 
 async def _collect(stream) -> list:

@@ -7,14 +7,16 @@ import asyncio
 
 import torch
 
-from swarm.trainer.client import CallResult, FailureKind, PeerCallError
+from swarm.trainer.client import CallResult, PeerCallError
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.routing import ReplicaInfo
 from swarm.trainer.schedule import StepSchedule
 from swarm.trainer.stage_call import Payload, StageCaller
-from wire.protocol import ResponseHeader, encode_tensor
+from wire.failures import Failure
+from wire.protocol import ResponseHeader
+from wire.tensors import encode_tensor
 
 B, T, D = 2, 8, 4
 
@@ -31,7 +33,7 @@ class ScriptedClient:
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
-            raise PeerCallError(peer_id, FailureKind.CACHE_MISS, "nothing cached")
+            raise PeerCallError(peer_id, Failure.CACHE_MISS, "nothing cached")
         grad = torch.ones(batch_size, T, D)
         encoded = encode_tensor(grad)
         return CallResult({"grad_inputs": grad}, {"grad_inputs": encoded}, ResponseHeader(compute_s=0.01), 100)
@@ -102,7 +104,7 @@ class ScriptedStages:
         self.calls.append({"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached:
             self.returned.append({})
-            raise PeerCallError(peer_id, FailureKind.CACHE_MISS, "nothing cached")
+            raise PeerCallError(peer_id, Failure.CACHE_MISS, "nothing cached")
         name = "outputs" if rpc == "forward" else "grad_inputs"
         outputs = {} if rpc == "backward" and stage == 0 else {name: torch.randn(batch_size, T, D)}
         loss = 2.5 if stage == self.num_stages - 1 else None

@@ -5,7 +5,9 @@ dtype, number of parts, per-tensor decode parameters) plus a tuple of hivemind
 ``runtime_pb2.Tensor`` messages, the *parts*, which the transport streams one by one. Every part
 is bounded in size (see ``DEFAULT_MAX_PART_BYTES``) and is itself a valid hivemind tensor
 (``NONE`` or ``BLOCKWISE_8BIT`` compression), so ``hivemind.compression.deserialize_torch_tensor``
-can read any single part; the header says how the parts map back to the original tensor.
+can read any single part; the header says how the parts map back to the original tensor. It is
+the one tensor header on the wire: request and response headers list one per tensor, under its
+name (`wire.protocol`).
 
 Headers and parts arrive from untrusted peers: everything that reads them raises
 :class:`CodecError` (a ``ValueError``) on malformed input and nothing else.

@@ -1,0 +1,220 @@
+"""Headers and tensors as hivemind protobuf messages and back: one call per direction on each side.
+
+    the caller (the trainer)                          the peer (a handler)
+    write_request(header, tensors)             -->    request = await read_request(messages, RequestHeader,
+                                                                                   max_bytes=...)
+                                                      checks on request.header; request.decoded(byte_counter)
+    answer = await read_response(stream, ...)  <--    write_response(ResponseHeader(...), outputs, byte_counter)
+    answer.header.error, else answer.encoded()
+
+Reading stops at the header and the raw parts (`Received`): regrouping the parts per tensor and
+decoding them are the receiver's next step, so a handler refuses a request on its header before
+paying for either, and a caller reads an answer's error before its tensors. Both steps raise
+`ProtocolError` on malformed input; a `ByteCounter` passed to them counts the tensors as they pass.
+
+Unary RPCs (commit, the state request) carry a header alone: `unary_request`, `unary_response`,
+`read_unary`. A stage's state streams as its header alone, then the checkpoint bytes in chunks:
+`write_state`, `read_state`. `request_messages`/`response_messages` frame a header and raw parts
+(the link probe's payload).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic
+
+import torch
+from hivemind.proto import runtime_pb2
+from pydantic import BaseModel, ValidationError
+
+from wire.compression import ByteCounter, EncodedTensor
+from wire.protocol import (
+    MAX_STREAM_PARTS,
+    STATE_CHUNK_BYTES,
+    CommitRequest,
+    Header,
+    ProbeRequest,
+    ProtocolError,
+    RequestHeader,
+    StateHeader,
+    StateRequest,
+    StreamClosedError,
+    decode_header,
+    encode_header,
+)
+from wire.request_limits import check_request_bytes
+from wire.tensors import decode_tensors, group_parts
+
+_UIDS = {CommitRequest: "commit", StateRequest: "state", ProbeRequest: "probe"}
+
+
+def _uid(header: BaseModel) -> str:
+    """A request's `uid`: which call it is, for whoever reads a capture (peers route by RPC name)."""
+    return header.rpc if isinstance(header, RequestHeader) else _UIDS.get(type(header), "")
+
+
+@dataclass(frozen=True)
+class Received(Generic[Header]):
+    """A request or answer as read off a stream: its validated header and its tensor parts, as they came."""
+
+    header: Header
+    parts: tuple[runtime_pb2.Tensor, ...]
+
+    def encoded(self, byte_counter: ByteCounter | None = None) -> dict[str, EncodedTensor]:
+        """The parts regrouped per tensor as `header.tensors` lists them, each checked against its
+        header; not decoded. With `byte_counter`, each tensor is counted as received."""
+        encoded = group_parts(self.header.tensors, self.parts)
+        if byte_counter is not None:
+            for item in encoded.values():
+                byte_counter.record_received(item)
+        return encoded
+
+    def decoded(self, byte_counter: ByteCounter | None = None) -> dict[str, torch.Tensor]:
+        """`encoded(byte_counter)`, decoded."""
+        return decode_tensors(self.encoded(byte_counter))
+
+
+# --- streams ---------------------------------------------------------------------------------------
+
+
+def request_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertRequest]:
+    """The header with the first part, then one part per message."""
+    yield runtime_pb2.ExpertRequest(uid=_uid(header), metadata=encode_header(header), tensors=parts[:1])
+    for part in parts[1:]:
+        yield runtime_pb2.ExpertRequest(tensors=[part])
+
+
+def response_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertResponse]:
+    """The header with the first part, then one part per message."""
+    yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=parts[:1])
+    for part in parts[1:]:
+        yield runtime_pb2.ExpertResponse(tensors=[part])
+
+
+def _with_tensors(header: Header, tensors: Iterable[tuple[str, EncodedTensor]]) -> tuple[Header, list]:
+    """The header with its `tensors` field listing `tensors`, and their parts in that order."""
+    named = list(tensors)
+    if not named:
+        return header, []
+    headers = {}
+    for name, encoded in named:
+        if name in headers:
+            raise ProtocolError(f"tensor {name!r} is sent twice")
+        headers[name] = encoded.header
+    try:
+        header = type(header).model_validate({**dict(header), "tensors": headers})
+    except ValidationError as e:
+        raise ProtocolError(f"cannot send these tensors: {e}") from None
+    return header, [part for _, encoded in named for part in encoded.parts]
+
+
+def write_request(
+    header: RequestHeader, tensors: Iterable[tuple[str, EncodedTensor]] = ()
+) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    """The messages of a streamed request (what `P2P.iterate_protobuf_handler` sends): `header`,
+    its `tensors` field filled in from `tensors` (name, encoded), then their parts."""
+    header, parts = _with_tensors(header, tensors)
+    return _as_async(request_messages(header, parts))
+
+
+def write_response(
+    header: BaseModel, tensors: Iterable[tuple[str, EncodedTensor]] = (), byte_counter: ByteCounter | None = None
+) -> Iterator[runtime_pb2.ExpertResponse]:
+    """The messages of a streamed answer (what a handler yields): `header`, its `tensors` field
+    filled in from `tensors` (name, encoded), then their parts. With `byte_counter`, each tensor is
+    counted as sent (now, not as the messages go)."""
+    tensors = list(tensors)
+    header, parts = _with_tensors(header, tensors)
+    if byte_counter is not None:
+        for _, encoded in tensors:
+            byte_counter.record_sent(encoded)
+    return response_messages(header, parts)
+
+
+async def _read(messages: AsyncIterator, header_cls: type[Header], max_parts: int, max_bytes: int | None):
+    header, parts, received = None, [], 0
+    async for message in messages:
+        if max_bytes is not None:
+            received += sum(len(part.buffer) for part in message.tensors)
+            check_request_bytes(received, max_bytes)
+        if header is None:
+            if not message.metadata:
+                raise ProtocolError("the first message carries no header")
+            header = decode_header(header_cls, message.metadata)
+        parts.extend(message.tensors)
+        if len(parts) > max_parts:
+            raise ProtocolError(f"more than {max_parts} tensor parts")
+    if header is None:
+        raise StreamClosedError("empty stream: closed before any message")
+    return Received(header, tuple(parts))
+
+
+async def read_request(
+    messages: AsyncIterator[runtime_pb2.ExpertRequest],
+    header_cls: type[Header],
+    *,
+    max_bytes: int | None = None,
+    max_parts: int = MAX_STREAM_PARTS,
+) -> Received[Header]:
+    """Read a whole streamed request: its header (validated) and its parts. With `max_bytes`, stop
+    reading (RequestTooLargeError) once the parts carry more than that. Raises ProtocolError on a
+    malformed stream, StreamClosedError (a ProtocolError) on an empty one."""
+    return await _read(messages, header_cls, max_parts, max_bytes)
+
+
+async def read_response(
+    messages: AsyncIterator[runtime_pb2.ExpertResponse], header_cls: type[Header], *, max_parts: int = MAX_STREAM_PARTS
+) -> Received[Header]:
+    """Read a whole streamed answer: its header (validated) and its parts; errors as `read_request`."""
+    return await _read(messages, header_cls, max_parts, None)
+
+
+async def _as_async(messages: Iterable):
+    for message in messages:
+        yield message
+
+
+# --- unary calls and the state stream --------------------------------------------------------------
+
+
+def unary_request(header: BaseModel) -> runtime_pb2.ExpertRequest:
+    """A unary call's request: the header alone."""
+    return runtime_pb2.ExpertRequest(uid=_uid(header), metadata=encode_header(header))
+
+
+def unary_response(header: BaseModel) -> runtime_pb2.ExpertResponse:
+    """A unary call's answer: the header alone."""
+    return runtime_pb2.ExpertResponse(metadata=encode_header(header))
+
+
+def read_unary(message: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse, header_cls: type[Header]) -> Header:
+    """The header of a unary call's request or answer; ProtocolError if malformed."""
+    return decode_header(header_cls, message.metadata)
+
+
+def write_state(header: StateHeader, data: bytes) -> Iterator[runtime_pb2.ExpertResponse]:
+    """A stage's state: the header alone, then `header.total_bytes` of data in chunks of 1 MiB."""
+    yield runtime_pb2.ExpertResponse(metadata=encode_header(header))
+    for offset in range(0, len(data), STATE_CHUNK_BYTES):
+        yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=data[offset : offset + STATE_CHUNK_BYTES])])
+
+
+async def read_state(messages: AsyncIterator[runtime_pb2.ExpertResponse], *, sender: str) -> bytes:
+    """The state bytes a `write_state` stream carries. Raises ProtocolError when `sender` (named in
+    the message) refused, sent more than it announced, or ended early."""
+    header, chunks, received = None, [], 0
+    async for response in messages:
+        if header is None:
+            header = decode_header(StateHeader, response.metadata)
+            if header.error:
+                raise ProtocolError(f"replica {sender} refused: {header.error}")
+            continue
+        for part in response.tensors:
+            received += len(part.buffer)
+            if received > header.total_bytes:
+                raise ProtocolError("the replica sent more state than it announced")
+            chunks.append(part.buffer)
+    if header is None or received != header.total_bytes:
+        raise ProtocolError(f"state transfer from {sender} ended early ({received} bytes)")
+    return b"".join(chunks)

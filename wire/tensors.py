@@ -1,0 +1,67 @@
+"""Named tensors on the wire: encoding one with a codec, regrouping the parts that follow a header
+into one encoded tensor per name, and decoding them.
+
+A sender encodes each tensor (`encode_tensor`); `wire.messages` lists their `TensorHeader`s in the
+request or response header and streams their parts. A receiver regroups the parts as the header
+lists them (`group_parts`), each checked against its header, then decodes (`decode_tensors`).
+Everything that reads a peer's input raises `ProtocolError` and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from wire import compression
+from wire.compression import CodecError, EncodedTensor, TensorHeader, UnknownCodecError
+from wire.protocol import ProtocolError
+
+
+def encode_tensor(
+    tensor: torch.Tensor,
+    codec: str = "none",
+    params: dict | None = None,
+    *,
+    feedback: compression.ErrorFeedback | None = None,
+    feedback_key=None,
+) -> EncodedTensor:
+    """Encode one tensor (parts of at most 1 MiB). Integer tensors (token ids) always travel
+    losslessly. With `feedback`, what the codec drops is kept and added to the next tensor under
+    the same key (error feedback, for top-k gradients)."""
+    try:
+        codec_impl = compression.get_codec(codec, **(params or {}))
+        if feedback is not None and tensor.is_floating_point():
+            return feedback.compress(feedback_key, tensor.detach(), codec_impl)
+        return codec_impl.encode(tensor.detach())
+    except CodecError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def group_parts(headers: Mapping[str, TensorHeader], parts: Sequence[runtime_pb2.Tensor]) -> dict[str, EncodedTensor]:
+    """The parts that followed a header, regrouped per tensor in the order `headers` lists them and
+    checked against each header (count, known codec); nothing is decoded yet."""
+    expected = sum(header.num_parts for header in headers.values())
+    if len(parts) != expected:
+        raise ProtocolError(f"expected {expected} tensor parts in total, got {len(parts)}")
+    grouped, offset = {}, 0
+    for name, header in headers.items():
+        try:
+            if header.codec not in compression.known_codecs():
+                raise UnknownCodecError(header.codec, compression.known_codecs())
+            grouped[name] = EncodedTensor(header, tuple(parts[offset : offset + header.num_parts]))
+        except CodecError as e:
+            raise ProtocolError(f"tensor {name!r}: {e}") from None
+        offset += header.num_parts
+    return grouped
+
+
+def decode_tensors(encoded: Mapping[str, EncodedTensor]) -> dict[str, torch.Tensor]:
+    decoded = {}
+    for name, item in encoded.items():
+        try:
+            decoded[name] = compression.decode(item)
+        except CodecError as e:
+            raise ProtocolError(f"tensor {name!r}: {e}") from None
+    return decoded
