@@ -15,7 +15,6 @@ mirror for python3 itself.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -32,7 +31,7 @@ import yaml
 
 from peers.config import PeerConfig
 from peers.health import HealthConfig
-from process.config import from_sources
+from process.config import env_variables, from_sources
 from swarm.bootstrap import BootstrapConfig
 from swarm.cli import build_parser
 from swarm.monitor import MonitorConfig
@@ -49,7 +48,7 @@ PENDING_OPTIONS = {"SWARM_METRICS_PORT", "SWARM_METRICS_HOST"}
 
 
 def option_variables(*classes) -> set[str]:
-    return {"SWARM_" + f.name.upper() for cls in classes for f in dataclasses.fields(cls)}
+    return set().union(*(env_variables(cls) for cls in classes))
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -110,7 +109,8 @@ def test_every_variable_the_image_sets_is_a_peer_option():
     assert unknown_variables(env, option_variables(PeerConfig)) == []
     assert env["SWARM_STATUS_FILE"] and "SWARM_STATUS_FILE" in option_variables(HealthConfig)  # one variable, both ends
     config = from_sources(PeerConfig, env={**env, "SWARM_STAGE": "0", "SWARM_MODEL": "tiny"})
-    assert config.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"] and config.identity_path.startswith("/data/")
+    assert config.network.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]
+    assert config.network.identity_path.startswith("/data/")
 
 
 def compose_services() -> dict[str, dict]:
