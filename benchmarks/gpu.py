@@ -50,7 +50,7 @@ def plain_pytorch(
         load_corpus(), seq_len=config.seq_len, batch_size=batch_size, microbatch_size=microbatch_size
     )
     model = build_full_model(config).to(device)
-    opt = OptimizerSettings(kind=optimizer).build(model.parameters(), device)
+    opt = OptimizerSettings(optimizer=optimizer).build(model.parameters(), device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, started = [], None

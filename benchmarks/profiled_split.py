@@ -73,7 +73,9 @@ def measured_stage_times(
             config, stage, num_stages, boundaries=boundaries, optimizer=OptimizerSettings(target_batch_size=1 << 30)
         )
         served = (
-            runtime if speeds[stage] == 1.0 else FaultyStageRuntime(runtime, FaultSettings(slowdown=1 / speeds[stage]))
+            runtime
+            if speeds[stage] == 1.0
+            else FaultyStageRuntime(runtime, FaultSettings(fault_slowdown=1 / speeds[stage]))
         )
         shape, dtype = runtime.module.expected_input(microbatch_size)
         inputs = torch.randint(0, config.vocab_size, shape) if dtype == torch.int64 else torch.randn(shape)

@@ -27,7 +27,7 @@ Model (every number below is a flag or a ``SimulationConfig`` field):
   its old stage loses it at once.
 - **Standby peers (backup pool; off by default).** A fraction ``standby_fraction`` of the peers
   (at t=0 and of every arrival; drawn with its own seeded RNG, so the churn trace is unchanged)
-  start like the peer's ``--standby`` mode (peers/placement/stage_moves.py ``_stand_by``): every
+  start like the peer's ``--standby`` mode (peers/placement/stage_moves.py ``StageMoves.stand_by``): every
   ``standby_check_s`` they call ``choose_standby_target`` and ``should_standby_take_over``
   (``standby_take_over_fraction``) on the view, without standby records (peers/placement/stage_choice.py
   leaves them out). A standby serves nothing; it downloads the held stage's state (``transfer_s``)
@@ -233,7 +233,7 @@ class _Peer:
 
 @dataclass
 class _Standby:
-    """A peer in the backup pool, as peers/placement/stage_moves.py ``_stand_by`` runs it."""
+    """A peer in the backup pool, as peers/placement/stage_moves.py ``StageMoves.stand_by`` runs it."""
 
     held_stage: int | None = None
     refreshed_at_s: float | None = None

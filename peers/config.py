@@ -1,4 +1,25 @@
-"""The peer's configuration: one dataclass, filled from CLI flags and SWARM_* environment variables."""
+"""The peer's configuration: one dataclass nested by section, filled from CLI flags and SWARM_* variables.
+
+`PeerConfig` names what the peer serves (model, stage, split, seed); each section configures one
+component and validates its own fields. Where a component already had a settings class, that class
+is the section (`NetworkConfig`, `OptimizerSettings`, `FaultSettings`); the others are defined here.
+A leaf field's name is its flag and its variable (`config.replicas.averaging_timeout_s` is
+`--averaging-timeout-s` and `SWARM_AVERAGING_TIMEOUT_S`), so flags kept their names when they moved
+into sections; `swarm peer --help` lists them in a group per section. `PeerConfig.__post_init__`
+checks only the rules that span sections.
+
+    network        how the peer joins the DHT (dht/node.py)
+    compute        device, precision, threads, memory, batch and activation-cache sizes
+    optim          the local optimizer (peers/compute/stage_runtime.py)
+    serving        limits on what callers may send (peers/serving/admission.py)
+    announcing     the DHT record, the status file, the reachability check
+    replicas       how replicas of a stage agree (peers/replicas/)
+    placement      rebalancing moves and the standby pool (peers/placement/stage_moves.py)
+    probing        link measurements for the live planner (peers/placement/link_probe.py)
+    checkpointing  where and how often the stage is saved
+    metrics        the Prometheus endpoint
+    faults         fault injection, for tests (peers/compute/faults.py)
+"""
 
 from __future__ import annotations
 
@@ -7,42 +28,61 @@ import dataclasses
 from dht.node import NetworkConfig
 from models.config import get_model_config
 from models.stages import stage_spec
-from peers.compute.devices import DEVICE_CHOICES_HELP, OPTIMIZERS, PRECISIONS
+from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
+from peers.compute.faults import FaultSettings
+from peers.compute.stage_runtime import OptimizerSettings
+from peers.placement.link_probe import ProbeSettings
 from peers.replicas.averaging_schedule import AveragingSchedule
-from process.config import ConfigError, option
+from peers.replicas.outer_step import OuterSettings
+from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
 
 AUTO_STAGE = "auto"
 DEFAULT_AVERAGING_PERIOD_S = 30.0
 
 
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
+
+
+def _at_least_one(section: object, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) < 1:
+            raise ConfigError(f"{name} must be at least 1")
+
+
 @dataclasses.dataclass(kw_only=True)
-class PeerConfig(NetworkConfig):
-    model: str = option("small", help="model name (see `swarm train --help` for the list)")
-    stage: str | int | None = option(
-        None,
-        help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
-        "needs a peer most (see peers/placement/stage_choice.py)",
+class ComputeSettings:
+    """Where and how the stage computes, and how much it holds at once."""
+
+    device: str = option("auto", help=f"where the stage computes: {DEVICE_CHOICES_HELP}")
+    precision: str = option(
+        "fp32",
+        help="compute precision (bf16/fp16: autocast; weights and optimizer stay fp32; "
+        "the wire format is the codec's either way)",
+        choices=list(PRECISIONS),
     )
-    num_stages: int = option(2, help="number of pipeline stages the model is split into")
-    seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
-    optimizer: str = option(
-        "adamw",
-        help="local optimizer (adamw8bit: bitsandbytes' 8-bit AdamW, ~2 instead of 8 bytes of state per parameter)",
-        choices=list(OPTIMIZERS),
-    )
-    lr: float = option(1e-3, help="learning rate of the local optimizer")
-    weight_decay: float = option(0.01, help="AdamW weight decay")
-    target_batch_size: int = option(32, help="samples accumulated before each optimizer step")
     num_threads: int = option(1, help="torch compute threads")
+    memory_limit_gb: float | None = option(
+        None,
+        help="memory this peer may use (default: what the device has free); "
+        "the peer refuses to start when its stage does not fit",
+    )
     max_batch_size: int = option(256, help="largest microbatch (samples) this peer accepts")
     activation_cache_size: int = option(64, help="forward activations kept for backwards that come back here")
-    announce_period_s: float = option(5.0, help="re-announce this peer on the DHT this often")
-    status_file: str | None = option(
-        None,
-        help="write this peer's state here as JSON at every announcement "
-        "(read by `python -m peers.health`, the container's health check)",
-    )
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "num_threads", "max_batch_size")
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise ConfigError("--memory-limit-gb must be positive")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServingLimits:
+    """What one caller may send: the admission guard's limits and the concurrency of serving."""
+
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
     max_request_mb: float = option(64.0, help="refuse a request whose tensors carry more than this many MiB")
     bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
@@ -51,9 +91,48 @@ class PeerConfig(NetworkConfig):
         help="bad requests per second a caller may keep sending; beyond "
         "that (after the burst) it is refused until its allowance refills",
     )
-    checkpoint_dir: str | None = option(
-        None, help="save the stage here (atomically) periodically and on exit; restore from it at start"
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_request_mb", "bad_request_refill_per_s")
+        _at_least_one(self, "max_concurrent_requests", "bad_request_burst")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * (1 << 20))
+
+
+@dataclasses.dataclass(kw_only=True)
+class AnnounceSettings:
+    """The peer's record on the DHT, its status file, and the reachability check at start."""
+
+    announce_period_s: float = option(5.0, help="re-announce this peer on the DHT this often")
+    status_file: str | None = option(
+        None,
+        help="write this peer's state here as JSON at every announcement "
+        "(read by `python -m peers.health`, the container's health check)",
     )
+    reachability_check: str = option(
+        "auto",
+        help="at start, ask up to 3 online peers to dial this one back and say "
+        "whether others can reach it: auto (skipped when every address is loopback, "
+        "where it proves nothing), always, off",
+        choices=["auto", "always", "off"],
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "announce_period_s")
+
+    @property
+    def record_ttl_s(self) -> float:
+        """A record outlives a few missed announcements, no more."""
+        return max(3 * self.announce_period_s, 3.0)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReplicaSettings:
+    """How replicas of a stage agree: averaging mode, its schedule and codec, the outer step, and
+    whether a joiner first copies a live replica's state."""
+
     averaging: str = option(
         "none",
         help="how replicas of a stage agree: none (independent), sync (average "
@@ -92,30 +171,46 @@ class PeerConfig(NetworkConfig):
     outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
-    fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
-    fault_slowdown_mode: str = option(
-        "sleep",
-        help="testing only: spend --fault-slowdown's extra time asleep (a "
-        "separate slower device), busy computing (a slower device sharing this "
-        "machine's CPU with the other peers), or as a device: each call lasts "
-        "--fault-slowdown x the CPU time it used (others' load not multiplied)",
-        choices=["sleep", "busy", "device"],
-    )
-    fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
-    fault_garbage: str = option(
-        "none",
-        help="testing only: answer with garbage (nan: NaN values; shape: one value "
-        "short) while computing correctly inside",
-        choices=["none", "nan", "shape"],
-    )
-    fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
-    checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
-    metrics_port: int = option(
-        0,
-        help="serve Prometheus metrics on this port (0 = any free port, announced in the "
-        "peer's DHT record for `swarm monitor targets`; -1 = off)",
-    )
-    metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
+
+    def __post_init__(self) -> None:
+        if self.averaging_every_steps is not None:
+            if self.averaging_period_s is not None:
+                raise ConfigError(
+                    "--averaging-period-s and --averaging-every-steps both set the averaging schedule; give one"
+                )
+            if self.averaging != "periodic":
+                raise ConfigError(
+                    "--averaging-every-steps schedules periodic averaging: use it with --averaging periodic"
+                )
+            if self.averaging_every_steps < 1:
+                raise ConfigError("--averaging-every-steps must be at least 1")
+        elif self.averaging_period_s is None:
+            self.averaging_period_s = DEFAULT_AVERAGING_PERIOD_S
+        _positive(self, "averaging_timeout_s")
+        if self.averaging_period_s is not None and self.averaging_period_s <= 0:
+            raise ConfigError("averaging_period_s must be positive")
+        if self.outer_lr < 0 or not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
+        if self.outer_lr > 0 and self.averaging != "periodic":
+            raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
+
+    @property
+    def schedule(self) -> AveragingSchedule:
+        """When periodic averaging rounds happen: by steps if --averaging-every-steps, else by time."""
+        if self.averaging_every_steps is not None:
+            return AveragingSchedule(every_steps=self.averaging_every_steps)
+        return AveragingSchedule(period_s=self.averaging_period_s)
+
+    @property
+    def outer(self) -> OuterSettings | None:
+        """The outer step after each periodic round, or None with --outer-lr 0 (plain averaging)."""
+        return OuterSettings(lr=self.outer_lr, momentum=self.outer_momentum) if self.outer_lr > 0 else None
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlacementSettings:
+    """When a serving peer moves to another stage, and how a standby peer waits for one."""
+
     rebalance_period_s: float = option(
         0.0,
         help="check about this often (randomised in [0.5, 1.5] x) whether moving to "
@@ -148,40 +243,28 @@ class PeerConfig(NetworkConfig):
         "this fraction of the other stages' mean (0 = only a stage left "
         "without an online replica)",
     )
-    device: str = option("auto", help=f"where the stage computes: {DEVICE_CHOICES_HELP}")
-    precision: str = option(
-        "fp32",
-        help="compute precision (bf16/fp16: autocast; weights and optimizer stay fp32; "
-        "the wire format is the codec's either way)",
-        choices=list(PRECISIONS),
-    )
-    memory_limit_gb: float | None = option(
-        None,
-        help="memory this peer may use (default: what the device has free); "
-        "the peer refuses to start when its stage does not fit",
-    )
-    num_layers: str | None = option(
-        None,
-        help="blocks per stage: N, or auto (the most that fit in memory); "
-        "sets --num-stages to the equal split with stages of at most that many blocks",
-    )
-    init_weights: str | None = option(
-        None,
-        help="a local .safetensors file with the whole model's initial weights "
-        "(names as in models.stages.build_full_model); this stage loads its part",
-    )
-    reachability_check: str = option(
-        "auto",
-        help="at start, ask up to 3 online peers to dial this one back and say "
-        "whether others can reach it: auto (skipped when every address is loopback, "
-        "where it proves nothing), always, off",
-        choices=["auto", "always", "off"],
-    )
-    split_boundaries: str | None = option(
-        None,
-        help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
-        "profile`); default: the swarm's split, or the equal split",
-    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.standby_take_over_fraction <= 1:
+            raise ConfigError("--standby-take-over-fraction must be within [0, 1]")
+        rebalancing = (
+            self.rebalance_period_s,
+            self.rebalance_min_gain,
+            self.rebalance_loss_watch_s,
+            self.rebalance_loss_delay_s,
+        )
+        if min(rebalancing) < 0:
+            raise ConfigError(
+                "--rebalance-period-s, --rebalance-min-gain, --rebalance-loss-watch-s and "
+                "--rebalance-loss-delay-s must be >= 0"
+            )
+        _positive(self, "standby_refresh_s", "standby_check_s")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProbingSettings:
+    """How often the peer measures its links to others (the rest of `ProbeSettings` keeps its defaults)."""
+
     link_probe_period_s: float = option(
         60.0,
         help="measure round-trip time and bandwidth to a few other peers about "
@@ -190,9 +273,79 @@ class PeerConfig(NetworkConfig):
     link_probe_peers: int = option(8, help="peers probed per round, at most")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        if self.link_probe_period_s < 0:
+            raise ConfigError("--link-probe-period-s must be >= 0 (0 turns probing off)")
+        _at_least_one(self, "link_probe_peers")
+
+    @property
+    def probe(self) -> ProbeSettings | None:
+        """The prober's settings, or None when probing is off."""
+        if self.link_probe_period_s <= 0:
+            return None
+        return ProbeSettings(period_s=self.link_probe_period_s, max_peers=self.link_probe_peers)
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointSettings:
+    checkpoint_dir: str | None = option(
+        None, help="save the stage here (atomically) periodically and on exit; restore from it at start"
+    )
+    checkpoint_period_s: float = option(300.0, help="seconds between periodic checkpoints (with --checkpoint-dir)")
+
+
+@dataclasses.dataclass(kw_only=True)
+class MetricsSettings:
+    metrics_port: int = option(
+        0,
+        help="serve Prometheus metrics on this port (0 = any free port, announced in the "
+        "peer's DHT record for `swarm monitor targets`; -1 = off)",
+    )
+    metrics_host: str = option("127.0.0.1", help="interface the metrics endpoint listens on (0.0.0.0 = all)")
+
+    def __post_init__(self) -> None:
+        validate_metrics_options(self.metrics_host, self.metrics_port)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PeerConfig:
+    model: str = option("small", help="model name (see `swarm train --help` for the list)")
+    stage: str | int | None = option(
+        None,
+        help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
+        "needs a peer most (see peers/placement/stage_choice.py)",
+    )
+    num_stages: int = option(2, help="number of pipeline stages the model is split into")
+    seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
+    num_layers: str | None = option(
+        None,
+        help="blocks per stage: N, or auto (the most that fit in memory); "
+        "sets --num-stages to the equal split with stages of at most that many blocks",
+    )
+    split_boundaries: str | None = option(
+        None,
+        help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
+        "profile`); default: the swarm's split, or the equal split",
+    )
+    init_weights: str | None = option(
+        None,
+        help="a local .safetensors file with the whole model's initial weights "
+        "(names as in models.stages.build_full_model); this stage loads its part",
+    )
+    network: NetworkConfig = section(NetworkConfig, help="how the peer joins the swarm's DHT")
+    compute: ComputeSettings = section(ComputeSettings, help="where and how the stage computes")
+    optim: OptimizerSettings = section(OptimizerSettings, help="the stage's local optimizer")
+    serving: ServingLimits = section(ServingLimits, help="limits on what callers may send")
+    announcing: AnnounceSettings = section(AnnounceSettings, help="the peer's DHT record and status file")
+    replicas: ReplicaSettings = section(ReplicaSettings, help="how replicas of a stage agree")
+    placement: PlacementSettings = section(PlacementSettings, help="rebalancing moves and the standby pool")
+    probing: ProbingSettings = section(ProbingSettings, help="link measurements for `swarm plan --from-dht`")
+    checkpointing: CheckpointSettings = section(CheckpointSettings, help="saving and restoring the stage")
+    metrics: MetricsSettings = section(MetricsSettings, help="the Prometheus endpoint")
+    faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
+
+    def __post_init__(self) -> None:
         config = get_model_config(self.model)
-        if self.standby:
+        if self.placement.standby:
             if self.stage not in (None, AUTO_STAGE):
                 raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")
             self.stage = AUTO_STAGE
@@ -205,77 +358,11 @@ class PeerConfig(NetworkConfig):
                 raise ConfigError(f"--stage {self.stage!r}: expected a stage number or auto") from None
         # StageSplitError for a bad stage or split (auto: the split is checked on stage 0)
         stage_spec(config, 0 if self.stage == AUTO_STAGE else self.stage, self.num_stages, self.requested_boundaries)
-        if not 0 <= self.standby_take_over_fraction <= 1:
-            raise ConfigError("--standby-take-over-fraction must be within [0, 1]")
-        if (
-            min(
-                self.rebalance_period_s,
-                self.rebalance_min_gain,
-                self.rebalance_loss_watch_s,
-                self.rebalance_loss_delay_s,
-            )
-            < 0
-        ):
-            raise ConfigError(
-                "--rebalance-period-s, --rebalance-min-gain, --rebalance-loss-watch-s and "
-                "--rebalance-loss-delay-s must be >= 0"
-            )
-        if self.averaging_every_steps is not None:
-            if self.averaging_period_s is not None:
-                raise ConfigError(
-                    "--averaging-period-s and --averaging-every-steps both set the averaging schedule; give one"
-                )
-            if self.averaging != "periodic":
-                raise ConfigError(
-                    "--averaging-every-steps schedules periodic averaging: use it with --averaging periodic"
-                )
-            if self.averaging_every_steps < 1:
-                raise ConfigError("--averaging-every-steps must be at least 1")
-        elif self.averaging_period_s is None:
-            self.averaging_period_s = DEFAULT_AVERAGING_PERIOD_S
-        for name in (
-            "lr",
-            "announce_period_s",
-            "averaging_timeout_s",
-            "standby_refresh_s",
-            "standby_check_s",
-            "max_request_mb",
-            "bad_request_refill_per_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if self.averaging_period_s is not None and self.averaging_period_s <= 0:
-            raise ConfigError("averaging_period_s must be positive")
-        validate_metrics_options(self.metrics_host, self.metrics_port)
-        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
-            raise ConfigError("--memory-limit-gb must be positive")
         if self.num_layers is not None:
             if self.split_boundaries is not None:
                 raise ConfigError("--num-layers and --split-boundaries both choose the split; give one")
             if self.num_layers != "auto" and not (self.num_layers.isdigit() and int(self.num_layers) >= 1):
                 raise ConfigError(f"--num-layers {self.num_layers!r}: expected a positive number of blocks or auto")
-        if self.outer_lr < 0 or not 0.0 <= self.outer_momentum < 1.0:
-            raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
-        if self.outer_lr > 0 and self.averaging != "periodic":
-            raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
-        if (
-            self.fault_slowdown < 1.0
-            or not 0.0 <= self.fault_fail_rate <= 1.0
-            or not 0.0 <= self.fault_garbage_rate <= 1.0
-        ):
-            raise ConfigError("--fault-slowdown must be >= 1, --fault-fail-rate and --fault-garbage-rate within [0, 1]")
-        if self.link_probe_period_s < 0:
-            raise ConfigError("--link-probe-period-s must be >= 0 (0 turns probing off)")
-        for name in (
-            "target_batch_size",
-            "num_threads",
-            "max_batch_size",
-            "max_concurrent_requests",
-            "bad_request_burst",
-            "link_probe_peers",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1")
 
     @property
     def requested_boundaries(self) -> tuple[int, ...] | None:
@@ -287,15 +374,3 @@ class PeerConfig(NetworkConfig):
             raise ConfigError(
                 f"--split-boundaries {self.split_boundaries!r}: expected comma-separated block indices such as 0,4,6"
             ) from None
-
-    @property
-    def record_ttl_s(self) -> float:
-        """A record outlives a few missed announcements, no more."""
-        return max(3 * self.announce_period_s, 3.0)
-
-    @property
-    def averaging_schedule(self) -> AveragingSchedule:
-        """When periodic averaging rounds happen: by steps if --averaging-every-steps, else by time."""
-        if self.averaging_every_steps is not None:
-            return AveragingSchedule(every_steps=self.averaging_every_steps)
-        return AveragingSchedule(period_s=self.averaging_period_s)

@@ -1,8 +1,8 @@
-"""Starting a peer: from a `PeerConfig` to a serving `PeerServer`.
+"""Starting a peer: from a `PeerConfig` to a serving `PeerHost`.
 
 The order matters: the metrics endpoint first (a taken port fails fast), then the DHT, the split
 agreement, the stage (restored from a checkpoint if there is one), its throughput measurement, the
-averager, and finally the server, which runs until SIGINT/SIGTERM and then announces offline.
+averager, and finally the host, which runs until SIGINT/SIGTERM and then announces offline.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from models.config import GPTConfig, get_model_config
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.devices import DeviceError, check_optimizer, describe_device, resolve_device
-from peers.compute.stage_builder import StageBuilder, check_stage_memory, fault_settings
+from peers.compute.stage_builder import StageBuilder, check_stage_memory
 from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics
 from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
-from peers.serving.server import PeerServer
+from peers.serving.host import PeerHost
 from process.config import ConfigError
 from process.metrics_http import advertised_metrics_addr, serve_metrics
 from wire import compression
@@ -34,20 +34,20 @@ from wire import compression
 
 def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
-    torch.set_num_threads(config.num_threads)
+    torch.set_num_threads(config.compute.num_threads)
     model_config = get_model_config(config.model)
-    device = resolve_device(config.device)
+    device = resolve_device(config.compute.device)
     print(
-        f"device: {describe_device(device)} (--device {config.device}); precision {config.precision}; "
-        f"optimizer {config.optimizer}",
+        f"device: {describe_device(device)} (--device {config.compute.device}); "
+        f"precision {config.compute.precision}; optimizer {config.optim.optimizer}",
         flush=True,
     )
-    check_optimizer(config.optimizer, device)
+    check_optimizer(config.optim.optimizer, device)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
-    if device.type != "cpu" and config.averaging != "none":
+    if device.type != "cpu" and config.replicas.averaging != "none":
         raise DeviceError(
-            f"--averaging {config.averaging} is only supported with --device cpu so far (hivemind's "
+            f"--averaging {config.replicas.averaging} is only supported with --device cpu so far (hivemind's "
             f"averager works on CPU tensors); use --averaging none on a GPU"
         )
     available, source = _memory_available(config, device)
@@ -64,16 +64,20 @@ def run_peer(config: PeerConfig) -> None:
         device,
     )
     metrics = PeerMetrics()
-    endpoint = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)  # before the DHT: fails fast
+    # before the DHT: a taken port fails fast
+    endpoint = serve_metrics(metrics.registry, config.metrics.metrics_host, config.metrics.metrics_port)
     metrics_addr = endpoint and advertised_metrics_addr(
-        endpoint.host, endpoint.port, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs
+        endpoint.host,
+        endpoint.port,
+        host_maddrs=config.network.host_maddrs,
+        announce_maddrs=config.network.announce_maddrs,
     )
     if endpoint:
         print(
             f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
             flush=True,
         )
-    dht = start_dht(config)
+    dht = start_dht(config.network)
     try:
         # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
         # with the swarm's stops here with a SplitConflictError.
@@ -84,10 +88,10 @@ def run_peer(config: PeerConfig) -> None:
             requested=config.requested_boundaries,
             num_stages=config.num_stages,
             n_layers=model_config.n_layers,
-            ttl_s=config.record_ttl_s,
+            ttl_s=config.announcing.record_ttl_s,
         )
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
-        metrics.set_averaging_mode(config.averaging)
+        metrics.set_averaging_mode(config.replicas.averaging)
         builder = StageBuilder(
             config,
             model_config,
@@ -99,14 +103,13 @@ def run_peer(config: PeerConfig) -> None:
             memory_source=source,
         )
         built = builder.build(stage)
-        faults = fault_settings(config)
-        if faults.enabled:
-            print(f"fault injection on: {faults}", flush=True)
+        if config.faults.enabled:
+            print(f"fault injection on: {config.faults}", flush=True)
         compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
         runtime, averaging = built.runtime, built.averaging
         asyncio.run(
             _serve_until_signalled(
-                PeerServer(
+                PeerHost(
                     config,
                     runtime,
                     dht,
@@ -128,7 +131,9 @@ def _auto_stage(config: PeerConfig, dht) -> int:
     """--stage auto / --standby: read every stage's records once and pick (peers/placement/stage_choice.py)."""
     records = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
     # A plan published by `swarm plan --from-dht --publish` that names this peer wins over the greedy choice.
-    planned = None if config.standby else stage_in_plan(fetch_plan(dht, config.model), dht.peer_id.to_base58())
+    planned = (
+        None if config.placement.standby else stage_in_plan(fetch_plan(dht, config.model), dht.peer_id.to_base58())
+    )
     if planned is not None and not 0 <= planned < config.num_stages:
         print(
             f"the published plan names stage {planned}, but this swarm has {config.num_stages}: ignoring it", flush=True
@@ -138,27 +143,27 @@ def _auto_stage(config: PeerConfig, dht) -> int:
         print(f"auto: the published plan puts this peer on stage {planned}", flush=True)
     stage = (
         choose_standby_stage(records, config.num_stages)
-        if config.standby
+        if config.placement.standby
         else choose_stage(records, config.num_stages, my_throughput=0.0, planned_stage=planned)
     )
     print(
-        f"{'standby for' if config.standby else 'auto: joining'} stage {stage} (from {len(records)} records)",
+        f"{'standby for' if config.placement.standby else 'auto: joining'} stage {stage} (from {len(records)} records)",
         flush=True,
     )
     return stage
 
 
-async def _serve_until_signalled(server: PeerServer) -> None:
+async def _serve_until_signalled(host: PeerHost) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await server.serve(stop)
+    await host.serve(stop)
 
 
 def _memory_available(config: PeerConfig, device: torch.device) -> tuple[int, str]:
-    if config.memory_limit_gb is not None:
-        return int(config.memory_limit_gb * memory_budget.GiB), "--memory-limit-gb"
+    if config.compute.memory_limit_gb is not None:
+        return int(config.compute.memory_limit_gb * memory_budget.GiB), "--memory-limit-gb"
     return memory_budget.available_memory_bytes(device), f"the memory free on {device}"
 
 
@@ -173,9 +178,9 @@ def _resolve_num_layers(
             model_config,
             0 if config.stage == AUTO_STAGE else config.stage,
             available,
-            optimizer=config.optimizer,
-            precision=config.precision,
-            batch_size=config.max_batch_size,
+            optimizer=config.optim.optimizer,
+            precision=config.compute.precision,
+            batch_size=config.compute.max_batch_size,
             device_type=device.type,
         )
     else:

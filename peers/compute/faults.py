@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
+from process.config import ConfigError, option
 
 GARBAGE_KINDS = ("none", "nan", "shape")
 # How the extra time of a slowed compute is spent:
@@ -45,26 +46,39 @@ class InjectedFault(RuntimeError):
     """A failure injected on purpose (`--fault-fail-rate`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FaultSettings:
-    slowdown: float = 1.0  # every compute takes this many times as long
-    slowdown_mode: str = "sleep"  # how the extra time is spent: one of SLOWDOWN_MODES
-    fail_rate: float = 0.0  # fraction of calls that fail with an internal error
-    garbage: str = "none"  # what a garbage answer holds: none, nan or shape (one value short)
-    garbage_rate: float = 1.0  # fraction of calls answered with garbage (with garbage != none)
-    seed: int = 0
+    """What to break, for tests and benchmarks (the peer's `faults` config section)."""
+
+    fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
+    fault_slowdown_mode: str = option(
+        "sleep",
+        help="testing only: spend --fault-slowdown's extra time asleep (a "
+        "separate slower device), busy computing (a slower device sharing this "
+        "machine's CPU with the other peers), or as a device: each call lasts "
+        "--fault-slowdown x the CPU time it used (others' load not multiplied)",
+        choices=list(SLOWDOWN_MODES),
+    )
+    fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
+    fault_garbage: str = option(
+        "none",
+        help="testing only: answer with garbage (nan: NaN values; shape: one value "
+        "short) while computing correctly inside",
+        choices=list(GARBAGE_KINDS),
+    )
+    fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
 
     @property
     def enabled(self) -> bool:
-        return self.slowdown != 1.0 or self.fail_rate > 0.0 or self.garbage != "none"
+        return self.fault_slowdown != 1.0 or self.fault_fail_rate > 0.0 or self.fault_garbage != "none"
 
     def __post_init__(self) -> None:
-        if self.slowdown < 1.0 or not 0.0 <= self.fail_rate <= 1.0:
-            raise ValueError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
-        if self.slowdown_mode not in SLOWDOWN_MODES:
-            raise ValueError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
-        if self.garbage not in GARBAGE_KINDS or not 0.0 <= self.garbage_rate <= 1.0:
-            raise ValueError(
+        if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
+            raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
+        if self.fault_slowdown_mode not in SLOWDOWN_MODES:
+            raise ConfigError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
+        if self.fault_garbage not in GARBAGE_KINDS or not 0.0 <= self.fault_garbage_rate <= 1.0:
+            raise ConfigError(
                 f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
             )
 
@@ -72,9 +86,9 @@ class FaultSettings:
 class FaultyStageRuntime:
     """Wraps a StageRuntime; forwards everything else to it unchanged."""
 
-    def __init__(self, runtime: StageRuntime, settings: FaultSettings):
+    def __init__(self, runtime: StageRuntime, settings: FaultSettings, *, seed: int = 0):
         self._runtime, self._settings = runtime, settings
-        self._rng = random.Random(settings.seed)
+        self._rng = random.Random(seed)
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -82,13 +96,13 @@ class FaultyStageRuntime:
     @property
     def throughput(self) -> ThroughputMeter:
         """What the peer announces: the inner measurement, slowed down as the calls are."""
-        return ThroughputMeter(initial=self._runtime.throughput.value / self._settings.slowdown)
+        return ThroughputMeter(initial=self._runtime.throughput.value / self._settings.fault_slowdown)
 
     def _run(self, compute, *args, **kwargs):
-        if self._rng.random() < self._settings.fail_rate:
+        if self._rng.random() < self._settings.fault_fail_rate:
             raise InjectedFault("injected failure (--fault-fail-rate)")
-        extra = self._settings.slowdown - 1.0
-        if self._settings.slowdown_mode == "busy":
+        extra = self._settings.fault_slowdown - 1.0
+        if self._settings.fault_slowdown_mode == "busy":
             started_cpu_s = time.thread_time()
             result = compute(*args, **kwargs)
             burn_cpu(extra * (time.thread_time() - started_cpu_s))
@@ -96,23 +110,23 @@ class FaultyStageRuntime:
         started, started_cpu_s = time.perf_counter(), time.thread_time()
         result = compute(*args, **kwargs)
         elapsed_s = time.perf_counter() - started
-        if self._settings.slowdown_mode == "device":
-            time.sleep(max(self._settings.slowdown * (time.thread_time() - started_cpu_s) - elapsed_s, 0.0))
+        if self._settings.fault_slowdown_mode == "device":
+            time.sleep(max(self._settings.fault_slowdown * (time.thread_time() - started_cpu_s) - elapsed_s, 0.0))
         else:
             time.sleep(extra * elapsed_s)
         return result
 
     def _garbage_now(self) -> bool:
-        return self._settings.garbage != "none" and self._rng.random() < self._settings.garbage_rate
+        return self._settings.fault_garbage != "none" and self._rng.random() < self._settings.fault_garbage_rate
 
     def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets)
-        return garbled(outputs, self._settings.garbage) if self._garbage_now() else outputs
+        return garbled(outputs, self._settings.fault_garbage) if self._garbage_now() else outputs
 
     def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
         grad_inputs, loss = self._run(self._runtime.backward, microbatch_id, inputs, **kwargs)
         if self._garbage_now():
-            return garbled(grad_inputs, self._settings.garbage), garbled(loss, self._settings.garbage)
+            return garbled(grad_inputs, self._settings.fault_garbage), garbled(loss, self._settings.fault_garbage)
         return grad_inputs, loss
 
 

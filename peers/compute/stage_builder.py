@@ -20,12 +20,11 @@ from models.init_weights import InitWeightsError, load_stage_weights
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.checkpoint import checkpoint_path
-from peers.compute.faults import FaultSettings, FaultyStageRuntime
-from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
+from peers.compute.faults import FaultyStageRuntime
+from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
-from peers.replicas.outer_step import OuterSettings
 from process.config import ConfigError
 
 
@@ -49,12 +48,6 @@ class StageBuilder:
     def build(self, stage: int) -> BuiltStage:
         """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
         config = self.config
-        settings = OptimizerSettings(
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            target_batch_size=config.target_batch_size,
-            kind=config.optimizer,
-        )
         cache_budget = None
         if self.available_bytes is not None:
             spec = stage_spec(self.model_config, stage, config.num_stages, self.split.boundaries)
@@ -72,12 +65,12 @@ class StageBuilder:
             stage,
             config.num_stages,
             seed=config.seed,
-            optimizer=settings,
-            max_batch_size=config.max_batch_size,
-            activation_cache_size=config.activation_cache_size,
+            optimizer=config.optim,
+            max_batch_size=config.compute.max_batch_size,
+            activation_cache_size=config.compute.activation_cache_size,
             boundaries=self.split.boundaries,
             device=self.device,
-            precision=config.precision,
+            precision=config.compute.precision,
             cache_budget_bytes=cache_budget,
         )
         if config.init_weights:
@@ -86,9 +79,9 @@ class StageBuilder:
             except InitWeightsError as e:
                 raise ConfigError(str(e)) from None
             print(f"loaded {count} initial tensors of stage {stage} from {config.init_weights}", flush=True)
-        if config.checkpoint_dir:
+        if config.checkpointing.checkpoint_dir:
             path = checkpoint_path(
-                config.checkpoint_dir,
+                config.checkpointing.checkpoint_dir,
                 config.model,
                 stage,
                 config.num_stages,
@@ -98,41 +91,30 @@ class StageBuilder:
                 runtime.restore(path, config.model)
                 print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
         runtime.measure_throughput()
+        replicas = config.replicas
         averaging = None
-        if config.averaging == "sync":
+        if replicas.averaging == "sync":
             averaging = GradientSync(
                 runtime,
                 self.dht,
                 config.model,
-                timeout_s=config.averaging_timeout_s,
-                compression=config.averaging_compression or "none",
+                timeout_s=replicas.averaging_timeout_s,
+                compression=replicas.averaging_compression or "none",
                 on_round=self.on_averaging_round,
             )
-        elif config.averaging == "periodic":
+        elif replicas.averaging == "periodic":
             averaging = ParameterAveraging(
                 runtime,
                 self.dht,
                 config.model,
-                schedule=config.averaging_schedule,
-                timeout_s=config.averaging_timeout_s,
-                compression=config.averaging_compression or "none",
-                outer=OuterSettings(config.outer_lr, config.outer_momentum) if config.outer_lr > 0 else None,
+                schedule=replicas.schedule,
+                timeout_s=replicas.averaging_timeout_s,
+                compression=replicas.averaging_compression or "none",
+                outer=replicas.outer,
                 on_round=self.on_averaging_round,
             )
-        faults = fault_settings(config)
-        served = FaultyStageRuntime(runtime, faults) if faults.enabled else runtime
+        served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)
-
-
-def fault_settings(config: PeerConfig) -> FaultSettings:
-    return FaultSettings(
-        slowdown=config.fault_slowdown,
-        slowdown_mode=config.fault_slowdown_mode,
-        fail_rate=config.fault_fail_rate,
-        garbage=config.fault_garbage,
-        garbage_rate=config.fault_garbage_rate,
-        seed=config.seed,
-    )
 
 
 def check_stage_memory(
@@ -142,9 +124,9 @@ def check_stage_memory(
     estimate = memory_budget.estimate_stage_memory(
         model_config,
         spec,
-        optimizer=config.optimizer,
-        precision=config.precision,
-        batch_size=config.max_batch_size,
+        optimizer=config.optim.optimizer,
+        precision=config.compute.precision,
+        batch_size=config.compute.max_batch_size,
         device_type=device.type,
     )
     memory_budget.check_fits(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from models.stages import StageModule, build_stage
 from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from peers.compute.memory_budget import activation_bytes
+from process.config import ConfigError, option
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +34,30 @@ class ActivationCacheMissError(BadRequestError):
     microbatch at the current parameter version: the caller must send the inputs."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerSettings:
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    target_batch_size: int = 32  # samples accumulated per optimizer step
-    kind: str = "adamw"  # "adamw", "adamw8bit" (bitsandbytes), or "sgd" (what the gradient-equality tests use)
+    """The local optimizer of a stage, and the samples it accumulates per step (the peer's `optim`
+    config section: each field is a flag and a SWARM_* variable of `swarm peer`)."""
+
+    optimizer: str = option(
+        "adamw",
+        help="local optimizer (adamw8bit: bitsandbytes' 8-bit AdamW, ~2 instead of 8 bytes of state per parameter)",
+        choices=list(devices.OPTIMIZERS),
+    )  # sgd: what the gradient-equality tests use
+    lr: float = option(1e-3, help="learning rate of the local optimizer")
+    weight_decay: float = option(0.01, help="AdamW weight decay")
+    target_batch_size: int = option(32, help="samples accumulated before each optimizer step")
+    betas: tuple[float, float] = field(default=(0.9, 0.95), init=False, repr=False)  # not an option
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("lr must be positive")
+        if self.target_batch_size < 1:
+            raise ConfigError("target_batch_size must be at least 1")
 
     def build(self, params, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
         return devices.build_optimizer(
-            self.kind, params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, device=device
+            self.optimizer, params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, device=device
         )
 
 

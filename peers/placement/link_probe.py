@@ -8,7 +8,7 @@ include dialing the peer); bandwidth comes from a larger echo whose size
 grows until it takes a noticeable time (`bulk_target_s`) or reaches `bulk_max_bytes`:
 bandwidth = 2 * size / (time - rtt), the payload crossing the link both ways.
 
-`LinkProber` runs on the peer's event loop: on a randomized period it finds the other peers of its
+`LinkProber` runs on the peer's event loop (peers/serving/host.py starts it unless probing is off): on a randomized period it finds the other peers of its
 model on the DHT, probes a bounded number of them (never measured first, then the oldest
 measurement), each under a time limit and one at a time (so probes do not measure each other), and
 publishes a `LinkRecord` with an expiry: each link as the median of its last few measurements.
@@ -295,8 +295,9 @@ class LinkProber:
             delay = self.settings.period_s * self.rng.uniform(0.75, 1.25)
 
 
-async def register_probe_handler(p2p: P2P, *, max_concurrent: int = MAX_CONCURRENT_PROBES) -> None:
-    """Serve `RPC_PROBE` on `p2p`, at most `max_concurrent` echoes at once (the others wait)."""
+def bounded_probe_handler(*, max_concurrent: int = MAX_CONCURRENT_PROBES):
+    """The `RPC_PROBE` handler, at most `max_concurrent` echoes at once (the others wait). The peer
+    registers it behind its admission guard (peers/serving/host.py)."""
     slots = asyncio.Semaphore(max_concurrent)
 
     async def bounded_probe(requests, context):
@@ -304,26 +305,9 @@ async def register_probe_handler(p2p: P2P, *, max_concurrent: int = MAX_CONCURRE
             async for message in rpc_probe(requests, context):
                 yield message
 
-    await p2p.add_protobuf_handler(
-        RPC_PROBE, bounded_probe, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
-    )
+    return bounded_probe
 
 
-def start_link_probing(server, p2p: P2P, stop: asyncio.Event) -> asyncio.Task | None:
-    """The probe loop of a `PeerServer` (its config, DHT, peer id and runtime), as a task the server
-    awaits on shutdown; None when its config turns probing off (`link_probe_period_s` 0)."""
-    config = server.config
-    if config.link_probe_period_s <= 0:
-        return None
-    settings = ProbeSettings(period_s=config.link_probe_period_s, max_peers=config.link_probe_peers)
-    prober = LinkProber(
-        server.dht,
-        p2p,
-        peer_id=server.peer_id,
-        model=config.model,
-        num_stages=server.runtime.num_stages,
-        stage=lambda: server.runtime.stage,
-        throughput=lambda: server.runtime.throughput.value,
-        settings=settings,
-    )
-    return asyncio.create_task(prober.run(stop))
+def refused_probe(error: Exception, waited_s: float) -> list[runtime_pb2.ExpertResponse]:
+    """What the probe RPC answers a caller the peer's admission guard refused."""
+    return list(response_messages(ProbeResponse(error=str(error)[:1024]), []))

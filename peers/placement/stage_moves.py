@@ -1,8 +1,10 @@
 """A peer changing the stage it serves: rebalancing moves and the standby (backup-pool) peer.
 
-`StageMoves` is mixed into `PeerServer` (peers/serving/server.py), which owns the runtime, the executor,
-the DHT and the builder used here. Decisions are the pure functions of peers/placement/rebalance.py over
-the views of peers/placement/stage_choice.py; this module only fetches, waits and swaps.
+`StageMoves` is a service of the peer (peers/serving/host.py builds it): it swaps the stage of the
+peer's `ServingState`, builds the next stage with the launcher's `StageBuilder`, announces through the
+`Announcer` and copies the new stage's state with `ReplicaSyncService`. Decisions are the pure
+functions of peers/placement/rebalance.py over the views of peers/placement/stage_choice.py; this
+module only fetches, waits and swaps.
 
 A move, in order:
 1. announce `offline` at the old stage (trainers stop routing there at their next refresh) and
@@ -27,12 +29,16 @@ import logging
 import random
 import time
 import zlib
+from concurrent.futures import Executor
 
-from dht.announce import announce, fetch_stage_records_async
+import hivemind
+
+from dht.announce import fetch_stage_records_async
 from dht.records import PeerRecord, PeerState
 from peers.compute.faults import FaultyStageRuntime
-from peers.compute.stage_builder import BuiltStage
+from peers.compute.stage_builder import BuiltStage, StageBuilder
 from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
+from peers.config import PlacementSettings
 from peers.placement.rebalance import (
     ReplicaView,
     choose_standby_target,
@@ -43,8 +49,11 @@ from peers.placement.rebalance import (
     stages_that_lost_replicas,
 )
 from peers.placement.stage_choice import replica_views
+from peers.replicas.replica_sync import ReplicaSyncService
+from peers.serving.announcer import Announcer
+from peers.serving.checkpointer import Checkpointer
+from peers.serving.serving_state import ServingState
 from process.version import software_version
-from wire import compression
 
 logger = logging.getLogger(__name__)
 
@@ -59,37 +68,58 @@ def _compute(runtime) -> StageRuntime:
 
 
 class StageMoves:
+    def __init__(
+        self,
+        serving: ServingState,
+        compute: Executor,
+        dht: hivemind.DHT,
+        settings: PlacementSettings,
+        *,
+        peer_id: str,
+        model: str,
+        builder: StageBuilder,
+        announcer: Announcer,
+        replicas: ReplicaSyncService,
+        checkpointer: Checkpointer | None = None,
+    ):
+        self.serving, self.compute, self.dht, self.settings = serving, compute, dht, settings
+        self.peer_id, self.model, self.builder = peer_id, model, builder
+        self.announcer, self.replicas, self.checkpointer = announcer, replicas, checkpointer
+
     # --- the swarm as the decision functions see it ------------------------------------------------
     async def _all_records(self) -> list[PeerRecord]:
-        stages = range(self.runtime.num_stages)
-        results = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.config.model, s) for s in stages])
+        stages = range(self.serving.runtime.num_stages)
+        results = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.model, s) for s in stages])
         return [record for records in results for record in records]
 
-    async def _swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
+    async def swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
+        runtime = self.serving.runtime
         me = (
-            ReplicaView(self.peer_id, self.runtime.stage, float(self.runtime.throughput.value), self.state.value)
+            ReplicaView(self.peer_id, runtime.stage, float(runtime.throughput.value), self.serving.state.value)
             if include_self
             else None
         )
-        views = replica_views(await self._all_records(), self.runtime.num_stages, me=me)
+        views = replica_views(await self._all_records(), runtime.num_stages, me=me)
         return views if include_self else [v for v in views if v.peer_id != self.peer_id]
 
     # --- rebalancing ------------------------------------------------------------------------------
-    async def _rebalance_forever(self, p2p, stop: asyncio.Event) -> None:
+    async def rebalance_forever(self, p2p, stop: asyncio.Event) -> None:
+        settings = self.settings
         rng = random.Random(zlib.crc32(self.peer_id.encode()))  # peers started together check at different times
-        next_check_at = time.monotonic() + next_check_delay_s(self.config.rebalance_period_s, rng)
-        watch_s, seen = self.config.rebalance_loss_watch_s, None  # seen: the swarm at our last look
+        next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
+        watch_s, seen = settings.rebalance_loss_watch_s, None  # seen: the swarm at our last look
         while not stop.is_set():
             wake_at = next_check_at if watch_s <= 0 else min(next_check_at, time.monotonic() + watch_s)
-            if await self._stopped_within(stop, wake_at - time.monotonic()):
+            if await _stopped_within(stop, wake_at - time.monotonic()):
                 return
+            num_stages = self.serving.runtime.num_stages
             if time.monotonic() >= next_check_at:
-                next_check_at = time.monotonic() + next_check_delay_s(self.config.rebalance_period_s, rng)
+                next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
             else:  # a look between periodic checks: check soon if a stage lost a replica since the last one
                 # (a DHT lookup that timed out reads as an empty stage: at worst one needless check)
                 try:
-                    views = await self._swarm_views(include_self=False)
-                    lost = () if seen is None else stages_that_lost_replicas(seen, views, self.runtime.num_stages)
+                    views = await self.swarm_views(include_self=False)
+                    lost = () if seen is None else stages_that_lost_replicas(seen, views, num_stages)
                 except ValueError as e:
                     logger.warning(f"Rebalancing look skipped: {e}")
                     continue
@@ -97,17 +127,15 @@ class StageMoves:
                 if not lost:
                     continue
                 logger.info(f"stage(s) {list(lost)} lost a replica: checking whether to move")
-                if await self._stopped_within(stop, loss_check_delay_s(self.config.rebalance_loss_delay_s, rng)):
+                if await _stopped_within(stop, loss_check_delay_s(settings.rebalance_loss_delay_s, rng)):
                     return
             # Only with traffic: then our throughput is an EMA of served requests, not only the start-up
             # benchmark (measured to vary 4x on a loaded machine), and an idle swarm has nothing to gain.
-            if self.state != PeerState.ONLINE or self.requests_served < MIN_REQUESTS_BEFORE_MOVING:
+            if self.serving.state != PeerState.ONLINE or self.serving.requests_served < MIN_REQUESTS_BEFORE_MOVING:
                 continue
             try:
-                views = await self._swarm_views()
-                decision = decide_move(
-                    self.peer_id, views, self.runtime.num_stages, min_gain=self.config.rebalance_min_gain
-                )
+                views = await self.swarm_views()
+                decision = decide_move(self.peer_id, views, num_stages, min_gain=settings.rebalance_min_gain)
             except ValueError as e:  # a malformed snapshot: skip this check, never crash the peer
                 logger.warning(f"Rebalancing check skipped: {e}")
                 continue
@@ -120,47 +148,40 @@ class StageMoves:
                 )
                 await self.move_to_stage(decision.to_stage, p2p)
 
-    @staticmethod
-    async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=max(seconds, 0.0))
-            return True
-        except TimeoutError:
-            return False
-
     async def move_to_stage(self, stage: int, p2p) -> None:
         """Serve `stage` instead of the current one (see the module docstring for the steps)."""
-        old_stage, started = self.runtime.stage, time.monotonic()
-        self.moving_to, self.state = stage, PeerState.JOINING
-        self.metrics.set_state(self.state.value)
-        await announce(self.dht, self.record(stage=old_stage, state=PeerState.OFFLINE))
-        await announce(self.dht, self.record())
-        if self.config.checkpoint_dir:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.save_checkpoint)
+        serving = self.serving
+        old_stage, started = serving.runtime.stage, time.monotonic()
+        serving.moving_to = stage
+        serving.set_state(PeerState.JOINING)
+        await self.announcer.announce(stage=old_stage, state=PeerState.OFFLINE)
+        await self.announcer.announce()
+        if self.checkpointer is not None:
+            await self.checkpointer.save_now()
         try:
             built = await asyncio.to_thread(self.builder.build, stage)
         except Exception as e:  # cannot build the new stage: stay where we are
             logger.error(f"Could not build stage {stage} ({type(e).__name__}: {e}); staying on stage {old_stage}")
-            self.moving_to, self.state = None, PeerState.ONLINE
-            self.metrics.set_state(self.state.value)
-            await announce(self.dht, self.record())
+            serving.moving_to = None
+            serving.set_state(PeerState.ONLINE)
+            await self.announcer.announce()
             return
         drained_s = await self._drain_old_stage()
         # The state last, right before the swap: the new stage's replicas keep stepping while we drain
         # (up to 10 s), and a copy taken before that would be served several of their steps out of date.
-        await self._load_state_from_replica(p2p, built.runtime)
+        await self.replicas.load_state_from_replica(p2p, built.runtime)
         # Announce what this peer served, not the new stage's start-up benchmark: the plan assumed the
         # peer's throughput moves with it, and a benchmark taken in a quiet second (measured up to 4x
         # the served EMA) made peers move back and forth. Real requests correct the EMA from here.
-        _compute(built.runtime).throughput = ThroughputMeter(initial=_compute(self.runtime).throughput.value)
+        _compute(built.runtime).throughput = ThroughputMeter(initial=_compute(serving.runtime).throughput.value)
         await self._swap_stage(built)
-        self.moving_to, self.state = None, PeerState.ONLINE
-        self.metrics.set_state(self.state.value)
-        await announce(self.dht, self.record())
+        serving.moving_to = None
+        serving.set_state(PeerState.ONLINE)
+        await self.announcer.announce()
         print(
             f"moved from stage {old_stage} to stage {stage} in {time.monotonic() - started:.1f} s "
             f"(old stage drained for {drained_s:.1f} s) "
-            f"(announcing {self.runtime.throughput.value:.1f} samples/s, the EMA it served)",
+            f"(announcing {serving.runtime.throughput.value:.1f} samples/s, the EMA it served)",
             flush=True,
         )
 
@@ -169,75 +190,69 @@ class StageMoves:
         request in flight for `quiet_s`, or `max_s` at most. Fewer requests then fail over."""
         started = quiet_since = time.monotonic()
         while (now := time.monotonic()) - quiet_since < quiet_s and now - started < max_s:
-            if self.in_flight:
+            if self.serving.in_flight:
                 quiet_since = now
             await asyncio.sleep(0.05)
         return time.monotonic() - started
 
     async def _swap_stage(self, built: BuiltStage) -> None:
         """Swap runtimes on the compute thread, so no compute ever sees half of each."""
-        old_averaging = self.averaging
-
-        def swap() -> None:
-            self.runtime, self.averaging = built.runtime, built.averaging
-            self.feedback = compression.ErrorFeedback()  # residuals belong to the old stage's tensors
-
-        await asyncio.get_running_loop().run_in_executor(self.executor, swap)
-        self.metrics.set_serving(
-            stage=self.runtime.stage, num_stages=self.runtime.num_stages, version=software_version()
+        serving, old_averaging = self.serving, self.serving.averaging
+        await asyncio.get_running_loop().run_in_executor(self.compute, serving.swap, built.runtime, built.averaging)
+        serving.metrics.set_serving(
+            stage=serving.runtime.stage, num_stages=serving.runtime.num_stages, version=software_version()
         )
         if old_averaging is not None:
             await asyncio.to_thread(old_averaging.shutdown)
 
     # --- standby (backup pool) ---------------------------------------------------------------------
-    async def _stand_by(self, p2p, stop: asyncio.Event) -> bool:
+    async def stand_by(self, p2p, stop: asyncio.Event) -> bool:
         """Hold a recent copy of the thinnest stage until a stage needs this peer. Returns True when
         taking over (the caller then goes online), False when stopped first."""
-        self.state = PeerState.STANDBY
-        self.metrics.set_state(self.state.value)
+        serving, settings = self.serving, self.settings
+        serving.set_state(PeerState.STANDBY)
         refreshed_at, announced_at = None, None
         while not stop.is_set():
+            num_stages = serving.runtime.num_stages
             try:
-                views = await self._swarm_views(include_self=False)
-                target = choose_standby_target(views, self.runtime.num_stages)
+                views = await self.swarm_views(include_self=False)
+                target = choose_standby_target(views, num_stages)
                 take_over = should_standby_take_over(
-                    views, self.runtime.num_stages, target, min_fraction=self.config.standby_take_over_fraction
+                    views, num_stages, target, min_fraction=settings.standby_take_over_fraction
                 )
             except ValueError as e:
                 logger.warning(f"Standby check skipped: {e}")
-                views, target, take_over = None, self.runtime.stage, False
-            if target != self.runtime.stage:
-                print(f"standby: now holding stage {target} (was {self.runtime.stage})", flush=True)
+                views, target, take_over = None, serving.runtime.stage, False
+            if target != serving.runtime.stage:
+                print(f"standby: now holding stage {target} (was {serving.runtime.stage})", flush=True)
                 await self._swap_stage(await asyncio.to_thread(self.builder.build, target))
                 refreshed_at = None
             live = views is not None and any(v.stage == target and v.state == "online" for v in views)
-            stale = refreshed_at is None or time.monotonic() - refreshed_at > self.config.standby_refresh_s
+            stale = refreshed_at is None or time.monotonic() - refreshed_at > settings.standby_refresh_s
             if live and (stale or take_over):  # taking over with a live replica left: get its latest state first
-                if await self._load_state_from_replica(p2p):
+                if await self.replicas.load_state_from_replica(p2p):
                     refreshed_at = time.monotonic()
             if take_over:
                 age = "never refreshed" if refreshed_at is None else f"{time.monotonic() - refreshed_at:.0f} s old"
                 print(
                     f"standby: taking over stage {target} ({'it has no online replica' if not live else 'it fell behind'};"
-                    f" held state {age}, {self.runtime.steps_done} steps done)",
+                    f" held state {age}, {serving.runtime.steps_done} steps done)",
                     flush=True,
                 )
                 return True
-            if announced_at is None or time.monotonic() - announced_at > self.config.announce_period_s:
-                await announce(self.dht, self.record())
+            if announced_at is None or time.monotonic() - announced_at > self.announcer.settings.announce_period_s:
+                await self.announcer.announce()
                 announced_at = time.monotonic()
             try:
-                await asyncio.wait_for(stop.wait(), timeout=self.config.standby_check_s)
+                await asyncio.wait_for(stop.wait(), timeout=settings.standby_check_s)
             except TimeoutError:
                 pass
         return False
 
-    async def _leave_standby(self) -> None:
-        """Stopped while on standby: say so on the DHT and release the compute thread and averager."""
-        self.state = PeerState.OFFLINE
-        self.metrics.set_state(self.state.value)
-        await announce(self.dht, self.record(), timeout_s=5.0)
-        print(f"peer {self.peer_id} offline after standing by", flush=True)
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.averaging is not None:
-            self.averaging.shutdown()
+
+async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=max(seconds, 0.0))
+        return True
+    except TimeoutError:
+        return False

@@ -2,8 +2,10 @@
 loading state from a replica before going online, and periodic parameter averaging (by time: a loop;
 by steps: on the commit).
 
-`ReplicaSyncHandlers` is mixed into `PeerServer` (peers/serving/server.py), which owns the runtime, the
-averager, the DHT and the executor these use.
+`ReplicaSyncService` works on the stage of a `ServingState` (peers/serving/serving_state.py): its
+runtime and averager, which a move swaps together. The admission guard (peers/serving/admission.py)
+admits a caller before the RPC handlers here run; it answers a refused one with `refused_commit` or
+`refused_state`, the answers these RPCs give any bad request.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Executor
 
+import hivemind
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
@@ -20,49 +24,72 @@ from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.state_transfer import download_state
+from peers.serving.serving_state import ServingState
 from wire.messages import read_unary, unary_response, write_state
 from wire.protocol import CommitRequest, CommitResponse, ProtocolError, StateHeader, StateRequest
 
 logger = logging.getLogger(__name__)
 
 
-class ReplicaSyncHandlers:
+class ReplicaSyncService:
+    def __init__(
+        self,
+        serving: ServingState,
+        compute: Executor,
+        dht: hivemind.DHT,
+        *,
+        peer_id: str,
+        model: str,
+        averaging_timeout_s: float,
+    ):
+        self.serving, self.compute, self.dht = serving, compute, dht
+        self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
+
+    @staticmethod
+    def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
+        return unary_response(CommitResponse(error=str(error)))
+
+    @staticmethod
+    def refused_state(error: Exception, waited_s: float):
+        return write_state(StateHeader(error=str(error)), b"")
+
     async def rpc_commit(self, request: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
         """Sync averaging: the trainer finished a step; average gradients with the other replicas and step."""
+        serving = self.serving
         try:
             commit = read_unary(request, CommitRequest)
             if (commit.model, commit.stage, commit.num_stages) != (
-                self.config.model,
-                self.runtime.stage,
-                self.runtime.num_stages,
+                self.model,
+                serving.runtime.stage,
+                serving.runtime.num_stages,
             ):
                 raise ProtocolError(
-                    f"this peer serves {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages}"
+                    f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
-            averaging = self.averaging
+            averaging = serving.averaging
             if isinstance(averaging, GradientSync):
                 outcome = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, averaging.commit, commit.step_id, commit.group_size
+                    self.compute, averaging.commit, commit.step_id, commit.group_size
                 )
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
-                group_size = await self._periodic_group_size() if averaging.round_due_after_next_step() else 1
+                group_size = await self.periodic_group_size() if averaging.round_due_after_next_step() else 1
                 outcome = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, averaging.commit, commit.step_id, group_size
+                    self.compute, averaging.commit, commit.step_id, group_size
                 )
                 if outcome.averaged:
                     self._print_round(outcome)
             else:  # no averaging, or periodic by time: replicas step on their own, nothing to do
                 outcome = None
             response = (
-                CommitResponse(steps_done=self.runtime.steps_done)
+                CommitResponse(steps_done=serving.runtime.steps_done)
                 if outcome is None
                 else CommitResponse(
                     stepped=outcome.stepped,
                     averaged=outcome.averaged,
                     group_size=outcome.group_size,
                     samples=outcome.samples,
-                    steps_done=self.runtime.steps_done,
+                    steps_done=serving.runtime.steps_done,
                 )
             )
         except ProtocolError as e:
@@ -71,57 +98,53 @@ class ReplicaSyncHandlers:
 
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
         """Stream this stage's parameters and optimizer state to a joining replica."""
+        serving = self.serving
         try:
-            caller = context.remote_id.to_base58() if getattr(context, "remote_id", None) else "unknown"
-            if self.config.allowed_peers and caller not in self.config.allowed_peers:
-                raise ProtocolError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
             wanted = read_unary(request, StateRequest)
             if (wanted.model, wanted.stage, wanted.num_stages) != (
-                self.config.model,
-                self.runtime.stage,
-                self.runtime.num_stages,
+                self.model,
+                serving.runtime.stage,
+                serving.runtime.num_stages,
             ):
                 raise ProtocolError(
-                    f"this peer serves {self.config.model} stage {self.runtime.stage}/{self.runtime.num_stages}"
+                    f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
             data = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.runtime.export_state, self.config.model
+                self.compute, serving.runtime.export_state, self.model
             )
-            header = StateHeader(total_bytes=len(data), steps_done=self.runtime.steps_done)
+            header = StateHeader(total_bytes=len(data), steps_done=serving.runtime.steps_done)
         except ProtocolError as e:
             header, data = StateHeader(error=str(e)), b""
         for message in write_state(header, data):
             yield message
 
-    async def _load_state_from_replica(self, p2p, runtime=None) -> bool:
+    async def load_state_from_replica(self, p2p, runtime=None) -> bool:
         """Before going online: copy the stage's current state from a live replica, if there is one.
         `runtime`: load into this one instead of the served one (a move or a standby refresh).
         Returns whether a replica's state was loaded."""
-        runtime = runtime or self.runtime
+        runtime = runtime or self.serving.runtime
         records = [
             r
-            for r in await fetch_stage_records_async(self.dht, self.config.model, runtime.stage)
+            for r in await fetch_stage_records_async(self.dht, self.model, runtime.stage)
             if r.state == PeerState.ONLINE and r.peer_id != self.peer_id and r.num_stages == runtime.num_stages
         ]
-        request = StateRequest(model=self.config.model, stage=runtime.stage, num_stages=runtime.num_stages)
+        request = StateRequest(model=self.model, stage=runtime.stage, num_stages=runtime.num_stages)
         for record in sorted(records, key=lambda r: r.load):
             try:
-                state = await download_state(
-                    p2p, record.peer_id, request, timeout_s=self.config.averaging_timeout_s * 4
-                )
+                downloaded = await download_state(p2p, record.peer_id, request, timeout_s=self.averaging_timeout_s * 4)
                 # Compared with the runtime that receives the state (a move's new stage, not the one served so far).
-                if state[0].steps_done < runtime.steps_done:  # e.g. a replica that served little or nothing
+                if downloaded[0].steps_done < runtime.steps_done:  # e.g. a replica that served little or nothing
                     print(
-                        f"replica {record.peer_id[-8:]} has done {state[0].steps_done} steps, fewer than our "
+                        f"replica {record.peer_id[-8:]} has done {downloaded[0].steps_done} steps, fewer than our "
                         f"{runtime.steps_done}; not loading its state",
                         flush=True,
                     )
                     continue
                 await asyncio.get_running_loop().run_in_executor(
-                    self.executor,
+                    self.compute,
                     runtime.import_state,
-                    state,
-                    self.config.model,
+                    downloaded,
+                    self.model,
                     f"state from replica {record.peer_id[-8:]}",
                 )
                 print(
@@ -138,46 +161,48 @@ class ReplicaSyncHandlers:
             print(f"no replica of stage {runtime.stage} could send its state; starting from what we have", flush=True)
         return False
 
-    async def _periodic_group_size(self) -> int:
+    async def periodic_group_size(self) -> int:
         """Replicas of this stage online in periodic mode, as the DHT shows them, this one included."""
-        records = await fetch_stage_records_async(self.dht, self.config.model, self.runtime.stage)
+        runtime = self.serving.runtime
+        records = await fetch_stage_records_async(self.dht, self.model, runtime.stage)
         group = [
             r
             for r in records
-            if r.state == PeerState.ONLINE and r.averaging == "periodic" and r.num_stages == self.runtime.num_stages
+            if r.state == PeerState.ONLINE and r.averaging == "periodic" and r.num_stages == runtime.num_stages
         ]
         return len({r.peer_id for r in group} | {self.peer_id})
 
     def _print_round(self, outcome) -> None:
         print(
-            f"averaged parameters with {outcome.group_size - 1} other replica(s) (round {self.averaging.rounds}"
-            f"{', then an outer step' if outcome.outer_stepped else ''}; {self.runtime.steps_done} steps done)",
+            f"averaged parameters with {outcome.group_size - 1} other replica(s) (round {self.serving.averaging.rounds}"
+            f"{', then an outer step' if outcome.outer_stepped else ''}; {self.serving.runtime.steps_done} steps done)",
             flush=True,
         )
 
-    async def _average_parameters_forever(self, stop: asyncio.Event) -> None:
+    async def average_parameters_forever(self, stop: asyncio.Event) -> None:
         """Periodic mode by time: meet the other replicas at every multiple of the period (DHT time)."""
         while not stop.is_set():
-            round_time = self.averaging.next_round_time()
+            averaging = self.serving.averaging  # a move swaps it (with the runtime)
+            round_time = averaging.next_round_time()
             delay = max(round_time - get_dht_time() - 1.0, 0.0)  # join matchmaking a second early
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
                 return
             except TimeoutError:
                 pass
-            group_size = await self._periodic_group_size()
+            group_size = await self.periodic_group_size()
             loop = asyncio.get_running_loop()
             # Matchmaking runs in the averager's process while this stage keeps computing; only the
             # all-reduce itself, which writes the parameters, takes the compute thread.
-            control = await loop.run_in_executor(None, self.averaging.schedule, group_size, round_time)
+            control = await loop.run_in_executor(None, averaging.schedule, group_size, round_time)
             if control is not None:
-                deadline = time.monotonic() + self.config.averaging_timeout_s
-                while not self.averaging.group_ready(control) and time.monotonic() < deadline and not stop.is_set():
+                deadline = time.monotonic() + self.averaging_timeout_s
+                while not averaging.group_ready(control) and time.monotonic() < deadline and not stop.is_set():
                     await asyncio.sleep(0.05)
-                if self.averaging.group_ready(control):
-                    outcome = await loop.run_in_executor(self.executor, self.averaging.average, control)
+                if averaging.group_ready(control):
+                    outcome = await loop.run_in_executor(self.compute, averaging.average, control)
                     if outcome.averaged:
                         self._print_round(outcome)
                 else:
-                    self.averaging.abandon(control)
+                    averaging.abandon(control)
             await asyncio.sleep(1.0)

@@ -1,7 +1,10 @@
 """The stage RPCs: forward and backward requests, decoded on the event loop and computed on one thread.
 
-`StageRpcHandlers` is mixed into `PeerServer` (peers/serving/server.py), which owns the state these handlers
-use: the config, the `StageRuntime`, the compute executor, the metrics and the request counters.
+`StageRpcService` serves the stage of a `ServingState` (peers/serving/serving_state.py), which a move
+may swap at any time: every request reads the runtime it computes on from there. The admission guard
+(peers/serving/admission.py) has admitted the caller and limits the request's size before a handler
+here runs; a handler reports bad requests back to it, so that a caller who keeps sending them is
+refused for a while.
 """
 
 from __future__ import annotations
@@ -9,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Executor
 
 import torch
 
 from dht.records import PeerState
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError
+from peers.metrics import PeerMetrics
+from peers.serving.admission import AdmissionError, AdmissionGuard, caller_id, failure_kind
+from peers.serving.serving_state import ServingState
 from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
@@ -28,59 +35,50 @@ class WrongStageError(ProtocolError):
     """The request names a stage this peer does not serve (the trainer's view of the swarm is stale)."""
 
 
-class RateLimitedError(ProtocolError):
-    """The caller sent too many bad requests lately (wire/request_limits.py)."""
+class StageRpcService:
+    def __init__(
+        self,
+        serving: ServingState,
+        compute: Executor,
+        guard: AdmissionGuard,
+        *,
+        model: str,
+        max_concurrent_requests: int,
+        byte_counter: compression.ByteCounter,
+        metrics: PeerMetrics,
+    ):
+        self.serving, self.compute, self.guard = serving, compute, guard
+        self.model, self.bytes, self.metrics = model, byte_counter, metrics
+        self.slots = asyncio.Semaphore(max_concurrent_requests)
 
-
-class NotAllowedError(ProtocolError):
-    """A private swarm's peer was called by a peer id not on its allowlist."""
-
-
-async def _drain(requests, max_bytes: int) -> None:
-    """Read (and drop, undecoded) what the caller sends, up to `max_bytes`."""
-    received = 0
-    async for message in requests:
-        received += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
-        if received > max_bytes:
-            return
-
-
-def _caller(context) -> str:
-    remote = getattr(context, "remote_id", None)
-    return remote.to_base58() if remote is not None else "unknown"
-
-
-class StageRpcHandlers:
     async def rpc_forward(self, requests, context):
-        async for message in self._serve("forward", requests, _caller(context)):
+        async for message in self._serve("forward", requests, caller_id(context)):
             yield message
 
     async def rpc_backward(self, requests, context):
-        async for message in self._serve("backward", requests, _caller(context)):
+        async for message in self._serve("backward", requests, caller_id(context)):
             yield message
 
+    def refused(self, rpc: str):
+        """What `rpc` answers a caller the admission guard refused; counted as a failed request."""
+
+        def answer(error: AdmissionError, waited_s: float):
+            self.serving.requests_failed += 1
+            self.metrics.observe_request(
+                stage=self.serving.runtime.stage, rpc=rpc, duration_s=waited_s, failure_kind=failure_kind(error)
+            )
+            return write_response(ResponseHeader(error=str(error), error_kind=Failure.BAD_REQUEST))
+
+        return answer
+
     async def _serve(self, rpc: str, requests, caller: str = "unknown"):
+        serving = self.serving
         received = time.perf_counter()
-        self.in_flight += 1
-        failure_kind, queue_s, compute_s, samples = None, None, None, 0
+        serving.in_flight += 1
+        failed_as, queue_s, compute_s, samples = None, None, None, 0
         try:
-            max_bytes = int(self.config.max_request_mb * (1 << 20))
-            if self.config.allowed_peers and caller not in self.config.allowed_peers:
-                failure_kind = Failure.NOT_ALLOWED
-                await _drain(requests, max_bytes)  # answering before the caller finished sending resets the stream
-                raise NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
-            if not self.penalties.allows(caller):  # refused before anything is decoded
-                failure_kind = Failure.RATE_LIMITED
-                await _drain(requests, max_bytes)
-                raise RateLimitedError(
-                    f"too many bad requests from {caller[-8:]}; refused for the next "
-                    f"{self.penalties.seconds_until_allowed(caller):.0f} s"
-                )
-            try:
-                request = await read_request(requests, RequestHeader, max_bytes=max_bytes)
-            except RequestTooLargeError:
-                await _drain(requests, max_bytes)  # let the caller finish sending: it gets our answer, not a reset
-                raise
+            # The guard cuts `requests` off past --max-request-mb (RequestTooLargeError, after reading the rest).
+            request = await read_request(requests, RequestHeader)
             arrived = time.perf_counter()  # the whole request is here: from now on, time is the peer's own
             header = request.header
             if header.rpc != rpc:
@@ -92,19 +90,19 @@ class StageRpcHandlers:
                     f"{', '.join(compression.known_codecs())}"
                 )
             tensors = request.decoded(self.bytes)
-            async with self._semaphore:
+            async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
                 (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, _timed, self._compute, header, tensors
+                    self.compute, _timed, self._compute, header, tensors
                 )
             queue_s, samples = compute_started - arrived, header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
-            self.requests_served += 1
-            if self.requests_served == 1 and self.announced_online_at is not None:
+            serving.requests_served += 1
+            if serving.requests_served == 1 and serving.announced_online_at is not None:
                 print(
-                    f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
+                    f"first request served {time.monotonic() - serving.announced_online_at:.2f} s after the "
                     f"online record was stored",
                     flush=True,
                 )
@@ -113,71 +111,72 @@ class StageRpcHandlers:
             logger.debug(f"{rpc}: {e}")
             response, encoded_outputs = ResponseHeader(error=str(e), error_kind=kind), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
-            self.requests_failed += 1
+            serving.requests_failed += 1
             kind = Failure.WRONG_STAGE if isinstance(e, WrongStageError) else Failure.BAD_REQUEST
-            if not isinstance(e, (WrongStageError, RateLimitedError, NotAllowedError)):  # a stale route is no offence
-                self.penalties.penalize(caller)
-            failure_kind = failure_kind or (Failure.TOO_LARGE if isinstance(e, RequestTooLargeError) else kind)
-            if not isinstance(e, (RateLimitedError, NotAllowedError)):
-                logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
+            if not isinstance(e, WrongStageError):  # a stale route is no offence
+                self.guard.penalize(caller)
+            failed_as = Failure.TOO_LARGE if isinstance(e, RequestTooLargeError) else kind
+            logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
             response, encoded_outputs = ResponseHeader(error=str(e), error_kind=kind), []
         except (MemoryError, torch.OutOfMemoryError):  # this request was too big for us now; keep serving
-            self.requests_failed += 1
-            failure_kind = Failure.INTERNAL
+            serving.requests_failed += 1
+            failed_as = Failure.INTERNAL
             logger.error(f"Out of memory serving a {rpc} request from {caller[-8:]}; refused it and kept serving")
             response, encoded_outputs = (
                 ResponseHeader(error="the peer ran out of memory computing this request", error_kind=Failure.INTERNAL),
                 [],
             )
         except Exception as e:  # a bug or resource failure here must not take the peer down
-            self.requests_failed += 1
+            serving.requests_failed += 1
             logger.exception(f"{rpc} failed")
-            failure_kind = Failure.INTERNAL
+            failed_as = Failure.INTERNAL
             response, encoded_outputs = (
                 ResponseHeader(error=f"{type(e).__name__}: {e}", error_kind=Failure.INTERNAL),
                 [],
             )
         finally:
-            self.in_flight -= 1
+            serving.in_flight -= 1
             self.metrics.observe_request(
-                stage=self.runtime.stage,
+                stage=serving.runtime.stage,
                 rpc=rpc,
                 duration_s=time.perf_counter() - received,
                 samples=samples,
                 queue_s=queue_s,
                 compute_s=compute_s,
-                failure_kind=getattr(failure_kind, "value", failure_kind),
+                failure_kind=getattr(failed_as, "value", failed_as),
             )
         for message in write_response(response, encoded_outputs, self.bytes):
             yield message
 
     def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:
         """Encode with the codec the caller asked for; top-k gradients keep an error-feedback residual."""
-        feedback = self.feedback if name == "grad_inputs" and header.response_codec == "topk" else None
+        feedback = self.serving.feedback if name == "grad_inputs" and header.response_codec == "topk" else None
         return encode_tensor(
             tensor, header.response_codec, header.response_codec_params, feedback=feedback, feedback_key=name
         )
 
     def _check_route(self, header: RequestHeader) -> None:
-        if header.model != self.config.model or header.num_stages != self.runtime.num_stages:
+        runtime = self.serving.runtime
+        if header.model != self.model or header.num_stages != runtime.num_stages:
             raise ProtocolError(
-                f"this peer serves {self.config.model} split into {self.runtime.num_stages} "
+                f"this peer serves {self.model} split into {runtime.num_stages} "
                 f"stages, not {header.model} in {header.num_stages}"
             )
-        if self.state == PeerState.STANDBY:
+        if self.serving.state == PeerState.STANDBY:
             raise WrongStageError("this peer is a standby: it serves no stage yet")
-        if header.stage != self.runtime.stage:
-            raise WrongStageError(f"this peer serves stage {self.runtime.stage}, not stage {header.stage}")
+        if header.stage != runtime.stage:
+            raise WrongStageError(f"this peer serves stage {runtime.stage}, not stage {header.stage}")
 
     def _compute(self, header: RequestHeader, tensors: dict[str, torch.Tensor]):
-        """Runs on the compute thread."""
-        if header.stage != self.runtime.stage:  # the peer moved while this request waited for the thread
-            raise WrongStageError(f"this peer moved to stage {self.runtime.stage}, not serving stage {header.stage}")
+        """Runs on the compute thread (where a move swaps the runtime: read it once, here)."""
+        runtime = self.serving.runtime
+        if header.stage != runtime.stage:  # the peer moved while this request waited for the thread
+            raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
         inputs = tensors.get("inputs")
         if header.inputs_cached and header.rpc == "backward":
             if inputs is not None:
                 raise BadRequestError("inputs_cached is set, yet the request carries 'inputs'")
-            grad_inputs, loss = self.runtime.backward(
+            grad_inputs, loss = runtime.backward(
                 header.microbatch_id,
                 None,
                 batch_size=header.batch_size,
@@ -190,11 +189,11 @@ class StageRpcHandlers:
         if inputs.shape[:1] != (header.batch_size,):
             raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
         if header.rpc == "forward":
-            outputs = self.runtime.forward(header.microbatch_id, inputs, tensors.get("targets"))
-            if self.runtime.is_last:
+            outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"))
+            if runtime.is_last:
                 return [], float(outputs)
             return [("outputs", outputs)], None
-        grad_inputs, loss = self.runtime.backward(
+        grad_inputs, loss = runtime.backward(
             header.microbatch_id, inputs, grad_outputs=tensors.get("grad_outputs"), targets=tensors.get("targets")
         )
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss

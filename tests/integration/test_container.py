@@ -109,7 +109,8 @@ def test_every_variable_the_image_sets_is_a_peer_option():
     assert unknown_variables(env, option_variables(PeerConfig)) == []
     assert env["SWARM_STATUS_FILE"] and "SWARM_STATUS_FILE" in option_variables(HealthConfig)  # one variable, both ends
     config = from_sources(PeerConfig, env={**env, "SWARM_STAGE": "0", "SWARM_MODEL": "tiny"})
-    assert config.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"] and config.identity_path.startswith("/data/")
+    assert config.network.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"]
+    assert config.network.identity_path.startswith("/data/")
 
 
 def compose_services() -> dict[str, dict]:

@@ -24,7 +24,7 @@ def reference_update(config, kind: str, lr: float):
     inputs = torch.cat([mb.inputs for mb in microbatches])
     targets = torch.cat([mb.targets for mb in microbatches])
     model = build_full_model(config)
-    optimizer = OptimizerSettings(kind=kind, lr=lr).build(model.parameters())
+    optimizer = OptimizerSettings(optimizer=kind, lr=lr).build(model.parameters())
     loss = model(inputs, targets)
     loss.backward()
     optimizer.step()

@@ -79,7 +79,7 @@ class _ControlledSync(GradientSync):
 
 
 def _runtime_with_gradients() -> StageRuntime:
-    runtime = StageRuntime(get_model_config("tiny"), 0, 2, optimizer=OptimizerSettings(kind="sgd", lr=0.1))
+    runtime = StageRuntime(get_model_config("tiny"), 0, 2, optimizer=OptimizerSettings(optimizer="sgd", lr=0.1))
     runtime.auto_step = False
     inputs = torch.randint(0, 256, (2, runtime.config.seq_len))
     grad_outputs = torch.randn(2, runtime.config.seq_len, runtime.config.d_model)

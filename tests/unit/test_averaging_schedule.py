@@ -6,7 +6,7 @@ import pytest
 
 from peers.config import PeerConfig
 from peers.replicas.averaging_schedule import AveragingSchedule
-from process.config import ConfigError
+from process.config import ConfigError, from_sources
 
 
 def test_by_steps_a_round_follows_every_kth_step_and_no_other():
@@ -32,11 +32,16 @@ def test_a_schedule_needs_exactly_one_positive_driver(kwargs):
         AveragingSchedule(**kwargs)
 
 
+def peer_config(**options) -> PeerConfig:
+    """A PeerConfig as the flags named by `options` (leaf names, whatever their section) make it."""
+    return from_sources(PeerConfig, env={}, stage=0, **options)
+
+
 def test_the_peer_flags_pick_one_schedule():
-    assert PeerConfig(stage=0, averaging="periodic").averaging_schedule == AveragingSchedule(period_s=30.0)
-    assert PeerConfig(stage=0, averaging="periodic", averaging_period_s=5).averaging_schedule.period_s == 5
-    by_steps = PeerConfig(stage=0, averaging="periodic", averaging_every_steps=2)
-    assert by_steps.averaging_schedule == AveragingSchedule(every_steps=2) and by_steps.averaging_period_s is None
+    assert peer_config(averaging="periodic").replicas.schedule == AveragingSchedule(period_s=30.0)
+    assert peer_config(averaging="periodic", averaging_period_s=5).replicas.schedule.period_s == 5
+    by_steps = peer_config(averaging="periodic", averaging_every_steps=2).replicas
+    assert by_steps.schedule == AveragingSchedule(every_steps=2) and by_steps.averaging_period_s is None
 
 
 @pytest.mark.parametrize(
@@ -50,5 +55,5 @@ def test_the_peer_flags_pick_one_schedule():
 )
 def test_a_bad_schedule_is_refused_in_one_line(kwargs, message):
     with pytest.raises(ConfigError, match=message) as error:
-        PeerConfig(stage=0, **kwargs)
+        peer_config(**kwargs)
     assert "\n" not in str(error.value)

@@ -44,7 +44,7 @@ def batch(config, n=4, seed=0):
 
 def two_stage_grads(precision: str, optimizer: str = "sgd", name: str = "tiny"):
     config = get_model_config(name)
-    settings = OptimizerSettings(kind=optimizer, lr=0.1, target_batch_size=1000)
+    settings = OptimizerSettings(optimizer=optimizer, lr=0.1, target_batch_size=1000)
     stages = [StageRuntime(config, s, 2, optimizer=settings, precision=precision) for s in range(2)]
     tokens, targets = batch(config)
     hidden = stages[0].forward("mb", tokens)
@@ -73,7 +73,7 @@ def test_reduced_precision_keeps_fp32_weights_and_fp32_wire_tensors(precision, n
 
 def test_fp16_overflow_halves_the_loss_scale_and_still_returns_finite_gradients():
     config = get_model_config("tiny")
-    settings = OptimizerSettings(kind="sgd", target_batch_size=1000)
+    settings = OptimizerSettings(optimizer="sgd", target_batch_size=1000)
     ref = StageRuntime(config, 1, 2, optimizer=settings)
     stage = StageRuntime(config, 1, 2, optimizer=settings, precision="fp16")
     stage.loss_scale.value = 2.0**40  # scaled gradients overflow float16 (max 65504)
@@ -96,7 +96,7 @@ def test_loss_scale_grows_back_after_a_run_of_good_steps():
 
 def test_adamw8bit_trains_on_the_cpu_and_its_state_travels():
     config = get_model_config("tiny")  # its MLP weights (4096 values) are just big enough for 8-bit moments
-    settings = OptimizerSettings(kind="adamw8bit", lr=3e-2, target_batch_size=2)
+    settings = OptimizerSettings(optimizer="adamw8bit", lr=3e-2, target_batch_size=2)
     runtime = StageRuntime(config, 1, 2, optimizer=settings)
     assert type(runtime.optimizer).__name__ == "AdamW8bit"
     g = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ class _CpuBoundRuntime:
 
 def _forward_costs(mode: str) -> tuple[float, float]:
     """CPU seconds (this thread) and wall seconds of one forward slowed 3x in `mode`."""
-    runtime = FaultyStageRuntime(_CpuBoundRuntime(), FaultSettings(slowdown=3.0, slowdown_mode=mode))
+    runtime = FaultyStageRuntime(_CpuBoundRuntime(), FaultSettings(fault_slowdown=3.0, fault_slowdown_mode=mode))
     cpu_started, wall_started = time.thread_time(), time.perf_counter()
     runtime.forward("mb", torch.zeros(1))
     return time.thread_time() - cpu_started, time.perf_counter() - wall_started
@@ -58,7 +58,7 @@ def test_device_slowdown_does_not_multiply_time_spent_off_the_cpu():
 
     def added_s(mode: str) -> tuple[float, float]:
         inner = _WaitingRuntime()
-        runtime = FaultyStageRuntime(inner, FaultSettings(slowdown=3.0, slowdown_mode=mode))
+        runtime = FaultyStageRuntime(inner, FaultSettings(fault_slowdown=3.0, fault_slowdown_mode=mode))
         started = time.perf_counter()
         runtime.forward("mb", torch.zeros(1))
         return time.perf_counter() - started - inner.elapsed_s, inner.elapsed_s
@@ -77,4 +77,4 @@ def test_burn_cpu_counts_this_threads_cpu_time():
 
 def test_an_unknown_slowdown_mode_is_refused():
     with pytest.raises(ValueError, match="--fault-slowdown-mode"):
-        FaultSettings(slowdown=3.0, slowdown_mode="spin")
+        FaultSettings(fault_slowdown=3.0, fault_slowdown_mode="spin")

@@ -126,7 +126,7 @@ def test_the_activation_cache_stays_within_its_byte_budget():
 
 
 def test_num_layers_sets_the_number_of_stages_at_start_up(capsys):
-    from peers.config import PeerConfig
+    from peers.config import ComputeSettings, PeerConfig
     from peers.launch import _resolve_num_layers
 
     config = get_model_config("gpt2-124m")
@@ -136,7 +136,10 @@ def test_num_layers_sets_the_number_of_stages_at_start_up(capsys):
     assert fixed.num_stages == 3  # 12 blocks, at most 5 per stage
     budget = estimate_stage_memory(config, split_layers(12, 4)[1], batch_size=1).total_bytes
     auto = _resolve_num_layers(
-        PeerConfig(model="gpt2-124m", stage=1, num_layers="auto", max_batch_size=1), config, budget, torch.device("cpu")
+        PeerConfig(model="gpt2-124m", stage=1, num_layers="auto", compute=ComputeSettings(max_batch_size=1)),
+        config,
+        budget,
+        torch.device("cpu"),
     )
     assert (
         auto.num_stages

@@ -1,6 +1,6 @@
 """The peer's rebalancing loop checks as soon as a stage loses a replica, not only at its period.
 
-Drives `StageMoves._rebalance_forever` with a scripted swarm (no DHT, no network): the decisions
+Drives `StageMoves.rebalance_forever` with a scripted swarm (no DHT, no network): the decisions
 are the real peers/placement/rebalance.py functions.
 """
 
@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 from dht.records import PeerState
+from peers.config import PlacementSettings
 from peers.placement.rebalance import ReplicaView
 from peers.placement.stage_moves import StageMoves
 
@@ -23,23 +24,29 @@ class ScriptedPeer(StageMoves):
     """Stage 0: us (a-me) + p1 + p2; stage 1: q1 + q2, until q2 leaves after our first look."""
 
     def __init__(self, *, loss_watch_s: float) -> None:
-        self.peer_id, self.state, self.requests_served = "a-me", PeerState.ONLINE, 100
-        self.runtime = SimpleNamespace(stage=0, num_stages=2, throughput=SimpleNamespace(value=1.0))
-        self.config = SimpleNamespace(
+        serving = SimpleNamespace(
+            state=PeerState.ONLINE,
+            requests_served=100,
+            runtime=SimpleNamespace(stage=0, num_stages=2, throughput=SimpleNamespace(value=1.0)),
+        )
+        settings = PlacementSettings(
             rebalance_period_s=1000.0,
             rebalance_loss_watch_s=loss_watch_s,
             rebalance_loss_delay_s=0.05,
             rebalance_min_gain=0.2,
         )
+        super().__init__(
+            serving, None, None, settings, peer_id="a-me", model="tiny", builder=None, announcer=None, replicas=None
+        )
         self.others = [online("p1", 0), online("p2", 0), online("q1", 1), online("q2", 1)]
         self.looks = 0
         self.moved_to: list[int] = []
 
-    async def _swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
+    async def swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
         self.looks += 1
         if self.looks == 2:  # q2 leaves (its record expires) between our first and second look
             self.others = [r for r in self.others if r.peer_id != "q2"]
-        return self.others + ([online(self.peer_id, self.runtime.stage)] if include_self else [])
+        return self.others + ([online(self.peer_id, self.serving.runtime.stage)] if include_self else [])
 
     async def move_to_stage(self, stage: int, p2p) -> None:
         self.moved_to.append(stage)
@@ -50,7 +57,7 @@ async def run_for(peer: ScriptedPeer, seconds: float) -> float:
     peer.stop = asyncio.Event()
     started = time.monotonic()
     try:
-        await asyncio.wait_for(peer._rebalance_forever(None, peer.stop), timeout=seconds)
+        await asyncio.wait_for(peer.rebalance_forever(None, peer.stop), timeout=seconds)
     except TimeoutError:
         pass
     return time.monotonic() - started

@@ -6,7 +6,7 @@ from dht.records import PeerRecord, PeerState
 from peers.config import AUTO_STAGE, PeerConfig
 from peers.placement.rebalance import ReplicaView, decide_move
 from peers.placement.stage_choice import choose_stage, choose_standby_stage, replica_views
-from process.config import ConfigError
+from process.config import ConfigError, from_sources
 
 
 def record(
@@ -86,14 +86,19 @@ def test_standby_holds_the_thinnest_stage():
     assert choose_standby_stage([record("a", 0)], 2) == 1  # an empty stage is the thinnest
 
 
+def peer_config(**options) -> PeerConfig:
+    """A PeerConfig as the flags named by `options` (leaf names, whatever their section) make it."""
+    return from_sources(PeerConfig, env={}, **options)
+
+
 def test_peer_config_stage_auto_standby_and_rebalancing_flags():
-    assert PeerConfig(model="tiny", stage="1", num_stages=2).stage == 1
-    assert PeerConfig(model="tiny", stage="auto", num_stages=2).stage == AUTO_STAGE
-    assert PeerConfig(model="tiny", standby=True, num_stages=2).stage == AUTO_STAGE
+    assert peer_config(model="tiny", stage="1", num_stages=2).stage == 1
+    assert peer_config(model="tiny", stage="auto", num_stages=2).stage == AUTO_STAGE
+    assert peer_config(model="tiny", standby=True, num_stages=2).stage == AUTO_STAGE
     with pytest.raises(ConfigError, match="standby chooses"):
-        PeerConfig(model="tiny", stage=1, standby=True)
+        peer_config(model="tiny", stage=1, standby=True)
     with pytest.raises(ConfigError, match="stage number or auto"):
-        PeerConfig(model="tiny", stage="first")
+        peer_config(model="tiny", stage="first")
     with pytest.raises(ConfigError, match="rebalance"):
-        PeerConfig(model="tiny", stage=0, rebalance_period_s=-1.0)
-    assert PeerConfig(model="tiny", stage=0).rebalance_period_s == 0.0  # off unless asked for
+        peer_config(model="tiny", stage=0, rebalance_period_s=-1.0)
+    assert peer_config(model="tiny", stage=0).placement.rebalance_period_s == 0.0  # off unless asked for

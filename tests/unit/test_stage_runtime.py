@@ -38,7 +38,7 @@ def pipeline_step(config, tokens, targets, settings, num_stages, microbatch):
 def test_split_training_step_matches_one_process(num_stages, optimizer):
     # SGD makes the update proportional to the gradient (AdamW alone would hide a wrong scale).
     config = get_model_config("tiny")
-    settings = OptimizerSettings(kind=optimizer, lr=0.5 if optimizer == "sgd" else 1e-3, target_batch_size=8)
+    settings = OptimizerSettings(optimizer=optimizer, lr=0.5 if optimizer == "sgd" else 1e-3, target_batch_size=8)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=g)
     targets = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=g)
@@ -70,7 +70,7 @@ def test_activation_cache_is_used_and_retries_are_not_double_counted():
 
 def test_backward_without_inputs_uses_the_cached_forward_and_equals_a_backward_with_inputs():
     config = get_model_config("tiny")
-    settings = OptimizerSettings(kind="sgd", lr=0.5, target_batch_size=2)
+    settings = OptimizerSettings(optimizer="sgd", lr=0.5, target_batch_size=2)
     with_inputs, without = (
         StageRuntime(config, 1, 3, optimizer=settings),
         StageRuntime(config, 1, 3, optimizer=settings),

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from dht.records import PeerRecord, PeerState
 from peers.compute.checkpoint import CheckpointMeta
 from peers.replicas import replica_sync
-from peers.replicas.replica_sync import ReplicaSyncHandlers
+from peers.replicas.replica_sync import ReplicaSyncService
 
 
 class FakeRuntime:
@@ -46,17 +46,14 @@ def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monke
     monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
     monkeypatch.setattr(replica_sync, "download_state", download)
     with ThreadPoolExecutor(max_workers=1) as executor:
-        peer = SimpleNamespace(
-            config=SimpleNamespace(model="tiny", averaging_timeout_s=1.0),
-            dht=None,
-            peer_id="mover",
-            runtime=FakeRuntime(stage=0, steps_done=9),
-            executor=executor,
+        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=9))
+        replicas = ReplicaSyncService(
+            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0
         )
         new_stage = FakeRuntime(stage=1, steps_done=0)
-        loaded = asyncio.run(ReplicaSyncHandlers._load_state_from_replica(peer, None, new_stage))
+        loaded = asyncio.run(replicas.load_state_from_replica(None, new_stage))
         assert loaded and new_stage.steps_done == 4 and new_stage.imported is not None
         # A runtime that already holds more steps than the replica (a restored checkpoint) keeps its own.
         restored = FakeRuntime(stage=1, steps_done=7)
-        assert not asyncio.run(ReplicaSyncHandlers._load_state_from_replica(peer, None, restored))
+        assert not asyncio.run(replicas.load_state_from_replica(None, restored))
         assert restored.steps_done == 7 and restored.imported is None

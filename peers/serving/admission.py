@@ -1,0 +1,197 @@
+"""Admission: the one check every RPC a peer serves passes before its handler runs.
+
+`AdmissionGuard` wraps each handler the peer registers (peers/serving/host.py). A caller is refused,
+before anything it sent is decoded, when
+- the swarm is private (`--allowed-peers`) and the caller is not on the list (`NotAllowedError`);
+- the caller sent too many bad requests lately (`RateLimitedError`, wire/request_limits.py's
+  `PenaltyBox`; handlers report bad requests with `penalize`);
+- its request carries more tensor bytes than the RPC accepts (`RequestTooLargeError`,
+  `--max-request-mb`): a streamed request is cut off there.
+A refused caller of a streamed RPC is read to the end (up to the size limit) before the answer, since
+answering before the caller finished sending resets the stream and the caller would see a reset, not
+the reason. The answer itself is the RPC's own: each registration names a `refuse` function that
+turns the error into the message(s) that RPC answers a bad request with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any
+
+from wire.failures import Failure
+from wire.protocol import ProtocolError
+from wire.request_limits import PenaltyBox, RequestTooLargeError, check_request_bytes
+
+
+class NotAllowedError(ProtocolError):
+    """A private swarm's peer was called by a peer id not on its allowlist."""
+
+    failure_kind = Failure.NOT_ALLOWED
+
+
+class RateLimitedError(ProtocolError):
+    """The caller sent too many bad requests lately (wire/request_limits.py)."""
+
+    failure_kind = Failure.RATE_LIMITED
+
+
+AdmissionError = NotAllowedError | RateLimitedError | RequestTooLargeError
+
+
+def failure_kind(error: AdmissionError) -> str:
+    """The metrics label of a refusal (peers/metrics.py `swarm_peer_request_failures_total`)."""
+    return getattr(error, "failure_kind", Failure.TOO_LARGE).value
+
+
+def caller_id(context: Any) -> str:
+    """The base58 peer id of an RPC's caller (hivemind's P2PContext), or "unknown"."""
+    remote = getattr(context, "remote_id", None)
+    return remote.to_base58() if remote is not None else "unknown"
+
+
+def _message_bytes(message: Any) -> int:
+    return sum(len(part.buffer) for part in message.tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rpc:
+    """One RPC as the peer registers it.
+
+    handler: the service's handler, `(request or request stream, context)`.
+    refuse: `(error, seconds spent on the request)` -> what the RPC answers a refused caller: a
+        message, or an iterable of messages when `stream_output`.
+    max_request_bytes: this RPC's size limit; None: the guard's (`--max-request-mb`).
+    """
+
+    name: str
+    handler: Callable[..., Any]
+    refuse: Callable[[AdmissionError, float], Any]
+    stream_input: bool = False
+    stream_output: bool = False
+    max_request_bytes: int | None = None
+
+
+class AdmissionGuard:
+    def __init__(self, *, allowed_peers: Collection[str] = (), max_request_bytes: int, penalties: PenaltyBox):
+        self.allowed_peers = frozenset(allowed_peers)
+        self.max_request_bytes = max_request_bytes
+        self.penalties = penalties
+
+    # --- the decision ------------------------------------------------------------------------------
+    def refusal(self, caller: str) -> NotAllowedError | RateLimitedError | None:
+        """Why `caller` may not be served now, or None."""
+        if self.allowed_peers and caller not in self.allowed_peers:
+            return NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
+        if not self.penalties.allows(caller):
+            return RateLimitedError(
+                f"too many bad requests from {caller[-8:]}; refused for the next "
+                f"{self.penalties.seconds_until_allowed(caller):.0f} s"
+            )
+        return None
+
+    def penalize(self, caller: str) -> None:
+        """`caller` sent a bad request (a handler's verdict after decoding it)."""
+        self.penalties.penalize(caller)
+
+    # --- wrapping handlers -------------------------------------------------------------------------
+    def guarded(self, rpc: Rpc) -> Callable[..., Any]:
+        """`rpc.handler` behind the guard, with the signature p2p's `add_protobuf_handler` expects."""
+        limit = rpc.max_request_bytes if rpc.max_request_bytes is not None else self.max_request_bytes
+        if rpc.stream_input:
+            return self._guard_stream_input(rpc, limit)
+        if rpc.stream_output:
+            return self._guard_unary_input_stream_output(rpc, limit)
+        return self._guard_unary(rpc, limit)
+
+    async def register(self, p2p: Any, rpcs: Collection[Rpc], request_type: type) -> None:
+        """Register every RPC of `rpcs` on `p2p`, each behind the guard."""
+        for rpc in rpcs:
+            await p2p.add_protobuf_handler(
+                rpc.name,
+                self.guarded(rpc),
+                request_type,
+                stream_input=rpc.stream_input,
+                stream_output=rpc.stream_output,
+            )
+
+    def _check_unary(self, request: Any, caller: str, limit: int) -> AdmissionError | None:
+        error = self.refusal(caller)
+        if error is None:
+            try:
+                check_request_bytes(_message_bytes(request), limit)
+            except RequestTooLargeError as too_large:
+                self.penalize(caller)
+                return too_large
+        return error
+
+    def _guard_unary(self, rpc: Rpc, limit: int):
+        async def guarded(request, context):
+            started, caller = time.perf_counter(), caller_id(context)
+            error = self._check_unary(request, caller, limit)
+            if error is not None:
+                return rpc.refuse(error, time.perf_counter() - started)
+            return await rpc.handler(request, context)
+
+        return guarded
+
+    def _guard_unary_input_stream_output(self, rpc: Rpc, limit: int):
+        async def guarded(request, context):
+            started, caller = time.perf_counter(), caller_id(context)
+            error = self._check_unary(request, caller, limit)
+            if error is not None:
+                for message in rpc.refuse(error, time.perf_counter() - started):
+                    yield message
+                return
+            async for message in rpc.handler(request, context):
+                yield message
+
+        return guarded
+
+    def _guard_stream_input(self, rpc: Rpc, limit: int):
+        async def guarded(requests, context):
+            started, caller = time.perf_counter(), caller_id(context)
+            error = self.refusal(caller)
+            if error is not None:
+                await drain(requests, limit)  # answering before the caller finished sending resets the stream
+                for message in rpc.refuse(error, time.perf_counter() - started):
+                    yield message
+                return
+            answered = False
+            try:
+                async for message in rpc.handler(_size_limited(requests, limit), context):
+                    answered = True
+                    yield message
+            except RequestTooLargeError as too_large:  # a handler that does not answer this itself
+                if answered:
+                    raise
+                self.penalize(caller)
+                for message in rpc.refuse(too_large, time.perf_counter() - started):
+                    yield message
+
+        return guarded
+
+
+async def _size_limited(requests: AsyncIterator, limit: int) -> AsyncIterator:
+    """The caller's messages while their tensors carry at most `limit` bytes in all; past that, read
+    the rest (up to `limit` more bytes, so that the caller gets the answer, not a reset) and raise
+    `RequestTooLargeError`."""
+    received = 0
+    async for message in requests:
+        received += _message_bytes(message)
+        try:
+            check_request_bytes(received, limit)
+        except RequestTooLargeError:
+            await drain(requests, limit)
+            raise
+        yield message
+
+
+async def drain(requests: AsyncIterator, max_bytes: int) -> None:
+    """Read (and drop, undecoded) what the caller sends, up to `max_bytes`."""
+    received = 0
+    async for message in requests:
+        received += len(message.metadata) + _message_bytes(message)
+        if received > max_bytes:
+            return

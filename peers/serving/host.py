@@ -1,0 +1,286 @@
+"""The peer host: hosts one stage over hivemind's P2P, as a composition of small services.
+
+`PeerHost` owns what lives as long as the peer: the DHT node, the compute thread, the serving state
+and the lifecycle (start, serve, stop, in that order). Each service receives what it needs and no more:
+
+    StageRpcService     forward/backward (peers/serving/stage_rpc.py)
+    ReplicaSyncService  commit, state, loading a replica's state, periodic averaging (peers/replicas/)
+    StageMoves          rebalancing moves and the standby pool (peers/placement/stage_moves.py)
+    Announcer           the DHT record, its renewal, the status file (peers/serving/announcer.py)
+    Checkpointer        periodic and final saves (peers/serving/checkpointer.py)
+    LinkProber          link measurements for the live planner (peers/placement/link_probe.py)
+
+What several services read and change (the stage served now, which a move swaps; the peer's state;
+the request counters) is one `ServingState`. Every RPC the host registers, the stage RPCs, commit,
+state, the link probe and the reachability dial-back alike, passes the one `AdmissionGuard`
+(peers/serving/admission.py) first. Compute runs on one dedicated thread (`StageRuntime`);
+peers/launch.py builds a host from a `PeerConfig`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+from hivemind.proto import runtime_pb2
+
+from dht.announce import fetch_stage_records_async
+from dht.reachability import (
+    RPC_REACHABILITY,
+    DialBackService,
+    ReachabilityReport,
+    ReachabilityResponse,
+    address_scope,
+    check_reachability,
+    direct_maddrs,
+    verdict,
+)
+from dht.records import PeerState, SplitRecord
+from peers.compute.stage_builder import StageBuilder
+from peers.compute.stage_runtime import StageRuntime
+from peers.config import PeerConfig
+from peers.metrics import PeerMetrics
+from peers.placement.link_probe import MAX_PROBE_BYTES, LinkProber, bounded_probe_handler, refused_probe
+from peers.placement.split_claim import split_tag
+from peers.placement.stage_moves import StageMoves
+from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.replica_sync import ReplicaSyncService
+from peers.serving.admission import AdmissionGuard, Rpc
+from peers.serving.announcer import Announcer
+from peers.serving.checkpointer import Checkpointer
+from peers.serving.serving_state import ServingState
+from peers.serving.stage_rpc import StageRpcService
+from process.version import software_version
+from wire import compression
+from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE
+from wire.request_limits import PenaltyBox
+
+
+class PeerHost:
+    def __init__(
+        self,
+        config: PeerConfig,
+        runtime: StageRuntime,
+        dht: hivemind.DHT,
+        averaging: GradientSync | ParameterAveraging | None = None,
+        *,
+        metrics: PeerMetrics | None = None,
+        metrics_addr: str | None = None,
+        split: SplitRecord | None = None,
+        builder: StageBuilder | None = None,
+    ):
+        self.config, self.dht = config, dht
+        self.peer_id = dht.peer_id.to_base58()
+        self.metrics = metrics = metrics or PeerMetrics()
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.serving = serving = ServingState(runtime, averaging, metrics)
+        limits = config.serving
+        self.guard = AdmissionGuard(
+            allowed_peers=config.network.allowed_peers,
+            max_request_bytes=limits.max_request_bytes,
+            penalties=PenaltyBox(burst=limits.bad_request_burst, refill_per_s=limits.bad_request_refill_per_s),
+        )
+        byte_counter = compression.ByteCounter()
+        self.stage_rpc = StageRpcService(
+            serving,
+            self.compute,
+            self.guard,
+            model=config.model,
+            max_concurrent_requests=limits.max_concurrent_requests,
+            byte_counter=byte_counter,
+            metrics=metrics,
+        )
+        self.replicas = ReplicaSyncService(
+            serving,
+            self.compute,
+            dht,
+            peer_id=self.peer_id,
+            model=config.model,
+            averaging_timeout_s=config.replicas.averaging_timeout_s,
+        )
+        self.announcer = Announcer(
+            serving,
+            dht,
+            config.announcing,
+            peer_id=self.peer_id,
+            model=config.model,
+            averaging_mode=config.replicas.averaging,
+            metrics=metrics,
+            metrics_addr=metrics_addr,
+            split=split,
+        )
+        self.checkpointer = (
+            Checkpointer(
+                serving,
+                self.compute,
+                config.checkpointing,
+                model=config.model,
+                split_tag=split_tag(split, runtime.config.n_layers) if split else None,
+                metrics=metrics,
+            )
+            if config.checkpointing.checkpoint_dir
+            else None
+        )
+        self.moves = (  # builds another stage's runtime when this peer moves
+            StageMoves(
+                serving,
+                self.compute,
+                dht,
+                config.placement,
+                peer_id=self.peer_id,
+                model=config.model,
+                builder=builder,
+                announcer=self.announcer,
+                replicas=self.replicas,
+                checkpointer=self.checkpointer,
+            )
+            if builder is not None
+            else None
+        )
+        metrics.watch(
+            in_flight=lambda: serving.in_flight,
+            throughput=lambda: serving.runtime.throughput.value,
+            runtime_counts=lambda: (
+                serving.runtime.steps_done,
+                serving.runtime.cache_hits,
+                serving.runtime.cache_misses,
+            ),
+        )
+        metrics.count_bytes(byte_counter.snapshot)
+        metrics.set_serving(stage=runtime.stage, num_stages=runtime.num_stages, version=software_version())
+        metrics.set_state(serving.state.value)
+
+    # --- the RPCs, each behind the admission guard ----------------------------------------------------
+    def rpcs(self) -> list[Rpc]:
+        """Every RPC this peer serves, with the answer each gives a refused caller."""
+        stage, replicas = self.stage_rpc, self.replicas
+        return [
+            Rpc(RPC_FORWARD, stage.rpc_forward, stage.refused("forward"), stream_input=True, stream_output=True),
+            Rpc(RPC_BACKWARD, stage.rpc_backward, stage.refused("backward"), stream_input=True, stream_output=True),
+            Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit),
+            Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True),
+            # Other peers measure their link to us (echoes bounded by the probe's own size limit)...
+            Rpc(
+                RPC_PROBE,
+                bounded_probe_handler(),
+                refused_probe,
+                stream_input=True,
+                stream_output=True,
+                max_request_bytes=MAX_PROBE_BYTES,
+            ),
+            # ...and joining peers check that they are reachable.
+            Rpc(RPC_REACHABILITY, DialBackService().rpc_check, _refused_dial_back),
+        ]
+
+    async def register_rpcs(self, p2p) -> None:
+        await self.guard.register(p2p, self.rpcs(), runtime_pb2.ExpertRequest)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Register the RPCs, join (standby, or loading a replica's state), serve until `stop`, then leave."""
+        config, serving = self.config, self.serving
+        p2p = await self.dht.replicate_p2p()
+        await self.register_rpcs(p2p)
+        if config.placement.standby:  # backup pool: wait, holding a copy of a stage, until one needs us
+            if not await self.moves.stand_by(p2p, stop):
+                await self._leave_standby()
+                return
+        elif config.replicas.load_state:
+            await self.announcer.announce()  # joining: trainers do not route here yet
+            await self.replicas.load_state_from_replica(p2p)
+        serving.set_state(PeerState.ONLINE)
+        announcer = asyncio.create_task(self.announcer.run(stop))
+        rebalancer = (
+            asyncio.create_task(self.moves.rebalance_forever(p2p, stop))
+            if config.placement.rebalance_period_s > 0 and self.moves is not None
+            else None
+        )
+        checkpointer = asyncio.create_task(self.checkpointer.run(stop)) if self.checkpointer is not None else None
+        averaging = serving.averaging
+        averager = (  # by steps, rounds follow the trainer's commits (rpc_commit)
+            asyncio.create_task(self.replicas.average_parameters_forever(stop))
+            if isinstance(averaging, ParameterAveraging) and not averaging.rounds_schedule.by_steps
+            else None
+        )
+        probe = config.probing.probe
+        prober = (  # our links to others, for `swarm plan --from-dht`
+            asyncio.create_task(self._link_prober(p2p, probe).run(stop)) if probe is not None else None
+        )
+        reachability = (
+            asyncio.create_task(self._report_reachability(p2p))
+            if config.announcing.reachability_check != "off"
+            else None
+        )
+        print(
+            f"peer {self.peer_id} online: {config.model} stage {serving.runtime.stage}/{serving.runtime.num_stages} "
+            f"({serving.runtime.throughput.value:.1f} samples/s measured)",
+            flush=True,
+        )
+        try:
+            await stop.wait()
+        finally:
+            if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
+                await rebalancer
+            if reachability is not None:
+                reachability.cancel()
+                await asyncio.gather(reachability, return_exceptions=True)
+            serving.set_state(PeerState.OFFLINE)
+            await announcer
+            if prober is not None:
+                await prober
+            await self.announcer.announce_final()
+            if averager is not None:
+                await averager
+            await self.announcer.release_split()
+            if checkpointer is not None:
+                await checkpointer
+                await self.checkpointer.save_now()
+            print(f"peer {self.peer_id} offline after serving {serving.requests_served} requests", flush=True)
+            self._release_compute()
+
+    async def _leave_standby(self) -> None:
+        """Stopped while on standby: say so on the DHT and release the compute thread and averager."""
+        self.serving.set_state(PeerState.OFFLINE)
+        await self.announcer.announce(timeout_s=5.0)
+        print(f"peer {self.peer_id} offline after standing by", flush=True)
+        self._release_compute()
+
+    def _release_compute(self) -> None:
+        self.compute.shutdown(wait=False, cancel_futures=True)
+        if self.serving.averaging is not None:
+            self.serving.averaging.shutdown()
+
+    def _link_prober(self, p2p, settings) -> LinkProber:
+        serving = self.serving
+        return LinkProber(
+            self.dht,
+            p2p,
+            peer_id=self.peer_id,
+            model=self.config.model,
+            num_stages=serving.runtime.num_stages,
+            stage=lambda: serving.runtime.stage,
+            throughput=lambda: serving.runtime.throughput.value,
+            settings=settings,
+        )
+
+    async def _report_reachability(self, p2p) -> None:
+        """Ask a few online peers of this model to dial this one back, and print the verdict."""
+        use_auto_relay = self.config.network.use_auto_relay
+        maddrs = direct_maddrs(str(m) for m in await p2p.get_visible_maddrs())
+        if self.config.announcing.reachability_check == "auto" and all(address_scope(m) == "loopback" for m in maddrs):
+            report = ReachabilityReport(tuple(maddrs), asked=0, reachable_by=0)
+            print(verdict(report, use_auto_relay=use_auto_relay), flush=True)
+            return
+        helpers = set()
+        for stage in range(self.serving.runtime.num_stages):
+            records = await fetch_stage_records_async(self.dht, self.config.model, stage)
+            helpers |= {r.peer_id for r in records if r.state == PeerState.ONLINE and r.peer_id != self.peer_id}
+        report = await check_reachability(p2p, helpers, maddrs=maddrs)
+        print(verdict(report, use_auto_relay=use_auto_relay), flush=True)
+
+
+def _refused_dial_back(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(
+        metadata=ReachabilityResponse(reachable=False, error=str(error)[:500]).model_dump_json().encode()
+    )

@@ -1,0 +1,54 @@
+"""What a peer's services share and change while it serves, in one small explicit object.
+
+`ServingState` holds the stage served now (its runtime and averager, swapped together by a move),
+the peer's state on the DHT (joining, online, standby, offline), the stage a move is heading for,
+and the request counters. peers/serving/host.py builds one and hands it to every service that
+reads or changes it: the stage RPCs, replica sync, moves, the announcer and the checkpointer.
+
+Threads: the event loop changes the state and the counters; `swap` runs on the compute thread
+(through the compute executor), so a request computes on either the old stage or the new one,
+never on half of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dht.records import PeerState
+from peers.compute.faults import FaultyStageRuntime
+from peers.compute.stage_runtime import StageRuntime
+from peers.metrics import PeerMetrics
+from peers.replicas.averaging import GradientSync, ParameterAveraging
+from wire import compression
+
+Averaging = GradientSync | ParameterAveraging | None
+Runtime = StageRuntime | FaultyStageRuntime
+
+
+@dataclasses.dataclass(eq=False)
+class ServingState:
+    runtime: Runtime
+    averaging: Averaging
+    metrics: PeerMetrics
+    state: PeerState = PeerState.JOINING
+    moving_to: int | None = None  # while moving: the stage announced as joining
+    in_flight: int = 0  # requests being received, queued or computed
+    requests_served: int = 0
+    requests_failed: int = 0
+    announced_online_at: float | None = None  # when the first `online` record was stored
+    # Top-k residuals of the gradients this peer sends back: they belong to the served stage's tensors.
+    feedback: compression.ErrorFeedback = dataclasses.field(default_factory=compression.ErrorFeedback)
+
+    def set_state(self, state: PeerState) -> None:
+        self.state = state
+        self.metrics.set_state(state.value)
+
+    @property
+    def announced_stage(self) -> int:
+        """The stage this peer's record names: a move's target while it moves, else the one served."""
+        return self.moving_to if self.moving_to is not None else self.runtime.stage
+
+    def swap(self, runtime: Runtime, averaging: Averaging) -> None:
+        """Serve another stage from now on. Call it on the compute thread."""
+        self.runtime, self.averaging = runtime, averaging
+        self.feedback = compression.ErrorFeedback()

@@ -1,0 +1,159 @@
+"""The peer's command-line surface is frozen: every flag and SWARM_* variable `swarm peer` had when its
+configuration was flat (59 fields and the network's 8) keeps its name now that `PeerConfig` is nested
+by section. A flag may be added here on purpose; none may disappear or be renamed by accident."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from peers.config import PeerConfig
+from process.config import env_variables, options
+from swarm.cli import build_parser
+
+PEER_FLAGS = {
+    "--activation-cache-size",
+    "--allowed-peers",
+    "--announce-maddrs",
+    "--announce-period-s",
+    "--averaging",
+    "--averaging-compression",
+    "--averaging-every-steps",
+    "--averaging-period-s",
+    "--averaging-timeout-s",
+    "--bad-request-burst",
+    "--bad-request-refill-per-s",
+    "--checkpoint-dir",
+    "--checkpoint-period-s",
+    "--device",
+    "--fault-fail-rate",
+    "--fault-garbage",
+    "--fault-garbage-rate",
+    "--fault-slowdown",
+    "--fault-slowdown-mode",
+    "--host-maddrs",
+    "--identity-path",
+    "--init-weights",
+    "--initial-peers",
+    "--link-probe-peers",
+    "--link-probe-period-s",
+    "--load-state",
+    "--lr",
+    "--max-batch-size",
+    "--max-concurrent-requests",
+    "--max-request-mb",
+    "--memory-limit-gb",
+    "--metrics-host",
+    "--metrics-port",
+    "--model",
+    "--no-load-state",
+    "--no-standby",
+    "--no-use-auto-relay",
+    "--no-use-relay",
+    "--num-layers",
+    "--num-stages",
+    "--num-threads",
+    "--optimizer",
+    "--outer-lr",
+    "--outer-momentum",
+    "--precision",
+    "--reachability-check",
+    "--rebalance-loss-delay-s",
+    "--rebalance-loss-watch-s",
+    "--rebalance-min-gain",
+    "--rebalance-period-s",
+    "--seed",
+    "--split-boundaries",
+    "--stage",
+    "--standby",
+    "--standby-check-s",
+    "--standby-refresh-s",
+    "--standby-take-over-fraction",
+    "--startup-timeout-s",
+    "--status-file",
+    "--target-batch-size",
+    "--use-auto-relay",
+    "--use-relay",
+    "--weight-decay",
+}
+PEER_VARIABLES = {
+    "SWARM_ACTIVATION_CACHE_SIZE",
+    "SWARM_ALLOWED_PEERS",
+    "SWARM_ANNOUNCE_MADDRS",
+    "SWARM_ANNOUNCE_PERIOD_S",
+    "SWARM_AVERAGING",
+    "SWARM_AVERAGING_COMPRESSION",
+    "SWARM_AVERAGING_EVERY_STEPS",
+    "SWARM_AVERAGING_PERIOD_S",
+    "SWARM_AVERAGING_TIMEOUT_S",
+    "SWARM_BAD_REQUEST_BURST",
+    "SWARM_BAD_REQUEST_REFILL_PER_S",
+    "SWARM_CHECKPOINT_DIR",
+    "SWARM_CHECKPOINT_PERIOD_S",
+    "SWARM_DEVICE",
+    "SWARM_FAULT_FAIL_RATE",
+    "SWARM_FAULT_GARBAGE",
+    "SWARM_FAULT_GARBAGE_RATE",
+    "SWARM_FAULT_SLOWDOWN",
+    "SWARM_FAULT_SLOWDOWN_MODE",
+    "SWARM_HOST_MADDRS",
+    "SWARM_IDENTITY_PATH",
+    "SWARM_INITIAL_PEERS",
+    "SWARM_INIT_WEIGHTS",
+    "SWARM_LINK_PROBE_PEERS",
+    "SWARM_LINK_PROBE_PERIOD_S",
+    "SWARM_LOAD_STATE",
+    "SWARM_LR",
+    "SWARM_MAX_BATCH_SIZE",
+    "SWARM_MAX_CONCURRENT_REQUESTS",
+    "SWARM_MAX_REQUEST_MB",
+    "SWARM_MEMORY_LIMIT_GB",
+    "SWARM_METRICS_HOST",
+    "SWARM_METRICS_PORT",
+    "SWARM_MODEL",
+    "SWARM_NUM_LAYERS",
+    "SWARM_NUM_STAGES",
+    "SWARM_NUM_THREADS",
+    "SWARM_OPTIMIZER",
+    "SWARM_OUTER_LR",
+    "SWARM_OUTER_MOMENTUM",
+    "SWARM_PRECISION",
+    "SWARM_REACHABILITY_CHECK",
+    "SWARM_REBALANCE_LOSS_DELAY_S",
+    "SWARM_REBALANCE_LOSS_WATCH_S",
+    "SWARM_REBALANCE_MIN_GAIN",
+    "SWARM_REBALANCE_PERIOD_S",
+    "SWARM_SEED",
+    "SWARM_SPLIT_BOUNDARIES",
+    "SWARM_STAGE",
+    "SWARM_STANDBY",
+    "SWARM_STANDBY_CHECK_S",
+    "SWARM_STANDBY_REFRESH_S",
+    "SWARM_STANDBY_TAKE_OVER_FRACTION",
+    "SWARM_STARTUP_TIMEOUT_S",
+    "SWARM_STATUS_FILE",
+    "SWARM_TARGET_BATCH_SIZE",
+    "SWARM_USE_AUTO_RELAY",
+    "SWARM_USE_RELAY",
+    "SWARM_WEIGHT_DECAY",
+}
+
+
+def _peer_parser() -> argparse.ArgumentParser:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["peer"]
+
+
+def test_swarm_peer_lists_every_flag_it_always_had():
+    flags = {flag for action in _peer_parser()._actions for flag in action.option_strings} - {"-h", "--help"}
+    assert flags == PEER_FLAGS
+
+
+def test_every_peer_option_keeps_its_environment_variable():
+    assert env_variables(PeerConfig) == PEER_VARIABLES
+
+
+def test_no_section_shares_its_name_with_an_option():
+    """`from_sources(PeerConfig, averaging=...)` names an option or a section, never both."""
+    sections = {f.name for f in dataclasses.fields(PeerConfig) if "section" in f.metadata}
+    assert sections and not sections & {field.name for _, field, _ in options(PeerConfig)}
