@@ -110,11 +110,12 @@ def report_from_step(report_path, step: int, trainer) -> dict | None:
     return None
 
 
-def test_a_peer_that_joins_mid_run_serves_within_one_refresh_period(make_swarm, tmp_path):
+def test_a_peer_that_joins_mid_run_is_served_requests_without_a_long_ban(make_swarm, tmp_path):
     """Measured by the new peer itself: from the moment its online record is stored to its first
-    request. The trainer re-reads the DHT every refresh period (start to start); after that it needs
-    the DHT lookup and one request, a second at most. A call that failed on a glitch used to ban a
-    replica for 15 s, which is what a 16 s delay under load was."""
+    request. The trainer re-reads the DHT every refresh period (start to start), so on a quiet
+    machine that is one period and a lookup (runs: 1.2-2.4 s with a 2 s period, see RESULTS.md).
+    Behaviour, not a timing: the bound is five periods, well above what load adds, and well below
+    what a call that failed on a glitch used to cost (a 15 s ban, which is what a 16 s delay was)."""
     refresh_s = 2.0
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8"])
     swarm.start_bootstrap()
@@ -141,7 +142,7 @@ def test_a_peer_that_joins_mid_run_serves_within_one_refresh_period(make_swarm, 
         "the new peer to serve a request",
     )
     delay_s = float(served.group(1))
-    print(f"joined peer's first request {delay_s:.2f} s after its online record (bound {refresh_s + 1.0:.1f} s)")
-    assert delay_s <= refresh_s + 1.0, newcomer.log()
+    print(f"joined peer's first request {delay_s:.2f} s after its online record (bound {5 * refresh_s:.1f} s)")
+    assert delay_s < 5 * refresh_s, newcomer.log()
     assert peer_key(newcomer) in trainer.log()  # the trainer said that it saw the peer join
     assert trainer.alive
