@@ -4,6 +4,10 @@ Same interfaces as models/gpt.py (a block maps (B, T, C) -> (B, T, C); the embed
 ids to (B, T, C); the head maps (B, T, C) to logits), so `models.stages` splits either kind.
 Parameter names follow gpt.py where the roles match (`attn.qkv`, `attn.proj`, `mlp.up`,
 `mlp.down`), so `init_weights_` scales the residual projections the same way.
+
+They compute what transformers' `LlamaForCausalLM` computes for the same weights (multi-head
+attention, no rope scaling): RMSNorm with `config.norm_eps` in float32, rotary embeddings in the
+rotate_half convention with base `config.rope_base`, attention scaled by 1/sqrt(head_dim).
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ def rotary_tables(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tenso
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (even, odd) pair of features of x (B, nh, T, hs) by its position's angle."""
-    T = x.shape[2]
+    """Rotate the pairs (x[i], x[i + hs/2]) of features of x (B, nh, T, hs) by their position's
+    angle: the "rotate_half" convention of transformers' Llama (first half, second half of the
+    head), not interleaved pairs."""
+    T, half = x.shape[2], x.shape[-1] // 2
     x32 = x.float()
-    even, odd = x32[..., 0::2], x32[..., 1::2]  # (B, nh, T, hs/2) each
+    first, second = x32[..., :half], x32[..., half:]  # (B, nh, T, hs/2) each
     c, s = cos[:T], sin[:T]  # (T, hs/2)
-    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)  # (B, nh, T, hs/2, 2)
-    return rotated.flatten(-2).to(x.dtype)  # (B, nh, T, hs)
+    rotated = torch.cat((first * c - second * s, second * c + first * s), dim=-1)  # (B, nh, T, hs)
+    return rotated.to(x.dtype)
 
 
 class RotaryAttention(nn.Module):
@@ -86,9 +92,9 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm_1 = RMSNorm(config.d_model)
+        self.norm_1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = RotaryAttention(config)
-        self.norm_2 = RMSNorm(config.d_model)
+        self.norm_2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
@@ -112,7 +118,7 @@ class LlamaHead(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm = RMSNorm(config.d_model)
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.out = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
