@@ -110,6 +110,13 @@ def _refuse_unless(condition: bool, name: str, what: str) -> None:
 def from_hf_config(data: dict, *, name: str) -> GPTConfig:
     """The GPTConfig of a `config.json` (absent keys take transformers' defaults). Raises
     ModelFolderError for a model type or an option the project's blocks do not compute."""
+    config = _from_hf_config(data, name=name)
+    if config.mlp_hidden is not None and replace(config, mlp_hidden=None).hidden_size == config.mlp_hidden:
+        config = replace(config, mlp_hidden=None)  # one spelling per model, so its fingerprint is one
+    return config
+
+
+def _from_hf_config(data: dict, *, name: str) -> GPTConfig:
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = ", ".join(f"{t} ({cls})" for t, cls in [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
