@@ -22,43 +22,13 @@ from models.hf_format import (  # noqa: E402
     write_model_folder,
 )
 from models.stages import build_full_model, build_stage  # noqa: E402
+from tests.hf_models import make_hf_folder as make_models_folder  # noqa: E402
 
 VOCAB, SEQ = 101, 16
 
 
 def make_hf_folder(path, kind: str, *, shard: bool = False):
-    """A random transformers model of `kind` saved to `path`; returns the (eval) model."""
-    torch.manual_seed(0)
-    if kind.startswith("gpt2"):
-        config = transformers.GPT2Config(
-            n_embd=32,
-            n_layer=3,
-            n_head=4,
-            vocab_size=VOCAB,
-            n_positions=SEQ,
-            tie_word_embeddings=kind == "gpt2-tied",
-            activation_function="gelu" if kind == "gpt2" else "gelu_new",
-        )
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            intermediate_size=48,
-            vocab_size=VOCAB,
-            max_position_embeddings=SEQ,
-            rope_theta=500.0,
-            rms_norm_eps=1e-6,
-        )
-        model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # transformers zero-initialises biases and sets norms to one: make them count
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.eval()
-    model.save_pretrained(str(path), max_shard_size="20KB" if shard else "5GB")
-    return model
+    return make_models_folder(path, kind, vocab=VOCAB, seq_len=SEQ, shard=shard)
 
 
 def tokens():
