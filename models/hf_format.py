@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import replace
 
@@ -310,39 +311,52 @@ def weight_files(folder: str) -> dict[str, str]:
     return files
 
 
-def _read_tensors(folder: str, wanted: dict[str, str], files: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Read the HF tensors `wanted` (HF name -> the project tensor that needs it, for messages),
-    opening each shard once and only the shards that hold them."""
+def _shapes(folder: str, wanted: dict[str, str], files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the HF tensors `wanted` (HF name -> the project tensor that needs it, for
+    messages), read from the headers of the shards that hold them: every tensor is present and
+    every shard readable and complete before any weight is read."""
     by_file: dict[str, list[str]] = {}
     for hf_name, needed_by in wanted.items():
         if hf_name not in files:
             raise ModelFolderError(f"--model-dir {folder!r} has no tensor {hf_name!r} (needed for {needed_by})")
         by_file.setdefault(files[hf_name], []).append(hf_name)
-    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for path, names in by_file.items():
         shard = os.path.basename(path)
         if not os.path.isfile(path):
             raise ModelFolderError(f"--model-dir {folder!r}: shard {shard} is missing (it holds {names[0]!r})")
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with safe_open(path, framework="pt", device="cpu") as f:  # checks the header against the file size
                 present = set(f.keys())
                 for hf_name in names:
                     if hf_name not in present:
                         raise ModelFolderError(f"--model-dir {folder!r}: shard {shard} has no tensor {hf_name!r}")
-                    tensors[hf_name] = f.get_tensor(hf_name)
+                    shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
         except (SafetensorError, OSError) as e:
             raise ModelFolderError(
                 f"--model-dir {folder!r}: shard {shard} is truncated or not safetensors ({e})"
             ) from None
-    return tensors
+    return shapes
+
+
+def _combined_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    if how == _TRANSPOSE:
+        return tuple(reversed(shapes[0]))
+    if how == _CONCAT:
+        return (sum(s[0] for s in shapes), *shapes[0][1:]) if len({s[1:] for s in shapes}) == 1 else ()
+    return shapes[0]
 
 
 def load_stage_from_folder(module: StageModule, folder: str) -> int:
     """Copy this stage's tensors from the HF model folder into `module` (in place), reading only
     the tensors the stage needs; returns how many project tensors were loaded. The folder's
     config must describe `module.config` (same sizes). A tied folder gives the last stage the
-    token embedding as its head weight. Raises ModelFolderError, with the module untouched, for
-    a missing, truncated or mis-shaped tensor."""
+    token embedding as its head weight.
+
+    Every check (a missing shard or tensor, a truncated shard, a shape that does not fit the
+    config) runs on the files' headers before any weight is read, and raises ModelFolderError with
+    the module untouched. Then tensors are read and copied one at a time, each shard opened only
+    for that tensor, so the memory a load needs beyond the stage's own parameters is one tensor."""
     folder_config, data = read_hf_config(folder)
     if replace(folder_config, name=module.config.name) != module.config:
         raise ModelFolderError(
@@ -355,21 +369,53 @@ def load_stage_from_folder(module: StageModule, folder: str) -> int:
     for local in targets:
         plan[local] = _hf_sources(module.config, global_name(local, module.spec.first_layer), tied=tied)
     wanted = {hf: local for local, (names, _) in plan.items() for hf in names}
-    tensors = _read_tensors(folder, wanted, weight_files(folder))
-    loaded = {}
+    files = weight_files(folder)
+    shapes = _shapes(folder, wanted, files)
     for local, (names, how) in plan.items():
-        tensor = from_hf_tensors(how, [tensors[n] for n in names])
-        if tuple(tensor.shape) != tuple(targets[local].shape):
-            shapes = ", ".join(f"{n} {tuple(tensors[n].shape)}" for n in names)
+        if _combined_shape(how, [shapes[n] for n in names]) != tuple(targets[local].shape):
+            found = ", ".join(f"{n} {shapes[n]}" for n in names)
             raise ModelFolderError(
-                f"--model-dir {folder!r}: {shapes} does not fit the sizes of its config.json "
+                f"--model-dir {folder!r}: {found} does not fit the sizes of its config.json "
                 f"({global_name(local, module.spec.first_layer)} needs {tuple(targets[local].shape)})"
             )
-        loaded[local] = tensor
+    headers: dict[str, tuple[int, dict]] = {}
     with torch.no_grad():
-        for local, tensor in loaded.items():
-            targets[local].copy_(tensor)
-    return len(loaded)
+        for local, (names, how) in plan.items():
+            target = targets[local]
+            try:
+                if how == _COPY and _read_into(files[names[0]], names[0], target, headers):
+                    continue
+                parts = []
+                for hf_name in names:
+                    with safe_open(files[hf_name], framework="pt", device="cpu") as f:
+                        parts.append(f.get_tensor(hf_name))
+                target.copy_(from_hf_tensors(how, parts))
+                del parts
+            except (SafetensorError, OSError, ValueError) as e:  # checked above: only a file changed meanwhile
+                raise ModelFolderError(f"--model-dir {folder!r}: reading {names[0]!r} failed ({e})") from None
+    return len(plan)
+
+
+def _read_into(path: str, name: str, target: torch.Tensor, headers: dict[str, tuple[int, dict]]) -> bool:
+    """Read a float32 tensor straight from the file into `target` (contiguous float32 on the CPU)
+    with no intermediate copy; False when it is another dtype (the caller converts it)."""
+    if target.dtype != torch.float32 or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    if path not in headers:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            headers[path] = (8 + size, json.loads(f.read(size)))
+    data_start, header = headers[path]
+    entry = header[name]
+    begin, end = entry["data_offsets"]
+    if entry["dtype"] != "F32" or end - begin != target.numel() * 4:
+        return False
+    view = memoryview(target.numpy()).cast("B")
+    with open(path, "rb") as f:
+        f.seek(data_start + begin)
+        if f.readinto(view) != end - begin:
+            raise ValueError(f"{os.path.basename(path)} ended early")
+    return True
 
 
 def _sizes(config: GPTConfig) -> str:
