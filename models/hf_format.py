@@ -3,7 +3,7 @@
 A folder holds `config.json`, the weights (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and usually `tokenizer.json`. Supported families: GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Llama (`LlamaForCausalLM`, model_type "llama", multi-head
-attention, no rope scaling). The project's blocks compute exactly what those classes compute
+or grouped-query attention, no rope scaling). The project's blocks compute exactly what those classes compute
 (models/gpt.py, models/llama.py); this module only maps names and layouts:
 
 - GPT-2 keeps its projections in `Conv1D` layers whose weight is (in, out): transposed here.
@@ -89,7 +89,7 @@ def to_hf_config(config: GPTConfig, *, bos_token_id: int | None = None, eos_toke
         "intermediate_size": config.hidden_size,
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.seq_len,
@@ -145,11 +145,11 @@ def _from_hf_config(data: dict, *, name: str) -> GPTConfig:
             )
         heads = int(data.get("num_attention_heads", 32))
         d_model = int(data.get("hidden_size", 4096))
-        kv_heads = data.get("num_key_value_heads")
+        kv_heads = int(data.get("num_key_value_heads") or heads)
         _refuse_unless(
-            kv_heads is None or int(kv_heads) == heads,
+            kv_heads > 0 and heads % kv_heads == 0,
             name,
-            f"grouped-query attention (num_key_value_heads={kv_heads}, num_attention_heads={heads})",
+            f"num_key_value_heads={kv_heads} that does not divide num_attention_heads={heads}",
         )
         _refuse_unless(
             data.get("head_dim") in (None, d_model // heads), name, f"head_dim {data.get('head_dim')} != hidden/heads"
@@ -171,6 +171,7 @@ def _from_hf_config(data: dict, *, name: str) -> GPTConfig:
             mlp_hidden=int(data.get("intermediate_size", 11008)),
             norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             rope_base=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
+            n_kv_heads=None if kv_heads == heads else kv_heads,
         )
     except (TypeError, ValueError) as e:
         if isinstance(e, ModelFolderError):
@@ -245,7 +246,8 @@ def to_hf_state_dict(config: GPTConfig, project_state: dict[str, torch.Tensor]) 
         if how == _TRANSPOSE:
             out[hf_names[0]] = t.t().contiguous()
         elif how == _CONCAT:
-            for hf_name, part in zip(hf_names, t.chunk(len(hf_names), dim=0)):
+            kv_rows = config.kv_heads * config.head_dim
+            for hf_name, part in zip(hf_names, t.split([config.d_model, kv_rows, kv_rows], dim=0)):
                 out[hf_name] = part.contiguous()
         else:
             out[hf_names[0]] = t.contiguous()

@@ -22,6 +22,7 @@ from models.hf_format import (  # noqa: E402
     write_model_folder,
 )
 from models.stages import build_full_model, build_stage  # noqa: E402
+from tests.hf_models import KINDS  # noqa: E402
 from tests.hf_models import make_hf_folder as make_models_folder  # noqa: E402
 
 VOCAB, SEQ = 101, 16
@@ -43,7 +44,7 @@ def our_logits(model, x):
         return model.head(h)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2-tied", "gpt2-tanh-untied", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_folder_from_transformers_computes_its_logits(tmp_path, kind):
     reference = make_hf_folder(tmp_path / "m", kind)
     config, model = read_model_folder(str(tmp_path / "m"))
@@ -54,7 +55,7 @@ def test_a_folder_from_transformers_computes_its_logits(tmp_path, kind):
     assert config.vocab_size == VOCAB and config.seq_len == SEQ and config.n_layers == 3
 
 
-@pytest.mark.parametrize("kind", ["gpt2-tied", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama", "llama-gqa-tied"])
 def test_our_folder_loads_in_transformers_with_the_same_logits(tmp_path, kind):
     make_hf_folder(tmp_path / "m", kind)
     config, model = read_model_folder(str(tmp_path / "m"))
@@ -72,10 +73,13 @@ def test_our_folder_loads_in_transformers_with_the_same_logits(tmp_path, kind):
 
 
 def test_a_project_model_round_trips_through_a_folder(tmp_path):
+    import dataclasses
+
     from models.config import get_model_config
 
-    for name in ("tiny", "llama-tiny"):
-        config = get_model_config(name)
+    gqa = dataclasses.replace(get_model_config("llama-tiny"), name="llama-gqa", n_kv_heads=2)
+    for config in (get_model_config("tiny"), get_model_config("llama-tiny"), gqa):
+        name = config.name
         model = build_full_model(config, seed=5)
         out = write_model_folder(config, model.state_dict(), str(tmp_path / name))
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -135,8 +139,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
         read_hf_config(str(tmp_path / "empty"))
     with pytest.raises(ModelFolderError, match=r"model_type 'bert' is not supported; supported: gpt2 .*llama"):
         from_hf_config({"model_type": "bert"}, name="b")
-    gqa = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
-    with pytest.raises(ModelFolderError, match="grouped-query attention"):
+    gqa = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 3}
+    with pytest.raises(ModelFolderError, match="num_key_value_heads=3 that does not divide"):
         from_hf_config(gqa, name="g")
     with pytest.raises(ModelFolderError, match="rope scaling"):
         from_hf_config({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, name="r")
