@@ -187,3 +187,15 @@ def test_an_existing_output_folder_is_refused_and_nothing_is_half_written(tmp_pa
     with pytest.raises(ModelFolderError, match="not a whole"):
         write_model_folder(config, partial, str(tmp_path / "out2"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_bfloat16_folder_loads_as_float32(tmp_path):
+    reference = make_hf_folder(tmp_path / "m32", "llama")
+    reference.to(torch.bfloat16).save_pretrained(str(tmp_path / "m16"))
+    # the bf16 values widened to float32 (what our stage must hold), rotary tables made afresh
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m16"), dtype=torch.float32).eval()
+    _, model = read_model_folder(str(tmp_path / "m16"))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, x), reference(x).logits, rtol=0, atol=1e-4)
