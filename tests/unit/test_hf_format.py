@@ -199,3 +199,26 @@ def test_a_bfloat16_folder_loads_as_float32(tmp_path):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(our_logits(model, x), reference(x).logits, rtol=0, atol=1e-4)
+
+
+def test_the_tokenizer_and_metadata_travel_with_the_model(tmp_path):
+    from models.config import get_model_config
+
+    config = get_model_config("tiny")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"model": {"type": "BPE"}}')
+    out = write_model_folder(
+        config,
+        build_full_model(config).state_dict(),
+        str(tmp_path / "out"),
+        tokenizer_json=str(tokenizer),
+        extra_meta={"step": 7},
+        eos_token_id=0,
+    )
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == tokenizer.read_text()
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"eos_token_id": 0}
+    meta = json.loads((tmp_path / "out" / "swarm.json").read_text())
+    assert meta["step"] == 7 and meta["config"] == config.to_dict()
+    with pytest.raises(ModelFolderError, match="no such file"):
+        write_model_folder(config, build_full_model(config).state_dict(), str(tmp_path / "x"), tokenizer_json="nope")
+    assert out == str(tmp_path / "out")
