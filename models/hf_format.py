@@ -208,6 +208,15 @@ def _shapes(folder: str, wanted: dict[str, str], files: dict[str, str]) -> dict[
     return shapes
 
 
+def _stored_name(name: str, files: dict[str, str]) -> str:
+    """`name` as the folder stores it: the original GPT-2 checkpoints were saved from the base model,
+    so their tensors have no `transformer.` prefix (`h.0.attn.c_attn.weight`, `wte.weight`)."""
+    prefix = "transformer."
+    if name not in files and name.startswith(prefix) and name[len(prefix) :] in files:
+        return name[len(prefix) :]
+    return name
+
+
 def _combined_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     if how == _TRANSPOSE:
         return tuple(reversed(shapes[0]))
@@ -237,8 +246,9 @@ def load_stage_from_folder(module: StageModule, folder: str) -> int:
     plan = {}  # local project name -> (hf names, how)
     for local in targets:
         plan[local] = _hf_sources(module.config, global_name(local, module.spec.first_layer), tied=tied)
-    wanted = {hf: local for local, (names, _) in plan.items() for hf in names}
     files = weight_files(folder)
+    plan = {local: (tuple(_stored_name(n, files) for n in names), how) for local, (names, how) in plan.items()}
+    wanted = {hf: local for local, (names, _) in plan.items() for hf in names}
     shapes = _shapes(folder, wanted, files)
     for local, (names, how) in plan.items():
         if _combined_shape(how, [shapes[n] for n in names]) != tuple(targets[local].shape):

@@ -222,3 +222,18 @@ def test_the_tokenizer_and_metadata_travel_with_the_model(tmp_path):
     with pytest.raises(ModelFolderError, match="no such file"):
         write_model_folder(config, build_full_model(config).state_dict(), str(tmp_path / "x"), tokenizer_json="nope")
     assert out == str(tmp_path / "out")
+
+
+def test_gpt2_tensors_saved_without_the_transformer_prefix_load(tmp_path):
+    """The original GPT-2 checkpoints name their tensors `h.0...`, `wte.weight` (saved from the base
+    model), with the head tied to `wte.weight`."""
+    from safetensors.torch import load_file, save_file
+
+    reference = make_hf_folder(tmp_path / "m", "gpt2-tied")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}, str(path))
+    _, model = read_model_folder(str(tmp_path / "m"))
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, x), reference(x).logits, rtol=0, atol=1e-4)
