@@ -122,8 +122,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from swarm.demo import DemoConfig
-    from swarm.evaluate import run_demo
+    from swarm.demo import DemoConfig, run_demo
 
     return run_demo(from_sources(DemoConfig, args))
 
