@@ -266,3 +266,21 @@ def test_an_output_folder_with_other_files_is_refused(corpus, tmp_path):
     with pytest.raises(CorpusError, match="other files"):
         run([corpus / "corpus"], out, tokenizer="bytes")
     assert (out / "thesis.tex").read_text() == "precious" and sorted(os.listdir(out)) == ["thesis.tex"]
+
+
+def test_documents_encoded_in_pieces_give_the_ids_of_the_whole_document(tmp_path):
+    from swarm.data.tokenizer import DocumentEncoder, split_at_safe_boundaries, train_bpe
+
+    rng = np.random.default_rng(5)
+    lines = []
+    for _ in range(400):  # words, runs of spaces and blank lines, tabs, trailing spaces, punctuation
+        words = rng.choice(WORDS + ["  ", "\t", "x.y", "(a)", "'s", "42"], size=rng.integers(0, 12))
+        lines.append(" ".join(words) + rng.choice(["", " ", "  ", "\t"]))
+    document = "\n".join(lines) + "\n\n\n  indented\n"
+    pieces = split_at_safe_boundaries(document, piece_chars=200)
+    assert len(pieces) > 5 and "".join(pieces) == document
+    tokenizer = train_bpe([document], 400)
+    encoder = DocumentEncoder(tokenizer)
+    (ids,) = list(encoder.encode([document]))
+    whole = tokenizer.encode(document, add_special_tokens=False).ids
+    assert ids[:-1].tolist() == whole and ids[-1] == tokenizer.token_to_id("<|endoftext|>")
