@@ -10,6 +10,7 @@ whatever its file or record says.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Sequence
 
@@ -21,6 +22,8 @@ from models.stages import build_full_model
 
 EMBEDDING_WEIGHT = "embedding.tok.weight"
 HEAD_WEIGHT = "head.out.weight"
+# Replicas that average agree up to the all-reduce's rounding; beyond this they are different copies.
+AGREEMENT_ATOL = 1e-5
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
@@ -64,14 +67,24 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return worst
 
 
+def content_digest(state: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def choose_replica(parts: Sequence[StagePart]) -> ReplicaChoice:
-    """The most-trained replica of one stage (ties: the first given); says so when the others differ."""
+    """The most-trained replica of one stage; says so when the others differ by more than rounding."""
     if not parts:
         raise ValueError("choose_replica needs at least one replica")
-    best = max(parts, key=lambda p: p.steps_done)  # max keeps the first of equals
+    # Among equally trained replicas, a choice by content: the same replicas read live or from their
+    # checkpoints give the same export, whatever order they come in.
+    best = min(parts, key=lambda p: (-p.steps_done, content_digest(p.state)))
     others = [p for p in parts if p is not best]
     differing = [(p, max_difference(best.state, p.state)) for p in others]
-    differing = [(p, diff) for p, diff in differing if diff > 0 or p.steps_done != best.steps_done]
+    differing = [(p, diff) for p, diff in differing if diff > AGREEMENT_ATOL or p.steps_done != best.steps_done]
     if not differing:
         return ReplicaChoice(best, None)
     described = ", ".join(f"{p.source}: {p.steps_done} steps, max |difference| {diff:.3g}" for p, diff in differing)

@@ -80,6 +80,7 @@ def test_the_most_trained_replica_is_chosen_and_a_disagreement_named():
     changed = {name: t + 0.5 for name, t in part.state.items()}
     ahead = dataclasses.replace(part, state=changed, steps_done=5, source="replica c")
     choice = choose_replica([part, ahead])
+    assert choose_replica([ahead, part]).part is ahead
     assert choice.part is ahead
     assert "stage 1: its replicas disagree (replica 1: 3 steps, max |difference| 0.5)" in choice.disagreement
     assert "exporting the most-trained one, replica c (5 steps)" in choice.disagreement
