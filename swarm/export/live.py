@@ -76,7 +76,7 @@ async def download_parts(
     (a stage none of whose replicas answered is refused)."""
     parts: dict[int, list[StagePart]] = {}
     total = sum(len(rs) for rs in stage_records.values())
-    with tqdm(total=total, desc="downloading stages", unit="replica", leave=False) as bar:
+    with tqdm(total=total, desc="downloading stages", unit="replica", leave=False, disable=None) as bar:
         for stage, records in sorted(stage_records.items()):
             request = StateRequest(model=model, stage=stage, num_stages=num_stages)
             errors = []
