@@ -25,6 +25,8 @@ class GPTConfig:
     mlp_hidden: hidden width of the MLP; default mlp_ratio * d_model ("gpt") or the LLaMA rule
         (8/3 * d_model rounded up to a multiple of 256) for "llama".
     rope_base: base of the rotary frequencies ("llama" only; `rope_theta` in transformers).
+    n_kv_heads: key/value heads ("llama" only): fewer than n_heads is grouped-query attention
+        (each key/value head serves n_heads / n_kv_heads query heads); None = n_heads.
     norm_eps: epsilon of every LayerNorm ("gpt") or RMSNorm ("llama").
     activation: the GELU of the "gpt" MLP: "gelu" (exact, erf) or "gelu_tanh" (the tanh
         approximation GPT-2 checkpoints use, `gelu_new` in transformers).
@@ -44,6 +46,7 @@ class GPTConfig:
     arch: str = "gpt"
     mlp_hidden: int | None = None
     rope_base: float = 10000.0
+    n_kv_heads: int | None = None
     norm_eps: float = 1e-5
     activation: str = "gelu"
 
@@ -54,6 +57,11 @@ class GPTConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if min(self.vocab_size, self.seq_len, self.n_layers, self.d_model, self.n_heads, self.hidden_size) <= 0:
             raise ValueError(f"model config {self.name!r} has a non-positive size")
+        if self.n_kv_heads is not None:
+            if self.arch != "llama":
+                raise ValueError("n_kv_heads (grouped-query attention) is only for the llama architecture")
+            if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; use one of {', '.join(ACTIVATIONS)}")
         if not self.norm_eps > 0:
@@ -74,11 +82,16 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_heads, or fewer with grouped-query attention."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def block_parameters(self) -> int:
         """Parameters of one transformer block."""
         d, h = self.d_model, self.hidden_size
-        if self.arch == "llama":  # q, k, v, o; gate, up, down; two RMSNorm weights
-            return 4 * d * d + 3 * d * h + 2 * d
+        if self.arch == "llama":  # q, o; k, v (fewer rows with grouped-query attention); gate, up, down; two norms
+            return 2 * d * d + 2 * d * self.kv_heads * self.head_dim + 3 * d * h + 2 * d
         return 4 * d * d + 4 * d + 2 * h * d + h + d + 4 * d  # attn (+biases), MLP (+biases), two LayerNorms
 
     def embedding_parameters(self) -> int:

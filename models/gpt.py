@@ -103,5 +103,5 @@ def init_weights_(module: nn.Module, generator: torch.Generator, n_layers: int) 
             nn.init.ones_(p)
         else:
             std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=generator) * std)
+            with torch.no_grad():  # = randn(shape, generator) * std, bit for bit, without a temporary
+                p.normal_(0.0, 1.0, generator=generator).mul_(std)

@@ -3,7 +3,7 @@
 A folder holds `config.json`, the weights (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and usually `tokenizer.json`. Supported families: GPT-2
 (`GPT2LMHeadModel`, model_type "gpt2") and Llama (`LlamaForCausalLM`, model_type "llama", multi-head
-attention, no rope scaling). The project's blocks compute exactly what those classes compute
+or grouped-query attention, no rope scaling). The project's blocks compute exactly what those classes compute
 (models/gpt.py, models/llama.py); this module only maps names and layouts:
 
 - GPT-2 keeps its projections in `Conv1D` layers whose weight is (in, out): transposed here.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import replace
 
@@ -34,6 +35,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from models.config import GPTConfig
+from models.hf_config import (  # noqa: F401  (re-exported: the public names of this module)
+    SUPPORTED_MODEL_TYPES,
+    ModelFolderError,
+    from_hf_config,
+    is_tied,
+    to_hf_config,
+)
 from models.init_weights import global_name
 from models.stages import StageModule, build_full_model
 
@@ -42,145 +50,6 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 SWARM_META_FILE = "swarm.json"  # what a swarm export adds: the exact GPTConfig and the caller's metadata
-
-SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
-_GELU_NAMES = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-
-
-class ModelFolderError(ValueError):
-    """A folder that is not a usable Hugging Face model folder (one line says why)."""
-
-
-# --- config.json ----------------------------------------------------------------------------------
-
-
-def to_hf_config(config: GPTConfig, *, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
-    """The `config.json` transformers reads for `config` (untied head, float32 weights)."""
-    common = {
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": False,  # the head is a tensor of its own (see the module docstring)
-        "dtype": "float32",
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-    }
-    if config.arch == "gpt":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "n_positions": config.seq_len,
-            "n_embd": config.d_model,
-            "n_layer": config.n_layers,
-            "n_head": config.n_heads,
-            "n_inner": config.hidden_size,
-            "activation_function": "gelu" if config.activation == "gelu" else "gelu_new",
-            "layer_norm_epsilon": config.norm_eps,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            **common,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": config.d_model,
-        "intermediate_size": config.hidden_size,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        **common,
-    }
-
-
-def _refuse_unless(condition: bool, name: str, what: str) -> None:
-    if not condition:
-        raise ModelFolderError(f"{name}: {what}, which swarm's blocks do not compute")
-
-
-def from_hf_config(data: dict, *, name: str) -> GPTConfig:
-    """The GPTConfig of a `config.json` (absent keys take transformers' defaults). Raises
-    ModelFolderError for a model type or an option the project's blocks do not compute."""
-    config = _from_hf_config(data, name=name)
-    if config.mlp_hidden is not None and replace(config, mlp_hidden=None).hidden_size == config.mlp_hidden:
-        config = replace(config, mlp_hidden=None)  # one spelling per model, so its fingerprint is one
-    return config
-
-
-def _from_hf_config(data: dict, *, name: str) -> GPTConfig:
-    model_type = data.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = ", ".join(f"{t} ({cls})" for t, cls in [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
-        raise ModelFolderError(f"{name}: model_type {model_type!r} is not supported; supported: {supported}")
-    try:
-        if model_type == "gpt2":
-            activation = data.get("activation_function", "gelu_new")
-            _refuse_unless(activation in _GELU_NAMES, name, f"activation_function {activation!r}")
-            _refuse_unless(data.get("scale_attn_weights", True), name, "scale_attn_weights is false")
-            _refuse_unless(
-                not data.get("scale_attn_by_inverse_layer_idx", False), name, "scale_attn_by_inverse_layer_idx"
-            )
-            _refuse_unless(not data.get("add_cross_attention", False), name, "add_cross_attention")
-            return GPTConfig(
-                name=name,
-                arch="gpt",
-                vocab_size=int(data.get("vocab_size", 50257)),
-                seq_len=int(data.get("n_positions", 1024)),
-                n_layers=int(data.get("n_layer", 12)),
-                d_model=int(data.get("n_embd", 768)),
-                n_heads=int(data.get("n_head", 12)),
-                mlp_hidden=int(data["n_inner"]) if data.get("n_inner") is not None else None,
-                norm_eps=float(data.get("layer_norm_epsilon", 1e-5)),
-                activation=_GELU_NAMES[activation],
-            )
-        heads = int(data.get("num_attention_heads", 32))
-        d_model = int(data.get("hidden_size", 4096))
-        kv_heads = data.get("num_key_value_heads")
-        _refuse_unless(
-            kv_heads is None or int(kv_heads) == heads,
-            name,
-            f"grouped-query attention (num_key_value_heads={kv_heads}, num_attention_heads={heads})",
-        )
-        _refuse_unless(
-            data.get("head_dim") in (None, d_model // heads), name, f"head_dim {data.get('head_dim')} != hidden/heads"
-        )
-        _refuse_unless(data.get("hidden_act", "silu") == "silu", name, f"hidden_act {data.get('hidden_act')!r}")
-        _refuse_unless(not data.get("attention_bias", False), name, "attention_bias")
-        _refuse_unless(not data.get("mlp_bias", False), name, "mlp_bias")
-        rope = data.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _refuse_unless(rope_type == "default" and not data.get("rope_scaling"), name, f"rope scaling {rope_type!r}")
-        return GPTConfig(
-            name=name,
-            arch="llama",
-            vocab_size=int(data.get("vocab_size", 32000)),
-            seq_len=int(data.get("max_position_embeddings", 2048)),
-            n_layers=int(data.get("num_hidden_layers", 32)),
-            d_model=d_model,
-            n_heads=heads,
-            mlp_hidden=int(data.get("intermediate_size", 11008)),
-            norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_base=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
-        )
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ModelFolderError):
-            raise
-        raise ModelFolderError(f"{name}: config.json has an unusable value: {e}") from None
-
-
-def is_tied(data: dict) -> bool:
-    """Whether a config.json ties the head to the token embedding (transformers' default per type)."""
-    return bool(data.get("tie_word_embeddings", data.get("model_type") == "gpt2"))
-
 
 # --- tensor names ---------------------------------------------------------------------------------
 
@@ -244,7 +113,8 @@ def to_hf_state_dict(config: GPTConfig, project_state: dict[str, torch.Tensor]) 
         if how == _TRANSPOSE:
             out[hf_names[0]] = t.t().contiguous()
         elif how == _CONCAT:
-            for hf_name, part in zip(hf_names, t.chunk(len(hf_names), dim=0)):
+            kv_rows = config.kv_heads * config.head_dim
+            for hf_name, part in zip(hf_names, t.split([config.d_model, kv_rows, kv_rows], dim=0)):
                 out[hf_name] = part.contiguous()
         else:
             out[hf_names[0]] = t.contiguous()
@@ -310,39 +180,61 @@ def weight_files(folder: str) -> dict[str, str]:
     return files
 
 
-def _read_tensors(folder: str, wanted: dict[str, str], files: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Read the HF tensors `wanted` (HF name -> the project tensor that needs it, for messages),
-    opening each shard once and only the shards that hold them."""
+def _shapes(folder: str, wanted: dict[str, str], files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the HF tensors `wanted` (HF name -> the project tensor that needs it, for
+    messages), read from the headers of the shards that hold them: every tensor is present and
+    every shard readable and complete before any weight is read."""
     by_file: dict[str, list[str]] = {}
     for hf_name, needed_by in wanted.items():
         if hf_name not in files:
             raise ModelFolderError(f"--model-dir {folder!r} has no tensor {hf_name!r} (needed for {needed_by})")
         by_file.setdefault(files[hf_name], []).append(hf_name)
-    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for path, names in by_file.items():
         shard = os.path.basename(path)
         if not os.path.isfile(path):
             raise ModelFolderError(f"--model-dir {folder!r}: shard {shard} is missing (it holds {names[0]!r})")
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with safe_open(path, framework="pt", device="cpu") as f:  # checks the header against the file size
                 present = set(f.keys())
                 for hf_name in names:
                     if hf_name not in present:
                         raise ModelFolderError(f"--model-dir {folder!r}: shard {shard} has no tensor {hf_name!r}")
-                    tensors[hf_name] = f.get_tensor(hf_name)
+                    shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
         except (SafetensorError, OSError) as e:
             raise ModelFolderError(
                 f"--model-dir {folder!r}: shard {shard} is truncated or not safetensors ({e})"
             ) from None
-    return tensors
+    return shapes
+
+
+def _stored_name(name: str, files: dict[str, str]) -> str:
+    """`name` as the folder stores it: the original GPT-2 checkpoints were saved from the base model,
+    so their tensors have no `transformer.` prefix (`h.0.attn.c_attn.weight`, `wte.weight`)."""
+    prefix = "transformer."
+    if name not in files and name.startswith(prefix) and name[len(prefix) :] in files:
+        return name[len(prefix) :]
+    return name
+
+
+def _combined_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    if how == _TRANSPOSE:
+        return tuple(reversed(shapes[0]))
+    if how == _CONCAT:
+        return (sum(s[0] for s in shapes), *shapes[0][1:]) if len({s[1:] for s in shapes}) == 1 else ()
+    return shapes[0]
 
 
 def load_stage_from_folder(module: StageModule, folder: str) -> int:
     """Copy this stage's tensors from the HF model folder into `module` (in place), reading only
     the tensors the stage needs; returns how many project tensors were loaded. The folder's
     config must describe `module.config` (same sizes). A tied folder gives the last stage the
-    token embedding as its head weight. Raises ModelFolderError, with the module untouched, for
-    a missing, truncated or mis-shaped tensor."""
+    token embedding as its head weight.
+
+    Every check (a missing shard or tensor, a truncated shard, a shape that does not fit the
+    config) runs on the files' headers before any weight is read, and raises ModelFolderError with
+    the module untouched. Then tensors are read and copied one at a time, each shard opened only
+    for that tensor, so the memory a load needs beyond the stage's own parameters is one tensor."""
     folder_config, data = read_hf_config(folder)
     if replace(folder_config, name=module.config.name) != module.config:
         raise ModelFolderError(
@@ -354,22 +246,55 @@ def load_stage_from_folder(module: StageModule, folder: str) -> int:
     plan = {}  # local project name -> (hf names, how)
     for local in targets:
         plan[local] = _hf_sources(module.config, global_name(local, module.spec.first_layer), tied=tied)
+    files = weight_files(folder)
+    plan = {local: (tuple(_stored_name(n, files) for n in names), how) for local, (names, how) in plan.items()}
     wanted = {hf: local for local, (names, _) in plan.items() for hf in names}
-    tensors = _read_tensors(folder, wanted, weight_files(folder))
-    loaded = {}
+    shapes = _shapes(folder, wanted, files)
     for local, (names, how) in plan.items():
-        tensor = from_hf_tensors(how, [tensors[n] for n in names])
-        if tuple(tensor.shape) != tuple(targets[local].shape):
-            shapes = ", ".join(f"{n} {tuple(tensors[n].shape)}" for n in names)
+        if _combined_shape(how, [shapes[n] for n in names]) != tuple(targets[local].shape):
+            found = ", ".join(f"{n} {shapes[n]}" for n in names)
             raise ModelFolderError(
-                f"--model-dir {folder!r}: {shapes} does not fit the sizes of its config.json "
+                f"--model-dir {folder!r}: {found} does not fit the sizes of its config.json "
                 f"({global_name(local, module.spec.first_layer)} needs {tuple(targets[local].shape)})"
             )
-        loaded[local] = tensor
+    headers: dict[str, tuple[int, dict]] = {}
     with torch.no_grad():
-        for local, tensor in loaded.items():
-            targets[local].copy_(tensor)
-    return len(loaded)
+        for local, (names, how) in plan.items():
+            target = targets[local]
+            try:
+                if how == _COPY and _read_into(files[names[0]], names[0], target, headers):
+                    continue
+                parts = []
+                for hf_name in names:
+                    with safe_open(files[hf_name], framework="pt", device="cpu") as f:
+                        parts.append(f.get_tensor(hf_name))
+                target.copy_(from_hf_tensors(how, parts))
+                del parts
+            except (SafetensorError, OSError, ValueError) as e:  # checked above: only a file changed meanwhile
+                raise ModelFolderError(f"--model-dir {folder!r}: reading {names[0]!r} failed ({e})") from None
+    return len(plan)
+
+
+def _read_into(path: str, name: str, target: torch.Tensor, headers: dict[str, tuple[int, dict]]) -> bool:
+    """Read a float32 tensor straight from the file into `target` (contiguous float32 on the CPU)
+    with no intermediate copy; False when it is another dtype (the caller converts it)."""
+    if target.dtype != torch.float32 or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    if path not in headers:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            headers[path] = (8 + size, json.loads(f.read(size)))
+    data_start, header = headers[path]
+    entry = header[name]
+    begin, end = entry["data_offsets"]
+    if entry["dtype"] != "F32" or end - begin != target.numel() * 4:
+        return False
+    view = memoryview(target.numpy()).cast("B")
+    with open(path, "rb") as f:
+        f.seek(data_start + begin)
+        if f.readinto(view) != end - begin:
+            raise ValueError(f"{os.path.basename(path)} ended early")
+    return True
 
 
 def _sizes(config: GPTConfig) -> str:

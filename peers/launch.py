@@ -19,6 +19,7 @@ from dht.model_match import check_same_model
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import GPTConfig
+from models.hf_format import weight_files
 from models.model_source import model_hash, resolve_model
 from models.stages import stage_spec
 from peers.compute import memory_budget
@@ -45,6 +46,8 @@ def run_peer(config: PeerConfig) -> None:
         flush=True,
     )
     check_optimizer(config.optim.optimizer, device)
+    if config.model_dir:  # no weights, or an unreadable single file: refused before joining anything
+        weight_files(config.model_dir)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
     if config.replicas.averaging == "none":

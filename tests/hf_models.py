@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("gpt2", "gpt2-tied", "gpt2-tanh-untied", "llama")
+KINDS = ("gpt2", "gpt2-tied", "gpt2-tanh-untied", "llama", "llama-gqa-tied")
 
 
 def make_hf_folder(path, kind: str, *, vocab: int = 101, seq_len: int = 16, layers: int = 3, shard: bool = False):
     """A random transformers model of `kind` saved to `path` (sharded in 20 kB files with `shard`);
     returns the model in eval mode. "gpt2": exact GELU, untied head; "gpt2-tied": GPT-2's defaults
-    (tanh GELU, head tied to the embedding); "gpt2-tanh-untied"; "llama": multi-head attention."""
+    (tanh GELU, head tied to the embedding); "gpt2-tanh-untied"; "llama": multi-head attention;
+    "llama-gqa-tied": 2 key/value heads for 4 heads and a head tied to the embedding (as SmolLM)."""
     import transformers
 
     torch.manual_seed(0)
@@ -29,11 +30,13 @@ def make_hf_folder(path, kind: str, *, vocab: int = 101, seq_len: int = 16, laye
             eos_token_id=None,
         )
         model = transformers.GPT2LMHeadModel(config)
-    elif kind == "llama":
+    elif kind.startswith("llama"):
         config = transformers.LlamaConfig(
             hidden_size=32,
             num_hidden_layers=layers,
             num_attention_heads=4,
+            num_key_value_heads=2 if kind == "llama-gqa-tied" else 4,
+            tie_word_embeddings=kind == "llama-gqa-tied",
             intermediate_size=48,
             vocab_size=vocab,
             max_position_embeddings=seq_len,

@@ -51,7 +51,7 @@ def train_one_step(swarm, folder, report_path, name="trainer"):
     )
 
 
-@pytest.mark.parametrize("kind", ["gpt2-tied", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama", "llama-gqa-tied"])
 def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp_path, kind):
     folder = str(tmp_path / "model")
     reference = make_hf_folder(folder, kind, vocab=VOCAB, seq_len=SEQ)

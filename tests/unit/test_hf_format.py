@@ -22,6 +22,7 @@ from models.hf_format import (  # noqa: E402
     write_model_folder,
 )
 from models.stages import build_full_model, build_stage  # noqa: E402
+from tests.hf_models import KINDS  # noqa: E402
 from tests.hf_models import make_hf_folder as make_models_folder  # noqa: E402
 
 VOCAB, SEQ = 101, 16
@@ -43,7 +44,7 @@ def our_logits(model, x):
         return model.head(h)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2-tied", "gpt2-tanh-untied", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_folder_from_transformers_computes_its_logits(tmp_path, kind):
     reference = make_hf_folder(tmp_path / "m", kind)
     config, model = read_model_folder(str(tmp_path / "m"))
@@ -54,7 +55,7 @@ def test_a_folder_from_transformers_computes_its_logits(tmp_path, kind):
     assert config.vocab_size == VOCAB and config.seq_len == SEQ and config.n_layers == 3
 
 
-@pytest.mark.parametrize("kind", ["gpt2-tied", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama", "llama-gqa-tied"])
 def test_our_folder_loads_in_transformers_with_the_same_logits(tmp_path, kind):
     make_hf_folder(tmp_path / "m", kind)
     config, model = read_model_folder(str(tmp_path / "m"))
@@ -72,10 +73,13 @@ def test_our_folder_loads_in_transformers_with_the_same_logits(tmp_path, kind):
 
 
 def test_a_project_model_round_trips_through_a_folder(tmp_path):
+    import dataclasses
+
     from models.config import get_model_config
 
-    for name in ("tiny", "llama-tiny"):
-        config = get_model_config(name)
+    gqa = dataclasses.replace(get_model_config("llama-tiny"), name="llama-gqa", n_kv_heads=2)
+    for config in (get_model_config("tiny"), get_model_config("llama-tiny"), gqa):
+        name = config.name
         model = build_full_model(config, seed=5)
         out = write_model_folder(config, model.state_dict(), str(tmp_path / name))
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -135,8 +139,8 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
         read_hf_config(str(tmp_path / "empty"))
     with pytest.raises(ModelFolderError, match=r"model_type 'bert' is not supported; supported: gpt2 .*llama"):
         from_hf_config({"model_type": "bert"}, name="b")
-    gqa = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
-    with pytest.raises(ModelFolderError, match="grouped-query attention"):
+    gqa = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 3}
+    with pytest.raises(ModelFolderError, match="num_key_value_heads=3 that does not divide"):
         from_hf_config(gqa, name="g")
     with pytest.raises(ModelFolderError, match="rope scaling"):
         from_hf_config({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, name="r")
@@ -183,3 +187,53 @@ def test_an_existing_output_folder_is_refused_and_nothing_is_half_written(tmp_pa
     with pytest.raises(ModelFolderError, match="not a whole"):
         write_model_folder(config, partial, str(tmp_path / "out2"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_bfloat16_folder_loads_as_float32(tmp_path):
+    reference = make_hf_folder(tmp_path / "m32", "llama")
+    reference.to(torch.bfloat16).save_pretrained(str(tmp_path / "m16"))
+    # the bf16 values widened to float32 (what our stage must hold), rotary tables made afresh
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m16"), dtype=torch.float32).eval()
+    _, model = read_model_folder(str(tmp_path / "m16"))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, x), reference(x).logits, rtol=0, atol=1e-4)
+
+
+def test_the_tokenizer_and_metadata_travel_with_the_model(tmp_path):
+    from models.config import get_model_config
+
+    config = get_model_config("tiny")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"model": {"type": "BPE"}}')
+    out = write_model_folder(
+        config,
+        build_full_model(config).state_dict(),
+        str(tmp_path / "out"),
+        tokenizer_json=str(tokenizer),
+        extra_meta={"step": 7},
+        eos_token_id=0,
+    )
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == tokenizer.read_text()
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"eos_token_id": 0}
+    meta = json.loads((tmp_path / "out" / "swarm.json").read_text())
+    assert meta["step"] == 7 and meta["config"] == config.to_dict()
+    with pytest.raises(ModelFolderError, match="no such file"):
+        write_model_folder(config, build_full_model(config).state_dict(), str(tmp_path / "x"), tokenizer_json="nope")
+    assert out == str(tmp_path / "out")
+
+
+def test_gpt2_tensors_saved_without_the_transformer_prefix_load(tmp_path):
+    """The original GPT-2 checkpoints name their tensors `h.0...`, `wte.weight` (saved from the base
+    model), with the head tied to `wte.weight`."""
+    from safetensors.torch import load_file, save_file
+
+    reference = make_hf_folder(tmp_path / "m", "gpt2-tied")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}, str(path))
+    _, model = read_model_folder(str(tmp_path / "m"))
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, x), reference(x).logits, rtol=0, atol=1e-4)

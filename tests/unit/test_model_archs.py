@@ -42,9 +42,12 @@ def test_named_shapes_have_the_advertised_sizes():
     assert get_model_config("llama-1b").arch == "llama"
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny", *NEW_CONFIGS])
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "llama-gqa", *NEW_CONFIGS])
 def test_parameter_count_formula_matches_the_modules(name):
-    config = tiny_version(name) if name in NEW_CONFIGS else get_model_config(name)
+    if name == "llama-gqa":  # grouped-query attention: 2 key/value heads for 4 query heads
+        config = dataclasses.replace(get_model_config("llama-tiny"), n_kv_heads=2)
+    else:
+        config = tiny_version(name) if name in NEW_CONFIGS else get_model_config(name)
     model = build_full_model(config)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
 
