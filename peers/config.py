@@ -318,6 +318,11 @@ class PeerConfig:
         help="a Hugging Face model folder (GPT-2 or Llama: config.json, safetensors weights): the "
         "model's architecture, sizes and weights; this peer reads only its stage's tensors",
     )
+    vocab_size: int | None = option(
+        None,
+        help="vocabulary size of the model (default: the model's own); must match the trainer's data "
+        "(`swarm data prepare` prints it)",
+    )
     stage: str | int | None = option(
         None,
         help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
@@ -353,7 +358,7 @@ class PeerConfig:
     faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
 
     def __post_init__(self) -> None:
-        config = resolve_model(self.model, self.model_dir)
+        config = resolve_model(self.model, self.model_dir, self.vocab_size)
         self.model = config.name
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")

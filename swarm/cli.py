@@ -32,6 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.config import UnknownModelError
     from models.hf_format import ModelFolderError
     from models.layer_costs import ProfileError
+    from models.model_source import VocabularyError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
     from swarm.export.assemble import ExportError
@@ -59,6 +60,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ModelMismatchError,
         ExportError,
         GenerateError,
+        VocabularyError,
     )
 
 
@@ -91,6 +93,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from swarm.evaluate import EvalConfig, run_eval
+
+    return run_eval(from_sources(EvalConfig, args))
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from swarm.data.prepare import PrepareConfig, run_prepare
+
+    return run_prepare(from_sources(PrepareConfig, args, inputs=args.inputs))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -134,7 +148,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from peers.config import PeerConfig
     from swarm.bootstrap import BootstrapConfig
+    from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
+    from swarm.evaluate import EvalConfig
     from swarm.export.config import ExportConfig
     from swarm.generate import GenerateConfig
     from swarm.monitor import MonitorConfig
@@ -153,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("dht", cmd_dht, BootstrapConfig, "run a bootstrap DHT node and print its multiaddrs"),
         ("peer", cmd_peer, PeerConfig, "serve one pipeline stage of a model"),
         ("train", cmd_train, TrainerConfig, "train a model through the swarm's stages"),
+        ("eval", cmd_eval, EvalConfig, "the validation loss of the model the swarm holds now"),
         ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
         ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
         (
@@ -178,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(plan, PlanConfig)
     plan.set_defaults(handler=run_plan)
+    data = sub.add_parser("data", help="prepare a corpus: tokenizer and token shards")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="tokenize text files, folders and .jsonl(.gz) files into a dataset the trainer memory-maps",
+        description="Tokenize INPUT... (text files, folders read recursively, .jsonl/.jsonl.gz with one "
+        "document per line) into DIR: token shards, a validation split held out by document, "
+        "tokenizer.json and meta.json. Running it again on the same inputs reuses DIR.",
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl(.gz) files")
+    add_config_arguments(prepare, PrepareConfig, skip=("inputs",))
+    prepare.set_defaults(handler=cmd_data_prepare)
     monitor = sub.add_parser("monitor", help="tools for Prometheus monitoring of a swarm")
     monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="TOOL")
     targets = monitor_sub.add_parser(
