@@ -23,6 +23,7 @@ from dht.node import start_dht
 from models.config import GPTConfig
 from models.hf_format import TOKENIZER_FILE, write_model_folder
 from models.model_source import model_hash, resolve_model
+from swarm.data.tokenizer import byte_tokenizer
 from swarm.export.assemble import (
     ExportError,
     StagePart,
@@ -31,12 +32,12 @@ from swarm.export.assemble import (
     check_stages_fit,
     choose_replica,
 )
-from swarm.export.byte_tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer_json
 from swarm.export.config import ExportConfig
 from swarm.export.live import download_snapshot, find_split
 from swarm.export.offline import read_checkpoint_parts
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BYTE_VOCAB_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def write_export(
         )
         if tokenizer is None and config.vocab_size == BYTE_VOCAB_SIZE:
             with open(os.path.join(folder, TOKENIZER_FILE), "w") as f:
-                f.write(byte_tokenizer_json())
+                f.write(byte_tokenizer().to_str())
         if os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
             # transformers' AutoTokenizer takes tokenizer.json as it is with this class (no per-model rebuild)
             with open(os.path.join(folder, TOKENIZER_CONFIG_FILE), "w") as f:
