@@ -31,6 +31,8 @@ from swarm.export.assemble import (
     block_boundaries,
     check_stages_fit,
     choose_replica,
+    describe_steps,
+    same_step,
 )
 from swarm.export.config import ExportConfig
 from swarm.export.live import download_snapshot, find_split
@@ -141,7 +143,15 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
         finally:
             dht.shutdown()
     chosen, warnings = pick_stages(replicas, say)
-    model_config = check_stages_fit(model_config, chosen, boundaries=boundaries)
+    # Replicas that agree step together, so their stages must be at one step; independent replicas
+    # (a stage whose replicas disagree) each step on their share, and steps no longer line up.
+    model_config = check_stages_fit(model_config, chosen, boundaries=boundaries, steps_must_match=not warnings)
+    if not same_step(chosen):
+        warnings.append(
+            f"warning: the stages are at different steps ({describe_steps(chosen)}): replicas that do not "
+            "average each step on their own share of the samples"
+        )
+        say(warnings[-1])
     check_same_model(records, model_hash(model_config), model=config.model, who="export")
     steps = chosen[0].steps_done
     parameters = sum(t.numel() for p in chosen.values() for t in p.state.values())
@@ -149,6 +159,7 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
     meta = {
         "model": config.model,
         "steps_done": steps,
+        "stage_steps": {str(s): p.steps_done for s, p in sorted(chosen.items())},
         "num_stages": len(chosen),
         "boundaries": list(block_boundaries(chosen)),
         "sources": {str(s): src for s, src in sources.items()},

@@ -150,13 +150,35 @@ def test_a_llama_swarm_exports_what_llama_for_causal_lm_computes(make_swarm, tmp
     assert torch_loss == pytest.approx(swarm_loss, abs=1e-4) and hf_loss == pytest.approx(swarm_loss, abs=1e-4)
 
 
-def test_an_export_waits_for_a_missing_stage_then_names_it(make_swarm, tmp_path):
-    swarm = make_swarm(model="tiny", num_stages=2)
+def test_a_missing_stage_is_named_and_disagreeing_replicas_are_reported(make_swarm, tmp_path):
+    """Two replicas of stage 0 that do not average (--averaging none) and no stage 1: the export
+    waits, then names stage 1; once stage 1 is served and training made the replicas diverge, it
+    exports the most-trained replica of stage 0 and says that they disagree."""
+    swarm = make_swarm(model="tiny", num_stages=2, peer_args=["--averaging", "none", "--target-batch-size", "4"])
     swarm.start_bootstrap()
-    swarm.wait_online([swarm.start_peer(0)])
-    result = cli("export", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--num-stages", "2",
-                 "--wait-s", "3", "--out", str(tmp_path / "out"))  # fmt: skip
+    swarm.wait_online([swarm.start_peer(0), swarm.start_peer(0)])
+    out = tmp_path / "out"
+    export = [
+        "export",
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--model",
+        "tiny",
+        "--num-stages",
+        "2",
+        "--out",
+        str(out),
+    ]
+    result = cli(*export, "--wait-s", "3")
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert re.search(r"stage 1 of tiny has no live replica \(waited \d+ s\)", line), line
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
+
+    swarm.wait_online([swarm.start_peer(1)])
+    trainer = swarm.start_trainer("--num-stages", "2", "--steps", "2", "--batch-size", "8", "--microbatch-size", "2")
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    result = cli(*export)
+    assert result.returncode == 0, result.stderr
+    assert "warning: stage 0: its replicas disagree" in result.stdout, result.stdout
+    assert "exporting the most-trained one" in result.stdout and out.is_dir()

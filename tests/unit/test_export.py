@@ -156,3 +156,9 @@ def test_sampling_is_seeded_greedy_at_zero_temperature_and_crops_the_context():
     greedy = sample(temperature=0.0, top_k=None)
     assert greedy == sample(temperature=0.0, top_k=None, seed=5)
     assert sample(temperature=1.0, top_k=1) == greedy
+
+
+def test_stages_of_independent_replicas_may_be_at_different_steps():
+    parts = parts_of(TINY)
+    apart = {0: parts[0], 1: dataclasses.replace(parts[1], steps_done=9)}
+    assert check_stages_fit(TINY, apart, steps_must_match=False) == TINY
