@@ -166,7 +166,8 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
     }
     out = write_export(model_config, chosen, config.out, data=config.data, overwrite=config.overwrite, extra_meta=meta)
     say(
-        f"[export] wrote {out}: {config.model} ({model_config.arch}, {parameters:,} parameters, vocabulary {model_config.vocab_size}) after {steps} steps, from {len(chosen)} stages "
+        f"[export] wrote {out}: {config.model} ({model_config.arch}, {parameters:,} parameters, "
+        f"vocabulary {model_config.vocab_size}) after {steps} steps, from {len(chosen)} stages "
         f"in {time.monotonic() - started:.1f} s"
     )
     return ExportResult(out, model_config, steps, sources, warnings)
