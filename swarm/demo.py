@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-from models.config import get_model_config
+from models.model_source import resolve_model
 from process.config import ConfigError, option
 from swarm.local_swarm import LocalSwarm
 from swarm.trainer.codec_policy import CODEC_MODES
@@ -20,6 +20,7 @@ class DemoConfig:
     stages: int = option(2, help="pipeline stages")
     steps: int = option(60, help="training steps")
     model: str = option("small", help="model to train")
+    model_dir: str | None = option(None, help="a Hugging Face model folder (GPT-2 or Llama) to fine-tune instead")
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
     data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
@@ -28,7 +29,7 @@ class DemoConfig:
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
 
     def __post_init__(self) -> None:
-        get_model_config(self.model)
+        self.model = resolve_model(self.model, self.model_dir).name
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
         if self.data is not None and not os.path.isfile(self.data):
@@ -37,11 +38,12 @@ class DemoConfig:
 
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
+    model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,
         workdir=config.workdir,
-        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)],
+        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)] + model_dir_args,
     ) as swarm:
         print(f"[demo] logs in {swarm.workdir}", flush=True)
         maddrs = swarm.start_bootstrap()
@@ -66,6 +68,7 @@ def run_demo(config: DemoConfig) -> int:
         ]
         if config.data:
             args += ["--data", config.data]
+        args += model_dir_args
         trainer = swarm.start_trainer(*args)
         shown = 0
         while trainer.alive:  # relay the trainer's progress lines as they come

@@ -20,7 +20,7 @@ import hivemind
 import torch
 
 from dht.node import start_dht
-from models.config import get_model_config
+from models.model_source import model_hash, resolve_model
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
@@ -99,7 +99,7 @@ async def train(
         batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
-    model_config = get_model_config(config.model)
+    model_config = resolve_model(config.model, config.model_dir)
     tokens = load_corpus(config.corpus.data)
     sampler = MicrobatchSampler(
         tokens,
@@ -112,7 +112,9 @@ async def train(
     num_stages = config.num_stages or await discover_num_stages(dht, config.model, discovery_timeout_s, say)
     p2p = await dht.replicate_p2p()
     client = StageClient(p2p, model=config.model, num_stages=num_stages)
-    view = SwarmView(dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics)
+    view = SwarmView(
+        dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
+    )
     codecs = CodecPolicy(config.compression.codec, topk_fraction=config.compression.topk_fraction)
     caller = StageCaller(
         view,
