@@ -66,7 +66,9 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.arch!r}; use one of {', '.join(ARCHITECTURES)}")
-        if (self.arch == "user") != bool(self.user_model) or (self.arch == "user") != (self.part_parameters is not None):
+        if (self.arch == "user") != bool(self.user_model) or (self.arch == "user") != (
+            self.part_parameters is not None
+        ):
             raise ValueError("arch 'user' goes with user_model and part_parameters, and only it")
         lora_rank(self.trainable)  # ValueError for anything but "all" or "lora:R"
         if self.d_model % self.n_heads:
@@ -146,6 +148,8 @@ def lora_rank(trainable: str) -> int | None:
     if kind != "lora" or not rank.isdigit() or int(rank) < 1:
         raise ValueError(f"--trainable {trainable!r}: use all or lora:R with a rank R >= 1 (e.g. lora:8)")
     return int(rank)
+
+
 GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary size; byte-level data (ids < 256) fits in it
 
 MODEL_CONFIGS: dict[str, GPTConfig] = {

@@ -153,7 +153,9 @@ def check_parts(reference: str, parts: ModelParts) -> tuple[int, int, int]:
         try:
             module = build_part(factory, 0, 0)
         except Exception as e:  # noqa: BLE001
-            raise UserModelError(f"--model {reference!r}: building the {name} failed: {type(e).__name__}: {e}") from None
+            raise UserModelError(
+                f"--model {reference!r}: building the {name} failed: {type(e).__name__}: {e}"
+            ) from None
         if not isinstance(module, nn.Module):
             raise UserModelError(f"--model {reference!r}: the {name} is a {type(module).__name__}, not a torch module")
         try:

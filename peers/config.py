@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from dht.node import NetworkConfig
+from models.config import lora_rank
 from models.model_source import resolve_model
 from models.stages import stage_spec
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
@@ -318,6 +319,10 @@ class PeerConfig:
         help="a Hugging Face model folder (GPT-2 or Llama: config.json, safetensors weights): the "
         "model's architecture, sizes and weights; this peer reads only its stage's tensors",
     )
+    trainable: str = option(
+        "all",
+        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
+    )
     stage: str | int | None = option(
         None,
         help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
@@ -355,6 +360,10 @@ class PeerConfig:
     def __post_init__(self) -> None:
         config = resolve_model(self.model, self.model_dir)
         self.model = config.name
+        try:
+            lora_rank(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
         if self.placement.standby:

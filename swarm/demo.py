@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 
+from models.config import lora_rank
 from models.model_source import resolve_model
 from process.config import ConfigError, option
 from swarm.local_swarm import LocalSwarm
@@ -21,6 +22,7 @@ class DemoConfig:
     steps: int = option(60, help="training steps")
     model: str = option("small", help="model to train")
     model_dir: str | None = option(None, help="a Hugging Face model folder (GPT-2 or Llama) to fine-tune instead")
+    trainable: str = option("all", help="what is trained: all, or lora:R (rank-R LoRA adapters, base frozen)")
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
     data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
@@ -30,6 +32,10 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.model_dir).name
+        try:
+            lora_rank(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
         if self.data is not None and not os.path.isfile(self.data):
@@ -39,6 +45,7 @@ class DemoConfig:
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
     model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
+    model_dir_args += ["--trainable", config.trainable]
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,

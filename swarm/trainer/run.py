@@ -9,6 +9,7 @@ stages and back, then the commit)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -99,7 +100,7 @@ async def train(
         batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
-    model_config = resolve_model(config.model, config.model_dir)
+    model_config = dataclasses.replace(resolve_model(config.model, config.model_dir), trainable=config.trainable)
     tokens = load_corpus(config.corpus.data)
     sampler = MicrobatchSampler(
         tokens,

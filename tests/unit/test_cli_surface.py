@@ -49,6 +49,7 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--microbatch-size",
     "--model",
     "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
+    "--trainable",  # added deliberately: all or lora:R (models/lora.py)
     "--num-stages",
     "--refresh-period-s",
     "--report",
@@ -62,6 +63,7 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
 TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "model": "small",
     "model_dir": None,
+    "trainable": "all",
     "num_stages": None,
     "steps": 100,
     "batch_size": 32,
