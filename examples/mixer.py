@@ -1,7 +1,7 @@
 """An architecture of one's own for `--model examples.mixer:mixer` (models/interface.py): byte
 tokens, a learned causal token-mixing matrix and a channel MLP per block, a linear read-out.
 
-    swarm demo --model examples.mixer:mixer --peers 2 --steps 5 --batch-size 8
+    swarm demo --model examples.mixer:mixer --tokenizer bytes --peers 2 --steps 5 --batch-size 8
 
 Every peer and the trainer must run this same file (its hash is part of the model's fingerprint).
 """

@@ -135,10 +135,10 @@ class ReplicaSettings:
     whether a joiner first copies a live replica's state."""
 
     averaging: str = option(
-        "none",
-        help="how replicas of a stage agree: none (independent), sync (average "
-        "gradients on each trainer step, identical parameters), periodic (average parameters "
-        "every --averaging-period-s or --averaging-every-steps)",
+        "sync",
+        help="how replicas of a stage agree: sync (default: average gradients on each trainer "
+        "step, identical parameters), periodic (average parameters every --averaging-period-s or "
+        "--averaging-every-steps), none (independent copies that diverge; for experiments)",
         choices=["none", "sync", "periodic"],
     )
     averaging_period_s: float | None = option(
@@ -319,6 +319,10 @@ class PeerConfig:
         help="a Hugging Face model folder (GPT-2 or Llama: config.json, safetensors weights): the "
         "model's architecture, sizes and weights; this peer reads only its stage's tensors",
     )
+    vocab_size: int | None = option(
+        None,
+        help="vocabulary size of the model (default: the model's own); must match the trainer's data "
+        "(`swarm data prepare` prints it)",
     trainable: str = option(
         "all",
         help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
@@ -358,7 +362,7 @@ class PeerConfig:
     faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
 
     def __post_init__(self) -> None:
-        config = resolve_model(self.model, self.model_dir)
+        config = resolve_model(self.model, self.model_dir, self.vocab_size)
         self.model = config.name
         try:
             lora_rank(self.trainable)

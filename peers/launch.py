@@ -15,7 +15,7 @@ import signal
 import torch
 
 from dht.announce import fetch_stage_records
-from dht.model_match import check_same_model
+from dht.model_match import check_same_model, check_same_vocabulary
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import GPTConfig
@@ -38,7 +38,9 @@ from wire import compression
 def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.compute.num_threads)
-    model_config = dataclasses.replace(resolve_model(config.model, config.model_dir), trainable=config.trainable)
+    model_config = dataclasses.replace(
+        resolve_model(config.model, config.model_dir, config.vocab_size), trainable=config.trainable
+    )
     device = resolve_device(config.compute.device)
     print(
         f"device: {describe_device(device)} (--device {config.compute.device}); "
@@ -50,6 +52,12 @@ def run_peer(config: PeerConfig) -> None:
         weight_files(config.model_dir)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
+    if config.replicas.averaging == "none":
+        print(
+            "warning: --averaging none: replicas of this stage will train separate, diverging copies "
+            "(no one model at the end); leave out --averaging (sync) unless this is an experiment",
+            flush=True,
+        )
     if device.type != "cpu" and config.replicas.averaging != "none":
         raise DeviceError(
             f"--averaging {config.replicas.averaging} is only supported with --device cpu so far (hivemind's "
@@ -86,6 +94,9 @@ def run_peer(config: PeerConfig) -> None:
     try:
         # Peers of another model under the same name: refused before claiming anything.
         live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
+        check_same_vocabulary(
+            live, model_config.vocab_size, model=config.model, who="peer", mine="--vocab-size / model"
+        )
         check_same_model(live, model_hash(model_config), model=config.model, who="peer")
         # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
         # with the swarm's stops here with a SplitConflictError.

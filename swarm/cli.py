@@ -34,8 +34,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.interface import UserModelError
     from models.layer_costs import ProfileError
     from models.lora import LoraUnavailableError
+    from models.model_source import VocabularyError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
+    from swarm.export.assemble import ExportError
+    from swarm.generate import GenerateError
     from swarm.trainer.data import CorpusError
     from swarm.trainer.discovery import DiscoveryError
     from swarm.trainer.failures import RoutingError
@@ -59,6 +62,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ModelMismatchError,
         UserModelError,
         LoraUnavailableError,
+        ExportError,
+        GenerateError,
+        VocabularyError,
     )
 
 
@@ -93,6 +99,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from swarm.evaluate import EvalConfig, run_eval
+
+    return run_eval(from_sources(EvalConfig, args))
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from swarm.data.prepare import PrepareConfig, run_prepare
+
+    return run_prepare(from_sources(PrepareConfig, args, inputs=args.inputs))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from swarm.status import StatusConfig, run_status
 
@@ -111,6 +129,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_profile(from_sources(ProfileConfig, args))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarm.export.config import ExportConfig
+    from swarm.export.run import run_export
+
+    run_export(from_sources(ExportConfig, args))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swarm.generate import GenerateConfig, run_generate
+
+    return run_generate(from_sources(GenerateConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from swarm.demo import DemoConfig, run_demo
 
@@ -120,7 +152,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from peers.config import PeerConfig
     from swarm.bootstrap import BootstrapConfig
+    from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
+    from swarm.evaluate import EvalConfig
+    from swarm.export.config import ExportConfig
+    from swarm.generate import GenerateConfig
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
@@ -137,8 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
         ("dht", cmd_dht, BootstrapConfig, "run a bootstrap DHT node and print its multiaddrs"),
         ("peer", cmd_peer, PeerConfig, "serve one pipeline stage of a model"),
         ("train", cmd_train, TrainerConfig, "train a model through the swarm's stages"),
+        ("eval", cmd_eval, EvalConfig, "the validation loss of the model the swarm holds now"),
         ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
         ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
+        (
+            "export",
+            cmd_export,
+            ExportConfig,
+            "assemble the trained model from live peers or checkpoints into one folder",
+        ),
+        ("generate", cmd_generate, GenerateConfig, "sample text from an exported model folder"),
         ("profile", cmd_profile, ProfileConfig, "measure a model layer by layer and suggest a balanced stage split"),
     ]
     for name, handler, config_cls, help_text in roles:
@@ -155,6 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(plan, PlanConfig)
     plan.set_defaults(handler=run_plan)
+    data = sub.add_parser("data", help="prepare a corpus: tokenizer and token shards")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="tokenize text files, folders and .jsonl(.gz) files into a dataset the trainer memory-maps",
+        description="Tokenize INPUT... (text files, folders read recursively, .jsonl/.jsonl.gz with one "
+        "document per line) into DIR: token shards, a validation split held out by document, "
+        "tokenizer.json and meta.json. Running it again on the same inputs reuses DIR.",
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl(.gz) files")
+    add_config_arguments(prepare, PrepareConfig, skip=("inputs",))
+    prepare.set_defaults(handler=cmd_data_prepare)
     monitor = sub.add_parser("monitor", help="tools for Prometheus monitoring of a swarm")
     monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="TOOL")
     targets = monitor_sub.add_parser(

@@ -11,8 +11,12 @@ import subprocess
 from models.config import lora_rank
 from models.model_source import resolve_model
 from process.config import ConfigError, option
+from swarm.export.config import ExportConfig
+from swarm.export.run import run_export
+from swarm.generate import GenerateConfig, generate_text
 from swarm.local_swarm import LocalSwarm
 from swarm.trainer.codec_policy import CODEC_MODES
+from swarm.trainer.data import open_data
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -25,10 +29,23 @@ class DemoConfig:
     trainable: str = option("all", help="what is trained: all, or lora:R (rank-R LoRA adapters, base frozen)")
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
-    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    data: str | None = option(
+        None,
+        help="a folder made by `swarm data prepare`, or a text file (default: the Shakespeare corpus, "
+        "prepared with --tokenizer into ~/.cache/swarm or $SWARM_CACHE_DIR the first time)",
+    )
+    tokenizer: str = option("bpe:4096", help="tokenizer for a text file or the default corpus: bytes or bpe:VOCAB")
+    eval_every: int = option(10, help="validation loss through the swarm every N steps (0 = never)")
+    eval_batches: int = option(4, help="validation batches per evaluation")
     codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
     report: str | None = option(None, help="write the trainer's JSON report here")
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
+    averaging: str = option(
+        "sync",
+        help="how the replicas of a stage agree (none: separate copies, for experiments)",
+        choices=["sync", "periodic", "none"],
+    )
+    export: str | None = option(None, help="at the end, export the trained model to this folder and print a sample")
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.model_dir).name
@@ -38,19 +55,49 @@ class DemoConfig:
             raise ConfigError(str(e)) from None
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
-        if self.data is not None and not os.path.isfile(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file")
+        if self.export is not None and os.path.exists(self.export):  # refused now, not after training
+            raise ConfigError(f"--export {self.export!r} already exists; choose another folder")
+        if self.data is not None and not os.path.exists(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file or prepared data folder")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("--eval-every must be at least 0 and --eval-batches at least 1")
+
+
+def export_and_sample(config: DemoConfig, swarm: LocalSwarm, data_folder: str) -> None:
+    """`swarm export` from the live peers (with the prepared data's tokenizer), then a short
+    `swarm generate` from the folder."""
+    export = ExportConfig(
+        initial_peers=swarm.initial_peers,
+        model=config.model,
+        model_dir=config.model_dir,
+        out=config.export,
+        data=data_folder,
+        overwrite=False,
+        num_stages=config.stages,
+    )
+    run_export(export)
+    print("[demo] a sample from the exported model:", flush=True)
+    generate_text(
+        GenerateConfig(model_dir=config.export, prompt="ROMEO:" if config.data is None else "The", max_new_tokens=80)
+    )
+    print(f"[demo] more with: swarm generate --model-dir {config.export} --prompt TEXT", flush=True)
 
 
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
     model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
     model_dir_args += ["--trainable", config.trainable]
+    # The data first: its vocabulary is the model's, so the peers start with it.
+    data = open_data(config.data, tokenizer=config.tokenizer, say=lambda line: print(f"[demo] {line}", flush=True))
+    vocab_args = [] if config.model_dir else ["--vocab-size", str(data.vocab_size)]
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,
         workdir=config.workdir,
-        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)] + model_dir_args,
+        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]
+        + ["--averaging", config.averaging]
+        + model_dir_args
+        + vocab_args,
     ) as swarm:
         print(f"[demo] logs in {swarm.workdir}", flush=True)
         maddrs = swarm.start_bootstrap()
@@ -73,8 +120,14 @@ def run_demo(config: DemoConfig) -> int:
             "--codec",
             config.codec,
         ]
-        if config.data:
-            args += ["--data", config.data]
+        args += [
+            "--data",
+            data.folder,
+            "--eval-every",
+            str(config.eval_every),
+            "--eval-batches",
+            str(config.eval_batches),
+        ]
         args += model_dir_args
         trainer = swarm.start_trainer(*args)
         shown = 0
@@ -100,6 +153,14 @@ def run_demo(config: DemoConfig) -> int:
             f"{report['microbatches_retried']} retried, {report['microbatches_lost']} lost",
             flush=True,
         )
+        if report.get("eval_losses"):
+            first, last = report["eval_losses"][0], report["eval_losses"][-1]
+            print(
+                f"[demo] validation loss {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]})",
+                flush=True,
+            )
+        if config.export:
+            export_and_sample(config, swarm, data.folder)
         print("[demo] stopping the swarm...", flush=True)
     print("[demo] all processes stopped", flush=True)
     return 0

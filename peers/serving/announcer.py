@@ -60,6 +60,7 @@ class Announcer:
             averaging=self.averaging_mode,
             metrics_addr=self.metrics_addr,
             model_hash=model_fingerprint(serving.runtime.config),
+            vocab_size=serving.runtime.config.vocab_size,
         )
 
     async def announce(

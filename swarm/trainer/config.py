@@ -28,12 +28,28 @@ from swarm.trainer.codec_policy import CODEC_MODES
 
 @dataclasses.dataclass(kw_only=True)
 class CorpusSettings:
-    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    data: str | None = option(
+        None,
+        help="a folder made by `swarm data prepare`, or a text file (prepared with the byte tokenizer "
+        "into ~/.cache/swarm); default: the Shakespeare corpus, bytes",
+    )
     seed: int = option(0, help="seed of the data order")
 
     def __post_init__(self) -> None:
-        if self.data is not None and not os.path.isfile(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file")
+        if self.data is not None and not os.path.exists(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file or prepared data folder")
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvaluationSettings:
+    eval_every: int = option(
+        0, help="every N steps (and after the last), compute the validation loss through the swarm; 0 = never"
+    )
+    eval_batches: int = option(4, help="validation batches (of --batch-size samples) per evaluation")
+
+    def __post_init__(self) -> None:
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("--eval-every must be at least 0 and --eval-batches at least 1")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,6 +130,7 @@ class TrainerConfig:
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
     corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
     schedule: ScheduleSettings = section(ScheduleSettings, help="steps, batches and microbatches")
+    evaluation: EvaluationSettings = section(EvaluationSettings, help="validation loss through the swarm")
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
     compression: CompressionSettings = section(CompressionSettings, help="compression on the wire")

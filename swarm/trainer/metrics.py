@@ -32,6 +32,11 @@ class TrainerMetrics:
         self.step = Gauge("swarm_trainer_step", "Optimizer steps completed", registry=r)
         self.target_steps = Gauge("swarm_trainer_target_steps", "Steps this run will train (--steps)", registry=r)
         self.loss = Gauge("swarm_trainer_loss", "Mean cross-entropy (nats) of the last step", registry=r)
+        self.eval_loss = Gauge(
+            "swarm_trainer_eval_loss",
+            "Mean cross-entropy (nats) on the validation batches, last evaluation",
+            registry=r,
+        )
         self.tokens = Counter("swarm_trainer_tokens_total", "Tokens trained on (rate() = tokens/s)", registry=r)
         self.tokens_per_second = Gauge("swarm_trainer_tokens_per_second", "Tokens/s of the last step", registry=r)
         self.step_duration = Histogram(

@@ -21,12 +21,13 @@ import hivemind
 import torch
 
 from dht.node import start_dht
+from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
-from swarm.trainer.config import TrainerConfig
-from swarm.trainer.data import MicrobatchSampler, load_corpus
+from swarm.trainer.config import CompressionSettings, DiscoverySettings, FailoverSettings, TrainerConfig
+from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
@@ -65,6 +66,8 @@ class TrainingReport:
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
+    eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
+    final_eval_loss: float | None = None
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -100,43 +103,51 @@ async def train(
         batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
-    model_config = dataclasses.replace(resolve_model(config.model, config.model_dir), trainable=config.trainable)
-    tokens = load_corpus(config.corpus.data)
+    data = open_data(config.corpus.data, say=say)
+    # The model's vocabulary is the data's: the peers must serve the same (checked on discovery).
+    model_config = dataclasses.replace(
+        resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+    )
     sampler = MicrobatchSampler(
-        tokens,
+        data.train,
         seq_len=model_config.seq_len,
         batch_size=batches.batch_size,
         microbatch_size=batches.microbatch_size,
         seed=config.corpus.seed,
+        what="the training split",
     )
-    discovery_timeout_s = config.discovery.discovery_timeout_s
-    num_stages = config.num_stages or await discover_num_stages(dht, config.model, discovery_timeout_s, say)
-    p2p = await dht.replicate_p2p()
-    client = StageClient(p2p, model=config.model, num_stages=num_stages)
-    view = SwarmView(
-        dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
-    )
-    codecs = CodecPolicy(config.compression.codec, topk_fraction=config.compression.topk_fraction)
-    caller = StageCaller(
-        view,
-        client,
-        d_model=model_config.d_model,
-        seq_len=model_config.seq_len,
+    evaluation = config.evaluation
+    validation = None
+    if evaluation.eval_every:
+        validation = ValidationBatches(
+            data.val,
+            seq_len=model_config.seq_len,
+            batch_size=batches.batch_size,
+            microbatch_size=batches.microbatch_size,
+            count=evaluation.eval_batches,
+        )
+    schedule = await connect(
+        dht,
+        model=config.model,
+        model_config=model_config,
+        num_stages=config.num_stages,
+        discovery=config.discovery,
         failover=config.failover,
-        codecs=codecs,
+        compression=config.compression,
+        max_in_flight=batches.max_in_flight,
+        data_source=f"data {data.folder}",
+        metrics=metrics,
         say=say,
     )
-    schedule = StepSchedule(caller, max_in_flight=batches.max_in_flight, run_id=secrets.token_hex(4))
-    codecs.warm_up()
+    view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
         model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
     )
-    metrics.count_bytes(client.bytes.snapshot)
-    await wait_for_every_stage(view, discovery_timeout_s)
     report.split_boundaries = await read_split(dht, config.model, num_stages)  # every stage's peers stated theirs
     say(
         f"training {config.model} over {num_stages} stages with {view.live_replicas()} replicas; "
-        f"{len(tokens):,} tokens of data, batch {batches.batch_size} x {model_config.seq_len} tokens"
+        f"{len(data.train):,} tokens of data (vocabulary {data.vocab_size:,}), "
+        f"batch {batches.batch_size} x {model_config.seq_len} tokens"
     )
     report.num_stages = num_stages
     refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
@@ -170,12 +181,61 @@ async def train(
                     elapsed_s=elapsed,
                 )
             )
+            if validation is not None and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps):
+                eval_loss = await schedule.evaluate(validation.batches())
+                report.eval_losses.append([step + 1, eval_loss])
+                report.final_eval_loss = eval_loss
+                metrics.eval_loss.set(eval_loss)
+                say(f"step {step + 1}: validation loss {eval_loss:.4f} ({evaluation.eval_batches} batches)")
+                if reporting.report:
+                    report.write(reporting.report)
         report.completed = True
     finally:
         progress.close()
         refresher.cancel()
         _fill_report(report, schedule, time.perf_counter() - started)
     return report
+
+
+async def connect(
+    dht: hivemind.DHT,
+    *,
+    model: str,
+    model_config: GPTConfig,
+    num_stages: int | None,
+    discovery: DiscoverySettings,
+    failover: FailoverSettings,
+    compression: CompressionSettings,
+    max_in_flight: int,
+    data_source: str,
+    metrics: TrainerMetrics,
+    say=print,
+) -> StepSchedule:
+    """Find the swarm's stages and wire the pipeline to them (the view, the caller, the schedule);
+    returns once every stage has an online replica. Refuses, in one line, a swarm that serves
+    another vocabulary (`data_source` says where ours comes from) or another model."""
+    timeout_s = discovery.discovery_timeout_s
+    num_stages = num_stages or await discover_num_stages(dht, model, timeout_s, say)
+    p2p = await dht.replicate_p2p()
+    client = StageClient(p2p, model=model, num_stages=num_stages)
+    view = SwarmView(
+        dht, model=model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
+    )
+    codecs = CodecPolicy(compression.codec, topk_fraction=compression.topk_fraction)
+    caller = StageCaller(
+        view,
+        client,
+        d_model=model_config.d_model,
+        seq_len=model_config.seq_len,
+        failover=failover,
+        codecs=codecs,
+        say=say,
+    )
+    schedule = StepSchedule(caller, max_in_flight=max_in_flight, run_id=secrets.token_hex(4))
+    codecs.warm_up()
+    metrics.count_bytes(client.bytes.snapshot)
+    await wait_for_every_stage(view, timeout_s, vocab_size=model_config.vocab_size, vocab_source=data_source)
+    return schedule
 
 
 def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: float) -> None:
