@@ -323,6 +323,7 @@ class PeerConfig:
         None,
         help="vocabulary size of the model (default: the model's own); must match the trainer's data "
         "(`swarm data prepare` prints it)",
+    )
     trainable: str = option(
         "all",
         help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
