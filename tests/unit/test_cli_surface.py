@@ -50,6 +50,8 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--model",
     "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
     "--trainable",  # added deliberately: all or lora:R (models/lora.py)
+    "--eval-every",  # added by the corpus branch: validation through the swarm
+    "--eval-batches",
     "--num-stages",
     "--refresh-period-s",
     "--report",
@@ -64,6 +66,8 @@ TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "model": "small",
     "model_dir": None,
     "trainable": "all",
+    "eval_every": 0,
+    "eval_batches": 4,
     "num_stages": None,
     "steps": 100,
     "batch_size": 32,
