@@ -32,6 +32,9 @@ from swarm.data.tokenizer import (
 )
 
 ENCODE_BATCH_DOCUMENTS = 256
+# A BPE is fitted to the first this-many characters of the input: its merges settle long before
+# (the parallel data branch measured 200 MB at 0.35 MB/s when the BPE was fitted to all of it).
+BPE_TRAIN_MAX_CHARS = 32 << 20
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,8 +138,11 @@ def prepare(config: PrepareConfig, say: Callable[[str], None] = print) -> DataMe
         elif spec.scheme == "file":
             tokenizer = load_tokenizer_file(spec.path)
         else:
-            progress = _Progress(total, f"training a {spec.vocab_size}-token BPE", say)
-            documents = _counted(iter_documents(files, text_field=config.text_field), progress)
+            sample = min(total, BPE_TRAIN_MAX_CHARS)
+            progress = _Progress(
+                sample, f"training a {spec.vocab_size}-token BPE on the first {sample / 1e6:.0f} MB", say
+            )
+            documents = _counted(iter_documents(files, text_field=config.text_field), progress, BPE_TRAIN_MAX_CHARS)
             tokenizer = train_bpe(documents, spec.vocab_size)
             progress.close()
         meta = _encode(config, spec, files, inputs, tokenizer, work, say)
@@ -156,10 +162,14 @@ def prepare(config: PrepareConfig, say: Callable[[str], None] = print) -> DataMe
     return meta
 
 
-def _counted(documents: Iterator[str], progress: _Progress) -> Iterator[str]:
+def _counted(documents: Iterator[str], progress: _Progress, limit: int) -> Iterator[str]:
+    seen = 0
     for document in documents:
         progress.update(len(document))
         yield document
+        seen += len(document)
+        if seen >= limit:
+            return
 
 
 def _encode(config, spec, files: list[InputFile], inputs: list[InputInfo], tokenizer, folder: str, say) -> DataMeta:

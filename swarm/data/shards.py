@@ -151,13 +151,18 @@ class ShardWriter:
 
 
 class TokenSplit:
-    """One split's shards, memory-mapped, read as one sequence of `len(self)` tokens."""
+    """One split's shards, read as one sequence of `len(self)` tokens, window by window with
+    positional reads (os.pread). Not np.memmap: random windows through a memory map grew the
+    trainer's RSS with the corpus (each page fault maps its read-around neighbourhood from the
+    page cache: +180 MB after 6,400 windows of a 200 MB corpus, measured by the parallel data
+    branch); pread copies only the window, so the RSS stays flat whatever the corpus size."""
 
     def __init__(self, folder: str, meta: DataMeta, split: str):
         info = meta.splits.get(split)
         self.name = split
-        self.arrays: list[np.memmap] = []
-        dtype = np.dtype(meta.dtype)
+        self.dtype = dtype = np.dtype(meta.dtype)
+        self.fds: list[int] = []
+        lengths: list[int] = []
         for shard in info.shards if info else []:
             path = os.path.join(folder, shard.file)
             expected = shard.tokens * dtype.itemsize
@@ -168,8 +173,17 @@ class TokenSplit:
                     "prepare the data again"
                 )
             if shard.tokens:
-                self.arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard.tokens,)))
-        self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])  # shard i starts at offsets[i]
+                self.fds.append(os.open(path, os.O_RDONLY))
+                lengths.append(shard.tokens)
+        self.lengths = lengths
+        self.offsets = np.cumsum([0] + lengths)  # shard i starts at offsets[i]
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "fds", []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -183,8 +197,10 @@ class TokenSplit:
         filled = 0
         while filled < length:
             local = start + filled - int(self.offsets[shard])
-            take = min(length - filled, len(self.arrays[shard]) - local)
-            out[filled : filled + take] = self.arrays[shard][local : local + take]
+            take = min(length - filled, self.lengths[shard] - local)
+            size = self.dtype.itemsize
+            raw = os.pread(self.fds[shard], take * size, local * size)
+            out[filled : filled + take] = np.frombuffer(raw, dtype=self.dtype)
             filled += take
             shard += 1
         return out
