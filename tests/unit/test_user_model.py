@@ -12,6 +12,7 @@ import torch
 from models.config import get_model_config
 from models.identity import model_fingerprint
 from models.interface import UserModelError
+from models.model_source import VocabularyError, resolve_model
 from models.profile import profile_model
 from models.stages import build_full_model, build_stage
 
@@ -119,3 +120,10 @@ def test_bad_input_is_refused_in_one_line(arch_module, function, message):
         get_model_config(function.format(module=arch_module()))
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_vocabulary_other_than_the_parts_is_refused_in_one_line(arch_module):
+    name = arch_module() + ":build"
+    assert resolve_model(name, vocab_size=64).vocab_size == 64
+    with pytest.raises(VocabularyError, match="has a vocabulary of 64 tokens, not 4096"):
+        resolve_model(name, vocab_size=4096)
