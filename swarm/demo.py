@@ -90,6 +90,8 @@ def run_demo(config: DemoConfig) -> int:
     # The data first: its vocabulary is the model's, so the peers start with it.
     data = open_data(config.data, tokenizer=config.tokenizer, say=lambda line: print(f"[demo] {line}", flush=True))
     vocab_args = [] if config.model_dir else ["--vocab-size", str(data.vocab_size)]
+    if not config.model_dir:  # a model whose vocabulary is fixed (a user architecture) refuses other data here
+        resolve_model(config.model, None, data.vocab_size)
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,
