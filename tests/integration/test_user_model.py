@@ -72,9 +72,11 @@ def mixer() -> ModelParts:
 def reference_update(config, lr: float):
     from models.stages import build_full_model
     from peers.compute.stage_runtime import OptimizerSettings
-    from swarm.trainer.data import MicrobatchSampler, load_corpus
+    from swarm.trainer.data import MicrobatchSampler, open_data
 
-    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH)
+    sampler = MicrobatchSampler(
+        open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
+    )
     microbatches = sampler.batch(0)
     inputs = torch.cat([mb.inputs for mb in microbatches])
     targets = torch.cat([mb.targets for mb in microbatches])
