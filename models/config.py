@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 
@@ -31,6 +32,14 @@ class GPTConfig:
     activation: the GELU of the "gpt" MLP: "gelu" (exact, erf) or "gelu_tanh" (the tanh
         approximation GPT-2 checkpoints use, `gelu_new` in transformers).
 
+    user_model: "package.module:function" for arch "user", an architecture of the user's own
+        (models/interface.py); its sizes come from the function.
+    code_hash: hash of the user architecture's definition (models/interface.py `definition_hash`).
+    part_parameters: parameters of the user architecture's (embedding, one block, head).
+    trainable: "all" (full training) or "lora:R" (rank-R LoRA adapters on the blocks, base weights
+        frozen; models/lora.py). Part of the config so that the fingerprint peers announce keeps
+        peers of different modes apart.
+
     With these fields the blocks compute exactly what transformers' `GPT2LMHeadModel` and
     `LlamaForCausalLM` compute for the same weights (models/hf_format.py converts the names).
     """
@@ -49,10 +58,19 @@ class GPTConfig:
     n_kv_heads: int | None = None
     norm_eps: float = 1e-5
     activation: str = "gelu"
+    user_model: str = ""
+    code_hash: str = ""
+    part_parameters: tuple[int, int, int] | None = None
+    trainable: str = "all"
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.arch!r}; use one of {', '.join(ARCHITECTURES)}")
+        if (self.arch == "user") != bool(self.user_model) or (self.arch == "user") != (
+            self.part_parameters is not None
+        ):
+            raise ValueError("arch 'user' goes with user_model and part_parameters, and only it")
+        lora_rank(self.trainable)  # ValueError for anything but "all" or "lora:R"
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if min(self.vocab_size, self.seq_len, self.n_layers, self.d_model, self.n_heads, self.hidden_size) <= 0:
@@ -89,16 +107,22 @@ class GPTConfig:
 
     def block_parameters(self) -> int:
         """Parameters of one transformer block."""
+        if self.part_parameters is not None:
+            return self.part_parameters[1]
         d, h = self.d_model, self.hidden_size
         if self.arch == "llama":  # q, o; k, v (fewer rows with grouped-query attention); gate, up, down; two norms
             return 2 * d * d + 2 * d * self.kv_heads * self.head_dim + 3 * d * h + 2 * d
         return 4 * d * d + 4 * d + 2 * h * d + h + d + 4 * d  # attn (+biases), MLP (+biases), two LayerNorms
 
     def embedding_parameters(self) -> int:
+        if self.part_parameters is not None:
+            return self.part_parameters[0]
         positions = 0 if self.arch == "llama" else self.seq_len * self.d_model
         return self.vocab_size * self.d_model + positions
 
     def head_parameters(self) -> int:
+        if self.part_parameters is not None:
+            return self.part_parameters[2]
         if self.arch == "llama":  # RMSNorm weight, projection without bias
             return self.d_model + self.d_model * self.vocab_size
         return 2 * self.d_model + self.d_model * self.vocab_size  # LayerNorm; projection without bias (as GPT-2)
@@ -112,8 +136,20 @@ class GPTConfig:
         return asdict(self)
 
 
-ARCHITECTURES = ("gpt", "llama")
+ARCHITECTURES = ("gpt", "llama", "user")
 ACTIVATIONS = ("gelu", "gelu_tanh")
+
+
+def lora_rank(trainable: str) -> int | None:
+    """None for "all", R for "lora:R" (R >= 1); ValueError otherwise."""
+    if trainable == "all":
+        return None
+    kind, _, rank = trainable.partition(":")
+    if kind != "lora" or not rank.isdigit() or int(rank) < 1:
+        raise ValueError(f"--trainable {trainable!r}: use all or lora:R with a rank R >= 1 (e.g. lora:8)")
+    return int(rank)
+
+
 GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary size; byte-level data (ids < 256) fits in it
 
 MODEL_CONFIGS: dict[str, GPTConfig] = {
@@ -151,9 +187,32 @@ MODEL_CONFIGS: dict[str, GPTConfig] = {
 
 
 def get_model_config(name: str) -> GPTConfig:
-    """The named config, or an `UnknownModelError` that lists the known names."""
+    """The named config, or an `UnknownModelError` that lists the known names. A name of the form
+    `package.module:function` is a user architecture (models/interface.py; UserModelError)."""
+    if ":" in name:
+        return _user_config(name)
     try:
         return MODEL_CONFIGS[name]
     except KeyError:
         known = ", ".join(sorted(MODEL_CONFIGS))
         raise UnknownModelError(f"unknown model {name!r}; known models: {known}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _user_config(reference: str) -> GPTConfig:
+    from models.interface import check_parts, definition_hash, load_model_parts
+
+    parts = load_model_parts(reference)
+    counts = check_parts(reference, parts)
+    return GPTConfig(
+        name=reference,
+        arch="user",
+        vocab_size=parts.vocab_size,
+        seq_len=parts.seq_len,
+        n_layers=parts.n_layers,
+        d_model=parts.d_model,
+        n_heads=1,
+        user_model=reference,
+        code_hash=definition_hash(reference),
+        part_parameters=counts,
+    )

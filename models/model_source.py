@@ -32,6 +32,11 @@ def resolve_model(model: str, model_dir: str | None = None, vocab_size: int | No
         raise VocabularyError(f"--vocab-size {vocab_size}: a vocabulary needs at least one token")
     if model_dir is None:
         config = get_model_config(model)
+        if config.arch == "user" and vocab_size not in (None, config.vocab_size):  # its parts fix the vocabulary
+            raise VocabularyError(
+                f"the architecture {model} has a vocabulary of {config.vocab_size} tokens, not {vocab_size}: prepare "
+                f"the data with a tokenizer of {config.vocab_size} tokens (bytes: 256)"
+            )
         return config if vocab_size in (None, config.vocab_size) else replace(config, vocab_size=vocab_size)
     config, _ = read_hf_config(model_dir)
     if vocab_size is not None and vocab_size != config.vocab_size:

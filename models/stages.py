@@ -20,6 +20,7 @@ import torch.nn as nn
 from models import llama
 from models.config import GPTConfig
 from models.gpt import Block, Embedding, LMHead, init_weights_, language_model_loss
+from models.interface import build_part, load_model_parts
 
 
 class StageSplitError(ValueError):
@@ -111,7 +112,8 @@ def _generator(seed: int, component: int) -> torch.Generator:
 
 _EMBEDDING, _HEAD = 0, 1  # component ids; block i is component 2 + i
 
-# The building blocks of each architecture: (embedding, block, head).
+# The building blocks of each built-in architecture: (embedding, block, head), the interface
+# models/interface.py documents; arch "user" takes them from the user's function instead.
 _COMPONENTS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
     "gpt": (Embedding, Block, LMHead),
     "llama": (llama.TokenEmbedding, llama.LlamaBlock, llama.LlamaHead),
@@ -125,6 +127,9 @@ class StageModule(nn.Module):
     def __init__(self, config: GPTConfig, spec: StageSpec, seed: int = 0):
         super().__init__()
         self.config, self.spec = config, spec
+        if config.arch == "user":
+            self._build_user_parts(config, spec, seed)
+            return
         embedding_cls, block_cls, head_cls = _COMPONENTS[config.arch]
         self.embedding = embedding_cls(config) if spec.is_first else None
         if self.embedding is not None:
@@ -137,6 +142,15 @@ class StageModule(nn.Module):
         self.head = head_cls(config) if spec.is_last else None
         if self.head is not None:
             init_weights_(self.head, _generator(seed, _HEAD), config.n_layers)
+
+    def _build_user_parts(self, config: GPTConfig, spec: StageSpec, seed: int) -> None:
+        """The parts of a user architecture (models/interface.py), each under its own seeded state."""
+        parts = load_model_parts(config.user_model)
+        self.embedding = build_part(parts.embedding, seed, _EMBEDDING) if spec.is_first else None
+        self.blocks = nn.ModuleList(
+            build_part(lambda layer=layer: parts.block(layer), seed, 2 + layer) for layer in spec.layers
+        )
+        self.head = build_part(parts.head, seed, _HEAD) if spec.is_last else None
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(inputs) if self.embedding is not None else inputs  # (B, T, C)

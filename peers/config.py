@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from dht.node import NetworkConfig
+from models.config import lora_rank
 from models.model_source import resolve_model
 from models.stages import stage_spec
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
@@ -323,6 +324,10 @@ class PeerConfig:
         help="vocabulary size of the model (default: the model's own); must match the trainer's data "
         "(`swarm data prepare` prints it)",
     )
+    trainable: str = option(
+        "all",
+        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
+    )
     stage: str | int | None = option(
         None,
         help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
@@ -360,6 +365,10 @@ class PeerConfig:
     def __post_init__(self) -> None:
         config = resolve_model(self.model, self.model_dir, self.vocab_size)
         self.model = config.name
+        try:
+            lora_rank(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
         if self.placement.standby:

@@ -38,7 +38,9 @@ from wire import compression
 def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.compute.num_threads)
-    model_config = resolve_model(config.model, config.model_dir, config.vocab_size)
+    model_config = dataclasses.replace(
+        resolve_model(config.model, config.model_dir, config.vocab_size), trainable=config.trainable
+    )
     device = resolve_device(config.compute.device)
     print(
         f"device: {describe_device(device)} (--device {config.compute.device}); "

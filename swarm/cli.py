@@ -31,7 +31,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.balanced_split import BalancedSplitError
     from models.config import UnknownModelError
     from models.hf_format import ModelFolderError
+    from models.interface import UserModelError
     from models.layer_costs import ProfileError
+    from models.lora import LoraUnavailableError
     from models.model_source import VocabularyError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
@@ -58,6 +60,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ProfileError,
         ModelFolderError,
         ModelMismatchError,
+        UserModelError,
+        LoraUnavailableError,
         ExportError,
         GenerateError,
         VocabularyError,

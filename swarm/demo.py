@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 
+from models.config import lora_rank
 from models.model_source import resolve_model
 from process.config import ConfigError, option
 from swarm.export.config import ExportConfig
@@ -25,6 +26,7 @@ class DemoConfig:
     steps: int = option(60, help="training steps")
     model: str = option("small", help="model to train")
     model_dir: str | None = option(None, help="a Hugging Face model folder (GPT-2 or Llama) to fine-tune instead")
+    trainable: str = option("all", help="what is trained: all, or lora:R (rank-R LoRA adapters, base frozen)")
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
     data: str | None = option(
@@ -47,6 +49,10 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.model_dir).name
+        try:
+            lora_rank(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
         if self.export is not None and os.path.exists(self.export):  # refused now, not after training
@@ -80,9 +86,12 @@ def export_and_sample(config: DemoConfig, swarm: LocalSwarm, data_folder: str) -
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
     model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
+    model_dir_args += ["--trainable", config.trainable]
     # The data first: its vocabulary is the model's, so the peers start with it.
     data = open_data(config.data, tokenizer=config.tokenizer, say=lambda line: print(f"[demo] {line}", flush=True))
     vocab_args = [] if config.model_dir else ["--vocab-size", str(data.vocab_size)]
+    if not config.model_dir:  # a model whose vocabulary is fixed (a user architecture) refuses other data here
+        resolve_model(config.model, None, data.vocab_size)
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,

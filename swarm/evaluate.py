@@ -15,6 +15,7 @@ import hivemind
 import torch
 
 from dht.node import NetworkConfig, start_dht
+from models.config import lora_rank
 from models.model_source import DEFAULT_MODEL, resolve_model
 from process.config import ConfigError, option, section
 from swarm.trainer.config import CompressionSettings, CorpusSettings, DiscoverySettings, FailoverSettings
@@ -27,6 +28,7 @@ from swarm.trainer.run import connect
 class EvalConfig:
     model: str = option(DEFAULT_MODEL, help="model name; must match the peers'")
     model_dir: str | None = option(None, help="the Hugging Face model folder the peers serve (--model-dir)")
+    trainable: str = option("all", help="the peers' --trainable (all or lora:R): part of the model's fingerprint")
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     batches: int = option(4, help="validation batches")
     batch_size: int = option(32, help="samples per batch")
@@ -39,6 +41,10 @@ class EvalConfig:
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
 
     def __post_init__(self) -> None:
+        try:
+            lora_rank(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.batches < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:
             raise ConfigError("batches, batch_size, microbatch_size and max_in_flight must be at least 1")
         if self.batch_size % self.microbatch_size:
@@ -49,7 +55,9 @@ class EvalConfig:
 
 async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
     data = open_data(config.corpus.data, say=say)
-    model_config = resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size)
+    model_config = dataclasses.replace(
+        resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+    )
     validation = ValidationBatches(
         data.val,
         seq_len=model_config.seq_len,

@@ -83,6 +83,9 @@ class StageBuilder:
         if config.model_dir:  # ModelFolderError (one line) for a missing, truncated or mis-shaped tensor
             count = load_stage_from_folder(runtime.module, config.model_dir)
             print(f"loaded {count} tensors of stage {stage} from {config.model_dir}", flush=True)
+        adapters = runtime.use_adapters()  # after the base weights, before a checkpoint of adapters
+        if adapters:
+            print(f"stage {stage}: {adapters} adapter parameters trainable ({self.model_config.trainable})", flush=True)
         if config.checkpointing.checkpoint_dir:
             path = checkpoint_path(
                 config.checkpointing.checkpoint_dir,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.config import GPTConfig
+from models.config import GPTConfig, lora_rank
+from models.lora import add_adapters, trainable_state_dict
 from models.stages import StageModule, build_stage
 from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
@@ -121,7 +122,7 @@ class StageRuntime:
         cache_budget_bytes: int | None = None,
     ):
         self.config, self.stage, self.num_stages = config, stage, num_stages
-        self.device, self.precision = device, precision
+        self.device, self.precision, self.seed = device, precision, seed
         devices.check_precision(device, precision)
         self.loss_scale = LossScale(2.0**16 if precision == "fp16" else 1.0)
         self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries).to(device)
@@ -348,18 +349,32 @@ class StageRuntime:
         self.cache.clear()
         self.steps_done += 1
 
+    def use_adapters(self) -> int:
+        """With `trainable` lora:R: add the adapters (models/lora.py) after the base weights are
+        loaded, freeze the base and optimize only the adapters. Returns the trainable parameters
+        (0 with "all": nothing changes). Call before any step, and before averagers are made."""
+        rank = lora_rank(self.config.trainable)
+        if rank is None:
+            return 0
+        count = add_adapters(self.module, rank, seed=self.seed, first_layer=self.module.spec.first_layer)
+        self.module.to(self.device)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = self.settings.build(self.params, self.device)
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        return count
+
     # --- state -----------------------------------------------------------------------------------
     def export_state(self, model_name: str) -> bytes:
         meta = CheckpointMeta(
             model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done
         )
-        return serialize_state(meta, self.module.state_dict(), self.optimizer.state_dict())
+        return serialize_state(meta, trainable_state_dict(self.module), self.optimizer.state_dict())
 
     def save(self, path: str, model_name: str) -> None:
         meta = CheckpointMeta(
             model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done
         )
-        save_checkpoint(path, meta, self.module.state_dict(), self.optimizer.state_dict())
+        save_checkpoint(path, meta, trainable_state_dict(self.module), self.optimizer.state_dict())
 
     def restore(self, path: str, model_name: str) -> None:
         """Load a checkpoint of this very stage; raises CheckpointError otherwise."""
@@ -372,11 +387,12 @@ class StageRuntime:
                 f"{source} holds {meta.model} stage {meta.stage}/{meta.num_stages}, "
                 f"not {model_name} stage {self.stage}/{self.num_stages}"
             )
-        if set(module_state) != set(self.module.state_dict()):
+        # With adapters a checkpoint holds only them (the base comes from the seed or the weights file).
+        if set(module_state) != set(trainable_state_dict(self.module)):
             raise CheckpointError(f"{source} does not fit this stage: its tensors are not this stage's")
         try:
             with torch.no_grad():  # in place: averagers may share these tensors' memory
-                for name, value in self.module.state_dict().items():
+                for name, value in trainable_state_dict(self.module).items():
                     value.copy_(module_state[name])
             self.optimizer.load_state_dict(optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:

@@ -25,6 +25,16 @@ class ExportConfig(NetworkConfig):
         None, help="the run's prepared data folder (`swarm data prepare`): its tokenizer.json is copied"
     )
     overwrite: bool = option(False, help="replace --out if it exists")
+    adapters_only: bool = option(
+        False,
+        help="a run trained with --trainable lora:R: write its adapters apart (adapters.safetensors, "
+        "adapter_config.json) instead of merging them into the weights",
+    )
+    seed: int = option(0, help="a run with adapters: the peers' --seed (their base weights, without --init-weights)")
+    init_weights: str | None = option(None, help="a run with adapters: the peers' --init-weights (their base weights)")
+    vocab_size: int | None = option(
+        None, help="a run with adapters: the peers' --vocab-size (default: the live peers' records, else the model's)"
+    )
     num_stages: int | None = option(None, help="number of stages (default: the swarm's split)")
     wait_s: float = option(60.0, help="live: wait this long for every stage to have an online replica")
     download_timeout_s: float = option(300.0, help="live: give up one replica's download after this many seconds")

@@ -24,6 +24,7 @@ from models.config import GPTConfig
 from models.hf_format import TOKENIZER_FILE, write_model_folder
 from models.model_source import model_hash, resolve_model
 from swarm.data.tokenizer import byte_tokenizer
+from swarm.export.adapters import adapter_rank, merge_parts, write_adapters
 from swarm.export.assemble import (
     ExportError,
     StagePart,
@@ -143,6 +144,27 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
         finally:
             dht.shutdown()
     chosen, warnings = pick_stages(replicas, say)
+    rank = adapter_rank(chosen)
+    if rank is None and config.adapters_only:
+        raise ExportError("--adapters-only: these stages hold full weights (--trainable all), not adapters")
+    if rank is not None:  # the base weights are the peers' starting point; the adapters go on top
+        vocab = config.vocab_size or next((r.vocab_size for r in records if r.vocab_size), None)
+        model_config = dataclasses.replace(
+            resolve_model(config.model, config.model_dir, vocab), trainable=f"lora:{rank}"
+        )
+        check_same_model(records, model_hash(model_config), model=config.model, who="export")
+        bounds = tuple(boundaries) if boundaries else block_boundaries(chosen)
+        if config.adapters_only:
+            out = write_adapters(model_config, chosen, bounds, rank, config.out, overwrite=config.overwrite)
+            say(f"[export] wrote the rank-{rank} adapters of {config.model} to {out}")
+            return ExportResult(
+                out, model_config, chosen[0].steps_done, {s: p.source for s, p in chosen.items()}, warnings
+            )
+        say(f"[export] merging rank-{rank} adapters into the base weights")
+        chosen = merge_parts(
+            model_config, chosen, bounds, seed=config.seed, model_dir=config.model_dir, init_weights=config.init_weights
+        )
+        model_config = dataclasses.replace(model_config, trainable="all")
     # Replicas that agree step together, so their stages must be at one step; independent replicas
     # (a stage whose replicas disagree) each step on their share, and steps no longer line up.
     model_config = check_stages_fit(model_config, chosen, boundaries=boundaries, steps_must_match=not warnings)
@@ -152,7 +174,8 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
             "average each step on their own share of the samples"
         )
         say(warnings[-1])
-    check_same_model(records, model_hash(model_config), model=config.model, who="export")
+    if rank is None:
+        check_same_model(records, model_hash(model_config), model=config.model, who="export")
     steps = chosen[0].steps_done
     parameters = sum(t.numel() for p in chosen.values() for t in p.state.values())
     sources = {s: p.source for s, p in sorted(chosen.items())}

@@ -19,6 +19,7 @@ import dataclasses
 import os
 
 from dht.node import NetworkConfig
+from models.config import lora_rank
 from models.model_source import resolve_model
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
@@ -121,6 +122,10 @@ class TrainerConfig:
         None,
         help="the Hugging Face model folder the peers serve (--model-dir of `swarm peer`): its config gives the model",
     )
+    trainable: str = option(
+        "all",
+        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
+    )
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
     corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
@@ -133,5 +138,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.model_dir).name
+        try:
+            lora_rank(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")

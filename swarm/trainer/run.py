@@ -9,6 +9,7 @@ stages and back, then the commit)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -104,7 +105,9 @@ async def train(
     say = progress.say
     data = open_data(config.corpus.data, say=say)
     # The model's vocabulary is the data's: the peers must serve the same (checked on discovery).
-    model_config = resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size)
+    model_config = dataclasses.replace(
+        resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+    )
     sampler = MicrobatchSampler(
         data.train,
         seq_len=model_config.seq_len,

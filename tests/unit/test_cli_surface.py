@@ -49,6 +49,7 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--microbatch-size",
     "--model",
     "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
+    "--trainable",  # added deliberately: all or lora:R (models/lora.py)
     "--eval-every",  # added deliberately: validation loss through the swarm (issue #20)
     "--eval-batches",
     "--num-stages",
@@ -64,9 +65,10 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
 TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "model": "small",
     "model_dir": None,
-    "num_stages": None,
+    "trainable": "all",
     "eval_every": 0,
     "eval_batches": 4,
+    "num_stages": None,
     "steps": 100,
     "batch_size": 32,
     "microbatch_size": 4,

@@ -47,6 +47,7 @@ PEER_FLAGS = {
     "--metrics-port",
     "--model",
     "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
+    "--trainable",  # added deliberately: all or lora:R (models/lora.py)
     "--vocab-size",  # added deliberately: the vocabulary is the data's (swarm/data)
     "--no-load-state",
     "--no-standby",
@@ -82,6 +83,7 @@ PEER_VARIABLES = {
     "SWARM_ACTIVATION_CACHE_SIZE",
     "SWARM_ALLOWED_PEERS",
     "SWARM_MODEL_DIR",
+    "SWARM_TRAINABLE",
     "SWARM_VOCAB_SIZE",
     "SWARM_ANNOUNCE_MADDRS",
     "SWARM_ANNOUNCE_PERIOD_S",
