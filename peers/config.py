@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from dht.node import NetworkConfig
-from models.config import get_model_config
+from models.config import resolve_model_config
 from models.stages import stage_spec
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
 from peers.compute.faults import FaultSettings
@@ -315,6 +315,9 @@ class PeerConfig:
         "needs a peer most (see peers/placement/stage_choice.py)",
     )
     num_stages: int = option(2, help="number of pipeline stages the model is split into")
+    vocab_size: int | None = option(
+        None, help="vocabulary size of the model (default: the named model's own); must match the trainers' data"
+    )
     seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
     num_layers: str | None = option(
         None,
@@ -344,7 +347,7 @@ class PeerConfig:
     faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
 
     def __post_init__(self) -> None:
-        config = get_model_config(self.model)
+        config = resolve_model_config(self.model, self.vocab_size)
         if self.placement.standby:
             if self.stage not in (None, AUTO_STAGE):
                 raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")

@@ -17,7 +17,8 @@ import torch
 from dht.announce import fetch_stage_records
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
-from models.config import GPTConfig, get_model_config
+from dht.vocabulary import check_vocabulary
+from models.config import GPTConfig, resolve_model_config
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.devices import DeviceError, check_optimizer, describe_device, resolve_device
@@ -35,7 +36,7 @@ from wire import compression
 def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.compute.num_threads)
-    model_config = get_model_config(config.model)
+    model_config = resolve_model_config(config.model, config.vocab_size)
     device = resolve_device(config.compute.device)
     print(
         f"device: {describe_device(device)} (--device {config.compute.device}); "
@@ -90,6 +91,8 @@ def run_peer(config: PeerConfig) -> None:
             n_layers=model_config.n_layers,
             ttl_s=config.announcing.record_ttl_s,
         )
+        live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
+        check_vocabulary(live, model_config.vocab_size, model=config.model, mine="this peer (--vocab-size)")
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
         metrics.set_averaging_mode(config.replicas.averaging)
         builder = StageBuilder(

@@ -27,12 +27,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user, from every layer."""
     from dht.node import BootstrapError
     from dht.split_agreement import SplitConflictError
+    from dht.vocabulary import VocabularyMismatchError
     from models.balanced_split import BalancedSplitError
     from models.config import UnknownModelError
     from models.layer_costs import ProfileError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
-    from swarm.trainer.data import CorpusError
+    from swarm.data.errors import DataError
     from swarm.trainer.discovery import DiscoveryError
     from swarm.trainer.failures import RoutingError
     from swarm.trainer.run import ResumeError
@@ -42,7 +43,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         BootstrapError,
         UnknownModelError,
         StageSplitError,
-        CorpusError,
+        DataError,
+        VocabularyMismatchError,
         DiscoveryError,
         RoutingError,
         CheckpointError,
@@ -109,10 +111,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(from_sources(DemoConfig, args))
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from swarm.eval_cli import EvalConfig, run_eval
+
+    return run_eval(from_sources(EvalConfig, args))
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from swarm.data.prepare import PrepareConfig, run_prepare
+
+    return run_prepare(from_sources(PrepareConfig, args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from peers.config import PeerConfig
     from swarm.bootstrap import BootstrapConfig
+    from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
+    from swarm.eval_cli import EvalConfig
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
@@ -131,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", cmd_train, TrainerConfig, "train a model through the swarm's stages"),
         ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
         ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
+        ("eval", cmd_eval, EvalConfig, "run validation batches through the swarm once and print the loss"),
         ("profile", cmd_profile, ProfileConfig, "measure a model layer by layer and suggest a balanced stage split"),
     ]
     for name, handler, config_cls, help_text in roles:
@@ -154,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(targets, MonitorConfig)
     targets.set_defaults(handler=cmd_monitor_targets)
+    data = sub.add_parser("data", help="prepare datasets: tokenizer, token shards, validation split")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="tokenize text files, folders and .jsonl(.gz) files into token shards the trainer streams",
+        description="Tokenize INPUT... (text files, folders read recursively, .jsonl/.jsonl.gz documents) "
+        "into token shards, a validation split held out by document, tokenizer.json and meta.json under --out.",
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl or .jsonl.gz files")
+    add_config_arguments(prepare, PrepareConfig, skip=("inputs",))
+    prepare.set_defaults(handler=cmd_data_prepare)
     return parser
 
 

@@ -205,6 +205,18 @@ class StageRuntime:
         self.throughput.observe(batch_size, (time.perf_counter() - start) * 3)  # fwd ~ 1/3 of fwd+bwd
         return self._to_wire(outputs)
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Outputs of this stage (the loss on the last stage) for evaluation: no gradient, nothing
+        cached, no sample counted, the throughput estimate untouched."""
+        batch_size = inputs.shape[0]
+        self.check_inputs(batch_size, inputs)
+        if self.is_last:
+            self.check_targets(batch_size, targets)
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        with torch.no_grad(), devices.autocast(self.device, self.precision):
+            outputs = self.module(inputs, targets)
+        return self._to_wire(outputs)
+
     def backward(
         self,
         microbatch_id: str,

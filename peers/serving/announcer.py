@@ -58,6 +58,7 @@ class Announcer:
             expires_at=get_dht_time() + self.settings.record_ttl_s,
             averaging=self.averaging_mode,
             metrics_addr=self.metrics_addr,
+            vocab_size=serving.runtime.config.vocab_size,
         )
 
     async def announce(

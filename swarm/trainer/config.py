@@ -5,6 +5,7 @@ flags' names: `batch.batch_size` is `--batch-size` and SWARM_BATCH_SIZE).
 Sections, one per component that reads them:
 - `network` (dht/node.py's NetworkConfig): how the trainer joins the DHT;
 - `corpus`: what it trains on (swarm/trainer/data.py);
+- `evaluation`: the validation loss, run through the swarm forward only (swarm/trainer/evaluation.py);
 - `schedule`: steps and microbatches (swarm/trainer/schedule.py);
 - `discovery`: how it finds the stages' replicas (swarm/trainer/discovery.py);
 - `failover`: how long it retries and waits for a failing stage (swarm/trainer/stage_call.py);
@@ -27,12 +28,26 @@ from swarm.trainer.codec_policy import CODEC_MODES
 
 @dataclasses.dataclass(kw_only=True)
 class CorpusSettings:
-    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    data: str | None = option(
+        None,
+        help="a folder prepared by `swarm data prepare`, or a text file (prepared on the fly with the "
+        "byte tokenizer); default: the Shakespeare corpus",
+    )
     seed: int = option(0, help="seed of the data order")
 
     def __post_init__(self) -> None:
-        if self.data is not None and not os.path.isfile(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file")
+        if self.data is not None and not os.path.exists(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file or folder")
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalSettings:
+    eval_every: int = option(0, help="run validation batches through the swarm every N steps (0 = never)")
+    eval_batches: int = option(4, help="validation batches per evaluation (each of --batch-size samples)")
+
+    def __post_init__(self) -> None:
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("eval_every must be at least 0 and eval_batches at least 1")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -104,6 +119,7 @@ class TrainerConfig:
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
     corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
+    evaluation: EvalSettings = section(EvalSettings, help="validation loss through the swarm")
     schedule: ScheduleSettings = section(ScheduleSettings, help="steps, batches and microbatches")
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")

@@ -20,13 +20,16 @@ import hivemind
 import torch
 
 from dht.node import start_dht
-from models.config import get_model_config
+from dht.vocabulary import check_vocabulary
+from models.config import resolve_model_config
 from process.metrics_http import serve_metrics
+from swarm.data.errors import DataError
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import TrainerConfig
-from swarm.trainer.data import MicrobatchSampler, load_corpus
+from swarm.trainer.data import MicrobatchSampler, open_training_data, validation_batches
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
+from swarm.trainer.evaluation import evaluate
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
@@ -64,6 +67,10 @@ class TrainingReport:
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
+    data: str = ""  # the prepared data folder trained on
+    vocab_size: int = 0
+    eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss]
+    final_eval_loss: float | None = None
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -99,15 +106,31 @@ async def train(
         batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
-    model_config = get_model_config(config.model)
-    tokens = load_corpus(config.corpus.data)
+    data = open_training_data(config.corpus.data, say)
+    model_config = resolve_model_config(config.model, data.vocab_size)
+    report.data, report.vocab_size = data.folder, data.vocab_size
     sampler = MicrobatchSampler(
-        tokens,
+        data.train,
         seq_len=model_config.seq_len,
         batch_size=batches.batch_size,
         microbatch_size=batches.microbatch_size,
         seed=config.corpus.seed,
     )
+    evaluation = config.evaluation
+    val_batches = None
+    if evaluation.eval_every:
+        if not len(data.val):
+            raise DataError(
+                f"--eval-every: {data.folder} has no validation split; prepare the data with --val-fraction > 0 "
+                f"and more than one document"
+            )
+        val_batches = validation_batches(
+            data.val,
+            seq_len=model_config.seq_len,
+            batch_size=batches.batch_size,
+            microbatch_size=batches.microbatch_size,
+            batches=evaluation.eval_batches,
+        )
     discovery_timeout_s = config.discovery.discovery_timeout_s
     num_stages = config.num_stages or await discover_num_stages(dht, config.model, discovery_timeout_s, say)
     p2p = await dht.replicate_p2p()
@@ -130,19 +153,37 @@ async def train(
     )
     metrics.count_bytes(client.bytes.snapshot)
     await wait_for_every_stage(view, discovery_timeout_s)
+    check_vocabulary(
+        [r for records in view.records for r in records],
+        data.vocab_size,
+        model=config.model,
+        mine=f"the data at {data.folder}",
+    )
     report.split_boundaries = await read_split(dht, config.model, num_stages)  # every stage's peers stated theirs
     say(
         f"training {config.model} over {num_stages} stages with {view.live_replicas()} replicas; "
-        f"{len(tokens):,} tokens of data, batch {batches.batch_size} x {model_config.seq_len} tokens"
+        f"{len(data.train):,} tokens of data ({data.meta.tokenizer}, vocabulary {data.vocab_size}), batch {batches.batch_size} x {model_config.seq_len} tokens"
     )
     report.num_stages = num_stages
     refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
     tokens_per_step = batches.batch_size * model_config.seq_len
     started = time.perf_counter()
+
+    async def run_evaluation(step: int) -> None:
+        loss = await evaluate(
+            caller, val_batches, run_id=f"{schedule.run_id}:{step}", max_in_flight=batches.max_in_flight
+        )
+        report.eval_losses.append([step, loss])
+        report.final_eval_loss = loss
+        metrics.observe_eval(step=step, loss=loss)
+        say(f"step {step}: validation loss {loss:.4f}")
+
     try:
         first_step = report.steps  # > 0 when resuming: continue from the same data position
         if first_step:
             say(f"resuming at step {first_step} of {batches.steps}")
+        elif val_batches is not None:
+            await run_evaluation(0)
         for step in range(first_step, batches.steps):
             step_started = time.perf_counter()
             loss = await schedule.run_step(sampler.batch(step))
@@ -151,6 +192,8 @@ async def train(
             report.losses.append(loss)
             report.tokens_per_s_by_step.append(tokens_per_step / step_s)
             report.step_end_s.append(time.perf_counter() - started)
+            if val_batches is not None and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps):
+                await run_evaluation(step + 1)
             if reporting.report:  # after every step, so a killed trainer can resume where it was
                 _fill_report(report, schedule, time.perf_counter() - started)
                 report.write(reporting.report)
@@ -165,6 +208,7 @@ async def train(
                     live_replicas=view.live_replicas(),
                     calls_retried=caller.counters.calls_retried,
                     elapsed_s=elapsed,
+                    eval_loss=report.final_eval_loss,
                 )
             )
         report.completed = True

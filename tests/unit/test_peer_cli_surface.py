@@ -74,6 +74,7 @@ PEER_FLAGS = {
     "--target-batch-size",
     "--use-auto-relay",
     "--use-relay",
+    "--vocab-size",  # added on purpose (issue #20): the vocabulary is part of the model
     "--weight-decay",
 }
 PEER_VARIABLES = {
@@ -136,6 +137,7 @@ PEER_VARIABLES = {
     "SWARM_USE_AUTO_RELAY",
     "SWARM_USE_RELAY",
     "SWARM_WEIGHT_DECAY",
+    "SWARM_VOCAB_SIZE",
 }
 
 

@@ -29,7 +29,18 @@ class ScriptedClient:
         self.missing, self.calls = missing, []
 
     async def exchange(
-        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
+        self,
+        peer_id,
+        *,
+        rpc,
+        stage,
+        microbatch_id,
+        batch_size,
+        tensors,
+        timeout_s,
+        response_codec,
+        inputs_cached=False,
+        eval_only=False,
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
@@ -99,7 +110,18 @@ class ScriptedStages:
         self.num_stages, self.calls, self.returned = num_stages, [], []
 
     async def exchange(
-        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
+        self,
+        peer_id,
+        *,
+        rpc,
+        stage,
+        microbatch_id,
+        batch_size,
+        tensors,
+        timeout_s,
+        response_codec,
+        inputs_cached=False,
+        eval_only=False,
     ):
         self.calls.append({"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached:
