@@ -8,10 +8,13 @@ import json
 import os
 import subprocess
 
-from models.config import get_model_config
+from models.config import get_model_config, resolve_model_config
 from process.config import ConfigError, option
+from swarm.data.prepare import PrepareConfig, prepare
+from swarm.data.shards import read_meta
 from swarm.local_swarm import LocalSwarm
 from swarm.trainer.codec_policy import CODEC_MODES
+from swarm.trainer.data import resolve_data_folder, shakespeare_files
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -22,7 +25,17 @@ class DemoConfig:
     model: str = option("small", help="model to train")
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
-    data: str | None = option(None, help="text file to train on (default: the Shakespeare corpus)")
+    data: str | None = option(
+        None, help="a folder prepared by `swarm data prepare`, or a text file (default: the Shakespeare corpus)"
+    )
+    tokenizer: str = option(
+        "bytes",
+        help="without --data: prepare the Shakespeare corpus with this tokenizer (bytes or bpe:VOCAB), "
+        "cached under --data-cache",
+    )
+    data_cache: str = option("runs/data", help="folder where the demo keeps the corpus it prepares")
+    eval_every: int = option(0, help="run validation batches through the swarm every N steps (0 = never)")
+    eval_batches: int = option(4, help="validation batches per evaluation")
     codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
     report: str | None = option(None, help="write the trainer's JSON report here")
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
@@ -31,17 +44,41 @@ class DemoConfig:
         get_model_config(self.model)
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
-        if self.data is not None and not os.path.isfile(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file")
+        if self.data is not None and not os.path.exists(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file or folder")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("eval_every must be at least 0 and eval_batches at least 1")
+
+
+def demo_data(config: DemoConfig) -> str | None:
+    """The data folder the demo trains on: --data as given, or the Shakespeare corpus prepared with
+    --tokenizer under --data-cache (once; later runs reuse it). None: the trainer's default."""
+    if config.data is not None:
+        return config.data if os.path.isdir(config.data) else resolve_data_folder(config.data)
+    if config.tokenizer == "bytes":
+        return resolve_data_folder(None)
+    folder = os.path.join(config.data_cache, "shakespeare-" + config.tokenizer.replace(":", ""))
+    prepare(PrepareConfig(inputs=shakespeare_files(), out=folder, tokenizer=config.tokenizer))
+    return folder
 
 
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
+    data = demo_data(config)
+    vocab_size = read_meta(data).vocab_size
+    model_config = resolve_model_config(config.model, vocab_size)
+    print(
+        f"[demo] data {data}: vocabulary {vocab_size}; {config.model} has "
+        f"{model_config.num_parameters() / 1e6:.1f}M parameters with it",
+        flush=True,
+    )
+    peer_args = ["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]
+    peer_args += ["--vocab-size", str(vocab_size)]
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,
         workdir=config.workdir,
-        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)],
+        peer_args=peer_args,
     ) as swarm:
         print(f"[demo] logs in {swarm.workdir}", flush=True)
         maddrs = swarm.start_bootstrap()
@@ -64,8 +101,7 @@ def run_demo(config: DemoConfig) -> int:
             "--codec",
             config.codec,
         ]
-        if config.data:
-            args += ["--data", config.data]
+        args += ["--data", data, "--eval-every", str(config.eval_every), "--eval-batches", str(config.eval_batches)]
         trainer = swarm.start_trainer(*args)
         shown = 0
         while trainer.alive:  # relay the trainer's progress lines as they come
@@ -90,6 +126,12 @@ def run_demo(config: DemoConfig) -> int:
             f"{report['microbatches_retried']} retried, {report['microbatches_lost']} lost",
             flush=True,
         )
+        if report.get("eval_losses"):
+            first, last = report["eval_losses"][0], report["eval_losses"][-1]
+            print(
+                f"[demo] validation loss {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]})",
+                flush=True,
+            )
         print("[demo] stopping the swarm...", flush=True)
     print("[demo] all processes stopped", flush=True)
     return 0
