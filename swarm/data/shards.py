@@ -2,7 +2,7 @@
 
 A prepared folder holds `train-00000.bin`, ... and `val-00000.bin`, ... (raw little-endian token
 ids, `dtype` from meta), `tokenizer.json`, and `meta.json`, written last and atomically: a folder
-without it is an interrupted or foreign one. The trainer memory-maps the shards (windows.py), so
+without it is an interrupted or foreign one. The trainer reads the shards window by window (windows.py), so
 its memory does not grow with the corpus.
 """
 

@@ -1,5 +1,5 @@
-"""Windows of tokens drawn from a prepared split's shards (memory-mapped: the trainer holds only
-the windows it reads), cut into the microbatches of a step.
+"""Windows of tokens drawn from a prepared split's shards (read window by window: the trainer
+holds only the windows it reads, whatever the corpus size), cut into the microbatches of a step.
 
 `MicrobatchSampler` draws a step's windows at offsets from a generator seeded by (seed, step): the
 batch of a step is the same on every run, so a resumed run continues from the same data position.
@@ -20,20 +20,34 @@ from swarm.data.shards import DataMeta
 
 
 class ShardedTokens:
-    """The tokens of one split, concatenated over its shards, read through memory maps."""
+    """The tokens of one split, concatenated over its shards, read with positional reads (pread).
+
+    Not memory maps: reading random windows through np.memmap grew the trainer's RSS with the
+    corpus (measured: +180 MB after 6,400 windows of 129 tokens from a 200 MB shard set, as each
+    page fault maps its 64 KB neighbourhood from the page cache); pread copies only the window."""
 
     def __init__(self, folder: str, meta: DataMeta, split: str):
         info = meta.splits.get(split)
         self.split = split
-        self.maps = [
-            np.memmap(os.path.join(folder, s.file), dtype=np.dtype(meta.dtype).newbyteorder("<"), mode="r")
-            for s in (info.shards if info else [])
-            if s.tokens
-        ]
-        self.ends = np.cumsum([len(m) for m in self.maps], dtype=np.int64)
+        self.dtype = np.dtype(meta.dtype).newbyteorder("<")
+        shards = [s for s in (info.shards if info else []) if s.tokens]
+        self.fds = [os.open(os.path.join(folder, s.file), os.O_RDONLY) for s in shards]
+        self.sizes = [s.tokens for s in shards]
+        self.ends = np.cumsum(self.sizes, dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, AttributeError):
+            pass
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens start .. start+length-1 as int64, across shard edges."""
@@ -41,12 +55,15 @@ class ShardedTokens:
             raise IndexError(f"window {start}..{start + length} outside 0..{len(self)}")
         out = np.empty(length, dtype=np.int64)
         shard = int(np.searchsorted(self.ends, start, side="right"))
-        done = 0
+        done, itemsize = 0, self.dtype.itemsize
         while done < length:
             shard_start = int(self.ends[shard - 1]) if shard else 0
             offset = start + done - shard_start
-            take = min(length - done, len(self.maps[shard]) - offset)
-            out[done : done + take] = self.maps[shard][offset : offset + take]
+            take = min(length - done, self.sizes[shard] - offset)
+            raw = os.pread(self.fds[shard], take * itemsize, offset * itemsize)
+            if len(raw) != take * itemsize:
+                raise DataError(f"shard {shard} of the {self.split} split is shorter than meta.json says")
+            out[done : done + take] = np.frombuffer(raw, dtype=self.dtype)
             done += take
             shard += 1
         return out

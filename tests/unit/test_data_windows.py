@@ -36,7 +36,7 @@ def sharded(tmp_path, tokens: np.ndarray, shard_tokens: int) -> ShardedTokens:
 def test_reads_across_shard_edges_match_the_tokens(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16) % 997
     stream = sharded(tmp_path, tokens, shard_tokens=64)
-    assert len(stream.maps) == 16 and len(stream) == 1000
+    assert len(stream.fds) == 16 and len(stream) == 1000
     for start in (0, 60, 63, 64, 127, 500, 1000 - 70):
         assert stream.read(start, 70).tolist() == tokens[start : start + 70].tolist()
     with pytest.raises(IndexError):
