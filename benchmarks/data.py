@@ -142,12 +142,66 @@ def measure_memory(mode: str, path: str, steps: int) -> float:
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
+def peak_rss_of_trainer(cwd: str, data: str, initial_peers: list[str], workdir: str, steps: int) -> dict:
+    """A real `swarm train` (the tiny model, code from `cwd`) on `data`; its VmHWM (peak RSS) read
+    from /proc while it runs. Its DHT daemon and p2pd are other processes, not counted."""
+    log_path = os.path.join(workdir, f"trainer-{os.path.basename(cwd)}.log")
+    args = [sys.executable, "-m", "swarm.cli", "train", "--initial-peers", *initial_peers, "--model", "tiny"]
+    args += ["--num-stages", "2", "--steps", str(steps), "--batch-size", "32", "--microbatch-size", "8"]
+    args += ["--data", data, "--metrics-port", "-1"]
+    with open(log_path, "w") as log:
+        popen = subprocess.Popen(
+            args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": cwd}
+        )
+    peak_kb = 0
+    while popen.poll() is None:
+        try:
+            with open(f"/proc/{popen.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peak_kb = max(peak_kb, int(line.split()[1]))
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return {"code": cwd, "data": data, "exit": popen.returncode, "peak_rss_mb": peak_kb / 1024, "log": log_path}
+
+
+def measure_train_rss(prepared: str, corpus: str, before_repo: str, steps: int) -> list[dict]:
+    """This branch's trainer on the prepared folder against the trainer of `before_repo` (one text
+    file: its loader read every byte into memory), on one loopback swarm of 2 tiny peers."""
+    from swarm.local_swarm import LocalSwarm
+
+    single = corpus + ".txt"
+    if not os.path.isfile(single):
+        with open(single + ".partial", "wb") as out:
+            for part in sorted(glob.glob(os.path.join(corpus, "*"))):
+                with open(part, "rb") as f:
+                    out.write(f.read())
+        os.replace(single + ".partial", single)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = []
+    with LocalSwarm(model="tiny", num_stages=2, peer_args=["--target-batch-size", "32"]) as swarm:
+        peers_at = swarm.start_bootstrap()
+        swarm.wait_online([swarm.start_peer(0), swarm.start_peer(1)])
+        for cwd, data in ((repo, prepared), (before_repo, single)):
+            results.append(peak_rss_of_trainer(cwd, data, peers_at, swarm.workdir, steps))
+            print(results[-1], flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--bpe", default="bpe:4096", help="the BPE tokenizer measured on the largest corpus")
     parser.add_argument("--steps", type=int, default=200, help="training steps of batches drawn in the memory test")
     parser.add_argument("--out", default="benchmarks/out/data.json")
+    parser.add_argument(
+        "--train-rss-before",
+        default=None,
+        help="a checkout of the code before prepared datasets: also measure "
+        "a real `swarm train` of each on the largest corpus (bytes)",
+    )
+    parser.add_argument("--only-train-rss", action="store_true", help="skip the prepare and data-path measurements")
     args = parser.parse_args()
     report = {
         "machine": platform.platform(),
@@ -157,6 +211,12 @@ def main() -> None:
         "prepare": [],
         "memory": [],
     }
+    if args.only_train_rss:
+        size = max(args.sizes_mb)
+        prepared = os.path.join(ROOT, f"prepared-corpus-{size}-bytes")
+        report["train_rss"] = measure_train_rss(prepared, build_corpus(size), args.train_rss_before, args.steps)
+        write_report(args.out, report)
+        return
     report["memory"].append({"mode": "baseline", "peak_rss_mb": measure_memory("baseline", "-", 0)})
     for size in args.sizes_mb:
         corpus = build_corpus(size)
