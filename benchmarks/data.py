@@ -102,7 +102,7 @@ def measure_prepare(corpus: str, tokenizer: str) -> dict:
 
 
 CHILD = r"""
-import glob, json, os, resource, sys
+import glob, json, os, sys
 import numpy as np, torch
 from swarm.trainer.data import MicrobatchSampler, open_training_data, validation_batches
 mode, path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -126,7 +126,10 @@ if mode != "baseline":
         checksum += sum(int(mb.inputs.sum()) for mb in sampler.batch(step))
     for batch in validation_batches(val, seq_len=128, batch_size=32, microbatch_size=4, batches=4):
         checksum += sum(int(mb.inputs.sum()) for mb in batch)
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM, not ru_maxrss: ru_maxrss keeps the RSS of the (large) parent this child was forked from
+with open("/proc/self/status") as f:
+    hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss_mb": hwm_kb / 1024}))
 """
 
 

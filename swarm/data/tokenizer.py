@@ -11,6 +11,7 @@ with `tokenizers.Tokenizer.from_file` and transformers' `AutoTokenizer`/`PreTrai
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from swarm.data.errors import DataError
 EOS_TOKEN = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # the 256 byte symbols and the end-of-text token
 MAX_VOCAB = 1 << 24
+PARAGRAPH = re.compile(r"(?<=\n\n)")  # splits after each blank line, keeping it
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,19 @@ class TextEncoder:
     def encode(self, documents: list[str]) -> list[np.ndarray]:
         if self.is_bytes:  # the fast path: the same ids as the byte tokenizer.json gives
             return [np.frombuffer(doc.encode("utf-8", errors="replace"), dtype=np.uint8) for doc in documents]
-        out = []
-        for encoding in self.tokenizer.encode_batch(documents, add_special_tokens=False):
-            ids = encoding.ids + ([self.eos_id] if self.eos_id is not None else [])
-            out.append(np.asarray(ids, dtype=np.uint32))
-        return out
+        # Encoded paragraph by paragraph: a 4 MB document in one piece encoded at half the speed (the
+        # tokenizer parallelises over pieces). The text round-trips either way (byte-level).
+        pieces, owners = [], []
+        for index, doc in enumerate(documents):
+            for piece in PARAGRAPH.split(doc):
+                if piece:
+                    pieces.append(piece)
+                    owners.append(index)
+        ids: list[list[int]] = [[] for _ in documents]
+        for owner, encoding in zip(owners, self.tokenizer.encode_batch(pieces, add_special_tokens=False)):
+            ids[owner] += encoding.ids
+        eos = [self.eos_id] if self.eos_id is not None else []
+        return [np.asarray(doc_ids + eos, dtype=np.uint32) for doc_ids in ids]
 
 
 def build_tokenizer(spec: TokenizerSpec, training_documents) -> tuple[Tokenizer, bool]:
