@@ -24,7 +24,15 @@ class GPTConfig:
         position embeddings, SwiGLU MLP, no biases); see models/gpt.py and models/llama.py.
     mlp_hidden: hidden width of the MLP; default mlp_ratio * d_model ("gpt") or the LLaMA rule
         (8/3 * d_model rounded up to a multiple of 256) for "llama".
-    rope_base: base of the rotary frequencies ("llama" only).
+    rope_base: base of the rotary frequencies ("llama" only; `rope_theta` in transformers).
+    n_kv_heads: key/value heads ("llama" only): fewer than n_heads is grouped-query attention
+        (each key/value head serves n_heads / n_kv_heads query heads); None = n_heads.
+    norm_eps: epsilon of every LayerNorm ("gpt") or RMSNorm ("llama").
+    activation: the GELU of the "gpt" MLP: "gelu" (exact, erf) or "gelu_tanh" (the tanh
+        approximation GPT-2 checkpoints use, `gelu_new` in transformers).
+
+    With these fields the blocks compute exactly what transformers' `GPT2LMHeadModel` and
+    `LlamaForCausalLM` compute for the same weights (models/hf_format.py converts the names).
     """
 
     name: str
@@ -38,6 +46,9 @@ class GPTConfig:
     arch: str = "gpt"
     mlp_hidden: int | None = None
     rope_base: float = 10000.0
+    n_kv_heads: int | None = None
+    norm_eps: float = 1e-5
+    activation: str = "gelu"
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -46,6 +57,15 @@ class GPTConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if min(self.vocab_size, self.seq_len, self.n_layers, self.d_model, self.n_heads, self.hidden_size) <= 0:
             raise ValueError(f"model config {self.name!r} has a non-positive size")
+        if self.n_kv_heads is not None:
+            if self.arch != "llama":
+                raise ValueError("n_kv_heads (grouped-query attention) is only for the llama architecture")
+            if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; use one of {', '.join(ACTIVATIONS)}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
 
@@ -62,11 +82,16 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_heads, or fewer with grouped-query attention."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def block_parameters(self) -> int:
         """Parameters of one transformer block."""
         d, h = self.d_model, self.hidden_size
-        if self.arch == "llama":  # q, k, v, o; gate, up, down; two RMSNorm weights
-            return 4 * d * d + 3 * d * h + 2 * d
+        if self.arch == "llama":  # q, o; k, v (fewer rows with grouped-query attention); gate, up, down; two norms
+            return 2 * d * d + 2 * d * self.kv_heads * self.head_dim + 3 * d * h + 2 * d
         return 4 * d * d + 4 * d + 2 * h * d + h + d + 4 * d  # attn (+biases), MLP (+biases), two LayerNorms
 
     def embedding_parameters(self) -> int:
@@ -76,7 +101,7 @@ class GPTConfig:
     def head_parameters(self) -> int:
         if self.arch == "llama":  # RMSNorm weight, projection without bias
             return self.d_model + self.d_model * self.vocab_size
-        return 2 * self.d_model + self.d_model * self.vocab_size + self.vocab_size
+        return 2 * self.d_model + self.d_model * self.vocab_size  # LayerNorm; projection without bias (as GPT-2)
 
     def num_parameters(self) -> int:
         """Parameter count of the whole model (embeddings, blocks, final norm and head; the head is
@@ -88,6 +113,7 @@ class GPTConfig:
 
 
 ARCHITECTURES = ("gpt", "llama")
+ACTIVATIONS = ("gelu", "gelu_tanh")
 GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary size; byte-level data (ids < 256) fits in it
 
 MODEL_CONFIGS: dict[str, GPTConfig] = {

@@ -1,4 +1,9 @@
-"""The GPT building blocks. Models never know how they are split; see `models.stages`."""
+"""The GPT building blocks. Models never know how they are split; see `models.stages`.
+
+They compute what transformers' `GPT2LMHeadModel` computes for the same weights: pre-norm blocks,
+LayerNorm with `config.norm_eps`, attention scaled by 1/sqrt(head_dim), the GELU `config.activation`
+names, an `lm_head` without bias (models/hf_format.py maps the names and Conv1D layouts).
+"""
 
 from __future__ import annotations
 
@@ -34,9 +39,10 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(config.d_model, config.hidden_size)
         self.down = nn.Linear(config.hidden_size, config.d_model)
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
 
 
 class Block(nn.Module):
@@ -44,9 +50,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
@@ -69,12 +75,14 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final norm and projection to the vocabulary: (B, T, C) -> (B, T, V) logits."""
+    """Final norm and projection to the vocabulary: (B, T, C) -> (B, T, V) logits. The projection
+    has no bias, as GPT-2's `lm_head`; it is not tied to the embedding (they sit on different
+    stages)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.out = nn.Linear(config.d_model, config.vocab_size)
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.out = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln_f(x))
@@ -95,5 +103,5 @@ def init_weights_(module: nn.Module, generator: torch.Generator, n_layers: int) 
             nn.init.ones_(p)
         else:
             std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=generator) * std)
+            with torch.no_grad():  # = randn(shape, generator) * std, bit for bit, without a temporary
+                p.normal_(0.0, 1.0, generator=generator).mul_(std)

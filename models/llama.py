@@ -4,6 +4,10 @@ Same interfaces as models/gpt.py (a block maps (B, T, C) -> (B, T, C); the embed
 ids to (B, T, C); the head maps (B, T, C) to logits), so `models.stages` splits either kind.
 Parameter names follow gpt.py where the roles match (`attn.qkv`, `attn.proj`, `mlp.up`,
 `mlp.down`), so `init_weights_` scales the residual projections the same way.
+
+They compute what transformers' `LlamaForCausalLM` computes for the same weights (multi-head or
+grouped-query attention, no rope scaling): RMSNorm with `config.norm_eps` in float32, rotary embeddings in the
+rotate_half convention with base `config.rope_base`, attention scaled by 1/sqrt(head_dim).
 """
 
 from __future__ import annotations
@@ -37,20 +41,24 @@ def rotary_tables(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tenso
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (even, odd) pair of features of x (B, nh, T, hs) by its position's angle."""
-    T = x.shape[2]
+    """Rotate the pairs (x[i], x[i + hs/2]) of features of x (B, nh, T, hs) by their position's
+    angle: the "rotate_half" convention of transformers' Llama (first half, second half of the
+    head), not interleaved pairs."""
+    T, half = x.shape[2], x.shape[-1] // 2
     x32 = x.float()
-    even, odd = x32[..., 0::2], x32[..., 1::2]  # (B, nh, T, hs/2) each
+    first, second = x32[..., :half], x32[..., half:]  # (B, nh, T, hs/2) each
     c, s = cos[:T], sin[:T]  # (T, hs/2)
-    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)  # (B, nh, T, hs/2, 2)
-    return rotated.flatten(-2).to(x.dtype)  # (B, nh, T, hs)
+    rotated = torch.cat((first * c - second * s, second * c + first * s), dim=-1)  # (B, nh, T, hs)
+    return rotated.to(x.dtype)
 
 
 class RotaryAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_heads = config.n_heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        kv_width = config.kv_heads * config.head_dim
+        self.widths = (config.d_model, kv_width, kv_width)  # rows of q, k and v in the fused projection
+        self.qkv = nn.Linear(config.d_model, sum(self.widths), bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         cos, sin = rotary_tables(config.head_dim, config.seq_len, config.rope_base)
         self.register_buffer("cos", cos, persistent=False)  # derived, so never in a checkpoint
@@ -58,11 +66,15 @@ class RotaryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hs)
+        hs = self.head_dim
+        q, k, v = self.qkv(x).split(self.widths, dim=2)  # (B, T, C), 2 x (B, T, nkv * hs)
+        q = q.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.kv_heads, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.kv_heads, hs).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        if self.kv_heads != self.n_heads:  # grouped-query: query head j uses key/value head j // group
+            group = self.n_heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.proj(y)
@@ -86,9 +98,9 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm_1 = RMSNorm(config.d_model)
+        self.norm_1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = RotaryAttention(config)
-        self.norm_2 = RMSNorm(config.d_model)
+        self.norm_2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
@@ -112,7 +124,7 @@ class LlamaHead(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm = RMSNorm(config.d_model)
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.out = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from dht.node import NetworkConfig
-from models.config import resolve_model_config
+from models.model_source import resolve_model
 from models.stages import stage_spec
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
 from peers.compute.faults import FaultSettings
@@ -308,7 +308,16 @@ class MetricsSettings:
 
 @dataclasses.dataclass(kw_only=True)
 class PeerConfig:
-    model: str = option("small", help="model name (see `swarm train --help` for the list)")
+    model: str = option(
+        "small",
+        help="model name (see `swarm train --help` for the list); with --model-dir, the swarm's name "
+        "for the folder's model (default: the folder's name)",
+    )
+    model_dir: str | None = option(
+        None,
+        help="a Hugging Face model folder (GPT-2 or Llama: config.json, safetensors weights): the "
+        "model's architecture, sizes and weights; this peer reads only its stage's tensors",
+    )
     stage: str | int | None = option(
         None,
         help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
@@ -347,7 +356,10 @@ class PeerConfig:
     faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
 
     def __post_init__(self) -> None:
-        config = resolve_model_config(self.model, self.vocab_size)
+        config = resolve_model(self.model, self.model_dir, self.vocab_size)
+        self.model = config.name
+        if self.model_dir is not None and self.init_weights is not None:
+            raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
         if self.placement.standby:
             if self.stage not in (None, AUTO_STAGE):
                 raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")

@@ -15,10 +15,13 @@ import signal
 import torch
 
 from dht.announce import fetch_stage_records
+from dht.model_match import check_same_model
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
 from dht.vocabulary import check_vocabulary
-from models.config import GPTConfig, resolve_model_config
+from models.config import GPTConfig
+from models.hf_format import weight_files
+from models.model_source import model_hash, resolve_model
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.devices import DeviceError, check_optimizer, describe_device, resolve_device
@@ -36,7 +39,7 @@ from wire import compression
 def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.compute.num_threads)
-    model_config = resolve_model_config(config.model, config.vocab_size)
+    model_config = resolve_model(config.model, config.model_dir, config.vocab_size)
     device = resolve_device(config.compute.device)
     print(
         f"device: {describe_device(device)} (--device {config.compute.device}); "
@@ -44,6 +47,8 @@ def run_peer(config: PeerConfig) -> None:
         flush=True,
     )
     check_optimizer(config.optim.optimizer, device)
+    if config.model_dir:  # no weights, or an unreadable single file: refused before joining anything
+        weight_files(config.model_dir)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
     if device.type != "cpu" and config.replicas.averaging != "none":
@@ -80,6 +85,11 @@ def run_peer(config: PeerConfig) -> None:
         )
     dht = start_dht(config.network)
     try:
+        # Peers of another model under the same name: refused before claiming anything.
+        live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
+        # the vocabulary first: it changes the fingerprint too, and this says which sizes differ
+        check_vocabulary(live, model_config.vocab_size, model=config.model, mine="this peer (--vocab-size)")
+        check_same_model(live, model_hash(model_config), model=config.model, who="peer")
         # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
         # with the swarm's stops here with a SplitConflictError.
         split = claim_split(
@@ -91,8 +101,6 @@ def run_peer(config: PeerConfig) -> None:
             n_layers=model_config.n_layers,
             ttl_s=config.announcing.record_ttl_s,
         )
-        live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
-        check_vocabulary(live, model_config.vocab_size, model=config.model, mine="this peer (--vocab-size)")
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
         metrics.set_averaging_mode(config.replicas.averaging)
         builder = StageBuilder(

@@ -25,11 +25,13 @@ def _configure_logging() -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user, from every layer."""
+    from dht.model_match import ModelMismatchError
     from dht.node import BootstrapError
     from dht.split_agreement import SplitConflictError
     from dht.vocabulary import VocabularyMismatchError
     from models.balanced_split import BalancedSplitError
     from models.config import UnknownModelError
+    from models.hf_format import ModelFolderError
     from models.layer_costs import ProfileError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
@@ -53,6 +55,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         SplitConflictError,
         BalancedSplitError,
         ProfileError,
+        ModelFolderError,
+        ModelMismatchError,
     )
 
 

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-from models.config import get_model_config, resolve_model_config
+from models.model_source import resolve_model
 from process.config import ConfigError, option
 from swarm.data.prepare import PrepareConfig, prepare
 from swarm.data.shards import read_meta
@@ -23,6 +23,7 @@ class DemoConfig:
     stages: int = option(2, help="pipeline stages")
     steps: int = option(60, help="training steps")
     model: str = option("small", help="model to train")
+    model_dir: str | None = option(None, help="a Hugging Face model folder (GPT-2 or Llama) to fine-tune instead")
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
     data: str | None = option(
@@ -41,7 +42,7 @@ class DemoConfig:
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
 
     def __post_init__(self) -> None:
-        get_model_config(self.model)
+        self.model = resolve_model(self.model, self.model_dir).name
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
         if self.data is not None and not os.path.exists(self.data):
@@ -66,13 +67,14 @@ def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
     data = demo_data(config)
     vocab_size = read_meta(data).vocab_size
-    model_config = resolve_model_config(config.model, vocab_size)
+    model_config = resolve_model(config.model, config.model_dir, vocab_size)
     print(
         f"[demo] data {data}: vocabulary {vocab_size}; {config.model} has "
         f"{model_config.num_parameters() / 1e6:.1f}M parameters with it",
         flush=True,
     )
-    peer_args = ["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]
+    model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
+    peer_args = ["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)] + model_dir_args
     peer_args += ["--vocab-size", str(vocab_size)]
     with LocalSwarm(
         model=config.model,
@@ -102,6 +104,7 @@ def run_demo(config: DemoConfig) -> int:
             config.codec,
         ]
         args += ["--data", data, "--eval-every", str(config.eval_every), "--eval-batches", str(config.eval_batches)]
+        args += model_dir_args
         trainer = swarm.start_trainer(*args)
         shown = 0
         while trainer.alive:  # relay the trainer's progress lines as they come

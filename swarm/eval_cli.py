@@ -9,9 +9,10 @@ import secrets
 
 import torch
 
+from dht.model_match import ModelMismatchError
 from dht.node import NetworkConfig, start_dht
 from dht.vocabulary import check_vocabulary
-from models.config import get_model_config, resolve_model_config
+from models.model_source import model_hash, resolve_model
 from process.config import ConfigError, option, section
 from swarm.data.errors import DataError
 from swarm.trainer.client import StageClient
@@ -25,6 +26,7 @@ from swarm.trainer.stage_call import StageCaller
 @dataclasses.dataclass(kw_only=True)
 class EvalConfig:
     model: str = option("small", help="model name; must match the peers'")
+    model_dir: str | None = option(None, help="the Hugging Face model folder the peers serve (--model-dir)")
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     data: str | None = option(None, help="a folder prepared by `swarm data prepare` (default: the Shakespeare corpus)")
     batches: int = option(4, help="validation batches to run")
@@ -35,7 +37,7 @@ class EvalConfig:
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
 
     def __post_init__(self) -> None:
-        get_model_config(self.model)
+        self.model = resolve_model(self.model, self.model_dir).name
         if self.batches < 1 or self.batch_size < 1 or self.microbatch_size < 1:
             raise ConfigError("batches, batch_size and microbatch_size must be at least 1")
         if self.batch_size % self.microbatch_size:
@@ -48,7 +50,7 @@ async def evaluate_swarm(config: EvalConfig, dht, say=print) -> float:
     data = open_training_data(config.data, say)
     if not len(data.val):
         raise DataError(f"{data.folder} has no validation split; prepare the data with --val-fraction > 0")
-    model_config = resolve_model_config(config.model, data.vocab_size)
+    model_config = resolve_model(config.model, config.model_dir, data.vocab_size)
     batches = validation_batches(
         data.val,
         seq_len=model_config.seq_len,
@@ -58,8 +60,12 @@ async def evaluate_swarm(config: EvalConfig, dht, say=print) -> float:
     )
     num_stages = config.num_stages or await discover_num_stages(dht, config.model, config.discovery_timeout_s, say)
     client = StageClient(await dht.replicate_p2p(), model=config.model, num_stages=num_stages)
-    view = SwarmView(dht, model=config.model, num_stages=num_stages, say=say)
-    await wait_for_every_stage(view, config.discovery_timeout_s)
+    view = SwarmView(dht, model=config.model, num_stages=num_stages, say=say, model_hash=model_hash(model_config))
+    try:
+        await wait_for_every_stage(view, config.discovery_timeout_s)
+    except ModelMismatchError:
+        check_vocabulary(view.foreign, data.vocab_size, model=config.model, mine=f"the data at {data.folder}")
+        raise
     check_vocabulary(
         [r for records in view.records for r in records],
         data.vocab_size,

@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any
 
 from models.balanced_split import BalancedSplit, balanced_split, stage_times
-from models.config import get_model_config
 from models.layer_costs import ModelProfile, split_costs
+from models.model_source import resolve_model
 from process.config import ConfigError, option
 
 BITS_PER_BYTE = 8
@@ -21,6 +21,7 @@ BITS_PER_BYTE = 8
 @dataclasses.dataclass(kw_only=True)
 class ProfileConfig:
     model: str = option("small", help="model to measure")
+    model_dir: str | None = option(None, help="measure the model of this Hugging Face folder (its config.json) instead")
     out: str | None = option(None, help="write the profile (and the suggested split) to this JSON file")
     device: str = option("cpu", help="device to measure on: cpu, cuda or cuda:N")
     batch_size: int = option(4, help="samples per measured microbatch (the trainer's --microbatch-size)")
@@ -44,7 +45,7 @@ class ProfileConfig:
         if self.out is None:
             raise ConfigError("--out is required (the JSON file to write)")
         if self.from_profile is None:
-            get_model_config(self.model)
+            self.model = resolve_model(self.model, self.model_dir).name
         for name in ("batch_size", "repeats", "num_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -71,7 +72,7 @@ def measure(config: ProfileConfig) -> ModelProfile:
         raise ConfigError(f"--device {config.device}: this machine has no CUDA device (use --device cpu)")
     torch.set_num_threads(config.num_threads)
     return profile_model(
-        get_model_config(config.model),
+        resolve_model(config.model, config.model_dir),
         batch_size=config.batch_size,
         device=config.device,
         repeats=config.repeats,

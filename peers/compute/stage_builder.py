@@ -16,6 +16,7 @@ import torch
 
 from dht.records import SplitRecord
 from models.config import GPTConfig
+from models.hf_format import load_stage_from_folder
 from models.init_weights import InitWeightsError, load_stage_weights
 from models.stages import stage_spec
 from peers.compute import memory_budget
@@ -79,6 +80,9 @@ class StageBuilder:
             except InitWeightsError as e:
                 raise ConfigError(str(e)) from None
             print(f"loaded {count} initial tensors of stage {stage} from {config.init_weights}", flush=True)
+        if config.model_dir:  # ModelFolderError (one line) for a missing, truncated or mis-shaped tensor
+            count = load_stage_from_folder(runtime.module, config.model_dir)
+            print(f"loaded {count} tensors of stage {stage} from {config.model_dir}", flush=True)
         if config.checkpointing.checkpoint_dir:
             path = checkpoint_path(
                 config.checkpointing.checkpoint_dir,

@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 from dht.announce import announce
 from dht.records import PeerRecord, PeerState, SplitRecord
 from dht.split_agreement import publish_split_async
+from models.identity import model_fingerprint
 from peers.config import AnnounceSettings
 from peers.health import write_status
 from peers.metrics import PeerMetrics
@@ -59,6 +60,7 @@ class Announcer:
             averaging=self.averaging_mode,
             metrics_addr=self.metrics_addr,
             vocab_size=serving.runtime.config.vocab_size,
+            model_hash=model_fingerprint(serving.runtime.config),
         )
 
     async def announce(

@@ -84,9 +84,9 @@ def estimated_communication_sizes(
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != config.n_layers:
         raise ValueError(f"boundaries {list(bounds)} do not split {config.n_layers} blocks")
     fp32 = 4
-    d, v, t = config.d_model, config.vocab_size, config.seq_len
-    embedding = v * d + t * d  # token and position embeddings
-    head = 2 * d + d * v + v  # final norm and output layer
+    d, t = config.d_model, config.seq_len
+    embedding = config.embedding_parameters()  # token (and position) embeddings
+    head = config.head_parameters()  # final norm and output layer
     block = (config.num_parameters() - embedding - head) // config.n_layers
     parameters = [(b - a) * block for a, b in zip(bounds, bounds[1:])]
     parameters[0] += embedding

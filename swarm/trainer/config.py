@@ -20,7 +20,7 @@ import dataclasses
 import os
 
 from dht.node import NetworkConfig
-from models.config import get_model_config
+from models.model_source import resolve_model
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
 from swarm.trainer.codec_policy import CODEC_MODES
@@ -116,6 +116,10 @@ class ReportingSettings:
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
     model: str = option("small", help="model name; must match the peers'")
+    model_dir: str | None = option(
+        None,
+        help="the Hugging Face model folder the peers serve (--model-dir of `swarm peer`): its config gives the model",
+    )
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
     corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
@@ -127,6 +131,6 @@ class TrainerConfig:
     reporting: ReportingSettings = section(ReportingSettings, help="report file, progress lines and metrics")
 
     def __post_init__(self) -> None:
-        get_model_config(self.model)
+        self.model = resolve_model(self.model, self.model_dir).name
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")

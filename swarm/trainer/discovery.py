@@ -16,6 +16,7 @@ import time
 import hivemind
 
 from dht.announce import fetch_stage_records_async
+from dht.model_match import check_same_model, foreign_records
 from dht.records import PeerRecord, PeerState
 from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
 from swarm.trainer.failures import BanList
@@ -38,8 +39,11 @@ class SwarmView:
         num_stages: int,
         say=print,
         metrics: TrainerMetrics | None = None,
+        model_hash: str = "",
     ):
         self.dht, self.model, self.num_stages = dht, model, num_stages
+        self.model_hash = model_hash  # records of another model (another hash) are never routed to
+        self.foreign: list[PeerRecord] = []
         self.schedulers = [ReplicaScheduler() for _ in range(num_stages)]
         # A short base ban: a replica refused at once (killed, or a dropped stream) is cheap to probe
         # again, and a stage whose only replica had a glitch must not stall for 15 s; a call that failed
@@ -55,8 +59,10 @@ class SwarmView:
         results = await asyncio.gather(
             *[fetch_stage_records_async(self.dht, self.model, s) for s in range(self.num_stages)]
         )
+        self.foreign = foreign_records([r for records in results for r in records], self.model_hash)
         for stage, records in enumerate(results):
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
+            online = [r for r in online if r not in self.foreign]
             known, now = {r.peer_id for r in self.records[stage]}, {r.peer_id for r in online}
             if self.refreshes and known != now:  # not on the first refresh: that is the start
                 joined, left = sorted(p[-8:] for p in now - known), sorted(p[-8:] for p in known - now)
@@ -118,10 +124,12 @@ async def read_split(dht: hivemind.DHT, model: str, num_stages: int) -> list[int
 
 
 async def wait_for_every_stage(view: SwarmView, timeout_s: float) -> None:
-    """Refresh until every stage has an online replica; a `DiscoveryError` after `timeout_s`."""
+    """Refresh until every stage has an online replica; a `DiscoveryError` after `timeout_s`, a
+    `ModelMismatchError` at once when live peers of the name serve another model."""
     deadline = time.monotonic() + timeout_s
     while True:
         await view.refresh()
+        check_same_model(view.foreign, view.model_hash, model=view.model, who="trainer")
         counts = view.live_replicas()
         if all(counts):
             return

@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
+from dht.model_match import ModelMismatchError
 from dht.node import start_dht
 from dht.vocabulary import check_vocabulary
-from models.config import resolve_model_config
+from models.model_source import model_hash, resolve_model
 from process.metrics_http import serve_metrics
 from swarm.data.errors import DataError
 from swarm.trainer.client import StageClient
@@ -107,7 +108,7 @@ async def train(
     )
     say = progress.say
     data = open_training_data(config.corpus.data, say)
-    model_config = resolve_model_config(config.model, data.vocab_size)
+    model_config = resolve_model(config.model, config.model_dir, data.vocab_size)
     report.data, report.vocab_size = data.folder, data.vocab_size
     sampler = MicrobatchSampler(
         data.train,
@@ -135,7 +136,9 @@ async def train(
     num_stages = config.num_stages or await discover_num_stages(dht, config.model, discovery_timeout_s, say)
     p2p = await dht.replicate_p2p()
     client = StageClient(p2p, model=config.model, num_stages=num_stages)
-    view = SwarmView(dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics)
+    view = SwarmView(
+        dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
+    )
     codecs = CodecPolicy(config.compression.codec, topk_fraction=config.compression.topk_fraction)
     caller = StageCaller(
         view,
@@ -152,7 +155,11 @@ async def train(
         model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
     )
     metrics.count_bytes(client.bytes.snapshot)
-    await wait_for_every_stage(view, discovery_timeout_s)
+    try:
+        await wait_for_every_stage(view, discovery_timeout_s)
+    except ModelMismatchError:  # another vocabulary changes the fingerprint: say so, naming both sizes
+        check_vocabulary(view.foreign, data.vocab_size, model=config.model, mine=f"the data at {data.folder}")
+        raise
     check_vocabulary(
         [r for records in view.records for r in records],
         data.vocab_size,

@@ -48,6 +48,7 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--metrics-port",
     "--microbatch-size",
     "--model",
+    "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
     "--num-stages",
     "--refresh-period-s",
     "--report",
@@ -63,6 +64,7 @@ TRAIN_FLAGS_ADDED = {"--eval-every", "--eval-batches"}
 TRAIN_DEFAULTS_ADDED = {"eval_every": 0, "eval_batches": 4}
 TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "model": "small",
+    "model_dir": None,
     "num_stages": None,
     "steps": 100,
     "batch_size": 32,

@@ -36,15 +36,18 @@ def test_named_shapes_have_the_advertised_sizes():
     # GPT-2's published sizes count the head tied to the embedding; ours is untied (+vocab * d).
     for name, published in [("gpt2-124m", 124.4e6), ("gpt2-350m", 354.8e6), ("gpt2-774m", 774.0e6)]:
         config = get_model_config(name)
-        tied = counts[name] - config.vocab_size * config.d_model - config.vocab_size  # minus head weight and bias
+        tied = counts[name] - config.vocab_size * config.d_model  # minus the head's weight
         assert abs(tied - published) / published < 0.01, (name, tied)
     assert 0.9e9 < counts["llama-1b"] < 1.0e9
     assert get_model_config("llama-1b").arch == "llama"
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny", *NEW_CONFIGS])
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "llama-gqa", *NEW_CONFIGS])
 def test_parameter_count_formula_matches_the_modules(name):
-    config = tiny_version(name) if name in NEW_CONFIGS else get_model_config(name)
+    if name == "llama-gqa":  # grouped-query attention: 2 key/value heads for 4 query heads
+        config = dataclasses.replace(get_model_config("llama-tiny"), n_kv_heads=2)
+    else:
+        config = tiny_version(name) if name in NEW_CONFIGS else get_model_config(name)
     model = build_full_model(config)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
 

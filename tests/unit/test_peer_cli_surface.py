@@ -46,6 +46,7 @@ PEER_FLAGS = {
     "--metrics-host",
     "--metrics-port",
     "--model",
+    "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
     "--no-load-state",
     "--no-standby",
     "--no-use-auto-relay",
@@ -80,6 +81,7 @@ PEER_FLAGS = {
 PEER_VARIABLES = {
     "SWARM_ACTIVATION_CACHE_SIZE",
     "SWARM_ALLOWED_PEERS",
+    "SWARM_MODEL_DIR",
     "SWARM_ANNOUNCE_MADDRS",
     "SWARM_ANNOUNCE_PERIOD_S",
     "SWARM_AVERAGING",

@@ -1,0 +1,104 @@
+"""A swarm served from a Hugging Face model folder (--model-dir): before any step, the swarm's loss
+on a batch equals transformers' on the same batch; a peer or a trainer of another model under the
+same name is refused in one line; a bad folder stops a peer in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarm.trainer.data import MicrobatchSampler, load_corpus
+from tests.hf_models import make_hf_folder
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+VOCAB, SEQ, BATCH, MICROBATCH = 300, 16, 4, 2  # the default corpus is bytes: ids < 256 fit
+
+
+def transformers_loss(model) -> float:
+    sampler = MicrobatchSampler(load_corpus(), seq_len=SEQ, batch_size=BATCH, microbatch_size=MICROBATCH)
+    microbatches = sampler.batch(0)
+    inputs = torch.cat([mb.inputs for mb in microbatches])
+    targets = torch.cat([mb.targets for mb in microbatches])
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).item()
+
+
+def train_one_step(swarm, folder, report_path, name="trainer"):
+    return swarm.start_trainer(
+        "--model-dir",
+        folder,
+        "--steps",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--microbatch-size",
+        str(MICROBATCH),
+        "--num-stages",
+        "2",
+        "--report",
+        report_path,
+        "--discovery-timeout-s",
+        "60",
+        name=name,
+    )
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama", "llama-gqa-tied"])
+def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp_path, kind):
+    folder = str(tmp_path / "model")
+    reference = make_hf_folder(folder, kind, vocab=VOCAB, seq_len=SEQ)
+    swarm = make_swarm(
+        model="hf-test",
+        num_stages=2,
+        peer_args=["--model-dir", folder, "--optimizer", "sgd", "--lr", "0.1", "--target-batch-size", str(BATCH)],
+    )
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in range(2)]
+    swarm.wait_online(peers)
+    assert "loaded" in peers[1].log() and "from " + folder in peers[1].log()
+
+    report_path = str(tmp_path / "report.json")
+    trainer = train_one_step(swarm, folder, report_path)
+    assert trainer.popen.wait(timeout=180) == 0, trainer.log()
+    with open(report_path) as f:
+        report = json.load(f)
+    assert report["losses"][0] == pytest.approx(transformers_loss(reference), abs=1e-4)
+
+    if kind != "gpt2-tied":
+        return
+    # Another model under the same name: the peer and the trainer are refused in one line.
+    other = str(tmp_path / "other")
+    make_hf_folder(other, "gpt2", vocab=VOCAB, seq_len=SEQ)  # exact GELU, untied: another fingerprint
+    intruder = swarm.start_peer(1, "--model-dir", other, name="peer-intruder")
+    assert intruder.popen.wait(timeout=120) != 0
+    errors = [line for line in intruder.log().splitlines() if "error" in line]
+    assert len(errors) == 1 and "differs from the one" in errors[0], intruder.log()
+    trainer = train_one_step(swarm, other, str(tmp_path / "other.json"), name="trainer-other")
+    assert trainer.popen.wait(timeout=120) != 0
+    assert "differs from the one" in trainer.log(), trainer.log()
+    assert "Traceback" not in trainer.log()
+
+
+def test_a_bad_folder_stops_a_peer_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    bad = {"config.json": {"model_type": "bert", "hidden_size": 32}}
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(bad["config.json"]))
+    for folder, expected in [("empty", "not a model folder"), ("bert", "model_type 'bert' is not supported")]:
+        result = subprocess.run(
+            [sys.executable, "-m", "swarm.cli", "peer", "--model-dir", str(tmp_path / folder), "--stage", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], result.stderr
