@@ -32,7 +32,14 @@ from swarm.data.shards import (
     write_meta,
 )
 from swarm.data.sources import SourceStats, file_hash, input_files, read_documents
-from swarm.data.tokenizer import TextEncoder, TokenizerSpec, build_tokenizer, token_dtype
+from swarm.data.tokenizer import (
+    TOKENIZER_CONFIG_FILE,
+    TextEncoder,
+    TokenizerSpec,
+    build_tokenizer,
+    token_dtype,
+    tokenizer_config,
+)
 
 ENCODE_BATCH_BYTES = 4 << 20  # text handed to the tokenizer at once
 # A BPE is fitted to at most this much text (the first documents): on 2 busy cores it trained at
@@ -168,6 +175,8 @@ def _prepare_into(partial, files, inputs, spec, config, recipe, say) -> DataMeta
     if config.val_fraction > 0 and splits["val"].documents == 0:
         say(f"note: {stats.documents} documents are too few to hold out {config.val_fraction:.0%}; no validation split")
     tokenizer.save(os.path.join(partial, TOKENIZER_FILE))
+    with open(os.path.join(partial, TOKENIZER_CONFIG_FILE), "w") as f:  # for transformers' AutoTokenizer
+        json.dump(tokenizer_config(encoder), f, indent=2)
     meta = DataMeta(
         format=FORMAT,
         version=FORMAT_VERSION,

@@ -136,6 +136,17 @@ def build_tokenizer(spec: TokenizerSpec, training_documents) -> tuple[Tokenizer,
     return tokenizer, False
 
 
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def tokenizer_config(encoder: TextEncoder) -> dict:
+    """What transformers' AutoTokenizer reads beside tokenizer.json: the class and the end-of-text token."""
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if encoder.eos_id is not None:
+        config["eos_token"] = encoder.tokenizer.id_to_token(encoder.eos_id)
+    return config
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """The most compact unsigned integer type that holds every id of the vocabulary."""
     if vocab_size <= 1 << 8:

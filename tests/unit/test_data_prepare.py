@@ -82,6 +82,9 @@ def test_bpe_is_trained_on_the_inputs_and_roundtrips(tmp_path):
     ids = train.read(0, len(train))
     first_doc = ids[: int(np.argmax(ids == meta.eos_id))].tolist()
     assert tokenizer.decode(first_doc).startswith("jsonl 0 jumps over the lazy dog")
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert loaded.eos_token_id == meta.eos_id and loaded.decode(first_doc) == tokenizer.decode(first_doc)
     # an existing tokenizer.json is used as it is
     again = prepare(
         PrepareConfig(
