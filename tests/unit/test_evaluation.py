@@ -49,3 +49,14 @@ def test_a_different_vocabulary_is_refused_in_one_line_naming_both():
     with pytest.raises(VocabularyMismatchError) as e:
         check_vocabulary([record("p1", 2048)], 256, model="tiny", mine="the data at d")
     assert "2048" in str(e.value) and "256" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_trainer_exports_the_last_validation_loss():
+    from prometheus_client import generate_latest
+
+    from swarm.trainer.metrics import TrainerMetrics
+
+    metrics = TrainerMetrics()
+    metrics.observe_eval(step=20, loss=3.25)
+    text = generate_latest(metrics.registry).decode()
+    assert "swarm_trainer_eval_loss 3.25" in text and "swarm_trainer_eval_step 20.0" in text
