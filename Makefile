@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: install
-	$(BIN)/swarm demo --peers 4 --stages 2 --steps 60 --tokenizer bpe:4096 --data-cache runs/data --eval-every 10 --eval-batches 2 --report runs/demo.json
+	SWARM_CACHE_DIR=runs/cache $(BIN)/swarm demo --peers 4 --stages 2 --steps 60 --report runs/demo.json
 
 # One formatter and linter (ruff), checked before the suite runs.
 lint: install

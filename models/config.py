@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 
 class UnknownModelError(ValueError):
@@ -157,14 +157,3 @@ def get_model_config(name: str) -> GPTConfig:
     except KeyError:
         known = ", ".join(sorted(MODEL_CONFIGS))
         raise UnknownModelError(f"unknown model {name!r}; known models: {known}") from None
-
-
-def resolve_model_config(name: str, vocab_size: int | None = None) -> GPTConfig:
-    """The named config with its vocabulary replaced by `vocab_size` (None: the model's own). The
-    one place where peers, trainers and the demo turn a model name and a vocabulary into a model."""
-    config = get_model_config(name)
-    if vocab_size is None or vocab_size == config.vocab_size:
-        return config
-    if vocab_size < 1:
-        raise UnknownModelError(f"vocabulary size {vocab_size} must be at least 1")
-    return replace(config, vocab_size=vocab_size)

@@ -11,26 +11,33 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from models.config import GPTConfig, resolve_model_config
-from models.hf_format import ModelFolderError, read_hf_config
+from models.config import GPTConfig, get_model_config
+from models.hf_format import read_hf_config
 from models.identity import model_fingerprint
 
 DEFAULT_MODEL = "small"  # the default of every process's --model
 
 
+class VocabularyError(ValueError):
+    """A vocabulary size that does not fit the model (a folder's own, or a bad number)."""
+
+
 def resolve_model(model: str, model_dir: str | None = None, vocab_size: int | None = None) -> GPTConfig:
     """The config a process serves or trains. Without `model_dir`: the named config
-    (UnknownModelError), its vocabulary replaced by `vocab_size` when given (a peer's --vocab-size,
-    a trainer's data). With it: the folder's config (ModelFolderError for a bad folder, or for a
-    `vocab_size` other than the folder's), named `model`, or after the folder when `model` is left
-    at its default."""
+    (UnknownModelError), with its vocabulary replaced by `vocab_size` when given (the vocabulary is
+    the data's: `swarm peer --vocab-size`). With it: the folder's config (ModelFolderError for a bad
+    folder), named `model`, or after the folder when `model` is left at its default; its vocabulary
+    is the folder's, and a different `vocab_size` is refused."""
+    if vocab_size is not None and vocab_size < 1:
+        raise VocabularyError(f"--vocab-size {vocab_size}: a vocabulary needs at least one token")
     if model_dir is None:
-        return resolve_model_config(model, vocab_size)
+        config = get_model_config(model)
+        return config if vocab_size in (None, config.vocab_size) else replace(config, vocab_size=vocab_size)
     config, _ = read_hf_config(model_dir)
     if vocab_size is not None and vocab_size != config.vocab_size:
-        raise ModelFolderError(
-            f"the model folder {model_dir!r} has a vocabulary of {config.vocab_size} tokens, not {vocab_size} "
-            f"(--vocab-size, or the data's): prepare the data with the folder's tokenizer.json"
+        raise VocabularyError(
+            f"the model in {model_dir} has a vocabulary of {config.vocab_size} tokens, not {vocab_size}: "
+            "prepare the data with its tokenizer (swarm data prepare --tokenizer DIR/tokenizer.json)"
         )
     return config if model == DEFAULT_MODEL else replace(config, name=model)
 

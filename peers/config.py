@@ -318,15 +318,17 @@ class PeerConfig:
         help="a Hugging Face model folder (GPT-2 or Llama: config.json, safetensors weights): the "
         "model's architecture, sizes and weights; this peer reads only its stage's tensors",
     )
+    vocab_size: int | None = option(
+        None,
+        help="vocabulary size of the model (default: the model's own); must match the trainer's data "
+        "(`swarm data prepare` prints it)",
+    )
     stage: str | int | None = option(
         None,
         help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
         "needs a peer most (see peers/placement/stage_choice.py)",
     )
     num_stages: int = option(2, help="number of pipeline stages the model is split into")
-    vocab_size: int | None = option(
-        None, help="vocabulary size of the model (default: the named model's own); must match the trainers' data"
-    )
     seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
     num_layers: str | None = option(
         None,

@@ -15,10 +15,9 @@ import signal
 import torch
 
 from dht.announce import fetch_stage_records
-from dht.model_match import check_same_model
+from dht.model_match import check_same_model, check_same_vocabulary
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
-from dht.vocabulary import check_vocabulary
 from models.config import GPTConfig
 from models.hf_format import weight_files
 from models.model_source import model_hash, resolve_model
@@ -87,8 +86,9 @@ def run_peer(config: PeerConfig) -> None:
     try:
         # Peers of another model under the same name: refused before claiming anything.
         live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
-        # the vocabulary first: it changes the fingerprint too, and this says which sizes differ
-        check_vocabulary(live, model_config.vocab_size, model=config.model, mine="this peer (--vocab-size)")
+        check_same_vocabulary(
+            live, model_config.vocab_size, model=config.model, who="peer", mine="--vocab-size / model"
+        )
         check_same_model(live, model_hash(model_config), model=config.model, who="peer")
         # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
         # with the swarm's stops here with a SplitConflictError.

@@ -28,14 +28,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dht.model_match import ModelMismatchError
     from dht.node import BootstrapError
     from dht.split_agreement import SplitConflictError
-    from dht.vocabulary import VocabularyMismatchError
     from models.balanced_split import BalancedSplitError
     from models.config import UnknownModelError
     from models.hf_format import ModelFolderError
     from models.layer_costs import ProfileError
+    from models.model_source import VocabularyError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
-    from swarm.data.errors import DataError
+    from swarm.trainer.data import CorpusError
     from swarm.trainer.discovery import DiscoveryError
     from swarm.trainer.failures import RoutingError
     from swarm.trainer.run import ResumeError
@@ -45,8 +45,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         BootstrapError,
         UnknownModelError,
         StageSplitError,
-        DataError,
-        VocabularyMismatchError,
+        CorpusError,
         DiscoveryError,
         RoutingError,
         CheckpointError,
@@ -57,6 +56,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ProfileError,
         ModelFolderError,
         ModelMismatchError,
+        VocabularyError,
     )
 
 
@@ -91,6 +91,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from swarm.evaluate import EvalConfig, run_eval
+
+    return run_eval(from_sources(EvalConfig, args))
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from swarm.data.prepare import PrepareConfig, run_prepare
+
+    return run_prepare(from_sources(PrepareConfig, args, inputs=args.inputs))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from swarm.status import StatusConfig, run_status
 
@@ -115,24 +127,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(from_sources(DemoConfig, args))
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from swarm.eval_cli import EvalConfig, run_eval
-
-    return run_eval(from_sources(EvalConfig, args))
-
-
-def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from swarm.data.prepare import PrepareConfig, run_prepare
-
-    return run_prepare(from_sources(PrepareConfig, args))
-
-
 def build_parser() -> argparse.ArgumentParser:
     from peers.config import PeerConfig
     from swarm.bootstrap import BootstrapConfig
     from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
-    from swarm.eval_cli import EvalConfig
+    from swarm.evaluate import EvalConfig
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
@@ -149,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("dht", cmd_dht, BootstrapConfig, "run a bootstrap DHT node and print its multiaddrs"),
         ("peer", cmd_peer, PeerConfig, "serve one pipeline stage of a model"),
         ("train", cmd_train, TrainerConfig, "train a model through the swarm's stages"),
+        ("eval", cmd_eval, EvalConfig, "the validation loss of the model the swarm holds now"),
         ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
         ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
-        ("eval", cmd_eval, EvalConfig, "run validation batches through the swarm once and print the loss"),
         ("profile", cmd_profile, ProfileConfig, "measure a model layer by layer and suggest a balanced stage split"),
     ]
     for name, handler, config_cls, help_text in roles:
@@ -168,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(plan, PlanConfig)
     plan.set_defaults(handler=run_plan)
+    data = sub.add_parser("data", help="prepare a corpus: tokenizer and token shards")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="tokenize text files, folders and .jsonl(.gz) files into a dataset the trainer memory-maps",
+        description="Tokenize INPUT... (text files, folders read recursively, .jsonl/.jsonl.gz with one "
+        "document per line) into DIR: token shards, a validation split held out by document, "
+        "tokenizer.json and meta.json. Running it again on the same inputs reuses DIR.",
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl(.gz) files")
+    add_config_arguments(prepare, PrepareConfig, skip=("inputs",))
+    prepare.set_defaults(handler=cmd_data_prepare)
     monitor = sub.add_parser("monitor", help="tools for Prometheus monitoring of a swarm")
     monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="TOOL")
     targets = monitor_sub.add_parser(
@@ -175,17 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(targets, MonitorConfig)
     targets.set_defaults(handler=cmd_monitor_targets)
-    data = sub.add_parser("data", help="prepare datasets: tokenizer, token shards, validation split")
-    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
-    prepare = data_sub.add_parser(
-        "prepare",
-        help="tokenize text files, folders and .jsonl(.gz) files into token shards the trainer streams",
-        description="Tokenize INPUT... (text files, folders read recursively, .jsonl/.jsonl.gz documents) "
-        "into token shards, a validation split held out by document, tokenizer.json and meta.json under --out.",
-    )
-    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl or .jsonl.gz files")
-    add_config_arguments(prepare, PrepareConfig, skip=("inputs",))
-    prepare.set_defaults(handler=cmd_data_prepare)
     return parser
 
 

@@ -10,11 +10,9 @@ import subprocess
 
 from models.model_source import resolve_model
 from process.config import ConfigError, option
-from swarm.data.prepare import PrepareConfig, prepare
-from swarm.data.shards import read_meta
 from swarm.local_swarm import LocalSwarm
 from swarm.trainer.codec_policy import CODEC_MODES
-from swarm.trainer.data import resolve_data_folder, shakespeare_files
+from swarm.trainer.data import open_data
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -27,15 +25,12 @@ class DemoConfig:
     batch_size: int = option(32, help="samples per step")
     microbatch_size: int = option(4, help="samples per microbatch")
     data: str | None = option(
-        None, help="a folder prepared by `swarm data prepare`, or a text file (default: the Shakespeare corpus)"
+        None,
+        help="a folder made by `swarm data prepare`, or a text file (default: the Shakespeare corpus, "
+        "prepared with --tokenizer into ~/.cache/swarm or $SWARM_CACHE_DIR the first time)",
     )
-    tokenizer: str = option(
-        "bytes",
-        help="without --data: prepare the Shakespeare corpus with this tokenizer (bytes or bpe:VOCAB), "
-        "cached under --data-cache",
-    )
-    data_cache: str = option("runs/data", help="folder where the demo keeps the corpus it prepares")
-    eval_every: int = option(0, help="run validation batches through the swarm every N steps (0 = never)")
+    tokenizer: str = option("bpe:4096", help="tokenizer for a text file or the default corpus: bytes or bpe:VOCAB")
+    eval_every: int = option(10, help="validation loss through the swarm every N steps (0 = never)")
     eval_batches: int = option(4, help="validation batches per evaluation")
     codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
     report: str | None = option(None, help="write the trainer's JSON report here")
@@ -46,41 +41,24 @@ class DemoConfig:
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
         if self.data is not None and not os.path.exists(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file or folder")
+            raise ConfigError(f"--data {self.data!r}: no such file or prepared data folder")
         if self.eval_every < 0 or self.eval_batches < 1:
-            raise ConfigError("eval_every must be at least 0 and eval_batches at least 1")
-
-
-def demo_data(config: DemoConfig) -> str | None:
-    """The data folder the demo trains on: --data as given, or the Shakespeare corpus prepared with
-    --tokenizer under --data-cache (once; later runs reuse it). None: the trainer's default."""
-    if config.data is not None:
-        return config.data if os.path.isdir(config.data) else resolve_data_folder(config.data)
-    if config.tokenizer == "bytes":
-        return resolve_data_folder(None)
-    folder = os.path.join(config.data_cache, "shakespeare-" + config.tokenizer.replace(":", ""))
-    prepare(PrepareConfig(inputs=shakespeare_files(), out=folder, tokenizer=config.tokenizer))
-    return folder
+            raise ConfigError("--eval-every must be at least 0 and --eval-batches at least 1")
 
 
 def run_demo(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
-    data = demo_data(config)
-    vocab_size = read_meta(data).vocab_size
-    model_config = resolve_model(config.model, config.model_dir, vocab_size)
-    print(
-        f"[demo] data {data}: vocabulary {vocab_size}; {config.model} has "
-        f"{model_config.num_parameters() / 1e6:.1f}M parameters with it",
-        flush=True,
-    )
     model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
-    peer_args = ["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)] + model_dir_args
-    peer_args += ["--vocab-size", str(vocab_size)]
+    # The data first: its vocabulary is the model's, so the peers start with it.
+    data = open_data(config.data, tokenizer=config.tokenizer, say=lambda line: print(f"[demo] {line}", flush=True))
+    vocab_args = [] if config.model_dir else ["--vocab-size", str(data.vocab_size)]
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,
         workdir=config.workdir,
-        peer_args=peer_args,
+        peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]
+        + model_dir_args
+        + vocab_args,
     ) as swarm:
         print(f"[demo] logs in {swarm.workdir}", flush=True)
         maddrs = swarm.start_bootstrap()
@@ -103,7 +81,14 @@ def run_demo(config: DemoConfig) -> int:
             "--codec",
             config.codec,
         ]
-        args += ["--data", data, "--eval-every", str(config.eval_every), "--eval-batches", str(config.eval_batches)]
+        args += [
+            "--data",
+            data.folder,
+            "--eval-every",
+            str(config.eval_every),
+            "--eval-batches",
+            str(config.eval_batches),
+        ]
         args += model_dir_args
         trainer = swarm.start_trainer(*args)
         shown = 0

@@ -6,7 +6,10 @@ Every process a test starts runs in its own process group (with its DHT process 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -41,3 +44,9 @@ def _stop_every_swarm_at_exit():
 
 def pytest_configure(config):
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+    # Data prepared on the fly (the default corpus, text files) goes to a folder of this session's
+    # own, which every process a test starts inherits: nothing is left in the user's ~/.cache.
+    if "SWARM_CACHE_DIR" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="swarm-test-cache-")
+        os.environ["SWARM_CACHE_DIR"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)

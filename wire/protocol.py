@@ -134,9 +134,9 @@ class RequestHeader(BaseModel):
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
     # backward only: no 'inputs' tensor is sent; use those this peer cached when it served the forward
     inputs_cached: bool = False
-    # forward only: evaluation (no gradient, no activation cache, no sample counted); the last stage
-    # returns the loss on 'targets'
-    eval_only: bool = False
+    # forward only: a validation pass (no gradient, no activation cache, no sample counted); the
+    # last stage returns the loss given 'targets'
+    evaluate: bool = False
 
 
 class ResponseHeader(BaseModel):

@@ -206,8 +206,8 @@ class StageRuntime:
         return self._to_wire(outputs)
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Outputs of this stage (the loss on the last stage) for evaluation: no gradient, nothing
-        cached, no sample counted, the throughput estimate untouched."""
+        """Outputs of this stage (the loss on the last stage) for validation: no gradient, nothing
+        cached, no throughput or sample counted, the parameters untouched."""
         batch_size = inputs.shape[0]
         self.check_inputs(batch_size, inputs)
         if self.is_last:

@@ -59,8 +59,8 @@ class Announcer:
             expires_at=get_dht_time() + self.settings.record_ttl_s,
             averaging=self.averaging_mode,
             metrics_addr=self.metrics_addr,
-            vocab_size=serving.runtime.config.vocab_size,
             model_hash=model_fingerprint(serving.runtime.config),
+            vocab_size=serving.runtime.config.vocab_size,
         )
 
     async def announce(

@@ -96,7 +96,7 @@ class StageRpcService:
                 (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
                     self.compute, _timed, self._compute, header, tensors
                 )
-            queue_s, samples = compute_started - arrived, 0 if header.eval_only else header.batch_size
+            queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
             serving.requests_served += 1
@@ -173,11 +173,6 @@ class StageRpcService:
         if header.stage != runtime.stage:  # the peer moved while this request waited for the thread
             raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
         inputs = tensors.get("inputs")
-        if header.eval_only:
-            if header.rpc != "forward" or inputs is None or inputs.shape[:1] != (header.batch_size,):
-                raise BadRequestError("an evaluation is a forward request with 'inputs' of batch_size rows")
-            outputs = runtime.evaluate(inputs, tensors.get("targets"))
-            return ([], float(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
         if header.inputs_cached and header.rpc == "backward":
             if inputs is not None:
                 raise BadRequestError("inputs_cached is set, yet the request carries 'inputs'")
@@ -193,6 +188,9 @@ class StageRpcService:
             raise BadRequestError("the request carries no 'inputs' tensor")
         if inputs.shape[:1] != (header.batch_size,):
             raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
+        if header.rpc == "forward" and header.evaluate:
+            outputs = runtime.evaluate(inputs, tensors.get("targets"))
+            return ([], float(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
         if header.rpc == "forward":
             outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"))
             if runtime.is_last:

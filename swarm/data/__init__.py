@@ -1,2 +1,8 @@
-"""The data pipeline: documents from files (sources.py), a tokenizer (tokenizer.py), token shards
-on disk (shards.py), windows drawn from them (windows.py), and `swarm data prepare` (prepare.py)."""
+"""Corpora: from a user's files to token shards the trainer memory-maps.
+
+- sources.py: the input files and folders, read as documents (text files, .jsonl, .jsonl.gz);
+- tokenizer.py: the three tokenizer schemes (bytes, a BPE trained here, an existing tokenizer.json);
+- shards.py: the prepared folder's format (meta.json, token shards), written and opened;
+- prepare.py: `swarm data prepare`, which ties them together;
+- windows.py: windows of tokens across shard edges, for training and validation batches.
+"""

@@ -1,220 +1,233 @@
-"""`swarm data prepare INPUT... --out DIR`: documents -> tokenizer -> token shards + meta.json.
+"""`swarm data prepare INPUT... --out DIR`: a user's corpus -> a tokenizer and token shards.
 
-Documents are assigned to the validation split by position (every 1/F-th document, evenly spread,
-so the val split is held out by document, never by window). Everything is written into a sibling
-folder `DIR.partial-PID`, meta.json last, then swapped into place: an interrupted prepare leaves
-no folder that looks complete. A re-run whose inputs (by content hash) and options are the same
-reuses DIR as it is.
+Two passes over the input when a BPE is trained (one to fit the tokenizer, one to encode), one
+otherwise. Documents go to the validation split by a hash of their text (stable whatever the order
+of the inputs); shards, then tokenizer.json, then meta.json last (atomically) are written into DIR.
+Running it again on the same inputs with the same options reuses the folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import math
 import os
 import shutil
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+from tqdm import tqdm
 
 from process.config import ConfigError, option
-from swarm.data.errors import DataError
-from swarm.data.shards import (
-    DEFAULT_SHARD_TOKENS,
-    FORMAT,
-    FORMAT_VERSION,
-    META_FILE,
-    TOKENIZER_FILE,
-    DataMeta,
-    InputInfo,
-    ShardWriter,
-    read_meta,
-    write_meta,
-)
-from swarm.data.sources import SourceStats, file_hash, input_files, read_documents
+from swarm.data.shards import FORMAT, META, TOKENIZER, VERSION, DataMeta, InputInfo, ShardWriter, read_meta, write_meta
+from swarm.data.sources import CorpusError, InputFile, ReadStats, file_sha256, iter_documents, list_inputs
 from swarm.data.tokenizer import (
-    TOKENIZER_CONFIG_FILE,
-    TextEncoder,
+    DocumentEncoder,
     TokenizerSpec,
-    build_tokenizer,
+    byte_tokenizer,
+    load_tokenizer_file,
     token_dtype,
-    tokenizer_config,
+    train_bpe,
 )
 
-ENCODE_BATCH_BYTES = 4 << 20  # text handed to the tokenizer at once
-# A BPE is fitted to at most this much text (the first documents): on 2 busy cores it trained at
-# ~0.8 MB/s, so 200 MB took minutes for merges that 32 MB of the same text already settles.
-BPE_TRAIN_MAX_BYTES = 32 << 20
+ENCODE_BATCH_DOCUMENTS = 256
+# A BPE is fitted to the first this-many characters of the input: its merges settle long before
+# (the parallel data branch measured 200 MB at 0.35 MB/s when the BPE was fitted to all of it).
+BPE_TRAIN_MAX_CHARS = 32 << 20
 
 
 @dataclasses.dataclass(kw_only=True)
 class PrepareConfig:
-    inputs: list[str] = option(default_factory=list, help="text files, folders, .jsonl or .jsonl.gz files")
-    out: str = option("", help="folder to write the prepared dataset to")
-    tokenizer: str = option("bytes", help="bytes, bpe:VOCAB (trained on the inputs), or a tokenizer.json file")
-    val_fraction: float = option(0.1, help="fraction of the documents held out for validation")
-    text_field: str = option("text", help="field holding a document's text in .jsonl inputs")
-    shard_tokens: int = option(DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    inputs: list[str] = option(default_factory=list, help="text files, folders and .jsonl(.gz) files")
+    out: str = option("", help="folder to write the prepared dataset into")
+    tokenizer: str = option("bpe:8192", help="bytes, bpe:VOCAB (trained on the input), or a tokenizer.json path")
+    val_fraction: float = option(0.05, help="fraction of documents held out for validation")
+    text_field: str = option("text", help="field of each .jsonl line that holds the document's text")
 
     def __post_init__(self) -> None:
         if not self.out:
-            raise ConfigError("--out DIR is required")
+            raise ConfigError("--out DIR is required: the folder the prepared dataset is written to")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError("--val-fraction must lie in [0, 1)")
-        if self.shard_tokens < 1:
-            raise ConfigError("--shard-tokens must be at least 1")
+            raise ConfigError(f"--val-fraction {self.val_fraction}: use a fraction in [0, 1)")
 
 
-def is_validation_document(index: int, val_fraction: float) -> bool:
-    """Every 1/F-th document (0-based `index`) goes to validation: floor((i+1)F) > floor(iF)."""
-    return math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
+def goes_to_validation(document: str, val_fraction: float) -> bool:
+    """A document's split, from a hash of its text: the same document always lands in the same split."""
+    digest = hashlib.blake2b(document.encode("utf-8", errors="replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < val_fraction
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
+def _with_last_flag(items: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    previous, has_previous = None, False
+    for item in items:
+        if has_previous:
+            yield previous, False
+        previous, has_previous = item, True
+    if has_previous:
+        yield previous, True
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not sys.stderr.isatty(), leave=False)
+
+class _Progress:
+    """A bar over the input's bytes on a terminal; plain start/end lines elsewhere."""
+
+    def __init__(self, total: int, what: str, say: Callable[[str], None]):
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=not self.interactive)
+        if not self.interactive:
+            say(f"{what}: {total / 1e6:.1f} MB...")
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
-def prepare(config: PrepareConfig, say=print) -> DataMeta:
-    """Prepare (or reuse) `config.out`; returns its meta."""
+def _reusable(out: str, inputs: list[InputInfo], config: PrepareConfig, spec: TokenizerSpec) -> DataMeta | None:
+    if not os.path.isfile(os.path.join(out, META)):
+        return None
+    meta = read_meta(out)  # a foreign or older folder is refused here rather than overwritten
+    same = (
+        meta.inputs == inputs
+        and meta.tokenizer == spec.describe()
+        and meta.val_fraction == config.val_fraction
+        and meta.text_field == config.text_field
+    )
+    return meta if same else None
+
+
+def _parent(path: str) -> str:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return parent
+
+
+def _clear_own_files(out: str, dry_run: bool = False) -> None:
+    """Remove what an earlier (or interrupted) prepare wrote; refuse a folder holding anything else."""
+    ours = [n for n in os.listdir(out) if n.endswith(".bin") or n in (META, TOKENIZER) or n.startswith(META + ".tmp")]
+    others = sorted(set(os.listdir(out)) - set(ours))
+    if others:
+        raise CorpusError(
+            f"--out {out!r} holds other files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+            "give an empty or new folder"
+        )
+    for name in [] if dry_run else ours:
+        os.remove(os.path.join(out, name))
+
+
+def prepare(config: PrepareConfig, say: Callable[[str], None] = print) -> DataMeta:
+    """Prepare `config.inputs` into `config.out`; returns its meta (reused if already prepared)."""
     spec = TokenizerSpec.parse(config.tokenizer)
-    files = input_files(config.inputs)
-    inputs = [InputInfo(path=os.path.abspath(p), bytes=os.path.getsize(p), sha256=file_hash(p)) for p in files]
-    if sum(i.bytes for i in inputs) == 0:
-        raise DataError("every input is empty: there is no text to prepare")
-    recipe = _recipe(inputs, spec, config)
-    if os.path.isfile(os.path.join(config.out, META_FILE)):
-        try:
-            existing = read_meta(config.out)
-            if existing.recipe == recipe:
-                say(f"{config.out}: already prepared from the same inputs and options; reusing it")
-                return existing
-        except DataError:
-            pass  # a broken or older folder: prepared again below
-    elif os.path.isdir(config.out) and os.listdir(config.out):
-        raise DataError(f"--out {config.out!r} exists and is not a prepared dataset; choose another folder")
-    partial = f"{os.path.abspath(config.out).rstrip(os.sep)}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    files = list_inputs(config.inputs)
+    total = sum(f.size for f in files)
+    inputs = [InputInfo(path=os.path.abspath(f.path), bytes=f.size, sha256=file_sha256(f.path)) for f in files]
+    reused = _reusable(config.out, inputs, config, spec)
+    if reused is not None:
+        say(f"{config.out} already holds this corpus prepared ({describe(reused)}); reusing it")
+        return reused
+    if os.path.isdir(config.out):
+        _clear_own_files(config.out, dry_run=True)  # refuse a folder holding anything else before the work
+    started = time.perf_counter()
+    # Built in a folder of its own beside DIR, then moved in (meta.json last): an interrupted run
+    # leaves DIR as it was, and two runs preparing the same DIR at once do not mix their files.
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(config.out))}.", dir=_parent(config.out))
     try:
-        meta = _prepare_into(partial, files, inputs, spec, config, recipe, say)
-        _swap_into_place(partial, config.out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        if spec.scheme == "bytes":
+            tokenizer = byte_tokenizer()
+        elif spec.scheme == "file":
+            tokenizer = load_tokenizer_file(spec.path)
+        else:
+            sample = min(total, BPE_TRAIN_MAX_CHARS)
+            progress = _Progress(
+                sample, f"training a {spec.vocab_size}-token BPE on the first {sample / 1e6:.0f} MB", say
+            )
+            documents = _counted(iter_documents(files, text_field=config.text_field), progress, BPE_TRAIN_MAX_CHARS)
+            tokenizer = train_bpe(documents, spec.vocab_size)
+            progress.close()
+        meta = _encode(config, spec, files, inputs, tokenizer, work, say)
+        tokenizer.save(os.path.join(work, TOKENIZER))
+        os.makedirs(config.out, exist_ok=True)
+        _clear_own_files(config.out)
+        for name in sorted(os.listdir(work)):
+            os.replace(os.path.join(work, name), os.path.join(config.out, name))
+        write_meta(config.out, meta)  # last: its presence says the folder is complete
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    elapsed = time.perf_counter() - started
+    say(f"prepared {config.out}: {describe(meta)} in {elapsed:.1f} s ({total / 1e6 / max(elapsed, 1e-9):.1f} MB/s)")
+    if meta.skipped_lines:
+        skipped = ", ".join(f"{count} {reason}" for reason, count in meta.skipped_lines.items())
+        say(f"skipped jsonl lines: {skipped}")
     return meta
 
 
-def _recipe(inputs: list[InputInfo], spec: TokenizerSpec, config: PrepareConfig) -> str:
-    tokenizer = spec.describe() if spec.kind != "file" else f"file:{file_hash(spec.path)}"
-    payload = {
-        "version": FORMAT_VERSION,
-        "inputs": [(i.sha256, i.bytes) for i in inputs],
-        "tokenizer": tokenizer,
-        "val_fraction": config.val_fraction,
-        "text_field": config.text_field,
-        "shard_tokens": config.shard_tokens,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+def _counted(documents: Iterator[str], progress: _Progress, limit: int) -> Iterator[str]:
+    seen = 0
+    for document in documents:
+        progress.update(len(document))
+        yield document
+        seen += len(document)
+        if seen >= limit:
+            return
 
 
-def _prepare_into(partial, files, inputs, spec, config, recipe, say) -> DataMeta:
-    total_bytes = sum(i.bytes for i in inputs)
-
-    def training_documents():
-        seen = 0
-        bar = _progress(min(total_bytes, BPE_TRAIN_MAX_BYTES), f"training {spec.describe()}")
-        for doc in read_documents(files, text_field=config.text_field):
-            yield doc
-            seen += len(doc)
-            bar.update(len(doc))
-            if seen >= BPE_TRAIN_MAX_BYTES:
-                break
-        bar.close()
-
-    if spec.kind == "bpe":
-        say(f"training a byte-level BPE of {spec.vocab_size} tokens on the inputs")
-    tokenizer, is_bytes = build_tokenizer(spec, training_documents)
-    encoder = TextEncoder(tokenizer, is_bytes=is_bytes)
+def _encode(config, spec, files: list[InputFile], inputs: list[InputInfo], tokenizer, folder: str, say) -> DataMeta:
+    encoder = DocumentEncoder(tokenizer, raw_bytes=spec.scheme == "bytes")
     dtype = token_dtype(encoder.vocab_size)
-    writers = {s: ShardWriter(partial, s, dtype, config.shard_tokens) for s in ("train", "val")}
-    stats = SourceStats()
-    bar = _progress(total_bytes, "tokenizing")
-    pending: list[tuple[int, str]] = []
+    writers = {split: ShardWriter(folder, split, dtype) for split in ("train", "val")}
+    stats = ReadStats()
+    progress = _Progress(sum(f.size for f in files), "tokenizing", say)
+    batch: list[tuple[str, str]] = []
 
-    def flush():
-        for (index, _), ids in zip(pending, encoder.encode([doc for _, doc in pending])):
-            writer = writers["val" if is_validation_document(index, config.val_fraction) else "train"]
-            writer.write(ids)
-            writer.documents += 1
-        pending.clear()
+    def flush() -> None:
+        for (split, _), ids in zip(batch, encoder.encode([text for _, text in batch])):
+            writers[split].write(ids)
+        batch.clear()
 
-    index, pending_bytes = 0, 0
-    for path, info in zip(files, inputs):
-        for doc in read_documents([path], text_field=config.text_field, stats=stats):
-            pending.append((index, doc))
-            index += 1
-            pending_bytes += len(doc)
-            if pending_bytes >= ENCODE_BATCH_BYTES:
-                flush()
-                pending_bytes = 0
-        bar.update(info.bytes)
+    for document, is_last in _with_last_flag(iter_documents(files, text_field=config.text_field, stats=stats)):
+        to_val = goes_to_validation(document, config.val_fraction)
+        if (
+            is_last
+            and config.val_fraction > 0
+            and writers["val"].documents == 0
+            and not any(s == "val" for s, _ in batch)
+        ):
+            to_val = stats.documents > 1  # hold out at least one document when there are two
+        batch.append(("val" if to_val else "train", document))
+        progress.update(len(document))
+        if len(batch) >= ENCODE_BATCH_DOCUMENTS:
+            flush()
     flush()
-    bar.close()
-    if stats.bad_lines:
-        say(
-            f"skipped {stats.bad_lines} jsonl lines that are not JSON or lack the {config.text_field!r} field "
-            f"(e.g. {stats.bad_line_examples[0]})"
-        )
-    if stats.documents == 0:
-        raise DataError(f"the inputs hold no document (no text; {stats.bad_lines} jsonl lines skipped)")
+    progress.close()
     splits = {name: writer.close() for name, writer in writers.items()}
-    if splits["train"].tokens < 2:
-        raise DataError("the inputs hold too little text to train on")
-    if config.val_fraction > 0 and splits["val"].documents == 0:
-        say(f"note: {stats.documents} documents are too few to hold out {config.val_fraction:.0%}; no validation split")
-    tokenizer.save(os.path.join(partial, TOKENIZER_FILE))
-    with open(os.path.join(partial, TOKENIZER_CONFIG_FILE), "w") as f:  # for transformers' AutoTokenizer
-        json.dump(tokenizer_config(encoder), f, indent=2)
-    meta = DataMeta(
+    if stats.documents == 0:
+        raise CorpusError(
+            f"the input ({', '.join(config.inputs)}) holds no documents (skipped: {stats.skipped} jsonl lines)"
+        )
+    return DataMeta(
         format=FORMAT,
-        version=FORMAT_VERSION,
+        version=VERSION,
         vocab_size=encoder.vocab_size,
         dtype=dtype.name,
         tokenizer=spec.describe(),
-        eos_id=encoder.eos_id,
-        documents=stats.documents,
-        text_bytes=stats.text_bytes,
-        bad_lines=stats.bad_lines,
         val_fraction=config.val_fraction,
         text_field=config.text_field,
-        splits=splits,
+        documents=stats.documents,
+        skipped_lines=stats.skipped_lines,
         inputs=inputs,
-        recipe=recipe,
+        splits=splits,
     )
-    write_meta(partial, meta)  # last: a folder with meta.json is complete
-    say(
-        f"prepared {stats.documents} documents ({stats.text_bytes / 1e6:.1f} MB of text): "
-        f"{splits['train'].tokens:,} train and {splits['val'].tokens:,} val tokens, vocabulary "
-        f"{encoder.vocab_size} ({dtype.name})"
-    )
-    return meta
 
 
-def _swap_into_place(partial: str, out: str) -> None:
-    """Replace `out` by the complete `partial` folder (an older prepared `out` is removed after)."""
-    old = None
-    if os.path.exists(out):
-        old = f"{os.path.abspath(out).rstrip(os.sep)}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    os.replace(partial, out)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+def describe(meta: DataMeta) -> str:
+    train, val = meta.splits["train"], meta.splits["val"]
+    return (
+        f"{meta.documents:,} documents, vocabulary {meta.vocab_size:,} ({meta.tokenizer}), {meta.dtype}; "
+        f"train {train.tokens:,} tokens ({train.documents} documents), val {val.tokens:,} tokens ({val.documents} documents)"
+    )
 
 
 def run_prepare(config: PrepareConfig) -> int:
-    meta = prepare(config)
-    print(f"{config.out}: vocab_size {meta.vocab_size}, tokenizer {meta.tokenizer}", flush=True)
+    prepare(config)
     return 0

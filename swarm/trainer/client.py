@@ -88,7 +88,7 @@ class StageClient:
         timeout_s: float,
         response_codec: CodecChoice = CodecChoice("none"),
         inputs_cached: bool = False,
-        eval_only: bool = False,
+        evaluate: bool = False,
     ) -> CallResult:
         """One forward or backward call. `inputs_cached` (backward): no inputs are sent, the peer
         reuses those of its forward, or fails with Failure.CACHE_MISS."""
@@ -103,7 +103,7 @@ class StageClient:
                 response_codec=response_codec.codec,
                 response_codec_params=response_codec.params,
                 inputs_cached=inputs_cached,
-                eval_only=eval_only,
+                evaluate=evaluate,
             ),
             tensors,
         )

@@ -5,7 +5,6 @@ flags' names: `batch.batch_size` is `--batch-size` and SWARM_BATCH_SIZE).
 Sections, one per component that reads them:
 - `network` (dht/node.py's NetworkConfig): how the trainer joins the DHT;
 - `corpus`: what it trains on (swarm/trainer/data.py);
-- `evaluation`: the validation loss, run through the swarm forward only (swarm/trainer/evaluation.py);
 - `schedule`: steps and microbatches (swarm/trainer/schedule.py);
 - `discovery`: how it finds the stages' replicas (swarm/trainer/discovery.py);
 - `failover`: how long it retries and waits for a failing stage (swarm/trainer/stage_call.py);
@@ -30,24 +29,26 @@ from swarm.trainer.codec_policy import CODEC_MODES
 class CorpusSettings:
     data: str | None = option(
         None,
-        help="a folder prepared by `swarm data prepare`, or a text file (prepared on the fly with the "
-        "byte tokenizer); default: the Shakespeare corpus",
+        help="a folder made by `swarm data prepare`, or a text file (prepared with the byte tokenizer "
+        "into ~/.cache/swarm); default: the Shakespeare corpus, bytes",
     )
     seed: int = option(0, help="seed of the data order")
 
     def __post_init__(self) -> None:
         if self.data is not None and not os.path.exists(self.data):
-            raise ConfigError(f"--data {self.data!r}: no such file or folder")
+            raise ConfigError(f"--data {self.data!r}: no such file or prepared data folder")
 
 
 @dataclasses.dataclass(kw_only=True)
-class EvalSettings:
-    eval_every: int = option(0, help="run validation batches through the swarm every N steps (0 = never)")
-    eval_batches: int = option(4, help="validation batches per evaluation (each of --batch-size samples)")
+class EvaluationSettings:
+    eval_every: int = option(
+        0, help="every N steps (and after the last), compute the validation loss through the swarm; 0 = never"
+    )
+    eval_batches: int = option(4, help="validation batches (of --batch-size samples) per evaluation")
 
     def __post_init__(self) -> None:
         if self.eval_every < 0 or self.eval_batches < 1:
-            raise ConfigError("eval_every must be at least 0 and eval_batches at least 1")
+            raise ConfigError("--eval-every must be at least 0 and --eval-batches at least 1")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -123,8 +124,8 @@ class TrainerConfig:
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
     corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
-    evaluation: EvalSettings = section(EvalSettings, help="validation loss through the swarm")
     schedule: ScheduleSettings = section(ScheduleSettings, help="steps, batches and microbatches")
+    evaluation: EvaluationSettings = section(EvaluationSettings, help="validation loss through the swarm")
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
     compression: CompressionSettings = section(CompressionSettings, help="compression on the wire")

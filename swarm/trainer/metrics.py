@@ -34,10 +34,9 @@ class TrainerMetrics:
         self.loss = Gauge("swarm_trainer_loss", "Mean cross-entropy (nats) of the last step", registry=r)
         self.eval_loss = Gauge(
             "swarm_trainer_eval_loss",
-            "Mean cross-entropy (nats) on the validation split at the last evaluation",
+            "Mean cross-entropy (nats) on the validation batches, last evaluation",
             registry=r,
         )
-        self.eval_step = Gauge("swarm_trainer_eval_step", "Step of the last evaluation", registry=r)
         self.tokens = Counter("swarm_trainer_tokens_total", "Tokens trained on (rate() = tokens/s)", registry=r)
         self.tokens_per_second = Gauge("swarm_trainer_tokens_per_second", "Tokens/s of the last step", registry=r)
         self.step_duration = Histogram(
@@ -112,10 +111,6 @@ class TrainerMetrics:
         self.tokens.inc(tokens)
         self.tokens_per_second.set(tokens / duration_s if duration_s > 0 else 0.0)
         self.step_duration.observe(duration_s)
-
-    def observe_eval(self, *, step: int, loss: float) -> None:
-        self.eval_step.set(step)
-        self.eval_loss.set(loss)
 
     def observe_call(self, *, stage: int, rpc: str, duration_s: float) -> None:
         self.calls.labels(stage=str(stage), rpc=rpc).inc()

@@ -19,18 +19,15 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
-from dht.model_match import ModelMismatchError
 from dht.node import start_dht
-from dht.vocabulary import check_vocabulary
+from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
 from process.metrics_http import serve_metrics
-from swarm.data.errors import DataError
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
-from swarm.trainer.config import TrainerConfig
-from swarm.trainer.data import MicrobatchSampler, open_training_data, validation_batches
+from swarm.trainer.config import CompressionSettings, DiscoverySettings, FailoverSettings, TrainerConfig
+from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
-from swarm.trainer.evaluation import evaluate
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
@@ -68,9 +65,7 @@ class TrainingReport:
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
-    data: str = ""  # the prepared data folder trained on
-    vocab_size: int = 0
-    eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss]
+    eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
     final_eval_loss: float | None = None
 
     @classmethod
@@ -107,90 +102,58 @@ async def train(
         batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
-    data = open_training_data(config.corpus.data, say)
-    model_config = resolve_model(config.model, config.model_dir, data.vocab_size)
-    report.data, report.vocab_size = data.folder, data.vocab_size
+    data = open_data(config.corpus.data, say=say)
+    # The model's vocabulary is the data's: the peers must serve the same (checked on discovery).
+    model_config = resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size)
     sampler = MicrobatchSampler(
         data.train,
         seq_len=model_config.seq_len,
         batch_size=batches.batch_size,
         microbatch_size=batches.microbatch_size,
         seed=config.corpus.seed,
+        what="the training split",
     )
     evaluation = config.evaluation
-    val_batches = None
+    validation = None
     if evaluation.eval_every:
-        if not len(data.val):
-            raise DataError(
-                f"--eval-every: {data.folder} has no validation split; prepare the data with --val-fraction > 0 "
-                f"and more than one document"
-            )
-        val_batches = validation_batches(
+        validation = ValidationBatches(
             data.val,
             seq_len=model_config.seq_len,
             batch_size=batches.batch_size,
             microbatch_size=batches.microbatch_size,
-            batches=evaluation.eval_batches,
+            count=evaluation.eval_batches,
         )
-    discovery_timeout_s = config.discovery.discovery_timeout_s
-    num_stages = config.num_stages or await discover_num_stages(dht, config.model, discovery_timeout_s, say)
-    p2p = await dht.replicate_p2p()
-    client = StageClient(p2p, model=config.model, num_stages=num_stages)
-    view = SwarmView(
-        dht, model=config.model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
-    )
-    codecs = CodecPolicy(config.compression.codec, topk_fraction=config.compression.topk_fraction)
-    caller = StageCaller(
-        view,
-        client,
-        d_model=model_config.d_model,
-        seq_len=model_config.seq_len,
+    schedule = await connect(
+        dht,
+        model=config.model,
+        model_config=model_config,
+        num_stages=config.num_stages,
+        discovery=config.discovery,
         failover=config.failover,
-        codecs=codecs,
+        compression=config.compression,
+        max_in_flight=batches.max_in_flight,
+        data_source=f"data {data.folder}",
+        metrics=metrics,
         say=say,
     )
-    schedule = StepSchedule(caller, max_in_flight=batches.max_in_flight, run_id=secrets.token_hex(4))
-    codecs.warm_up()
+    view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
         model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
-    )
-    metrics.count_bytes(client.bytes.snapshot)
-    try:
-        await wait_for_every_stage(view, discovery_timeout_s)
-    except ModelMismatchError:  # another vocabulary changes the fingerprint: say so, naming both sizes
-        check_vocabulary(view.foreign, data.vocab_size, model=config.model, mine=f"the data at {data.folder}")
-        raise
-    check_vocabulary(
-        [r for records in view.records for r in records],
-        data.vocab_size,
-        model=config.model,
-        mine=f"the data at {data.folder}",
     )
     report.split_boundaries = await read_split(dht, config.model, num_stages)  # every stage's peers stated theirs
     say(
         f"training {config.model} over {num_stages} stages with {view.live_replicas()} replicas; "
-        f"{len(data.train):,} tokens of data ({data.meta.tokenizer}, vocabulary {data.vocab_size}), batch {batches.batch_size} x {model_config.seq_len} tokens"
+        f"{len(data.train):,} tokens of data (vocabulary {data.vocab_size:,}), "
+        f"batch {batches.batch_size} x {model_config.seq_len} tokens"
     )
     report.num_stages = num_stages
     refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
     tokens_per_step = batches.batch_size * model_config.seq_len
     started = time.perf_counter()
-
-    async def run_evaluation(step: int) -> None:
-        loss = await evaluate(
-            caller, val_batches, run_id=f"{schedule.run_id}:{step}", max_in_flight=batches.max_in_flight
-        )
-        report.eval_losses.append([step, loss])
-        report.final_eval_loss = loss
-        metrics.observe_eval(step=step, loss=loss)
-        say(f"step {step}: validation loss {loss:.4f}")
-
     try:
         first_step = report.steps  # > 0 when resuming: continue from the same data position
         if first_step:
             say(f"resuming at step {first_step} of {batches.steps}")
-        elif val_batches is not None:
-            await run_evaluation(0)
         for step in range(first_step, batches.steps):
             step_started = time.perf_counter()
             loss = await schedule.run_step(sampler.batch(step))
@@ -199,8 +162,6 @@ async def train(
             report.losses.append(loss)
             report.tokens_per_s_by_step.append(tokens_per_step / step_s)
             report.step_end_s.append(time.perf_counter() - started)
-            if val_batches is not None and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps):
-                await run_evaluation(step + 1)
             if reporting.report:  # after every step, so a killed trainer can resume where it was
                 _fill_report(report, schedule, time.perf_counter() - started)
                 report.write(reporting.report)
@@ -215,15 +176,63 @@ async def train(
                     live_replicas=view.live_replicas(),
                     calls_retried=caller.counters.calls_retried,
                     elapsed_s=elapsed,
-                    eval_loss=report.final_eval_loss,
                 )
             )
+            if validation is not None and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps):
+                eval_loss = await schedule.evaluate(validation.batches())
+                report.eval_losses.append([step + 1, eval_loss])
+                report.final_eval_loss = eval_loss
+                metrics.eval_loss.set(eval_loss)
+                say(f"step {step + 1}: validation loss {eval_loss:.4f} ({evaluation.eval_batches} batches)")
+                if reporting.report:
+                    report.write(reporting.report)
         report.completed = True
     finally:
         progress.close()
         refresher.cancel()
         _fill_report(report, schedule, time.perf_counter() - started)
     return report
+
+
+async def connect(
+    dht: hivemind.DHT,
+    *,
+    model: str,
+    model_config: GPTConfig,
+    num_stages: int | None,
+    discovery: DiscoverySettings,
+    failover: FailoverSettings,
+    compression: CompressionSettings,
+    max_in_flight: int,
+    data_source: str,
+    metrics: TrainerMetrics,
+    say=print,
+) -> StepSchedule:
+    """Find the swarm's stages and wire the pipeline to them (the view, the caller, the schedule);
+    returns once every stage has an online replica. Refuses, in one line, a swarm that serves
+    another vocabulary (`data_source` says where ours comes from) or another model."""
+    timeout_s = discovery.discovery_timeout_s
+    num_stages = num_stages or await discover_num_stages(dht, model, timeout_s, say)
+    p2p = await dht.replicate_p2p()
+    client = StageClient(p2p, model=model, num_stages=num_stages)
+    view = SwarmView(
+        dht, model=model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
+    )
+    codecs = CodecPolicy(compression.codec, topk_fraction=compression.topk_fraction)
+    caller = StageCaller(
+        view,
+        client,
+        d_model=model_config.d_model,
+        seq_len=model_config.seq_len,
+        failover=failover,
+        codecs=codecs,
+        say=say,
+    )
+    schedule = StepSchedule(caller, max_in_flight=max_in_flight, run_id=secrets.token_hex(4))
+    codecs.warm_up()
+    metrics.count_bytes(client.bytes.snapshot)
+    await wait_for_every_stage(view, timeout_s, vocab_size=model_config.vocab_size, vocab_source=data_source)
+    return schedule
 
 
 def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: float) -> None:

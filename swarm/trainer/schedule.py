@@ -74,6 +74,30 @@ class StepSchedule:
                 self.metrics.microbatches_retried.inc()
             return float(response.loss)
 
+    async def evaluate_microbatch(self, mb: Microbatch) -> float:
+        """A validation forward through every stage (the last returns the loss); nothing is kept on
+        the peers and nothing steps. Same failover as training. Returns the microbatch's mean loss."""
+        async with self._slots:
+            microbatch_id = f"{self.run_id}:eval:{-mb.step}:{mb.index}"
+            payload, failures = Payload(mb.inputs), []
+            for stage in range(self.num_stages):
+                tensors = [("inputs", payload)]
+                if stage == self.num_stages - 1:
+                    tensors.append(("targets", Payload(mb.targets)))
+                answer = await self.caller.call(
+                    stage, "forward", microbatch_id, mb.size, tensors, failures, evaluate=True
+                )
+                if stage < self.num_stages - 1:
+                    payload = answer.payload("outputs")
+            return float(answer.response.loss)
+
+    async def evaluate(self, batches: list[list[Microbatch]]) -> float:
+        """The mean validation loss over every sample of `batches`."""
+        microbatches = [mb for batch in batches for mb in batch]
+        losses = await asyncio.gather(*[self.evaluate_microbatch(mb) for mb in microbatches])
+        total = sum(mb.size for mb in microbatches)
+        return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
+
     async def run_step(self, microbatches: list[Microbatch]) -> float:
         """All microbatches of one optimizer step; returns the mean loss over their samples. Then,
         if replicas average in sync mode, tell them the step is over so they average and step."""

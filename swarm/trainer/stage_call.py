@@ -124,13 +124,13 @@ class StageCaller:
         failures: list[str] | None = None,
         *,
         cached_on: str | None = None,
-        eval_only: bool = False,
+        evaluate: bool = False,
     ) -> StageAnswer:
         """Call one replica of `stage`, failing over until one answers. Failed attempts are
         appended to `failures`. `cached_on` (backward): the peer that served this microbatch's
         forward on this stage; if it is chosen again, the inputs are not resent (it answers a cache
-        miss if it no longer holds them, and they are then sent). `eval_only` (forward): evaluate,
-        the peer keeps nothing and counts nothing; the last stage returns the loss."""
+        miss if it no longer holds them, and they are then sent). `evaluate` (forward): a validation
+        pass, which the peer answers without keeping anything or counting the samples."""
         failures = [] if failures is None else failures
         numel_out = batch_size * self.seq_len * self.d_model
         scheduler, bans = self.view.schedulers[stage], self.view.bans
@@ -169,7 +169,7 @@ class StageCaller:
                             timeout_s=timeout_s,
                             response_codec=response_codec,
                             inputs_cached=skip_inputs,
-                            eval_only=eval_only,
+                            evaluate=evaluate,
                         )
                         break
                     except PeerCallError as e:

@@ -1,85 +1,97 @@
-"""Training on a user's corpus: text and jsonl files prepared with a BPE tokenizer, a 2-stage x
-2-replica loopback swarm serving that vocabulary, the validation loss measured through the swarm
-falling; a trainer and a peer with another vocabulary are refused in one line."""
+"""A user's corpus, end to end: prepared with a BPE tokenizer, trained on by a 2-stage x 2-replica
+swarm with validation through the swarm, and a trainer whose data has another vocabulary refused."""
 
 from __future__ import annotations
 
+import gzip
 import json
-import os
-import re
-import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
-
-from swarm.data.prepare import PrepareConfig, prepare
-from swarm.data.shards import read_meta
-from swarm.trainer.data import shakespeare_files
 
 pytestmark = pytest.mark.slow
 
-
-def user_corpus(folder) -> str:
-    """Three text files in a nested folder and a jsonl file of paragraphs (with two bad lines)."""
-    texts = shakespeare_files()
-    os.makedirs(folder / "plays" / "more")
-    for i, path in enumerate(texts[:3]):
-        shutil.copy(path, folder / "plays" / ("more" if i else "") / os.path.basename(path))
-    with open(texts[3], encoding="utf-8", errors="replace") as f:
-        paragraphs = [p for p in f.read().split("\n\n") if p.strip()]
-    with open(folder / "notes.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": p}) + "\n" for p in paragraphs)
-        f.write("not json\n" + json.dumps({"title": "no text"}) + "\n")
-    return str(folder)
+VOCAB = 2048
 
 
-def test_a_swarm_trains_on_a_prepared_corpus_and_the_validation_loss_falls(make_swarm, tmp_path):
-    data = str(tmp_path / "data")
-    meta = prepare(
-        PrepareConfig(inputs=[user_corpus(tmp_path / "corpus")], out=data, tokenizer="bpe:2048"), say=lambda _: None
+def write_corpus(root) -> list[str]:
+    """Several text files and jsonl files of English-like text (words with structure to learn)."""
+    rng = np.random.default_rng(0)
+    syllables = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
+    words = sorted({"".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(1500)})
+    bigrams = {w: rng.choice(words, size=4) for w in words}
+
+    def sentence(n=40) -> str:
+        w, out = rng.choice(words), []
+        for _ in range(n):
+            out.append(w)
+            w = rng.choice(bigrams[w])
+        return " ".join(out) + "."
+
+    (root / "texts").mkdir()
+    for i in range(4):
+        (root / "texts" / f"book{i}.txt").write_text("\n\n".join(sentence() for _ in range(300)))
+    (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": sentence(60)}) for _ in range(400)))
+    with gzip.open(root / "more.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps({"text": sentence(60)}) for _ in range(400)))
+    return [str(root / "texts"), str(root / "docs.jsonl"), str(root / "more.jsonl.gz")]
+
+
+def swarm_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=300, check=False
     )
-    assert meta.bad_lines == 2 and meta.splits["val"].documents > 0 and read_meta(data).vocab_size == meta.vocab_size
+
+
+def test_a_prepared_corpus_trains_through_the_swarm_and_its_validation_loss_falls(make_swarm, tmp_path):
+    inputs = write_corpus(tmp_path)
+    data = tmp_path / "data"
+    prepared = swarm_cli("data", "prepare", *inputs, "--out", str(data), "--tokenizer", f"bpe:{VOCAB}")
+    assert prepared.returncode == 0, prepared.stderr
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16" and meta["splits"]["val"]["documents"] > 0
+
     swarm = make_swarm(
         num_stages=2,
-        peer_args=["--vocab-size", str(meta.vocab_size), "--lr", "3e-3"],
-        env={"SWARM_DATA_CACHE": str(tmp_path / "cache")},
+        peer_args=["--vocab-size", str(VOCAB), "--target-batch-size", "8", "--lr", "3e-3", "--averaging", "sync"],
     )
     swarm.start_bootstrap()
     peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
     swarm.wait_online(peers)
     report_path = tmp_path / "report.json"
     trainer = swarm.start_trainer(
-        "--num-stages", "2", "--data", data, "--steps", "12", "--batch-size", "16", "--microbatch-size", "4",
-        "--eval-every", "6", "--eval-batches", "2", "--report", str(report_path),
+        "--data", str(data), "--steps", "24", "--batch-size", "8", "--microbatch-size", "4",
+        "--eval-every", "8", "--eval-batches", "2", "--report", str(report_path),
     )  # fmt: skip
-    assert trainer.popen.wait(timeout=400) == 0, trainer.log()[-3000:]
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
-    steps = [step for step, _ in report["eval_losses"]]
+    assert [step for step, _ in report["eval_losses"]] == [8, 16, 24]
     losses = [loss for _, loss in report["eval_losses"]]
-    assert steps == [0, 6, 12] and report["final_eval_loss"] == losses[-1]
-    assert losses[-1] < losses[0], report["eval_losses"]
-    assert report["vocab_size"] == meta.vocab_size and "validation loss" in trainer.log()
+    assert losses[-1] < losses[0] - 0.3, losses  # it learns the corpus: the held-out loss falls
+    assert report["final_eval_loss"] == losses[-1] and report["microbatches_lost"] == 0
+    assert "validation loss" in trainer.log()
 
-    # `swarm eval`: the same validation batches once, on what the swarm holds now (trained: lower).
-    evaluation = swarm._spawn(
-        "eval",
-        ["eval", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--data", data, "--batches", "2",
-         "--batch-size", "16"],
+    # The same swarm refuses a trainer whose data is byte-level (vocabulary 256), in one line.
+    bytes_data = tmp_path / "bytes"
+    assert swarm_cli("data", "prepare", *inputs, "--out", str(bytes_data), "--tokenizer", "bytes").returncode == 0
+    refused = swarm.start_trainer("--data", str(bytes_data), "--steps", "1", name="bytes-trainer")
+    assert refused.popen.wait(timeout=120) == 2, refused.log()[-3000:]
+    errors = [line for line in refused.log().splitlines() if line.startswith("swarm train: error:")]
+    assert len(errors) == 1 and "256" in errors[0] and str(VOCAB) in errors[0], refused.log()[-2000:]
+    assert "Traceback" not in refused.log()
+
+    # A peer started with another vocabulary is refused as it joins.
+    wrong = swarm.start_peer(1, "--vocab-size", "256", name="wrong-vocab-peer")
+    assert wrong.popen.wait(timeout=120) == 2, wrong.log()[-3000:]
+    assert "vocabulary of 256" in wrong.log() and str(VOCAB) in wrong.log() and "Traceback" not in wrong.log()
+
+    # swarm eval: the loss of what the swarm holds now, on the same validation batches.
+    eval_json = tmp_path / "eval.json"
+    result = swarm_cli(
+        "eval", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--data", str(data),
+        "--batches", "2", "--batch-size", "8", "--microbatch-size", "4", "--json-out", str(eval_json),
     )  # fmt: skip
-    assert evaluation.popen.wait(timeout=200) == 0, evaluation.log()[-3000:]
-    measured = float(re.search(r"validation loss (\d+\.\d+)", evaluation.log()).group(1))
-    assert measured < losses[0], (measured, report["eval_losses"])
-
-    # A trainer with byte-level data: refused in one line naming both vocabularies.
-    text = tmp_path / "plain.txt"
-    text.write_text(open(shakespeare_files()[5], encoding="utf-8", errors="replace").read())
-    other = swarm.start_trainer("--num-stages", "2", "--data", str(text), "--steps", "2", name="bytes-trainer")
-    assert other.popen.wait(timeout=200) == 2, other.log()[-3000:]
-    error = [line for line in other.log().splitlines() if "error" in line]
-    assert len(error) == 1 and str(meta.vocab_size) in error[0] and "256" in error[0], other.log()[-2000:]
-
-    # A peer with another vocabulary: refused in one line, the swarm untouched.
-    stray = swarm.start_peer(0, "--vocab-size", "256", name="stray")
-    assert stray.popen.wait(timeout=200) == 2, stray.log()[-3000:]
-    error = [line for line in stray.log().splitlines() if "error" in line]
-    assert len(error) == 1 and str(meta.vocab_size) in error[0] and "256" in error[0], stray.log()[-2000:]
-    assert all(peer.alive for peer in peers)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-4)

@@ -11,7 +11,7 @@ from models.config import get_model_config
 from models.stages import build_full_model, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
-from swarm.trainer.data import MicrobatchSampler, load_corpus
+from swarm.trainer.data import MicrobatchSampler, open_data
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,9 @@ BATCH, MICROBATCH = 8, 2
 
 
 def reference_update(config, kind: str, lr: float):
-    sampler = MicrobatchSampler(load_corpus(), seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH)
+    sampler = MicrobatchSampler(
+        open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
+    )
     microbatches = sampler.batch(0)
     inputs = torch.cat([mb.inputs for mb in microbatches])
     targets = torch.cat([mb.targets for mb in microbatches])

@@ -59,9 +59,6 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--steps",
     "--topk-fraction",
 }
-# Added since (issue #20): validation loss through the swarm.
-TRAIN_FLAGS_ADDED = {"--eval-every", "--eval-batches"}
-TRAIN_DEFAULTS_ADDED = {"eval_every": 0, "eval_batches": 4}
 TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "model": "small",
     "model_dir": None,
@@ -164,11 +161,11 @@ def variable_of(flag: str) -> str:
 
 
 def test_swarm_train_keeps_every_flag_variable_and_default():
-    assert flags("train") == TRAIN_FLAGS_BEFORE | TRAIN_FLAGS_ADDED
-    expected_variables = {variable_of(f) for f in TRAIN_FLAGS_BEFORE | TRAIN_FLAGS_ADDED}
+    assert flags("train") == TRAIN_FLAGS_BEFORE
+    expected_variables = {variable_of(f) for f in TRAIN_FLAGS_BEFORE}
     assert documented_variables("train") == env_variables(TrainerConfig) == expected_variables
     args = build_parser().parse_args(["train"])
-    assert leaf_values(from_sources(TrainerConfig, args, env={})) == TRAIN_DEFAULTS_BEFORE | TRAIN_DEFAULTS_ADDED
+    assert leaf_values(from_sources(TrainerConfig, args, env={})) == TRAIN_DEFAULTS_BEFORE
 
 
 def test_swarm_plan_keeps_every_flag_and_default_and_now_has_a_variable_per_flag():

@@ -47,6 +47,7 @@ PEER_FLAGS = {
     "--metrics-port",
     "--model",
     "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
+    "--vocab-size",  # added deliberately: the vocabulary is the data's (swarm/data)
     "--no-load-state",
     "--no-standby",
     "--no-use-auto-relay",
@@ -75,13 +76,13 @@ PEER_FLAGS = {
     "--target-batch-size",
     "--use-auto-relay",
     "--use-relay",
-    "--vocab-size",  # added on purpose (issue #20): the vocabulary is part of the model
     "--weight-decay",
 }
 PEER_VARIABLES = {
     "SWARM_ACTIVATION_CACHE_SIZE",
     "SWARM_ALLOWED_PEERS",
     "SWARM_MODEL_DIR",
+    "SWARM_VOCAB_SIZE",
     "SWARM_ANNOUNCE_MADDRS",
     "SWARM_ANNOUNCE_PERIOD_S",
     "SWARM_AVERAGING",
@@ -139,7 +140,6 @@ PEER_VARIABLES = {
     "SWARM_USE_AUTO_RELAY",
     "SWARM_USE_RELAY",
     "SWARM_WEIGHT_DECAY",
-    "SWARM_VOCAB_SIZE",
 }
 
 

@@ -29,18 +29,7 @@ class ScriptedClient:
         self.missing, self.calls = missing, []
 
     async def exchange(
-        self,
-        peer_id,
-        *,
-        rpc,
-        stage,
-        microbatch_id,
-        batch_size,
-        tensors,
-        timeout_s,
-        response_codec,
-        inputs_cached=False,
-        eval_only=False,
+        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
@@ -110,18 +99,7 @@ class ScriptedStages:
         self.num_stages, self.calls, self.returned = num_stages, [], []
 
     async def exchange(
-        self,
-        peer_id,
-        *,
-        rpc,
-        stage,
-        microbatch_id,
-        batch_size,
-        tensors,
-        timeout_s,
-        response_codec,
-        inputs_cached=False,
-        eval_only=False,
+        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
     ):
         self.calls.append({"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached:

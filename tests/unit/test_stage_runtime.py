@@ -127,3 +127,20 @@ def test_split_layers_is_balanced_and_rejects_bad_counts():
         split_layers(2, 3)
     with pytest.raises(StageSplitError):
         split_layers(2, 0)
+
+
+def test_evaluate_keeps_nothing_and_computes_the_training_forward():
+    config = get_model_config("tiny")
+    stages = [StageRuntime(config, s, 2, optimizer=OptimizerSettings(target_batch_size=4)) for s in range(2)]
+    x = torch.randint(0, config.vocab_size, (2, config.seq_len))
+    y = torch.randint(0, config.vocab_size, (2, config.seq_len))
+    before = [{k: v.clone() for k, v in s.module.state_dict().items()} for s in stages]
+    hidden = stages[0].evaluate(x)
+    loss = stages[1].evaluate(hidden, y)
+    assert not hidden.requires_grad and loss.dim() == 0
+    for stage, state in zip(stages, before):
+        assert len(stage.cache) == 0 and stage.samples_accumulated == 0 and stage.steps_done == 0
+        assert all(p.grad is None for p in stage.module.parameters())
+        assert all(torch.equal(v, state[k]) for k, v in stage.module.state_dict().items())
+    reference = build_full_model(config)(x, y)
+    torch.testing.assert_close(loss, reference.detach(), atol=1e-6, rtol=0)
