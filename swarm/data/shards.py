@@ -24,6 +24,7 @@ FORMAT = "swarm-tokens"
 VERSION = 1
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # what transformers' AutoTokenizer reads beside tokenizer.json
 SPLITS = ("train", "val")
 
 
