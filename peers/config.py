@@ -134,10 +134,10 @@ class ReplicaSettings:
     whether a joiner first copies a live replica's state."""
 
     averaging: str = option(
-        "none",
-        help="how replicas of a stage agree: none (independent), sync (average "
-        "gradients on each trainer step, identical parameters), periodic (average parameters "
-        "every --averaging-period-s or --averaging-every-steps)",
+        "sync",
+        help="how replicas of a stage agree: sync (default: average gradients on each trainer "
+        "step, identical parameters), periodic (average parameters every --averaging-period-s or "
+        "--averaging-every-steps), none (independent copies that diverge; for experiments)",
         choices=["none", "sync", "periodic"],
     )
     averaging_period_s: float | None = option(

@@ -50,6 +50,12 @@ def run_peer(config: PeerConfig) -> None:
         weight_files(config.model_dir)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
+    if config.replicas.averaging == "none":
+        print(
+            "warning: --averaging none: replicas of this stage will train separate, diverging copies "
+            "(no one model at the end); leave out --averaging (sync) unless this is an experiment",
+            flush=True,
+        )
     if device.type != "cpu" and config.replicas.averaging != "none":
         raise DeviceError(
             f"--averaging {config.replicas.averaging} is only supported with --device cpu so far (hivemind's "

@@ -35,6 +35,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.model_source import VocabularyError
     from models.stages import StageSplitError
     from peers.compute.checkpoint import CheckpointError
+    from swarm.export.assemble import ExportError
+    from swarm.generate import GenerateError
     from swarm.trainer.data import CorpusError
     from swarm.trainer.discovery import DiscoveryError
     from swarm.trainer.failures import RoutingError
@@ -56,6 +58,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ProfileError,
         ModelFolderError,
         ModelMismatchError,
+        ExportError,
+        GenerateError,
         VocabularyError,
     )
 
@@ -121,6 +125,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_profile(from_sources(ProfileConfig, args))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarm.export.config import ExportConfig
+    from swarm.export.run import run_export
+
+    run_export(from_sources(ExportConfig, args))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swarm.generate import GenerateConfig, run_generate
+
+    return run_generate(from_sources(GenerateConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from swarm.demo import DemoConfig, run_demo
 
@@ -133,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
     from swarm.evaluate import EvalConfig
+    from swarm.export.config import ExportConfig
+    from swarm.generate import GenerateConfig
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
@@ -152,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", cmd_eval, EvalConfig, "the validation loss of the model the swarm holds now"),
         ("status", cmd_status, StatusConfig, "show the stages, their peers, state and throughput"),
         ("demo", cmd_demo, DemoConfig, "start a whole swarm on this machine, train, and stop it"),
+        (
+            "export",
+            cmd_export,
+            ExportConfig,
+            "assemble the trained model from live peers or checkpoints into one folder",
+        ),
+        ("generate", cmd_generate, GenerateConfig, "sample text from an exported model folder"),
         ("profile", cmd_profile, ProfileConfig, "measure a model layer by layer and suggest a balanced stage split"),
     ]
     for name, handler, config_cls, help_text in roles:

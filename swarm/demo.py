@@ -10,6 +10,9 @@ import subprocess
 
 from models.model_source import resolve_model
 from process.config import ConfigError, option
+from swarm.export.config import ExportConfig
+from swarm.export.run import run_export
+from swarm.generate import GenerateConfig, generate_text
 from swarm.local_swarm import LocalSwarm
 from swarm.trainer.codec_policy import CODEC_MODES
 from swarm.trainer.data import open_data
@@ -35,15 +38,43 @@ class DemoConfig:
     codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
     report: str | None = option(None, help="write the trainer's JSON report here")
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
+    averaging: str = option(
+        "sync",
+        help="how the replicas of a stage agree (none: separate copies, for experiments)",
+        choices=["sync", "periodic", "none"],
+    )
+    export: str | None = option(None, help="at the end, export the trained model to this folder and print a sample")
 
     def __post_init__(self) -> None:
         self.model = resolve_model(self.model, self.model_dir).name
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
+        if self.export is not None and os.path.exists(self.export):  # refused now, not after training
+            raise ConfigError(f"--export {self.export!r} already exists; choose another folder")
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data!r}: no such file or prepared data folder")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError("--eval-every must be at least 0 and --eval-batches at least 1")
+
+
+def export_and_sample(config: DemoConfig, swarm: LocalSwarm, data_folder: str) -> None:
+    """`swarm export` from the live peers (with the prepared data's tokenizer), then a short
+    `swarm generate` from the folder."""
+    export = ExportConfig(
+        initial_peers=swarm.initial_peers,
+        model=config.model,
+        model_dir=config.model_dir,
+        out=config.export,
+        data=data_folder,
+        overwrite=False,
+        num_stages=config.stages,
+    )
+    run_export(export)
+    print("[demo] a sample from the exported model:", flush=True)
+    generate_text(
+        GenerateConfig(model_dir=config.export, prompt="ROMEO:" if config.data is None else "The", max_new_tokens=80)
+    )
+    print(f"[demo] more with: swarm generate --model-dir {config.export} --prompt TEXT", flush=True)
 
 
 def run_demo(config: DemoConfig) -> int:
@@ -57,6 +88,7 @@ def run_demo(config: DemoConfig) -> int:
         num_stages=config.stages,
         workdir=config.workdir,
         peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]
+        + ["--averaging", config.averaging]
         + model_dir_args
         + vocab_args,
     ) as swarm:
@@ -120,6 +152,8 @@ def run_demo(config: DemoConfig) -> int:
                 f"[demo] validation loss {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]})",
                 flush=True,
             )
+        if config.export:
+            export_and_sample(config, swarm, data.folder)
         print("[demo] stopping the swarm...", flush=True)
     print("[demo] all processes stopped", flush=True)
     return 0

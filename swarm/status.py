@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 
 from dht.announce import fetch_stage_records_async
 from dht.node import NetworkConfig, start_dht
@@ -41,7 +42,24 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
                 f"{r.load:>5.0f}  {r.version:<8} {r.metrics_addr or '-'}"
             )
         lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
+    lines.extend(independent_replica_warnings(stages))
     return "\n".join(lines)
+
+
+def independent_replica_warnings(stages: dict[int, list[PeerRecord]]) -> list[str]:
+    """One warning per stage whose online replicas do not all average the same way (`--averaging
+    none`, or modes that differ): such replicas train separate copies and the stage ends as no one model."""
+    warnings = []
+    for stage, records in stages.items():
+        online = [r for r in records if r.state == PeerState.ONLINE]
+        modes = sorted({r.averaging for r in online})
+        if len(online) > 1 and ("none" in modes or len(modes) > 1):
+            warnings.append(
+                f"warning: stage {stage}: {len(online)} replicas that do not average together "
+                f"(--averaging {'/'.join(modes)}): they train separate copies; restart them with the default "
+                "--averaging sync"
+            )
+    return warnings
 
 
 def run_status(config: StatusConfig) -> int:
@@ -59,4 +77,6 @@ def run_status(config: StatusConfig) -> int:
         )
     else:
         print(format_table(config.model, stages))
+    for warning in independent_replica_warnings(stages) if config.json else ():
+        print(warning, file=sys.stderr)
     return 0

@@ -49,6 +49,8 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--microbatch-size",
     "--model",
     "--model-dir",  # added deliberately: a Hugging Face model folder (models/hf_format.py)
+    "--eval-every",  # added deliberately: validation loss through the swarm (issue #20)
+    "--eval-batches",
     "--num-stages",
     "--refresh-period-s",
     "--report",
@@ -63,6 +65,8 @@ TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "model": "small",
     "model_dir": None,
     "num_stages": None,
+    "eval_every": 0,
+    "eval_batches": 4,
     "steps": 100,
     "batch_size": 32,
     "microbatch_size": 4,

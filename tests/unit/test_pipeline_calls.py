@@ -29,7 +29,18 @@ class ScriptedClient:
         self.missing, self.calls = missing, []
 
     async def exchange(
-        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
+        self,
+        peer_id,
+        *,
+        rpc,
+        stage,
+        microbatch_id,
+        batch_size,
+        tensors,
+        timeout_s,
+        response_codec,
+        inputs_cached=False,
+        evaluate=False,
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
@@ -99,9 +110,22 @@ class ScriptedStages:
         self.num_stages, self.calls, self.returned = num_stages, [], []
 
     async def exchange(
-        self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, timeout_s, response_codec, inputs_cached=False
+        self,
+        peer_id,
+        *,
+        rpc,
+        stage,
+        microbatch_id,
+        batch_size,
+        tensors,
+        timeout_s,
+        response_codec,
+        inputs_cached=False,
+        evaluate=False,
     ):
-        self.calls.append({"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
+        self.calls.append(
+            {"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached, "evaluate": evaluate}
+        )
         if inputs_cached:
             self.returned.append({})
             raise PeerCallError(peer_id, Failure.CACHE_MISS, "nothing cached")
@@ -140,3 +164,22 @@ def test_a_microbatch_goes_forward_and_back_passing_encodings_on_as_received():
     assert sent[6]["inputs"] is sent[0]["inputs"] and sent[4]["inputs"] is sent[1]["inputs"]
     assert (schedule.counters.microbatches_sent, schedule.counters.microbatches_done) == (1, 1)
     assert caller.counters.backward_inputs_resent == 2 and caller.counters.calls_retried == 0
+
+
+def test_an_evaluation_goes_forward_only_and_asks_every_stage_to_keep_nothing():
+    client = ScriptedStages(num_stages=3)
+    caller = make_caller(client, peers=("peer-a",))
+    schedule = StepSchedule(caller, max_in_flight=2, run_id="run")
+    inputs = torch.randint(0, 10, (B, T))
+    batches = [[Microbatch(step=-1, index=i, inputs=inputs, targets=inputs) for i in range(2)]]
+    assert asyncio.run(schedule.evaluate(batches)) == 2.5
+    calls = [(c["stage"], c["rpc"], c["evaluate"], sorted(c["tensors"])) for c in client.calls]
+    assert sorted(calls) == sorted(
+        [
+            (0, "forward", True, ["inputs"]),
+            (1, "forward", True, ["inputs"]),
+            (2, "forward", True, ["inputs", "targets"]),
+        ]
+        * 2
+    )
+    assert schedule.counters.commits == 0 and schedule.counters.microbatches_sent == 0  # nothing trained

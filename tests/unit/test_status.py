@@ -39,3 +39,19 @@ def test_the_table_lists_peers_per_stage_with_their_metrics_address():
     assert lines[3].split()[-1] == "-" and "offline" in lines[3]
     assert "stage 0: 1 online, 120.0 samples/s" in lines[4]
     assert lines[5].split() == ["1", "(no", "peers)"]
+
+
+def test_a_stage_whose_replicas_do_not_average_is_warned_about():
+    def averaging(peer, stage, mode, state=PeerState.ONLINE):
+        return record(peer, stage, state=state).model_copy(update={"averaging": mode})
+
+    stages = {
+        0: [averaging("QmA0", 0, "none"), averaging("QmB0", 0, "none")],
+        1: [averaging("QmA1", 1, "sync"), averaging("QmB1", 1, "sync")],
+        2: [averaging("QmA2", 2, "none"), averaging("QmB2", 2, "none", state=PeerState.OFFLINE)],
+        3: [averaging("QmA3", 3, "sync"), averaging("QmB3", 3, "periodic")],
+    }
+    warnings = [line for line in format_table("tiny", stages).splitlines() if line.startswith("warning")]
+    assert len(warnings) == 2, warnings
+    assert "stage 0: 2 replicas" in warnings[0] and "--averaging none" in warnings[0]
+    assert "stage 3" in warnings[1] and "periodic/sync" in warnings[1]

@@ -1,0 +1,41 @@
+"""`swarm export`'s configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dht.node import NetworkConfig
+from process.config import ConfigError, option
+
+
+@dataclasses.dataclass(kw_only=True)
+class ExportConfig(NetworkConfig):
+    model: str = option("small", help="model name; must match the peers'")
+    model_dir: str | None = option(
+        None,
+        help="the Hugging Face model folder the peers serve (--model-dir of `swarm peer`): its config gives the model",
+    )
+    out: str | None = option(None, help="folder to write (model.safetensors, config.json, tokenizer.json with --data)")
+    checkpoint_dir: list[str] = option(
+        default_factory=list,
+        help="offline: read the stages from these peers' checkpoint folders (--checkpoint-dir D1 D2 ...) "
+        "instead of the live swarm",
+    )
+    data: str | None = option(
+        None, help="the run's prepared data folder (`swarm data prepare`): its tokenizer.json is copied"
+    )
+    overwrite: bool = option(False, help="replace --out if it exists")
+    num_stages: int | None = option(None, help="number of stages (default: the swarm's split)")
+    wait_s: float = option(60.0, help="live: wait this long for every stage to have an online replica")
+    download_timeout_s: float = option(300.0, help="live: give up one replica's download after this many seconds")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.out:
+            raise ConfigError("--out is required: the folder to write the model to")
+        if not self.checkpoint_dir and not self.initial_peers:
+            raise ConfigError(
+                "give --initial-peers (export from the live swarm) or --checkpoint-dir (from checkpoints)"
+            )
+        if self.wait_s < 0 or self.download_timeout_s <= 0:
+            raise ConfigError("--wait-s must be >= 0 and --download-timeout-s positive")

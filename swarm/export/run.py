@@ -1,0 +1,173 @@
+"""`swarm export`: gather every stage (live replicas or checkpoint folders), check that they make one
+model, and write one folder: `model.safetensors`, `config.json` (a Hugging Face GPT-2 or Llama
+folder, models/hf_format.py), `swarm.json` (where each stage came from), and a tokenizer
+(`tokenizer.json` of `--data`, or the byte tokenizer of a byte-level run).
+
+The folder is written beside `--out` under a temporary name and renamed, so `--out` is complete or
+absent; an existing `--out` is refused unless `--overwrite`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+
+from dht.announce import fetch_stage_records_async
+from dht.model_match import check_same_model
+from dht.node import start_dht
+from models.config import GPTConfig
+from models.hf_format import TOKENIZER_FILE, write_model_folder
+from models.model_source import model_hash, resolve_model
+from swarm.data.tokenizer import byte_tokenizer
+from swarm.export.assemble import (
+    ExportError,
+    StagePart,
+    assemble_state,
+    block_boundaries,
+    check_stages_fit,
+    choose_replica,
+    describe_steps,
+    same_step,
+)
+from swarm.export.config import ExportConfig
+from swarm.export.live import download_snapshot, find_split
+from swarm.export.offline import read_checkpoint_parts
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BYTE_VOCAB_SIZE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    out: str
+    config: GPTConfig
+    steps_done: int
+    sources: dict[int, str]
+    warnings: list[str]
+
+
+def pick_stages(replicas: dict[int, list[StagePart]], say=print) -> tuple[dict[int, StagePart], list[str]]:
+    """The most-trained replica of each stage, and one warning per stage whose replicas disagree."""
+    chosen, warnings = {}, []
+    for stage, parts in sorted(replicas.items()):
+        choice = choose_replica(parts)
+        chosen[stage] = choice.part
+        if choice.disagreement:
+            warnings.append(f"warning: {choice.disagreement}")
+            say(warnings[-1])
+    return chosen, warnings
+
+
+def tokenizer_source(data: str | None) -> str | None:
+    """The tokenizer.json to copy: the prepared data's, else None (a byte run gets the byte tokenizer)."""
+    if data is None:
+        return None
+    path = os.path.join(data, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise ExportError(f"--data {data!r} has no {TOKENIZER_FILE} (a folder made by `swarm data prepare` has one)")
+    return path
+
+
+def write_export(
+    config: GPTConfig,
+    chosen: dict[int, StagePart],
+    out: str,
+    *,
+    data: str | None,
+    overwrite: bool,
+    extra_meta: dict,
+) -> str:
+    """Write the folder atomically: everything into a temporary folder beside `out`, then one rename."""
+    out = os.path.normpath(out)
+    if os.path.exists(out) and not overwrite:
+        raise ExportError(f"{out!r} already exists; choose another --out or pass --overwrite")
+    tokenizer = tokenizer_source(data)
+    state = assemble_state(chosen, boundaries=block_boundaries(chosen))
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export.", dir=parent)
+    try:
+        folder = write_model_folder(
+            config, state, os.path.join(staging, "model"), tokenizer_json=tokenizer, extra_meta=extra_meta
+        )
+        if tokenizer is None and config.vocab_size == BYTE_VOCAB_SIZE:
+            with open(os.path.join(folder, TOKENIZER_FILE), "w") as f:
+                f.write(byte_tokenizer().to_str())
+        if os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
+            # transformers' AutoTokenizer takes tokenizer.json as it is with this class (no per-model rebuild)
+            with open(os.path.join(folder, TOKENIZER_CONFIG_FILE), "w") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        if os.path.exists(out):
+            trash = os.path.join(staging, "old")
+            os.replace(out, trash)
+        os.replace(folder, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def gather_offline(config: ExportConfig, model_config: GPTConfig, say=print):
+    replicas, boundaries = read_checkpoint_parts(config.checkpoint_dir, config.model, model_config.n_layers)
+    files = sum(len(ps) for ps in replicas.values())
+    say(f"[export] read {files} checkpoint(s) of {config.model}: stages {sorted(replicas)} of {len(boundaries) - 1}")
+    return replicas, boundaries, []
+
+
+async def gather_live(dht, config: ExportConfig, say=print):
+    num_stages, boundaries = await find_split(dht, config.model, config.num_stages, config.wait_s)
+    replicas = await download_snapshot(
+        dht, config.model, num_stages, wait_s=config.wait_s, timeout_s=config.download_timeout_s, say=say
+    )
+    records = [r for s in range(num_stages) for r in await fetch_stage_records_async(dht, config.model, s)]
+    return replicas, boundaries, records
+
+
+def run_export(config: ExportConfig, say=print) -> ExportResult:
+    started = time.monotonic()
+    model_config = resolve_model(config.model, config.model_dir)
+    if os.path.exists(config.out) and not config.overwrite:  # before any download
+        raise ExportError(f"{config.out!r} already exists; choose another --out or pass --overwrite")
+    if config.data is not None:
+        tokenizer_source(config.data)
+    if config.checkpoint_dir:
+        replicas, boundaries, records = gather_offline(config, model_config, say)
+    else:
+        dht = start_dht(config, client_mode=True)
+        try:
+            replicas, boundaries, records = asyncio.run(gather_live(dht, config, say))
+        finally:
+            dht.shutdown()
+    chosen, warnings = pick_stages(replicas, say)
+    # Replicas that agree step together, so their stages must be at one step; independent replicas
+    # (a stage whose replicas disagree) each step on their share, and steps no longer line up.
+    model_config = check_stages_fit(model_config, chosen, boundaries=boundaries, steps_must_match=not warnings)
+    if not same_step(chosen):
+        warnings.append(
+            f"warning: the stages are at different steps ({describe_steps(chosen)}): replicas that do not "
+            "average each step on their own share of the samples"
+        )
+        say(warnings[-1])
+    check_same_model(records, model_hash(model_config), model=config.model, who="export")
+    steps = chosen[0].steps_done
+    parameters = sum(t.numel() for p in chosen.values() for t in p.state.values())
+    sources = {s: p.source for s, p in sorted(chosen.items())}
+    meta = {
+        "model": config.model,
+        "steps_done": steps,
+        "stage_steps": {str(s): p.steps_done for s, p in sorted(chosen.items())},
+        "num_stages": len(chosen),
+        "boundaries": list(block_boundaries(chosen)),
+        "sources": {str(s): src for s, src in sources.items()},
+    }
+    out = write_export(model_config, chosen, config.out, data=config.data, overwrite=config.overwrite, extra_meta=meta)
+    say(
+        f"[export] wrote {out}: {config.model} ({model_config.arch}, {parameters:,} parameters, "
+        f"vocabulary {model_config.vocab_size}) after {steps} steps, from {len(chosen)} stages "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+    return ExportResult(out, model_config, steps, sources, warnings)
