@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
     prepare = data_sub.add_parser(
         "prepare",
-        help="tokenize text files, folders and .jsonl(.gz) files into a dataset the trainer memory-maps",
+        help="tokenize text files, folders and .jsonl(.gz) files into token shards the trainer streams",
         description="Tokenize INPUT... (text files, folders read recursively, .jsonl/.jsonl.gz with one "
         "document per line) into DIR: token shards, a validation split held out by document, "
         "tokenizer.json and meta.json. Running it again on the same inputs reuses DIR.",

@@ -1,4 +1,4 @@
-"""Corpora: from a user's files to token shards the trainer memory-maps.
+"""Corpora: from a user's files to token shards the trainer reads window by window.
 
 - sources.py: the input files and folders, read as documents (text files, .jsonl, .jsonl.gz);
 - tokenizer.py: the three tokenizer schemes (bytes, a BPE trained here, an existing tokenizer.json);

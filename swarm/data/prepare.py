@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -20,7 +21,18 @@ from collections.abc import Callable, Iterator
 from tqdm import tqdm
 
 from process.config import ConfigError, option
-from swarm.data.shards import FORMAT, META, TOKENIZER, VERSION, DataMeta, InputInfo, ShardWriter, read_meta, write_meta
+from swarm.data.shards import (
+    FORMAT,
+    META,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    VERSION,
+    DataMeta,
+    InputInfo,
+    ShardWriter,
+    read_meta,
+    write_meta,
+)
 from swarm.data.sources import CorpusError, InputFile, ReadStats, file_sha256, iter_documents, list_inputs
 from swarm.data.tokenizer import (
     DocumentEncoder,
@@ -29,6 +41,7 @@ from swarm.data.tokenizer import (
     load_tokenizer_file,
     token_dtype,
     train_bpe,
+    transformers_tokenizer_config,
 )
 
 ENCODE_BATCH_DOCUMENTS = 256
@@ -105,7 +118,11 @@ def _parent(path: str) -> str:
 
 def _clear_own_files(out: str, dry_run: bool = False) -> None:
     """Remove what an earlier (or interrupted) prepare wrote; refuse a folder holding anything else."""
-    ours = [n for n in os.listdir(out) if n.endswith(".bin") or n in (META, TOKENIZER) or n.startswith(META + ".tmp")]
+    ours = [
+        n
+        for n in os.listdir(out)
+        if n.endswith(".bin") or n in (META, TOKENIZER, TOKENIZER_CONFIG) or n.startswith(META + ".tmp")
+    ]
     others = sorted(set(os.listdir(out)) - set(ours))
     if others:
         raise CorpusError(
@@ -147,6 +164,8 @@ def prepare(config: PrepareConfig, say: Callable[[str], None] = print) -> DataMe
             progress.close()
         meta = _encode(config, spec, files, inputs, tokenizer, work, say)
         tokenizer.save(os.path.join(work, TOKENIZER))
+        with open(os.path.join(work, TOKENIZER_CONFIG), "w") as f:
+            json.dump(transformers_tokenizer_config(tokenizer), f, indent=2)
         os.makedirs(config.out, exist_ok=True)
         _clear_own_files(config.out)
         for name in sorted(os.listdir(work)):

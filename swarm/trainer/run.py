@@ -179,6 +179,7 @@ async def train(
                     live_replicas=view.live_replicas(),
                     calls_retried=caller.counters.calls_retried,
                     elapsed_s=elapsed,
+                    eval_loss=report.final_eval_loss,
                 )
             )
             if validation is not None and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps):

@@ -84,7 +84,13 @@ def test_prepare_with_bpe_writes_shards_meta_and_a_tokenizer(corpus, tmp_path):
     assert any("skipped jsonl lines" in line for line in lines)
     assert meta.splits["val"].documents >= 1 and meta.splits["train"].documents >= 1
     assert meta.splits["val"].documents + meta.splits["train"].documents == 32
-    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train-00000.bin", "val-00000.bin"]
+    assert sorted(os.listdir(out)) == [
+        "meta.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train-00000.bin",
+        "val-00000.bin",
+    ]
     data = PreparedData(str(out))
     assert len(data.train) == meta.splits["train"].tokens and data.train.window(0, 5).dtype == np.int64
     assert int(np.max(data.train.window(0, len(data.train)))) < 300
@@ -92,6 +98,15 @@ def test_prepare_with_bpe_writes_shards_meta_and_a_tokenizer(corpus, tmp_path):
 
     assert Tokenizer.from_file(data.tokenizer_path).get_vocab_size() == 300
     assert all(len(i.sha256) == 64 for i in meta.inputs)
+
+
+def test_transformers_loads_the_prepared_tokenizer_with_its_end_of_text_token(corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "data"
+    run([corpus / "corpus"], out, tokenizer="bpe:300")
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id is not None
+    assert loaded.decode(loaded("to be or not")["input_ids"]) == "to be or not"
 
 
 def test_validation_is_held_out_by_document(corpus, tmp_path):

@@ -19,6 +19,12 @@ def test_the_plain_line_keeps_its_format():
     assert re.findall(r"step\s+(\d+)/", format_line(progress(7))) == ["7"]  # what tests and scripts parse
 
 
+def test_the_last_validation_loss_is_shown_once_measured():
+    assert format_line(progress(7, eval_loss=2.5)).endswith("retried 3  val 2.5000")
+    assert "loss 3.2500  val 2.5000  1,234 tok/s" in format_bar(progress(7, eval_loss=2.5))
+    assert "val" not in format_line(progress(7)) + format_bar(progress(7))
+
+
 def test_the_bar_shows_progress_loss_speed_peers_and_eta():
     bar = format_bar(progress(5), width=10)
     assert bar.startswith("[#####.....]  50% step 5/10  loss 3.2500  1,234 tok/s  peers 3 [2, 1]  retried 3")
