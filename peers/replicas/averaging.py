@@ -39,6 +39,7 @@ tensors halfway through an averaging round.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -134,7 +135,7 @@ class ReplicaAveraging:
         self.averager = hivemind.averaging.DecentralizedAverager(
             tensors,
             dht,
-            start=True,
+            start=False,
             prefix=prefix,
             min_matchmaking_time=matchmaking_s,
             request_timeout=min(matchmaking_s / 2, 1.0),
@@ -142,6 +143,13 @@ class ReplicaAveraging:
             min_group_size=2,
             allreduce_timeout=timeout_s,
         )
+        if threading.current_thread() is threading.main_thread():
+            self.averager.run_in_background(await_ready=True)
+        else:
+            # hivemind's run_in_background sets a SIGINT handler, which only the main thread may do: a
+            # peer that moves builds its next stage (and this averager) on a worker thread.
+            self.averager.start()
+            self.averager.wait_until_ready()
         self.rounds = self.failed_rounds = 0
         self.bytes_sent = self.bytes_received = 0
 
