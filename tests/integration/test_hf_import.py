@@ -1,5 +1,6 @@
 """A swarm served from a Hugging Face model folder (--model-dir): before any step, the swarm's loss
-on a batch equals transformers' on the same batch; a peer or a trainer of another model under the
+on a batch equals transformers' on the same batch; after a few steps, the export reloads in
+transformers with the loss `swarm eval` gives; a peer or a trainer of another model under the
 same name is refused in one line; a bad folder stops a peer in one line."""
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.trainer.data import MicrobatchSampler, open_data
+from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data
 from tests.hf_models import make_hf_folder
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 VOCAB, SEQ, BATCH, MICROBATCH = 256, 16, 4, 2  # the default corpus is bytes: the model must have their 256
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=180, check=False
+    )
 
 
 def transformers_loss(model) -> float:
@@ -31,12 +38,12 @@ def transformers_loss(model) -> float:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).item()
 
 
-def train_one_step(swarm, folder, report_path, name="trainer"):
+def train_one_step(swarm, folder, report_path, name="trainer", steps: int = 1):
     return swarm.start_trainer(
         "--model-dir",
         folder,
         "--steps",
-        "1",
+        str(steps),
         "--batch-size",
         str(BATCH),
         "--microbatch-size",
@@ -66,11 +73,36 @@ def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp
     assert "loaded" in peers[1].log() and "from " + folder in peers[1].log()
 
     report_path = str(tmp_path / "report.json")
-    trainer = train_one_step(swarm, folder, report_path)
+    trainer = train_one_step(swarm, folder, report_path, steps=3)
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
     with open(report_path) as f:
         report = json.load(f)
-    assert report["losses"][0] == pytest.approx(transformers_loss(reference), abs=1e-4)
+    assert report["losses"][0] == pytest.approx(transformers_loss(reference), abs=1e-4)  # before any step
+
+    # Fine-tuned for 3 steps: the export reloads in transformers and computes what the swarm evaluates.
+    exported = tmp_path / "exported"
+    result = cli(
+        "export", "--initial-peers", *swarm.initial_peers, "--model", "hf-test", "--model-dir", folder,
+        "--out", str(exported),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    evaluated = tmp_path / "eval.json"
+    result = cli(
+        "eval", "--initial-peers", *swarm.initial_peers, "--model", "hf-test", "--model-dir", folder,
+        "--batches", "2", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH), "--json-out", str(evaluated),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    batches = ValidationBatches(
+        open_data(None).val, seq_len=SEQ, batch_size=BATCH, microbatch_size=MICROBATCH, count=2
+    ).batches()
+    inputs = torch.cat([mb.inputs for batch in batches for mb in batch])
+    targets = torch.cat([mb.targets for batch in batches for mb in batch])
+    with torch.no_grad():
+        logits = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()(inputs).logits
+        before = reference(inputs).logits
+    exported_loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).item()
+    assert exported_loss == pytest.approx(json.loads(evaluated.read_text())["eval_loss"], abs=1e-4)
+    assert not torch.allclose(logits, before, atol=1e-3)  # the steps changed the model
 
     if kind != "gpt2-tied":
         return
