@@ -86,6 +86,11 @@ class ServingLimits:
 
     max_concurrent_requests: int = option(64, help="requests served at once; more wait")
     max_request_mb: float = option(64.0, help="refuse a request whose tensors carry more than this many MiB")
+    max_decoded_mb: float = option(
+        256.0,
+        help="refuse a request whose tensors would take more than this many MiB once decoded "
+        "(checked on its header, before anything is read on or decoded)",
+    )
     bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
     bad_request_refill_per_s: float = option(
         0.2,
@@ -94,12 +99,16 @@ class ServingLimits:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "max_request_mb", "bad_request_refill_per_s")
+        _positive(self, "max_request_mb", "max_decoded_mb", "bad_request_refill_per_s")
         _at_least_one(self, "max_concurrent_requests", "bad_request_burst")
 
     @property
     def max_request_bytes(self) -> int:
         return int(self.max_request_mb * (1 << 20))
+
+    @property
+    def max_decoded_bytes(self) -> int:
+        return int(self.max_decoded_mb * (1 << 20))
 
 
 @dataclasses.dataclass(kw_only=True)

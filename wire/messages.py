@@ -44,7 +44,7 @@ from wire.protocol import (
     encode_header,
 )
 from wire.request_limits import check_request_bytes
-from wire.tensors import decode_tensors, group_parts
+from wire.tensors import check_decoded_bytes, decode_tensors, group_parts
 
 _UIDS = {CommitRequest: "commit", StateRequest: "state", ProbeRequest: "probe"}
 
@@ -70,9 +70,13 @@ class Received(Generic[Header]):
                 byte_counter.record_received(item)
         return encoded
 
-    def decoded(self, byte_counter: ByteCounter | None = None) -> dict[str, torch.Tensor]:
-        """`encoded(byte_counter)`, decoded."""
-        return decode_tensors(self.encoded(byte_counter))
+    def decoded(
+        self, byte_counter: ByteCounter | None = None, *, max_bytes: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """`encoded(byte_counter)`, decoded; with `max_bytes`, refused (DecodedTooLargeError) before
+        anything is decoded when the tensors would take more."""
+        check_decoded_bytes(self.header.tensors.values(), max_bytes)
+        return decode_tensors(self.encoded(byte_counter), max_bytes=max_bytes)
 
 
 # --- streams ---------------------------------------------------------------------------------------
@@ -132,7 +136,13 @@ def write_response(
     return response_messages(header, parts)
 
 
-async def _read(messages: AsyncIterator, header_cls: type[Header], max_parts: int, max_bytes: int | None):
+async def _read(
+    messages: AsyncIterator,
+    header_cls: type[Header],
+    max_parts: int,
+    max_bytes: int | None,
+    max_decoded_bytes: int | None = None,
+):
     header, parts, received = None, [], 0
     async for message in messages:
         if max_bytes is not None:
@@ -142,6 +152,8 @@ async def _read(messages: AsyncIterator, header_cls: type[Header], max_parts: in
             if not message.metadata:
                 raise ProtocolError("the first message carries no header")
             header = decode_header(header_cls, message.metadata)
+            # what the tensors would take once decoded, known from the header: refused before reading on
+            check_decoded_bytes(getattr(header, "tensors", {}).values(), max_decoded_bytes)
         parts.extend(message.tensors)
         if len(parts) > max_parts:
             raise ProtocolError(f"more than {max_parts} tensor parts")
@@ -156,18 +168,25 @@ async def read_request(
     *,
     max_bytes: int | None = None,
     max_parts: int = MAX_STREAM_PARTS,
+    max_decoded_bytes: int | None = None,
 ) -> Received[Header]:
     """Read a whole streamed request: its header (validated) and its parts. With `max_bytes`, stop
-    reading (RequestTooLargeError) once the parts carry more than that. Raises ProtocolError on a
-    malformed stream, StreamClosedError (a ProtocolError) on an empty one."""
-    return await _read(messages, header_cls, max_parts, max_bytes)
+    reading (RequestTooLargeError) once the parts carry more than that; with `max_decoded_bytes`,
+    stop at the header (DecodedTooLargeError, a ProtocolError) when its tensors would decode to more.
+    Raises ProtocolError on a malformed stream, StreamClosedError (a ProtocolError) on an empty one."""
+    return await _read(messages, header_cls, max_parts, max_bytes, max_decoded_bytes)
 
 
 async def read_response(
-    messages: AsyncIterator[runtime_pb2.ExpertResponse], header_cls: type[Header], *, max_parts: int = MAX_STREAM_PARTS
+    messages: AsyncIterator[runtime_pb2.ExpertResponse],
+    header_cls: type[Header],
+    *,
+    max_parts: int = MAX_STREAM_PARTS,
+    max_decoded_bytes: int | None = None,
 ) -> Received[Header]:
-    """Read a whole streamed answer: its header (validated) and its parts; errors as `read_request`."""
-    return await _read(messages, header_cls, max_parts, None)
+    """Read a whole streamed answer: its header (validated) and its parts; errors and
+    `max_decoded_bytes` as `read_request`."""
+    return await _read(messages, header_cls, max_parts, None, max_decoded_bytes)
 
 
 async def _as_async(messages: Iterable):

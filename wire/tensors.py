@@ -5,11 +5,15 @@ A sender encodes each tensor (`encode_tensor`); `wire.messages` lists their `Ten
 request or response header and streams their parts. A receiver regroups the parts as the header
 lists them (`group_parts`), each checked against its header, then decodes (`decode_tensors`).
 Everything that reads a peer's input raises `ProtocolError` and nothing else.
+
+What a receiver will allocate is known from the headers alone (shape and dtype, whatever the codec:
+a top-k header of a few bytes may declare a tensor of a gigabyte), so it is checked against the
+receiver's limit before any part is read or decoded (`check_decoded_bytes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -17,6 +21,27 @@ from hivemind.proto import runtime_pb2
 from wire import compression
 from wire.compression import CodecError, EncodedTensor, TensorHeader, UnknownCodecError
 from wire.protocol import ProtocolError
+
+
+class DecodedTooLargeError(ProtocolError):
+    """The tensors a message declares would decode to more bytes than the receiver accepts."""
+
+
+def decoded_nbytes(headers: Iterable[TensorHeader]) -> int:
+    """Bytes that decoding tensors with these headers allocates (their original shapes and dtypes)."""
+    return sum(header.original_nbytes for header in headers)
+
+
+def check_decoded_bytes(headers: Iterable[TensorHeader], limit: int | None) -> None:
+    """Raise `DecodedTooLargeError` when `headers` declare more than `limit` decoded bytes in all
+    (None: no limit beyond each tensor's MAX_TENSOR_BYTES)."""
+    if limit is None:
+        return
+    total = decoded_nbytes(headers)
+    if total > limit:
+        raise DecodedTooLargeError(
+            f"the tensors declared decode to {total} bytes, more than the {limit} this receiver accepts"
+        )
 
 
 def encode_tensor(
@@ -57,7 +82,10 @@ def group_parts(headers: Mapping[str, TensorHeader], parts: Sequence[runtime_pb2
     return grouped
 
 
-def decode_tensors(encoded: Mapping[str, EncodedTensor]) -> dict[str, torch.Tensor]:
+def decode_tensors(encoded: Mapping[str, EncodedTensor], *, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    """Decode every tensor; with `max_bytes`, first check what they would allocate (nothing is
+    decoded if that is over)."""
+    check_decoded_bytes((item.header for item in encoded.values()), max_bytes)
     decoded = {}
     for name, item in encoded.items():
         try:

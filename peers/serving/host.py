@@ -90,6 +90,7 @@ class PeerHost:
             max_concurrent_requests=limits.max_concurrent_requests,
             byte_counter=byte_counter,
             metrics=metrics,
+            max_decoded_bytes=limits.max_decoded_bytes,
         )
         self.replicas = ReplicaSyncService(
             serving,

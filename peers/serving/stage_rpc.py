@@ -46,8 +46,10 @@ class StageRpcService:
         max_concurrent_requests: int,
         byte_counter: compression.ByteCounter,
         metrics: PeerMetrics,
+        max_decoded_bytes: int | None = None,
     ):
         self.serving, self.compute, self.guard = serving, compute, guard
+        self.max_decoded_bytes = max_decoded_bytes  # what one request's tensors may decode to
         self.model, self.bytes, self.metrics = model, byte_counter, metrics
         self.slots = asyncio.Semaphore(max_concurrent_requests)
 
@@ -78,7 +80,8 @@ class StageRpcService:
         failed_as, queue_s, compute_s, samples = None, None, None, 0
         try:
             # The guard cuts `requests` off past --max-request-mb (RequestTooLargeError, after reading the rest).
-            request = await read_request(requests, RequestHeader)
+            # ...and its header past --max-decoded-mb (DecodedTooLargeError, before the parts are read).
+            request = await read_request(requests, RequestHeader, max_decoded_bytes=self.max_decoded_bytes)
             arrived = time.perf_counter()  # the whole request is here: from now on, time is the peer's own
             header = request.header
             if header.rpc != rpc:
@@ -89,7 +92,7 @@ class StageRpcService:
                     f"unknown response codec {header.response_codec!r}; this peer knows "
                     f"{', '.join(compression.known_codecs())}"
                 )
-            tensors = request.decoded(self.bytes)
+            tensors = request.decoded(self.bytes, max_bytes=self.max_decoded_bytes)
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).

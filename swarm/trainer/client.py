@@ -89,9 +89,12 @@ class StageClient:
         response_codec: CodecChoice = CodecChoice("none"),
         inputs_cached: bool = False,
         evaluate: bool = False,
+        max_answer_bytes: int | None = None,
     ) -> CallResult:
         """One forward or backward call. `inputs_cached` (backward): no inputs are sent, the peer
-        reuses those of its forward, or fails with Failure.CACHE_MISS."""
+        reuses those of its forward, or fails with Failure.CACHE_MISS. `max_answer_bytes`: an answer
+        whose tensors would decode to more is garbage, refused at its header (a malicious replica's
+        top-k header may declare a gigabyte in a few bytes)."""
         request = write_request(
             RequestHeader(
                 rpc=rpc,
@@ -109,7 +112,7 @@ class StageClient:
         )
         name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
         try:
-            answer = await asyncio.wait_for(self._exchange(peer_id, name, request), timeout=timeout_s)
+            answer = await asyncio.wait_for(self._exchange(peer_id, name, request, max_answer_bytes), timeout=timeout_s)
         except TimeoutError:
             raise PeerCallError(
                 peer_id, Failure.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s"
@@ -125,7 +128,7 @@ class StageClient:
             raise PeerCallError(peer_id, caller_failure(response.error_kind), response.error)
         try:
             encoded = answer.encoded()
-            outputs = decode_tensors(encoded)
+            outputs = decode_tensors(encoded, max_bytes=max_answer_bytes)
         except ProtocolError as e:
             raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
         for _, item in tensors:
@@ -165,9 +168,13 @@ class StageClient:
         return response
 
     async def _exchange(
-        self, peer_id: str, name: str, request: AsyncIterator[runtime_pb2.ExpertRequest]
+        self,
+        peer_id: str,
+        name: str,
+        request: AsyncIterator[runtime_pb2.ExpertRequest],
+        max_answer_bytes: int | None = None,
     ) -> Received[ResponseHeader]:
         stream = await self.p2p.iterate_protobuf_handler(
             PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse
         )
-        return await read_response(stream, ResponseHeader)
+        return await read_response(stream, ResponseHeader, max_decoded_bytes=max_answer_bytes)

@@ -74,6 +74,12 @@ class StageAnswer:
         return Payload(self.outputs[name], {self.received_codec: self.received[name]} if name in self.received else {})
 
 
+def answer_bytes_limit(numel_out: int) -> int:
+    """The most an answer's tensors may decode to: the activations (or their gradient) of the
+    microbatch as float64, the widest dtype on the wire, plus 1 MiB."""
+    return 8 * numel_out + (1 << 20)
+
+
 class StageCaller:
     def __init__(
         self,
@@ -170,6 +176,7 @@ class StageCaller:
                             response_codec=response_codec,
                             inputs_cached=skip_inputs,
                             evaluate=evaluate,
+                            max_answer_bytes=answer_bytes_limit(numel_out),
                         )
                         break
                     except PeerCallError as e:

@@ -26,6 +26,9 @@ from hivemind.proto import runtime_pb2
 # Largest tensor a header may describe. Bounds what a decoder allocates for a peer's header:
 # top-k decoding fills a tensor of this size from a few bytes. 2**28 float32 values = 1 GiB.
 MAX_NUMEL = 2**28
+# The same bound in bytes, dtype-aware: what decoding one tensor may allocate (2**28 float32 values;
+# half as many float64 ones). A receiver caps a whole message lower (`wire.tensors.check_decoded_bytes`).
+MAX_TENSOR_BYTES = 2**30
 MAX_NDIM = 32
 # Parts per tensor: with 1 MiB parts, MAX_NUMEL float32 values need 1024 parts.
 MAX_PARTS = 16384
@@ -115,6 +118,11 @@ class TensorHeader:
             raise CodecError(f"header shape {self.shape} has more than MAX_NUMEL={MAX_NUMEL} elements")
         if not isinstance(self.dtype, str) or self.dtype not in SUPPORTED_DTYPES:
             raise CodecError(f"header dtype {self.dtype!r:.80} is not one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.original_nbytes > MAX_TENSOR_BYTES:
+            raise CodecError(
+                f"header shape {self.shape} of {self.dtype} decodes to {self.original_nbytes} bytes, "
+                f"more than MAX_TENSOR_BYTES={MAX_TENSOR_BYTES}"
+            )
         if type(self.num_parts) is not int or not 0 <= self.num_parts <= MAX_PARTS:
             raise CodecError(f"header num_parts must be an int in [0, {MAX_PARTS}], got {self.num_parts!r:.80}")
         if not isinstance(self.params, dict) or len(self.params) > MAX_PARAMS:
