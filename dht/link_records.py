@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import hivemind
+from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dht.keys import links_key, peer_subkey
-from dht.signing import identity_of, owned_entries
+from dht.record_policy import CLOCK_SKEW_S, MAX_RECORD_TTL_S
+from dht.signing import allowed_peers_of, identity_of, owned_entries
 from dht.subkey_records import await_store, lookup, lookup_async, misfiled_under, parse_entries
 
 MAX_LINKS_PER_RECORD = 256
@@ -78,10 +80,24 @@ class LinkRecord(BaseModel):
             raise ValueError(f"malformed link record: {where + ': ' if where else ''}{error['msg']}") from None
 
 
-def parse_link_records(entries: dict[Any, Any], *, model: str) -> list[LinkRecord]:
+def parse_link_records(entries: dict[Any, Any], *, model: str, now: float | None = None) -> list[LinkRecord]:
     """Parse every subkey of a model's links key, sorted by peer id; skip (with a warning) what is
-    malformed, names another model, or whose subkey does not match the peer id inside."""
-    return parse_entries(entries, LinkRecord.from_wire, misfiled_under(model), kind="link record", where=model)
+    malformed, names another model, or whose subkey does not match the peer id inside. With `now`
+    (DHT time), also what was measured in the future or expires too late (beyond `CLOCK_SKEW_S`)."""
+    misfiled = misfiled_under(model)
+
+    def misplaced(subkey, record: LinkRecord) -> str | None:
+        reason = misfiled(subkey, record)
+        if reason is not None or now is None:
+            return reason
+        latest = max([record.measured_at, *(link.measured_at for link in record.links.values())])
+        if latest > now + CLOCK_SKEW_S:
+            return f"it was measured {latest - now:.0f} s in the future"
+        if record.expires_at > now + MAX_RECORD_TTL_S + CLOCK_SKEW_S:
+            return f"it expires in {record.expires_at - now:.0f} s, more than {MAX_RECORD_TTL_S:.0f} s"
+        return None
+
+    return parse_entries(entries, LinkRecord.from_wire, misplaced, kind="link record", where=model)
 
 
 # --- DHT I/O -------------------------------------------------------------------------------------
@@ -99,17 +115,18 @@ async def publish_links_async(dht: hivemind.DHT, record: LinkRecord, *, timeout_
     return await await_store(future, timeout_s=timeout_s, what=f"Publishing the links of {record.peer_id[-8:]}")
 
 
-def _parse(entries: dict, model: str) -> list[LinkRecord]:
-    entries = owned_entries(entries, what=f"{model} link records")  # signed by the peer they name
-    return parse_link_records(entries, model=model)
+def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[LinkRecord]:
+    # signed by the peer they name, one of a private swarm's peers
+    entries = owned_entries(entries, what=f"{model} link records", allowed=allowed_peers_of(dht))
+    return parse_link_records(entries, model=model, now=get_dht_time())
 
 
 def fetch_link_records(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[LinkRecord]:
     """Every unexpired link record of a model (blocking; malformed entries are skipped)."""
-    return _parse(lookup(dht, links_key(model), timeout_s=timeout_s), model)
+    return _parse(dht, lookup(dht, links_key(model), timeout_s=timeout_s), model)
 
 
 async def fetch_link_records_async(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[LinkRecord]:
     """Every unexpired link record of a model; [] (with a warning) when the lookup times out."""
     entries = await lookup_async(dht, links_key(model), timeout_s=timeout_s, what=f"the links of {model}")
-    return _parse(entries or {}, model)
+    return _parse(dht, entries or {}, model)

@@ -8,12 +8,14 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Collection
 
 import base58
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
-from dht.signing import IdentityError, SigningIdentity, load_identity, new_identity_file, register, validators
+from dht.record_policy import SwarmRecordValidator, protected_keys
+from dht.signing import IdentityError, load_identity, new_identity_file, register, validators
 from process.config import ConfigError, option
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,11 @@ class NetworkConfig:
         "records this node reads and call this node's RPCs (give every process a stable "
         "--identity-path and list their ids); empty: an open swarm",
     )
+    plan_signers: list[str] = option(
+        default_factory=list,
+        help="peer ids whose placement plans (swarm plan --publish) this node stores and follows; "
+        "empty: those of --allowed-peers in a private swarm, any peer's signed plan in an open one",
+    )
     use_relay: bool = option(
         True,
         help="let libp2p circuit relays carry traffic to and from this node (libp2p's "
@@ -57,11 +64,10 @@ class NetworkConfig:
     )
 
     def __post_init__(self) -> None:
-        for peer_id in self.allowed_peers:
-            if not _is_peer_id(peer_id):
-                raise ConfigError(
-                    f"--allowed-peers: {peer_id!r} is not a peer id (they look like Qm... or 12D3KooW...)"
-                )
+        for flag, peer_ids in (("--allowed-peers", self.allowed_peers), ("--plan-signers", self.plan_signers)):
+            for peer_id in peer_ids:
+                if not _is_peer_id(peer_id):
+                    raise ConfigError(f"{flag}: {peer_id!r} is not a peer id (they look like Qm... or 12D3KooW...)")
         for maddr in [*self.initial_peers, *self.host_maddrs, *self.announce_maddrs]:
             if not maddr.startswith("/"):
                 raise ConfigError(f"{maddr!r} is not a multiaddr (they look like /ip4/127.0.0.1/tcp/31337/p2p/Qm...)")
@@ -74,9 +80,10 @@ def _is_peer_id(text: str) -> bool:
         return False
 
 
-def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.DHT:
+def start_dht(network: NetworkConfig, *, client_mode: bool = False, models: Collection[str] = ()) -> hivemind.DHT:
     """Start a DHT node in its own process, signing its records with its RSA identity and
-    validating everyone else's (dht/signing.py). Raises `BootstrapError` with a plain message."""
+    validating everyone else's (dht/signing.py); on the keys of `models`, keeping only records
+    dht/record_policy.py accepts. Raises `BootstrapError` with a plain message."""
     kwargs = dict(
         host_maddrs=network.host_maddrs,
         startup_timeout=network.startup_timeout_s,
@@ -101,19 +108,23 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False) -> hivemind.
             identity = load_identity(identity_path)
         except IdentityError as e:
             raise BootstrapError(str(e)) from None
-        dht = _start(network, client_mode, identity, identity_path, kwargs)
+        guard = SwarmRecordValidator(
+            protected_keys(models, allowed_peers=network.allowed_peers, plan_signers=network.plan_signers),
+            cap_subkeys=not client_mode,  # a client stores nothing for others
+        )
+        dht = _start(network, client_mode, validators(identity, guard), identity_path, kwargs)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     if dht.peer_id.to_base58() != identity.peer_id:  # p2pd derives its id from the same key
         dht.shutdown()
         raise BootstrapError(f"the p2p daemon runs as {dht.peer_id}, not as the identity {identity.peer_id}")
-    register(dht, identity, allowed_peers=network.allowed_peers)
+    register(dht, identity, allowed_peers=network.allowed_peers, plan_signers=network.plan_signers)
     return dht
 
 
 def _start(
-    network: NetworkConfig, client_mode: bool, identity: SigningIdentity, identity_path: str, kwargs: dict
+    network: NetworkConfig, client_mode: bool, record_validators: list, identity_path: str, kwargs: dict
 ) -> hivemind.DHT:
     try:
         return hivemind.DHT(
@@ -121,7 +132,7 @@ def _start(
             client_mode=client_mode,
             start=True,
             await_ready=True,
-            record_validators=validators(identity),
+            record_validators=record_validators,
             identity_path=identity_path,
             **kwargs,
         )

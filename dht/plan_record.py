@@ -16,7 +16,8 @@ from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dht.keys import peer_subkey, plan_key
-from dht.signing import identity_of, owned_entries
+from dht.record_policy import CLOCK_SKEW_S, MAX_PLAN_TTL_S
+from dht.signing import identity_of, owned_entries, plan_signers_of
 from dht.subkey_records import await_store, lookup, lookup_async, parse_entries, wait_store
 
 MAX_PLAN_PEERS = 1024
@@ -94,12 +95,17 @@ def stage_in_plan(plan: PlanRecord | None, peer_id: str) -> int | None:
 
 def current_plan(entries: dict[Any, Any], *, model: str, now: float) -> PlanRecord | None:
     """The newest (by `created_at`, then planner id) valid, unexpired plan of `model` among DHT
-    entries {subkey: value}; malformed entries and ones whose subkey is not their planner are
-    logged and skipped."""
+    entries {subkey: value}; malformed entries, ones whose subkey is not their planner, and ones
+    made in the future or expiring too late (beyond `CLOCK_SKEW_S`: such a plan would stay the
+    newest for good) are logged and skipped."""
 
     def misplaced(subkey, plan: PlanRecord) -> str | None:
         if plan.planner_id != subkey or plan.model != model:
             return f"it names planner {plan.planner_id}, model {plan.model}"
+        if plan.created_at > now + CLOCK_SKEW_S:
+            return f"it was made {plan.created_at - now:.0f} s in the future"
+        if plan.expires_at > now + MAX_PLAN_TTL_S + CLOCK_SKEW_S:
+            return f"it expires in {plan.expires_at - now:.0f} s, more than {MAX_PLAN_TTL_S:.0f} s"
         return None
 
     plans = [
@@ -132,17 +138,18 @@ async def publish_plan_async(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: 
     return await await_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
 
 
-def _current(entries: dict, model: str) -> PlanRecord | None:
-    entries = owned_entries(entries, what=f"{model} plans")  # signed by the peer they name
+def _current(dht: hivemind.DHT, entries: dict, model: str) -> PlanRecord | None:
+    # signed by the peer they name, one of the run's plan signers where it names them
+    entries = owned_entries(entries, what=f"{model} plans", allowed=plan_signers_of(dht))
     return current_plan(entries, model=model, now=get_dht_time())
 
 
 def fetch_plan(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> PlanRecord | None:
     """The current plan of `model`, or None (blocking; raises TimeoutError if the DHT does not answer)."""
-    return _current(lookup(dht, plan_key(model), timeout_s=timeout_s), model)
+    return _current(dht, lookup(dht, plan_key(model), timeout_s=timeout_s), model)
 
 
 async def fetch_plan_async(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> PlanRecord | None:
     """The current plan of `model`, or None (also when the lookup times out, with a warning)."""
     entries = await lookup_async(dht, plan_key(model), timeout_s=timeout_s, what=f"the plan of {model}")
-    return None if entries is None else _current(entries, model)
+    return None if entries is None else _current(dht, entries, model)

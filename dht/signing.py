@@ -110,26 +110,35 @@ class BytesSubkeyValidator(RecordValidatorBase):
         return not (record.subkey and (0xA0 <= record.subkey[0] <= 0xBF or 0xD9 <= record.subkey[0] <= 0xDB))
 
 
-def validators(identity: SigningIdentity) -> list[RecordValidatorBase]:
-    """What every swarm DHT node signs and validates with."""
-    return [identity.validator(), BytesSubkeyValidator()]
+def validators(identity: SigningIdentity, *guards: RecordValidatorBase) -> list[RecordValidatorBase]:
+    """What every swarm DHT node signs and validates with (and `guards`: dht/record_policy.py's)."""
+    return [identity.validator(), BytesSubkeyValidator(), *guards]
 
 
 # Which identity signs for which running DHT node, and whose records it reads (filled by
 # dht.node.start_dht).
 _IDENTITIES: weakref.WeakKeyDictionary[Any, SigningIdentity] = weakref.WeakKeyDictionary()
 _ALLOWED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+_PLANNERS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def register(dht, identity: SigningIdentity, *, allowed_peers=()) -> None:
+def register(dht, identity: SigningIdentity, *, allowed_peers=(), plan_signers=()) -> None:
     _IDENTITIES[dht] = identity
     if allowed_peers:
         _ALLOWED[dht] = frozenset(allowed_peers)
+    if plan_signers:
+        _PLANNERS[dht] = frozenset(plan_signers)
 
 
 def allowed_peers_of(dht) -> frozenset[str] | None:
     """The private swarm's allowlist this node reads records from, or None in an open swarm."""
     return _ALLOWED.get(dht)
+
+
+def plan_signers_of(dht) -> frozenset[str] | None:
+    """The peers whose placement plans this node follows (`--plan-signers`, else a private swarm's
+    allowlist), or None: any peer's signed plan."""
+    return _PLANNERS.get(dht, _ALLOWED.get(dht))
 
 
 def identity_of(dht) -> SigningIdentity:

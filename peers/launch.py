@@ -90,7 +90,7 @@ def run_peer(config: PeerConfig) -> None:
             f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
             flush=True,
         )
-    dht = start_dht(config.network)
+    dht = start_dht(config.network, models=[config.model])
     try:
         # Peers of another model under the same name: refused before claiming anything.
         live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]

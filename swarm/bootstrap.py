@@ -14,6 +14,11 @@ from process.config import option
 @dataclasses.dataclass(kw_only=True)
 class BootstrapConfig(NetworkConfig):
     maddrs_file: str | None = option(None, help="also write the node's multiaddrs to this file, one per line")
+    models: list[str] = option(
+        default_factory=list,
+        help="models whose DHT keys this node guards: it stores only signed records there, within "
+        "caps (peers and trainers guard their own model's keys in any case)",
+    )
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -24,7 +29,7 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def run_bootstrap(config: BootstrapConfig) -> int:
-    dht = start_dht(config)
+    dht = start_dht(config, models=config.models)
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         print("DHT bootstrap node is up. Join it with:", flush=True)

@@ -85,7 +85,7 @@ async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
 
 def run_eval(config: EvalConfig, say=print) -> int:
     torch.set_num_threads(1)
-    dht = start_dht(config.network, client_mode=True)
+    dht = start_dht(config.network, client_mode=True, models=[config.model])
     try:
         result = asyncio.run(evaluate(config, dht, say))
     finally:

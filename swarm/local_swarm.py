@@ -97,7 +97,9 @@ class LocalSwarm:
         maddrs_file = os.path.join(self.workdir, "bootstrap.maddrs")
         if os.path.exists(maddrs_file):  # a reused workdir: the address of a bootstrap node long gone
             os.remove(maddrs_file)
-        process = self._spawn("bootstrap", ["dht", "--maddrs-file", maddrs_file, *extra_args], prefix)
+        # the bootstrap guards this model's keys too (dht/record_policy.py)
+        args = ["dht", "--maddrs-file", maddrs_file, "--models", self.model, *extra_args]
+        process = self._spawn("bootstrap", args, prefix)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(maddrs_file):
             if not process.alive:

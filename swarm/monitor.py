@@ -167,7 +167,7 @@ class TargetsWriter:
 
 
 def run_monitor_targets(config: MonitorConfig) -> int:
-    dht = start_dht(config, client_mode=True)
+    dht = start_dht(config, client_mode=True, models=[config.model])
     try:
         asyncio.run(_run_until_signalled(TargetsWriter(config, dht)))
     finally:

@@ -63,7 +63,7 @@ def independent_replica_warnings(stages: dict[int, list[PeerRecord]]) -> list[st
 
 
 def run_status(config: StatusConfig) -> int:
-    dht = start_dht(config, client_mode=True)
+    dht = start_dht(config, client_mode=True, models=[config.model])
     try:
         stages = asyncio.run(collect_status(dht, config.model, config.num_stages))
     finally:

@@ -138,7 +138,7 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
     if config.checkpoint_dir:
         replicas, boundaries, records = gather_offline(config, model_config, say)
     else:
-        dht = start_dht(config, client_mode=True)
+        dht = start_dht(config, client_mode=True, models=[config.model])
         try:
             replicas, boundaries, records = asyncio.run(gather_live(dht, config, say))
         finally:

@@ -109,7 +109,7 @@ def run_live_plan(config: PlanConfig, fail, write_json) -> int:
     options, search = config.live, config.search
     network = options.network
     try:
-        dht = start_dht(network, client_mode=True)
+        dht = start_dht(network, client_mode=True, models=[options.model])
     except BootstrapError as error:
         return fail(str(error))
     try:

@@ -279,7 +279,7 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     if reporting.resume:
         report = TrainingReport.load(reporting.report, model=config.model)
         report.resumed_from_step = report.steps
-    dht = start_dht(config.network, client_mode=True)
+    dht = start_dht(config.network, client_mode=True, models=[config.model])
     try:
         asyncio.run(train(config, dht, report, say, metrics=metrics))
     finally:

@@ -23,6 +23,7 @@ NETWORK_FLAGS = {
     "--no-use-auto-relay",
     "--use-relay",
     "--no-use-relay",
+    "--plan-signers",  # issue #30
 }
 NETWORK_DEFAULTS = {
     "initial_peers": [],
@@ -33,6 +34,7 @@ NETWORK_DEFAULTS = {
     "allowed_peers": [],
     "use_relay": True,
     "use_auto_relay": False,
+    "plan_signers": [],  # issue #30
 }
 
 # Read from `swarm train --help` and TrainerConfig before the nesting (flat, on NetworkConfig).

@@ -42,6 +42,8 @@ PEER_FLAGS = {
     "--max-batch-size",
     "--max-concurrent-requests",
     "--max-request-mb",
+    "--max-decoded-mb",  # issue #30
+    "--plan-signers",  # issue #30
     "--memory-limit-gb",
     "--metrics-host",
     "--metrics-port",
@@ -113,6 +115,8 @@ PEER_VARIABLES = {
     "SWARM_MAX_BATCH_SIZE",
     "SWARM_MAX_CONCURRENT_REQUESTS",
     "SWARM_MAX_REQUEST_MB",
+    "SWARM_MAX_DECODED_MB",  # issue #30
+    "SWARM_PLAN_SIGNERS",  # issue #30
     "SWARM_MEMORY_LIMIT_GB",
     "SWARM_METRICS_HOST",
     "SWARM_METRICS_PORT",
