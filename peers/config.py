@@ -91,6 +91,16 @@ class ServingLimits:
         help="refuse a request whose tensors would take more than this many MiB once decoded "
         "(checked on its header, before anything is read on or decoded)",
     )
+    max_in_flight_mb: float = option(
+        512.0,
+        help="bytes all requests being read or served may hold at once, in MiB; one caller's may hold half "
+        "(at least --max-request-mb); past that a request is refused, to be sent again later",
+    )
+    request_deadline_s: float = option(
+        120.0,
+        help="refuse a request that takes longer than this to arrive; each of its messages may take at most "
+        "30 s (or this, if less)",
+    )
     bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
     bad_request_refill_per_s: float = option(
         0.2,
@@ -99,7 +109,8 @@ class ServingLimits:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "max_request_mb", "max_decoded_mb", "bad_request_refill_per_s")
+        _positive(self, "max_request_mb", "max_decoded_mb", "max_in_flight_mb", "request_deadline_s")
+        _positive(self, "bad_request_refill_per_s")
         _at_least_one(self, "max_concurrent_requests", "bad_request_burst")
 
     @property
@@ -109,6 +120,15 @@ class ServingLimits:
     @property
     def max_decoded_bytes(self) -> int:
         return int(self.max_decoded_mb * (1 << 20))
+
+    @property
+    def max_in_flight_bytes(self) -> int:
+        return int(self.max_in_flight_mb * (1 << 20))
+
+    @property
+    def max_caller_in_flight_bytes(self) -> int:
+        """Half the peer's budget, but always room for one request of the largest size (and its headers)."""
+        return min(max(self.max_in_flight_bytes // 2, self.max_request_bytes + (1 << 20)), self.max_in_flight_bytes)
 
 
 @dataclasses.dataclass(kw_only=True)

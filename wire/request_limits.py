@@ -1,6 +1,7 @@
-"""Limits on what callers may send a peer: a size cap on one request, and a penalty box that
-rate-limits a caller who keeps sending bad requests. Pure bookkeeping (no I/O), with an injectable
-clock, so it is tested without a network.
+"""Limits on what callers may send a peer: a size cap on one request, a penalty box that
+rate-limits a caller who keeps sending bad requests, and a budget of the bytes requests hold while
+they arrive and are served (per caller and in all, with a deadline for a whole request to arrive).
+Pure bookkeeping (no I/O), with an injectable clock, so it is tested without a network.
 
 Each caller has a token bucket of `burst` tokens that refills at `refill_per_s` tokens per second.
 A bad request costs one token; a caller whose bucket is below one token is refused at once, before
@@ -95,3 +96,90 @@ class PenaltyBox:
     def limited(self) -> list[str]:
         """Callers refused right now (sorted)."""
         return sorted(c for c in list(self._buckets) if self._bucket(c).tokens < 1.0)
+
+
+# --- bytes held by requests being read or served ----------------------------------------------------
+
+
+class InFlightBudgetError(RequestTooLargeError):
+    """Taking these bytes would put a caller, or all callers together, over their in-flight budget."""
+
+
+class RequestDeadlineError(RequestTooLargeError):
+    """A request has been arriving for longer than the peer waits for a whole request."""
+
+
+class InFlightBytes:
+    """Bytes held by requests a peer is reading or serving, per caller and in all, and how long each
+    request has been arriving. Pure bookkeeping (no I/O), with an injectable clock.
+
+    per_caller_bytes: what one caller's requests may hold at once.
+    total_bytes: what all requests may hold at once.
+    request_deadline_s: how long a request may take to arrive, from its first message to its last
+        (a stream that trickles forever is cut off here, whatever each read's own timeout).
+    """
+
+    def __init__(
+        self,
+        *,
+        per_caller_bytes: int,
+        total_bytes: int,
+        request_deadline_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < per_caller_bytes <= total_bytes:
+            raise ValueError(f"need 0 < per_caller_bytes <= total_bytes, got {per_caller_bytes}, {total_bytes}")
+        if not (math.isfinite(request_deadline_s) and request_deadline_s > 0):
+            raise ValueError(f"request_deadline_s must be a positive number, got {request_deadline_s}")
+        self.per_caller_bytes, self.total_bytes = per_caller_bytes, total_bytes
+        self.request_deadline_s = request_deadline_s
+        self._clock = clock
+        self._by_caller: dict[str, int] = {}
+        self.total = 0
+        self.refused = 0
+
+    def held(self, caller: str) -> int:
+        return self._by_caller.get(caller, 0)
+
+    def open(self, caller: str) -> Hold:
+        """Start accounting one request of `caller` (close the hold once it is served)."""
+        return Hold(self, caller, self._clock())
+
+    def _take(self, hold: Hold, nbytes: int) -> None:
+        if self._clock() - hold.started_s > self.request_deadline_s:
+            self.refused += 1
+            raise RequestDeadlineError(f"the request took over {self.request_deadline_s:.0f} s to arrive")
+        caller_total = self.held(hold.caller) + nbytes
+        if caller_total > self.per_caller_bytes or self.total + nbytes > self.total_bytes:
+            self.refused += 1
+            who = "this caller's requests" if caller_total > self.per_caller_bytes else "requests in flight"
+            raise InFlightBudgetError(f"{who} would hold more bytes than this peer accepts at once; try again later")
+        self._by_caller[hold.caller] = caller_total
+        self.total += nbytes
+        hold.nbytes += nbytes
+
+    def _release(self, hold: Hold) -> None:
+        left = self.held(hold.caller) - hold.nbytes
+        if left > 0:
+            self._by_caller[hold.caller] = left
+        else:
+            self._by_caller.pop(hold.caller, None)
+        self.total -= hold.nbytes
+        hold.nbytes = 0
+
+
+@dataclass
+class Hold:
+    """The bytes one request holds (see `InFlightBytes`)."""
+
+    budget: InFlightBytes
+    caller: str
+    started_s: float
+    nbytes: int = 0
+
+    def take(self, nbytes: int) -> None:
+        """Account `nbytes` more of this request; raises InFlightBudgetError or RequestDeadlineError."""
+        self.budget._take(self, nbytes)
+
+    def close(self) -> None:
+        self.budget._release(self)

@@ -6,7 +6,12 @@ before anything it sent is decoded, when
 - the caller sent too many bad requests lately (`RateLimitedError`, wire/request_limits.py's
   `PenaltyBox`; handlers report bad requests with `penalize`);
 - its request carries more tensor bytes than the RPC accepts (`RequestTooLargeError`,
-  `--max-request-mb`): a streamed request is cut off there.
+  `--max-request-mb`): a streamed request is cut off there;
+- its requests in flight would hold more bytes than the caller's or the peer's budget, or a request
+  takes longer to arrive than the peer waits (`InFlightBudgetError`, `RequestDeadlineError`:
+  wire/request_limits.py's `InFlightBytes`, `--max-in-flight-mb`, `--request-deadline-s`).
+Streamed RPCs are read with wire/bounded_streams.py: a message larger than a stream message can be
+is refused before it is buffered, and every read has a deadline.
 A refused caller of a streamed RPC is read to the end (up to the size limit) before the answer, since
 answering before the caller finished sending resets the stream and the caller would see a reset, not
 the reason. The answer itself is the RPC's own: each registration names a `refuse` function that
@@ -20,9 +25,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
+from wire.bounded_streams import StreamLimits, serve_bounded
 from wire.failures import Failure
 from wire.protocol import ProtocolError
-from wire.request_limits import PenaltyBox, RequestTooLargeError, check_request_bytes
+from wire.request_limits import (
+    Hold,
+    InFlightBytes,
+    PenaltyBox,
+    RequestDeadlineError,
+    RequestTooLargeError,
+    check_request_bytes,
+)
 
 
 class NotAllowedError(ProtocolError):
@@ -74,10 +87,20 @@ class Rpc:
 
 
 class AdmissionGuard:
-    def __init__(self, *, allowed_peers: Collection[str] = (), max_request_bytes: int, penalties: PenaltyBox):
+    def __init__(
+        self,
+        *,
+        allowed_peers: Collection[str] = (),
+        max_request_bytes: int,
+        penalties: PenaltyBox,
+        in_flight: InFlightBytes | None = None,
+        stream_limits: StreamLimits | None = None,
+    ):
         self.allowed_peers = frozenset(allowed_peers)
         self.max_request_bytes = max_request_bytes
         self.penalties = penalties
+        self.in_flight = in_flight  # None: no budget of bytes in flight
+        self.stream_limits = stream_limits  # None: hivemind's own stream reading (no bound per message)
 
     # --- the decision ------------------------------------------------------------------------------
     def refusal(self, caller: str) -> NotAllowedError | RateLimitedError | None:
@@ -108,6 +131,11 @@ class AdmissionGuard:
     async def register(self, p2p: Any, rpcs: Collection[Rpc], request_type: type) -> None:
         """Register every RPC of `rpcs` on `p2p`, each behind the guard."""
         for rpc in rpcs:
+            if self.stream_limits is not None and (rpc.stream_input or rpc.stream_output):
+                await serve_bounded(
+                    p2p, rpc.name, self.guarded(rpc), request_type, self.stream_limits, stream_input=rpc.stream_input
+                )
+                continue
             await p2p.add_protobuf_handler(
                 rpc.name,
                 self.guarded(rpc),
@@ -159,8 +187,9 @@ class AdmissionGuard:
                     yield message
                 return
             answered = False
+            hold = self.in_flight.open(caller) if self.in_flight is not None else None
             try:
-                async for message in rpc.handler(_size_limited(requests, limit), context):
+                async for message in rpc.handler(_size_limited(requests, limit, hold), context):
                     answered = True
                     yield message
             except RequestTooLargeError as too_large:  # a handler that does not answer this itself
@@ -169,19 +198,27 @@ class AdmissionGuard:
                 self.penalize(caller)
                 for message in rpc.refuse(too_large, time.perf_counter() - started):
                     yield message
+            finally:  # the request's bytes are dropped once it is answered
+                if hold is not None:
+                    hold.close()
 
         return guarded
 
 
-async def _size_limited(requests: AsyncIterator, limit: int) -> AsyncIterator:
-    """The caller's messages while their tensors carry at most `limit` bytes in all; past that, read
-    the rest (up to `limit` more bytes, so that the caller gets the answer, not a reset) and raise
-    `RequestTooLargeError`."""
+async def _size_limited(requests: AsyncIterator, limit: int, hold: Hold | None = None) -> AsyncIterator:
+    """The caller's messages while their tensors carry at most `limit` bytes in all and fit the
+    in-flight budget (`hold`); past that, read the rest (up to `limit` more bytes, so that the caller
+    gets the answer, not a reset) and raise `RequestTooLargeError` (or its subclass that says why)."""
     received = 0
     async for message in requests:
-        received += _message_bytes(message)
+        nbytes = _message_bytes(message)
+        received += nbytes
         try:
             check_request_bytes(received, limit)
+            if hold is not None:
+                hold.take(nbytes + len(message.metadata))
+        except RequestDeadlineError:
+            raise  # a caller that trickles gets no more time to drain
         except RequestTooLargeError:
             await drain(requests, limit)
             raise

@@ -53,8 +53,9 @@ from peers.serving.serving_state import ServingState
 from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
 from wire import compression
+from wire.bounded_streams import StreamLimits
 from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE
-from wire.request_limits import PenaltyBox
+from wire.request_limits import InFlightBytes, PenaltyBox
 
 
 class PeerHost:
@@ -80,6 +81,12 @@ class PeerHost:
             allowed_peers=config.network.allowed_peers,
             max_request_bytes=limits.max_request_bytes,
             penalties=PenaltyBox(burst=limits.bad_request_burst, refill_per_s=limits.bad_request_refill_per_s),
+            in_flight=InFlightBytes(
+                per_caller_bytes=limits.max_caller_in_flight_bytes,
+                total_bytes=limits.max_in_flight_bytes,
+                request_deadline_s=limits.request_deadline_s,
+            ),
+            stream_limits=StreamLimits(read_timeout_s=min(30.0, limits.request_deadline_s)),
         )
         byte_counter = compression.ByteCounter()
         self.stage_rpc = StageRpcService(

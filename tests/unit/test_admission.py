@@ -67,6 +67,9 @@ def registered_host(**limits) -> tuple[PeerHost, FakeP2P]:
     )
     dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "the-peer"))
     host = PeerHost(config, FakeRuntime(), dht, metrics=PeerMetrics())
+    # The guard's decisions on hivemind's own stream reading; the bounded reading the host registers
+    # streams with (wire/bounded_streams.py) is tested in test_bounded_streams.py and with real peers.
+    host.guard.stream_limits = None
     p2p = FakeP2P()
     asyncio.run(host.register_rpcs(p2p))
     return host, p2p

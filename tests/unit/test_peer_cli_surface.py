@@ -43,6 +43,8 @@ PEER_FLAGS = {
     "--max-concurrent-requests",
     "--max-request-mb",
     "--max-decoded-mb",  # issue #30
+    "--max-in-flight-mb",  # issue #30
+    "--request-deadline-s",  # issue #30
     "--plan-signers",  # issue #30
     "--memory-limit-gb",
     "--metrics-host",
@@ -116,6 +118,8 @@ PEER_VARIABLES = {
     "SWARM_MAX_CONCURRENT_REQUESTS",
     "SWARM_MAX_REQUEST_MB",
     "SWARM_MAX_DECODED_MB",  # issue #30
+    "SWARM_MAX_IN_FLIGHT_MB",  # issue #30
+    "SWARM_REQUEST_DEADLINE_S",  # issue #30
     "SWARM_PLAN_SIGNERS",  # issue #30
     "SWARM_MEMORY_LIMIT_GB",
     "SWARM_METRICS_HOST",

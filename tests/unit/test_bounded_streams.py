@@ -1,0 +1,107 @@
+"""What a request may hold (issue #30): a stream message over the limit is refused from its length
+prefix, before its body is read; every read has a deadline; the bytes requests hold in flight are
+budgeted per caller and in all, and a request that trickles in is cut off at its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+
+from wire.bounded_streams import MessageTooLargeError, StreamDeadlineError, StreamLimits, receive_message
+from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestDeadlineError, RequestTooLargeError
+
+
+def framed(message) -> bytes:
+    data = message.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
+
+
+def end_of_stream() -> bytes:
+    return P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+
+
+def read_all(data: bytes, limits: StreamLimits, *, close: bool = True) -> list:
+    async def run():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        if close:
+            reader.feed_eof()
+        messages = []
+        while (message := await receive_message(reader, runtime_pb2.ExpertRequest, limits)) is not None:
+            messages.append(message)
+        return messages
+
+    return asyncio.run(run())
+
+
+def test_messages_are_read_as_hivemind_frames_them():
+    sent = [runtime_pb2.ExpertRequest(uid="a", metadata=b"x" * 100), runtime_pb2.ExpertRequest(uid="b")]
+    data = b"".join(framed(m) for m in sent) + end_of_stream() + framed(runtime_pb2.ExpertRequest(uid="after"))
+    assert read_all(data, StreamLimits()) == sent  # nothing is read past the end marker
+    assert read_all(framed(sent[0]), StreamLimits()) == sent[:1]  # a stream that closes ends too
+
+
+def test_a_message_over_the_limit_is_refused_from_its_prefix_alone():
+    """Only the 9-byte prefix of a 512 MiB message arrives, and the stream stays open: the reader
+    refuses at once, without waiting for (or buffering) the body."""
+    prefix = P2P.MESSAGE_MARKER + (512 << 20).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    with pytest.raises(MessageTooLargeError, match="536870912 bytes"):
+        read_all(prefix, StreamLimits(max_message_bytes=4 << 20, read_timeout_s=30.0), close=False)
+
+
+def test_a_read_that_never_completes_hits_its_deadline():
+    half = framed(runtime_pb2.ExpertRequest(metadata=b"x" * 1000))[:500]
+    with pytest.raises(StreamDeadlineError):
+        read_all(half, StreamLimits(read_timeout_s=0.2), close=False)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_in_flight_bytes_are_budgeted_per_caller_and_in_all():
+    budget = InFlightBytes(per_caller_bytes=100, total_bytes=150, request_deadline_s=60, clock=Clock())
+    a1, a2, b = budget.open("a"), budget.open("a"), budget.open("b")
+    a1.take(60)
+    a2.take(40)
+    with pytest.raises(InFlightBudgetError, match="this caller"):
+        a2.take(1)
+    b.take(50)
+    with pytest.raises(InFlightBudgetError, match="in flight"):
+        b.take(1)  # b is within its own 100, but all requests hold 150
+    assert (budget.held("a"), budget.held("b"), budget.total, budget.refused) == (100, 50, 150, 2)
+    a1.close()
+    b.take(40)
+    assert (budget.held("a"), budget.total) == (40, 130)
+    a2.close()
+    b.close()
+    assert budget.total == 0 and budget.held("a") == budget.held("b") == 0
+    assert issubclass(InFlightBudgetError, RequestTooLargeError)  # refused as any request over a limit
+
+
+def test_a_request_that_trickles_in_is_cut_off_at_its_deadline():
+    clock = Clock()
+    budget = InFlightBytes(per_caller_bytes=10**9, total_bytes=10**9, request_deadline_s=60, clock=clock)
+    slow = budget.open("slow")
+    for _ in range(59):  # one byte a second: each read is quick enough, the request is not
+        clock.now += 1
+        slow.take(1)
+    clock.now += 2
+    with pytest.raises(RequestDeadlineError):
+        slow.take(1)
+    slow.close()
+    assert budget.total == 0
+
+
+def test_budget_settings_are_checked():
+    with pytest.raises(ValueError):
+        InFlightBytes(per_caller_bytes=200, total_bytes=100, request_deadline_s=1)
+    with pytest.raises(ValueError):
+        InFlightBytes(per_caller_bytes=1, total_bytes=1, request_deadline_s=float("inf"))

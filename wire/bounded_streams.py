@@ -1,0 +1,163 @@
+"""hivemind's protobuf streams, read with a size bound on every message and a deadline on every read.
+
+hivemind's own stream handler (`P2P.add_protobuf_handler` with streams) reads each message whole,
+whatever length its 8-byte prefix declares, before the handler sees it, and waits for the next one
+forever: one 512 MiB message is buffered before any limit or allow list is checked, and a stream
+that never finishes holds what it sent for good. The same framing is read here message by message,
+on demand: a message whose prefix declares more than `max_message_bytes` is refused
+(`MessageTooLargeError`) before its body is read, and a read that takes over `read_timeout_s`
+ends the stream (`StreamDeadlineError`). Both are `ProtocolError`s, raised from the request
+iterator into the handler, which answers them as it answers any bad request.
+
+    serve_bounded(p2p, name, handler, request_type, limits, stream_input=...)   a peer's RPC
+    await iterate_bounded(p2p, peer_id, name, requests, response_type, limits)  calling one
+
+On the wire this is exactly hivemind's framing (a marker byte, an 8-byte big-endian length, the
+protobuf), so either side may be plain hivemind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import closing, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from wire.protocol import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+# A stream message is a header and at most one 1 MiB tensor part (wire/messages.py); hivemind's
+# unary calls stop at 2 MiB. Twice that leaves room for framing and a newer peer's extra fields.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
+class MessageTooLargeError(ProtocolError):
+    """A stream message declared more bytes than the receiver reads in one message."""
+
+
+class StreamDeadlineError(ProtocolError):
+    """The other side sent nothing for longer than the receiver waits."""
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    read_timeout_s: float = 30.0  # for each message; a whole request is bounded by the byte budget's deadline
+
+
+async def receive_message(reader: asyncio.StreamReader, message_type: type, limits: StreamLimits) -> Any | None:
+    """The next message, or None at the end of the stream (the other side's end marker, or the
+    connection closing). Raises MessageTooLargeError before reading a body over the limit,
+    StreamDeadlineError when the message takes over `read_timeout_s`, ProtocolError on bad framing,
+    and P2PHandlerError for an error the other side reported."""
+    try:
+        return await asyncio.wait_for(_receive(reader, message_type, limits.max_message_bytes), limits.read_timeout_s)
+    except TimeoutError:
+        raise StreamDeadlineError(f"no message for {limits.read_timeout_s:.0f} s") from None
+    except asyncio.IncompleteReadError:
+        return None
+
+
+async def _receive(reader: asyncio.StreamReader, message_type: type, max_bytes: int):
+    marker = await reader.readexactly(1)
+    if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+        raise ProtocolError(f"invalid stream message marker {marker!r}")
+    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if length > max_bytes:
+        raise MessageTooLargeError(f"a stream message of {length} bytes exceeds the {max_bytes} this side reads")
+    data = await reader.readexactly(length)
+    if marker == P2P.ERROR_MARKER:
+        error = RPCError()
+        error.ParseFromString(data)
+        if error.message:
+            raise P2PHandlerError(error.message)
+        return None  # hivemind's END_OF_STREAM: an empty error
+    message = message_type()
+    try:
+        message.ParseFromString(data)
+    except Exception:  # protobuf's DecodeError
+        raise ProtocolError(f"a stream message is not a {message_type.__name__}") from None
+    return message
+
+
+async def _messages(reader: asyncio.StreamReader, message_type: type, limits: StreamLimits) -> AsyncIterator:
+    while (message := await receive_message(reader, message_type, limits)) is not None:
+        yield message
+
+
+Handler = Callable[[Any, P2PContext], AsyncIterator | Awaitable]
+
+
+async def serve_bounded(
+    p2p: P2P,
+    name: str,
+    handler: Handler,
+    request_type: type,
+    limits: StreamLimits,
+    *,
+    stream_input: bool,
+) -> None:
+    """Register `handler` under `name` as hivemind's `add_protobuf_handler(..., stream_output=True)`
+    does, reading the caller's messages within `limits`. With `stream_input`, the handler gets the
+    messages as an async iterator (which raises the limits' errors); without, the first message
+    (a stream that breaks a limit before it is answered with hivemind's error message)."""
+
+    async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
+        with closing(writer):
+            try:
+                if stream_input:
+                    answers = handler(_messages(reader, request_type, limits), context)
+                else:
+                    request = await receive_message(reader, request_type, limits)
+                    if request is None:
+                        return
+                    answers = handler(request, context)
+                if not isinstance(answers, AsyncIterator):
+                    answers = _single(answers)
+                async for answer in answers:
+                    await P2P.send_protobuf(answer, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                return  # the caller went away
+            except Exception as e:
+                logger.debug(f"{name}: {type(e).__name__}: {e}")
+                with suppress(Exception):
+                    await P2P.send_protobuf(RPCError(message=str(e)[:1000]), writer)
+
+    await p2p.add_binary_stream_handler(name, handle)
+
+
+async def _single(answer: Awaitable) -> AsyncIterator:
+    yield await answer
+
+
+async def iterate_bounded(
+    p2p: P2P, peer_id: PeerID, name: str, requests: AsyncIterator, response_type: type, limits: StreamLimits
+) -> AsyncIterator:
+    """Call a streamed RPC as hivemind's `iterate_protobuf_handler` does; its answers are read
+    within `limits` (a reply larger than the limit is refused before it is buffered)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+
+    async def send() -> None:
+        async for request in requests:
+            await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+    async def answers() -> AsyncIterator:
+        with closing(writer):
+            sending = asyncio.create_task(send())
+            try:
+                async for answer in _messages(reader, response_type, limits):
+                    yield answer
+                await sending
+            finally:
+                sending.cancel()
+
+    return answers()
