@@ -15,6 +15,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.compression import ByteCounter, CodecChoice, EncodedTensor
 from wire.failures import Failure, caller_failure
 from wire.messages import Received, read_response, read_unary, unary_request, write_request
@@ -112,7 +113,9 @@ class StageClient:
         )
         name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
         try:
-            answer = await asyncio.wait_for(self._exchange(peer_id, name, request, max_answer_bytes), timeout=timeout_s)
+            answer = await asyncio.wait_for(
+                self._exchange(peer_id, name, request, max_answer_bytes, timeout_s), timeout=timeout_s
+            )
         except TimeoutError:
             raise PeerCallError(
                 peer_id, Failure.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s"
@@ -173,8 +176,12 @@ class StageClient:
         name: str,
         request: AsyncIterator[runtime_pb2.ExpertRequest],
         max_answer_bytes: int | None = None,
+        timeout_s: float = 600.0,
     ) -> Received[ResponseHeader]:
-        stream = await self.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse
+        # Each answer message is read within a size bound: a replica's 512 MiB message is refused unread.
+        # (The first waits for the peer's compute: the call's own timeout, which fires first, bounds the reads.)
+        limits = StreamLimits(read_timeout_s=timeout_s + 5.0)
+        stream = await iterate_bounded(
+            self.p2p, PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse, limits
         )
         return await read_response(stream, ResponseHeader, max_decoded_bytes=max_answer_bytes)
