@@ -41,6 +41,7 @@ class ScriptedClient:
         response_codec,
         inputs_cached=False,
         evaluate=False,
+        max_answer_bytes=None,
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
@@ -122,6 +123,7 @@ class ScriptedStages:
         response_codec,
         inputs_cached=False,
         evaluate=False,
+        max_answer_bytes=None,
     ):
         self.calls.append(
             {"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached, "evaluate": evaluate}
