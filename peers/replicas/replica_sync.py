@@ -23,7 +23,8 @@ from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
-from peers.replicas.state_transfer import download_state
+from peers.replicas.state_transfer import StateExports, download_state
+from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
 from wire.messages import read_unary, unary_response, write_state
 from wire.protocol import CommitRequest, CommitResponse, ProtocolError, StateHeader, StateRequest
@@ -44,6 +45,7 @@ class ReplicaSyncService:
     ):
         self.serving, self.compute, self.dht = serving, compute, dht
         self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
+        self.state_exports = StateExports()  # rate-limited per caller, serialized once per step
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -109,10 +111,11 @@ class ReplicaSyncService:
                 raise ProtocolError(
                     f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
-            data = await asyncio.get_running_loop().run_in_executor(
-                self.compute, serving.runtime.export_state, self.model
-            )
-            header = StateHeader(total_bytes=len(data), steps_done=serving.runtime.steps_done)
+            refusal = self.state_exports.refusal(caller_id(context))
+            if refusal is not None:
+                raise ProtocolError(refusal)
+            data, steps_done = await self.state_exports.export(serving.runtime, self.model, self.compute)
+            header = StateHeader(total_bytes=len(data), steps_done=steps_done)
         except ProtocolError as e:
             header, data = StateHeader(error=str(e)), b""
         for message in write_state(header, data):

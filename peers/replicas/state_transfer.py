@@ -1,21 +1,33 @@
-"""Downloading a stage's current state from a replica (a joining peer's first step).
+"""A stage's current state between replicas: downloading it (a joining peer's first step) and
+exporting it (what a replica answers).
 
 The state travels as the bytes of a checkpoint (MAGIC + sha256 + payload, see `peers.compute.checkpoint`),
 streamed in 1 MiB chunks (`wire.messages.write_state`/`read_state`), so the receiver verifies it
 exactly as it verifies a file on disk.
+
+A request of a few bytes asks for the whole state, so a replica answers it cheaply (`StateExports`):
+at most `burst` requests per caller, refilling slowly; the state serialized once per step, the
+compute thread only taking a copy of the tensors (serializing runs on another thread), and
+concurrent requests sharing one export.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from peers.compute.checkpoint import CheckpointError, CheckpointMeta, deserialize_state
+from models.lora import trainable_state_dict
+from peers.compute.checkpoint import CheckpointError, CheckpointMeta, deserialize_state, serialize_state
 from wire.messages import read_state, unary_request
 from wire.protocol import MAX_STATE_BYTES, RPC_STATE, StateRequest
+from wire.request_limits import PenaltyBox
 
 logger = logging.getLogger(__name__)
 
@@ -35,4 +47,76 @@ async def download_state(
     return deserialize_state(data, f"state from replica {peer_id[-8:]}")
 
 
-__all__ = ["download_state", "CheckpointError", "MAX_STATE_BYTES"]
+class StateExports:
+    """What a replica sends joining replicas, at a bounded cost.
+
+    burst, refill_per_s: state requests one caller may make in a row, and per second after that.
+    max_age_s: an export is reused while the runtime has taken no step, for at most this long
+        (averaging changes parameters without a step).
+    """
+
+    def __init__(
+        self,
+        *,
+        burst: int = 2,
+        refill_per_s: float = 1 / 30,
+        max_age_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.requests = PenaltyBox(burst=burst, refill_per_s=refill_per_s, clock=clock)
+        self.max_age_s, self._clock = max_age_s, clock
+        self._cached: tuple[tuple, float, bytes] | None = None  # (runtime, stage, steps), made at, bytes
+        self._exporting: asyncio.Future | None = None
+        self.exports = 0  # serializations made (the others reused one)
+
+    def refusal(self, caller: str) -> str | None:
+        """Why `caller` may not have the state now (its request is counted either way), or None."""
+        if not self.requests.allows(caller):
+            wait_s = self.requests.seconds_until_allowed(caller)
+            return f"too many state requests from {caller[-8:]}; ask again in {wait_s:.0f} s"
+        self.requests.penalize(caller)  # every request spends a token
+        return None
+
+    def _fresh(self, key: tuple) -> bytes | None:
+        if self._cached is None:
+            return None
+        cached_key, made_at, data = self._cached
+        return data if cached_key == key and self._clock() - made_at <= self.max_age_s else None
+
+    async def export(self, runtime, model: str, compute: Executor) -> tuple[bytes, int]:
+        """The state of `runtime` as checkpoint bytes, and the steps it holds."""
+        key = (id(runtime), runtime.stage, runtime.steps_done)
+        data = self._fresh(key)
+        if data is not None:
+            return data, key[2]
+        if self._exporting is not None:  # another request is exporting: share its result
+            return await asyncio.shield(self._exporting)
+        loop = asyncio.get_running_loop()
+        self._exporting = loop.create_future()
+        try:
+            snapshot = await loop.run_in_executor(compute, snapshot_state, runtime, model)
+            data = await loop.run_in_executor(None, serialize_state, *snapshot)
+            meta = snapshot[0]
+            self._cached = ((id(runtime), meta.stage, meta.steps_done), self._clock(), data)
+            self.exports += 1
+            self._exporting.set_result((data, meta.steps_done))
+            return data, meta.steps_done
+        except BaseException as e:
+            self._exporting.set_exception(e)
+            self._exporting.exception()  # retrieved: a failure with nobody sharing it is not "never retrieved"
+            raise
+        finally:
+            self._exporting = None
+
+
+def snapshot_state(runtime, model: str) -> tuple[CheckpointMeta, dict, dict]:
+    """A copy of `runtime`'s parameters and optimizer state (on the compute thread: a memory copy,
+    no serialization), consistent with its `steps_done`."""
+    meta = CheckpointMeta(
+        model=model, stage=runtime.stage, num_stages=runtime.num_stages, steps_done=runtime.steps_done
+    )
+    module_state = {name: tensor.detach().clone() for name, tensor in trainable_state_dict(runtime.module).items()}
+    return meta, module_state, copy.deepcopy(runtime.optimizer.state_dict())
+
+
+__all__ = ["download_state", "CheckpointError", "MAX_STATE_BYTES", "StateExports", "snapshot_state"]
