@@ -17,8 +17,11 @@ dtype, number of parts, decode parameters) under its name ("inputs", "targets", 
 "outputs", "grad_inputs"); on the wire, `tensors` is a list of `{"name": ..., **TensorHeader}`.
 
 Everything a receiver reads comes from an untrusted peer. Decoding a header validates it against
-the limits below and the codec's (`MAX_NUMEL`, `MAX_NDIM`, `MAX_PARTS`, parameter limits); every
-malformed input raises `ProtocolError` and nothing else. Unknown header fields are ignored, so a
+the limits below and the codec's (`MAX_NUMEL`, `MAX_TENSOR_BYTES`, `MAX_NDIM`, `MAX_PARTS`, parameter
+limits); every malformed input raises `ProtocolError` and nothing else. What the tensors a header
+lists decode to (shape times dtype size, whatever the codec) is checked against the receiver's limit
+at the header, before the parts are read (`wire.tensors.check_decoded_bytes`); each stream message is
+at most 4 MiB, refused from its length prefix (`wire.bounded_streams`). Unknown header fields are ignored, so a
 newer peer may add some.
 
 A peer answers a request it refuses or fails with `ResponseHeader.error` and `error_kind` (a
