@@ -30,6 +30,7 @@ from wire.failures import Failure
 from wire.protocol import ProtocolError
 from wire.request_limits import (
     Hold,
+    InFlightBudgetError,
     InFlightBytes,
     PenaltyBox,
     RequestDeadlineError,
@@ -195,7 +196,8 @@ class AdmissionGuard:
             except RequestTooLargeError as too_large:  # a handler that does not answer this itself
                 if answered:
                     raise
-                self.penalize(caller)
+                if not isinstance(too_large, InFlightBudgetError):  # a busy peer is no offence of the caller
+                    self.penalize(caller)
                 for message in rpc.refuse(too_large, time.perf_counter() - started):
                     yield message
             finally:  # the request's bytes are dropped once it is answered

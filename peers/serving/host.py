@@ -98,6 +98,11 @@ class PeerHost:
             byte_counter=byte_counter,
             metrics=metrics,
             max_decoded_bytes=limits.max_decoded_bytes,
+            decoded_budget=InFlightBytes(  # all requests' decoded tensors together, in the same budget's size
+                per_caller_bytes=max(limits.max_in_flight_bytes, limits.max_decoded_bytes),
+                total_bytes=max(limits.max_in_flight_bytes, limits.max_decoded_bytes),
+                request_deadline_s=float(1 << 30),  # no deadline: they are read already
+            ),
         )
         self.replicas = ReplicaSyncService(
             serving,

@@ -25,8 +25,8 @@ from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
 from wire.protocol import ProtocolError, RequestHeader, ResponseHeader
-from wire.request_limits import RequestTooLargeError
-from wire.tensors import encode_tensor
+from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLargeError
+from wire.tensors import decoded_nbytes, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,11 @@ class StageRpcService:
         byte_counter: compression.ByteCounter,
         metrics: PeerMetrics,
         max_decoded_bytes: int | None = None,
+        decoded_budget: InFlightBytes | None = None,
     ):
         self.serving, self.compute, self.guard = serving, compute, guard
         self.max_decoded_bytes = max_decoded_bytes  # what one request's tensors may decode to
+        self.decoded_budget = decoded_budget  # what all requests' decoded tensors may hold at once
         self.model, self.bytes, self.metrics = model, byte_counter, metrics
         self.slots = asyncio.Semaphore(max_concurrent_requests)
 
@@ -69,7 +71,10 @@ class StageRpcService:
             self.metrics.observe_request(
                 stage=self.serving.runtime.stage, rpc=rpc, duration_s=waited_s, failure_kind=failure_kind(error)
             )
-            return write_response(ResponseHeader(error=str(error), error_kind=Failure.BAD_REQUEST))
+            kind = (
+                Failure.INTERNAL if isinstance(error, InFlightBudgetError) else Failure.BAD_REQUEST
+            )  # busy: elsewhere
+            return write_response(ResponseHeader(error=str(error), error_kind=kind))
 
         return answer
 
@@ -77,6 +82,7 @@ class StageRpcService:
         serving = self.serving
         received = time.perf_counter()
         serving.in_flight += 1
+        decoded = None
         failed_as, queue_s, compute_s, samples = None, None, None, 0
         try:
             # The guard cuts `requests` off past --max-request-mb (RequestTooLargeError, after reading the rest).
@@ -92,6 +98,11 @@ class StageRpcService:
                     f"unknown response codec {header.response_codec!r}; this peer knows "
                     f"{', '.join(compression.known_codecs())}"
                 )
+            # What the decoded tensors will hold, counted in the peer's budget until the answer is sent
+            # (InFlightBudgetError when requests waiting for the compute thread already hold too much).
+            if self.decoded_budget is not None:
+                decoded = self.decoded_budget.open(caller)
+                decoded.take(decoded_nbytes(header.tensors.values()))
             tensors = request.decoded(self.bytes, max_bytes=self.max_decoded_bytes)
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
@@ -113,6 +124,11 @@ class StageRpcService:
             kind = Failure.CACHE_MISS
             logger.debug(f"{rpc}: {e}")
             response, encoded_outputs = ResponseHeader(error=str(e), error_kind=kind), []
+        except InFlightBudgetError as e:  # busy, not the caller's fault: it retries elsewhere
+            serving.requests_failed += 1
+            failed_as = Failure.TOO_LARGE
+            logger.info(f"Refused a {rpc} request from {caller[-8:]}: {e}")
+            response, encoded_outputs = ResponseHeader(error=str(e), error_kind=Failure.INTERNAL), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             serving.requests_failed += 1
             kind = Failure.WRONG_STAGE if isinstance(e, WrongStageError) else Failure.BAD_REQUEST
@@ -139,6 +155,8 @@ class StageRpcService:
             )
         finally:
             serving.in_flight -= 1
+            if decoded is not None:
+                decoded.close()
             self.metrics.observe_request(
                 stage=serving.runtime.stage,
                 rpc=rpc,
