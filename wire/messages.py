@@ -219,15 +219,22 @@ def write_state(header: StateHeader, data: bytes) -> Iterator[runtime_pb2.Expert
         yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=data[offset : offset + STATE_CHUNK_BYTES])])
 
 
-async def read_state(messages: AsyncIterator[runtime_pb2.ExpertResponse], *, sender: str) -> bytes:
+async def read_state(
+    messages: AsyncIterator[runtime_pb2.ExpertResponse], *, sender: str, max_bytes: int | None = None
+) -> bytes:
     """The state bytes a `write_state` stream carries. Raises ProtocolError when `sender` (named in
-    the message) refused, sent more than it announced, or ended early."""
+    the message) refused, announced more than `max_bytes`, sent more than it announced, or ended early."""
     header, chunks, received = None, [], 0
     async for response in messages:
         if header is None:
             header = decode_header(StateHeader, response.metadata)
             if header.error:
                 raise ProtocolError(f"replica {sender} refused: {header.error}")
+            if max_bytes is not None and header.total_bytes > max_bytes:
+                raise ProtocolError(
+                    f"replica {sender} announced {header.total_bytes} bytes of state, more than such a stage "
+                    f"can take ({max_bytes})"
+                )
             continue
         for part in response.tensors:
             received += len(part.buffer)

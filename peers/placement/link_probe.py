@@ -39,6 +39,7 @@ from dht.link_records import (
     publish_links_async,
 )
 from dht.records import PeerState
+from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.messages import read_request, read_response, request_messages, response_messages
 from wire.protocol import MAX_PROBE_BYTES, PROBE_CHUNK_BYTES, RPC_PROBE, ProbeRequest, ProbeResponse, ProtocolError
 
@@ -128,8 +129,13 @@ async def _request_messages(payload_bytes: int) -> AsyncIterator[runtime_pb2.Exp
 async def echo(p2p: P2P, peer_id: str, payload_bytes: int) -> float:
     """Seconds one echo of `payload_bytes` takes (no time limit here: callers set one)."""
     started = time.perf_counter()
-    stream = await p2p.iterate_protobuf_handler(
-        PeerID.from_base58(peer_id), RPC_PROBE, _request_messages(payload_bytes), runtime_pb2.ExpertResponse
+    stream = await iterate_bounded(  # each echoed message within 4 MiB (callers bound the time)
+        p2p,
+        PeerID.from_base58(peer_id),
+        RPC_PROBE,
+        _request_messages(payload_bytes),
+        runtime_pb2.ExpertResponse,
+        StreamLimits(read_timeout_s=600.0),
     )
     answer = await read_response(stream, ProbeResponse, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
     header, parts = answer.header, answer.parts

@@ -23,7 +23,7 @@ from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
-from peers.replicas.state_transfer import StateExports, download_state
+from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
 from wire.messages import read_unary, unary_response, write_state
@@ -134,7 +134,13 @@ class ReplicaSyncService:
         request = StateRequest(model=self.model, stage=runtime.stage, num_stages=runtime.num_stages)
         for record in sorted(records, key=lambda r: r.load):
             try:
-                downloaded = await download_state(p2p, record.peer_id, request, timeout_s=self.averaging_timeout_s * 4)
+                downloaded = await download_state(
+                    p2p,
+                    record.peer_id,
+                    request,
+                    timeout_s=self.averaging_timeout_s * 4,
+                    max_bytes=state_bytes_bound(runtime),
+                )
                 # Compared with the runtime that receives the state (a move's new stage, not the one served so far).
                 if downloaded[0].steps_done < runtime.steps_done:  # e.g. a replica that served little or nothing
                     print(

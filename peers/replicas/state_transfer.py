@@ -25,6 +25,7 @@ from hivemind.proto import runtime_pb2
 
 from models.lora import trainable_state_dict
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, deserialize_state, serialize_state
+from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.messages import read_state, unary_request
 from wire.protocol import MAX_STATE_BYTES, RPC_STATE, StateRequest
 from wire.request_limits import PenaltyBox
@@ -33,18 +34,37 @@ logger = logging.getLogger(__name__)
 
 
 async def download_state(
-    p2p: P2P, peer_id: str, request: StateRequest, *, timeout_s: float
+    p2p: P2P, peer_id: str, request: StateRequest, *, timeout_s: float, max_bytes: int = MAX_STATE_BYTES
 ) -> tuple[CheckpointMeta, dict, dict]:
-    """Fetch and verify one replica's state; raises CheckpointError/ProtocolError/TimeoutError."""
+    """Fetch and verify one replica's state; raises CheckpointError/ProtocolError/TimeoutError.
+    A replica that announces more than `max_bytes` (what such a state can take) is refused at once;
+    each message is read within 4 MiB."""
 
     async def fetch() -> bytes:
-        stream = await p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer_id), RPC_STATE, unary_request(request), runtime_pb2.ExpertResponse
+        stream = await iterate_bounded(
+            p2p,
+            PeerID.from_base58(peer_id),
+            RPC_STATE,
+            _one(unary_request(request)),
+            runtime_pb2.ExpertResponse,
+            StreamLimits(read_timeout_s=timeout_s + 5.0),
         )
-        return await read_state(stream, sender=peer_id[-8:])
+        return await read_state(stream, sender=peer_id[-8:], max_bytes=max_bytes)
 
     data = await asyncio.wait_for(fetch(), timeout=timeout_s)
     return deserialize_state(data, f"state from replica {peer_id[-8:]}")
+
+
+async def _one(message):
+    yield message
+
+
+def state_bytes_bound(runtime) -> int:
+    """The most a state of `runtime`'s stage can take as checkpoint bytes: its trainable tensors
+    and up to three optimizer tensors per parameter (Adam: two moments; with a step count), plus
+    64 MiB of slack for the format and small state."""
+    tensors = trainable_state_dict(runtime.module).values()
+    return 4 * sum(t.numel() * t.element_size() for t in tensors) + (64 << 20)
 
 
 class StateExports:
@@ -119,4 +139,11 @@ def snapshot_state(runtime, model: str) -> tuple[CheckpointMeta, dict, dict]:
     return meta, module_state, copy.deepcopy(runtime.optimizer.state_dict())
 
 
-__all__ = ["download_state", "CheckpointError", "MAX_STATE_BYTES", "StateExports", "snapshot_state"]
+__all__ = [
+    "download_state",
+    "CheckpointError",
+    "MAX_STATE_BYTES",
+    "StateExports",
+    "snapshot_state",
+    "state_bytes_bound",
+]

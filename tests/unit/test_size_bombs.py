@@ -119,3 +119,12 @@ def test_the_bomb_costs_a_peer_no_memory():
     outcome, grown_mib = done.stdout.split()
     assert outcome == "refused"
     assert int(grown_mib) < 50, f"peak RSS grew by {grown_mib} MiB"
+
+
+def test_a_joiner_refuses_a_state_larger_than_its_stage_can_take_at_the_header():
+    from wire.messages import read_state, write_state
+    from wire.protocol import StateHeader
+
+    messages = write_state(StateHeader(total_bytes=1 << 33, steps_done=1), b"")  # announces 8 GiB, sends none
+    with pytest.raises(ProtocolError, match="more than such a stage can take"):
+        asyncio.run(read_state(_messages_then_fail(messages), sender="abc", max_bytes=100 << 20))

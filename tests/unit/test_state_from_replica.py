@@ -4,6 +4,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import torch
+
 from dht.records import PeerRecord, PeerState
 from peers.compute.checkpoint import CheckpointMeta
 from peers.replicas import replica_sync
@@ -13,6 +15,7 @@ from peers.replicas.replica_sync import ReplicaSyncService
 class FakeRuntime:
     def __init__(self, stage: int, steps_done: int):
         self.stage, self.num_stages, self.steps_done = stage, 2, steps_done
+        self.module = torch.nn.Linear(2, 2)  # what bounds the state a replica may send
         self.imported = None
 
     def import_state(self, state, model_name, source):
@@ -40,7 +43,8 @@ def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monke
     async def records(dht, model, stage):
         return [replica("stage1-replica", stage)]
 
-    async def download(p2p, peer_id, request, *, timeout_s):
+    async def download(p2p, peer_id, request, *, timeout_s, max_bytes):
+        assert max_bytes == 4 * (4 + 2) * 4 + (64 << 20)
         return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=4), {}, {}
 
     monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
