@@ -71,9 +71,8 @@ class StageRpcService:
             self.metrics.observe_request(
                 stage=self.serving.runtime.stage, rpc=rpc, duration_s=waited_s, failure_kind=failure_kind(error)
             )
-            kind = (
-                Failure.INTERNAL if isinstance(error, InFlightBudgetError) else Failure.BAD_REQUEST
-            )  # busy: elsewhere
+            busy = isinstance(error, InFlightBudgetError)  # not the caller's fault: it retries elsewhere
+            kind = Failure.INTERNAL if busy else Failure.BAD_REQUEST
             return write_response(ResponseHeader(error=str(error), error_kind=kind))
 
         return answer
