@@ -105,3 +105,31 @@ def test_budget_settings_are_checked():
         InFlightBytes(per_caller_bytes=200, total_bytes=100, request_deadline_s=1)
     with pytest.raises(ValueError):
         InFlightBytes(per_caller_bytes=1, total_bytes=1, request_deadline_s=float("inf"))
+
+
+def test_a_busy_peer_refuses_a_request_its_decoded_budget_cannot_hold_without_penalizing_the_caller():
+    """Requests waiting for the compute thread hold their decoded tensors: past the peer's budget, the
+    next request is answered 'internal' (busy: retry elsewhere), and the caller is not penalized."""
+    import msgpack
+    import torch
+
+    from tests.unit.test_admission import FRIEND, call, registered_host
+    from wire.messages import request_messages
+    from wire.protocol import RPC_FORWARD, RequestHeader
+    from wire.tensors import encode_tensor
+
+    host, p2p = registered_host(max_in_flight_mb=1.0, max_decoded_mb=1.0)
+    budget = host.stage_rpc.decoded_budget
+    waiting = budget.open("another-caller")
+    waiting.take(budget.total_bytes - 1000)  # a request that waits for the compute thread
+    inputs = encode_tensor(torch.zeros(2, 1000))  # 8000 bytes decoded
+    header = RequestHeader(
+        rpc="forward", model="tiny", stage=0, num_stages=2, microbatch_id="m", batch_size=2
+    ).model_dump()
+    header = RequestHeader.model_validate({**header, "tensors": {"inputs": inputs.header}})
+    answer, _ = call(p2p, RPC_FORWARD, FRIEND, *request_messages(header, list(inputs.parts)))
+    response = msgpack.unpackb(answer.metadata)
+    assert response["error_kind"] == "internal" and "more bytes than this peer accepts" in response["error"]
+    assert host.guard.penalties.limited() == [] and host.guard.penalties._bucket(FRIEND).tokens == 10
+    assert budget.total == budget.total_bytes - 1000  # the refused request holds nothing
+    waiting.close()
