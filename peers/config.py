@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from dht.node import NetworkConfig
+from dht.record_policy import MAX_RECORD_TTL_S
 from models.config import lora_rank
 from models.model_source import resolve_model
 from models.stages import stage_spec
@@ -154,8 +155,8 @@ class AnnounceSettings:
 
     @property
     def record_ttl_s(self) -> float:
-        """A record outlives a few missed announcements, no more."""
-        return max(3 * self.announce_period_s, 3.0)
+        """A record outlives a few missed announcements, no more (and never what DHT nodes store)."""
+        return min(max(3 * self.announce_period_s, 3.0), MAX_RECORD_TTL_S)
 
 
 @dataclasses.dataclass(kw_only=True)

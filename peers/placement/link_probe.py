@@ -38,6 +38,7 @@ from dht.link_records import (
     fetch_link_records_async,
     publish_links_async,
 )
+from dht.record_policy import MAX_RECORD_TTL_S
 from dht.records import PeerState
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.messages import read_request, read_response, request_messages, response_messages
@@ -85,8 +86,8 @@ class ProbeSettings:
 
     @property
     def record_ttl_s(self) -> float:
-        """A link record outlives two missed rounds."""
-        return 3.0 * self.period_s * 1.25
+        """A link record outlives two missed rounds (and never what DHT nodes store)."""
+        return min(3.0 * self.period_s * 1.25, MAX_RECORD_TTL_S)
 
     @property
     def link_max_age_s(self) -> float:

@@ -18,6 +18,7 @@ import dataclasses
 from pathlib import Path
 
 from dht.node import NetworkConfig
+from dht.record_policy import MAX_PLAN_TTL_S
 from process.config import ConfigError, option, section
 from swarm.planner.opfence import PLACEMENTS
 from swarm.planner.search import DEFAULT_PATIENCE_ROUNDS
@@ -103,6 +104,8 @@ class LiveOptions:
             raise ConfigError(f"--stages must be at least 1, got {self.stages}")
         if not self.plan_ttl_s > 0 or not self.max_link_age_s > 0:
             raise ConfigError("--plan-ttl-s and --max-link-age-s must be positive")
+        if self.plan_ttl_s > MAX_PLAN_TTL_S:  # DHT nodes refuse a plan that expires later
+            raise ConfigError(f"--plan-ttl-s is at most {MAX_PLAN_TTL_S:.0f} s (a week), got {self.plan_ttl_s}")
 
 
 @dataclasses.dataclass(kw_only=True)
