@@ -93,9 +93,10 @@ class ServingLimits:
         "(checked on its header, before anything is read on or decoded)",
     )
     max_in_flight_mb: float = option(
-        512.0,
-        help="bytes all requests being read or served may hold at once, in MiB; one caller's may hold half "
-        "(at least --max-request-mb); past that a request is refused, to be sent again later",
+        256.0,
+        help="bytes all requests being read or served may hold at once, in MiB (as received, and again "
+        "once decoded); one caller's may hold a quarter (at least --max-request-mb); past that a request "
+        "is refused as busy, to be sent elsewhere",
     )
     request_deadline_s: float = option(
         120.0,
@@ -112,6 +113,11 @@ class ServingLimits:
     def __post_init__(self) -> None:
         _positive(self, "max_request_mb", "max_decoded_mb", "max_in_flight_mb", "request_deadline_s")
         _positive(self, "bad_request_refill_per_s")
+        if self.max_in_flight_mb < self.max_request_mb + 1:
+            raise ConfigError(
+                f"--max-in-flight-mb ({self.max_in_flight_mb:g}) must hold a request of --max-request-mb "
+                f"({self.max_request_mb:g}) and its headers: give it at least {self.max_request_mb + 1:g}"
+            )
         _at_least_one(self, "max_concurrent_requests", "bad_request_burst")
 
     @property
@@ -128,8 +134,8 @@ class ServingLimits:
 
     @property
     def max_caller_in_flight_bytes(self) -> int:
-        """Half the peer's budget, but always room for one request of the largest size (and its headers)."""
-        return min(max(self.max_in_flight_bytes // 2, self.max_request_bytes + (1 << 20)), self.max_in_flight_bytes)
+        """A quarter of the peer's budget, but always room for one request of the largest size (and its headers)."""
+        return min(max(self.max_in_flight_bytes // 4, self.max_request_bytes + (1 << 20)), self.max_in_flight_bytes)
 
 
 @dataclasses.dataclass(kw_only=True)

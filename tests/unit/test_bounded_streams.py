@@ -118,7 +118,7 @@ def test_a_busy_peer_refuses_a_request_its_decoded_budget_cannot_hold_without_pe
     from wire.protocol import RPC_FORWARD, RequestHeader
     from wire.tensors import encode_tensor
 
-    host, p2p = registered_host(max_in_flight_mb=1.0, max_decoded_mb=1.0)
+    host, p2p = registered_host(max_request_mb=0.5, max_in_flight_mb=2.0, max_decoded_mb=1.0)
     budget = host.stage_rpc.decoded_budget
     waiting = budget.open("another-caller")
     waiting.take(budget.total_bytes - 1000)  # a request that waits for the compute thread
