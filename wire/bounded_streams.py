@@ -119,6 +119,9 @@ async def serve_bounded(
                     request = await receive_message(reader, request_type, limits)
                     if request is None:
                         return
+                    # The caller's end marker follows at once; read it, so its sending does not fail
+                    # on a stream closed under it (a broken pipe instead of the answer).
+                    await receive_message(reader, request_type, limits)
                     answers = handler(request, context)
                 if not isinstance(answers, AsyncIterator):
                     answers = _single(answers)
@@ -156,7 +159,8 @@ async def iterate_bounded(
             try:
                 async for answer in _messages(reader, response_type, limits):
                     yield answer
-                await sending
+                with suppress(ConnectionError, OSError):  # the whole answer is here; a late end marker
+                    await sending  # that found the stream closed does not matter
             finally:
                 sending.cancel()
 

@@ -6,7 +6,7 @@ streamed in 1 MiB chunks (`wire.messages.write_state`/`read_state`), so the rece
 exactly as it verifies a file on disk.
 
 A request of a few bytes asks for the whole state, so a replica answers it cheaply (`StateExports`):
-at most `burst` requests per caller, refilling slowly; the state serialized once per step, the
+at most 4 requests per caller in a row, then one per 10 s; the state serialized once per step, the
 compute thread only taking a copy of the tensors (serializing runs on another thread), and
 concurrent requests sharing one export.
 """
@@ -78,8 +78,8 @@ class StateExports:
     def __init__(
         self,
         *,
-        burst: int = 2,
-        refill_per_s: float = 1 / 30,
+        burst: int = 4,  # a joiner's tries, or `swarm export`'s three snapshots of every replica
+        refill_per_s: float = 1 / 10,
         max_age_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

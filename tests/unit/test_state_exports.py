@@ -67,7 +67,7 @@ def test_state_is_serialized_once_per_step_and_off_the_compute_thread():
 
 def test_a_caller_asking_again_and_again_is_refused_until_its_allowance_refills():
     clock = Clock()
-    exports = StateExports(burst=2, refill_per_s=1 / 30, clock=clock)
+    exports = StateExports(burst=2, refill_per_s=1 / 30, clock=clock)  # the defaults are 4 and 1 / 10
     assert exports.refusal("a") is None and exports.refusal("a") is None
     assert "too many state requests" in exports.refusal("a")
     assert exports.refusal("b") is None  # per caller
