@@ -6,7 +6,12 @@ before anything it sent is decoded, when
 - the caller sent too many bad requests lately (`RateLimitedError`, wire/request_limits.py's
   `PenaltyBox`; handlers report bad requests with `penalize`);
 - its request carries more tensor bytes than the RPC accepts (`RequestTooLargeError`,
-  `--max-request-mb`): a streamed request is cut off there.
+  `--max-request-mb`): a streamed request is cut off there;
+- the peer's run has an authority (`--run`, dht/authority.py) and the caller holds no credential
+  that allows what it asks (`NotAuthorizedError`). The credential rides in the request's header, so
+  handlers ask `authorize` once they have read the header, before any tensor is decoded or any
+  state changes. What each action needs is `POLICY`; in a private run an RPC whose header carries
+  no credential (probe, dial-back) is served only to callers that presented a valid one before.
 A refused caller of a streamed RPC is read to the end (up to the size limit) before the answer, since
 answering before the caller finished sending resets the stream and the caller would see a reset, not
 the reason. The answer itself is the RPC's own: each registration names a `refuse` function that
@@ -20,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
+from dht.authority import ROLES, CredentialError, RunAuthority
 from wire.failures import Failure
 from wire.protocol import ProtocolError
 from wire.request_limits import PenaltyBox, RequestTooLargeError, check_request_bytes
@@ -37,7 +43,21 @@ class RateLimitedError(ProtocolError):
     failure_kind = Failure.RATE_LIMITED
 
 
+class NotAuthorizedError(NotAllowedError):
+    """The caller holds no credential of the run's owner that allows what it asked."""
+
+
 AdmissionError = NotAllowedError | RateLimitedError | RequestTooLargeError
+
+# Who may do what in a run with an authority: the roles whose credential allows each action.
+# "evaluate" (a forward that caches nothing) and the RPCs without a credential field need one only
+# in a private run.
+POLICY: dict[str, tuple[str, ...]] = {
+    "train": ("trainer",),  # forward that caches for a backward, backward, commit
+    "state": ROLES,  # download a stage's parameters and optimizer state
+    "average": ("peer",),  # join the stage's averaging group
+    "evaluate": ROLES,
+}
 
 
 def failure_kind(error: AdmissionError) -> str:
@@ -63,6 +83,8 @@ class Rpc:
     refuse: `(error, seconds spent on the request)` -> what the RPC answers a refused caller: a
         message, or an iterable of messages when `stream_output`.
     max_request_bytes: this RPC's size limit; None: the guard's (`--max-request-mb`).
+    carries_credential: its request header has a `credential` the handler passes to `authorize`;
+        an RPC without one is served, in a private run, only to callers known to hold one.
     """
 
     name: str
@@ -71,25 +93,57 @@ class Rpc:
     stream_input: bool = False
     stream_output: bool = False
     max_request_bytes: int | None = None
+    carries_credential: bool = False
 
 
 class AdmissionGuard:
-    def __init__(self, *, allowed_peers: Collection[str] = (), max_request_bytes: int, penalties: PenaltyBox):
+    def __init__(
+        self,
+        *,
+        allowed_peers: Collection[str] = (),
+        max_request_bytes: int,
+        penalties: PenaltyBox,
+        authority: RunAuthority | None = None,
+    ):
         self.allowed_peers = frozenset(allowed_peers)
         self.max_request_bytes = max_request_bytes
         self.penalties = penalties
+        self.authority = authority
+        self._credentialed: dict[str, float] = {}  # callers that presented a valid credential: until when
 
     # --- the decision ------------------------------------------------------------------------------
-    def refusal(self, caller: str) -> NotAllowedError | RateLimitedError | None:
-        """Why `caller` may not be served now, or None."""
+    def refusal(self, caller: str, *, needs_known_caller: bool = False) -> NotAllowedError | RateLimitedError | None:
+        """Why `caller` may not be served now, or None. `needs_known_caller`: an RPC whose request
+        carries no credential; in a private run, only callers that presented one before pass."""
         if self.allowed_peers and caller not in self.allowed_peers:
             return NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
+        if needs_known_caller and self.authority is not None and self.authority.private:
+            if self._credentialed.get(caller, 0.0) < time.time():
+                return NotAuthorizedError(
+                    f"run {self.authority.run.run_id} is private and peer {caller} has presented no credential for it"
+                )
         if not self.penalties.allows(caller):
             return RateLimitedError(
                 f"too many bad requests from {caller[-8:]}; refused for the next "
                 f"{self.penalties.seconds_until_allowed(caller):.0f} s"
             )
         return None
+
+    def authorize(self, caller: str, credential: str | None, action: str, *, stage: int | None = None) -> None:
+        """Raise `NotAuthorizedError` unless `caller` may do `action` (a key of `POLICY`) on
+        `stage`; without a run authority, or for an evaluation in an open run, anyone may."""
+        authority = self.authority
+        if authority is None or (action == "evaluate" and not authority.private):
+            return
+        try:
+            held = authority.verify(
+                credential.encode() if credential else None, peer_id=caller, roles=POLICY[action], stage=stage
+            )
+        except CredentialError as e:
+            raise NotAuthorizedError(f"not authorized: {e}") from None
+        if len(self._credentialed) > 10_000:
+            self._credentialed.clear()
+        self._credentialed[caller] = held.expires_at
 
     def penalize(self, caller: str) -> None:
         """`caller` sent a bad request (a handler's verdict after decoding it)."""
@@ -116,8 +170,8 @@ class AdmissionGuard:
                 stream_output=rpc.stream_output,
             )
 
-    def _check_unary(self, request: Any, caller: str, limit: int) -> AdmissionError | None:
-        error = self.refusal(caller)
+    def _check_unary(self, rpc: Rpc, request: Any, caller: str, limit: int) -> AdmissionError | None:
+        error = self.refusal(caller, needs_known_caller=not rpc.carries_credential)
         if error is None:
             try:
                 check_request_bytes(_message_bytes(request), limit)
@@ -129,7 +183,7 @@ class AdmissionGuard:
     def _guard_unary(self, rpc: Rpc, limit: int):
         async def guarded(request, context):
             started, caller = time.perf_counter(), caller_id(context)
-            error = self._check_unary(request, caller, limit)
+            error = self._check_unary(rpc, request, caller, limit)
             if error is not None:
                 return rpc.refuse(error, time.perf_counter() - started)
             return await rpc.handler(request, context)
@@ -139,7 +193,7 @@ class AdmissionGuard:
     def _guard_unary_input_stream_output(self, rpc: Rpc, limit: int):
         async def guarded(request, context):
             started, caller = time.perf_counter(), caller_id(context)
-            error = self._check_unary(request, caller, limit)
+            error = self._check_unary(rpc, request, caller, limit)
             if error is not None:
                 for message in rpc.refuse(error, time.perf_counter() - started):
                     yield message
@@ -152,7 +206,7 @@ class AdmissionGuard:
     def _guard_stream_input(self, rpc: Rpc, limit: int):
         async def guarded(requests, context):
             started, caller = time.perf_counter(), caller_id(context)
-            error = self.refusal(caller)
+            error = self.refusal(caller, needs_known_caller=not rpc.carries_credential)
             if error is not None:
                 await drain(requests, limit)  # answering before the caller finished sending resets the stream
                 for message in rpc.refuse(error, time.perf_counter() - started):

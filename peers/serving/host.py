@@ -26,6 +26,7 @@ import hivemind
 from hivemind.proto import runtime_pb2
 
 from dht.announce import fetch_stage_records_async
+from dht.authority import credential_summary, load_run_access
 from dht.reachability import (
     RPC_REACHABILITY,
     DialBackService,
@@ -76,10 +77,25 @@ class PeerHost:
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.serving = serving = ServingState(runtime, averaging, metrics)
         limits = config.serving
+        # the run's authority (--run) and this peer's own credential, checked against its identity
+        self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id)
+        credential = run_access.credential.decode() if run_access and run_access.credential else None
+        if run_access is not None:
+            run = run_access.authority.run
+            print(
+                f"run {run.run_id} ({'private' if run.private else 'open'}): "
+                + (
+                    credential_summary(run_access.held)
+                    if run_access.held
+                    else "no credential: this peer cannot average with replicas or download state"
+                ),
+                flush=True,
+            )
         self.guard = AdmissionGuard(
             allowed_peers=config.network.allowed_peers,
             max_request_bytes=limits.max_request_bytes,
             penalties=PenaltyBox(burst=limits.bad_request_burst, refill_per_s=limits.bad_request_refill_per_s),
+            authority=run_access.authority if run_access else None,
         )
         byte_counter = compression.ByteCounter()
         self.stage_rpc = StageRpcService(
@@ -98,6 +114,8 @@ class PeerHost:
             peer_id=self.peer_id,
             model=config.model,
             averaging_timeout_s=config.replicas.averaging_timeout_s,
+            authorize=self.guard.authorize,
+            credential=credential,
         )
         self.announcer = Announcer(
             serving,
@@ -109,6 +127,7 @@ class PeerHost:
             metrics=metrics,
             metrics_addr=metrics_addr,
             split=split,
+            credential=credential,
         )
         self.checkpointer = (
             Checkpointer(
@@ -156,10 +175,24 @@ class PeerHost:
         """Every RPC this peer serves, with the answer each gives a refused caller."""
         stage, replicas = self.stage_rpc, self.replicas
         return [
-            Rpc(RPC_FORWARD, stage.rpc_forward, stage.refused("forward"), stream_input=True, stream_output=True),
-            Rpc(RPC_BACKWARD, stage.rpc_backward, stage.refused("backward"), stream_input=True, stream_output=True),
-            Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit),
-            Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True),
+            Rpc(
+                RPC_FORWARD,
+                stage.rpc_forward,
+                stage.refused("forward"),
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
+            Rpc(
+                RPC_BACKWARD,
+                stage.rpc_backward,
+                stage.refused("backward"),
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
+            Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit, carries_credential=True),
+            Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True, carries_credential=True),
             # Other peers measure their link to us (echoes bounded by the probe's own size limit)...
             Rpc(
                 RPC_PROBE,

@@ -47,8 +47,10 @@ class PeerCallError(RuntimeError):
 
 
 class StageClient:
-    def __init__(self, p2p: P2P, *, model: str, num_stages: int):
+    def __init__(self, p2p: P2P, *, model: str, num_stages: int, credential: str | None = None):
+        """`credential`: this trainer's run credential (dht/authority.py), sent in every request header."""
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
+        self.credential = credential
         self.bytes = ByteCounter()
 
     async def call(
@@ -104,6 +106,7 @@ class StageClient:
                 response_codec_params=response_codec.params,
                 inputs_cached=inputs_cached,
                 evaluate=evaluate,
+                credential=self.credential,
             ),
             tensors,
         )
@@ -141,7 +144,12 @@ class StageClient:
         """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""
         message = unary_request(
             CommitRequest(
-                model=self.model, stage=stage, num_stages=self.num_stages, step_id=step_id, group_size=group_size
+                model=self.model,
+                stage=stage,
+                num_stages=self.num_stages,
+                step_id=step_id,
+                group_size=group_size,
+                credential=self.credential,
             )
         )
         try:
