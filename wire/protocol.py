@@ -163,6 +163,9 @@ class CommitRequest(BaseModel):
     num_stages: int = Field(ge=1)
     step_id: str = Field(min_length=1, max_length=128)
     group_size: int = Field(ge=1, le=4096, description="replicas of this stage the trainer commits to")
+    # sync averaging: samples the trainer saw each replica (peer id) of the stage serve in this step;
+    # a replica's weight in the round is capped at its count (empty: no caps)
+    samples: dict[str, int] = Field(default_factory=dict, max_length=4096)
     # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 

@@ -26,6 +26,7 @@ from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.state_transfer import download_state
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
@@ -47,6 +48,7 @@ class ReplicaSyncService:
         averaging_timeout_s: float,
         authorize: Callable[..., None] | None = None,
         credential: str | None = None,
+        members: AveragingMembers | None = None,
     ):
         """`authorize(caller, credential, action, stage=...)`: raises unless the caller may (the
         admission guard's); `credential`: this peer's own, presented when it downloads state."""
@@ -54,6 +56,7 @@ class ReplicaSyncService:
         self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
         self.authorize = authorize or (lambda *args, **kwargs: None)
         self.credential = credential
+        self.members = members  # a run with an authority: who may average with us, kept fresh
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -78,9 +81,11 @@ class ReplicaSyncService:
                     f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
             averaging = serving.averaging
+            if self.members is not None:  # a replica that joined since the last refresh is let in now
+                await self.members.refresh_if_short(commit.group_size)
             if isinstance(averaging, GradientSync):
                 outcome = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, averaging.commit, commit.step_id, commit.group_size
+                    self.compute, averaging.commit, commit.step_id, commit.group_size, commit.samples
                 )
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)

@@ -46,6 +46,7 @@ from peers.placement.link_probe import MAX_PROBE_BYTES, LinkProber, bounded_prob
 from peers.placement.split_claim import split_tag
 from peers.placement.stage_moves import StageMoves
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.replica_sync import ReplicaSyncService
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.announcer import Announcer
@@ -107,6 +108,20 @@ class PeerHost:
             byte_counter=byte_counter,
             metrics=metrics,
         )
+        # a run with an authority: the replicas this one averages with are those holding a peer credential
+        self.members = (
+            AveragingMembers(
+                dht,
+                run_access.authority,
+                model=config.model,
+                peer_id=self.peer_id,
+                stage=lambda: serving.runtime.stage,
+                averager=lambda: serving.averaging,
+                period_s=config.announcing.announce_period_s,
+            )
+            if run_access is not None
+            else None
+        )
         self.replicas = ReplicaSyncService(
             serving,
             self.compute,
@@ -116,6 +131,7 @@ class PeerHost:
             averaging_timeout_s=config.replicas.averaging_timeout_s,
             authorize=self.guard.authorize,
             credential=credential,
+            members=self.members,
         )
         self.announcer = Announcer(
             serving,
@@ -230,6 +246,7 @@ class PeerHost:
             else None
         )
         checkpointer = asyncio.create_task(self.checkpointer.run(stop)) if self.checkpointer is not None else None
+        members = asyncio.create_task(self.members.run(stop)) if self.members is not None else None
         averaging = serving.averaging
         averager = (  # by steps, rounds follow the trainer's commits (rpc_commit)
             asyncio.create_task(self.replicas.average_parameters_forever(stop))
@@ -262,6 +279,8 @@ class PeerHost:
             await announcer
             if prober is not None:
                 await prober
+            if members is not None:
+                await members
             await self.announcer.announce_final()
             if averager is not None:
                 await averager

@@ -139,9 +139,17 @@ class StageClient:
         return CallResult(outputs, encoded, response, moved)
 
     async def commit(
-        self, peer_id: str, *, stage: int, step_id: str, group_size: int, timeout_s: float
+        self,
+        peer_id: str,
+        *,
+        stage: int,
+        step_id: str,
+        group_size: int,
+        timeout_s: float,
+        samples: dict[str, int] | None = None,
     ) -> CommitResponse:
-        """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""
+        """Sync averaging: tell one replica the step is over (`samples`: what each replica of the
+        stage served in it, which caps its weight in the round). Raises PeerCallError on failure."""
         message = unary_request(
             CommitRequest(
                 model=self.model,
@@ -149,6 +157,7 @@ class StageClient:
                 num_stages=self.num_stages,
                 step_id=step_id,
                 group_size=group_size,
+                samples=samples or {},
                 credential=self.credential,
             )
         )
