@@ -87,9 +87,10 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
     """hivemind's averager with a member list and weight caps (see the module's docstring)."""
 
     def __init__(self, *args, members: Collection[str] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+        # set first: with start=True, hivemind's __init__ forks the averager's process itself
         self._members = None if members is None else frozenset(members)
         self._weight_caps: dict[str, float] | None = None
+        super().__init__(*args, **kwargs)
 
     # --- set from the peer's process (through the averager's pipe, like hivemind's own setters) ---
     def set_members(self, members: Collection[str]) -> None:

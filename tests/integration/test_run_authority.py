@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import hivemind
 import pytest
 import torch
 from hivemind.p2p import PeerID
@@ -209,3 +210,39 @@ def test_an_open_run_lets_anyone_serve_but_only_its_trainers_change_weights(make
     for what in ("forward", "backward", "commit", "state"):
         assert "not authorized" in refused[what], (what, refused[what])
     assert refused["averaging"] == ([averaging_pb2.PROTOCOL_VIOLATION], [])
+
+
+def test_a_replica_that_claims_a_huge_weight_counts_no_more_than_it_served():
+    """Two real averagers on loopback; one declares a weight of 1e9 for a step in which the
+    trainer saw each replica serve 4 samples: the average is the plain mean, not its value."""
+    first = hivemind.DHT(start=True)
+    second = hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True)
+    averagers = [
+        MemberAverager(
+            [torch.full((8,), value)],
+            dht,
+            prefix="weight_caps",
+            start=True,
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            target_group_size=2,
+            min_group_size=2,
+        )
+        for value, dht in ((0.0, first), (10.0, second))
+    ]
+    try:
+        caps = {dht.peer_id.to_base58(): 4 for dht in (first, second)}
+        for averager in averagers:
+            averager.set_weight_caps(caps)
+        controls = [
+            averager.step(weight=weight, wait=False, timeout=30) for averager, weight in zip(averagers, (4.0, 1e9))
+        ]
+        assert all(control.result(timeout=60) is not None for control in controls)
+        for averager in averagers:
+            with averager.get_tensors() as (tensor,):
+                torch.testing.assert_close(tensor, torch.full((8,), 5.0))  # uncapped: 10 (measured)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()

@@ -24,7 +24,9 @@ from dht.authority import (
     read_credential,
     write_credential,
 )
+from dht.records import PeerRecord, PeerState
 from dht.signing import load_identity, new_identity_file
+from peers.replicas.averaging_members import capped_weight, credentialed_members
 from peers.serving.admission import AdmissionGuard, NotAuthorizedError
 from process.config import ConfigError
 from wire.request_limits import PenaltyBox
@@ -153,3 +155,36 @@ def test_the_guard_applies_the_policy(world):
     assert private_guard.refusal(ids["mallory"], needs_known_caller=True) is not None
     no_authority = _guard(None)
     no_authority.authorize(ids["mallory"], None, "train")  # no run authority: as before
+
+
+def test_averaging_members_are_the_records_with_a_peer_credential_for_the_stage(world):
+    _, runs, _, ids = world
+    authority = RunAuthority(runs["open"])
+
+    def record(holder: str, credential: str | None) -> PeerRecord:
+        return PeerRecord(
+            peer_id=ids[holder],
+            model="tiny",
+            stage=0,
+            num_stages=2,
+            state=PeerState.ONLINE,
+            throughput=1.0,
+            expires_at=0.0,
+            credential=credential,
+        )
+
+    alice_peer = _issue(world, role="peer", stage=0).to_bytes().decode()
+    records = [record("alice", alice_peer), record("mallory", None)]
+    assert credentialed_members(records, authority, stage=0) == {ids["alice"]}
+    assert credentialed_members(records, authority, stage=1) == frozenset()  # issued for stage 0
+    borrowed = [record("mallory", alice_peer)]  # alice's credential in mallory's own record
+    assert credentialed_members(borrowed, authority, stage=0) == frozenset()
+    trainer = [record("alice", _issue(world).to_bytes().decode())]  # trainers do not average
+    assert credentialed_members(trainer, authority, stage=0) == frozenset()
+
+
+def test_a_weight_is_capped_at_what_the_trainer_saw_served():
+    assert capped_weight(1e12, 8) == 8
+    assert capped_weight(3, 8) == 3
+    assert capped_weight(1e12, None) == 1e12  # no caps given: hivemind's own weights
+    assert 0 < capped_weight(5, 0) < 1e-6  # a replica that served nothing weighs (almost) nothing
