@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
-from dht.authority import credential_summary, load_run_access
+from dht.authority import RunAccessConfig, credential_summary, load_run_access
 from dht.node import start_dht
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
@@ -139,7 +139,7 @@ async def train(
         data_source=f"data {data.folder}",
         metrics=metrics,
         say=say,
-        credential=_credential(config, dht, say),
+        credential=run_credential(config.authority, dht, say),
     )
     view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
@@ -200,13 +200,16 @@ async def train(
     return report
 
 
-def _credential(config: TrainerConfig, dht: hivemind.DHT, say) -> str | None:
-    """This trainer's run credential (--run, --credential), checked against its peer id, or None."""
-    access = load_run_access(config.authority, peer_id=dht.peer_id.to_base58())
+def run_credential(config: RunAccessConfig, dht: hivemind.DHT, say) -> str | None:
+    """This process's run credential (--run, --credential), checked against its peer id, or None."""
+    access = load_run_access(config, peer_id=dht.peer_id.to_base58())
     if access is None:
         return None
     if access.held is None:
-        say(f"run {access.authority.run.run_id}: no --credential; peers of the run will refuse to train with us")
+        say(
+            f"run {access.authority.run.run_id}: no --credential, so only what the run lets anyone do "
+            f"(evaluation, in an open run); training needs a trainer credential"
+        )
         return None
     say(f"run {access.authority.run.run_id}: {credential_summary(access.held)}")
     return access.credential.decode()

@@ -5,6 +5,8 @@ state-affecting call and cannot join the replicas' averaging."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import hivemind
 import pytest
@@ -166,6 +168,15 @@ def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(m
     assert "issued to peer" in refused["stolen"] and "issued to peer" in refused["commit"]
     codes, state = refused["averaging"]
     assert codes == [averaging_pb2.PROTOCOL_VIOLATION] and state == []
+    # The run's trainer identity (its process has exited) exports the model from the live peers.
+    export = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "export", "--initial-peers", *swarm.initial_peers, "--model", "tiny",
+         "--out", str(tmp_path / "exported"), *trainer_args[:2], "--run", str(tmp_path / "run"),
+         "--credential", str(tmp_path / "trainer.cred")],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "exported" / "config.json").is_file()
     assert first.alive and last.alive
 
 
