@@ -27,12 +27,14 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Collection
 from typing import Literal
 
 import base58
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dht.records import PeerRecord
 from dht.signing import IdentityError, load_identity, new_identity_file
 from process.config import ConfigError, option
 
@@ -209,6 +211,23 @@ class RunAuthority:
         return credential
 
 
+def credentialed_records(
+    records: Collection[PeerRecord], authority: RunAuthority, *, stage: int | None = None, now: float | None = None
+) -> list[PeerRecord]:
+    """The records that carry a valid peer credential of their own peer (for `stage`, when given).
+    A record is signed by the peer it names (dht/signing.py), so its credential cannot be borrowed."""
+    kept = []
+    for record in records:
+        if not record.credential:
+            continue
+        try:
+            authority.verify(record.credential.encode(), peer_id=record.peer_id, roles=("peer",), stage=stage, now=now)
+        except CredentialError:
+            continue
+        kept.append(record)
+    return kept
+
+
 # --- files -----------------------------------------------------------------------------------------
 
 
@@ -315,9 +334,9 @@ class RunAccess:
     held: Credential | None  # what it says
 
 
-def load_run_access(config: RunAccessConfig, *, peer_id: str) -> RunAccess | None:
-    """The run of `config` for the process running as `peer_id`, its own credential checked (so a
-    wrong, expired or another identity's credential fails at start-up, not on every call)."""
+def load_run_access(config: RunAccessConfig, *, peer_id: str, roles: tuple[str, ...] = ROLES) -> RunAccess | None:
+    """The run of `config` for the process running as `peer_id` in one of `roles`, its own credential
+    checked (so a wrong, expired or another identity's credential fails at start-up, not on every call)."""
     if config.run is None:
         return None
     authority = RunAuthority(load_run(config.run))
@@ -325,7 +344,7 @@ def load_run_access(config: RunAccessConfig, *, peer_id: str) -> RunAccess | Non
         return RunAccess(authority, None, None)
     data = read_credential(config.credential)
     try:
-        held = authority.verify(data, peer_id=peer_id)
+        held = authority.verify(data, peer_id=peer_id, roles=roles)
     except CredentialError as e:
         hint = " (give this process the --identity-path it was issued for)" if "issued to" in str(e) else ""
         raise RunFileError(f"--credential {config.credential}: {e}{hint}") from None

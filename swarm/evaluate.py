@@ -22,7 +22,7 @@ from process.config import ConfigError, option, section
 from swarm.trainer.config import CompressionSettings, CorpusSettings, DiscoverySettings, FailoverSettings
 from swarm.trainer.data import ValidationBatches, open_data
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.run import connect, run_credential
+from swarm.trainer.run import connect, run_access
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,7 +81,7 @@ async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
         data_source=f"data {data.folder}",
         metrics=TrainerMetrics(),
         say=say,
-        credential=run_credential(config.authority, dht, say),
+        access=run_access(config.authority, dht, say),
     )
     loss = await schedule.evaluate(validation.batches())
     tokens = config.batches * config.batch_size * model_config.seq_len

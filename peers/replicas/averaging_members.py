@@ -34,7 +34,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from dht.announce import fetch_stage_records_async
-from dht.authority import CredentialError, RunAuthority
+from dht.authority import RunAuthority, credentialed_records
 from dht.records import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -53,16 +53,7 @@ def credentialed_members(
     records: Collection[PeerRecord], authority: RunAuthority, *, stage: int, now: float | None = None
 ) -> frozenset[str]:
     """The peer ids among `records` whose own record carries a valid peer credential for `stage`."""
-    members = set()
-    for record in records:
-        if not record.credential:
-            continue
-        try:
-            authority.verify(record.credential.encode(), peer_id=record.peer_id, roles=("peer",), stage=stage, now=now)
-        except CredentialError:
-            continue
-        members.add(record.peer_id)
-    return frozenset(members)
+    return frozenset(r.peer_id for r in credentialed_records(records, authority, stage=stage, now=now))
 
 
 class _CappedRunner(AllReduceRunner):

@@ -79,7 +79,7 @@ class PeerHost:
         self.serving = serving = ServingState(runtime, averaging, metrics)
         limits = config.serving
         # the run's authority (--run) and this peer's own credential, checked against its identity
-        self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id)
+        self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
         credential = run_access.credential.decode() if run_access and run_access.credential else None
         if run_access is not None:
             run = run_access.authority.run
