@@ -163,7 +163,9 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
 class AveragingMembers:
     """Keeps a stage's member list fresh from the DHT: every `period_s`, and at once when a commit
     names more replicas than the list holds (a replica that joined since). `averager()`: the stage's
-    averaging now (a move swaps it), anything with `set_members`, or None."""
+    averaging now (a move swaps it), anything with `set_members`, or None. With `recognize` (a
+    private run), the credentialed peers of every stage are passed to it too, with how long to
+    trust them (the admission guard then serves them the RPCs that carry no credential: probes)."""
 
     def __init__(
         self,
@@ -175,16 +177,24 @@ class AveragingMembers:
         stage: Callable[[], int],
         averager: Callable[[], Any],
         period_s: float = 5.0,
+        num_stages: int = 1,
+        recognize: Callable[[Collection[str], float], None] | None = None,
     ):
         self.dht, self.authority, self.model, self.peer_id = dht, authority, model, peer_id
         self.stage, self.averager, self.period_s = stage, averager, period_s
+        self.num_stages, self.recognize = num_stages, recognize
         self.members: frozenset[str] = frozenset()
         self._refreshed_at = 0.0
 
     async def refresh(self) -> frozenset[str]:
         stage = self.stage()
-        records = await fetch_stage_records_async(self.dht, self.model, stage)
-        members = credentialed_members(records, self.authority, stage=stage) - {self.peer_id}
+        stages = range(self.num_stages) if self.recognize is not None else [stage]
+        fetched = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.model, s) for s in stages])
+        by_stage = dict(zip(stages, fetched))
+        members = credentialed_members(by_stage.get(stage, []), self.authority, stage=stage) - {self.peer_id}
+        if self.recognize is not None:
+            known = {r.peer_id for s, rs in by_stage.items() for r in credentialed_records(rs, self.authority, stage=s)}
+            self.recognize(known, time.time() + 3 * self.period_s)
         averager = self.averager()
         if averager is not None:  # every time: a move may have swapped the averager for a new one
             averager.set_members(members)

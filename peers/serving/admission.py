@@ -145,6 +145,14 @@ class AdmissionGuard:
             self._credentialed.clear()
         self._credentialed[caller] = held.expires_at
 
+    def recognize(self, peer_ids: Collection[str], until: float) -> None:
+        """These peers hold a credential (seen in their signed DHT records): in a private run, serve
+        them the RPCs without a credential field until `until` (unix time)."""
+        if len(self._credentialed) > 10_000:
+            self._credentialed.clear()
+        for peer_id in peer_ids:
+            self._credentialed[peer_id] = max(self._credentialed.get(peer_id, 0.0), until)
+
     def penalize(self, caller: str) -> None:
         """`caller` sent a bad request (a handler's verdict after decoding it)."""
         self.penalties.penalize(caller)

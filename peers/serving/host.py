@@ -118,6 +118,8 @@ class PeerHost:
                 stage=lambda: serving.runtime.stage,
                 averager=lambda: serving.averaging,
                 period_s=config.announcing.announce_period_s,
+                num_stages=runtime.num_stages,
+                recognize=self.guard.recognize if run_access.authority.private else None,
             )
             if run_access is not None
             else None

@@ -18,6 +18,7 @@ from dht.authority import create_run, issue, load_owner_key, write_credential
 from dht.node import NetworkConfig, start_dht
 from dht.signing import load_identity, new_identity_file
 from models.config import get_model_config
+from peers.placement.link_probe import echo
 from peers.replicas.averaging import averager_prefix
 from peers.replicas.averaging_members import MemberAverager
 from swarm.trainer.client import PeerCallError, StageClient
@@ -157,6 +158,9 @@ def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(m
         refused["commit"] = (await _commit(p2p, run.ids["first"], credential=stolen)).error
         refused["state"] = await _state_error(p2p, run.ids["first"])
         refused["averaging"] = await _join_averaging(p2p, run.ids["first"])
+        with pytest.raises(ProtocolError) as error:  # an RPC without a credential field: a link probe
+            await echo(p2p, run.ids["last"], 1024)
+        refused["probe"] = str(error.value)
         return refused
 
     try:
@@ -166,6 +170,7 @@ def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(m
     for what in ("forward", "backward", "forward eval", "state"):
         assert "not authorized" in refused[what] and "needs a credential" in refused[what], (what, refused[what])
     assert "issued to peer" in refused["stolen"] and "issued to peer" in refused["commit"]
+    assert "presented no credential" in refused["probe"]
     codes, state = refused["averaging"]
     assert codes == [averaging_pb2.PROTOCOL_VIOLATION] and state == []
     # The run's trainer identity (its process has exited) exports the model from the live peers.

@@ -155,6 +155,10 @@ def test_the_guard_applies_the_policy(world):
     private_guard.authorize(ids["alice"], private_trainer, "evaluate")
     assert private_guard.refusal(ids["alice"], needs_known_caller=True) is None  # known now
     assert private_guard.refusal(ids["mallory"], needs_known_caller=True) is not None
+    private_guard.recognize([ids["mallory"]], until=time.time() - 1)  # seen credentialed, but long ago
+    assert private_guard.refusal(ids["mallory"], needs_known_caller=True) is not None
+    private_guard.recognize([ids["mallory"]], until=time.time() + 60)  # a credentialed record, lately
+    assert private_guard.refusal(ids["mallory"], needs_known_caller=True) is None
     no_authority = _guard(None)
     no_authority.authorize(ids["mallory"], None, "train")  # no run authority: as before
 
