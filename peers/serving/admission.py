@@ -51,11 +51,11 @@ AdmissionError = NotAllowedError | RateLimitedError | RequestTooLargeError
 
 # Who may do what in a run with an authority: the roles whose credential allows each action.
 # "evaluate" (a forward that caches nothing) and the RPCs without a credential field need one only
-# in a private run.
+# in a private run. Joining a stage's averaging needs a peer credential of that stage: hivemind's
+# averager checks it itself (peers/replicas/averaging_members.py).
 POLICY: dict[str, tuple[str, ...]] = {
     "train": ("trainer",),  # forward that caches for a backward, backward, commit
-    "state": ROLES,  # download a stage's parameters and optimizer state
-    "average": ("peer",),  # join the stage's averaging group
+    "state": ROLES,  # download a stage's parameters and optimizer state (a peer: of its stage)
     "evaluate": ROLES,
 }
 
