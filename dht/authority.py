@@ -344,6 +344,12 @@ def load_run_access(config: RunAccessConfig, *, peer_id: str, roles: tuple[str, 
         return RunAccess(authority, None, None)
     data = read_credential(config.credential)
     try:
+        role = authority.parse(data).role
+        if role not in roles:
+            raise RunFileError(
+                f"--credential {config.credential} is a {role} credential; this process needs a "
+                f"{' or '.join(roles)} credential (`swarm run issue --role {roles[0]}`)"
+            )
         held = authority.verify(data, peer_id=peer_id, roles=roles)
     except CredentialError as e:
         hint = " (give this process the --identity-path it was issued for)" if "issued to" in str(e) else ""

@@ -113,7 +113,7 @@ def test_files_round_trip_and_start_up_checks(world, tmp_path):
     assert access.held.peer_id == ids["alice"] and access.credential == read_credential(path)
     with pytest.raises(RunFileError, match="--identity-path"):  # started with another identity
         load_run_access(RunAccessConfig(run=str(root / "open"), credential=path), peer_id=ids["mallory"])
-    with pytest.raises(RunFileError, match="trainer credential does not allow"):  # given to a peer
+    with pytest.raises(RunFileError, match="is a trainer credential; this process needs a peer"):  # given to a peer
         load_run_access(RunAccessConfig(run=str(root / "open"), credential=path), peer_id=ids["alice"], roles=("peer",))
     assert load_run_access(RunAccessConfig(), peer_id=ids["alice"]) is None
     with pytest.raises(ConfigError, match="needs --run"):
