@@ -41,6 +41,9 @@ class PeerRecord(BaseModel):
     model_hash: str = Field(
         default="", max_length=64, description="models.identity.model_fingerprint of the served model ('' = not stated)"
     )
+    credential: str | None = Field(
+        default=None, max_length=4096, description="the peer's run credential (dht/authority.py), if it holds one"
+    )
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from dht.record_policy import MAX_RECORD_TTL_S
 from models.config import lora_rank
@@ -387,6 +388,7 @@ class PeerConfig:
         "(names as in models.stages.build_full_model); this stage loads its part",
     )
     network: NetworkConfig = section(NetworkConfig, help="how the peer joins the swarm's DHT")
+    authority: RunAccessConfig = section(RunAccessConfig, help="the run this peer serves, and its credential")
     compute: ComputeSettings = section(ComputeSettings, help="where and how the stage computes")
     optim: OptimizerSettings = section(OptimizerSettings, help="the stage's local optimizer")
     serving: ServingLimits = section(ServingLimits, help="limits on what callers may send")

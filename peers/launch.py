@@ -15,6 +15,7 @@ import signal
 import torch
 
 from dht.announce import fetch_stage_records
+from dht.authority import load_run_access
 from dht.model_match import check_same_model, check_same_vocabulary
 from dht.node import start_dht
 from dht.plan_record import fetch_plan, stage_in_plan
@@ -92,6 +93,8 @@ def run_peer(config: PeerConfig) -> None:
         )
     dht = start_dht(config.network, models=[config.model])
     try:
+        # a wrong, expired or another identity's credential stops the peer here, before the stage is built
+        load_run_access(config.authority, peer_id=dht.peer_id.to_base58(), roles=("peer",))
         # Peers of another model under the same name: refused before claiming anything.
         live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
         check_same_vocabulary(

@@ -25,6 +25,7 @@ def _configure_logging() -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user, from every layer."""
+    from dht.authority import CredentialError
     from dht.model_match import ModelMismatchError
     from dht.node import BootstrapError
     from dht.split_agreement import SplitConflictError
@@ -65,6 +66,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ExportError,
         GenerateError,
         VocabularyError,
+        CredentialError,
     )
 
 
@@ -143,6 +145,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return run_generate(from_sources(GenerateConfig, args))
 
 
+def cmd_run_create(args: argparse.Namespace) -> int:
+    from swarm.run_authority import RunCreateConfig, run_create
+
+    return run_create(from_sources(RunCreateConfig, args))
+
+
+def cmd_run_issue(args: argparse.Namespace) -> int:
+    from swarm.run_authority import RunIssueConfig, run_issue
+
+    return run_issue(from_sources(RunIssueConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from swarm.demo import DemoConfig, run_demo
 
@@ -160,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
+    from swarm.run_authority import RunCreateConfig, RunIssueConfig
     from swarm.status import StatusConfig
     from swarm.trainer.config import TrainerConfig
 
@@ -218,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(targets, MonitorConfig)
     targets.set_defaults(handler=cmd_monitor_targets)
+    run = sub.add_parser("run", help="a run's owner: create the run, issue credentials to its trainers and peers")
+    run_sub = run.add_subparsers(dest="run_command", required=True, metavar="TOOL")
+    for name, handler, config_cls, help_text in (
+        ("create", cmd_run_create, RunCreateConfig, "create a run: its owner key and its public run file"),
+        ("issue", cmd_run_issue, RunIssueConfig, "sign a credential for one trainer or peer of the run"),
+    ):
+        p = run_sub.add_parser(name, help=help_text, description=help_text)
+        add_config_arguments(p, config_cls)
+        p.set_defaults(handler=handler)
     return parser
 
 

@@ -14,6 +14,7 @@ import json
 import hivemind
 import torch
 
+from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig, start_dht
 from models.config import lora_rank
 from models.model_source import DEFAULT_MODEL, resolve_model
@@ -21,7 +22,7 @@ from process.config import ConfigError, option, section
 from swarm.trainer.config import CompressionSettings, CorpusSettings, DiscoverySettings, FailoverSettings
 from swarm.trainer.data import ValidationBatches, open_data
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.run import connect
+from swarm.trainer.run import connect, run_access
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -36,6 +37,9 @@ class EvalConfig:
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
     json_out: str | None = option(None, help="also write {'eval_loss', 'batches', 'tokens'} to this JSON file")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
+    authority: RunAccessConfig = section(
+        RunAccessConfig, help="a private run: its run file and a credential (an open run's peers let anyone evaluate)"
+    )
     corpus: CorpusSettings = section(CorpusSettings, help="the data whose validation split is used")
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
@@ -77,6 +81,7 @@ async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
         data_source=f"data {data.folder}",
         metrics=TrainerMetrics(),
         say=say,
+        access=run_access(config.authority, dht, say),
     )
     loss = await schedule.evaluate(validation.batches())
     tokens = config.batches * config.batch_size * model_config.seq_len

@@ -54,6 +54,7 @@ STATE_CHUNK_BYTES = 1 << 20
 MAX_STATE_BYTES = 1 << 34
 PROBE_CHUNK_BYTES = 1 << 20
 MAX_PROBE_BYTES = 8 << 20
+MAX_CREDENTIAL_CHARS = 4096  # a run credential (dht/authority.py), carried as the JSON text it is
 
 
 class ProtocolError(ValueError):
@@ -140,6 +141,8 @@ class RequestHeader(BaseModel):
     # forward only: a validation pass (no gradient, no activation cache, no sample counted); the
     # last stage returns the loss given 'targets'
     evaluate: bool = False
+    # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 
 
 class ResponseHeader(BaseModel):
@@ -163,6 +166,11 @@ class CommitRequest(BaseModel):
     num_stages: int = Field(ge=1)
     step_id: str = Field(min_length=1, max_length=128)
     group_size: int = Field(ge=1, le=4096, description="replicas of this stage the trainer commits to")
+    # sync averaging: samples the trainer saw each replica (peer id) of the stage serve in this step;
+    # a replica's weight in the round is capped at its count (empty: no caps)
+    samples: dict[str, int] = Field(default_factory=dict, max_length=4096)
+    # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 
 
 class CommitResponse(BaseModel):
@@ -182,6 +190,8 @@ class StateRequest(BaseModel):
     model: str = Field(max_length=128)
     stage: int = Field(ge=0)
     num_stages: int = Field(ge=1)
+    # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 
 
 class StateHeader(BaseModel):

@@ -100,6 +100,8 @@ class StageBuilder:
         runtime.measure_throughput()
         replicas = config.replicas
         averaging = None
+        # a run with an authority: only credentialed replicas average (filled in by the host)
+        members = () if config.authority.run is not None else None
         if replicas.averaging == "sync":
             averaging = GradientSync(
                 runtime,
@@ -108,6 +110,7 @@ class StageBuilder:
                 timeout_s=replicas.averaging_timeout_s,
                 compression=replicas.averaging_compression or "none",
                 on_round=self.on_averaging_round,
+                members=members,
             )
         elif replicas.averaging == "periodic":
             averaging = ParameterAveraging(
@@ -119,6 +122,7 @@ class StageBuilder:
                 compression=replicas.averaging_compression or "none",
                 outer=replicas.outer,
                 on_round=self.on_averaging_round,
+                members=members,
             )
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import hivemind
@@ -56,6 +56,7 @@ from hivemind.compression import (
 from hivemind.utils import get_dht_time
 
 from peers.compute.stage_runtime import StageRuntime
+from peers.replicas.averaging_members import MIN_WEIGHT, MemberAverager, capped_weight
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterOptimizer, OuterSettings
 
@@ -124,7 +125,10 @@ class ReplicaAveraging:
         matchmaking_s: float,
         compression: str,
         on_round: Callable[[AveragingRound], None] | None = None,
+        members: Collection[str] | None = None,
     ):
+        """`members`: the peers allowed in a round (peers/replicas/averaging_members.py), kept fresh
+        with `set_members`; None: anyone (no run authority)."""
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
         self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
@@ -132,9 +136,10 @@ class ReplicaAveraging:
         codec = COMPRESSIONS[compression]()
         self.num_values = sum(t.numel() for t in tensors)
         self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
-        self.averager = hivemind.averaging.DecentralizedAverager(
+        self.averager = MemberAverager(
             tensors,
             dht,
+            members=members,
             start=False,
             prefix=prefix,
             min_matchmaking_time=matchmaking_s,
@@ -143,6 +148,7 @@ class ReplicaAveraging:
             min_group_size=2,
             allreduce_timeout=timeout_s,
         )
+        self.members_only = members is not None
         if threading.current_thread() is threading.main_thread():
             self.averager.run_in_background(await_ready=True)
         else:
@@ -220,6 +226,10 @@ class ReplicaAveraging:
             return None
         return self.finish_round(control)
 
+    def set_members(self, members: Collection[str]) -> None:
+        if self.members_only:
+            self.averager.set_members(members)
+
     def _report(self, averaging_round: AveragingRound) -> None:
         if self.on_round is not None:
             self.on_round(averaging_round)
@@ -243,6 +253,7 @@ class GradientSync(ReplicaAveraging):
         matchmaking_s: float = 0.5,
         compression: str = "none",
         on_round: Callable[[AveragingRound], None] | None = None,
+        members: Collection[str] | None = None,
     ):
         self.runtime = runtime
         runtime.auto_step = False
@@ -255,21 +266,25 @@ class GradientSync(ReplicaAveraging):
             matchmaking_s=matchmaking_s,
             compression=compression,
             on_round=on_round,
+            members=members,
         )
 
-    def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
+    def commit(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
         """Average with the other replicas (when there are any) and step. A repeated commit of the
-        same step (a trainer retry) is answered without stepping twice."""
+        same step (a trainer retry) is answered without stepping twice. `samples`: what the trainer
+        saw each replica serve in the step; no replica weighs more than its count in the round."""
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False)
         local_samples = self.runtime.samples_accumulated
+        caps = dict(samples) if samples else None
         with self.averager.get_tensors() as buffers:
             for buffer, mean in zip(buffers, self.runtime.local_mean_gradients()):
                 buffer.copy_(mean)
         gathered = None
         if group_size > 1:
+            self.averager.set_weight_caps(caps)
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
-            gathered = self._all_reduce(group_size, weight=max(float(local_samples), 1e-9))
+            gathered = self._all_reduce(group_size, weight=max(float(local_samples), MIN_WEIGHT))
             if gathered is None:
                 # Stepping on local gradients would part this replica from the others for good (sync
                 # mode never averages parameters). Skipping keeps them equal: the gradients stay
@@ -279,7 +294,14 @@ class GradientSync(ReplicaAveraging):
                     f"not stepping, the gradients carry over to the next commit"
                 )
                 return AveragingOutcome(False, 1, 0, stepped=False)
-        total = sum(int(round(w)) for w in gathered.values()) if gathered else local_samples
+        total = (
+            sum(
+                int(round(capped_weight(w, None if caps is None else caps.get(p.to_base58(), 0))))
+                for p, w in gathered.items()
+            )
+            if gathered
+            else local_samples
+        )
         if total == 0:
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
         with self.averager.get_tensors() as buffers:
@@ -306,6 +328,7 @@ class ParameterAveraging(ReplicaAveraging):
         compression: str = "none",
         outer: OuterSettings | None = None,
         on_round: Callable[[AveragingRound], None] | None = None,
+        members: Collection[str] | None = None,
     ):
         self.runtime, self.rounds_schedule = runtime, schedule
         self.outer = OuterOptimizer(outer) if outer is not None else None
@@ -323,6 +346,7 @@ class ParameterAveraging(ReplicaAveraging):
             matchmaking_s=matchmaking_s,
             compression=compression,
             on_round=on_round,
+            members=members,
         )
 
     def next_round_time(self) -> float:

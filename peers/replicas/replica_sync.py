@@ -5,7 +5,9 @@ by steps: on the commit).
 `ReplicaSyncService` works on the stage of a `ServingState` (peers/serving/serving_state.py): its
 runtime and averager, which a move swaps together. The admission guard (peers/serving/admission.py)
 admits a caller before the RPC handlers here run; it answers a refused one with `refused_commit` or
-`refused_state`, the answers these RPCs give any bad request.
+`refused_state`, the answers these RPCs give any bad request. In a run with an authority, both
+handlers ask it (`authorize`, the guard's) whether the caller's credential allows a commit (a
+trainer's) or a state download (a trainer's, or a peer's of this stage) before doing anything.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import hivemind
@@ -24,6 +27,8 @@ from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
+from peers.replicas.averaging_members import AveragingMembers
+from peers.replicas.state_transfer import download_state
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
 from wire.messages import read_unary, unary_response, write_state
@@ -42,10 +47,18 @@ class ReplicaSyncService:
         peer_id: str,
         model: str,
         averaging_timeout_s: float,
+        authorize: Callable[..., None] | None = None,
+        credential: str | None = None,
+        members: AveragingMembers | None = None,
     ):
+        """`authorize(caller, credential, action, stage=...)`: raises unless the caller may (the
+        admission guard's); `credential`: this peer's own, presented when it downloads state."""
         self.serving, self.compute, self.dht = serving, compute, dht
         self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
         self.state_exports = StateExports()  # rate-limited per caller, serialized once per step
+        self.authorize = authorize or (lambda *args, **kwargs: None)
+        self.credential = credential
+        self.members = members  # a run with an authority: who may average with us, kept fresh
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -60,6 +73,7 @@ class ReplicaSyncService:
         serving = self.serving
         try:
             commit = read_unary(request, CommitRequest)
+            self.authorize(caller_id(context), commit.credential, "train")
             if (commit.model, commit.stage, commit.num_stages) != (
                 self.model,
                 serving.runtime.stage,
@@ -69,9 +83,11 @@ class ReplicaSyncService:
                     f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
             averaging = serving.averaging
+            if self.members is not None:  # a replica that joined since the last refresh is let in now
+                await self.members.refresh_if_short(commit.group_size)
             if isinstance(averaging, GradientSync):
                 outcome = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, averaging.commit, commit.step_id, commit.group_size
+                    self.compute, averaging.commit, commit.step_id, commit.group_size, commit.samples
                 )
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
@@ -103,6 +119,7 @@ class ReplicaSyncService:
         serving = self.serving
         try:
             wanted = read_unary(request, StateRequest)
+            self.authorize(caller_id(context), wanted.credential, "state", stage=serving.runtime.stage)
             if (wanted.model, wanted.stage, wanted.num_stages) != (
                 self.model,
                 serving.runtime.stage,
@@ -131,7 +148,9 @@ class ReplicaSyncService:
             for r in await fetch_stage_records_async(self.dht, self.model, runtime.stage)
             if r.state == PeerState.ONLINE and r.peer_id != self.peer_id and r.num_stages == runtime.num_stages
         ]
-        request = StateRequest(model=self.model, stage=runtime.stage, num_stages=runtime.num_stages)
+        request = StateRequest(
+            model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
+        )
         for record in sorted(records, key=lambda r: r.load):
             try:
                 downloaded = await download_state(

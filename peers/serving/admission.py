@@ -10,6 +10,11 @@ before anything it sent is decoded, when
 - its requests in flight would hold more bytes than the caller's or the peer's budget, or a request
   takes longer to arrive than the peer waits (`InFlightBudgetError`, `RequestDeadlineError`:
   wire/request_limits.py's `InFlightBytes`, `--max-in-flight-mb`, `--request-deadline-s`).
+- the peer's run has an authority (`--run`, dht/authority.py) and the caller holds no credential
+  that allows what it asks (`NotAuthorizedError`). The credential rides in the request's header, so
+  handlers ask `authorize` once they have read the header, before any tensor is decoded or any
+  state changes. What each action needs is `POLICY`; in a private run an RPC whose header carries
+  no credential (probe, dial-back) is served only to callers that presented a valid one before.
 Streamed RPCs are read with wire/bounded_streams.py: a message larger than a stream message can be
 is refused before it is buffered, and every read has a deadline.
 A refused caller of a streamed RPC is read to the end (up to the size limit) before the answer, since
@@ -26,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 from wire.bounded_streams import StreamLimits, serve_bounded
+from dht.authority import ROLES, CredentialError, RunAuthority
 from wire.failures import Failure
 from wire.protocol import ProtocolError
 from wire.request_limits import (
@@ -51,7 +57,21 @@ class RateLimitedError(ProtocolError):
     failure_kind = Failure.RATE_LIMITED
 
 
+class NotAuthorizedError(NotAllowedError):
+    """The caller holds no credential of the run's owner that allows what it asked."""
+
+
 AdmissionError = NotAllowedError | RateLimitedError | RequestTooLargeError
+
+# Who may do what in a run with an authority: the roles whose credential allows each action.
+# "evaluate" (a forward that caches nothing) and the RPCs without a credential field need one only
+# in a private run. Joining a stage's averaging needs a peer credential of that stage: hivemind's
+# averager checks it itself (peers/replicas/averaging_members.py).
+POLICY: dict[str, tuple[str, ...]] = {
+    "train": ("trainer",),  # forward that caches for a backward, backward, commit
+    "state": ROLES,  # download a stage's parameters and optimizer state (a peer: of its stage)
+    "evaluate": ROLES,
+}
 
 
 def failure_kind(error: AdmissionError) -> str:
@@ -77,6 +97,8 @@ class Rpc:
     refuse: `(error, seconds spent on the request)` -> what the RPC answers a refused caller: a
         message, or an iterable of messages when `stream_output`.
     max_request_bytes: this RPC's size limit; None: the guard's (`--max-request-mb`).
+    carries_credential: its request header has a `credential` the handler passes to `authorize`;
+        an RPC without one is served, in a private run, only to callers known to hold one.
     """
 
     name: str
@@ -85,6 +107,7 @@ class Rpc:
     stream_input: bool = False
     stream_output: bool = False
     max_request_bytes: int | None = None
+    carries_credential: bool = False
 
 
 class AdmissionGuard:
@@ -96,24 +119,57 @@ class AdmissionGuard:
         penalties: PenaltyBox,
         in_flight: InFlightBytes | None = None,
         stream_limits: StreamLimits | None = None,
+        authority: RunAuthority | None = None,
     ):
         self.allowed_peers = frozenset(allowed_peers)
         self.max_request_bytes = max_request_bytes
         self.penalties = penalties
         self.in_flight = in_flight  # None: no budget of bytes in flight
         self.stream_limits = stream_limits  # None: hivemind's own stream reading (no bound per message)
+        self.authority = authority
+        self._credentialed: dict[str, float] = {}  # callers that presented a valid credential: until when
 
     # --- the decision ------------------------------------------------------------------------------
-    def refusal(self, caller: str) -> NotAllowedError | RateLimitedError | None:
-        """Why `caller` may not be served now, or None."""
+    def refusal(self, caller: str, *, needs_known_caller: bool = False) -> NotAllowedError | RateLimitedError | None:
+        """Why `caller` may not be served now, or None. `needs_known_caller`: an RPC whose request
+        carries no credential; in a private run, only callers that presented one before pass."""
         if self.allowed_peers and caller not in self.allowed_peers:
             return NotAllowedError(f"this is a private swarm and peer {caller} is not on its --allowed-peers")
+        if needs_known_caller and self.authority is not None and self.authority.private:
+            if self._credentialed.get(caller, 0.0) < time.time():
+                return NotAuthorizedError(
+                    f"run {self.authority.run.run_id} is private and peer {caller} has presented no credential for it"
+                )
         if not self.penalties.allows(caller):
             return RateLimitedError(
                 f"too many bad requests from {caller[-8:]}; refused for the next "
                 f"{self.penalties.seconds_until_allowed(caller):.0f} s"
             )
         return None
+
+    def authorize(self, caller: str, credential: str | None, action: str, *, stage: int | None = None) -> None:
+        """Raise `NotAuthorizedError` unless `caller` may do `action` (a key of `POLICY`) on
+        `stage`; without a run authority, or for an evaluation in an open run, anyone may."""
+        authority = self.authority
+        if authority is None or (action == "evaluate" and not authority.private):
+            return
+        try:
+            held = authority.verify(
+                credential.encode() if credential else None, peer_id=caller, roles=POLICY[action], stage=stage
+            )
+        except CredentialError as e:
+            raise NotAuthorizedError(f"not authorized: {e}") from None
+        if len(self._credentialed) > 10_000:
+            self._credentialed.clear()
+        self._credentialed[caller] = held.expires_at
+
+    def recognize(self, peer_ids: Collection[str], until: float) -> None:
+        """These peers hold a credential (seen in their signed DHT records): in a private run, serve
+        them the RPCs without a credential field until `until` (unix time)."""
+        if len(self._credentialed) > 10_000:
+            self._credentialed.clear()
+        for peer_id in peer_ids:
+            self._credentialed[peer_id] = max(self._credentialed.get(peer_id, 0.0), until)
 
     def penalize(self, caller: str) -> None:
         """`caller` sent a bad request (a handler's verdict after decoding it)."""
@@ -145,8 +201,8 @@ class AdmissionGuard:
                 stream_output=rpc.stream_output,
             )
 
-    def _check_unary(self, request: Any, caller: str, limit: int) -> AdmissionError | None:
-        error = self.refusal(caller)
+    def _check_unary(self, rpc: Rpc, request: Any, caller: str, limit: int) -> AdmissionError | None:
+        error = self.refusal(caller, needs_known_caller=not rpc.carries_credential)
         if error is None:
             try:
                 check_request_bytes(_message_bytes(request), limit)
@@ -158,7 +214,7 @@ class AdmissionGuard:
     def _guard_unary(self, rpc: Rpc, limit: int):
         async def guarded(request, context):
             started, caller = time.perf_counter(), caller_id(context)
-            error = self._check_unary(request, caller, limit)
+            error = self._check_unary(rpc, request, caller, limit)
             if error is not None:
                 return rpc.refuse(error, time.perf_counter() - started)
             return await rpc.handler(request, context)
@@ -168,7 +224,7 @@ class AdmissionGuard:
     def _guard_unary_input_stream_output(self, rpc: Rpc, limit: int):
         async def guarded(request, context):
             started, caller = time.perf_counter(), caller_id(context)
-            error = self._check_unary(request, caller, limit)
+            error = self._check_unary(rpc, request, caller, limit)
             if error is not None:
                 for message in rpc.refuse(error, time.perf_counter() - started):
                     yield message
@@ -181,7 +237,7 @@ class AdmissionGuard:
     def _guard_stream_input(self, rpc: Rpc, limit: int):
         async def guarded(requests, context):
             started, caller = time.perf_counter(), caller_id(context)
-            error = self.refusal(caller)
+            error = self.refusal(caller, needs_known_caller=not rpc.carries_credential)
             if error is not None:
                 await drain(requests, limit)  # answering before the caller finished sending resets the stream
                 for message in rpc.refuse(error, time.perf_counter() - started):

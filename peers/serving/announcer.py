@@ -39,7 +39,9 @@ class Announcer:
         metrics: PeerMetrics,
         metrics_addr: str | None = None,
         split: SplitRecord | None = None,
+        credential: str | None = None,
     ):
+        self.credential = credential  # this peer's run credential: replicas read it to let us average with them
         self.serving, self.dht, self.settings = serving, dht, settings
         self.peer_id, self.model, self.averaging_mode = peer_id, model, averaging_mode
         self.metrics, self.metrics_addr, self.split = metrics, metrics_addr, split
@@ -61,6 +63,7 @@ class Announcer:
             metrics_addr=self.metrics_addr,
             model_hash=model_fingerprint(serving.runtime.config),
             vocab_size=serving.runtime.config.vocab_size,
+            credential=self.credential,
         )
 
     async def announce(

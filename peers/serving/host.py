@@ -26,6 +26,7 @@ import hivemind
 from hivemind.proto import runtime_pb2
 
 from dht.announce import fetch_stage_records_async
+from dht.authority import credential_summary, load_run_access
 from dht.reachability import (
     RPC_REACHABILITY,
     DialBackService,
@@ -45,6 +46,7 @@ from peers.placement.link_probe import MAX_PROBE_BYTES, LinkProber, bounded_prob
 from peers.placement.split_claim import split_tag
 from peers.placement.stage_moves import StageMoves
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.replica_sync import ReplicaSyncService
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.announcer import Announcer
@@ -77,6 +79,20 @@ class PeerHost:
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.serving = serving = ServingState(runtime, averaging, metrics)
         limits = config.serving
+        # the run's authority (--run) and this peer's own credential, checked against its identity
+        self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
+        credential = run_access.credential.decode() if run_access and run_access.credential else None
+        if run_access is not None:
+            run = run_access.authority.run
+            print(
+                f"run {run.run_id} ({'private' if run.private else 'open'}): "
+                + (
+                    credential_summary(run_access.held)
+                    if run_access.held
+                    else "no credential: this peer cannot average with replicas or download state"
+                ),
+                flush=True,
+            )
         self.guard = AdmissionGuard(
             allowed_peers=config.network.allowed_peers,
             max_request_bytes=limits.max_request_bytes,
@@ -87,6 +103,7 @@ class PeerHost:
                 request_deadline_s=limits.request_deadline_s,
             ),
             stream_limits=StreamLimits(read_timeout_s=min(30.0, limits.request_deadline_s)),
+            authority=run_access.authority if run_access else None,
         )
         byte_counter = compression.ByteCounter()
         self.stage_rpc = StageRpcService(
@@ -104,6 +121,22 @@ class PeerHost:
                 request_deadline_s=float(1 << 30),  # no deadline: they are read already
             ),
         )
+        # a run with an authority: the replicas this one averages with are those holding a peer credential
+        self.members = (
+            AveragingMembers(
+                dht,
+                run_access.authority,
+                model=config.model,
+                peer_id=self.peer_id,
+                stage=lambda: serving.runtime.stage,
+                averager=lambda: serving.averaging,
+                period_s=config.announcing.announce_period_s,
+                num_stages=runtime.num_stages,
+                recognize=self.guard.recognize if run_access.authority.private else None,
+            )
+            if run_access is not None
+            else None
+        )
         self.replicas = ReplicaSyncService(
             serving,
             self.compute,
@@ -111,6 +144,9 @@ class PeerHost:
             peer_id=self.peer_id,
             model=config.model,
             averaging_timeout_s=config.replicas.averaging_timeout_s,
+            authorize=self.guard.authorize,
+            credential=credential,
+            members=self.members,
         )
         self.announcer = Announcer(
             serving,
@@ -122,6 +158,7 @@ class PeerHost:
             metrics=metrics,
             metrics_addr=metrics_addr,
             split=split,
+            credential=credential,
         )
         self.checkpointer = (
             Checkpointer(
@@ -169,10 +206,24 @@ class PeerHost:
         """Every RPC this peer serves, with the answer each gives a refused caller."""
         stage, replicas = self.stage_rpc, self.replicas
         return [
-            Rpc(RPC_FORWARD, stage.rpc_forward, stage.refused("forward"), stream_input=True, stream_output=True),
-            Rpc(RPC_BACKWARD, stage.rpc_backward, stage.refused("backward"), stream_input=True, stream_output=True),
-            Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit),
-            Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True),
+            Rpc(
+                RPC_FORWARD,
+                stage.rpc_forward,
+                stage.refused("forward"),
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
+            Rpc(
+                RPC_BACKWARD,
+                stage.rpc_backward,
+                stage.refused("backward"),
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
+            Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit, carries_credential=True),
+            Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True, carries_credential=True),
             # Other peers measure their link to us (echoes bounded by the probe's own size limit)...
             Rpc(
                 RPC_PROBE,
@@ -210,6 +261,7 @@ class PeerHost:
             else None
         )
         checkpointer = asyncio.create_task(self.checkpointer.run(stop)) if self.checkpointer is not None else None
+        members = asyncio.create_task(self.members.run(stop)) if self.members is not None else None
         averaging = serving.averaging
         averager = (  # by steps, rounds follow the trainer's commits (rpc_commit)
             asyncio.create_task(self.replicas.average_parameters_forever(stop))
@@ -242,6 +294,8 @@ class PeerHost:
             await announcer
             if prober is not None:
                 await prober
+            if members is not None:
+                await members
             await self.announcer.announce_final()
             if averager is not None:
                 await averager

@@ -19,7 +19,7 @@ import torch
 from dht.records import PeerState
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError
 from peers.metrics import PeerMetrics
-from peers.serving.admission import AdmissionError, AdmissionGuard, caller_id, failure_kind
+from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
 from peers.serving.serving_state import ServingState
 from wire import compression
 from wire.failures import Failure
@@ -91,6 +91,9 @@ class StageRpcService:
             header = request.header
             if header.rpc != rpc:
                 raise ProtocolError(f"a {header.rpc!r} header was sent to the {rpc!r} handler")
+            # before anything is decoded: only a run's trainers may run what changes the weights
+            evaluating = header.rpc == "forward" and header.evaluate
+            self.guard.authorize(caller, header.credential, "evaluate" if evaluating else "train")
             self._check_route(header)
             if header.response_codec not in compression.known_codecs():
                 raise ProtocolError(
@@ -133,7 +136,13 @@ class StageRpcService:
             kind = Failure.WRONG_STAGE if isinstance(e, WrongStageError) else Failure.BAD_REQUEST
             if not isinstance(e, WrongStageError):  # a stale route is no offence
                 self.guard.penalize(caller)
-            failed_as = Failure.TOO_LARGE if isinstance(e, RequestTooLargeError) else kind
+            failed_as = (
+                Failure.TOO_LARGE
+                if isinstance(e, RequestTooLargeError)
+                else Failure.NOT_ALLOWED
+                if isinstance(e, NotAllowedError)
+                else kind
+            )
             logger.warning(f"Refused a {rpc} request from {caller[-8:]}: {e}")
             response, encoded_outputs = ResponseHeader(error=str(e), error_kind=kind), []
         except (MemoryError, torch.OutOfMemoryError):  # this request was too big for us now; keep serving

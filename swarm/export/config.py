@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
-from process.config import ConfigError, option
+from process.config import ConfigError, option, section
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -38,6 +39,9 @@ class ExportConfig(NetworkConfig):
     num_stages: int | None = option(None, help="number of stages (default: the swarm's split)")
     wait_s: float = option(60.0, help="live: wait this long for every stage to have an online replica")
     download_timeout_s: float = option(300.0, help="live: give up one replica's download after this many seconds")
+    authority: RunAccessConfig = section(
+        RunAccessConfig, help="live, a run with an authority: its run file and a credential to download state"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

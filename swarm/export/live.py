@@ -70,7 +70,13 @@ async def online_replicas(dht, model: str, stage: int, num_stages: int, wait_s: 
 
 
 async def download_parts(
-    p2p, model: str, stage_records: dict[int, list[PeerRecord]], num_stages: int, *, timeout_s: float
+    p2p,
+    model: str,
+    stage_records: dict[int, list[PeerRecord]],
+    num_stages: int,
+    *,
+    timeout_s: float,
+    credential: str | None = None,
 ) -> dict[int, list[StagePart]]:
     """Every replica's state, by stage; a replica that fails to answer is skipped with a warning
     (a stage none of whose replicas answered is refused)."""
@@ -78,7 +84,7 @@ async def download_parts(
     total = sum(len(rs) for rs in stage_records.values())
     with tqdm(total=total, desc="downloading stages", unit="replica", leave=False, disable=None) as bar:
         for stage, records in sorted(stage_records.items()):
-            request = StateRequest(model=model, stage=stage, num_stages=num_stages)
+            request = StateRequest(model=model, stage=stage, num_stages=num_stages, credential=credential)
             errors = []
             for record in records:
                 source = f"replica …{record.peer_id[-8:]}"
@@ -102,15 +108,24 @@ async def download_parts(
 
 
 async def download_snapshot(
-    dht, model: str, num_stages: int, *, wait_s: float, timeout_s: float, attempts: int = 3, say=print
+    dht,
+    model: str,
+    num_stages: int,
+    *,
+    wait_s: float,
+    timeout_s: float,
+    attempts: int = 3,
+    say=print,
+    credential: str | None = None,
 ) -> dict[int, list[StagePart]]:
-    """Every stage's replicas, downloaded until the most-trained replica of every stage is at one step."""
+    """Every stage's replicas, downloaded until the most-trained replica of every stage is at one step.
+    `credential`: ours, in a run with an authority (its peers send state only to credential holders)."""
     p2p = await dht.replicate_p2p()
     for attempt in range(1, attempts + 1):
         stage_records = {s: await online_replicas(dht, model, s, num_stages, wait_s) for s in range(num_stages)}
         counts = ", ".join(f"stage {s}: {len(rs)}" for s, rs in stage_records.items())
         say(f"[export] live replicas: {counts}")
-        parts = await download_parts(p2p, model, stage_records, num_stages, timeout_s=timeout_s)
+        parts = await download_parts(p2p, model, stage_records, num_stages, timeout_s=timeout_s, credential=credential)
         steps = {s: choose_replica(ps).part.steps_done for s, ps in parts.items()}
         if len(set(steps.values())) == 1 or attempt == attempts:
             return parts

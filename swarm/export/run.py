@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from dht.announce import fetch_stage_records_async
+from dht.authority import load_run_access
 from dht.model_match import check_same_model
 from dht.node import start_dht
 from models.config import GPTConfig
@@ -121,8 +122,15 @@ def gather_offline(config: ExportConfig, model_config: GPTConfig, say=print):
 
 async def gather_live(dht, config: ExportConfig, say=print):
     num_stages, boundaries = await find_split(dht, config.model, config.num_stages, config.wait_s)
+    access = load_run_access(config.authority, peer_id=dht.peer_id.to_base58())
     replicas = await download_snapshot(
-        dht, config.model, num_stages, wait_s=config.wait_s, timeout_s=config.download_timeout_s, say=say
+        dht,
+        config.model,
+        num_stages,
+        wait_s=config.wait_s,
+        timeout_s=config.download_timeout_s,
+        say=say,
+        credential=access.credential.decode() if access and access.credential else None,
     )
     records = [r for s in range(num_stages) for r in await fetch_stage_records_async(dht, config.model, s)]
     return replicas, boundaries, records

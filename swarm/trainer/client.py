@@ -48,8 +48,10 @@ class PeerCallError(RuntimeError):
 
 
 class StageClient:
-    def __init__(self, p2p: P2P, *, model: str, num_stages: int):
+    def __init__(self, p2p: P2P, *, model: str, num_stages: int, credential: str | None = None):
+        """`credential`: this trainer's run credential (dht/authority.py), sent in every request header."""
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
+        self.credential = credential
         self.bytes = ByteCounter()
 
     async def call(
@@ -108,6 +110,7 @@ class StageClient:
                 response_codec_params=response_codec.params,
                 inputs_cached=inputs_cached,
                 evaluate=evaluate,
+                credential=self.credential,
             ),
             tensors,
         )
@@ -142,12 +145,26 @@ class StageClient:
         return CallResult(outputs, encoded, response, moved)
 
     async def commit(
-        self, peer_id: str, *, stage: int, step_id: str, group_size: int, timeout_s: float
+        self,
+        peer_id: str,
+        *,
+        stage: int,
+        step_id: str,
+        group_size: int,
+        timeout_s: float,
+        samples: dict[str, int] | None = None,
     ) -> CommitResponse:
-        """Sync averaging: tell one replica the step is over. Raises PeerCallError on failure."""
+        """Sync averaging: tell one replica the step is over (`samples`: what each replica of the
+        stage served in it, which caps its weight in the round). Raises PeerCallError on failure."""
         message = unary_request(
             CommitRequest(
-                model=self.model, stage=stage, num_stages=self.num_stages, step_id=step_id, group_size=group_size
+                model=self.model,
+                stage=stage,
+                num_stages=self.num_stages,
+                step_id=step_id,
+                group_size=group_size,
+                samples=samples or {},
+                credential=self.credential,
             )
         )
         try:

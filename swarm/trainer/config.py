@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from models.config import lora_rank
 from models.model_source import resolve_model
@@ -128,6 +129,7 @@ class TrainerConfig:
     )
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")
+    authority: RunAccessConfig = section(RunAccessConfig, help="the run trained, and this trainer's credential")
     corpus: CorpusSettings = section(CorpusSettings, help="the text trained on")
     schedule: ScheduleSettings = section(ScheduleSettings, help="steps, batches and microbatches")
     evaluation: EvaluationSettings = section(EvaluationSettings, help="validation loss through the swarm")

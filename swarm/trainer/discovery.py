@@ -16,6 +16,7 @@ import time
 import hivemind
 
 from dht.announce import fetch_stage_records_async
+from dht.authority import RunAuthority, credentialed_records
 from dht.model_match import check_same_model, check_same_vocabulary, foreign_records
 from dht.records import PeerRecord, PeerState
 from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
@@ -40,8 +41,11 @@ class SwarmView:
         say=print,
         metrics: TrainerMetrics | None = None,
         model_hash: str = "",
+        authority: RunAuthority | None = None,
     ):
         self.dht, self.model, self.num_stages = dht, model, num_stages
+        # a private run (dht/authority.py): only peers whose records carry a peer credential are routed to
+        self.authority = authority if authority is not None and authority.private else None
         self.model_hash = model_hash  # records of another model (another hash) are never routed to
         self.foreign: list[PeerRecord] = []
         self.seen: list[PeerRecord] = []
@@ -64,6 +68,8 @@ class SwarmView:
         self.foreign = foreign_records(self.seen, self.model_hash)
         for stage, records in enumerate(results):
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
+            if self.authority is not None:
+                online = credentialed_records(online, self.authority, stage=stage)
             online = [r for r in online if r not in self.foreign]
             known, now = {r.peer_id for r in self.records[stage]}, {r.peer_id for r in online}
             if self.refreshes and known != now:  # not on the first refresh: that is the start

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
+from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary, load_run_access
 from dht.node import start_dht
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
@@ -138,6 +139,7 @@ async def train(
         data_source=f"data {data.folder}",
         metrics=metrics,
         say=say,
+        access=run_access(config.authority, dht, say, roles=("trainer",)),
     )
     view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
@@ -198,6 +200,22 @@ async def train(
     return report
 
 
+def run_access(config: RunAccessConfig, dht: hivemind.DHT, say, *, roles: tuple[str, ...] = ROLES) -> RunAccess | None:
+    """This process's run (--run) and credential (--credential, checked against its peer id and
+    `roles`), or None."""
+    access = load_run_access(config, peer_id=dht.peer_id.to_base58(), roles=roles)
+    if access is None:
+        return None
+    if access.held is None:
+        say(
+            f"run {access.authority.run.run_id}: no --credential, so only what the run lets anyone do "
+            f"(evaluation, in an open run); training needs a trainer credential"
+        )
+    else:
+        say(f"run {access.authority.run.run_id}: {credential_summary(access.held)}")
+    return access
+
+
 async def connect(
     dht: hivemind.DHT,
     *,
@@ -211,6 +229,7 @@ async def connect(
     data_source: str,
     metrics: TrainerMetrics,
     say=print,
+    access: RunAccess | None = None,
 ) -> StepSchedule:
     """Find the swarm's stages and wire the pipeline to them (the view, the caller, the schedule);
     returns once every stage has an online replica. Refuses, in one line, a swarm that serves
@@ -218,9 +237,16 @@ async def connect(
     timeout_s = discovery.discovery_timeout_s
     num_stages = num_stages or await discover_num_stages(dht, model, timeout_s, say)
     p2p = await dht.replicate_p2p()
-    client = StageClient(p2p, model=model, num_stages=num_stages)
+    credential = access.credential.decode() if access is not None and access.credential else None
+    client = StageClient(p2p, model=model, num_stages=num_stages, credential=credential)
     view = SwarmView(
-        dht, model=model, num_stages=num_stages, say=say, metrics=metrics, model_hash=model_hash(model_config)
+        dht,
+        model=model,
+        num_stages=num_stages,
+        say=say,
+        metrics=metrics,
+        model_hash=model_hash(model_config),
+        authority=access.authority if access is not None else None,
     )
     codecs = CodecPolicy(compression.codec, topk_fraction=compression.topk_fraction)
     caller = StageCaller(

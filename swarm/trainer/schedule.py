@@ -41,6 +41,9 @@ class StepSchedule:
         self.counters = ScheduleCounters()
         self.metrics: TrainerMetrics = caller.metrics
         self._slots = asyncio.Semaphore(max_in_flight)
+        # samples each replica served (answered a backward for) in this step, by stage: the commit
+        # caps each replica's weight in the sync average at its count
+        self._served: dict[int, dict[str, int]] = {}
 
     async def run_microbatch(self, mb: Microbatch) -> float:
         """Forward through stages 0..S-2, a fused forward+backward on the last stage (it owns the
@@ -61,18 +64,24 @@ class StepSchedule:
             last = self.num_stages - 1
             tensors = [("inputs", stage_inputs[last]), ("targets", Payload(mb.targets))]
             answer = await call(last, "backward", microbatch_id, mb.size, tensors, failures)
+            self._count_served(last, answer.peer_id, mb.size)
             response = answer.response
             for stage in reversed(range(last)):
                 tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", answer.payload("grad_inputs"))]
                 answer = await call(
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
+                self._count_served(stage, answer.peer_id, mb.size)
             self.counters.microbatches_done += 1
             self.metrics.microbatches.inc()
             if failures:
                 self.counters.microbatches_retried += 1
                 self.metrics.microbatches_retried.inc()
             return float(response.loss)
+
+    def _count_served(self, stage: int, peer_id: str, samples: int) -> None:
+        served = self._served.setdefault(stage, {})
+        served[peer_id] = served.get(peer_id, 0) + samples
 
     async def evaluate_microbatch(self, mb: Microbatch) -> float:
         """A validation forward through every stage (the last returns the loss); nothing is kept on
@@ -113,6 +122,7 @@ class StepSchedule:
         without doing anything. A replica that fails to commit is logged and banned; it will fall
         behind its stage's parameters, and periodic checks or a restart bring it back."""
         calls = []
+        served, self._served = self._served, {}
         for stage, records in enumerate(self.view.records):
             for mode in ("sync", "periodic"):
                 group = [r.peer_id for r in records if r.averaging == mode]
@@ -121,7 +131,12 @@ class StepSchedule:
                         stage,
                         peer_id,
                         self.client.commit(
-                            peer_id, stage=stage, step_id=step_id, group_size=len(group), timeout_s=timeout_s
+                            peer_id,
+                            stage=stage,
+                            step_id=step_id,
+                            group_size=len(group),
+                            timeout_s=timeout_s,
+                            samples={p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" else None,
                         ),
                     )
                     for peer_id in group

@@ -77,6 +77,9 @@ class _ControlledSync(GradientSync):
     def _all_reduce(self, group_size: int, weight: float):
         return self.round_result(weight)
 
+    def set_weight_caps(self, caps):
+        self.caps = caps
+
 
 def _runtime_with_gradients() -> StageRuntime:
     runtime = StageRuntime(get_model_config("tiny"), 0, 2, optimizer=OptimizerSettings(optimizer="sgd", lr=0.1))

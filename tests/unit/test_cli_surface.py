@@ -90,6 +90,10 @@ TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "metrics_host": "127.0.0.1",
 }
 
+# Added since (issue #30): the run authority, both unset by default (no authority, as before).
+TRAIN_FLAGS_ADDED = {"--run", "--credential"}
+TRAIN_DEFAULTS_ADDED = {"run": None, "credential": None}
+
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--activation-wire-ratio",
@@ -169,11 +173,11 @@ def variable_of(flag: str) -> str:
 
 
 def test_swarm_train_keeps_every_flag_variable_and_default():
-    assert flags("train") == TRAIN_FLAGS_BEFORE
-    expected_variables = {variable_of(f) for f in TRAIN_FLAGS_BEFORE}
+    assert flags("train") == TRAIN_FLAGS_BEFORE | TRAIN_FLAGS_ADDED
+    expected_variables = {variable_of(f) for f in TRAIN_FLAGS_BEFORE | TRAIN_FLAGS_ADDED}
     assert documented_variables("train") == env_variables(TrainerConfig) == expected_variables
     args = build_parser().parse_args(["train"])
-    assert leaf_values(from_sources(TrainerConfig, args, env={})) == TRAIN_DEFAULTS_BEFORE
+    assert leaf_values(from_sources(TrainerConfig, args, env={})) == TRAIN_DEFAULTS_BEFORE | TRAIN_DEFAULTS_ADDED
 
 
 def test_swarm_plan_keeps_every_flag_and_default_and_now_has_a_variable_per_flag():

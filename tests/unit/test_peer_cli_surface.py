@@ -12,6 +12,8 @@ from process.config import env_variables, options
 from swarm.cli import build_parser
 
 PEER_FLAGS = {
+    "--run",  # issue #30: the run authority
+    "--credential",
     "--activation-cache-size",
     "--allowed-peers",
     "--announce-maddrs",
@@ -84,6 +86,8 @@ PEER_FLAGS = {
     "--weight-decay",
 }
 PEER_VARIABLES = {
+    "SWARM_RUN",
+    "SWARM_CREDENTIAL",
     "SWARM_ACTIVATION_CACHE_SIZE",
     "SWARM_ALLOWED_PEERS",
     "SWARM_MODEL_DIR",

@@ -1,0 +1,218 @@
+"""Who may average with a stage's replicas, and how much each may weigh.
+
+hivemind's `DecentralizedAverager` lets anyone who finds the group key on the DHT join a round, send
+its part with any weight, and download the state. `MemberAverager` is that averager with two checks,
+both applied in the averager's own process:
+
+- membership: with a member list (a run with an authority, dht/authority.py), only listed peers may
+  join a group this replica leads, send it parts or download its state, and a group that names
+  anyone else is abandoned before any tensor moves (so an outsider that leads a group gets nothing
+  either). `AveragingMembers` keeps the list: the peers whose DHT record carries a peer credential
+  of the run for this stage (the record is signed by the peer itself, dht/signing.py, and the
+  credential names that peer, so neither can be borrowed).
+- weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
+  the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
+  instead, so no replica can outweigh what it did.
+
+Without a member list (no run authority) it behaves as hivemind's own averager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's AsyncIterator in RPC hints
+
+import hivemind
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from dht.announce import fetch_stage_records_async
+from dht.authority import RunAuthority, credentialed_records
+from dht.records import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+MIN_WEIGHT = 1e-9  # weight 0 for every sender would divide by zero; a tiny one changes nothing
+
+
+def capped_weight(weight: float, cap: float | None) -> float:
+    """A sender's weight in the average: what it declared, at most its cap (None: no cap)."""
+    if cap is None:
+        return weight
+    return max(min(weight, cap), MIN_WEIGHT)
+
+
+def credentialed_members(
+    records: Collection[PeerRecord], authority: RunAuthority, *, stage: int, now: float | None = None
+) -> frozenset[str]:
+    """The peer ids among `records` whose own record carries a valid peer credential for `stage`."""
+    return frozenset(r.peer_id for r in credentialed_records(records, authority, stage=stage, now=now))
+
+
+class _CappedRunner(AllReduceRunner):
+    """An all-reduce whose reducer averages each sender's part with its weight capped."""
+
+    def __init__(self, *args, weight_caps: Mapping[str, float] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if weight_caps is None:
+            return
+        caps = [weight_caps.get(peer.to_base58(), 0.0) for peer in self.sender_peer_ids]
+        accumulate = self.tensor_part_reducer.accumulate_part
+
+        async def capped(sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
+            return await accumulate(
+                sender_index, part_index, tensor_part, weight=capped_weight(weight, caps[sender_index])
+            )
+
+        self.tensor_part_reducer.accumulate_part = capped
+
+
+class MemberAverager(hivemind.averaging.DecentralizedAverager):
+    """hivemind's averager with a member list and weight caps (see the module's docstring)."""
+
+    def __init__(self, *args, members: Collection[str] | None = None, **kwargs):
+        # set first: with start=True, hivemind's __init__ forks the averager's process itself
+        self._members = None if members is None else frozenset(members)
+        self._weight_caps: dict[str, float] | None = None
+        super().__init__(*args, **kwargs)
+
+    # --- set from the peer's process (through the averager's pipe, like hivemind's own setters) ---
+    def set_members(self, members: Collection[str]) -> None:
+        self._members = frozenset(members)
+        self._outer_pipe.send(("_set_members", [], dict(members=self._members)))
+
+    def set_weight_caps(self, caps: Mapping[str, float] | None) -> None:
+        self._outer_pipe.send(("_set_weight_caps", [], dict(caps=None if caps is None else dict(caps))))
+
+    async def _set_members(self, members: frozenset[str]) -> None:
+        self._members = members
+
+    async def _set_weight_caps(self, caps: dict[str, float] | None) -> None:
+        self._weight_caps = caps
+
+    # --- the checks, in the averager's process -----------------------------------------------------
+    def _is_member(self, context) -> bool:
+        return self._members is None or context.remote_id.to_base58() in self._members
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not self._is_member(context):
+            logger.warning(f"Refused an averaging join from {context.remote_id}: not a member of this run's stage")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not self._is_member(context):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not self._is_member(context):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        if self._members is not None:
+            outsiders = [p for p in group_info.peer_ids if p != self.peer_id and p.to_base58() not in self._members]
+            if outsiders:
+                raise MatchmakingException(f"the group holds {len(outsiders)} peer(s) without a credential of this run")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind's own (averager.py), with the capped runner."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = _CappedRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            weight_caps=self._weight_caps,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
+class AveragingMembers:
+    """Keeps a stage's member list fresh from the DHT: every `period_s`, and at once when a commit
+    names more replicas than the list holds (a replica that joined since). `averager()`: the stage's
+    averaging now (a move swaps it), anything with `set_members`, or None. With `recognize` (a
+    private run), the credentialed peers of every stage are passed to it too, with how long to
+    trust them (the admission guard then serves them the RPCs that carry no credential: probes)."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        authority: RunAuthority,
+        *,
+        model: str,
+        peer_id: str,
+        stage: Callable[[], int],
+        averager: Callable[[], Any],
+        period_s: float = 5.0,
+        num_stages: int = 1,
+        recognize: Callable[[Collection[str], float], None] | None = None,
+    ):
+        self.dht, self.authority, self.model, self.peer_id = dht, authority, model, peer_id
+        self.stage, self.averager, self.period_s = stage, averager, period_s
+        self.num_stages, self.recognize = num_stages, recognize
+        self.members: frozenset[str] = frozenset()
+        self._refreshed_at = 0.0
+
+    async def refresh(self) -> frozenset[str]:
+        stage = self.stage()
+        stages = range(self.num_stages) if self.recognize is not None else [stage]
+        fetched = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.model, s) for s in stages])
+        by_stage = dict(zip(stages, fetched))
+        members = credentialed_members(by_stage.get(stage, []), self.authority, stage=stage) - {self.peer_id}
+        if self.recognize is not None:
+            known = {r.peer_id for s, rs in by_stage.items() for r in credentialed_records(rs, self.authority, stage=s)}
+            self.recognize(known, time.time() + 3 * self.period_s)
+        averager = self.averager()
+        if averager is not None:  # every time: a move may have swapped the averager for a new one
+            averager.set_members(members)
+        self.members, self._refreshed_at = members, time.monotonic()
+        return members
+
+    async def refresh_if_short(self, group_size: int) -> None:
+        """Before a round of `group_size` replicas (this one included): refresh if some are unknown."""
+        if group_size - 1 > len(self.members) and time.monotonic() - self._refreshed_at > 0.5:
+            await self.refresh()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.refresh()
+            except Exception as e:  # the DHT may be slow; the next refresh tries again
+                logger.warning(f"Could not refresh the averaging members: {type(e).__name__}: {e}")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.period_s)
+            except TimeoutError:
+                pass
