@@ -1,12 +1,13 @@
 """Can others reach this node directly? A dial-back check, and advice a volunteer can act on.
 
 hivemind 1.1.12 has no reachability check of its own (AutoNAT runs inside p2pd and its verdict
-is not exposed), so peers help each other: a peer serves `RPC_REACHABILITY`; asked with a peer id
-and its multiaddrs, it starts a short-lived probe daemon (its own identity, relays off, so it
-cannot reuse an existing connection or go through a relay), dials those addresses and answers
-whether the handshake succeeded. A starting peer asks a few online peers and prints the verdict.
+is not exposed), so peers help each other: a peer serves `RPC_REACHABILITY`; asked by a caller
+for its own peer id and multiaddrs, it starts a short-lived probe daemon (its own identity, relays
+off, so it cannot reuse an existing connection or go through a relay), dials those of the addresses
+that are on the caller's own host and answers whether the handshake succeeded, with one error text
+for every failure, rate-limited per caller and in total. A starting peer asks a few online peers and prints the verdict.
 
-The pure parts (`direct_maddrs`, `address_scope`, `verdict`) hold every decision.
+The pure parts (`direct_maddrs`, `dial_back_targets`, `address_scope`, `verdict`) hold every decision.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from wire.request_limits import PenaltyBox
 
 logger = logging.getLogger(__name__)
 
@@ -129,32 +132,73 @@ def verdict(report: ReachabilityReport, *, use_auto_relay: bool) -> str:
 
 # --- serving the check ---------------------------------------------------------------------------
 
+DIAL_BACK_FAILED = "could not dial this caller back at its own address"
+"""The one answer for every failed or refused check: a helper that told a refused address, a
+closed port, a timeout and a failed handshake apart would be a port scanner for anyone (issue #30)."""
+
+
+def dial_back_targets(requested: Iterable[str], caller_hosts: Iterable[str]) -> list[str]:
+    """The requested direct addresses a helper may dial: only those on a host the caller's own
+    connection comes from, so a caller can make a helper dial nothing but itself."""
+    hosts = set(caller_hosts)
+    return [m for m in direct_maddrs(requested) if _host_of(m) in hosts]
+
+
+def _host_of(maddr: str) -> str | None:
+    parts = str(maddr).split("/")
+    return parts[2] if len(parts) >= 3 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else None
+
 
 class DialBackService:
-    """The `RPC_REACHABILITY` handler. One probe at a time; each probe daemon lives for one check."""
+    """The `RPC_REACHABILITY` handler. It dials back only the caller itself: the caller's own peer id
+    (the handshake checks it), at addresses on the host its connection comes from; at most one
+    probe at a time, `per_caller` checks per caller in a burst and `in_total` from all callers
+    (token buckets, refilled every `refill_s` seconds); every failure gets the same answer."""
 
-    def __init__(self, *, dial_timeout_s: float = 10.0):
+    def __init__(
+        self, *, dial_timeout_s: float = 10.0, per_caller: int = 2, in_total: int = 10, refill_s: float = 60.0
+    ):
         self.dial_timeout_s = dial_timeout_s
+        self.p2p: P2P | None = None  # set by `register`, or by the host that registers `rpc_check`
         self._lock = asyncio.Lock()
+        self._per_caller = PenaltyBox(burst=per_caller, refill_per_s=1.0 / refill_s)
+        self._in_total = PenaltyBox(burst=in_total, refill_per_s=in_total / refill_s, max_callers=1)
+        self.dials = 0  # probes actually started
 
     async def register(self, p2p: P2P) -> None:
+        self.p2p = p2p
         await p2p.add_protobuf_handler(RPC_REACHABILITY, self.rpc_check, runtime_pb2.ExpertRequest)
 
     async def rpc_check(self, request: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
+        caller = getattr(context, "remote_id", None)
         try:
             wanted = ReachabilityRequest.model_validate_json(request.metadata)
-            peer_id = PeerID.from_base58(wanted.peer_id)
-            maddrs = [Multiaddr(m) for m in direct_maddrs(wanted.maddrs)]
+            if caller is None or wanted.peer_id != caller.to_base58():
+                raise ValueError("a caller may only ask to be dialed itself")
+            if not (self._per_caller.allows(wanted.peer_id) and self._in_total.allows("all")):
+                raise ValueError("rate limited")
+            self._per_caller.penalize(wanted.peer_id)
+            self._in_total.penalize("all")
+            maddrs = [Multiaddr(m) for m in dial_back_targets(wanted.maddrs, await self._caller_hosts(caller))]
         except (ValidationError, ValueError, TypeError) as e:
-            return _response(ReachabilityResponse(reachable=False, error=f"malformed request: {e}"[:500]))
+            logger.info(f"Refused a reachability check: {e}")
+            return _response(ReachabilityResponse(reachable=False, error=DIAL_BACK_FAILED))
         async with self._lock:
-            response = await self._dial(peer_id, maddrs)
+            response = await self._dial(caller, maddrs)
         return _response(response)
+
+    async def _caller_hosts(self, caller: PeerID) -> set[str]:
+        """Hosts the caller's open connections to us come from (the p2p daemon's view, not its claim)."""
+        if self.p2p is None:
+            return set()
+        peers = await asyncio.wait_for(self.p2p.list_peers(), timeout=self.dial_timeout_s)
+        return {h for info in peers if info.peer_id == caller for a in info.addrs if (h := _host_of(str(a)))}
 
     async def _dial(self, peer_id: PeerID, maddrs: Sequence[Multiaddr]) -> ReachabilityResponse:
         if not maddrs:
-            return ReachabilityResponse(reachable=False, error="no direct address to dial")
+            return ReachabilityResponse(reachable=False, error=DIAL_BACK_FAILED)
         probe = None
+        self.dials += 1
         try:
             probe = await asyncio.wait_for(
                 P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False),
@@ -162,10 +206,9 @@ class DialBackService:
             )
             await asyncio.wait_for(probe._client.connect(peer_id, maddrs), timeout=self.dial_timeout_s)
             return ReachabilityResponse(reachable=True)
-        except TimeoutError:
-            return ReachabilityResponse(reachable=False, error=f"no answer within {self.dial_timeout_s:.0f} s")
-        except Exception as e:  # a failed dial surfaces as several p2pd error types
-            return ReachabilityResponse(reachable=False, error=f"{type(e).__name__}: {e}"[:500])
+        except Exception as e:  # a failed dial surfaces as several p2pd error types; all answer alike
+            logger.info(f"Reachability dial-back of {peer_id.to_base58()[-8:]} failed: {type(e).__name__}: {e}")
+            return ReachabilityResponse(reachable=False, error=DIAL_BACK_FAILED)
         finally:
             if probe is not None:
                 await probe.shutdown()

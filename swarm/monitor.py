@@ -1,7 +1,8 @@
 """`swarm monitor targets --out FILE`: keep a Prometheus `file_sd` file of every peer's metrics
 endpoint up to date from the DHT, so Prometheus finds peers by itself as they come and go.
 
-The targets are what the peers announce (`metrics_addr` in their records). A peer stays listed
+The targets are what the peers announce (`metrics_addr` in their records); with
+`--allowed-peers` (a private swarm), only the listed peers' addresses are written. A peer stays listed
 until it announces `offline` or its record expires, so a DHT lookup that times out once does not
 empty the file. The file is rewritten atomically, and only when its content changes.
 """
@@ -16,7 +17,7 @@ import logging
 import os
 import re
 import signal
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from hivemind.utils import get_dht_time
 
@@ -92,13 +93,16 @@ def merge_records(known: dict[str, PeerRecord], fresh: Iterable[PeerRecord], now
     return {peer_id: r for peer_id, r in sorted(merged.items()) if r.expires_at > now}
 
 
-def file_sd_groups(records: Iterable[PeerRecord]) -> list[dict]:
+def file_sd_groups(records: Iterable[PeerRecord], allowed_peers: Collection[str] = ()) -> list[dict]:
     """Prometheus file_sd target groups, one per (model, stage), sorted. Peers that announce no
-    metrics address (or a malformed one) are left out. Label names do not clash with the labels
-    of the peers' own metrics (which carry `stage` themselves)."""
+    metrics address (or a malformed one) are left out, and so, in a private swarm (`allowed_peers`
+    not empty), is every peer not on its list: anyone who can write to the DHT could otherwise make
+    Prometheus scrape any address it names. Label names do not clash with the labels of the peers'
+    own metrics (which carry `stage` themselves)."""
+    allowed = frozenset(allowed_peers)
     groups: dict[tuple[str, int, int], set[str]] = {}
     for record in records:
-        if record.metrics_addr is None:
+        if record.metrics_addr is None or (allowed and record.peer_id not in allowed):
             continue
         try:
             target = parse_metrics_addr(record.metrics_addr)
@@ -145,7 +149,7 @@ class TargetsWriter:
         )
         fresh = [record for records in [first, *rest] for record in records]
         self.known = merge_records(self.known, fresh, now=get_dht_time())
-        text = render(file_sd_groups(self.known.values()))
+        text = render(file_sd_groups(self.known.values(), self.config.allowed_peers))
         if text == self.written:
             return False
         write_atomically(self.config.out, text)

@@ -13,6 +13,7 @@ import torch
 
 from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
 from process.config import ConfigError, option
+from wire.protocol import ProtocolError
 
 GARBAGE_KINDS = ("none", "nan", "shape")
 # How the extra time of a slowed compute is spent:
@@ -46,6 +47,10 @@ class InjectedFault(RuntimeError):
     """A failure injected on purpose (`--fault-fail-rate`)."""
 
 
+class InjectedWrongStageError(ProtocolError):
+    """A "wrong stage" answer injected on purpose (`--fault-wrong-stage`): a fake record's peer."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FaultSettings:
     """What to break, for tests and benchmarks (the peer's `faults` config section)."""
@@ -67,16 +72,30 @@ class FaultSettings:
         choices=list(GARBAGE_KINDS),
     )
     fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
+    fault_claim_speedup: float = option(
+        1.0,
+        help="testing only: lie about speed: announce this many times the throughput and report "
+        "compute times this many times shorter (the rest as queueing)",
+    )
+    fault_wrong_stage: bool = option(False, help="testing only: answer every call 'wrong stage' (a fake record)")
 
     @property
     def enabled(self) -> bool:
-        return self.fault_slowdown != 1.0 or self.fault_fail_rate > 0.0 or self.fault_garbage != "none"
+        return (
+            self.fault_slowdown != 1.0
+            or self.fault_fail_rate > 0.0
+            or self.fault_garbage != "none"
+            or self.fault_claim_speedup != 1.0
+            or self.fault_wrong_stage
+        )
 
     def __post_init__(self) -> None:
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
             raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
         if self.fault_slowdown_mode not in SLOWDOWN_MODES:
             raise ConfigError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
+        if not self.fault_claim_speedup >= 1.0:
+            raise ConfigError("--fault-claim-speedup must be >= 1")
         if self.fault_garbage not in GARBAGE_KINDS or not 0.0 <= self.fault_garbage_rate <= 1.0:
             raise ConfigError(
                 f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
@@ -96,9 +115,19 @@ class FaultyStageRuntime:
     @property
     def throughput(self) -> ThroughputMeter:
         """What the peer announces: the inner measurement, slowed down as the calls are."""
-        return ThroughputMeter(initial=self._runtime.throughput.value / self._settings.fault_slowdown)
+        settings = self._settings
+        return ThroughputMeter(
+            initial=self._runtime.throughput.value / settings.fault_slowdown * settings.fault_claim_speedup
+        )
+
+    def claimed_times(self, compute_s: float, queue_s: float) -> tuple[float, float]:
+        """The (compute, queue) seconds to report: with --fault-claim-speedup, compute time passed off as queueing."""
+        claimed_s = compute_s / self._settings.fault_claim_speedup
+        return claimed_s, queue_s + compute_s - claimed_s
 
     def _run(self, compute, *args, **kwargs):
+        if self._settings.fault_wrong_stage:
+            raise InjectedWrongStageError(f"this peer serves another stage than {self._runtime.stage} (injected)")
         if self._rng.random() < self._settings.fault_fail_rate:
             raise InjectedFault("injected failure (--fault-fail-rate)")
         extra = self._settings.fault_slowdown - 1.0

@@ -26,9 +26,8 @@ from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
-from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
 from peers.replicas.averaging_members import AveragingMembers
-from peers.replicas.state_transfer import download_state
+from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
 from wire.messages import read_unary, unary_response, write_state

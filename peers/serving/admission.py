@@ -30,8 +30,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
-from wire.bounded_streams import StreamLimits, serve_bounded
 from dht.authority import ROLES, CredentialError, RunAuthority
+from wire.bounded_streams import StreamLimits, serve_bounded
 from wire.failures import Failure
 from wire.protocol import ProtocolError
 from wire.request_limits import (

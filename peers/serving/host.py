@@ -28,6 +28,7 @@ from hivemind.proto import runtime_pb2
 from dht.announce import fetch_stage_records_async
 from dht.authority import credential_summary, load_run_access
 from dht.reachability import (
+    DIAL_BACK_FAILED,
     RPC_REACHABILITY,
     DialBackService,
     ReachabilityReport,
@@ -93,6 +94,7 @@ class PeerHost:
                 ),
                 flush=True,
             )
+        self.dial_back = DialBackService()
         self.guard = AdmissionGuard(
             allowed_peers=config.network.allowed_peers,
             max_request_bytes=limits.max_request_bytes,
@@ -234,10 +236,11 @@ class PeerHost:
                 max_request_bytes=MAX_PROBE_BYTES,
             ),
             # ...and joining peers check that they are reachable.
-            Rpc(RPC_REACHABILITY, DialBackService().rpc_check, _refused_dial_back),
+            Rpc(RPC_REACHABILITY, self.dial_back.rpc_check, _refused_dial_back),
         ]
 
     async def register_rpcs(self, p2p) -> None:
+        self.dial_back.p2p = p2p  # it dials back callers only at the hosts their connections come from
         await self.guard.register(p2p, self.rpcs(), runtime_pb2.ExpertRequest)
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -349,5 +352,5 @@ class PeerHost:
 
 def _refused_dial_back(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(
-        metadata=ReachabilityResponse(reachable=False, error=str(error)[:500]).model_dump_json().encode()
+        metadata=ReachabilityResponse(reachable=False, error=DIAL_BACK_FAILED).model_dump_json().encode()
     )

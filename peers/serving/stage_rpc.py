@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 import torch
 
 from dht.records import PeerState
+from peers.compute.faults import FaultyStageRuntime, InjectedWrongStageError
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
@@ -114,6 +115,8 @@ class StageRpcService:
                 )
             queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
+            if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
+                compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
             response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
             serving.requests_served += 1
             if serving.requests_served == 1 and serving.announced_online_at is not None:
@@ -133,8 +136,9 @@ class StageRpcService:
             response, encoded_outputs = ResponseHeader(error=str(e), error_kind=Failure.INTERNAL), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             serving.requests_failed += 1
-            kind = Failure.WRONG_STAGE if isinstance(e, WrongStageError) else Failure.BAD_REQUEST
-            if not isinstance(e, WrongStageError):  # a stale route is no offence
+            wrong_stage = isinstance(e, (WrongStageError, InjectedWrongStageError))
+            kind = Failure.WRONG_STAGE if wrong_stage else Failure.BAD_REQUEST
+            if not wrong_stage:  # a stale route is no offence
                 self.guard.penalize(caller)
             failed_as = (
                 Failure.TOO_LARGE

@@ -1,8 +1,9 @@
 """The swarm as the trainer sees it: which replicas serve each stage, read from the DHT.
 
-`SwarmView` holds, per stage, the online peers' records and the `ReplicaScheduler` that routes
-calls among them (swarm/trainer/routing.py), and the `BanList` of peers to avoid for a while
-(swarm/trainer/failures.py). `refresh()` re-reads the records and feeds the schedulers; calls
+`SwarmView` holds, per stage, the online peers' records, the `ReplicaScheduler` that routes
+calls among them (swarm/trainer/routing.py) and the `NewcomerCap` on peers first seen lately
+(swarm/trainer/newcomers.py), and the `BanList` of peers to avoid for a while and the
+`ProtocolViolations` of peers to avoid for long (swarm/trainer/failures.py). `refresh()` re-reads the records and feeds the schedulers; calls
 (stage_call.py) choose replicas from it and report back to it. The functions below it find what a
 run starts from: the number of stages, the split the peers serve, a replica on every stage.
 """
@@ -20,8 +21,9 @@ from dht.authority import RunAuthority, credentialed_records
 from dht.model_match import check_same_model, check_same_vocabulary, foreign_records
 from dht.records import PeerRecord, PeerState
 from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
-from swarm.trainer.failures import BanList
+from swarm.trainer.failures import BanList, ProtocolViolations
 from swarm.trainer.metrics import TrainerMetrics
+from swarm.trainer.newcomers import NewcomerCap
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,10 @@ class SwarmView:
         # again, and a stage whose only replica had a glitch must not stall for 15 s; a call that failed
         # slowly (a timeout) is banned at least 3x as long as it took (see StageCaller).
         self.bans = BanList(base_s=1.0, max_s=60.0)
+        # Peers that broke the protocol (a wrong-stage or malformed answer) are avoided for long, and
+        # peers first seen lately take a bounded share of their stage's calls (issue #30).
+        self.violations = ProtocolViolations()
+        self.newcomers = [NewcomerCap() for _ in range(num_stages)]
         self.records: list[list[PeerRecord]] = [[] for _ in range(num_stages)]
         self.refreshes = 0
         self._say = say
@@ -80,6 +86,7 @@ class SwarmView:
                     + (f"; left {', '.join(left)}" if left else "")
                 )
             self.records[stage] = online
+            self.newcomers[stage].saw(r.peer_id for r in online)
             self.schedulers[stage].update_replicas([ReplicaInfo(r.peer_id, r.throughput) for r in online])
         self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
         self.refreshes += 1

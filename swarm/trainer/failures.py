@@ -249,3 +249,76 @@ class RetryBudget:
     def failed_peers(self) -> set[str]:
         """Peers that already failed this microbatch (to exclude from the next choice)."""
         return {peer_id for peer_id, _ in self._failures}
+
+
+class ProtocolViolations:
+    """Peers that broke the protocol, avoided for a long time: not a glitch to retry soon.
+
+    A failure (a timeout, a dropped stream) may be bad luck and earns a short ``BanList`` ban; a
+    protocol violation is the peer's own doing: a "wrong stage" answer from a record that names the
+    stage, an answer of the wrong shape, NaN or inf. Nine fake records that announced a huge
+    throughput and answered "wrong stage" were never banned and cut throughput 100x (issue #30).
+
+    A wrong-stage answer bans the peer on that stage only (an honest peer that moved has left an old
+    record behind, and serves its new stage); a malformed answer bans the identity on every stage.
+    A success does not lift these bans. Memory stays bounded: at most ``max_peers`` entries, the
+    oldest ban forgotten first, and expired ones dropped.
+
+    stage_ban_s: how long a wrong-stage answer bans the peer on that stage.
+    identity_ban_s: how long a malformed answer bans the peer everywhere.
+    clock: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage_ban_s: float = 900.0,
+        identity_ban_s: float = 3600.0,
+        max_peers: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (("stage_ban_s", stage_ban_s), ("identity_ban_s", identity_ban_s)):
+            if not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if max_peers < 1:
+            raise ValueError(f"max_peers must be at least 1, got {max_peers}")
+        self._stage_ban_s, self._identity_ban_s = stage_ban_s, identity_ban_s
+        self._max_peers = max_peers
+        self._clock = clock
+        self._until_s: dict[tuple[str, int | None], float] = {}  # (peer, stage or None = every stage)
+        self.reasons: dict[str, str] = {}  # peer -> the latest violation, for logs and reports
+
+    def wrong_stage(self, peer_id: str, stage: int, reason: str) -> float:
+        """The peer answered "wrong stage" to a call routed by its own record of `stage`."""
+        return self._ban(peer_id, stage, self._stage_ban_s, reason)
+
+    def malformed(self, peer_id: str, reason: str) -> float:
+        """The peer's answer broke the contract (shape, dtype, NaN/inf, undecodable)."""
+        return self._ban(peer_id, None, self._identity_ban_s, reason)
+
+    def banned(self, stage: int) -> set[str]:
+        """Peers not to route `stage`'s calls to now."""
+        now_s = self._clock()
+        self._forget_expired(now_s)
+        return {peer for (peer, where), until_s in self._until_s.items() if where in (None, stage) and now_s < until_s}
+
+    def _ban(self, peer_id: str, stage: int | None, duration_s: float, reason: str) -> float:
+        now_s = self._clock()
+        self._forget_expired(now_s)
+        key = (peer_id, stage)
+        self._until_s.pop(key, None)  # re-inserted last: the newest ban is forgotten last
+        self._until_s[key] = now_s + duration_s
+        self.reasons.pop(peer_id, None)
+        self.reasons[peer_id] = reason
+        while len(self._until_s) > self._max_peers:
+            self._forget(next(iter(self._until_s)))
+        return duration_s
+
+    def _forget_expired(self, now_s: float) -> None:
+        for key in [k for k, until_s in self._until_s.items() if now_s >= until_s]:
+            self._forget(key)
+
+    def _forget(self, key: tuple[str, int | None]) -> None:
+        del self._until_s[key]
+        if not any(peer == key[0] for peer, _ in self._until_s):
+            self.reasons.pop(key[0], None)

@@ -180,10 +180,11 @@ class ReplicaScheduler:
     def report_success(self, peer_id: str, task: Task, samples: int, elapsed_s: float) -> None:
         """Fold a measured call into the peer's throughput EMA.
 
-        elapsed_s: seconds the call kept the replica busy (the caller decides what counts: the
-        pipeline passes the replica's own compute time, or its link time when that is longer);
-        0 (below clock resolution) carries no information and only settles the task. Reports for
-        peers dropped since are ignored.
+        elapsed_s: seconds the call kept the replica busy, as the caller measured it: the pipeline
+        passes its own service time (swarm/trainer/service_clock.py), never times the replica
+        reports about itself, which it could set to ~0 to draw every call; 0 (below clock
+        resolution) carries no information and only settles the task. Reports for peers dropped
+        since are ignored.
         """
         cost = self._task_cost(task)
         _check_samples(samples)

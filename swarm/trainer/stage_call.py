@@ -31,6 +31,7 @@ from swarm.trainer.config import FailoverSettings
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.failures import RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
 from swarm.trainer.metrics import TrainerMetrics
+from swarm.trainer.service_clock import ServiceClock
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.failures import Failure
 from wire.protocol import ResponseHeader
@@ -98,6 +99,7 @@ class StageCaller:
         self.codecs = codecs or CodecPolicy("none")
         self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
         self.timeouts = TimeoutPolicy()
+        self.service = ServiceClock()  # routing's measure of each replica: the trainer's own clock
         self.counters = CallCounters()
         self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
@@ -139,15 +141,14 @@ class StageCaller:
         pass, which the peer answers without keeping anything or counting the samples."""
         failures = [] if failures is None else failures
         numel_out = batch_size * self.seq_len * self.d_model
-        scheduler, bans = self.view.schedulers[stage], self.view.bans
+        scheduler, bans, newcomers = self.view.schedulers[stage], self.view.bans, self.view.newcomers[stage]
         budget = RetryBudget(stage, max_retries=self.max_retries)
         waited_since = None
         while True:
+            exclude = bans.banned() | budget.failed_peers() | self.view.violations.banned(stage)
+            exclude |= newcomers.excluded(set(scheduler.keys_s()) - exclude)
             peer_id = scheduler.choose(
-                rpc,
-                batch_size,
-                exclude=bans.banned() | budget.failed_peers(),
-                cached_on=cached_on if rpc == "backward" else None,
+                rpc, batch_size, exclude=exclude, cached_on=cached_on if rpc == "backward" else None
             )
             if peer_id is None:
                 waited_since = waited_since or time.monotonic()
@@ -155,6 +156,7 @@ class StageCaller:
                 budget = RetryBudget(stage, max_retries=self.max_retries)
                 continue
             waited_since = None
+            newcomers.called(peer_id)
             timeout_s = self.timeouts.timeout_s(stage, rpc)
             started = time.perf_counter()
             skip_inputs = rpc == "backward" and peer_id == cached_on and any(n == "inputs" for n, _ in tensors)
@@ -199,7 +201,9 @@ class StageCaller:
                     self.counters.backward_inputs_skipped += 1
             except PeerCallError as e:
                 self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
-                self._note_failure(stage, peer_id, e, failed_after_s=time.perf_counter() - started)
+                failed_at = time.perf_counter()
+                self.service.finished(peer_id, started, failed_at)
+                self._note_failure(stage, peer_id, e, failed_after_s=failed_at - started)
                 failures.append(str(e))
                 try:
                     budget.record_failure(peer_id, str(e))
@@ -209,8 +213,11 @@ class StageCaller:
                     await self._wait_for_replica(stage, waited_since, budget)
                     budget = RetryBudget(stage, max_retries=self.max_retries)
                 continue
-            elapsed = time.perf_counter() - started
-            self._note_success(stage, rpc, peer_id, batch_size, elapsed, result.response, result.moved, skip_inputs)
+            done = time.perf_counter()
+            service_s = self.service.finished(peer_id, started, done)
+            self._note_success(
+                stage, rpc, peer_id, batch_size, done - started, service_s, result.response, result.moved, skip_inputs
+            )
             return StageAnswer(result.outputs, result.response, peer_id, result.received, codec_key(response_codec))
 
     def _note_success(
@@ -220,21 +227,22 @@ class StageCaller:
         peer_id: str,
         batch_size: int,
         elapsed: float,
+        service_s: float,
         response: ResponseHeader,
         moved: int,
         from_cache: bool,
     ) -> None:
         self.metrics.observe_call(stage=stage, rpc=rpc, duration_s=elapsed)
-        # A replica's throughput is set by its busier own resource: its compute thread, or its link
-        # (the call minus what the peer spent queued and computing: wire time both ways and
-        # (de)serialization). With several calls in flight the two overlap, so the larger one is the
-        # bound, not their sum. Time queued behind our other requests says how much we sent, not how
-        # fast the replica is: counting it made the busiest replica look slow.
-        compute_s = min(max(response.compute_s, 0.0), elapsed)
-        transfer_s = max(elapsed - max(response.queue_s, 0.0) - compute_s, 0.0)
+        # Routing trusts only what this trainer measured: the time the call kept the replica busy on
+        # our own clock (swarm/trainer/service_clock.py), never the compute and queue times the
+        # replica reports, which a replica could set to ~0 to draw nearly every call (issue #30).
         # A backward answered without its inputs was served from the activation cache (no recompute).
         task = "backward_cached" if from_cache else rpc
-        self.view.schedulers[stage].report_success(peer_id, task, batch_size, max(compute_s, transfer_s))
+        self.view.schedulers[stage].report_success(peer_id, task, batch_size, service_s)
+        # The codec choice may use the replica's own split of the call into compute and wire time:
+        # a replica lying there can only change how our tensors to it are compressed.
+        compute_s = min(max(response.compute_s, 0.0), elapsed)
+        transfer_s = max(elapsed - max(response.queue_s, 0.0) - compute_s, 0.0)
         self.codecs.observe(
             peer_id, stage, nbytes=moved, transfer_s=transfer_s, compute_s=compute_s, batch_size=batch_size
         )
@@ -248,11 +256,20 @@ class StageCaller:
         self.counters.calls_retried += 1
         kind = error.kind.value
         self.counters.failures_by_kind[kind] = self.counters.failures_by_kind.get(kind, 0) + 1
-        if error.kind != Failure.WRONG_STAGE:  # a peer that moved is not banned: a refresh drops it
+        # A protocol violation is the peer's own doing, not bad luck: avoided for long. A wrong-stage
+        # answer to a call routed by the peer's own record of this stage bans it on this stage (an
+        # honest peer that moved serves its new one); a malformed answer bans it everywhere.
+        if error.kind == Failure.WRONG_STAGE:
+            banned_s = self.view.violations.wrong_stage(peer_id, stage, str(error))
+            logger.warning(f"stage {stage}: {error}; not routing stage {stage} there for {banned_s:.0f} s")
+        elif error.kind == Failure.GARBAGE:
+            banned_s = self.view.violations.malformed(peer_id, str(error))
+            logger.warning(f"stage {stage}: {error}; not routing anything there for {banned_s:.0f} s")
+        else:
             # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
             self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
-            self.metrics.bans.labels(stage=str(stage)).inc()
-        logger.warning(f"stage {stage}: {error}; retrying on another replica")
+            logger.warning(f"stage {stage}: {error}; retrying on another replica")
+        self.metrics.bans.labels(stage=str(stage)).inc()
 
     async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
         """No replica can take this call now: refresh the peer list until one can, or give up."""

@@ -164,3 +164,9 @@ def test_the_cli_reports_a_missing_out_in_one_line(capsys):
     assert main(["monitor", "targets"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "swarm monitor: error: --out is required (the file_sd JSON file to keep up to date)"
+
+
+def test_a_private_swarm_lists_only_allowed_peers_metrics_addresses():
+    records = [record("allowed", addr="10.0.0.1:9100"), record("stranger", addr="10.9.9.9:22")]
+    assert [g["targets"] for g in file_sd_groups(records, allowed_peers=["allowed"])] == [["10.0.0.1:9100"]]
+    assert [g["targets"] for g in file_sd_groups(records)] == [["10.0.0.1:9100", "10.9.9.9:22"]]  # an open swarm
