@@ -13,6 +13,7 @@ import os
 import sys
 
 from process.config import ConfigError, add_config_arguments, describe, from_sources
+from process.lifetime import EXIT_SIGNALLED, StopRequested, bind_children_to_parent
 
 EXIT_USAGE = 2
 
@@ -91,12 +92,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = from_sources(TrainerConfig, args)
     print(describe(config), flush=True)
     report = run_trainer(config)
+    loss = (
+        f"loss {report.initial_loss:.4f} -> {report.final_loss:.4f}"
+        if report.initial_loss is not None and report.final_loss is not None
+        else "no loss yet"
+    )
     print(
-        f"done: {report.steps} steps, loss {report.initial_loss:.4f} -> {report.final_loss:.4f}, "
+        f"{'stopped early' if report.stopped_early else 'done'}: {report.steps} steps, {loss}, "
         f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost",
         flush=True,
     )
-    return 0
+    return EXIT_SIGNALLED if report.stopped_early else 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -223,12 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
+    bind_children_to_parent()  # the DHT process and p2pd end with this process, also on SIGKILL
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StopRequested):
         print("swarm: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGNALLED
     except _user_errors() as e:
         if os.environ.get("SWARM_DEBUG"):
             raise

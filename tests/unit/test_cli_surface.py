@@ -60,6 +60,7 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--seed",
     "--stage-wait-timeout-s",
     "--steps",
+    "--stop-timeout-s",  # added deliberately: how long SIGTERM waits for the step in flight (issue #29)
     "--topk-fraction",
 }
 TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
@@ -73,6 +74,7 @@ TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "batch_size": 32,
     "microbatch_size": 4,
     "max_in_flight": 8,
+    "stop_timeout_s": 30.0,
     "data": None,
     "seed": 0,
     "report": None,
