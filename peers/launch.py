@@ -94,6 +94,13 @@ def run_peer(config: PeerConfig) -> None:
             flush=True,
         )
     dht = start_dht(config.network)
+    print(
+        f"peer {dht.peer_id.to_base58()} starting: {config.model}, stage "
+        f"{'auto' if config.stage == AUTO_STAGE else config.stage} of {config.num_stages}, "
+        f"averaging {config.replicas.averaging}, checkpoints {config.checkpointing.checkpoint_dir or 'off'} "
+        f"(--verbose prints the whole configuration)",
+        flush=True,
+    )
     try:
         # Peers of another model under the same name: refused before claiming anything.
         live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]

@@ -353,6 +353,12 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
         report_path = os.path.abspath(reporting.report)  # a killed run's half-written report
         remove_stale_temporaries(os.path.dirname(report_path), f"{os.path.basename(report_path)}.tmp.*")
     dht = start_dht(config.network, client_mode=True)
+    schedule = config.schedule
+    say(
+        f"trainer {dht.peer_id.to_base58()} starting: {config.model}, {schedule.steps} steps of {schedule.batch_size} "
+        f"samples, data {config.corpus.data or 'the default corpus'}, report {reporting.report or 'none'} "
+        f"(--verbose prints the whole configuration)"
+    )
     try:
         asyncio.run(_train_until_signalled(config, dht, report, say, metrics))
     finally:
