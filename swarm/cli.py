@@ -18,6 +18,9 @@ from process.lifetime import EXIT_SIGNALLED, StopRequested, bind_children_to_par
 EXIT_USAGE = 2
 
 
+# Flags every role has besides its configuration's (not part of any config dataclass).
+PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose"})
+PROCESS_VARIABLES = frozenset({"SWARM_VERBOSE"})
 QUIET_LIBRARIES = ("bitsandbytes",)  # warn about optional kernels we never use; shown at SWARM_LOGLEVEL=INFO/DEBUG
 
 

@@ -8,7 +8,7 @@ import argparse
 import re
 
 from process.config import env_variables, from_sources, options
-from swarm.cli import build_parser
+from swarm.cli import PROCESS_FLAGS, PROCESS_VARIABLES, build_parser
 from swarm.planner.plan_config import PlanConfig
 from swarm.trainer.config import TrainerConfig
 
@@ -146,12 +146,12 @@ def subcommand(name: str) -> argparse.ArgumentParser:
 
 
 def flags(name: str) -> set[str]:
-    return {s for a in subcommand(name)._actions for s in a.option_strings} - {"-h", "--help"}
+    return {s for a in subcommand(name)._actions for s in a.option_strings} - {"-h", "--help"} - PROCESS_FLAGS
 
 
 def documented_variables(name: str) -> set[str]:
     """The variables `swarm NAME --help` names, one `[env SWARM_...]` per flag."""
-    return set(re.findall(r"\[env (SWARM_\w+)\]", " ".join(subcommand(name).format_help().split())))
+    return set(re.findall(r"\[env (SWARM_\w+)\]", " ".join(subcommand(name).format_help().split()))) - PROCESS_VARIABLES
 
 
 def leaf_values(config) -> dict:
