@@ -29,7 +29,14 @@ from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.discovery import SwarmView
-from swarm.trainer.failures import RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
+from swarm.trainer.failures import (
+    NotAllowedError,
+    RetriesExhaustedError,
+    RetryBudget,
+    StageUnavailableError,
+    TimeoutPolicy,
+    refused_as_not_allowed,
+)
 from swarm.trainer.metrics import TrainerMetrics
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.failures import Failure
@@ -93,6 +100,7 @@ class StageCaller:
         self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
         self.timeouts = TimeoutPolicy()
         self.counters = CallCounters()
+        self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
         self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
@@ -140,9 +148,11 @@ class StageCaller:
             peer_id = scheduler.choose(
                 rpc,
                 batch_size,
-                exclude=bans.banned() | budget.failed_peers(),
+                exclude=bans.banned() | budget.failed_peers() | self.not_allowed_by.keys(),
                 cached_on=cached_on if rpc == "backward" else None,
             )
+            if peer_id is None and self.not_allowed_by:  # no retry lets us into a private swarm
+                raise NotAllowedError(stage, self._my_peer_id(), list(self.not_allowed_by.values()))
             if peer_id is None:
                 waited_since = waited_since or time.monotonic()
                 await self._wait_for_replica(stage, waited_since, budget)
@@ -192,6 +202,9 @@ class StageCaller:
                     self.counters.backward_inputs_skipped += 1
             except PeerCallError as e:
                 self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
+                if e.kind == Failure.REFUSED and refused_as_not_allowed(str(e)):
+                    self.not_allowed_by[peer_id] = peer_id[-8:]
+                    continue
                 self._note_failure(stage, peer_id, e, failed_after_s=time.perf_counter() - started)
                 failures.append(str(e))
                 try:
@@ -246,6 +259,10 @@ class StageCaller:
             self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
             self.metrics.bans.labels(stage=str(stage)).inc()
         logger.warning(f"stage {stage}: {error}; retrying on another replica")
+
+    def _my_peer_id(self) -> str:
+        p2p = getattr(self.client, "p2p", None)
+        return p2p.peer_id.to_base58() if p2p is not None else "(unknown)"
 
     async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
         """No replica can take this call now: refresh the peer list until one can, or give up."""
