@@ -170,13 +170,20 @@ class LocalSwarm:
         return [p for p in self.processes if p.name.startswith("peer-")]
 
     def stop(self) -> None:
-        """Stop everything: trainers and peers first (they announce offline), the bootstrap last."""
-        order = sorted(self.processes, key=lambda p: p.name == "bootstrap")
-        for process in order:
-            if process.alive and process.name != "bootstrap":
-                process.popen.send_signal(signal.SIGTERM)
-        for process in order:
-            process.stop()
+        """Stop everything in order: trainers and tools first (a trainer's last step and commit still
+        reach the peers), then the peers together (each saves, then announces offline), the bootstrap
+        node last."""
+        phases = [
+            [p for p in self.processes if not p.name.startswith("peer-") and p.name != "bootstrap"],
+            [p for p in self.processes if p.name.startswith("peer-")],
+            [p for p in self.processes if p.name == "bootstrap"],
+        ]
+        for phase in phases:
+            for process in phase:
+                if process.alive:
+                    process.popen.send_signal(signal.SIGTERM)
+            for process in phase:
+                process.stop()
 
     def __enter__(self) -> LocalSwarm:
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,30 +14,43 @@ from pathlib import Path
 import pytest
 
 from process.lifetime import die_with_parent
+from tests.integration.polling import wait_for
 
 
 @pytest.mark.slow
-def test_a_short_demo_logs_no_traceback_and_no_warning(tmp_path):
+@pytest.mark.parametrize("ending", ["completed", "ctrl-c"])
+def test_a_short_demo_logs_no_traceback_and_no_warning(tmp_path, ending):
+    """Run to the end, or Ctrl-C (SIGINT to the demo's whole process group, as a terminal sends it)
+    after a few steps."""
     workdir = tmp_path / "work"
-    args = ["demo", "--model", "tiny", "--peers", "2", "--stages", "2", "--steps", "4", "--tokenizer", "bytes",
+    steps = "4" if ending == "completed" else "100000"
+    args = ["demo", "--model", "tiny", "--peers", "2", "--stages", "2", "--steps", steps, "--tokenizer", "bytes",
             "--batch-size", "8", "--eval-every", "2", "--eval-batches", "1", "--workdir", str(workdir)]  # fmt: skip
+    log_path = tmp_path / "demo.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed below, once the demo is done)
     env = {k: v for k, v in os.environ.items() if k not in ("SWARM_LOGLEVEL", "SWARM_VERBOSE")}
     demo = subprocess.Popen(
         [sys.executable, "-m", "swarm.cli", *args],
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        text=True,
         env={**env, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
         preexec_fn=die_with_parent(),
     )
     try:
-        output, _ = demo.communicate(timeout=300)
+        if ending == "ctrl-c":
+            wait_for(lambda: "step    3/" in log_path.read_text() or demo.poll() is not None, 180, "step 3")
+            os.killpg(demo.pid, signal.SIGINT)
+        demo.wait(timeout=300)
     finally:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
-    assert demo.returncode == 0, output
+    log.close()
+    output = log_path.read_text()
+    assert demo.returncode == (0 if ending == "completed" else 130), output
+    assert "all processes stopped" in output
     logs = {"demo": output} | {path.name: path.read_text() for path in Path(workdir).glob("*.log")}
     assert {"bootstrap.log", "trainer.log"} <= set(logs) and sum(name.startswith("peer-") for name in logs) == 2
     for name, text in logs.items():
