@@ -19,7 +19,7 @@ import dataclasses
 import os
 
 from dht.node import NetworkConfig
-from models.config import lora_rank
+from models.config import lora_rank, model_names_help
 from models.model_source import resolve_model
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
@@ -123,7 +123,7 @@ class ReportingSettings:
 
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
-    model: str = option("small", help="model name; must match the peers'")
+    model: str = option("small", help=f"{model_names_help()}; must match the peers'")
     model_dir: str | None = option(
         None,
         help="the Hugging Face model folder the peers serve (--model-dir of `swarm peer`): its config gives the model",
