@@ -258,7 +258,9 @@ class StageCaller:
             # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
             self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
             self.metrics.bans.labels(stage=str(stage)).inc()
-        logger.warning(f"stage {stage}: {error}; retrying on another replica")
+        # Failover is routine (a stream reset, a peer that left): the retry is counted in the report and
+        # the metrics; only a microbatch that runs out of retries is worth a warning (RetriesExhaustedError).
+        logger.info(f"stage {stage}: {error}; retrying on another replica")
 
     def _my_peer_id(self) -> str:
         p2p = getattr(self.client, "p2p", None)
