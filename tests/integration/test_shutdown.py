@@ -101,6 +101,22 @@ def test_peer_ends_whole(swarm, tmp_path, sig):
     assert peer_id in records and records[peer_id].state == PeerState.OFFLINE, records
 
 
+def test_a_peer_stopped_with_its_process_group_still_saves_and_says_offline(swarm, tmp_path):
+    """A supervisor's stop (SIGTERM to the whole group) reaches only the peer's main process: its DHT
+    process and p2pd live in groups of their own, so the checkpoint and the offline record do not
+    wait on a daemon that died first."""
+    checkpoints = tmp_path / "ckpt"
+    peer = swarm.start_peer(0, "--checkpoint-dir", str(checkpoints), name="peer-group")
+    swarm.wait_online([peer])
+    tree = process_tree(peer.popen.pid)
+    os.killpg(peer.popen.pid, signal.SIGTERM)
+    peer.popen.wait(timeout=GONE_WITHIN_S)
+    wait_for(lambda: not running(tree), GONE_WITHIN_S, "no process of the tree left")
+    log = peer.log()
+    assert glob.glob(str(checkpoints / "*.ckpt")) and not glob.glob(str(checkpoints / "*.tmp.*")), log
+    assert "offline after" in log and "Traceback" not in log and "timed out" not in log, log
+
+
 @pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
 def test_trainer_ends_whole(swarm, tmp_path, sig):
     report_path = tmp_path / "report.json"
