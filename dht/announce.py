@@ -16,15 +16,18 @@ async def announce(dht: hivemind.DHT, record: PeerRecord, *, timeout_s: float = 
     identity = identity_of(dht)
     if record.peer_id != identity.peer_id:
         raise ValueError(f"this node is {identity.peer_id} and can only announce its own record, not {record.peer_id}")
-    future = dht.store(
-        stage_key(record.model, record.stage),
-        subkey=peer_subkey(record.peer_id, identity.owner_marker),
-        value=record.to_wire(),
-        expiration_time=record.expires_at,
-        return_future=True,
-    )
+
+    def store():
+        return dht.store(
+            stage_key(record.model, record.stage),
+            subkey=peer_subkey(record.peer_id, identity.owner_marker),
+            value=record.to_wire(),
+            expiration_time=record.expires_at,
+            return_future=True,
+        )
+
     return await await_store(
-        future, timeout_s=timeout_s, what=f"Announcing {record.state.value} for stage {record.stage}"
+        store, timeout_s=timeout_s, what=f"Announcing {record.state.value} for stage {record.stage}"
     )
 
 

@@ -105,14 +105,17 @@ def parse_link_records(entries: dict[Any, Any], *, model: str, now: float | None
 
 async def publish_links_async(dht: hivemind.DHT, record: LinkRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` until its `expires_at`. Returns whether it was stored."""
-    future = dht.store(
-        links_key(record.model),
-        subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
-        value=record.to_wire(),
-        expiration_time=record.expires_at,
-        return_future=True,
-    )
-    return await await_store(future, timeout_s=timeout_s, what=f"Publishing the links of {record.peer_id[-8:]}")
+
+    def store():
+        return dht.store(
+            links_key(record.model),
+            subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
+            value=record.to_wire(),
+            expiration_time=record.expires_at,
+            return_future=True,
+        )
+
+    return await await_store(store, timeout_s=timeout_s, what=f"Publishing the links of {record.peer_id[-8:]}")
 
 
 def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[LinkRecord]:

@@ -131,11 +131,13 @@ def _store(dht: hivemind.DHT, plan: PlanRecord):
 
 def publish_plan(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `plan` (blocking). Returns whether it was stored."""
-    return wait_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
+    return wait_store(lambda: _store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
 
 
 async def publish_plan_async(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:
-    return await await_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
+    return await await_store(
+        lambda: _store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}"
+    )
 
 
 def _current(dht: hivemind.DHT, entries: dict, model: str) -> PlanRecord | None:

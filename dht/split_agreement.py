@@ -107,11 +107,13 @@ def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[SplitRecord]:
 
 def publish_split(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` (blocking). Returns whether it was stored."""
-    return wait_store(_store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
+    return wait_store(lambda: _store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
 
 
 async def publish_split_async(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
-    return await await_store(_store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
+    return await await_store(
+        lambda: _store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}"
+    )
 
 
 def fetch_split_records(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[SplitRecord]:

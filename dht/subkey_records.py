@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # parsing must not import hivemind (and torch): `peers.health` parses records every 30 s
@@ -70,24 +71,57 @@ def misfiled_under(model: str) -> Callable[[Any, Any], str | None]:
     return misfiled
 
 
-async def await_store(future, *, timeout_s: float, what: str) -> bool:
-    """Whether a `dht.store(..., return_future=True)` succeeded within timeout_s (else a warning)."""
-    try:
-        return bool(await asyncio.wait_for(future, timeout=timeout_s))
-    except TimeoutError:
-        future.cancel()
-        logger.warning(f"{what} timed out after {timeout_s} s")
-        return False
+RETRY_FIRST_S = 0.2  # the first pause after a store that no node accepted; doubled each time...
+RETRY_MAX_S = 2.0  # ...up to this
 
 
-def wait_store(future, *, timeout_s: float, what: str) -> bool:
+def retry_delays(first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S) -> Iterator[float]:
+    """The pauses between attempts of a DHT write: exponential backoff, capped."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(delay * 2, max_s)
+
+
+async def await_store(store: Callable[[], Any], *, timeout_s: float, what: str) -> bool:
+    """Whether `store()` (a `dht.store(..., return_future=True)`) succeeded within timeout_s. A write
+    that no node accepted (a transient refusal on a quiet swarm) is tried again after a backoff
+    pause, as long as the deadline allows; a write that gets no answer by the deadline costs a
+    warning."""
+    deadline = time.monotonic() + timeout_s
+    delays = retry_delays()
+    while True:
+        future = store()
+        try:
+            if await asyncio.wait_for(future, timeout=max(deadline - time.monotonic(), 0.01)):
+                return True
+        except TimeoutError:
+            future.cancel()
+            logger.warning(f"{what} timed out after {timeout_s} s")
+            return False
+        pause = next(delays)
+        if time.monotonic() + pause >= deadline:
+            return False
+        await asyncio.sleep(pause)
+
+
+def wait_store(store: Callable[[], Any], *, timeout_s: float, what: str) -> bool:
     """`await_store` for callers outside the event loop (blocking)."""
-    try:
-        return bool(future.result(timeout=timeout_s))
-    except TimeoutError:
-        future.cancel()
-        logger.warning(f"{what} timed out after {timeout_s} s")
-        return False
+    deadline = time.monotonic() + timeout_s
+    delays = retry_delays()
+    while True:
+        future = store()
+        try:
+            if future.result(timeout=max(deadline - time.monotonic(), 0.01)):
+                return True
+        except TimeoutError:
+            future.cancel()
+            logger.warning(f"{what} timed out after {timeout_s} s")
+            return False
+        pause = next(delays)
+        if time.monotonic() + pause >= deadline:
+            return False
+        time.sleep(pause)
 
 
 def lookup(dht: hivemind.DHT, key: str, *, timeout_s: float) -> dict[Any, Any]:

@@ -186,6 +186,14 @@ MODEL_CONFIGS: dict[str, GPTConfig] = {
 }
 
 
+def model_names_help() -> str:
+    """The built-in models, for a --model flag's help."""
+    return (
+        f"a built-in model ({', '.join(MODEL_CONFIGS)}), a Hugging Face folder's name with --model-dir, "
+        f"or module.path:function for your own architecture"
+    )
+
+
 def get_model_config(name: str) -> GPTConfig:
     """The named config, or an `UnknownModelError` that lists the known names. A name of the form
     `package.module:function` is a user architecture (models/interface.py; UserModelError)."""

@@ -28,7 +28,7 @@ import dataclasses
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from dht.record_policy import MAX_RECORD_TTL_S
-from models.config import lora_rank
+from models.config import lora_rank, model_names_help
 from models.model_source import resolve_model
 from models.stages import stage_spec
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
@@ -348,8 +348,8 @@ class MetricsSettings:
 class PeerConfig:
     model: str = option(
         "small",
-        help="model name (see `swarm train --help` for the list); with --model-dir, the swarm's name "
-        "for the folder's model (default: the folder's name)",
+        help=f"{model_names_help()}; with --model-dir, the swarm's name for the folder's model "
+        "(default: the folder's name)",
     )
     model_dir: str | None = option(
         None,

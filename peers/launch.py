@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
 
 import torch
 
@@ -32,6 +31,7 @@ from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
 from peers.serving.host import PeerHost
 from process.config import ConfigError
+from process.lifetime import ShutdownSignals, remove_stale_temporaries
 from process.metrics_http import advertised_metrics_addr, serve_metrics
 from wire import compression
 
@@ -49,6 +49,9 @@ def run_peer(config: PeerConfig) -> None:
         flush=True,
     )
     check_optimizer(config.optim.optimizer, device)
+    if config.checkpointing.checkpoint_dir and os.path.isdir(config.checkpointing.checkpoint_dir):
+        for path in remove_stale_temporaries(config.checkpointing.checkpoint_dir):  # a killed save's leftovers
+            print(f"removed {path}, left by an interrupted checkpoint save", flush=True)
     if config.model_dir:  # no weights, or an unreadable single file: refused before joining anything
         weight_files(config.model_dir)
     if config.init_weights and not os.path.isfile(config.init_weights):
@@ -92,6 +95,13 @@ def run_peer(config: PeerConfig) -> None:
             flush=True,
         )
     dht = start_dht(config.network, models=[config.model])
+    print(
+        f"peer {dht.peer_id.to_base58()} starting: {config.model}, stage "
+        f"{'auto' if config.stage == AUTO_STAGE else config.stage} of {config.num_stages}, "
+        f"averaging {config.replicas.averaging}, checkpoints {config.checkpointing.checkpoint_dir or 'off'} "
+        f"(--verbose prints the whole configuration)",
+        flush=True,
+    )
     try:
         # a wrong, expired or another identity's credential stops the peer here, before the stage is built
         load_run_access(config.authority, peer_id=dht.peer_id.to_base58(), roles=("peer",))
@@ -176,10 +186,11 @@ def _auto_stage(config: PeerConfig, dht) -> int:
 
 
 async def _serve_until_signalled(host: PeerHost) -> None:
+    """Serve until the first SIGINT/SIGTERM, then stop in order (host.serve); a second one exits at once."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    ShutdownSignals(stop.set, what="saving the checkpoint, announcing offline, then stopping").install_in_loop(
+        asyncio.get_running_loop()
+    )
     await host.serve(stop)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import threading
 
 from dht.node import NetworkConfig, start_dht
 from process.config import option
+from process.lifetime import ShutdownSignals, remove_stale_temporaries
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -29,6 +29,10 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def run_bootstrap(config: BootstrapConfig) -> int:
+    if config.maddrs_file:  # a killed node's half-written address file
+        remove_stale_temporaries(
+            os.path.dirname(os.path.abspath(config.maddrs_file)), f"{os.path.basename(config.maddrs_file)}.tmp.*"
+        )
     dht = start_dht(config, models=config.models)
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -38,9 +42,9 @@ def run_bootstrap(config: BootstrapConfig) -> int:
         if config.maddrs_file:
             write_atomically(config.maddrs_file, "\n".join(maddrs) + "\n")
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        ShutdownSignals(stop.set, what="stopping the DHT node").install()
+        while not stop.wait(1.0):  # a timed wait: the main thread runs the signal handler between waits
+            pass
     finally:
         dht.shutdown()
     print("DHT bootstrap node stopped", flush=True)

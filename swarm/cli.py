@@ -13,14 +13,40 @@ import os
 import sys
 
 from process.config import ConfigError, add_config_arguments, describe, from_sources
+from process.lifetime import EXIT_SIGNALLED, StopRequested, bind_children_to_parent
 
 EXIT_USAGE = 2
+
+
+# Flags every role has besides its configuration's (not part of any config dataclass).
+PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose"})
+PROCESS_VARIABLES = frozenset({"SWARM_VERBOSE"})
+QUIET_LIBRARIES = ("bitsandbytes",)  # warn about optional kernels we never use; shown at SWARM_LOGLEVEL=INFO/DEBUG
 
 
 def _configure_logging() -> None:
     level = os.environ.get("SWARM_LOGLEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+    if logging.getLogger().getEffectiveLevel() >= logging.WARNING:
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def verbose(args: argparse.Namespace) -> bool:
+    """--verbose, SWARM_VERBOSE=1 or SWARM_LOGLEVEL=DEBUG: print the whole configuration at start."""
+    if getattr(args, "verbose", None) is not None:
+        return args.verbose
+    if os.environ.get("SWARM_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    return os.environ.get("SWARM_LOGLEVEL", "").upper() == "DEBUG"
+
+
+def _missing_initial_peers(command: str, example: str) -> ConfigError:
+    return ConfigError(
+        f"no --initial-peers: {command} joins a running swarm; pass the address that `swarm dht` printed, "
+        f"e.g. {example} --initial-peers /ip4/<ip>/tcp/31337/p2p/Qm... (or set SWARM_INITIAL_PEERS)"
+    )
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -81,7 +107,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from peers.launch import run_peer
 
     config = from_sources(PeerConfig, args)
-    print(describe(config), flush=True)
+    if verbose(args):
+        print(describe(config), flush=True)
     run_peer(config)
     return 0
 
@@ -91,14 +118,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from swarm.trainer.run import run_trainer
 
     config = from_sources(TrainerConfig, args)
-    print(describe(config), flush=True)
+    if not config.network.initial_peers:
+        raise _missing_initial_peers("a trainer", "swarm train")
+    if verbose(args):
+        print(describe(config), flush=True)
     report = run_trainer(config)
+    loss = (
+        f"loss {report.initial_loss:.4f} -> {report.final_loss:.4f}"
+        if report.initial_loss is not None and report.final_loss is not None
+        else "no loss yet"
+    )
     print(
-        f"done: {report.steps} steps, loss {report.initial_loss:.4f} -> {report.final_loss:.4f}, "
+        f"{'stopped early' if report.stopped_early else 'done'}: {report.steps} steps, {loss}, "
         f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost",
         flush=True,
     )
-    return 0
+    return EXIT_SIGNALLED if report.stopped_early else 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -116,7 +151,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from swarm.status import StatusConfig, run_status
 
-    return run_status(from_sources(StatusConfig, args))
+    config = from_sources(StatusConfig, args)
+    if not config.initial_peers:
+        raise _missing_initial_peers("`swarm status`", "swarm status")
+    return run_status(config)
 
 
 def cmd_monitor_targets(args: argparse.Namespace) -> int:
@@ -205,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
             name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         add_config_arguments(p, config_cls)
+        p.add_argument(
+            "--verbose",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="print the whole configuration at start-up [env SWARM_VERBOSE]",
+        )
         p.set_defaults(handler=handler)
     plan = sub.add_parser(
         "plan",
@@ -247,12 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
+    bind_children_to_parent()  # the DHT process and p2pd end with this process, also on SIGKILL
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StopRequested):
         print("swarm: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGNALLED
     except _user_errors() as e:
         if os.environ.get("SWARM_DEBUG"):
             raise

@@ -11,6 +11,7 @@ import subprocess
 from models.config import lora_rank
 from models.model_source import resolve_model
 from process.config import ConfigError, option
+from process.lifetime import EXIT_SIGNALLED, ShutdownSignals, StopRequested
 from swarm.export.config import ExportConfig
 from swarm.export.run import run_export
 from swarm.generate import GenerateConfig, generate_text
@@ -84,6 +85,27 @@ def export_and_sample(config: DemoConfig, swarm: LocalSwarm, data_folder: str) -
 
 
 def run_demo(config: DemoConfig) -> int:
+    """Start the swarm, train, stop it; the first SIGINT/SIGTERM stops every process in order (the
+    trainer and peers first, the bootstrap node last), a second exits at once (the processes then
+    stop themselves: they get SIGTERM when the demo dies)."""
+    running = [True]
+
+    def stop_now() -> None:
+        if running[0]:
+            running[0] = False
+            raise StopRequested
+
+    ShutdownSignals(stop_now, what="stopping the swarm", say=lambda line: print(f"[demo] {line}", flush=True)).install()
+    try:
+        code = _run_swarm(config)
+    except StopRequested:  # the swarm was stopped on the way out of its `with`
+        code = EXIT_SIGNALLED
+    running[0] = False
+    print("[demo] all processes stopped", flush=True)
+    return code
+
+
+def _run_swarm(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
     model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
     model_dir_args += ["--trainable", config.trainable]
@@ -164,5 +186,4 @@ def run_demo(config: DemoConfig) -> int:
         if config.export:
             export_and_sample(config, swarm, data.folder)
         print("[demo] stopping the swarm...", flush=True)
-    print("[demo] all processes stopped", flush=True)
     return 0

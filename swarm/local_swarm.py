@@ -13,6 +13,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
+
 
 class LocalSwarmError(RuntimeError):
     pass
@@ -41,9 +43,16 @@ class ManagedProcess:
         except ProcessLookupError:
             pass
 
+    def tree(self) -> list[tuple[int, int | None]]:
+        """(pid, start time) of the process and of every descendant now (its DHT process, p2pd)."""
+        return [(pid, start_time(pid)) for pid in process_tree(self.popen.pid)] if self.alive else []
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the process itself (a peer then announces offline through its DHT process, so
-        that one must not be signalled too), then SIGKILL whatever is left of its group."""
+        that one must not be signalled too), then SIGKILL whatever is left of its group and of
+        its process tree (children run in groups of their own and die with their parent; this
+        is the belt to those braces)."""
+        tree = self.tree()
         if self.alive:
             try:
                 self.popen.send_signal(signal.SIGTERM)
@@ -58,6 +67,7 @@ class ManagedProcess:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        kill_leftovers(tree[1:])
 
 
 @dataclass
@@ -88,6 +98,7 @@ class LocalSwarm:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # stops in order when we die, however we die
             )
         process = ManagedProcess(name, popen, log_path)
         self.processes.append(process)
@@ -161,13 +172,20 @@ class LocalSwarm:
         return [p for p in self.processes if p.name.startswith("peer-")]
 
     def stop(self) -> None:
-        """Stop everything: trainers and peers first (they announce offline), the bootstrap last."""
-        order = sorted(self.processes, key=lambda p: p.name == "bootstrap")
-        for process in order:
-            if process.alive and process.name != "bootstrap":
-                process.popen.send_signal(signal.SIGTERM)
-        for process in order:
-            process.stop()
+        """Stop everything in order: trainers and tools first (a trainer's last step and commit still
+        reach the peers), then the peers together (each saves, then announces offline), the bootstrap
+        node last."""
+        phases = [
+            [p for p in self.processes if not p.name.startswith("peer-") and p.name != "bootstrap"],
+            [p for p in self.processes if p.name.startswith("peer-")],
+            [p for p in self.processes if p.name == "bootstrap"],
+        ]
+        for phase in phases:
+            for process in phase:
+                if process.alive:
+                    process.popen.send_signal(signal.SIGTERM)
+            for process in phase:
+                process.stop()
 
     def __enter__(self) -> LocalSwarm:
         return self

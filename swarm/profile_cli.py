@@ -22,7 +22,9 @@ BITS_PER_BYTE = 8
 class ProfileConfig:
     model: str = option("small", help="model to measure")
     model_dir: str | None = option(None, help="measure the model of this Hugging Face folder (its config.json) instead")
-    out: str | None = option(None, help="write the profile (and the suggested split) to this JSON file")
+    out: str | None = option(
+        None, help="write the profile (and the suggested split) to this JSON file (optional with --from-profile)"
+    )
     device: str = option("cpu", help="device to measure on: cpu, cuda or cuda:N")
     batch_size: int = option(4, help="samples per measured microbatch (the trainer's --microbatch-size)")
     repeats: int = option(5, help="timed rounds over every layer; the median is kept")
@@ -42,8 +44,8 @@ class ProfileConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.out is None:
-            raise ConfigError("--out is required (the JSON file to write)")
+        if self.out is None and self.from_profile is None:  # a measurement is worth keeping; a re-split is printed
+            raise ConfigError("--out is required (the JSON file to write the measured profile to)")
         if self.from_profile is None:
             self.model = resolve_model(self.model, self.model_dir).name
         for name in ("batch_size", "repeats", "num_threads"):
@@ -145,6 +147,7 @@ def run_profile(config: ProfileConfig) -> int:
             f"start every peer with: --num-stages {config.num_stages} "
             f"--split-boundaries {','.join(map(str, balanced.boundaries))}"
         )
-    profile.write(config.out, extra=extra)
-    print(f"wrote {config.out}")
+    if config.out is not None:
+        profile.write(config.out, extra=extra)
+        print(f"wrote {config.out}")
     return 0

@@ -35,6 +35,23 @@ def make_swarm(tmp_path):
         swarm.stop()
 
 
+@pytest.fixture(scope="module")
+def module_swarm(tmp_path_factory):
+    """Factory for swarms shared by a module's tests (start the processes once, reuse them)."""
+    created: list[LocalSwarm] = []
+
+    def factory(**kwargs) -> LocalSwarm:
+        kwargs.setdefault("model", "tiny")
+        swarm = LocalSwarm(workdir=str(tmp_path_factory.mktemp("swarm")), **kwargs)
+        created.append(swarm)
+        _ALL_SWARMS.append(swarm)
+        return swarm
+
+    yield factory
+    for swarm in created:
+        swarm.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_every_swarm_at_exit():
     yield

@@ -35,7 +35,6 @@ from dht.link_records import (
     MAX_LINKS_PER_RECORD,
     LinkMeasurement,
     LinkRecord,
-    fetch_link_records_async,
     publish_links_async,
 )
 from dht.record_policy import MAX_RECORD_TTL_S
@@ -219,16 +218,17 @@ class LinkProber:
         self.rounds = 0
 
     async def other_peers(self) -> set[str]:
-        """Online peers of this model (from the stage records) and every peer publishing links."""
+        """Peers of this model that are here now: an unexpired stage record that does not say offline
+        (online, joining or standby). Link records alone do not count: they outlive their peer by
+        up to their TTL, and probing a peer gone for minutes only fails."""
         results = await asyncio.gather(
-            *[
-                fetch_stage_records_async(self.dht, self.model, stage, timeout_s=5.0)
-                for stage in range(self.num_stages)
-            ],
-            fetch_link_records_async(self.dht, self.model, timeout_s=5.0),
+            *[fetch_stage_records_async(self.dht, self.model, stage, timeout_s=5.0) for stage in range(self.num_stages)]
         )
-        peers = {r.peer_id for records in results[:-1] for r in records if r.state == PeerState.ONLINE}
-        peers |= {r.peer_id for r in results[-1]}
+        newest = {}
+        for record in (r for records in results for r in records):
+            if record.peer_id not in newest or record.expires_at > newest[record.peer_id].expires_at:
+                newest[record.peer_id] = record
+        peers = {peer for peer, record in newest.items() if record.state != PeerState.OFFLINE}
         peers.discard(self.peer_id)
         return peers
 
@@ -246,7 +246,7 @@ class LinkProber:
                 logger.warning(f"Probing {peer[-8:]} took over {self.settings.timeout_s} s; nothing measured")
                 continue
             except Exception as e:  # dead or unreachable peers fail in assorted ways; the loop must go on
-                logger.warning(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")
+                logger.info(f"Probing {peer[-8:]} failed: {type(e).__name__}: {e}")  # a peer leaving: routine
                 continue
             history = self.history.setdefault(peer, collections.deque(maxlen=self.settings.history))
             history.append(measurement)

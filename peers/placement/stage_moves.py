@@ -131,7 +131,15 @@ class StageMoves:
                     return
             # Only with traffic: then our throughput is an EMA of served requests, not only the start-up
             # benchmark (measured to vary 4x on a loaded machine), and an idle swarm has nothing to gain.
-            if self.serving.state != PeerState.ONLINE or self.serving.requests_served < MIN_REQUESTS_BEFORE_MOVING:
+            if self.serving.state != PeerState.ONLINE:
+                print(f"rebalancing: no move, because this peer is {self.serving.state.value}", flush=True)
+                continue
+            if self.serving.requests_served < MIN_REQUESTS_BEFORE_MOVING:
+                print(
+                    f"rebalancing: no move, because this peer has served {self.serving.requests_served} requests "
+                    f"(its throughput is measured from {MIN_REQUESTS_BEFORE_MOVING}; an idle swarm has nothing to gain)",
+                    flush=True,
+                )
                 continue
             try:
                 views = await self.swarm_views()
@@ -147,6 +155,8 @@ class StageMoves:
                     flush=True,
                 )
                 await self.move_to_stage(decision.to_stage, p2p)
+            else:
+                print(f"rebalancing: no move, because {decision.reason}", flush=True)
 
     async def move_to_stage(self, stage: int, p2p) -> None:
         """Serve `stage` instead of the current one (see the module docstring for the steps)."""

@@ -288,26 +288,37 @@ class PeerHost:
         try:
             await stop.wait()
         finally:
-            if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
-                await rebalancer
-            if reachability is not None:
-                reachability.cancel()
-                await asyncio.gather(reachability, return_exceptions=True)
-            serving.set_state(PeerState.OFFLINE)
-            await announcer
-            if prober is not None:
-                await prober
-            if members is not None:
-                await members
-            await self.announcer.announce_final()
-            if averager is not None:
-                await averager
-            await self.announcer.release_split()
-            if checkpointer is not None:
-                await checkpointer
-                await self.checkpointer.save_now()
-            print(f"peer {self.peer_id} offline after serving {serving.requests_served} requests", flush=True)
-            self._release_compute()
+            await self._stop_in_order(rebalancer, reachability, announcer, prober, members, averager, checkpointer)
+
+    async def _stop_in_order(
+        self, rebalancer, reachability, announcer, prober, members, averager, checkpointer
+    ) -> None:
+        """The one way a serving peer stops: what it holds first (a move under way finishes, then the
+        checkpoint is saved), then what others read (offline on the DHT, the split released); the
+        launcher stops the DHT node last. A DHT write that cannot complete (p2pd gone) costs its
+        timeout, never the checkpoint."""
+        serving = self.serving
+        if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
+            await rebalancer
+        if reachability is not None:
+            reachability.cancel()
+            await asyncio.gather(reachability, return_exceptions=True)
+        if checkpointer is not None:
+            await checkpointer
+            await self.checkpointer.save_now()
+            print(f"checkpoint saved to {self.checkpointer.path()}", flush=True)
+        serving.set_state(PeerState.OFFLINE)
+        await announcer
+        if prober is not None:
+            await prober
+        if members is not None:
+            await members
+        await self.announcer.announce_final()
+        if averager is not None:
+            await averager
+        await self.announcer.release_split()
+        print(f"peer {self.peer_id} offline after serving {serving.requests_served} requests", flush=True)
+        self._release_compute()
 
     async def _leave_standby(self) -> None:
         """Stopped while on standby: say so on the DHT and release the compute thread and averager."""

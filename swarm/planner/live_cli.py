@@ -95,12 +95,13 @@ def run_live_plan(config: PlanConfig, fail, write_json) -> int:
     record)`` writes a file atomically. Returns the exit code."""
     from hivemind.utils import get_dht_time
 
+    from dht.announce import fetch_stage_records
     from dht.link_records import fetch_link_records
     from dht.node import BootstrapError, start_dht
     from dht.plan_record import PlanRecord, publish_plan
     from models.config import UnknownModelError
     from models.layer_costs import ProfileError
-    from swarm.planner.live_topology import topology_from_link_records
+    from swarm.planner.live_topology import departed_peers, topology_from_link_records
     from swarm.planner.opfence import opfence_plan
     from swarm.planner.plan_json import opfence_record, plan_record
     from swarm.planner.search import search_plan
@@ -123,6 +124,13 @@ def run_live_plan(config: PlanConfig, fail, write_json) -> int:
                 f"first probe round; is --link-probe-period-s 0 on them?)"
             )
         stages = options.stages or _most_common_num_stages(records)
+        peer_records = [r for stage in range(stages) for r in fetch_stage_records(dht, options.model, stage)]
+        departed = departed_peers(sorted({r.peer_id for r in records}), peer_records)
+        for peer_id, why in sorted(departed.items()):
+            print(f"left out {peer_id}: {why}", flush=True)
+        records = [r for r in records if r.peer_id not in departed]
+        if not records:
+            return fail(f"every peer of {options.model} that published links has left; start peers, then plan again")
         try:
             c_pp_gb, c_dp_gb = _sizes(config, stages)
             live = topology_from_link_records(
@@ -160,7 +168,8 @@ def run_live_plan(config: PlanConfig, fail, write_json) -> int:
         )
         cost = result.cost
         print(
-            f"plan for {len(live.peer_ids)} peers of {options.model} in {stages} stages: total {cost.total_s:.4f} s "
+            f"plan for {len(live.peer_ids)} peers of {options.model} in {stages} stages"
+            f"{f' (+ {len(live.spares)} spares)' if live.spares else ''}: total {cost.total_s:.4f} s "
             f"(data parallel {cost.data_parallel_s:.4f} s + pipeline {cost.pipeline_s:.4f} s)",
             flush=True,
         )

@@ -19,10 +19,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from dht.link_records import LinkRecord
+from dht.records import PeerRecord, PeerState
 from swarm.planner.cost import BITS_PER_BYTE
 from swarm.planner.topology import Topology, TopologyError, topology_from_dict
 
-__all__ = ["LiveTopology", "topology_from_link_records"]
+__all__ = ["LiveTopology", "departed_peers", "topology_from_link_records"]
+
+
+def departed_peers(link_peers: Sequence[str], stage_records: Sequence[PeerRecord]) -> dict[str, str]:
+    """The peers of `link_peers` that must not be planned for, with why: those whose newest stage
+    record says `offline`, and those with no unexpired stage record at all (gone without a word; a
+    link record outlives its peer by up to its TTL)."""
+    newest: dict[str, PeerRecord] = {}
+    for record in stage_records:
+        if record.peer_id not in newest or record.expires_at > newest[record.peer_id].expires_at:
+            newest[record.peer_id] = record
+    departed = {}
+    for peer_id in link_peers:
+        record = newest.get(peer_id)
+        if record is None:
+            departed[peer_id] = "no stage record: gone"
+        elif record.state == PeerState.OFFLINE:
+            departed[peer_id] = "announced offline"
+    return departed
 
 
 @dataclass(frozen=True, eq=False)

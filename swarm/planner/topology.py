@@ -164,6 +164,12 @@ def load_topology(path: str | Path) -> Topology:
         raise TopologyError(
             f"topology file {str(path)!r} is not valid JSON (line {error.lineno}: {error.msg})"
         ) from None
+    if isinstance(data, dict) and "stages" not in data and {"regions", "hosts", "links"} <= data.keys():
+        raise TopologyError(
+            f"{path} describes an emulated network for the benchmarks (benchmarks/netem), not devices to plan "
+            f"for: a planner topology has stages, replicas, c_dp_gb, c_pp_gb, latency_ms and bandwidth_gbps "
+            f"(e.g. benchmarks/dtfm_scenarios/case1.json), or plan for running peers with --from-dht"
+        )
     try:
         return topology_from_dict(data)
     except TopologyError as error:

@@ -20,7 +20,7 @@ import os
 
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
-from models.config import lora_rank
+from models.config import lora_rank, model_names_help
 from models.model_source import resolve_model
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
@@ -61,8 +61,14 @@ class ScheduleSettings:
     )
     microbatch_size: int = option(4, help="samples per microbatch sent through the pipeline")
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
+    stop_timeout_s: float = option(
+        30.0,
+        help="on SIGTERM or Ctrl-C, wait this long for the step in flight before stopping (a second signal: at once)",
+    )
 
     def __post_init__(self) -> None:
+        if self.stop_timeout_s < 0:
+            raise ConfigError("--stop-timeout-s must be at least 0")
         if self.steps < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:
             raise ConfigError("steps, batch_size, microbatch_size and max_in_flight must be at least 1")
         if self.batch_size % self.microbatch_size:
@@ -118,7 +124,7 @@ class ReportingSettings:
 
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
-    model: str = option("small", help="model name; must match the peers'")
+    model: str = option("small", help=f"{model_names_help()}; must match the peers'")
     model_dir: str | None = option(
         None,
         help="the Hugging Face model folder the peers serve (--model-dir of `swarm peer`): its config gives the model",

@@ -24,6 +24,7 @@ from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary,
 from dht.node import start_dht
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
+from process.lifetime import ShutdownSignals, remove_stale_temporaries
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
@@ -69,6 +70,7 @@ class TrainingReport:
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
     final_eval_loss: float | None = None
+    stopped_early: bool = False  # stopped by SIGTERM/SIGINT before its last step
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -81,22 +83,35 @@ class TrainingReport:
             raise ResumeError(f"cannot resume from {path!r}: {e}") from None
         if report.model != model:
             raise ResumeError(f"{path!r} is a report of {report.model}, not {model}")
-        report.completed = False
+        report.completed = report.stopped_early = False
         return report
 
     def write(self, path: str) -> None:
         """Write atomically: a reader never sees half a report."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=2)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(asdict(self), f, indent=2)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
 
 
 async def train(
-    config: TrainerConfig, dht: hivemind.DHT, report: TrainingReport, say=print, metrics: TrainerMetrics | None = None
+    config: TrainerConfig,
+    dht: hivemind.DHT,
+    report: TrainingReport,
+    say=print,
+    metrics: TrainerMetrics | None = None,
+    stop: asyncio.Event | None = None,
 ) -> TrainingReport:
-    """Train for `config.schedule.steps` steps, filling `report` as it goes (it stays valid on failure)."""
+    """Train for `config.schedule.steps` steps, filling `report` as it goes (it stays valid on failure).
+    Once `stop` is set, no new step starts; the step in flight gets `stop_timeout_s` to finish, and
+    the report says `stopped_early`."""
+    stop = stop or asyncio.Event()
     metrics = metrics or TrainerMetrics()
     batches, reporting = config.schedule, config.reporting
     # A bar only where our lines go straight to a terminal; a caller's own `say` gets plain lines.
@@ -127,20 +142,26 @@ async def train(
             microbatch_size=batches.microbatch_size,
             count=evaluation.eval_batches,
         )
-    schedule = await connect(
-        dht,
-        model=config.model,
-        model_config=model_config,
-        num_stages=config.num_stages,
-        discovery=config.discovery,
-        failover=config.failover,
-        compression=config.compression,
-        max_in_flight=batches.max_in_flight,
-        data_source=f"data {data.folder}",
-        metrics=metrics,
-        say=say,
-        access=run_access(config.authority, dht, say, roles=("trainer",)),
+    schedule = await _unless_stopped(
+        stop,
+        connect(
+            dht,
+            model=config.model,
+            model_config=model_config,
+            num_stages=config.num_stages,
+            discovery=config.discovery,
+            failover=config.failover,
+            compression=config.compression,
+            max_in_flight=batches.max_in_flight,
+            data_source=f"data {data.folder}",
+            metrics=metrics,
+            say=say,
+        ),
     )
+    if schedule is None:
+        progress.close()
+        report.stopped_early = True
+        return report
     view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
         model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
@@ -160,8 +181,12 @@ async def train(
         if first_step:
             say(f"resuming at step {first_step} of {batches.steps}")
         for step in range(first_step, batches.steps):
+            if stop.is_set():
+                break
             step_started = time.perf_counter()
-            loss = await schedule.run_step(sampler.batch(step))
+            loss = await _step_unless_stopped(schedule.run_step(sampler.batch(step)), stop, batches.stop_timeout_s, say)
+            if loss is None:
+                break
             step_s = time.perf_counter() - step_started
             report.steps, report.tokens = step + 1, (step + 1) * tokens_per_step
             report.losses.append(loss)
@@ -184,7 +209,11 @@ async def train(
                     eval_loss=report.final_eval_loss,
                 )
             )
-            if validation is not None and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps):
+            if (
+                validation is not None
+                and not stop.is_set()
+                and ((step + 1) % evaluation.eval_every == 0 or step + 1 == batches.steps)
+            ):
                 eval_loss = await schedule.evaluate(validation.batches())
                 report.eval_losses.append([step + 1, eval_loss])
                 report.final_eval_loss = eval_loss
@@ -192,7 +221,10 @@ async def train(
                 say(f"step {step + 1}: validation loss {eval_loss:.4f} ({evaluation.eval_batches} batches)")
                 if reporting.report:
                     report.write(reporting.report)
-        report.completed = True
+        report.stopped_early = stop.is_set() and report.steps < batches.steps
+        report.completed = not report.stopped_early
+        if report.stopped_early:
+            say(f"stopped early after step {report.steps} of {batches.steps}")
     finally:
         progress.close()
         refresher.cancel()
@@ -214,6 +246,35 @@ def run_access(config: RunAccessConfig, dht: hivemind.DHT, say, *, roles: tuple[
     else:
         say(f"run {access.authority.run.run_id}: {credential_summary(access.held)}")
     return access
+
+
+async def _unless_stopped(stop: asyncio.Event, coro):
+    """`coro`'s result, or None when `stop` is set first (then `coro` is cancelled)."""
+    work, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    finally:
+        stopped.cancel()
+
+
+async def _step_unless_stopped(step, stop: asyncio.Event, timeout_s: float, say) -> float | None:
+    """The step's loss; when `stop` is set while it runs, it gets `timeout_s` more (no new step
+    starts after it), then it is abandoned (None)."""
+    work = asyncio.ensure_future(step)
+    if await _unless_stopped(stop, asyncio.shield(work)) is None and not work.done():
+        say(f"stopping: waiting up to {timeout_s:.0f} s for the microbatches in flight")
+        done, _ = await asyncio.wait({work}, timeout=timeout_s)
+        if not done:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            say("stopping: the step in flight did not finish in time; abandoned it")
+            return None
+    return work.result()
 
 
 async def connect(
@@ -288,6 +349,14 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
     report.calls_by_peer = dict(calls.calls_by_peer)
 
 
+async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:
+    stop = asyncio.Event()
+    ShutdownSignals(stop.set, what="finishing the step in flight, then writing the report").install_in_loop(
+        asyncio.get_running_loop()
+    )
+    return await train(config, dht, report, say, metrics=metrics, stop=stop)
+
+
 def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     """Join the DHT as a client, train, write the report (also after an error or Ctrl-C)."""
     # The trainer only encodes, decodes and checks tensors: one torch thread. More threads spin
@@ -305,9 +374,18 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     if reporting.resume:
         report = TrainingReport.load(reporting.report, model=config.model)
         report.resumed_from_step = report.steps
+    if reporting.report and os.path.isdir(os.path.dirname(os.path.abspath(reporting.report))):
+        report_path = os.path.abspath(reporting.report)  # a killed run's half-written report
+        remove_stale_temporaries(os.path.dirname(report_path), f"{os.path.basename(report_path)}.tmp.*")
     dht = start_dht(config.network, client_mode=True, models=[config.model])
+    schedule = config.schedule
+    say(
+        f"trainer {dht.peer_id.to_base58()} starting: {config.model}, {schedule.steps} steps of {schedule.batch_size} "
+        f"samples, data {config.corpus.data or 'the default corpus'}, report {reporting.report or 'none'} "
+        f"(--verbose prints the whole configuration)"
+    )
     try:
-        asyncio.run(train(config, dht, report, say, metrics=metrics))
+        asyncio.run(_train_until_signalled(config, dht, report, say, metrics))
     finally:
         dht.shutdown()
         if endpoint:

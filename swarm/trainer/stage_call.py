@@ -29,7 +29,14 @@ from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.discovery import SwarmView
-from swarm.trainer.failures import RetriesExhaustedError, RetryBudget, StageUnavailableError, TimeoutPolicy
+from swarm.trainer.failures import (
+    NotAllowedError,
+    RetriesExhaustedError,
+    RetryBudget,
+    StageUnavailableError,
+    TimeoutPolicy,
+    refused_as_not_allowed,
+)
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
@@ -101,6 +108,7 @@ class StageCaller:
         self.timeouts = TimeoutPolicy()
         self.service = ServiceClock()  # routing's measure of each replica: the trainer's own clock
         self.counters = CallCounters()
+        self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
         self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
@@ -148,8 +156,13 @@ class StageCaller:
             exclude = bans.banned() | budget.failed_peers() | self.view.violations.banned(stage)
             exclude |= newcomers.excluded(set(scheduler.keys_s()) - exclude)
             peer_id = scheduler.choose(
-                rpc, batch_size, exclude=exclude, cached_on=cached_on if rpc == "backward" else None
+                rpc,
+                batch_size,
+                exclude=exclude | self.not_allowed_by.keys(),
+                cached_on=cached_on if rpc == "backward" else None,
             )
+            if peer_id is None and self.not_allowed_by:  # no retry lets us into a private swarm
+                raise NotAllowedError(stage, self._my_peer_id(), list(self.not_allowed_by.values()))
             if peer_id is None:
                 waited_since = waited_since or time.monotonic()
                 await self._wait_for_replica(stage, waited_since, budget)
@@ -201,6 +214,9 @@ class StageCaller:
                     self.counters.backward_inputs_skipped += 1
             except PeerCallError as e:
                 self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
+                if e.kind == Failure.REFUSED and refused_as_not_allowed(str(e)):
+                    self.not_allowed_by[peer_id] = peer_id[-8:]
+                    continue
                 failed_at = time.perf_counter()
                 self.service.finished(peer_id, started, failed_at)
                 self._note_failure(stage, peer_id, e, failed_after_s=failed_at - started)
@@ -268,8 +284,14 @@ class StageCaller:
         else:
             # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
             self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
-            logger.warning(f"stage {stage}: {error}; retrying on another replica")
         self.metrics.bans.labels(stage=str(stage)).inc()
+        # Failover is routine (a stream reset, a peer that left): the retry is counted in the report and
+        # the metrics; only a microbatch that runs out of retries is worth a warning (RetriesExhaustedError).
+        logger.info(f"stage {stage}: {error}; retrying on another replica")
+
+    def _my_peer_id(self) -> str:
+        p2p = getattr(self.client, "p2p", None)
+        return p2p.peer_id.to_base58() if p2p is not None else "(unknown)"
 
     async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
         """No replica can take this call now: refresh the peer list until one can, or give up."""

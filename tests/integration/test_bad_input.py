@@ -51,6 +51,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         (["train", "--model", "tiny", "--data", "/no/such/file.txt"], ["no such file"]),
         (["train", "--model", "tiny", "--batch-size", "10", "--microbatch-size", "4"], ["multiple of"]),
         (["peer", "--model", "tiny", "--stage", "0", "--initial-peers", "not-a-multiaddr"], ["is not a multiaddr"]),
+        (["train", "--model", "tiny"], ["no --initial-peers", "swarm dht", "SWARM_INITIAL_PEERS"]),
+        (["status", "--model", "tiny"], ["no --initial-peers", "swarm dht"]),
     ],
 )
 def test_bad_arguments_give_one_line_errors(args, fragments):

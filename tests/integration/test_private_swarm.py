@@ -4,6 +4,7 @@ refuses others with a clear error, and readers with an allowlist ignore records 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -64,3 +65,20 @@ def test_a_private_peer_serves_only_allowed_peers(make_swarm, tmp_path):
         allowed.shutdown()
         stranger.shutdown()
     assert peer.alive
+
+
+def test_a_trainer_refused_by_a_private_swarm_says_so_and_names_its_peer_id(make_swarm, tmp_path):
+    key = str(tmp_path / "peer.key")
+    new_identity_file(key)
+    swarm = make_swarm(num_stages=1, peer_args=["--averaging", "none", "--reachability-check", "off"])
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(0, "--identity-path", key, "--allowed-peers", load_identity(key).peer_id)
+    swarm.wait_online([peer])
+    trainer = swarm.start_trainer("--steps", "5", "--batch-size", "4", "--num-stages", "1")
+    trainer.popen.wait(timeout=120)  # well within one --stage-wait-timeout-s (300 s)
+    log = trainer.log()
+    my_id = re.search(r"^trainer (\w+) starting", log, re.MULTILINE).group(1)
+    errors = [line for line in log.splitlines() if line.startswith("swarm train: error:")]
+    assert trainer.popen.returncode == 2 and len(errors) == 1, log
+    assert "refused" in errors[0] and "private swarm" in errors[0] and my_id in errors[0], errors[0]
+    assert "Traceback" not in log

@@ -8,7 +8,7 @@ import argparse
 import re
 
 from process.config import env_variables, from_sources, options
-from swarm.cli import build_parser
+from swarm.cli import PROCESS_FLAGS, PROCESS_VARIABLES, build_parser
 from swarm.planner.plan_config import PlanConfig
 from swarm.trainer.config import TrainerConfig
 
@@ -62,6 +62,7 @@ TRAIN_FLAGS_BEFORE = NETWORK_FLAGS | {
     "--seed",
     "--stage-wait-timeout-s",
     "--steps",
+    "--stop-timeout-s",  # added deliberately: how long SIGTERM waits for the step in flight (issue #29)
     "--topk-fraction",
 }
 TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
@@ -75,6 +76,7 @@ TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
     "batch_size": 32,
     "microbatch_size": 4,
     "max_in_flight": 8,
+    "stop_timeout_s": 30.0,
     "data": None,
     "seed": 0,
     "report": None,
@@ -150,12 +152,12 @@ def subcommand(name: str) -> argparse.ArgumentParser:
 
 
 def flags(name: str) -> set[str]:
-    return {s for a in subcommand(name)._actions for s in a.option_strings} - {"-h", "--help"}
+    return {s for a in subcommand(name)._actions for s in a.option_strings} - {"-h", "--help"} - PROCESS_FLAGS
 
 
 def documented_variables(name: str) -> set[str]:
     """The variables `swarm NAME --help` names, one `[env SWARM_...]` per flag."""
-    return set(re.findall(r"\[env (SWARM_\w+)\]", " ".join(subcommand(name).format_help().split())))
+    return set(re.findall(r"\[env (SWARM_\w+)\]", " ".join(subcommand(name).format_help().split()))) - PROCESS_VARIABLES
 
 
 def leaf_values(config) -> dict:

@@ -9,7 +9,7 @@ import dataclasses
 
 from peers.config import PeerConfig
 from process.config import env_variables, options
-from swarm.cli import build_parser
+from swarm.cli import PROCESS_FLAGS, build_parser
 
 PEER_FLAGS = {
     "--run",  # issue #30: the run authority
@@ -168,7 +168,11 @@ def _peer_parser() -> argparse.ArgumentParser:
 
 
 def test_swarm_peer_lists_every_flag_it_always_had():
-    flags = {flag for action in _peer_parser()._actions for flag in action.option_strings} - {"-h", "--help"}
+    flags = (
+        {flag for action in _peer_parser()._actions for flag in action.option_strings}
+        - {"-h", "--help"}
+        - PROCESS_FLAGS
+    )
     assert flags == PEER_FLAGS
 
 

@@ -160,3 +160,33 @@ def test_estimated_sizes_match_the_stages_the_peers_build() -> None:
     activation = module(torch.zeros(8, config.seq_len, dtype=torch.long))
     assert sizes.c_pp_gb == pytest.approx((activation.numel() * 4 / 1e9,))
     assert np.isfinite(sizes.c_pp_gb).all()
+
+
+def _stage_record(peer_id: str, state: str, expires_at: float):
+    from dht.records import PeerRecord, PeerState
+
+    return PeerRecord(
+        peer_id=peer_id,
+        model="tiny",
+        stage=0,
+        num_stages=2,
+        state=PeerState(state),
+        throughput=1.0,
+        load=0.0,
+        version="dev",
+        expires_at=expires_at,
+    )
+
+
+def test_peers_that_announced_offline_or_are_gone_are_not_planned_for():
+    from swarm.planner.live_topology import departed_peers
+
+    records = [
+        _stage_record("online", "online", 100.0),
+        _stage_record("left", "online", 100.0),
+        _stage_record("left", "offline", 110.0),  # its newest record says it left
+        _stage_record("back", "offline", 100.0),
+        _stage_record("back", "online", 120.0),  # ...and this one came back
+    ]
+    departed = departed_peers(["online", "left", "back", "vanished"], records)
+    assert departed == {"left": "announced offline", "vanished": "no stage record: gone"}

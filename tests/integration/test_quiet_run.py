@@ -1,0 +1,64 @@
+"""A healthy run says what matters and nothing else: a short local demo whose every process log
+holds no traceback and no warning, and one start-up line per process with its peer id instead of
+the whole configuration."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from process.lifetime import die_with_parent
+from tests.integration.polling import wait_for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["completed", "ctrl-c"])
+def test_a_short_demo_logs_no_traceback_and_no_warning(tmp_path, ending):
+    """Run to the end, or Ctrl-C (SIGINT to the demo's whole process group, as a terminal sends it)
+    after a few steps."""
+    workdir = tmp_path / "work"
+    steps = "4" if ending == "completed" else "100000"
+    args = ["demo", "--model", "tiny", "--peers", "2", "--stages", "2", "--steps", steps, "--tokenizer", "bytes",
+            "--batch-size", "8", "--eval-every", "2", "--eval-batches", "1", "--workdir", str(workdir)]  # fmt: skip
+    log_path = tmp_path / "demo.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed below, once the demo is done)
+    env = {k: v for k, v in os.environ.items() if k not in ("SWARM_LOGLEVEL", "SWARM_VERBOSE")}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "swarm.cli", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+        preexec_fn=die_with_parent(),
+    )
+    try:
+        if ending == "ctrl-c":
+            wait_for(lambda: "step    3/" in log_path.read_text() or demo.poll() is not None, 180, "step 3")
+            os.killpg(demo.pid, signal.SIGINT)
+        demo.wait(timeout=300)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    log.close()
+    output = log_path.read_text()
+    assert demo.returncode == (0 if ending == "completed" else 130), output
+    assert "all processes stopped" in output
+    logs = {"demo": output} | {path.name: path.read_text() for path in Path(workdir).glob("*.log")}
+    assert {"bootstrap.log", "trainer.log"} <= set(logs) and sum(name.startswith("peer-") for name in logs) == 2
+    for name, text in logs.items():
+        assert "Traceback" not in text, f"{name}:\n{text}"
+        noisy = [line for line in text.splitlines() if re.search(r"warn|error", line, re.IGNORECASE)]
+        assert not noisy, f"{name}: {noisy}"
+        assert "Config:" not in text, f"{name} printed its whole configuration:\n{text}"
+    for name, text in logs.items():
+        if name.startswith("peer-"):
+            assert re.search(r"^peer Qm\w+ starting: tiny, stage \d of 2", text, re.MULTILINE), text
+    assert re.search(r"^trainer Qm\w+ starting: tiny", logs["trainer.log"], re.MULTILINE), logs["trainer.log"]
