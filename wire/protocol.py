@@ -171,6 +171,10 @@ class CommitRequest(BaseModel):
     samples: dict[str, int] = Field(default_factory=dict, max_length=4096)
     # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    # sync averaging, a repair: this replica missed a round that the replica with this peer id
+    # completed (so that replica's update holds this one's gradients); drop the accumulated gradients
+    # and load that replica's state instead of averaging
+    catch_up_from: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class CommitResponse(BaseModel):

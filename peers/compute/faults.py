@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
+from peers.replicas.averaging import GradientSync
 from process.config import ConfigError, option
 from wire.protocol import ProtocolError
 
@@ -72,6 +73,11 @@ class FaultSettings:
         choices=list(GARBAGE_KINDS),
     )
     fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
+    fault_miss_sync_round: int = option(
+        0,
+        help="testing only: act as if the Nth sync averaging round failed after it completed (this "
+        "replica does not step while its partners do, as when an all-reduce fails on one side only)",
+    )
     fault_claim_speedup: float = option(
         1.0,
         help="testing only: lie about speed: announce this many times the throughput and report "
@@ -100,6 +106,22 @@ class FaultSettings:
             raise ConfigError(
                 f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
             )
+
+
+class RoundMissingSync(GradientSync):
+    """Sync averaging that misses one round on its side (`--fault-miss-sync-round N`): the all-reduce
+    completes for the partners, and this replica takes it as failed, so it does not step."""
+
+    def __init__(self, *args, miss_round: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.miss_round = miss_round
+
+    def finish_round(self, control):
+        gathered = super().finish_round(control)
+        if gathered is not None and self.rounds == self.miss_round:
+            print(f"fault: taking averaging round {self.rounds} as failed (--fault-miss-sync-round)", flush=True)
+            return None
+        return gathered
 
 
 class FaultyStageRuntime:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import hivemind
 import torch
@@ -21,7 +22,7 @@ from models.init_weights import InitWeightsError, load_stage_weights
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.checkpoint import checkpoint_path
-from peers.compute.faults import FaultyStageRuntime
+from peers.compute.faults import FaultyStageRuntime, RoundMissingSync
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
@@ -103,7 +104,8 @@ class StageBuilder:
         # a run with an authority: only credentialed replicas average (filled in by the host)
         members = () if config.authority.run is not None else None
         if replicas.averaging == "sync":
-            averaging = GradientSync(
+            miss_round = config.faults.fault_miss_sync_round
+            averaging = (partial(RoundMissingSync, miss_round=miss_round) if miss_round else GradientSync)(
                 runtime,
                 self.dht,
                 config.model,

@@ -323,6 +323,15 @@ class StageRuntime:
         self.cache.clear()
         self.steps_done += 1
 
+    def discard_accumulated(self) -> None:
+        """Forget the gradients accumulated since the last step (sync averaging: a replica that missed
+        a round its partners completed; their update already holds these gradients)."""
+        for grad_sum in self.grad_sums:
+            grad_sum.zero_()
+        self.samples_accumulated = 0
+        self.accumulated_ids.clear()
+        self.cache.clear()
+
     def local_mean_gradients(self) -> list[torch.Tensor]:
         n = max(self.samples_accumulated, 1)
         return [grad_sum / n for grad_sum in self.grad_sums]

@@ -5,7 +5,10 @@ Two modes (`--averaging`):
   replica a commit; the replicas all-reduce their mean gradients weighted by the samples each saw
   (so the result is the mean gradient over every sample of the step, as in one process) and then
   all step with it: their parameters stay identical. If the round fails, no replica steps; the
-  gradients carry over to the next commit.
+  gradients carry over to the next commit. A round can also fail on one side only (an all-reduce
+  that ends at its deadline for one member after the others got their parts): the trainer sees one
+  replica stepped and another not, and has the latter drop its gradients (they are in the other's
+  update) and load the other's state (`CommitRequest.catch_up_from`, peers/replicas/replica_sync.py).
 * `periodic`: each replica steps on its own gradients and they average their parameters on a
   schedule (peers/replicas/averaging_schedule.py), one of:
   - every `averaging_period_s` seconds (aligned to DHT time, so replicas meet without

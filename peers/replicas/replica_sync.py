@@ -82,6 +82,9 @@ class ReplicaSyncService:
                     f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
             averaging = serving.averaging
+            if commit.catch_up_from is not None:
+                await self.catch_up(commit.catch_up_from)
+                return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
             if isinstance(averaging, GradientSync):
@@ -136,6 +139,36 @@ class ReplicaSyncService:
             header, data = StateHeader(error=str(e)), b""
         for message in write_state(header, data):
             yield message
+
+    async def catch_up(self, source: str) -> None:
+        """Sync averaging's repair (the trainer asks for it): this replica missed a round that `source`,
+        a replica of the same stage, completed, so the replicas' parameters parted. `source`'s update
+        holds this replica's accumulated gradients already: drop them and load its state (parameters,
+        optimizer state and step count), all on the compute thread, before the next step's forwards."""
+        runtime = self.serving.runtime
+        request = StateRequest(
+            model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
+        )
+        try:
+            downloaded = await download_state(
+                await self.dht.replicate_p2p(),
+                source,
+                request,
+                timeout_s=self.averaging_timeout_s * 4,
+                max_bytes=state_bytes_bound(runtime),
+            )
+        except (TimeoutError, CheckpointError, ProtocolError, OSError) as e:
+            raise ProtocolError(f"could not load the state of replica {source[-8:]} to catch up: {e}") from None
+
+        def load() -> None:
+            runtime.discard_accumulated()
+            runtime.import_state(downloaded, self.model, f"state from replica {source[-8:]}")
+
+        await asyncio.get_running_loop().run_in_executor(self.compute, load)
+        logger.info(
+            f"stage {runtime.stage}: caught up with replica {source[-8:]} after missing an averaging round "
+            f"({runtime.steps_done} steps done)"
+        )
 
     async def load_state_from_replica(self, p2p, runtime=None) -> bool:
         """Before going online: copy the stage's current state from a live replica, if there is one.

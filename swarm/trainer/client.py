@@ -153,6 +153,7 @@ class StageClient:
         group_size: int,
         timeout_s: float,
         samples: dict[str, int] | None = None,
+        catch_up_from: str | None = None,
     ) -> CommitResponse:
         """Sync averaging: tell one replica the step is over (`samples`: what each replica of the
         stage served in it, which caps its weight in the round). Raises PeerCallError on failure."""
@@ -165,6 +166,7 @@ class StageClient:
                 group_size=group_size,
                 samples=samples or {},
                 credential=self.credential,
+                catch_up_from=catch_up_from,
             )
         )
         try:

@@ -19,6 +19,7 @@ from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.stage_call import Payload, StageCaller
+from wire.protocol import CommitResponse
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class ScheduleCounters:
     microbatches_retried: int = 0  # microbatches that needed at least one retry
     commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)
     averaged_commits: int = 0  # ... of which averaged with other replicas
+    catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
 
 
 class StepSchedule:
@@ -130,6 +132,7 @@ class StepSchedule:
                     (
                         stage,
                         peer_id,
+                        mode,
                         self.client.commit(
                             peer_id,
                             stage=stage,
@@ -143,14 +146,64 @@ class StepSchedule:
                 ]
         if not calls:
             return
-        results = await asyncio.gather(*[call for _, _, call in calls], return_exceptions=True)
-        for (stage, peer_id, _), result in zip(calls, results):
+        results = await asyncio.gather(*[call for *_, call in calls], return_exceptions=True)
+        sync_answers: dict[int, dict[str, CommitResponse]] = {}
+        for (stage, peer_id, mode, _), result in zip(calls, results):
             if isinstance(result, PeerCallError):
                 logger.warning(f"stage {stage}: commit failed: {result}")
                 self.view.bans.ban(peer_id)
             elif isinstance(result, BaseException):
                 raise result
-            elif result.stepped:
-                self.counters.commits += 1
-                if result.averaged:
-                    self.counters.averaged_commits += 1
+            else:
+                if mode == "sync":
+                    sync_answers.setdefault(stage, {})[peer_id] = result
+                if result.stepped:
+                    self.counters.commits += 1
+                    if result.averaged:
+                        self.counters.averaged_commits += 1
+        await self._repair_missed_rounds(step_id, sync_answers, timeout_s)
+
+    async def _repair_missed_rounds(
+        self, step_id: str, answers: dict[int, dict[str, CommitResponse]], timeout_s: float
+    ) -> None:
+        """Sync replicas of a stage that did not step while another stepped after averaging missed a
+        round the other completed (an all-reduce can fail on one side only, e.g. at its deadline): their
+        parameters parted. Each such replica drops its gradients (the other's update holds them) and
+        loads the other's state before the next step. A repair that fails bans the replica."""
+        repairs = [
+            (stage, peer_id, source)
+            for stage, by_peer in answers.items()
+            for source in [next((p for p, a in by_peer.items() if a.stepped and a.averaged), None)]
+            if source is not None
+            for peer_id, answer in by_peer.items()
+            if not answer.stepped
+        ]
+        if not repairs:
+            return
+        for stage, peer_id, source in repairs:
+            logger.warning(
+                f"stage {stage}: replica {peer_id[-8:]} missed the averaging round that {source[-8:]} completed; "
+                f"it loads {source[-8:]}'s state"
+            )
+        results = await asyncio.gather(
+            *[
+                self.client.commit(
+                    peer_id,
+                    stage=stage,
+                    step_id=f"{step_id}:catch-up",
+                    group_size=1,
+                    timeout_s=timeout_s,
+                    catch_up_from=source,
+                )
+                for stage, peer_id, source in repairs
+            ],
+            return_exceptions=True,
+        )
+        for (stage, peer_id, _), result in zip(repairs, results):
+            if isinstance(result, PeerCallError):
+                logger.warning(f"stage {stage}: replica {peer_id[-8:]} could not catch up: {result}")
+                self.view.bans.ban(peer_id)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self.counters.catch_ups += 1

@@ -103,6 +103,31 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
             assert min_bytes_per_value * values <= sent <= max_bytes_per_value * values, (direction, sent, values)
 
 
+def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
+    """An all-reduce can fail on one side only (at its deadline, under load): one replica steps and
+    the other does not, and their parameters part for good. The trainer sees it in the commit answers
+    and has the replica that missed the round drop its gradients (they are in its partner's update)
+    and load its partner's state before the next step: after the run both replicas agree again."""
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"), "--fault-miss-sync-round", "2"),
+        swarm.start_peer(1),
+    ]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "3", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
+    )
+    for peer in peers:
+        peer.stop()
+    assert "taking averaging round 2 as failed" in peers[1].log()
+    assert report["replica_catch_ups"] == 1, report
+    metas = [load_checkpoint(checkpoint_path(str(tmp_path / d), "tiny", 0, 2))[0] for d in "ab"]
+    assert [m.steps_done for m in metas] == [3, 3]
+    assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
+
+
 PERIOD = ["--averaging-period-s", "3"]
 OUTER = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]
 

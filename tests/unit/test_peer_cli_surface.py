@@ -32,6 +32,7 @@ PEER_FLAGS = {
     "--fault-fail-rate",
     "--fault-garbage",
     "--fault-garbage-rate",
+    "--fault-miss-sync-round",  # added deliberately: a replica whose all-reduce fails on its side only
     "--fault-slowdown",
     "--fault-slowdown-mode",
     "--fault-wrong-stage",  # added deliberately: a fake record answering 'wrong stage' (issue #30)
