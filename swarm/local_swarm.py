@@ -25,6 +25,7 @@ class ManagedProcess:
     name: str
     popen: subprocess.Popen
     log_path: str
+    terminated: bool = False  # SIGTERM sent: a second one would stop it at once, skipping its orderly stop
 
     def log(self) -> str:
         try:
@@ -47,6 +48,15 @@ class ManagedProcess:
         """(pid, start time) of the process and of every descendant now (its DHT process, p2pd)."""
         return [(pid, start_time(pid)) for pid in process_tree(self.popen.pid)] if self.alive else []
 
+    def terminate(self) -> None:
+        """SIGTERM the process itself, once: it then stops in order (a second signal stops it at once)."""
+        if self.alive and not self.terminated:
+            self.terminated = True
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the process itself (a peer then announces offline through its DHT process, so
         that one must not be signalled too), then SIGKILL whatever is left of its group and of
@@ -54,10 +64,7 @@ class ManagedProcess:
         is the belt to those braces)."""
         tree = self.tree()
         if self.alive:
-            try:
-                self.popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            self.terminate()
             try:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -182,8 +189,7 @@ class LocalSwarm:
         ]
         for phase in phases:
             for process in phase:
-                if process.alive:
-                    process.popen.send_signal(signal.SIGTERM)
+                process.terminate()
             for process in phase:
                 process.stop()
 

@@ -172,7 +172,7 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
     # Both at once: stopped one after the other, the second could finish (and outer-step) a round
     # that the first abandoned as it stopped, and save parameters one round apart (seen under CI load).
     for peer in replicas:
-        peer.popen.send_signal(signal.SIGTERM)  # the process only: its DHT process announces it offline
+        peer.terminate()  # the process only: its DHT process announces it offline
     for peer in replicas:
         peer.stop()
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
