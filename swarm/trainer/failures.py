@@ -53,22 +53,25 @@ class StageUnavailableError(RoutingError):
 
 
 class NotAllowedError(RoutingError):
-    """The stage's replicas serve a private swarm (`--allowed-peers`) that does not list this trainer."""
+    """The stage's replicas refuse this trainer for who it is: a private swarm (`--allowed-peers`)
+    that does not list it, or a run (`--run`) for which it holds no credential that allows training."""
 
     def __init__(self, stage: int, my_peer_id: str, refusals: Sequence[str]) -> None:
         self.stage, self.my_peer_id = stage, my_peer_id
         super().__init__(
-            f"refused: stage {stage}'s replicas serve a private swarm whose --allowed-peers does not list this "
-            f"trainer, peer {my_peer_id}. Ask its operators to add {my_peer_id} to every peer's --allowed-peers, "
-            f"and start this trainer with the same --identity-path each time so that its peer id stays the same "
-            f"(refused by {', '.join(sorted(refusals))})"
+            f"refused: stage {stage}'s replicas do not let this trainer, peer {my_peer_id}, train. Either they "
+            f"serve a private swarm whose --allowed-peers does not list it (ask its operators to add {my_peer_id}), "
+            f"or a run whose owner has not given it a credential (ask for one with `swarm run issue --role trainer "
+            f"--peer-id {my_peer_id}` and pass --credential); start this trainer with the same --identity-path each "
+            f"time so that its peer id stays the same (refused by {', '.join(sorted(refusals))})"
         )
 
 
 def refused_as_not_allowed(error_message: str) -> bool:
-    """Whether a peer's refusal says that the caller is not on its --allowed-peers (a private swarm):
-    no retry can help, unlike a refusal of one bad request."""
-    return "--allowed-peers" in error_message
+    """Whether a peer's refusal says that the caller is not on its --allowed-peers (a private swarm)
+    or holds no credential of the peer's run that allows the call (peers/serving/admission.py): no
+    retry can help, unlike a refusal of one bad request."""
+    return "--allowed-peers" in error_message or "not authorized:" in error_message
 
 
 class RetriesExhaustedError(RoutingError):

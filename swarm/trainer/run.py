@@ -157,6 +157,7 @@ async def train(
             data_source=f"data {data.folder}",
             metrics=metrics,
             say=say,
+            access=run_access(config.authority, dht, say, roles=("trainer",)),
         ),
     )
     if schedule is None:
