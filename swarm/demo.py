@@ -143,6 +143,8 @@ def _run_swarm(config: DemoConfig) -> int:
             str(config.stages),
             "--codec",
             config.codec,
+            "--stop-timeout-s",  # stopped, a local demo waits briefly for the step in flight, not 30 s
+            "5",
         ]
         args += [
             "--data",

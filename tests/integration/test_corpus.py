@@ -94,4 +94,7 @@ def test_a_prepared_corpus_trains_through_the_swarm_and_its_validation_loss_fall
         "--batches", "2", "--batch-size", "8", "--microbatch-size", "4", "--json-out", str(eval_json),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-4)
+    # Each stage has two sync replicas under AdamW, which agree only up to the all-reduce's last-bit
+    # differences that AdamW's normalisation magnifies; the two evaluations may route through different
+    # replicas (once 1.3e-4 apart in CI), hence 1e-3.
+    assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-3)
