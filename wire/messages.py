@@ -223,7 +223,8 @@ async def read_state(
     messages: AsyncIterator[runtime_pb2.ExpertResponse], *, sender: str, max_bytes: int | None = None
 ) -> bytes:
     """The state bytes a `write_state` stream carries. Raises ProtocolError when `sender` (named in
-    the message) refused, announced more than `max_bytes`, sent more than it announced, or ended early."""
+    the message) refused, announced more than `max_bytes` or sent more than it announced;
+    StreamClosedError (a ProtocolError) when the stream ended before all the state came."""
     header, chunks, received = None, [], 0
     async for response in messages:
         if header is None:
@@ -241,6 +242,6 @@ async def read_state(
             if received > header.total_bytes:
                 raise ProtocolError("the replica sent more state than it announced")
             chunks.append(part.buffer)
-    if header is None or received != header.total_bytes:
-        raise ProtocolError(f"state transfer from {sender} ended early ({received} bytes)")
+    if header is None or received != header.total_bytes:  # the connection closed under it: worth a retry
+        raise StreamClosedError(f"state transfer from {sender} ended early ({received} bytes)")
     return b"".join(chunks)

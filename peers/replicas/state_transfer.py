@@ -27,10 +27,12 @@ from models.lora import trainable_state_dict
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, deserialize_state, serialize_state
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.messages import read_state, unary_request
-from wire.protocol import MAX_STATE_BYTES, RPC_STATE, StateRequest
+from wire.protocol import MAX_STATE_BYTES, RPC_STATE, StateRequest, StreamClosedError
 from wire.request_limits import PenaltyBox
 
 logger = logging.getLogger(__name__)
+STATE_TRIES = 2  # one retry: `swarm export` asks each replica up to three times, within its burst of four
+RETRY_PAUSE_S = 0.5
 
 
 async def download_state(
@@ -38,7 +40,8 @@ async def download_state(
 ) -> tuple[CheckpointMeta, dict, dict]:
     """Fetch and verify one replica's state; raises CheckpointError/ProtocolError/TimeoutError.
     A replica that announces more than `max_bytes` (what such a state can take) is refused at once;
-    each message is read within 4 MiB."""
+    each message is read within 4 MiB. A stream that closes before the whole state came is asked for
+    again (up to STATE_TRIES times in all, within `timeout_s`): the replica's rate limit allows a few."""
 
     async def fetch() -> bytes:
         stream = await iterate_bounded(
@@ -51,7 +54,17 @@ async def download_state(
         )
         return await read_state(stream, sender=peer_id[-8:], max_bytes=max_bytes)
 
-    data = await asyncio.wait_for(fetch(), timeout=timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    for attempt in range(1, STATE_TRIES + 1):
+        try:
+            data = await asyncio.wait_for(fetch(), timeout=max(deadline - loop.time(), 0.0))
+            break
+        except StreamClosedError as e:  # now and then a p2p stream closes before the answer: ask again
+            if attempt == STATE_TRIES or deadline - loop.time() < RETRY_PAUSE_S * attempt:
+                raise
+            logger.info(f"{e}; asking again ({attempt}/{STATE_TRIES - 1})")
+            await asyncio.sleep(RETRY_PAUSE_S * attempt)
     return deserialize_state(data, f"state from replica {peer_id[-8:]}")
 
 
