@@ -36,6 +36,9 @@ class DemoConfig:
         "prepared with --tokenizer into ~/.cache/swarm or $SWARM_CACHE_DIR the first time)",
     )
     tokenizer: str = option("bpe:4096", help="tokenizer for a text file or the default corpus: bytes or bpe:VOCAB")
+    warmup_steps: int | None = option(
+        None, help="learning-rate warmup steps, then a cosine decay over the rest (default: a tenth of --steps)"
+    )
     eval_every: int = option(10, help="validation loss through the swarm every N steps (0 = never)")
     eval_batches: int = option(4, help="validation batches per evaluation")
     codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
@@ -120,6 +123,7 @@ def _run_swarm(config: DemoConfig) -> int:
         workdir=config.workdir,
         peer_args=["--target-batch-size", str(config.batch_size), "--num-threads", str(threads)]
         + ["--averaging", config.averaging]
+        + lr_schedule_args(config.steps, config.warmup_steps)
         + model_dir_args
         + vocab_args,
     ) as swarm:
@@ -189,3 +193,9 @@ def _run_swarm(config: DemoConfig) -> int:
             export_and_sample(config, swarm, data.folder)
         print("[demo] stopping the swarm...", flush=True)
     return 0
+
+
+def lr_schedule_args(steps: int, warmup_steps: int | None) -> list[str]:
+    """The peers' learning-rate schedule for a run of `steps`: warmup, then cosine to a tenth of --lr."""
+    warmup = max(steps // 10, 1) if warmup_steps is None else warmup_steps
+    return ["--warmup-steps", str(warmup), "--lr-decay", "cosine", "--lr-decay-steps", str(max(steps - warmup, 1))]

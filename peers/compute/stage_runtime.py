@@ -20,6 +20,7 @@ from models.lora import add_adapters, trainable_state_dict
 from models.stages import StageModule, build_stage
 from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
+from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
 from process.config import ConfigError, option
 
@@ -47,6 +48,12 @@ class OptimizerSettings:
     )  # sgd: what the gradient-equality tests use
     lr: float = option(1e-3, help="learning rate of the local optimizer")
     weight_decay: float = option(0.01, help="AdamW weight decay")
+    warmup_steps: int = option(0, help="optimizer steps over which the learning rate rises linearly to --lr")
+    lr_decay: str = option(
+        "constant", help="after warmup: keep --lr, or decay it to --lr-floor times --lr", choices=list(DECAYS)
+    )
+    lr_decay_steps: int = option(0, help="steps after warmup over which --lr-decay reaches its floor")
+    lr_floor: float = option(0.1, help="the decayed learning rate, as a fraction of --lr")
     target_batch_size: int = option(32, help="samples accumulated before each optimizer step")
     betas: tuple[float, float] = field(default=(0.9, 0.95), init=False, repr=False)  # not an option
 
@@ -55,6 +62,15 @@ class OptimizerSettings:
             raise ConfigError("lr must be positive")
         if self.target_batch_size < 1:
             raise ConfigError("target_batch_size must be at least 1")
+        try:
+            self.schedule()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def schedule(self) -> LearningRateSchedule:
+        return LearningRateSchedule(
+            self.lr, self.warmup_steps, decay=self.lr_decay, decay_steps=self.lr_decay_steps, floor=self.lr_floor
+        )
 
     def build(self, params, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
         return devices.build_optimizer(
@@ -128,6 +144,7 @@ class StageRuntime:
         self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries).to(device)
         self.settings = optimizer
         self.optimizer = optimizer.build(self.module.parameters(), device)
+        self.schedule = optimizer.schedule()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.samples_accumulated = 0
@@ -349,6 +366,8 @@ class StageRuntime:
         else:
             for param, grad in zip(self.params, mean_gradients):
                 param.grad = grad.clone()
+            for group in self.optimizer.param_groups:  # the schedule follows the run's step (steps_done)
+                group["lr"] = self.schedule.rate(self.steps_done)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for grad_sum in self.grad_sums:

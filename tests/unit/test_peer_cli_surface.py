@@ -38,6 +38,10 @@ PEER_FLAGS = {
     "--fault-wrong-stage",  # added deliberately: a fake record answering 'wrong stage' (issue #30)
     "--no-fault-wrong-stage",
     "--host-maddrs",
+    "--lr-decay",  # added deliberately: the learning-rate schedule (issue #22)
+    "--lr-decay-steps",
+    "--lr-floor",
+    "--warmup-steps",
     "--identity-path",
     "--init-weights",
     "--initial-peers",
@@ -118,6 +122,10 @@ PEER_VARIABLES = {
     "SWARM_FAULT_SLOWDOWN_MODE",
     "SWARM_FAULT_WRONG_STAGE",
     "SWARM_HOST_MADDRS",
+    "SWARM_LR_DECAY",
+    "SWARM_LR_DECAY_STEPS",
+    "SWARM_LR_FLOOR",
+    "SWARM_WARMUP_STEPS",
     "SWARM_IDENTITY_PATH",
     "SWARM_INITIAL_PEERS",
     "SWARM_INIT_WEIGHTS",
