@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.config import get_model_config
+from models.init_weights import global_name
 from models.stages import build_full_model
 from peers.compute.lr_schedule import LearningRateSchedule
 from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
@@ -76,8 +77,6 @@ def test_a_split_model_follows_the_schedule_step_by_step():
     assert [s.steps_done for s in stages] == [3, 3]
     reference = dict(model.named_parameters())
     for stage in stages:
-        for name, param in stage.module.named_parameters():
-            if name.startswith("blocks."):
-                index = int(name.split(".")[1]) + stage.module.spec.first_layer
-                name = f"blocks.{index}." + name.split(".", 2)[2]
+        for local, param in stage.module.named_parameters():
+            name = global_name(local, stage.module.spec.first_layer)
             torch.testing.assert_close(param, reference[name], atol=1e-5, rtol=0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from models.config import get_model_config
+from models.init_weights import global_name
 from models.stages import StageSplitError, build_full_model, split_layers
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, OptimizerSettings, StageRuntime
 
@@ -48,10 +49,8 @@ def test_split_training_step_matches_one_process(num_stages, optimizer):
     reference = dict(ref_model.named_parameters())
     initial = dict(build_full_model(config).named_parameters())
     for stage in stages:
-        for name, param in stage.module.named_parameters():
-            if name.startswith("blocks."):
-                index = int(name.split(".")[1]) + stage.module.spec.first_layer
-                name = f"blocks.{index}." + name.split(".", 2)[2]
+        for local, param in stage.module.named_parameters():
+            name = global_name(local, stage.module.spec.first_layer)
             torch.testing.assert_close(param, reference[name], atol=1e-5, rtol=0)
             assert not torch.equal(param, initial[name]), f"{name} was not updated"
 
