@@ -57,6 +57,7 @@ class TrainingReport:
     microbatches_lost: int = 0
     calls_retried: int = 0
     replica_catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
+    sync_round_retries: int = 0  # stages committed again because their averaging round failed on every replica
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     calls_by_peer: dict[str, int] = field(default_factory=dict)
     tokens_per_s_by_step: list[float] = field(default_factory=list)
@@ -346,6 +347,7 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
     report.microbatches_lost = microbatches.microbatches_sent - microbatches.microbatches_done
     report.calls_retried = calls.calls_retried
     report.replica_catch_ups = microbatches.catch_ups
+    report.sync_round_retries = microbatches.round_retries
     report.backward_inputs_skipped = calls.backward_inputs_skipped
     report.backward_inputs_resent = calls.backward_inputs_resent
     report.failures_by_kind = dict(calls.failures_by_kind)

@@ -22,6 +22,13 @@ from swarm.trainer.stage_call import Payload, StageCaller
 from wire.protocol import CommitResponse
 
 logger = logging.getLogger(__name__)
+ROUND_RETRIES = 2  # commits again of a stage whose sync round failed everywhere, before its gradients carry over
+
+
+def round_failed(answers: dict[str, CommitResponse]) -> bool:
+    """Whether a stage's sync replicas all answered without averaging or stepping: their round failed
+    (a lone replica averages with nobody, and with no sample it has nothing to step on)."""
+    return len(answers) > 1 and not any(a.stepped or a.averaged for a in answers.values())
 
 
 @dataclass
@@ -32,6 +39,7 @@ class ScheduleCounters:
     commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)
     averaged_commits: int = 0  # ... of which averaged with other replicas
     catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
+    round_retries: int = 0  # sync stages committed again because their averaging round failed on every replica
 
 
 class StepSchedule:
@@ -122,30 +130,63 @@ class StepSchedule:
         meet in one all-reduce per stage and step; periodic replicas that average every K steps
         step on the commit (and average after every K-th); periodic replicas on a period answer
         without doing anything. A replica that fails to commit is logged and banned; it will fall
-        behind its stage's parameters, and periodic checks or a restart bring it back."""
-        calls = []
+        behind its stage's parameters, and periodic checks or a restart bring it back. A stage whose
+        sync round failed on every replica (none stepped; their gradients stay accumulated) is
+        committed again, up to ROUND_RETRIES times; one replica that missed a round its partner
+        completed is repaired (`_repair_missed_rounds`)."""
         served, self._served = self._served, {}
-        for stage, records in enumerate(self.view.records):
-            for mode in ("sync", "periodic"):
-                group = [r.peer_id for r in records if r.averaging == mode]
-                calls += [
-                    (
-                        stage,
-                        peer_id,
-                        mode,
-                        self.client.commit(
-                            peer_id,
-                            stage=stage,
-                            step_id=step_id,
-                            group_size=len(group),
-                            timeout_s=timeout_s,
-                            samples={p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" else None,
-                        ),
-                    )
-                    for peer_id in group
-                ]
-        if not calls:
-            return
+        groups = [
+            (stage, mode, [r.peer_id for r in records if r.averaging == mode])
+            for stage, records in enumerate(self.view.records)
+            for mode in ("sync", "periodic")
+        ]
+        sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s)
+        for attempt in range(1, ROUND_RETRIES + 1):
+            failed = [stage for stage, answers in sync_answers.items() if round_failed(answers)]
+            if not failed:
+                break
+            self.counters.round_retries += len(failed)
+            for stage in failed:
+                logger.warning(
+                    f"stage {stage}: the replicas' averaging round failed and none stepped; "
+                    f"committing again ({attempt}/{ROUND_RETRIES})"
+                )
+            again = [(stage, "sync", list(sync_answers[stage])) for stage in failed]
+            sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s))
+        else:
+            for stage in [stage for stage, answers in sync_answers.items() if round_failed(answers)]:
+                logger.warning(
+                    f"stage {stage}: no averaging round after {ROUND_RETRIES} retries; the step's gradients "
+                    f"carry over to the next commit"
+                )
+        await self._repair_missed_rounds(step_id, sync_answers, timeout_s)
+
+    async def _commit(
+        self,
+        step_id: str,
+        groups: list[tuple[int, str, list[str]]],
+        served: dict[int, dict[str, int]],
+        timeout_s: float,
+    ) -> dict[int, dict[str, CommitResponse]]:
+        """Commit `step_id` on every replica of `groups` ((stage, mode, peer ids)); the sync replicas'
+        answers by stage and peer id. A replica whose commit fails is banned."""
+        calls = [
+            (
+                stage,
+                peer_id,
+                mode,
+                self.client.commit(
+                    peer_id,
+                    stage=stage,
+                    step_id=step_id,
+                    group_size=len(group),
+                    timeout_s=timeout_s,
+                    samples={p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" else None,
+                ),
+            )
+            for stage, mode, group in groups
+            for peer_id in group
+        ]
         results = await asyncio.gather(*[call for *_, call in calls], return_exceptions=True)
         sync_answers: dict[int, dict[str, CommitResponse]] = {}
         for (stage, peer_id, mode, _), result in zip(calls, results):
@@ -161,7 +202,7 @@ class StepSchedule:
                     self.counters.commits += 1
                     if result.averaged:
                         self.counters.averaged_commits += 1
-        await self._repair_missed_rounds(step_id, sync_answers, timeout_s)
+        return sync_answers
 
     async def _repair_missed_rounds(
         self, step_id: str, answers: dict[int, dict[str, CommitResponse]], timeout_s: float

@@ -128,6 +128,32 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
 
 
+def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm, tmp_path):
+    """Both replicas take their first round as failed: neither steps and their gradients stay. The
+    trainer sees that no replica of the stage stepped and commits again; the second round applies
+    the step, so even the run's last step is not lost and both equal the one-process update."""
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--fault-miss-sync-round", "1"],
+    )
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / d)) for d in "ab"] + [swarm.start_peer(1)]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
+    )
+    for peer in peers:
+        peer.stop()
+    assert all("taking averaging round 1 as failed" in peer.log() for peer in peers[:2])
+    assert report["sync_round_retries"] == 1 and report["replica_catch_ups"] == 0, report
+    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
+    assert_same_params(a, b, atol=1e-6)
+    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
+    for name, value in a.items():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+
+
 PERIOD = ["--averaging-period-s", "3"]
 OUTER = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]
 
