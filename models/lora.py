@@ -55,7 +55,10 @@ def adapter_parameters_per_block(config: GPTConfig, rank: int) -> int:
     """What `add_adapters` adds to one block: rank x (in + out) for each of its nn.Linear layers,
     counted on block 0 built on the meta device (no memory, no peft; every built-in block is
     alike, and a user architecture's block 0 stands for all, as in its parameter counts)."""
-    with torch.device("meta"):
+    try:
+        with torch.device("meta"):
+            block = build_block(config, 0)
+    except Exception:  # noqa: BLE001  a user block that needs real values to be made: made for real, once
         block = build_block(config, 0)
     return sum(rank * (m.in_features + m.out_features) for m in block.modules() if isinstance(m, nn.Linear))
 
