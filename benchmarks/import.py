@@ -6,7 +6,10 @@ nothing downloaded), then measures in fresh subprocesses, one at a time:
 
 - `stage i/N`: what a peer does at start-up: build stage i of N (`models.stages.build_stage`) and
   load its tensors from the folder (`models.hf_format.load_stage_from_folder`);
-- `whole`: build the whole model in one process and load every tensor (`read_model_folder`).
+- `whole`: build the whole model in one process and load every tensor (`read_model_folder`);
+- `mem i/N`: stage i of the split that balances the stages' parameters (what each holds in memory),
+  `balanced_split` over parameter counts in place of seconds: the end stages, which hold the
+  vocabulary matrices, get fewer blocks. A peer takes it as `--split-boundaries`.
 
 Each child reports the seconds from before building to loaded, its peak RSS (VmHWM) and its
 RSS after the imports (what torch alone costs). The file is read once before timing, so every run
@@ -64,6 +67,20 @@ def make_folder(folder: str) -> None:
     os.replace(folder + ".tmp", folder)
 
 
+def memory_balanced_boundaries(num_stages: int) -> tuple[int, ...]:
+    """The split of MODEL whose stages hold as equal a share of the parameters as blocks allow."""
+    from models.balanced_split import SplitCosts, balanced_split
+    from models.config import get_model_config
+
+    config = get_model_config(MODEL)
+    costs = SplitCosts(
+        block_s=(config.block_parameters(),) * config.n_layers,
+        first_extra_s=config.embedding_parameters(),
+        last_extra_s=config.head_parameters(),
+    )
+    return balanced_split(costs, num_stages).boundaries
+
+
 def child(folder: str, what: str, num_stages: int) -> dict:
     import torch
 
@@ -77,7 +94,9 @@ def child(folder: str, what: str, num_stages: int) -> dict:
         _, module = read_model_folder(folder)
     else:
         config, _ = read_hf_config(folder)
-        module = build_stage(config, int(what), num_stages)
+        balanced = what.startswith("mem")
+        boundaries = memory_balanced_boundaries(num_stages) if balanced else None
+        module = build_stage(config, int(what.removeprefix("mem")), num_stages, boundaries=boundaries)
         load_stage_from_folder(module, folder)
     seconds = time.perf_counter() - started
     parameters = sum(p.numel() for p in module.parameters())
@@ -120,7 +139,8 @@ def main() -> None:
     with open(weights, "rb") as f:  # into the page cache: every run reads it warm
         while f.read(1 << 24):
             pass
-    cases = ["whole", *(str(i) for i in range(args.num_stages))]
+    boundaries = memory_balanced_boundaries(args.num_stages)
+    cases = ["whole", *(str(i) for i in range(args.num_stages)), *(f"mem{i}" for i in range(args.num_stages))]
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     for _ in range(args.repeats):
         for case in cases:  # interleaved, so a change in machine load spreads over every case
@@ -144,6 +164,7 @@ def main() -> None:
         "model": MODEL,
         "folder_bytes": os.path.getsize(weights),
         "num_stages": args.num_stages,
+        "memory_balanced_boundaries": list(boundaries),
         "repeats": args.repeats,
         "load_average": os.getloadavg(),
         "summary": summary,
@@ -153,6 +174,7 @@ def main() -> None:
     with open(args.out + ".tmp", "w") as f:
         json.dump(report, f, indent=2)
     os.replace(args.out + ".tmp", args.out)
+    print(f"memory-balanced split: --split-boundaries {','.join(map(str, boundaries))}")
     print(f"{'case':>8} {'params':>8} {'seconds':>8} {'peak MiB':>9} {'time ratio':>10} {'RSS ratio':>9}")
     for case, s in summary.items():
         print(

@@ -15,8 +15,9 @@ or grouped-query attention, no rope scaling). The project's blocks compute exact
   train apart from then on. A folder written by `write_model_folder` is therefore always untied
   (`tie_word_embeddings: false` and an explicit `lm_head.weight`), which transformers loads as is.
 
-One stage reads only its own tensors (`load_stage_from_folder`), lazily: safetensors maps the files
-and copies out the tensors asked for, so a peer serving a quarter of a model never reads the rest.
+One stage reads only its own tensors (`load_stage_from_folder`), lazily: the float32 tensors it
+needs are read from the files straight into its parameters (transposed through a small buffer), so
+a peer serving a quarter of a model never reads the rest and holds no second copy of any tensor.
 Everything is checked before any parameter is touched: bad input raises `ModelFolderError` with a
 one-line message, and the module is left as it was.
 """
@@ -262,7 +263,7 @@ def load_stage_from_folder(module: StageModule, folder: str) -> int:
         for local, (names, how) in plan.items():
             target = targets[local]
             try:
-                if how == _COPY and _read_into(files[names[0]], names[0], target, headers):
+                if _read_stage_tensor(how, [(files[n], n) for n in names], target, headers):
                     continue
                 parts = []
                 for hf_name in names:
@@ -275,11 +276,55 @@ def load_stage_from_folder(module: StageModule, folder: str) -> int:
     return len(plan)
 
 
-def _read_into(path: str, name: str, target: torch.Tensor, headers: dict[str, tuple[int, dict]]) -> bool:
-    """Read a float32 tensor straight from the file into `target` (contiguous float32 on the CPU)
-    with no intermediate copy; False when it is another dtype (the caller converts it)."""
+_CHUNK_BYTES = 1 << 18  # what a transposed read holds at once besides the parameter
+
+
+def _read_stage_tensor(
+    how: str, sources: list[tuple[str, str]], target: torch.Tensor, headers: dict[str, tuple[int, dict]]
+) -> bool:
+    """Read one project tensor from its float32 HF tensors (`sources`: (path, name) each) straight
+    into `target` (contiguous float32 on the CPU): copied whole, concatenated part by part into
+    its rows, or transposed through a 256 KiB buffer, so no whole-tensor temporary is ever made
+    (on `gpt2-350m` a temporary of the largest matrix, 16 MiB, set the peak). False when a source
+    is another dtype or the layout is unexpected (the caller converts through a temporary)."""
     if target.dtype != torch.float32 or target.device.type != "cpu" or not target.is_contiguous():
         return False
+    entries = [_f32_entry(path, name, headers) for path, name in sources]
+    if any(e is None for e in entries):
+        return False
+    if how == _COPY:
+        (path, _), (offset, nbytes) = sources[0], entries[0]
+        if nbytes != target.numel() * 4:
+            return False
+        _read_bytes(path, offset, target)
+        return True
+    if how == _CONCAT:
+        row_bytes = target[0].numel() * 4
+        if any(nbytes % row_bytes for _, nbytes in entries) or sum(n for _, n in entries) != target.numel() * 4:
+            return False
+        row = 0
+        for (path, _), (offset, nbytes) in zip(sources, entries):
+            _read_bytes(path, offset, target[row : row + nbytes // row_bytes])
+            row += nbytes // row_bytes
+        return True
+    # _TRANSPOSE: the file holds (in, out) row-major, `target` is (out, in)
+    (path, _), (offset, nbytes) = sources[0], entries[0]
+    if target.dim() != 2 or nbytes != target.numel() * 4:
+        return False
+    out_features, in_features = target.shape
+    rows = max(1, _CHUNK_BYTES // (4 * out_features))
+    buffer = torch.empty(rows, out_features)
+    for first in range(0, in_features, rows):
+        count = min(rows, in_features - first)
+        chunk = buffer[:count]
+        _read_bytes(path, offset + first * out_features * 4, chunk)
+        target[:, first : first + count].copy_(chunk.t())
+    return True
+
+
+def _f32_entry(path: str, name: str, headers: dict[str, tuple[int, dict]]) -> tuple[int, int] | None:
+    """(offset in the file, bytes) of a float32 tensor from its shard's header (read once per
+    shard into `headers`); None for another dtype."""
     if path not in headers:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
@@ -287,14 +332,16 @@ def _read_into(path: str, name: str, target: torch.Tensor, headers: dict[str, tu
     data_start, header = headers[path]
     entry = header[name]
     begin, end = entry["data_offsets"]
-    if entry["dtype"] != "F32" or end - begin != target.numel() * 4:
-        return False
+    return None if entry["dtype"] != "F32" else (data_start + begin, end - begin)
+
+
+def _read_bytes(path: str, offset: int, target: torch.Tensor) -> None:
+    """Fill the contiguous float32 `target` with the bytes of `path` from `offset` on."""
     view = memoryview(target.numpy()).cast("B")
     with open(path, "rb") as f:
-        f.seek(data_start + begin)
-        if f.readinto(view) != end - begin:
+        f.seek(offset)
+        if f.readinto(view) != len(view):
             raise ValueError(f"{os.path.basename(path)} ended early")
-    return True
 
 
 def _sizes(config: GPTConfig) -> str:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from models.config import GPTConfig
 from models.interface import build_part
+from models.stages import build_block
 
 ADAPTER = "default"  # peft's adapter name
 _LORA_COMPONENT_OFFSET = 10_000_000  # seeds of the adapters apart from the parts' own
@@ -47,6 +49,18 @@ def is_adapter(name: str) -> bool:
 def base_name(name: str) -> str:
     """`blocks.0.attn.qkv.base_layer.weight` -> `blocks.0.attn.qkv.weight` (other names unchanged)."""
     return name.replace(".base_layer.", ".")
+
+
+def adapter_parameters_per_block(config: GPTConfig, rank: int) -> int:
+    """What `add_adapters` adds to one block: rank x (in + out) for each of its nn.Linear layers,
+    counted on block 0 built on the meta device (no memory, no peft; every built-in block is
+    alike, and a user architecture's block 0 stands for all, as in its parameter counts)."""
+    try:
+        with torch.device("meta"):
+            block = build_block(config, 0)
+    except Exception:  # noqa: BLE001  a user block that needs real values to be made: made for real, once
+        block = build_block(config, 0)
+    return sum(rank * (m.in_features + m.out_features) for m in block.modules() if isinstance(m, nn.Linear))
 
 
 def add_adapters(stage: nn.Module, rank: int, *, seed: int = 0, first_layer: int = 0) -> int:

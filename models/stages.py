@@ -170,6 +170,14 @@ class StageModule(nn.Module):
         return (batch_size, T, self.config.d_model), torch.float32
 
 
+def build_block(config: GPTConfig, layer: int = 0) -> nn.Module:
+    """Block `layer` of the model as its class makes it, without the seeded initialisation a stage
+    gives it (under `torch.device("meta")`, a block of shapes alone: what a count needs)."""
+    if config.arch == "user":
+        return load_model_parts(config.user_model).block(layer)
+    return _COMPONENTS[config.arch][1](config)
+
+
 def build_stage(
     config: GPTConfig, stage: int, num_stages: int, seed: int = 0, boundaries: Sequence[int] | None = None
 ) -> StageModule:

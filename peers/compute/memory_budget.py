@@ -6,9 +6,11 @@ the machine (/proc/meminfo and the cgroup limit on the CPU, `torch.cuda.mem_get_
 The model of a stage's memory:
 * parameters: float32 master weights (also under bf16/fp16 autocast);
 * gradients: the float32 accumulators (`StageRuntime.grad_sums`) plus the gradients of the
-  microbatch being computed, so two float32 copies;
+  microbatch being computed, so two float32 copies of the trainable parameters;
 * optimizer state: AdamW two float32 moments (8 B/parameter), 8-bit AdamW two uint8 moments plus
-  one float32 scale per 2048-value block (~2 B/parameter), SGD none;
+  one float32 scale per 2048-value block (~2 B/parameter), SGD none; of the trainable parameters
+  alone. With `--trainable lora:R` those are the adapters (models/lora.py), whose weights add to
+  the frozen base's; with `all`, every parameter;
 * activations: what autograd saves for backward, per token and per block, calibrated against
   `torch.autograd.graph.saved_tensors_hooks` on the CPU (tests/unit/test_memory_budget.py keeps
   the estimate within 0.8-1.3x of the measured bytes, fp32 and bf16, GPT and LLaMA blocks);
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import GPTConfig
+from models.config import GPTConfig, lora_rank
+from models.lora import adapter_parameters_per_block
 from models.stages import StageSpec
 from process.config import ConfigError
 
@@ -47,6 +50,12 @@ def stage_parameters(config: GPTConfig, spec: StageSpec) -> int:
         + len(spec.layers) * config.block_parameters()
         + (config.head_parameters() if spec.is_last else 0)
     )
+
+
+def adapter_parameters(config: GPTConfig, spec: StageSpec) -> int:
+    """The LoRA adapters `--trainable lora:R` adds to the stage's blocks (0 with `all`)."""
+    rank = lora_rank(config.trainable)
+    return 0 if rank is None else len(spec.layers) * adapter_parameters_per_block(config, rank)
 
 
 def _saved_per_token(config: GPTConfig, spec: StageSpec, precision: str) -> int:
@@ -97,7 +106,8 @@ def working_bytes(config: GPTConfig, spec: StageSpec, batch_size: int, precision
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    parameters: int  # count
+    parameters: int  # count, adapters included
+    trainable: int  # what has gradients and optimizer state: every parameter, or only the adapters
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -112,8 +122,9 @@ class MemoryEstimate:
         )
 
     def describe(self) -> str:
+        trainable = "" if self.trainable == self.parameters else f" of {self.trainable / 1e6:.2f}M trainable"
         return (
-            f"{self.total_bytes / GiB:.2f} GiB = weights {self.parameter_bytes / GiB:.2f} + gradients "
+            f"{self.total_bytes / GiB:.2f} GiB = weights {self.parameter_bytes / GiB:.2f} + gradients{trainable} "
             f"{self.gradient_bytes / GiB:.2f} + optimizer {self.optimizer_bytes / GiB:.2f} + activations of "
             f"{self.batch_size} samples {self.working_bytes / GiB:.2f} + process {self.overhead_bytes / GiB:.2f}"
         )
@@ -131,12 +142,15 @@ def estimate_stage_memory(
     """What serving `spec` needs with microbatches of up to `batch_size` samples."""
     if optimizer not in OPTIMIZER_BYTES_PER_PARAMETER:
         raise MemoryBudgetError(f"no memory model for optimizer {optimizer!r}")
-    n = stage_parameters(config, spec)
+    adapters = adapter_parameters(config, spec)
+    n = stage_parameters(config, spec) + adapters
+    trainable = n if lora_rank(config.trainable) is None else adapters  # adapters: the base is frozen
     return MemoryEstimate(
         parameters=n,
+        trainable=trainable,
         parameter_bytes=4 * n,
-        gradient_bytes=2 * 4 * n,
-        optimizer_bytes=int(OPTIMIZER_BYTES_PER_PARAMETER[optimizer] * n),
+        gradient_bytes=2 * 4 * trainable,
+        optimizer_bytes=int(OPTIMIZER_BYTES_PER_PARAMETER[optimizer] * trainable),
         working_bytes=working_bytes(config, spec, batch_size, precision),
         overhead_bytes=PROCESS_OVERHEAD_BYTES if device_type == "cpu" else 0,
         batch_size=batch_size,

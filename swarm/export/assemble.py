@@ -131,6 +131,13 @@ def check_stages_fit(
             f"{','.join(map(str, boundaries))}"
         )
     first, last = parts[0], parts[n - 1]
+    if config.arch == "user":  # its own tensor names, its vocabulary from its function: checked by shape
+        if steps_must_match and not same_step(parts):
+            raise ExportError(
+                f"the stages are at different steps ({describe_steps(parts)}); export when training has paused"
+            )
+        _check_shapes(config, assemble_state(parts, boundaries=found))
+        return config
     if EMBEDDING_WEIGHT not in first.state or HEAD_WEIGHT not in last.state:
         raise ExportError(
             f"stage 0 has no {EMBEDDING_WEIGHT} or stage {n - 1} no {HEAD_WEIGHT}: not a {config.arch} model"

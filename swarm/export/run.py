@@ -3,6 +3,11 @@ model, and write one folder: `model.safetensors`, `config.json` (a Hugging Face 
 folder, models/hf_format.py), `swarm.json` (where each stage came from), and a tokenizer
 (`tokenizer.json` of `--data`, or the byte tokenizer of a byte-level run).
 
+A user architecture (`--model module.path:function`, models/interface.py) has no transformers
+class to load it: its folder holds `model.safetensors` in the project's own tensor naming (what
+`--init-weights` reads: `embedding.*`, `blocks.<i>.*`, `head.*`), `swarm.json` and the tokenizer,
+and the export says so in one line.
+
 The folder is written beside `--out` under a temporary name and renamed, so `--out` is complete or
 absent; an existing `--out` is refused unless `--overwrite`.
 """
@@ -17,12 +22,14 @@ import shutil
 import tempfile
 import time
 
+from safetensors.torch import save_file
+
 from dht.announce import fetch_stage_records_async
 from dht.authority import load_run_access
 from dht.model_match import check_same_model
 from dht.node import start_dht
 from models.config import GPTConfig
-from models.hf_format import TOKENIZER_FILE, write_model_folder
+from models.hf_format import SWARM_META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_model_folder
 from models.model_source import model_hash, resolve_model
 from swarm.data.tokenizer import byte_tokenizer
 from swarm.export.adapters import adapter_rank, merge_parts, write_adapters
@@ -42,6 +49,10 @@ from swarm.export.offline import read_checkpoint_parts
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 BYTE_VOCAB_SIZE = 256
+USER_ARCHITECTURE_NOTE = (
+    "the weights are in the project's own tensor naming (what --init-weights reads): a transformers "
+    "folder needs a known architecture (gpt2 or llama), and a user architecture is none"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +105,14 @@ def write_export(
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export.", dir=parent)
     try:
-        folder = write_model_folder(
-            config, state, os.path.join(staging, "model"), tokenizer_json=tokenizer, extra_meta=extra_meta
-        )
+        if config.arch == "user":
+            folder = write_project_folder(config, state, os.path.join(staging, "model"), extra_meta=extra_meta)
+            if tokenizer is not None:
+                shutil.copyfile(tokenizer, os.path.join(folder, TOKENIZER_FILE))
+        else:
+            folder = write_model_folder(
+                config, state, os.path.join(staging, "model"), tokenizer_json=tokenizer, extra_meta=extra_meta
+            )
         if tokenizer is None and config.vocab_size == BYTE_VOCAB_SIZE:
             with open(os.path.join(folder, TOKENIZER_FILE), "w") as f:
                 f.write(byte_tokenizer().to_str())
@@ -111,6 +127,18 @@ def write_export(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def write_project_folder(config: GPTConfig, state: dict, folder: str, *, extra_meta: dict) -> str:
+    """`model.safetensors` in the project's tensor naming and `swarm.json` (the config, which names
+    the user's function and the hash of its definition, and `extra_meta`), into a new `folder`."""
+    os.makedirs(folder)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in state.items()}
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(folder, SWARM_META_FILE), "w") as f:
+        json.dump({"config": config.to_dict(), **extra_meta}, f, indent=2)
+        f.write("\n")
+    return folder
 
 
 def gather_offline(config: ExportConfig, model_config: GPTConfig, say=print):
@@ -201,4 +229,6 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
         f"vocabulary {model_config.vocab_size}) after {steps} steps, from {len(chosen)} stages "
         f"in {time.monotonic() - started:.1f} s"
     )
+    if model_config.arch == "user":
+        say(f"[export] note: {USER_ARCHITECTURE_NOTE}")
     return ExportResult(out, model_config, steps, sources, warnings)

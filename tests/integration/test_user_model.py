@@ -150,3 +150,17 @@ def test_a_user_architecture_trains_through_the_swarm_as_in_one_process(make_swa
             assert not torch.equal(value, initial[name].detach()), f"{name} did not change"
             compared += 1
     assert compared == len(ref_params)
+
+    # export: no transformers class for it, so the trained state in the project's naming, said in one line
+    from safetensors.torch import load_file
+
+    from swarm.export.config import ExportConfig
+    from swarm.export.run import run_export
+
+    lines = []
+    run_export(ExportConfig(model=MODEL, checkpoint_dir=[ckpt], out=str(tmp_path / "export")), say=lines.append)
+    assert sum("transformers folder needs a known architecture" in line for line in lines) == 1, lines
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(exported) == set(ref_params)
+    for name, value in exported.items():
+        torch.testing.assert_close(value, ref_params[name].detach(), atol=1e-5, rtol=0)

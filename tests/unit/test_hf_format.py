@@ -120,6 +120,31 @@ def test_a_stage_reads_only_its_tensors_from_a_sharded_folder(tmp_path):
         load_stage_from_folder(build_stage(config, 0, 2), folder)
 
 
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama-gqa-tied"])
+def test_float32_tensors_are_read_straight_into_the_parameters(tmp_path, kind, monkeypatch):
+    """Copied, concatenated (Llama's q, k, v) and transposed (GPT-2's Conv1D, here through a buffer
+    of a few rows, so in several chunks with a remainder) without a whole-tensor temporary: the
+    converting fallback is never taken, and the weights equal transformers' own."""
+    import models.hf_format as hf_format
+
+    reference = make_hf_folder(tmp_path / "m", kind)
+    config, _ = read_hf_config(str(tmp_path / "m"))
+    monkeypatch.setattr(hf_format, "_CHUNK_BYTES", 4 * config.hidden_size * 3)  # 3 rows of c_fc at a time
+
+    def no_fallback(how, tensors):
+        raise AssertionError(f"a float32 tensor was converted through a temporary ({how})")
+
+    monkeypatch.setattr(hf_format, "from_hf_tensors", no_fallback)
+    model = build_full_model(config)
+    load_stage_from_folder(model, str(tmp_path / "m"))
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, x), reference(x).logits, rtol=0, atol=1e-4)
+    if kind.startswith("gpt2"):
+        c_fc = reference.transformer.h[1].mlp.c_fc.weight  # (in, out), transposed in the project
+        assert torch.equal(model.blocks[1].mlp.up.weight, c_fc.detach().t())
+
+
 def _unchanged_after(folder, match):
     config = from_hf_config(json.load(open(os.path.join(folder, "config.json"))), name="m")
     stage = build_stage(config, 0, 1, seed=9)

@@ -147,3 +147,44 @@ def test_num_layers_sets_the_number_of_stages_at_start_up(capsys):
         <= 4
     )
     assert "--num-layers auto: gpt2-124m split into" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "tests.integration.test_user_model:mixer"])
+def test_adapters_are_counted_as_add_adapters_makes_them(name):
+    pytest.importorskip("peft")
+    import dataclasses
+
+    from models.lora import add_adapters
+
+    config = dataclasses.replace(get_model_config(name), trainable="lora:4")
+    if name == "llama-tiny":  # grouped-query attention: k and v narrower than q
+        config = dataclasses.replace(config, n_kv_heads=2)
+    for spec in split_layers(config.n_layers, 2):
+        stage = build_stage(config, spec.index, 2)
+        made = add_adapters(stage, 4, first_layer=spec.first_layer)
+        estimate = estimate_stage_memory(config, spec, optimizer="adamw")
+        assert estimate.trainable == made
+        assert estimate.parameters == sum(p.numel() for p in stage.parameters())
+
+
+def test_with_adapters_only_they_have_gradients_and_optimizer_state():
+    """A peer fine-tuning adapters is not refused for the AdamW moments and gradients of frozen
+    weights: those count only the adapters, the frozen base only its weights."""
+    import dataclasses
+
+    full = get_model_config("gpt2-124m")
+    lora = dataclasses.replace(full, trainable="lora:8")
+    spec = split_layers(full.n_layers, 2)[0]
+    everything = estimate_stage_memory(full, spec, optimizer="adamw")
+    adapters = estimate_stage_memory(lora, spec, optimizer="adamw")
+    added = adapters.parameters - everything.parameters
+    assert added == 6 * 8 * (8 * 768 + 2 * 3072)  # 6 blocks: qkv (d+3d), proj (2d), up and down (d+h) of rank 8
+    assert adapters.trainable == added and everything.trainable == everything.parameters
+    assert adapters.parameter_bytes == 4 * adapters.parameters
+    assert adapters.gradient_bytes == 2 * 4 * added and adapters.optimizer_bytes == 8 * added
+    assert "trainable" in adapters.describe() and "trainable" not in everything.describe()
+    # memory enough for the adapters' run but not for full training: only full training is refused
+    room = adapters.total_bytes
+    check_fits(adapters, room, what="lora", source="--memory-limit-gb")
+    with pytest.raises(MemoryBudgetError, match="does not fit"):
+        check_fits(everything, room, what="all", source="--memory-limit-gb")
