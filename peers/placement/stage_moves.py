@@ -55,7 +55,6 @@ from peers.serving.announcer import Announcer
 from peers.serving.checkpointer import Checkpointer
 from peers.serving.serving_state import ServingState
 from process.version import software_version
-from wire.protocol import STATE_REQUEST_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +227,8 @@ class StageMoves:
         saying how many steps old it is."""
         serving, settings = self.serving, self.settings
         serving.set_state(PeerState.STANDBY)
-        min_interval_s = max(settings.standby_refresh_s, STATE_REQUEST_INTERVAL_S)
         tried_at, refreshed_at, announced_at = None, None, None
-        stage_steps = 0  # the most steps the held stage's replicas announced so far
+        stage_steps = 0  # the most steps the held stage's online replicas announced at the last look
         while not stop.is_set():
             num_stages = serving.runtime.num_stages
             try:
@@ -247,14 +245,15 @@ class StageMoves:
                 print(f"standby: now holding stage {target} (was {serving.runtime.stage})", flush=True)
                 await self._swap_stage(await asyncio.to_thread(self.builder.build, target))
                 tried_at, refreshed_at, stage_steps = None, None, 0
-            stage_steps = max(stage_steps, announced_steps(records, target, num_stages) or 0)
+            announced = announced_steps(records, target, num_stages)  # None: no replica online now
+            stage_steps = stage_steps if announced is None else announced
             live = views is not None and any(v.stage == target and v.state == "online" for v in views)
             since_attempt_s = None if tried_at is None else time.monotonic() - tried_at
             due = copy_refresh_due(
                 copy_steps=serving.runtime.steps_done,
-                stage_steps=stage_steps,
+                stage_steps=announced,
                 since_attempt_s=since_attempt_s,
-                min_interval_s=min_interval_s,
+                min_interval_s=settings.standby_refresh_s,  # >= what a replica answers one caller (config)
             )
             loaded = False
             if live and (due or take_over):  # taking over with a live replica left: get its latest state first
