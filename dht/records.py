@@ -44,6 +44,9 @@ class PeerRecord(BaseModel):
     credential: str | None = Field(
         default=None, max_length=4096, description="the peer's run credential (dht/authority.py), if it holds one"
     )
+    steps_done: int = Field(
+        default=0, ge=0, description="optimizer steps the served copy holds (a standby compares its copy with it)"
+    )
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -39,6 +39,7 @@ from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterSettings
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
+from wire.protocol import STATE_REQUEST_INTERVAL_S
 
 AUTO_STAGE = "auto"
 DEFAULT_AVERAGING_PERIOD_S = 30.0
@@ -273,7 +274,12 @@ class PlacementSettings:
         help="join the backup pool: serve nothing, keep a recent copy of the thinnest stage's "
         "state and take over at once when a stage loses its last replica or falls far behind",
     )
-    standby_refresh_s: float = option(30.0, help="standby: re-download the held stage's state this often")
+    standby_refresh_s: float = option(
+        30.0,
+        help="standby: re-download the held stage's state at most this often, when its replicas "
+        f"announce steps the copy lacks (at least {STATE_REQUEST_INTERVAL_S:.0f}: a replica sends one "
+        "caller its state no more often)",
+    )
     standby_check_s: float = option(2.0, help="standby: look for a stage that needs taking over this often")
     standby_take_over_fraction: float = option(
         0.5,
@@ -297,6 +303,11 @@ class PlacementSettings:
                 "--rebalance-loss-delay-s must be >= 0"
             )
         _positive(self, "standby_refresh_s", "standby_check_s")
+        if self.standby_refresh_s < STATE_REQUEST_INTERVAL_S:
+            raise ConfigError(
+                f"--standby-refresh-s must be at least {STATE_REQUEST_INTERVAL_S:.0f}: a replica sends one caller "
+                "its state no more often (it would refuse the other downloads)"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)

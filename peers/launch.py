@@ -186,12 +186,21 @@ def _auto_stage(config: PeerConfig, dht) -> int:
 
 
 async def _serve_until_signalled(host: PeerHost) -> None:
-    """Serve until the first SIGINT/SIGTERM, then stop in order (host.serve); a second one exits at once."""
-    stop = asyncio.Event()
-    ShutdownSignals(stop.set, what="saving the checkpoint, announcing offline, then stopping").install_in_loop(
-        asyncio.get_running_loop()
-    )
-    await host.serve(stop)
+    """Serve until the first SIGINT/SIGTERM, then stop in order (host.serve); a second one exits at once.
+    SIGHUP, the parent-death signal (process/lifetime.py), stops without the goodbyes on the DHT."""
+    stop, alone = asyncio.Event(), asyncio.Event()
+
+    def parent_gone() -> None:
+        alone.set()
+        stop.set()
+
+    ShutdownSignals(
+        stop.set,
+        what="saving the checkpoint, announcing offline, then stopping",
+        on_parent_gone=parent_gone,
+        what_alone="saving the checkpoint, then stopping without the DHT goodbyes",
+    ).install_in_loop(asyncio.get_running_loop())
+    await host.serve(stop, alone)
 
 
 def _memory_available(config: PeerConfig, device: torch.device) -> tuple[int, str]:

@@ -13,6 +13,14 @@ SIGTERM to our process group reaches only the main process, which then stops its
 Signals. `ShutdownSignals` gives every role the same handling: the first SIGINT or SIGTERM asks for
 an orderly stop (a callback of the role), the second exits at once (the children follow through
 the parent-death signal).
+
+Parent death. A role started by another of ours (`swarm demo`, the tests' `LocalSwarm`) gets
+SIGHUP (`PARENT_DEATH_SIGNAL`) when that parent dies, however it dies: the swarm it belongs to is
+going down with it, so the role keeps only what must outlive it (a peer's checkpoint, a trainer's
+report) and skips the goodbyes that need other nodes (their DHT writes would wait out their
+deadlines against a bootstrap node that is gone). The kernel sends the signal again for each
+thread of the parent that exits after the first, so a repeat is never taken as "stop at once".
+A terminal that closes sends the same signal to a role run in the foreground, with the same meaning.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import time
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGHUP
 EXIT_SIGNALLED = 130
 WATCHDOG_PERIOD_S = 0.5
 
@@ -121,9 +130,10 @@ def bind_children_to_parent() -> None:
     asyncio.subprocess.create_subprocess_exec = _wrap_subprocess_exec(asyncio.subprocess.create_subprocess_exec)
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+def die_with_parent(sig: int = PARENT_DEATH_SIGNAL) -> Callable[[], None] | None:
     """A `preexec_fn` for `subprocess.Popen` that binds the child to this process (None off the
-    main thread, where the signal would follow the calling thread, not the process)."""
+    main thread, where the signal would follow the calling thread, not the process). A role of ours
+    takes the default, SIGHUP, as "the swarm is going down: keep what matters, stop now"."""
     if threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
@@ -203,20 +213,36 @@ def _pid_alive(pid: int) -> bool:
 
 class ShutdownSignals:
     """SIGINT and SIGTERM: the first calls `on_stop` (the role's orderly stop), the second exits at
-    once with status 130. `install()` for a plain process, `install_in_loop(loop)` for asyncio."""
+    once with status 130. SIGHUP (`PARENT_DEATH_SIGNAL`, however often it comes) calls
+    `on_parent_gone` once, the role's quick stop (`on_stop` when not given), and sets `parent_gone`.
+    `install()` for a plain process, `install_in_loop(loop)` for asyncio."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, PARENT_DEATH_SIGNAL)
 
     def __init__(
-        self, on_stop: Callable[[], None], *, what: str = "stopping", say: Callable[[str], None] | None = None
+        self,
+        on_stop: Callable[[], None],
+        *,
+        what: str = "stopping",
+        say: Callable[[str], None] | None = None,
+        on_parent_gone: Callable[[], None] | None = None,
+        what_alone: str = "stopping now",
     ):
         self.on_stop, self.what = on_stop, what
+        self.on_parent_gone, self.what_alone = on_parent_gone or on_stop, what_alone
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.received = 0
+        self.parent_gone = False
 
     def handle(self, signum: int = signal.SIGTERM, _frame: object = None) -> None:
-        self.received += 1
         name = signal.Signals(signum).name
+        if signum == PARENT_DEATH_SIGNAL:
+            if not self.parent_gone:
+                self.parent_gone = True
+                self.say(f"{name}: the process that started this one is gone: {self.what_alone}")
+                self.on_parent_gone()
+            return
+        self.received += 1
         if self.received > 1:
             self.say(f"{name} again: stopping at once")
             os._exit(EXIT_SIGNALLED)
@@ -225,7 +251,7 @@ class ShutdownSignals:
 
     @property
     def requested(self) -> bool:
-        return self.received > 0
+        return self.received > 0 or self.parent_gone
 
     def install(self) -> ShutdownSignals:
         for sig in self.SIGNALS:

@@ -105,7 +105,7 @@ class LocalSwarm:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
-                preexec_fn=die_with_parent(signal.SIGTERM),  # stops in order when we die, however we die
+                preexec_fn=die_with_parent(),  # stops, keeping what matters, when we die, however we die
             )
         process = ManagedProcess(name, popen, log_path)
         self.processes.append(process)

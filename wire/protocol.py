@@ -52,6 +52,9 @@ MAX_TENSOR_NAME_CHARS = 32
 MAX_STREAM_PARTS = 1 << 16  # tensor parts in one stream (a peer also caps a request's bytes: --max-request-mb)
 STATE_CHUNK_BYTES = 1 << 20
 MAX_STATE_BYTES = 1 << 34
+STATE_REQUEST_INTERVAL_S = 10.0
+"""A replica sends one caller its state at most once per this many seconds, after a burst of 4
+(peers/replicas/state_transfer.py `StateExports`): a caller that asks more often is refused."""
 PROBE_CHUNK_BYTES = 1 << 20
 MAX_PROBE_BYTES = 8 << 20
 MAX_CREDENTIAL_CHARS = 4096  # a run credential (dht/authority.py), carried as the JSON text it is

@@ -49,6 +49,7 @@ from peers.placement.rebalance import (
     stages_that_lost_replicas,
 )
 from peers.placement.stage_choice import replica_views
+from peers.placement.standby_copy import announced_steps, copy_refresh_due, fallback_warning
 from peers.replicas.replica_sync import ReplicaSyncService
 from peers.serving.announcer import Announcer
 from peers.serving.checkpointer import Checkpointer
@@ -218,37 +219,65 @@ class StageMoves:
     # --- standby (backup pool) ---------------------------------------------------------------------
     async def stand_by(self, p2p, stop: asyncio.Event) -> bool:
         """Hold a recent copy of the thinnest stage until a stage needs this peer. Returns True when
-        taking over (the caller then goes online), False when stopped first."""
+        taking over (the caller then goes online), False when stopped first.
+
+        The copy is downloaded again whenever the stage's replicas announce steps it lacks, at most
+        every `--standby-refresh-s` (peers/placement/standby_copy.py), and once more at takeover while
+        a replica is online; taking over with no replica left falls back to the copy, with a warning
+        saying how many steps old it is."""
         serving, settings = self.serving, self.settings
         serving.set_state(PeerState.STANDBY)
-        refreshed_at, announced_at = None, None
+        tried_at, refreshed_at, announced_at = None, None, None
+        stage_steps = 0  # the most steps the held stage's online replicas announced at the last look
         while not stop.is_set():
             num_stages = serving.runtime.num_stages
             try:
-                views = await self.swarm_views(include_self=False)
+                records = await self._all_records()
+                views = [v for v in replica_views(records, num_stages) if v.peer_id != self.peer_id]
                 target = choose_standby_target(views, num_stages)
                 take_over = should_standby_take_over(
                     views, num_stages, target, min_fraction=settings.standby_take_over_fraction
                 )
             except ValueError as e:
                 logger.warning(f"Standby check skipped: {e}")
-                views, target, take_over = None, serving.runtime.stage, False
+                records, views, target, take_over = [], None, serving.runtime.stage, False
             if target != serving.runtime.stage:
                 print(f"standby: now holding stage {target} (was {serving.runtime.stage})", flush=True)
                 await self._swap_stage(await asyncio.to_thread(self.builder.build, target))
-                refreshed_at = None
+                tried_at, refreshed_at, stage_steps = None, None, 0
+            announced = announced_steps(records, target, num_stages)  # None: no replica online now
+            stage_steps = stage_steps if announced is None else announced
             live = views is not None and any(v.stage == target and v.state == "online" for v in views)
-            stale = refreshed_at is None or time.monotonic() - refreshed_at > settings.standby_refresh_s
-            if live and (stale or take_over):  # taking over with a live replica left: get its latest state first
-                if await self.replicas.load_state_from_replica(p2p):
-                    refreshed_at = time.monotonic()
+            since_attempt_s = None if tried_at is None else time.monotonic() - tried_at
+            due = copy_refresh_due(
+                copy_steps=serving.runtime.steps_done,
+                stage_steps=announced,
+                since_attempt_s=since_attempt_s,
+                min_interval_s=settings.standby_refresh_s,  # >= what a replica answers one caller (config)
+            )
+            loaded = False
+            if live and (due or take_over):  # taking over with a live replica left: get its latest state first
+                tried_at = time.monotonic()
+                if loaded := await self.replicas.load_state_from_replica(p2p):
+                    refreshed_at = tried_at
             if take_over:
-                age = "never refreshed" if refreshed_at is None else f"{time.monotonic() - refreshed_at:.0f} s old"
-                print(
-                    f"standby: taking over stage {target} ({'it has no online replica' if not live else 'it fell behind'};"
-                    f" held state {age}, {serving.runtime.steps_done} steps done)",
-                    flush=True,
-                )
+                reason = "it fell behind" if live else "it has no online replica"
+                if loaded:
+                    print(
+                        f"standby: taking over stage {target} ({reason}; with a live replica's state, "
+                        f"{serving.runtime.steps_done} steps done)",
+                        flush=True,
+                    )
+                else:
+                    logger.warning(
+                        fallback_warning(
+                            stage=target,
+                            reason=reason,
+                            copy_steps=serving.runtime.steps_done,
+                            stage_steps=stage_steps,
+                            refreshed_s_ago=None if refreshed_at is None else time.monotonic() - refreshed_at,
+                        )
+                    )
                 return True
             if announced_at is None or time.monotonic() - announced_at > self.announcer.settings.announce_period_s:
                 await self.announcer.announce()

@@ -27,7 +27,7 @@ from models.lora import trainable_state_dict
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, deserialize_state, serialize_state
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.messages import read_state, unary_request
-from wire.protocol import MAX_STATE_BYTES, RPC_STATE, StateRequest, StreamClosedError
+from wire.protocol import MAX_STATE_BYTES, RPC_STATE, STATE_REQUEST_INTERVAL_S, StateRequest, StreamClosedError
 from wire.request_limits import PenaltyBox
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class StateExports:
         self,
         *,
         burst: int = 4,  # a joiner's tries, or `swarm export`'s three snapshots of every replica
-        refill_per_s: float = 1 / 10,
+        refill_per_s: float = 1 / STATE_REQUEST_INTERVAL_S,
         max_age_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

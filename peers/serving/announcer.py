@@ -64,6 +64,7 @@ class Announcer:
             model_hash=model_fingerprint(serving.runtime.config),
             vocab_size=serving.runtime.config.vocab_size,
             credential=self.credential,
+            steps_done=serving.runtime.steps_done,
         )
 
     async def announce(

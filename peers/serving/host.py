@@ -244,9 +244,12 @@ class PeerHost:
         await self.guard.register(p2p, self.rpcs(), runtime_pb2.ExpertRequest)
 
     # --- lifecycle ---------------------------------------------------------------------------------
-    async def serve(self, stop: asyncio.Event) -> None:
-        """Register the RPCs, join (standby, or loading a replica's state), serve until `stop`, then leave."""
+    async def serve(self, stop: asyncio.Event, alone: asyncio.Event | None = None) -> None:
+        """Register the RPCs, join (standby, or loading a replica's state), serve until `stop`, then leave.
+        `alone`: set when the process that started this peer is gone (process/lifetime.py): its swarm
+        is going down with it, so the peer then stops at once, keeping only its checkpoint."""
         config, serving = self.config, self.serving
+        self.alone = alone or asyncio.Event()
         p2p = await self.dht.replicate_p2p()
         await self.register_rpcs(p2p)
         if config.placement.standby:  # backup pool: wait, holding a copy of a stage, until one needs us
@@ -296,34 +299,55 @@ class PeerHost:
         """The one way a serving peer stops: what it holds first (a move under way finishes, then the
         checkpoint is saved), then what others read (offline on the DHT, the split released); the
         launcher stops the DHT node last. A DHT write that cannot complete (p2pd gone) costs its
-        timeout, never the checkpoint."""
+        timeout, never the checkpoint. Once `alone` is set (the parent died), every step but the
+        checkpoint is cut short: the swarm is going down, and its bootstrap node with it."""
         serving = self.serving
         if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
-            await rebalancer
+            await self._unless_alone(rebalancer)
         if reachability is not None:
             reachability.cancel()
             await asyncio.gather(reachability, return_exceptions=True)
-        if checkpointer is not None:
+        if checkpointer is not None:  # never cut short: the one thing that must outlive the peer
             await checkpointer
             await self.checkpointer.save_now()
             print(f"checkpoint saved to {self.checkpointer.path()}", flush=True)
         serving.set_state(PeerState.OFFLINE)
-        await announcer
-        if prober is not None:
-            await prober
-        if members is not None:
-            await members
-        await self.announcer.announce_final()
+        for task in (announcer, prober, members):
+            if task is not None:
+                await self._unless_alone(task)
+        await self._unless_alone(self.announcer.announce_final())
         if averager is not None:
-            await averager
-        await self.announcer.release_split()
-        print(f"peer {self.peer_id} offline after serving {serving.requests_served} requests", flush=True)
+            await self._unless_alone(averager)
+        await self._unless_alone(self.announcer.release_split())
+        if self.alone.is_set():
+            print(
+                f"peer {self.peer_id} stopped after serving {serving.requests_served} requests, without announcing "
+                f"offline (the process that started it is gone; its record expires within "
+                f"{self.config.announcing.record_ttl_s:.0f} s)",
+                flush=True,
+            )
+        else:
+            print(f"peer {self.peer_id} offline after serving {serving.requests_served} requests", flush=True)
         self._release_compute()
+
+    async def _unless_alone(self, awaitable) -> None:
+        """Await a step of the stop, or cancel it as soon as `alone` is set (at once if it already is)."""
+        task = asyncio.ensure_future(awaitable)
+        alone = asyncio.ensure_future(self.alone.wait())
+        try:
+            await asyncio.wait({task, alone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            alone.cancel()
+        if task.done():
+            task.result()  # a step that failed on its own says so, as before
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def _leave_standby(self) -> None:
         """Stopped while on standby: say so on the DHT and release the compute thread and averager."""
         self.serving.set_state(PeerState.OFFLINE)
-        await self.announcer.announce(timeout_s=5.0)
+        await self._unless_alone(self.announcer.announce(timeout_s=5.0))
         print(f"peer {self.peer_id} offline after standing by", flush=True)
         self._release_compute()
 

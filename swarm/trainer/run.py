@@ -109,10 +109,11 @@ async def train(
     say=print,
     metrics: TrainerMetrics | None = None,
     stop: asyncio.Event | None = None,
+    alone: asyncio.Event | None = None,
 ) -> TrainingReport:
     """Train for `config.schedule.steps` steps, filling `report` as it goes (it stays valid on failure).
-    Once `stop` is set, no new step starts; the step in flight gets `stop_timeout_s` to finish, and
-    the report says `stopped_early`."""
+    Once `stop` is set, no new step starts; the step in flight gets `stop_timeout_s` to finish (none
+    once `alone` is set: the process that started this one died), and the report says `stopped_early`."""
     stop = stop or asyncio.Event()
     metrics = metrics or TrainerMetrics()
     batches, reporting = config.schedule, config.reporting
@@ -187,7 +188,9 @@ async def train(
             if stop.is_set():
                 break
             step_started = time.perf_counter()
-            loss = await _step_unless_stopped(schedule.run_step(sampler.batch(step)), stop, batches.stop_timeout_s, say)
+            loss = await _step_unless_stopped(
+                schedule.run_step(sampler.batch(step)), stop, batches.stop_timeout_s, say, alone
+            )
             if loss is None:
                 break
             step_s = time.perf_counter() - step_started
@@ -265,17 +268,30 @@ async def _unless_stopped(stop: asyncio.Event, coro):
         stopped.cancel()
 
 
-async def _step_unless_stopped(step, stop: asyncio.Event, timeout_s: float, say) -> float | None:
+async def _step_unless_stopped(
+    step, stop: asyncio.Event, timeout_s: float, say, alone: asyncio.Event | None = None
+) -> float | None:
     """The step's loss; when `stop` is set while it runs, it gets `timeout_s` more (no new step
-    starts after it), then it is abandoned (None)."""
+    starts after it), then it is abandoned (None). Once `alone` is set (the process that started
+    this one died, and the swarm with it) it is abandoned at once."""
     work = asyncio.ensure_future(step)
+    alone = alone or asyncio.Event()
     if await _unless_stopped(stop, asyncio.shield(work)) is None and not work.done():
-        say(f"stopping: waiting up to {timeout_s:.0f} s for the microbatches in flight")
-        done, _ = await asyncio.wait({work}, timeout=timeout_s)
-        if not done:
+        if not alone.is_set():
+            say(f"stopping: waiting up to {timeout_s:.0f} s for the microbatches in flight")
+        cut_short = asyncio.ensure_future(alone.wait())
+        try:
+            await asyncio.wait({work, cut_short}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut_short.cancel()
+        if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            say("stopping: the step in flight did not finish in time; abandoned it")
+            say(
+                "stopping: abandoned the step in flight"
+                if alone.is_set()
+                else "stopping: the step in flight did not finish in time; abandoned it"
+            )
             return None
     return work.result()
 
@@ -355,11 +371,19 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
 
 
 async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:
-    stop = asyncio.Event()
-    ShutdownSignals(stop.set, what="finishing the step in flight, then writing the report").install_in_loop(
-        asyncio.get_running_loop()
-    )
-    return await train(config, dht, report, say, metrics=metrics, stop=stop)
+    stop, alone = asyncio.Event(), asyncio.Event()
+
+    def parent_gone() -> None:
+        alone.set()
+        stop.set()
+
+    ShutdownSignals(
+        stop.set,
+        what="finishing the step in flight, then writing the report",
+        on_parent_gone=parent_gone,
+        what_alone="abandoning the step in flight, then writing the report",
+    ).install_in_loop(asyncio.get_running_loop())
+    return await train(config, dht, report, say, metrics=metrics, stop=stop, alone=alone)
 
 
 def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
@@ -392,9 +416,9 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     try:
         asyncio.run(_train_until_signalled(config, dht, report, say, metrics))
     finally:
+        if reporting.report:  # first: what must outlive the trainer, before the DHT's stop (up to 3 s)
+            report.write(reporting.report)
         dht.shutdown()
         if endpoint:
             endpoint.close()
-        if reporting.report:
-            report.write(reporting.report)
     return report

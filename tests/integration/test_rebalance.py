@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-from tests.integration.polling import trainer_step, wait_for
+from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
 REBALANCING = ["--rebalance-period-s", "3", "--rebalance-min-gain", "0.2", "--announce-period-s", "1"]
 
 
-def online_per_stage(swarm, num_stages: int = 2) -> list[int]:
-    """What the DHT says, through the same `swarm status` a user runs."""
+def stage_records(swarm, num_stages: int = 2) -> dict[str, list[dict]]:
+    """What the DHT says, through the same `swarm status` a user runs: the records of each stage."""
     out = subprocess.run(
         [
             sys.executable,
@@ -37,8 +37,18 @@ def online_per_stage(swarm, num_stages: int = 2) -> list[int]:
         timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    stages = json.loads(out.stdout)["stages"]
+    return json.loads(out.stdout)["stages"]
+
+
+def online_per_stage(swarm, num_stages: int = 2) -> list[int]:
+    stages = stage_records(swarm, num_stages)
     return [sum(r["state"] == "online" for r in stages[str(s)]) for s in range(num_stages)]
+
+
+def announced_steps(swarm, peer_id: str) -> int | None:
+    """The steps `peer_id`'s online record announces (None while it has none)."""
+    records = [r for rs in stage_records(swarm).values() for r in rs]
+    return next((r["steps_done"] for r in records if r["peer_id"] == peer_id and r["state"] == "online"), None)
 
 
 def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swarm, tmp_path):
@@ -88,6 +98,8 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
 
 
 def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm, tmp_path):
+    """The standby keeps its copy as fresh as the stage's replica announces, so the stage's training
+    outlives its last replica; the takeover from that copy says how old it is."""
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--announce-period-s", "1"])
     swarm.start_bootstrap()
     # Stage 1's only peer is slowed down so that stage 1 is clearly the thinnest (the one the standby holds).
@@ -97,7 +109,7 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
         "auto",
         "--standby",
         "--standby-refresh-s",
-        "2",
+        "10",
         "--standby-check-s",
         "0.5",
         "--standby-take-over-fraction",
@@ -105,36 +117,28 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
         name="peer-standby",
     )
     wait_for(lambda: "standby for stage 1" in standby.log(), 60, "the standby to pick the thinnest stage, 1")
-    report_path = tmp_path / "report.json"
-    trainer = swarm.start_trainer(
-        "--steps",
-        "30",
-        "--batch-size",
-        "8",
-        "--microbatch-size",
-        "2",
-        "--num-stages",
-        "2",
-        "--refresh-period-s",
-        "1",
-        "--report",
-        str(report_path),
-    )
-    wait_for(lambda: trainer_step(trainer) >= 8, 90, "8 trainer steps")
+    train = ["--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2", "--refresh-period-s", "1"]
+    first = swarm.start_trainer("--steps", "6", *train, name="trainer-1")
+    assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
+    replica = re.search(r"peer (\w+) online", peers[2].log()).group(1)
+    trained = wait_for(lambda: announced_steps(swarm, replica), 30, "stage 1's replica to announce its steps")
+    assert trained > 0, trained
     wait_for(
-        lambda: len(re.findall(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps", standby.log())) > 0,
-        30,
-        "the standby to hold a copy of stage 1 with steps done",
+        lambda: f"loaded stage 1 state from replica {replica[-8:]} ({trained} steps done)" in standby.log(),
+        40,
+        f"the standby to refresh its copy to the replica's {trained} steps",
     )
     assert " online:" not in standby.log()  # it served nothing so far
     peers[2].signal(9)  # SIGKILL the only stage-1 replica
-    wait_for(
-        lambda: "standby: taking over stage 1" in standby.log() and " online:" in standby.log(),
-        30,
-        "the standby to take over stage 1",
-    )
-    held = int(re.search(r"taking over stage 1 .* (\d+) steps done", standby.log()).group(1))
-    assert held > 0, standby.log()[-2000:]
-    assert trainer.popen.wait(timeout=150) == 0, trainer.log()[-3000:]
+    wait_for(lambda: " online:" in standby.log(), 30, "the standby to take over stage 1")
+    assert f"from its own copy, 0 steps old ({trained} steps done" in standby.log(), standby.log()[-2000:]
+    # The stage trains on from there: the next trainer's steps add to the lost replica's.
+    report_path = tmp_path / "report.json"
+    second = swarm.start_trainer("--steps", "4", *train, "--report", str(report_path), name="trainer-2")
+    assert second.popen.wait(timeout=120) == 0, second.log()[-3000:]
     report = json.loads(report_path.read_text())
-    assert report["steps"] == 30 and report["microbatches_lost"] == 0
+    assert report["steps"] == 4 and report["microbatches_lost"] == 0
+    standby_id = re.search(r"peer (\w+) online", standby.log()).group(1)
+    wait_for(
+        lambda: announced_steps(swarm, standby_id) == trained + 4, 20, f"the standby to announce {trained + 4} steps"
+    )

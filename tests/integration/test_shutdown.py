@@ -5,6 +5,7 @@ by another process from the one we saw), never by process name."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -25,11 +26,6 @@ from tests.integration.polling import trainer_step, wait_for
 pytestmark = pytest.mark.slow
 
 GONE_WITHIN_S = 10.0
-# The demo's tree: after the demo is killed its bootstrap, peer and trainer all get SIGTERM at once and
-# each makes its orderly stop (the peer's offline record goes through a DHT whose other nodes are
-# stopping too, so its writes wait out their deadlines). Under the CI's load that took over 20 s
-# (issue #29 asks for 10 s: not met for the killed demo yet), so the demo's tree gets 60 s.
-DEMO_GONE_WITHIN_S = 60.0
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGKILL]
 
 
@@ -124,6 +120,41 @@ def test_a_peer_stopped_with_its_process_group_still_saves_and_says_offline(swar
     assert "offline after" in log and "Traceback" not in log and "timed out" not in log, log
 
 
+def test_a_peer_whose_parent_is_killed_saves_its_checkpoint_and_ends_whole(swarm, tmp_path):
+    """The peer of a killed demo (or LocalSwarm) gets the parent-death signal: it saves its checkpoint
+    and stops without the DHT goodbyes (the swarm goes down with its parent), its tree within 10 s."""
+    checkpoints, log_path = tmp_path / "ckpt", tmp_path / "parent.log"
+    parent_code = (
+        "import sys, time\n"
+        "from swarm.local_swarm import LocalSwarm\n"
+        "s = LocalSwarm(model='tiny', num_stages=1, workdir=sys.argv[1], peer_args=sys.argv[3:])\n"
+        "s.initial_peers = sys.argv[2].split(',')\n"
+        "s.start_peer(0, name='peer-orphan')\n"
+        "time.sleep(600)\n"
+    )
+    peer_args = [*swarm.peer_args, "--checkpoint-dir", str(checkpoints)]
+    with open(log_path, "w") as log:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", parent_code, str(tmp_path), ",".join(swarm.initial_peers), *peer_args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    peer_log, tree = tmp_path / "peer-orphan.log", process_tree(parent.pid)
+    try:
+        wait_for(lambda: peer_log.exists() and " online:" in peer_log.read_text(), 120, "the peer to come online")
+        tree = process_tree(parent.pid)
+        signal_main_and_wait(parent, signal.SIGKILL, least=4)  # the parent, the peer, its DHT process, p2pd
+    finally:
+        for process in running(tree + (process_tree(parent.pid) if parent.poll() is None else [])):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        parent.wait()
+    log = peer_log.read_text()
+    assert "SIGHUP" in log and "without announcing offline" in log and "Traceback" not in log, log
+    assert glob.glob(str(checkpoints / "*.ckpt")) and not glob.glob(str(checkpoints / "*.tmp.*")), log
+
+
 @pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
 def test_trainer_ends_whole(swarm, tmp_path, sig):
     report_path = tmp_path / "report.json"
@@ -162,7 +193,8 @@ def test_demo_ends_whole(tmp_path, sig):
         wait_for(lambda: trainer_step_in(log_path.read_text()) or demo.poll() is not None, 180, "the demo's first step")
         assert demo.poll() is None, log_path.read_text()
         # bootstrap, peer and trainer, each with its DHT process and p2pd
-        signal_main_and_wait(demo, sig, least=7, within_s=DEMO_GONE_WITHIN_S)
+        # Killed, the demo's children get the parent-death signal and stop without the DHT goodbyes.
+        signal_main_and_wait(demo, sig, least=7)
     finally:
         if demo.poll() is None:
             demo.kill()

@@ -79,3 +79,14 @@ def test_the_first_signal_asks_to_stop_and_the_second_would_exit():
     )
     assert exited.returncode == 130 and "still here" not in exited.stdout
     assert die_with_parent() is not None  # from the main thread
+
+
+def test_the_parent_death_signal_stops_quickly_once_however_often_it_comes():
+    """The kernel sends it again for each thread of the dying parent: no repeat may mean 'at once'."""
+    stops, quick, lines = [], [], []
+    signals = ShutdownSignals(lambda: stops.append(1), on_parent_gone=lambda: quick.append(1), say=lines.append)
+    for _ in range(3):
+        signals.handle(signal.SIGHUP)
+    assert quick == [1] and stops == [] and signals.parent_gone and signals.requested and len(lines) == 1
+    signals.handle(signal.SIGTERM)  # a stop asked for afterwards is still the first of its kind
+    assert stops == [1]
