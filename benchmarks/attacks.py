@@ -1,22 +1,24 @@
 """Attacks of issue #30 against a live 2-stage swarm, beside a clean run in the same invocation.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/attacks.py --steps 20 --out benchmarks/out/attacks.json
+    PYTHONPATH=. .venv/bin/python benchmarks/attacks.py --steps 30 --out benchmarks/out/attacks.json
 
-Every run starts a fresh `tiny` swarm on loopback (one honest peer per stage), adds the attack's
-processes, and trains the same steps with the same seed. Per run: tokens/s, final loss, the peak
-RSS of the honest peers and of the trainer (VmHWM, read just before they stop), whether the run
-finished, and the trainer's failures by kind. Goals (issue #30): tokens/s >= 0.8 of clean, final
-loss within 2% of clean, peak RSS < 200 MB above clean.
+Every run starts a fresh `tiny` swarm on loopback with main's defaults (sync averaging) in an open run
+made like `swarm run create` (dht/authority.py): one peer of stage 0 and `--replicas` of stage 1, each
+with a peer credential for its stage, and a trainer with a trainer credential. Then the attack's
+processes start (none holds a credential: strangers), and the trainer trains the same steps with the
+same seed. Per run: tokens/s, final loss, the peak RSS of the honest peers and of the trainer (VmHWM,
+read just before they stop), whether the run finished, the trainer's failures by kind, its calls by
+peer, and what the attackers' requests got. Goals (issue #30): tokens/s >= 0.8 of clean, final loss
+within 2% of clean, peak RSS < 200 MB above clean.
 
-Attacks here (the trainer trusts measurements, not claims):
+Attacks:
 - lying_replica: a stage-1 replica 10x slower than the honest one (`--fault-slowdown 10
   --fault-slowdown-mode device`) that announces 1000x its throughput and reports compute times 1000x
-  shorter (`--fault-claim-speedup 1000`). Before: it drew 479 of 480 calls, throughput / 10.
+  shorter (`--fault-claim-speedup 1000`). Before #30: it drew 479 of 480 calls, throughput / 10.
 - fake_wrong_stage: `--fakes` stage-1 records announcing 1000x throughput whose peers answer every
   call "wrong stage" (`--fault-wrong-stage`). Before: never banned, throughput / 100 with nine.
-
-More attacks are more entries of `ATTACKS`: a name, and a function that starts the attack's
-processes in a swarm whose honest peers are online.
+- outsider_averaging, size_bomb, junk_subkeys, junk_rpcs: the clients of benchmarks/attack_clients.py
+  (see there), started before the trainer and running until the swarm stops.
 """
 
 from __future__ import annotations
@@ -24,21 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
 from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from tests.integration.test_run_authority import Run  # noqa: E402
 
-# Replicas do not average here: in sync averaging, a stage with a second replica (the liar, or the
-# fakes) pays for averaging rounds at every commit, which would be charged to the attack (a first
-# run with sync averaging spent most of its time in failed rounds: "could not find a group").
-# Who may join averaging is issue #30's averager authorizer (branch `authority`).
-PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"]
+PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
 GOAL_TOKENS_RATIO, GOAL_LOSS_REL, GOAL_RSS_MB = 0.8, 0.02, 200.0
 
 
@@ -54,48 +55,100 @@ def peak_rss_mb(process: ManagedProcess) -> float | None:
     return None
 
 
-def no_attack(swarm: LocalSwarm, args) -> list[ManagedProcess]:
+class Swarm:
+    """One run's swarm: the honest processes, the run's owner, and the honest peers' ids."""
+
+    def __init__(self, local: LocalSwarm, run: Run, args):
+        self.local, self.run, self.args = local, run, args
+        self.honest = [local.start_peer(0, *run.args("s0", "peer", stage=0), name="peer-s0-honest")]
+        self.honest += [
+            local.start_peer(1, *run.args(f"s1r{i}", "peer", stage=1), name=f"peer-s1-honest{i}")
+            for i in range(args.replicas)
+        ]
+        self.stage0 = run.ids["s0"]
+        self.stage1 = [run.ids[f"s1r{i}"] for i in range(args.replicas)]
+
+    def stranger(self, stage: int, *extra: str, name: str) -> ManagedProcess:
+        """A peer of the open run without a credential (anyone may serve an open run)."""
+        return self.local.start_peer(stage, "--run", str(self.run.root / "run"), "--no-load-state", *extra, name=name)
+
+    def client(self, kind: str) -> ManagedProcess:
+        """One of benchmarks/attack_clients.py, stopped with the swarm (it is in its process list)."""
+        workdir = self.local.workdir
+        stats, log_path = os.path.join(workdir, f"{kind}.stats.json"), os.path.join(workdir, f"{kind}.log")
+        command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "attack_clients.py")]
+        command += [kind, "--initial-peers", *self.local.initial_peers, "--stage0", self.stage0]
+        command += ["--stage1", *self.stage1, "--stats", stats, "--pause-s", str(self.args.pause_s)]
+        with open(log_path, "w") as log:
+            popen = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        process = ManagedProcess(f"attacker-{kind}", popen, log_path)
+        self.local.processes.append(process)
+        deadline = time.monotonic() + 180
+        while not os.path.exists(stats):  # its first round is done: the attack is on
+            if not process.alive or time.monotonic() > deadline:
+                raise RuntimeError(f"the {kind} client did not complete a round:\n{process.log()[-3000:]}")
+            time.sleep(0.5)
+        return process
+
+
+def attacker_stats(swarm: LocalSwarm) -> dict:
+    found = {}
+    for path in Path(swarm.workdir).glob("*.stats.json"):
+        try:
+            found[path.name.removesuffix(".stats.json")] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def no_attack(swarm: Swarm) -> list[ManagedProcess]:
     return []
 
 
-def lying_replica(swarm: LocalSwarm, args) -> list[ManagedProcess]:
-    return [
-        swarm.start_peer(
-            1,
-            *("--fault-slowdown", "10", "--fault-slowdown-mode", "device", "--fault-claim-speedup", "1000"),
-            "--no-load-state",
-            name="liar",
-        )
-    ]
+def lying_replica(swarm: Swarm) -> list[ManagedProcess]:
+    slow = ("--fault-slowdown", "10", "--fault-slowdown-mode", "device", "--fault-claim-speedup", "1000")
+    return [swarm.stranger(1, *slow, name="peer-s1-liar")]
 
 
-def fake_wrong_stage(swarm: LocalSwarm, args) -> list[ManagedProcess]:
-    return [
-        swarm.start_peer(1, "--fault-wrong-stage", "--fault-claim-speedup", "1000", "--no-load-state", name=f"fake{i}")
-        for i in range(args.fakes)
-    ]
+def fake_wrong_stage(swarm: Swarm) -> list[ManagedProcess]:
+    fake = ("--fault-wrong-stage", "--fault-claim-speedup", "1000")
+    return [swarm.stranger(1, *fake, name=f"peer-s1-fake{i}") for i in range(swarm.args.fakes)]
 
 
-ATTACKS: dict[str, Callable[[LocalSwarm, argparse.Namespace], list[ManagedProcess]]] = {
+def client_attack(kind: str) -> Callable[[Swarm], list[ManagedProcess]]:
+    def start(swarm: Swarm) -> list[ManagedProcess]:
+        swarm.client(kind)
+        return []  # not peers: nothing to wait for
+
+    return start
+
+
+ATTACKS: dict[str, Callable[[Swarm], list[ManagedProcess]]] = {
     "clean": no_attack,
     "lying_replica": lying_replica,
     "fake_wrong_stage": fake_wrong_stage,
+    **{kind: client_attack(kind) for kind in ("outsider_averaging", "size_bomb", "junk_subkeys", "junk_rpcs")},
 }
 
 
 def one_run(name: str, args, workdir: str) -> dict:
     report_path = os.path.join(workdir, "report.json")
-    with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as swarm:
-        swarm.start_bootstrap()
-        honest = [swarm.start_peer(0), swarm.start_peer(1)]
-        swarm.wait_online(honest)
-        attackers = ATTACKS[name](swarm, args)
+    os.makedirs(workdir, exist_ok=True)
+    run = Run(Path(workdir), private=False)
+    with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
+        local.start_bootstrap()
+        swarm = Swarm(local, run, args)
+        local.wait_online(swarm.honest)
+        attackers = ATTACKS[name](swarm)
         if attackers:
-            swarm.wait_online(attackers, timeout_s=300)
+            local.wait_online(attackers, timeout_s=300)
         started = time.monotonic()
-        trainer = swarm.start_trainer(
+        trainer = local.start_trainer(
             *("--steps", str(args.steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
             *("--refresh-period-s", "2", "--seed", "3", "--report", report_path),
+            *run.args("trainer", "trainer"),
         )
         trainer_rss = 0.0
         deadline = started + args.timeout_s
@@ -103,7 +156,9 @@ def one_run(name: str, args, workdir: str) -> dict:
             trainer_rss = max(trainer_rss, peak_rss_mb(trainer) or 0.0)
             time.sleep(0.5)
         finished = trainer.popen.poll() == 0
-        peers_rss = max((peak_rss_mb(p) or 0.0) for p in honest)
+        peers_rss = max((peak_rss_mb(p) or 0.0) for p in swarm.honest)
+        honest_alive = all(p.alive for p in swarm.honest)
+        stats = attacker_stats(local)
         try:
             report = json.loads(open(report_path).read())
         except (OSError, ValueError):
@@ -111,6 +166,7 @@ def one_run(name: str, args, workdir: str) -> dict:
     return {
         "attack": name,
         "finished": finished and bool(report.get("completed")),
+        "honest_peers_alive": honest_alive,
         "wall_s": round(time.monotonic() - started, 1),
         "tokens_per_s": report.get("tokens_per_s"),
         "final_loss": report.get("final_loss"),
@@ -118,6 +174,7 @@ def one_run(name: str, args, workdir: str) -> dict:
         "peak_trainer_rss_mb": round(trainer_rss, 1),
         "failures_by_kind": report.get("failures_by_kind", {}),
         "calls_by_peer": report.get("calls_by_peer", {}),
+        "attackers": stats,
     }
 
 
@@ -143,6 +200,8 @@ def main() -> int:
     parser.add_argument("--attacks", nargs="+", default=[a for a in ATTACKS if a != "clean"], choices=list(ATTACKS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fakes", type=int, default=9, help="fake wrong-stage records (peers)")
+    parser.add_argument("--replicas", type=int, default=2, help="honest replicas of stage 1 (they average)")
+    parser.add_argument("--pause-s", type=float, default=0.2, help="attack clients' pause between rounds")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     parser.add_argument("--out", default="benchmarks/out/attacks.json")
     args = parser.parse_args()
@@ -150,7 +209,10 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="swarm-attacks-") as root:
         for name in ["clean", *[a for a in args.attacks if a != "clean"]]:
-            run = one_run(name, args, os.path.join(root, name))
+            try:
+                run = one_run(name, args, os.path.join(root, name))
+            except Exception as e:  # an attack that could not be set up: say so, go on with the next
+                run = {"attack": name, "finished": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
             print(json.dumps(run), flush=True)
             runs.append(run)
     clean = runs[0]
@@ -162,6 +224,8 @@ def main() -> int:
             "command": " ".join(sys.argv),
             "steps": args.steps,
             "fakes": args.fakes,
+            "replicas": args.replicas,
+            "pause_s": args.pause_s,
             "cpus": os.cpu_count(),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
