@@ -101,6 +101,30 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
     def _is_member(self, context) -> bool:
         return self._members is None or context.remote_id.to_base58() in self._members
 
+    @property
+    def _matchmaking(self):
+        try:
+            return self.__dict__["_member_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking) -> None:
+        """hivemind sets its matchmaking in the averager's process; this one never asks an outsider to
+        lead it. Without it, a replica without a credential that declares itself leader (any peer of
+        an open run may serve, and looks for a group under the stage's key) draws the members into its
+        group, which they then abandon: no round completes while it keeps declaring (measured: every
+        commit of both honest replicas failed after a 30 s wait, benchmarks/attacks.py)."""
+        request_join = matchmaking._request_join_group
+
+        async def request_join_members_only(leader):
+            if self._members is not None and leader.to_base58() not in self._members:
+                return None  # as a leader that turned us away: the search goes on to the next
+            return await request_join(leader)
+
+        matchmaking._request_join_group = request_join_members_only
+        self.__dict__["_member_matchmaking"] = matchmaking
+
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:

@@ -48,6 +48,7 @@ class SwarmView:
         self.dht, self.model, self.num_stages = dht, model, num_stages
         # a private run (dht/authority.py): only peers whose records carry a peer credential are routed to
         self.authority = authority if authority is not None and authority.private else None
+        self.run_authority = authority  # open or private: who may average (see `averaging_members`)
         self.model_hash = model_hash  # records of another model (another hash) are never routed to
         self.foreign: list[PeerRecord] = []
         self.seen: list[PeerRecord] = []
@@ -90,6 +91,14 @@ class SwarmView:
             self.schedulers[stage].update_replicas([ReplicaInfo(r.peer_id, r.throughput) for r in online])
         self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
         self.refreshes += 1
+
+    def averaging_members(self, stage: int) -> frozenset[str] | None:
+        """The replicas of `stage` that may average with each other: those whose record carries a peer
+        credential of the run (an open run lets others serve, but their replicas refuse them in
+        averaging); None without a run authority (everyone averages)."""
+        if self.run_authority is None:
+            return None
+        return frozenset(r.peer_id for r in credentialed_records(self.records[stage], self.run_authority, stage=stage))
 
     async def refresh_forever(self, period_s: float) -> None:
         """Refresh every `period_s` seconds from start to start, so that a slow DHT lookup (a loaded

@@ -31,6 +31,16 @@ def round_failed(answers: dict[str, CommitResponse]) -> bool:
     return len(answers) > 1 and not any(a.stepped or a.averaged for a in answers.values())
 
 
+def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
+    """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
+    (`members`: its credentialed replicas) a replica outside it averages with no one (the members
+    refuse it) and the members' group does not count it: counted, it would make them wait for a
+    replica that never comes, at every commit."""
+    if members is None:
+        return [replicas]
+    return [[p for p in replicas if p in members], *[[p] for p in replicas if p not in members]]
+
+
 @dataclass
 class ScheduleCounters:
     microbatches_sent: int = 0
@@ -136,13 +146,26 @@ class StepSchedule:
         completed is repaired (`_repair_missed_rounds`)."""
         served, self._served = self._served, {}
         groups = [
-            (stage, mode, [r.peer_id for r in records if r.averaging == mode])
+            (stage, mode, group)
             for stage, records in enumerate(self.view.records)
             for mode in ("sync", "periodic")
+            for group in commit_groups(
+                [r.peer_id for r in records if r.averaging == mode], self.view.averaging_members(stage)
+            )
         ]
         sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s)
+        # each stage's averaging group (replicas outside it step alone, see commit_groups)
+        averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
+
+        def failed_stages() -> list[int]:
+            return [
+                stage
+                for stage, group in averaging.items()
+                if round_failed({p: a for p, a in sync_answers.get(stage, {}).items() if p in group})
+            ]
+
         for attempt in range(1, ROUND_RETRIES + 1):
-            failed = [stage for stage, answers in sync_answers.items() if round_failed(answers)]
+            failed = failed_stages()
             if not failed:
                 break
             self.counters.round_retries += len(failed)
@@ -151,10 +174,10 @@ class StepSchedule:
                     f"stage {stage}: the replicas' averaging round failed and none stepped; "
                     f"committing again ({attempt}/{ROUND_RETRIES})"
                 )
-            again = [(stage, "sync", list(sync_answers[stage])) for stage in failed]
+            again = [(stage, "sync", [p for p in averaging[stage] if p in sync_answers[stage]]) for stage in failed]
             sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s))
         else:
-            for stage in [stage for stage, answers in sync_answers.items() if round_failed(answers)]:
+            for stage in failed_stages():
                 logger.warning(
                     f"stage {stage}: no averaging round after {ROUND_RETRIES} retries; the step's gradients "
                     f"carry over to the next commit"

@@ -262,3 +262,44 @@ def test_a_replica_that_claims_a_huge_weight_counts_no_more_than_it_served():
             averager.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_members_average_together_when_an_outsider_leads_the_stage_key():
+    """A peer without a credential (an open run lets it serve) declares itself the first leader under
+    the stage's group key: the two members never join its group, and average with each other."""
+    from hivemind.utils import get_dht_time
+
+    first = hivemind.DHT(start=True)
+    dhts = [first, *(hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True) for _ in range(2))]
+    ids = [dht.peer_id.to_base58() for dht in dhts]
+    averagers = [
+        MemberAverager(
+            [torch.full((8,), value)],
+            dht,
+            members=members,
+            prefix="outsider_leads",
+            start=True,
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            target_group_size=3,  # the trainer counted the outsider as a replica of the stage
+            min_group_size=2,
+        )
+        for value, dht, members in ((0.0, dhts[0], {ids[1]}), (10.0, dhts[1], {ids[0]}), (99.0, dhts[2], None))
+    ]
+    try:
+        now = get_dht_time()
+        # the outsider's round is due first: it is every follower's first choice of leader
+        controls = [
+            averager.step(scheduled_time=now + due, wait=False, timeout=30)
+            for averager, due in zip(averagers, (4.0, 4.0, 2.0))
+        ]
+        results = [control.result(timeout=60) if i < 2 else None for i, control in enumerate(controls)]
+        assert all(result is not None for result in results[:2]), results
+        for averager in averagers[:2]:
+            with averager.get_tensors() as (tensor,):
+                torch.testing.assert_close(tensor, torch.full((8,), 5.0))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
