@@ -46,7 +46,8 @@ from swarm.trainer.client import StageClient  # noqa: E402
 from tests.integration.test_dht_floods import JUNK_SUBKEYS, _store_junk  # noqa: E402
 from tests.integration.test_request_bounds import _aiter, send_one_huge_message, topk_bomb_request  # noqa: E402
 from tests.integration.test_run_authority import _call, _commit  # noqa: E402
-from wire.protocol import RPC_BACKWARD  # noqa: E402
+from wire.messages import read_response  # noqa: E402
+from wire.protocol import RPC_BACKWARD, ResponseHeader  # noqa: E402
 
 
 async def _outcome(counts: Counter, what: str, call) -> None:
@@ -81,10 +82,8 @@ async def one_round(kind: str, p2p, client, args, counts: Counter, state: dict) 
             stream = await p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer_id), RPC_BACKWARD, _aiter(topk_bomb_request(config)), _response_type()
             )
-            answers = [message async for message in stream]
-            answer = answers[0].metadata.decode(errors="replace") if answers else "no answer"
-            refused = answer.split('"error":', 1)[-1][:70] if '"error"' in answer else "NOT refused: " + answer[:60]
-            counts[f"topk bomb: {refused}"] += 1
+            error = (await read_response(stream, ResponseHeader)).header.error
+            counts[f"topk bomb: {'refused: ' + error[:70] if error else 'NOT refused'}"] += 1
             await send_one_huge_message(p2p, PeerID.from_base58(peer_id))  # returns when the peer closes
             counts["256 MiB message streamed until the peer closed the stream"] += 1
     elif kind == "junk_subkeys":

@@ -1,14 +1,15 @@
 """Attacks of issue #30 against a live 2-stage swarm, beside a clean run in the same invocation.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/attacks.py --steps 30 --out benchmarks/out/attacks.json
+    PYTHONPATH=. .venv/bin/python benchmarks/attacks.py --steps 40 --fakes 4 --out benchmarks/out/attacks.json
 
 Every run starts a fresh `tiny` swarm on loopback with main's defaults (sync averaging) in an open run
 made like `swarm run create` (dht/authority.py): one peer of stage 0 and `--replicas` of stage 1, each
 with a peer credential for its stage, and a trainer with a trainer credential. Then the attack's
 processes start (none holds a credential: strangers), and the trainer trains the same steps with the
-same seed. Per run: tokens/s, final loss, the peak RSS of the honest peers and of the trainer (VmHWM,
-read just before they stop), whether the run finished, the trainer's failures by kind, its calls by
-peer, and what the attackers' requests got. Goals (issue #30): tokens/s >= 0.8 of clean, final loss
+same seed. Per run: tokens/s (and the median of the steps' own rates, which one stalled averaging
+round does not move), final loss, the honest replicas' failed averaging rounds, the peak RSS of the
+honest peers and of the trainer (VmHWM, read just before they stop), whether the run finished, the
+trainer's failures by kind, its calls by peer, and what the attackers' requests got. Goals (issue #30): tokens/s >= 0.8 of clean, final loss
 within 2% of clean, peak RSS < 200 MB above clean.
 
 Attacks:
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,6 +161,9 @@ def one_run(name: str, args, workdir: str) -> dict:
         peers_rss = max((peak_rss_mb(p) or 0.0) for p in swarm.honest)
         honest_alive = all(p.alive for p in swarm.honest)
         stats = attacker_stats(local)
+        # a sync round that failed (at its 30 s deadline, or no group found) stalls the step: it happens in
+        # clean runs too on a loaded machine, and one in a short run halves its tokens/s
+        failed_rounds = sum(p.log().count("no averaging round with the other replicas") for p in swarm.honest)
         try:
             report = json.loads(open(report_path).read())
         except (OSError, ValueError):
@@ -169,7 +174,11 @@ def one_run(name: str, args, workdir: str) -> dict:
         "honest_peers_alive": honest_alive,
         "wall_s": round(time.monotonic() - started, 1),
         "tokens_per_s": report.get("tokens_per_s"),
+        "median_step_tokens_per_s": statistics.median(report["tokens_per_s_by_step"])
+        if report.get("tokens_per_s_by_step")
+        else None,
         "final_loss": report.get("final_loss"),
+        "honest_failed_averaging_rounds": failed_rounds,
         "peak_peer_rss_mb": round(peers_rss, 1),
         "peak_trainer_rss_mb": round(trainer_rss, 1),
         "failures_by_kind": report.get("failures_by_kind", {}),
@@ -189,6 +198,7 @@ def judge(run: dict, clean: dict) -> dict:
     )
     return {
         "tokens_ratio": round(ratio, 3),
+        "median_step_ratio": round(run["median_step_tokens_per_s"] / clean["median_step_tokens_per_s"], 3),
         "loss_rel_diff": round(loss_rel, 4),
         "rss_over_clean_mb": round(rss_over, 1),
         "meets_goals": ratio >= GOAL_TOKENS_RATIO and loss_rel <= GOAL_LOSS_REL and rss_over < GOAL_RSS_MB,
