@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.config import get_model_config
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from tests.integration.polling import wait_for
+from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
 
 pytestmark = pytest.mark.slow
@@ -83,8 +84,7 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
         swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
     )
     replica_metrics = [scrape(peer) for peer in peers[:2]]
-    for peer in peers:
-        peer.stop()
+    stop_together(peers)
     a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
     assert_same_params(a, b, atol=tolerance)
     # Both replicas saw part of the batch; the averaged step is the one-process step on all of it.
@@ -119,8 +119,7 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     report = run_trainer(
         swarm, tmp_path, "--steps", "3", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
     )
-    for peer in peers:
-        peer.stop()
+    stop_together(peers)
     assert "taking averaging round 2 as failed" in peers[1].log()
     assert report["replica_catch_ups"] == 1, report
     metas = [load_checkpoint(checkpoint_path(str(tmp_path / d), "tiny", 0, 2))[0] for d in "ab"]
@@ -171,10 +170,7 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
         )
     # Both at once: stopped one after the other, the second could finish (and outer-step) a round
     # that the first abandoned as it stopped, and save parameters one round apart (seen under CI load).
-    for peer in replicas:
-        peer.terminate()  # the process only: its DHT process announces it offline
-    for peer in replicas:
-        peer.stop()
+    stop_together(replicas)  # the processes only: their DHT processes announce them offline
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
     if by_steps:  # one local step per trainer step on each replica
         for ckpt in ("a", "b"):
@@ -193,8 +189,7 @@ def test_a_joining_peer_gets_the_replicas_state(make_swarm, tmp_path):
     joiner = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"))
     swarm.wait_online([joiner])
     assert re.search(r"loaded stage 0 state from replica \S+ \(3 steps done\)", joiner.log()), joiner.log()
-    first.stop()
-    joiner.stop()
+    stop_together([first, joiner])
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=0)
 
 
