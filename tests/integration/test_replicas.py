@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.config import get_model_config
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
+from process.lifetime import die_with_parent
 from tests.integration.polling import wait_for
 from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
@@ -214,35 +216,51 @@ def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
 
 
 def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    path = checkpoint_path(str(ckpt), "tiny", 0, 2)
     from peers.compute.stage_runtime import StageRuntime
 
-    StageRuntime(get_model_config("tiny"), 0, 2).save(path, "tiny")
-    data = open(path, "rb").read()
-    for damaged in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint"):
-        with open(path, "wb") as f:
+    good = str(tmp_path / "good")
+    StageRuntime(get_model_config("tiny"), 0, 2).save(good, "tiny")
+    data = open(good, "rb").read()
+    # The three damaged checkpoints, each in a folder of its own, are tried by three peers at once.
+    runs = []
+    for i, damaged in enumerate((data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint")):
+        ckpt = tmp_path / f"ckpt{i}"
+        ckpt.mkdir()
+        with open(checkpoint_path(str(ckpt), "tiny", 0, 2), "wb") as f:
             f.write(damaged)
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "swarm.cli",
-                "peer",
-                "--model",
-                "tiny",
-                "--stage",
-                "0",
-                "--checkpoint-dir",
-                str(ckpt),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        command = [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "peer",
+            "--model",
+            "tiny",
+            "--stage",
+            "0",
+            "--checkpoint-dir",
+            str(ckpt),
+        ]
+        runs.append(
+            subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
         )
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert re.search(r"corrupted or truncated|not a swarm checkpoint", result.stderr), result.stderr
+    try:
+        for run in runs:
+            _, stderr = run.communicate(timeout=120)
+            assert run.returncode == 2 and "Traceback" not in stderr, stderr
+            assert re.search(r"corrupted or truncated|not a swarm checkpoint", stderr), stderr
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
 
 
 def test_a_trainer_resumes_at_the_same_data_position(make_swarm, tmp_path):
