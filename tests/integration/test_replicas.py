@@ -181,18 +181,30 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
         assert all("then an outer step" in p.log() for p in replicas), replicas[0].log()[-2000:]
 
 
-def test_a_joining_peer_gets_the_replicas_state(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3"])
+@pytest.fixture(scope="module")
+def resumed_run(module_swarm, tmp_path_factory):
+    """One swarm for the resume and join tests: a stage-0 peer that saves checkpoints and a stage-1
+    peer, trained 2 steps by one trainer, then to step 4 by a second that resumes the first's run."""
+    workdir = tmp_path_factory.mktemp("resumed")
+    swarm = module_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3"])
     swarm.start_bootstrap()
-    first = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"))
+    first = swarm.start_peer(0, "--checkpoint-dir", str(workdir / "a"))
     last = swarm.start_peer(1)
     swarm.wait_online([first, last])
-    run_trainer(swarm, tmp_path, "--steps", "3", "--batch-size", "8", "--microbatch-size", "2")
+    reports = [
+        run_trainer(swarm, workdir, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2"),
+        run_trainer(swarm, workdir, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--resume"),
+    ]
+    return swarm, first, workdir, reports
+
+
+def test_a_joining_peer_gets_the_replicas_state(resumed_run, tmp_path):
+    swarm, first, workdir, _ = resumed_run
     joiner = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"))
     swarm.wait_online([joiner])
-    assert re.search(r"loaded stage 0 state from replica \S+ \(3 steps done\)", joiner.log()), joiner.log()
+    assert re.search(r"loaded stage 0 state from replica \S+ \(4 steps done\)", joiner.log()), joiner.log()
     stop_together([first, joiner])
-    assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=0)
+    assert_same_params(stage_params(workdir / "a", 0), stage_params(tmp_path / "b", 0), atol=0)
 
 
 def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
@@ -263,13 +275,8 @@ def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path):
                 run.wait()
 
 
-def test_a_trainer_resumes_at_the_same_data_position(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8"])
-    swarm.start_bootstrap()
-    peers = [swarm.start_peer(0), swarm.start_peer(1)]
-    swarm.wait_online(peers)
-    first = run_trainer(swarm, tmp_path, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2")
-    resumed = run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--resume")
+def test_a_trainer_resumes_at_the_same_data_position(resumed_run):
+    first, resumed = resumed_run[3]
     assert first["steps"] == 2 and resumed["steps"] == 4 and resumed["completed"]
     assert resumed["losses"][:2] == first["losses"] and len(resumed["losses"]) == 4
     assert resumed["resumed_from_step"] == 2
