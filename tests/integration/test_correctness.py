@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -35,56 +34,50 @@ def reference_update(config, kind: str, lr: float):
     return loss.item(), dict(model.named_parameters())
 
 
-KIND, LR = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
 # cache_size 0: every backward sent without inputs (to the peer that served the forward) misses
 # the activation cache, and the trainer must resend it with the inputs.
-CASES = [(2, 64), (3, 64), (3, 0)]
-
-
-@pytest.fixture(scope="module")
-def one_step_runs(module_swarm, tmp_path_factory):
-    """Every case's swarm trains its one step side by side (the swarms share nothing; most of
-    each one's time is its processes starting): {case: (trainer exit code, trainer log, report
-    path, checkpoint folder)}, read once each stage's peer has stopped and saved its checkpoint."""
-    started = {}
-    for num_stages, cache_size in CASES:
-        workdir = tmp_path_factory.mktemp(f"one-step-{num_stages}-{cache_size}")
-        ckpt = str(workdir / "ckpt")
-        swarm = module_swarm(
-            num_stages=num_stages,
-            peer_args=["--optimizer", KIND, "--lr", str(LR), "--target-batch-size", str(BATCH),
-                       "--checkpoint-dir", ckpt, "--activation-cache-size", str(cache_size)],
-        )  # fmt: skip
-        swarm.start_bootstrap()
-        started[num_stages, cache_size] = (swarm, [swarm.start_peer(stage) for stage in range(num_stages)], workdir)
-    trainers = {}
-    for (num_stages, cache_size), (swarm, peers, workdir) in started.items():
-        swarm.wait_online(peers)
-        trainers[num_stages, cache_size] = swarm.start_trainer(
-            "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
-            "--num-stages", str(num_stages), "--report", str(workdir / "report.json"),
-        )  # fmt: skip
-    runs = {}
-    for case, (swarm, peers, workdir) in started.items():
-        trainer = trainers[case]
-        try:
-            code = trainer.popen.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            code = None
-        stop_together(peers)  # a clean exit writes each stage's checkpoint
-        runs[case] = (code, trainer.log(), workdir / "report.json", str(workdir / "ckpt"))
-    return runs
-
-
-@pytest.mark.parametrize(("num_stages", "cache_size"), CASES)
-def test_one_step_through_the_swarm_matches_one_process(one_step_runs, num_stages, cache_size):
+@pytest.mark.parametrize(("num_stages", "cache_size"), [(2, 64), (3, 64), (3, 0)])
+def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages, cache_size):
     config = get_model_config("tiny")
-    code, log, report_path, ckpt = one_step_runs[num_stages, cache_size]
-    assert code == 0, log
+    kind, lr = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
+    ckpt = str(tmp_path / "ckpt")
+    swarm = make_swarm(
+        num_stages=num_stages,
+        peer_args=[
+            "--optimizer",
+            kind,
+            "--lr",
+            str(lr),
+            "--target-batch-size",
+            str(BATCH),
+            "--checkpoint-dir",
+            ckpt,
+            "--activation-cache-size",
+            str(cache_size),
+        ],
+    )
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in range(num_stages)]
+    swarm.wait_online(peers)
+    report_path = str(tmp_path / "report.json")
+    trainer = swarm.start_trainer(
+        "--steps",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--microbatch-size",
+        str(MICROBATCH),
+        "--num-stages",
+        str(num_stages),
+        "--report",
+        report_path,
+    )
+    assert trainer.popen.wait(timeout=180) == 0, trainer.log()
+    stop_together(peers)  # a clean exit writes each stage's checkpoint
     with open(report_path) as f:
         report = json.load(f)
 
-    ref_loss, ref_params = reference_update(config, KIND, LR)
+    ref_loss, ref_params = reference_update(config, kind, lr)
     assert report["losses"][0] == pytest.approx(ref_loss, abs=1e-5)
     assert report["microbatches_lost"] == 0
     backwards_with_cache = (BATCH // MICROBATCH) * (num_stages - 1)  # the last stage's fused call needs its inputs
