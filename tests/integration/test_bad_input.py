@@ -15,7 +15,6 @@ import torch
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
 from swarm.trainer.client import PeerCallError, StageClient
-from tests.integration.processes import run_side_by_side
 from wire.compression import CodecChoice
 from wire.failures import Failure
 from wire.tensors import encode_tensor
@@ -43,42 +42,28 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         assert fragment in error_lines[0], error_lines[0]
 
 
-BAD_ARGUMENTS = [
-    (["peer", "--model", "tiny", "--stage", "5", "--num-stages", "2"], ["stage 5 is out of range"]),
-    (["peer", "--model", "nonexistent", "--stage", "0"], ["unknown model 'nonexistent'", "tiny"]),
-    (["peer", "--model", "tiny"], ["--stage is required"]),
-    (["train", "--model", "tiny", "--data", "/no/such/file.txt"], ["no such file"]),
-    (["train", "--model", "tiny", "--batch-size", "10", "--microbatch-size", "4"], ["multiple of"]),
-    (["peer", "--model", "tiny", "--stage", "0", "--initial-peers", "not-a-multiaddr"], ["is not a multiaddr"]),
-    (["train", "--model", "tiny"], ["no --initial-peers", "swarm dht", "SWARM_INITIAL_PEERS"]),
-    (["status", "--model", "tiny"], ["no --initial-peers", "swarm dht"]),
-]
-
-
-@pytest.fixture(scope="module")
-def bad_argument_runs():
-    return run_side_by_side(run_cli, [args for args, _ in BAD_ARGUMENTS])
-
-
-@pytest.mark.parametrize("args, fragments", BAD_ARGUMENTS)
-def test_bad_arguments_give_one_line_errors(args, fragments, bad_argument_runs):
-    assert_one_line_error(bad_argument_runs[tuple(args)], *fragments)
-
-
-def unreachable_bootstrap_command(role: str) -> list[str]:
-    extra = ["--stage", "0"] if role == "peer" else []
-    return [role, "--model", "tiny", *extra, "--initial-peers", DEAD_BOOTSTRAP]
-
-
-@pytest.fixture(scope="module")
-def unreachable_bootstrap_runs():
-    return run_side_by_side(run_cli, [unreachable_bootstrap_command(role) for role in ("peer", "train")])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["peer", "--model", "tiny", "--stage", "5", "--num-stages", "2"], ["stage 5 is out of range"]),
+        (["peer", "--model", "nonexistent", "--stage", "0"], ["unknown model 'nonexistent'", "tiny"]),
+        (["peer", "--model", "tiny"], ["--stage is required"]),
+        (["train", "--model", "tiny", "--data", "/no/such/file.txt"], ["no such file"]),
+        (["train", "--model", "tiny", "--batch-size", "10", "--microbatch-size", "4"], ["multiple of"]),
+        (["peer", "--model", "tiny", "--stage", "0", "--initial-peers", "not-a-multiaddr"], ["is not a multiaddr"]),
+        (["train", "--model", "tiny"], ["no --initial-peers", "swarm dht", "SWARM_INITIAL_PEERS"]),
+        (["status", "--model", "tiny"], ["no --initial-peers", "swarm dht"]),
+    ],
+)
+def test_bad_arguments_give_one_line_errors(args, fragments):
+    assert_one_line_error(run_cli(*args), *fragments)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["peer", "train"])
-def test_unreachable_bootstrap_gives_one_line_error(role, unreachable_bootstrap_runs):
-    result = unreachable_bootstrap_runs[tuple(unreachable_bootstrap_command(role))]
+def test_unreachable_bootstrap_gives_one_line_error(role):
+    extra = ["--stage", "0"] if role == "peer" else []
+    result = run_cli(role, "--model", "tiny", *extra, "--initial-peers", DEAD_BOOTSTRAP)
     assert_one_line_error(result, "could not reach any of the initial peers")
 
 
