@@ -7,7 +7,6 @@ import gzip
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -18,21 +17,17 @@ VOCAB = 2048
 
 
 def write_corpus(root) -> list[str]:
-    """Several text files and jsonl files of English-like text (words with structure to learn): a
-    random bigram chain over made-up words, each word followed by one of 4 words of its own."""
+    """Several text files and jsonl files of English-like text (words with structure to learn)."""
     rng = np.random.default_rng(0)
     syllables = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
-    words = sorted(
-        {"".join(syllables[i] for i in rng.integers(0, len(syllables), rng.integers(1, 4))) for _ in range(1500)}
-    )
-    successors = rng.integers(0, len(words), size=(len(words), 4)).tolist()
+    words = sorted({"".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(1500)})
+    bigrams = {w: rng.choice(words, size=4) for w in words}
 
     def sentence(n=40) -> str:
-        # Indices drawn in one call per sentence (one rng.choice per word took seconds).
-        w, out = int(rng.integers(len(words))), []
-        for choice in rng.integers(0, 4, size=n).tolist():
-            out.append(words[w])
-            w = successors[w][choice]
+        w, out = rng.choice(words), []
+        for _ in range(n):
+            out.append(w)
+            w = rng.choice(bigrams[w])
         return " ".join(out) + "."
 
     (root / "texts").mkdir()
@@ -52,62 +47,54 @@ def swarm_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_a_prepared_corpus_trains_through_the_swarm_and_its_validation_loss_falls(make_swarm, tmp_path):
     inputs = write_corpus(tmp_path)
-    data, bytes_data = tmp_path / "data", tmp_path / "bytes"
-    with ThreadPoolExecutor(max_workers=1) as background:
-        # The byte-level data of the refused trainer below is prepared while the swarm trains.
-        bytes_prepared = background.submit(
-            swarm_cli, "data", "prepare", *inputs, "--out", str(bytes_data), "--tokenizer", "bytes"
-        )
-        swarm = make_swarm(
-            num_stages=2,
-            peer_args=["--vocab-size", str(VOCAB), "--target-batch-size", "8", "--lr", "3e-3", "--averaging", "sync"],
-        )
-        swarm.start_bootstrap()
-        peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
-        # The corpus is tokenized while the peers start.
-        prepared = swarm_cli("data", "prepare", *inputs, "--out", str(data), "--tokenizer", f"bpe:{VOCAB}")
-        assert prepared.returncode == 0, prepared.stderr
-        meta = json.loads((data / "meta.json").read_text())
-        assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16" and meta["splits"]["val"]["documents"] > 0
-        swarm.wait_online(peers)
-        report_path = tmp_path / "report.json"
-        trainer = swarm.start_trainer(
-            "--data", str(data), "--steps", "24", "--batch-size", "8", "--microbatch-size", "4",
-            "--eval-every", "8", "--eval-batches", "2", "--report", str(report_path),
-        )  # fmt: skip
-        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
-        report = json.loads(report_path.read_text())
-        assert [step for step, _ in report["eval_losses"]] == [8, 16, 24]
-        losses = [loss for _, loss in report["eval_losses"]]
-        assert losses[-1] < losses[0] - 0.3, losses  # it learns the corpus: the held-out loss falls
-        assert report["final_eval_loss"] == losses[-1] and report["microbatches_lost"] == 0
-        assert "validation loss" in trainer.log()
+    data = tmp_path / "data"
+    prepared = swarm_cli("data", "prepare", *inputs, "--out", str(data), "--tokenizer", f"bpe:{VOCAB}")
+    assert prepared.returncode == 0, prepared.stderr
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16" and meta["splits"]["val"]["documents"] > 0
 
-        # Three processes at once, none of which changes the weights: a trainer whose data is byte-level
-        # (vocabulary 256) and a peer of another vocabulary, both refused before they touch anything (the
-        # peer before it announces itself), and `swarm eval` of what the swarm holds now.
-        assert bytes_prepared.result().returncode == 0, bytes_prepared.result().stderr
-        refused = swarm.start_trainer("--data", str(bytes_data), "--steps", "1", name="bytes-trainer")
-        wrong = swarm.start_peer(1, "--vocab-size", "256", name="wrong-vocab-peer")
-        eval_json = tmp_path / "eval.json"
-        result = swarm_cli(
-            "eval", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--data", str(data),
-            "--batches", "2", "--batch-size", "8", "--microbatch-size", "4", "--json-out", str(eval_json),
-        )  # fmt: skip
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=["--vocab-size", str(VOCAB), "--target-batch-size", "8", "--lr", "3e-3", "--averaging", "sync"],
+    )
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
+    swarm.wait_online(peers)
+    report_path = tmp_path / "report.json"
+    trainer = swarm.start_trainer(
+        "--data", str(data), "--steps", "24", "--batch-size", "8", "--microbatch-size", "4",
+        "--eval-every", "8", "--eval-batches", "2", "--report", str(report_path),
+    )  # fmt: skip
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    report = json.loads(report_path.read_text())
+    assert [step for step, _ in report["eval_losses"]] == [8, 16, 24]
+    losses = [loss for _, loss in report["eval_losses"]]
+    assert losses[-1] < losses[0] - 0.3, losses  # it learns the corpus: the held-out loss falls
+    assert report["final_eval_loss"] == losses[-1] and report["microbatches_lost"] == 0
+    assert "validation loss" in trainer.log()
 
-        # The swarm refuses the trainer whose data is byte-level, in one line.
-        assert refused.popen.wait(timeout=120) == 2, refused.log()[-3000:]
-        errors = [line for line in refused.log().splitlines() if line.startswith("swarm train: error:")]
-        assert len(errors) == 1 and "256" in errors[0] and str(VOCAB) in errors[0], refused.log()[-2000:]
-        assert "Traceback" not in refused.log()
+    # The same swarm refuses a trainer whose data is byte-level (vocabulary 256), in one line.
+    bytes_data = tmp_path / "bytes"
+    assert swarm_cli("data", "prepare", *inputs, "--out", str(bytes_data), "--tokenizer", "bytes").returncode == 0
+    refused = swarm.start_trainer("--data", str(bytes_data), "--steps", "1", name="bytes-trainer")
+    assert refused.popen.wait(timeout=120) == 2, refused.log()[-3000:]
+    errors = [line for line in refused.log().splitlines() if line.startswith("swarm train: error:")]
+    assert len(errors) == 1 and "256" in errors[0] and str(VOCAB) in errors[0], refused.log()[-2000:]
+    assert "Traceback" not in refused.log()
 
-        # A peer started with another vocabulary is refused as it joins.
-        assert wrong.popen.wait(timeout=120) == 2, wrong.log()[-3000:]
-        assert "vocabulary of 256" in wrong.log() and str(VOCAB) in wrong.log() and "Traceback" not in wrong.log()
+    # A peer started with another vocabulary is refused as it joins.
+    wrong = swarm.start_peer(1, "--vocab-size", "256", name="wrong-vocab-peer")
+    assert wrong.popen.wait(timeout=120) == 2, wrong.log()[-3000:]
+    assert "vocabulary of 256" in wrong.log() and str(VOCAB) in wrong.log() and "Traceback" not in wrong.log()
 
-        # swarm eval: the loss of what the swarm holds now, on the same validation batches.
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        # Each stage has two sync replicas under AdamW, which agree only up to the all-reduce's last-bit
-        # differences that AdamW's normalisation magnifies; the two evaluations may route through different
-        # replicas (once 1.3e-4 apart in CI), hence 1e-3.
-        assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-3)
+    # swarm eval: the loss of what the swarm holds now, on the same validation batches.
+    eval_json = tmp_path / "eval.json"
+    result = swarm_cli(
+        "eval", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--data", str(data),
+        "--batches", "2", "--batch-size", "8", "--microbatch-size", "4", "--json-out", str(eval_json),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # Each stage has two sync replicas under AdamW, which agree only up to the all-reduce's last-bit
+    # differences that AdamW's normalisation magnifies; the two evaluations may route through different
+    # replicas (once 1.3e-4 apart in CI), hence 1e-3.
+    assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-3)
