@@ -12,6 +12,7 @@ from models.stages import build_full_model, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
 from swarm.trainer.data import MicrobatchSampler, open_data
+from tests.integration.processes import stop_together
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +73,7 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
         report_path,
     )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
-    for peer in peers:  # a clean exit writes each stage's checkpoint
-        peer.stop()
+    stop_together(peers)  # a clean exit writes each stage's checkpoint
     with open(report_path) as f:
         report = json.load(f)
 

@@ -35,26 +35,30 @@ def peer_key(process) -> str:
 
 
 def train(swarm, report_path) -> dict:
-    trainer = swarm.start_trainer(*TRAIN_ARGS, "--report", str(report_path))
+    return finish(swarm.start_trainer(*TRAIN_ARGS, "--report", str(report_path)), report_path)
+
+
+def finish(trainer, report_path) -> dict:
     assert trainer.popen.wait(timeout=400) == 0, trainer.log()[-3000:]
     return json.loads(report_path.read_text())
 
 
 def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffected(make_swarm, tmp_path):
+    # Two swarms side by side: the clean run trains while the dirty swarm's garbage peers start.
     clean = make_swarm(num_stages=2, peer_args=PEER_ARGS)
-    clean.start_bootstrap()
-    peers = [clean.start_peer(0), clean.start_peer(1)]
-    clean.wait_online(peers)
-    clean_report = train(clean, tmp_path / "clean.json")
-    clean.stop()
-
     dirty = make_swarm(num_stages=2, peer_args=PEER_ARGS)
+    clean.start_bootstrap()
     dirty.start_bootstrap()
+    peers = [clean.start_peer(0), clean.start_peer(1)]
     good = [dirty.start_peer(0), dirty.start_peer(1)]
+    clean.wait_online(peers)
+    clean_trainer = clean.start_trainer(*TRAIN_ARGS, "--report", str(tmp_path / "clean.json"))
     dirty.wait_online(good)
     # Started after the good ones, so they load the same initial state; every answer is garbage.
     nan_peer = dirty.start_peer(1, "--fault-garbage", "nan", "--no-load-state")
     shape_peer = dirty.start_peer(1, "--fault-garbage", "shape", "--no-load-state")
+    clean_report = finish(clean_trainer, tmp_path / "clean.json")
+    clean.stop()
     dirty.wait_online([nan_peer, shape_peer])
     report = train(dirty, tmp_path / "dirty.json")
 

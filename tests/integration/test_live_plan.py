@@ -135,14 +135,13 @@ def test_a_peer_started_with_stage_auto_joins_the_stage_the_published_plan_names
         assert publish_plan(dht, plan)
         assert stage_in_plan(fetch_plan(dht, "tiny"), newcomer_id) == 0
 
+        # Both at once: whichever reads the DHT first, stage 1 has no replica for the greedy choice.
         newcomer = swarm.start_peer("auto", "--identity-path", identity, name="newcomer")
-        swarm.wait_online([newcomer])
+        control = swarm.start_peer("auto", name="control")  # not in the plan: the greedy choice
+        swarm.wait_online([newcomer, control])
         assert peer_id_of(newcomer) == newcomer_id
         assert "auto: the published plan puts this peer on stage 0" in newcomer.log()
         assert "auto: joining stage 0" in newcomer.log()
-
-        control = swarm.start_peer("auto", name="control")  # not in the plan: the greedy choice
-        swarm.wait_online([control])
         assert "published plan" not in control.log() and "auto: joining stage 1" in control.log()
 
         deadline = time.monotonic() + 30

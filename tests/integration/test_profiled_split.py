@@ -12,6 +12,7 @@ from models.balanced_split import SplitCosts, balanced_split
 from models.config import get_model_config
 from models.stages import build_full_model, equal_boundaries
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
+from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
 
 pytestmark = pytest.mark.slow
@@ -54,8 +55,7 @@ def test_profiled_split_trains_like_one_process_and_is_never_mixed(make_swarm, t
         report_path,
     )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
-    for peer in (first, adopter):  # a clean exit writes each stage's checkpoint
-        peer.stop()
+    stop_together([first, adopter])  # a clean exit writes each stage's checkpoint
     with open(report_path) as f:
         report = json.load(f)
     assert report["split_boundaries"] == list(boundaries)

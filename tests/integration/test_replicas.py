@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -15,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.config import get_model_config
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
+from process.lifetime import die_with_parent
 from tests.integration.polling import wait_for
+from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
 
 pytestmark = pytest.mark.slow
@@ -83,8 +86,7 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
         swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
     )
     replica_metrics = [scrape(peer) for peer in peers[:2]]
-    for peer in peers:
-        peer.stop()
+    stop_together(peers)
     a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
     assert_same_params(a, b, atol=tolerance)
     # Both replicas saw part of the batch; the averaged step is the one-process step on all of it.
@@ -119,8 +121,7 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     report = run_trainer(
         swarm, tmp_path, "--steps", "3", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
     )
-    for peer in peers:
-        peer.stop()
+    stop_together(peers)
     assert "taking averaging round 2 as failed" in peers[1].log()
     assert report["replica_catch_ups"] == 1, report
     metas = [load_checkpoint(checkpoint_path(str(tmp_path / d), "tiny", 0, 2))[0] for d in "ab"]
@@ -197,10 +198,7 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
         )
     # Both at once: stopped one after the other, the second could finish (and outer-step) a round
     # that the first abandoned as it stopped, and save parameters one round apart (seen under CI load).
-    for peer in replicas:
-        peer.terminate()  # the process only: its DHT process announces it offline
-    for peer in replicas:
-        peer.stop()
+    stop_together(replicas)  # the processes only: their DHT processes announce them offline
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
     if by_steps:  # one local step per trainer step on each replica
         for ckpt in ("a", "b"):
@@ -209,19 +207,30 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
         assert all("then an outer step" in p.log() for p in replicas), replicas[0].log()[-2000:]
 
 
-def test_a_joining_peer_gets_the_replicas_state(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3"])
+@pytest.fixture(scope="module")
+def resumed_run(module_swarm, tmp_path_factory):
+    """One swarm for the resume and join tests: a stage-0 peer that saves checkpoints and a stage-1
+    peer, trained 2 steps by one trainer, then to step 4 by a second that resumes the first's run."""
+    workdir = tmp_path_factory.mktemp("resumed")
+    swarm = module_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3"])
     swarm.start_bootstrap()
-    first = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"))
+    first = swarm.start_peer(0, "--checkpoint-dir", str(workdir / "a"))
     last = swarm.start_peer(1)
     swarm.wait_online([first, last])
-    run_trainer(swarm, tmp_path, "--steps", "3", "--batch-size", "8", "--microbatch-size", "2")
+    reports = [
+        run_trainer(swarm, workdir, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2"),
+        run_trainer(swarm, workdir, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--resume"),
+    ]
+    return swarm, first, workdir, reports
+
+
+def test_a_joining_peer_gets_the_replicas_state(resumed_run, tmp_path):
+    swarm, first, workdir, _ = resumed_run
     joiner = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"))
     swarm.wait_online([joiner])
-    assert re.search(r"loaded stage 0 state from replica \S+ \(3 steps done\)", joiner.log()), joiner.log()
-    first.stop()
-    joiner.stop()
-    assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=0)
+    assert re.search(r"loaded stage 0 state from replica \S+ \(4 steps done\)", joiner.log()), joiner.log()
+    stop_together([first, joiner])
+    assert_same_params(stage_params(workdir / "a", 0), stage_params(tmp_path / "b", 0), atol=0)
 
 
 def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
@@ -245,44 +254,55 @@ def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
 
 
 def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    path = checkpoint_path(str(ckpt), "tiny", 0, 2)
     from peers.compute.stage_runtime import StageRuntime
 
-    StageRuntime(get_model_config("tiny"), 0, 2).save(path, "tiny")
-    data = open(path, "rb").read()
-    for damaged in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint"):
-        with open(path, "wb") as f:
+    good = str(tmp_path / "good")
+    StageRuntime(get_model_config("tiny"), 0, 2).save(good, "tiny")
+    data = open(good, "rb").read()
+    # The three damaged checkpoints, each in a folder of its own, are tried by three peers at once.
+    runs = []
+    for i, damaged in enumerate((data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint")):
+        ckpt = tmp_path / f"ckpt{i}"
+        ckpt.mkdir()
+        with open(checkpoint_path(str(ckpt), "tiny", 0, 2), "wb") as f:
             f.write(damaged)
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "swarm.cli",
-                "peer",
-                "--model",
-                "tiny",
-                "--stage",
-                "0",
-                "--checkpoint-dir",
-                str(ckpt),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        command = [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "peer",
+            "--model",
+            "tiny",
+            "--stage",
+            "0",
+            "--checkpoint-dir",
+            str(ckpt),
+        ]
+        runs.append(
+            subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
         )
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert re.search(r"corrupted or truncated|not a swarm checkpoint", result.stderr), result.stderr
+    try:
+        for run in runs:
+            _, stderr = run.communicate(timeout=120)
+            assert run.returncode == 2 and "Traceback" not in stderr, stderr
+            assert re.search(r"corrupted or truncated|not a swarm checkpoint", stderr), stderr
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
 
 
-def test_a_trainer_resumes_at_the_same_data_position(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8"])
-    swarm.start_bootstrap()
-    peers = [swarm.start_peer(0), swarm.start_peer(1)]
-    swarm.wait_online(peers)
-    first = run_trainer(swarm, tmp_path, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2")
-    resumed = run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--resume")
+def test_a_trainer_resumes_at_the_same_data_position(resumed_run):
+    first, resumed = resumed_run[3]
     assert first["steps"] == 2 and resumed["steps"] == 4 and resumed["completed"]
     assert resumed["losses"][:2] == first["losses"] and len(resumed["losses"]) == 4
     assert resumed["resumed_from_step"] == 2
