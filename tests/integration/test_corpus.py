@@ -95,6 +95,8 @@ def test_a_prepared_corpus_trains_through_the_swarm_and_its_validation_loss_fall
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     # Each stage has two sync replicas under AdamW, which agree only up to the all-reduce's last-bit
-    # differences that AdamW's normalisation magnifies; the two evaluations may route through different
-    # replicas (once 1.3e-4 apart in CI), hence 1e-3.
-    assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-3)
+    # differences (hivemind returns each replica local + (mean - local)); AdamW's normalisation makes a
+    # gradient at noise level, e.g. of a rare token's embedding, a full-size step, so the replicas part
+    # a little more every step, and the two evaluations may route through different replicas (measured
+    # 1.3e-4 and 4.7e-3 apart, on another corpus). 1e-2 is still far below what training moved (> 0.3).
+    assert json.loads(eval_json.read_text())["eval_loss"] == pytest.approx(losses[-1], abs=1e-2)
