@@ -10,6 +10,10 @@ both applied in the averager's own process:
   either). `AveragingMembers` keeps the list: the peers whose DHT record carries a peer credential
   of the run for this stage (the record is signed by the peer itself, dht/signing.py, and the
   credential names that peer, so neither can be borrowed).
+- whole rounds only: hivemind's all-reduce that loses a partner's averaged part keeps the local
+  values of that part and reports success (a replica half-averaged: in sync mode its parameters
+  part from its partners' for good); here such a round fails, so that the trainer's repair
+  (sync) or the next round (periodic) brings the replicas back together.
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
   instead, so no replica can outweigh what it did.
@@ -26,7 +30,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's AsyncIterator in RPC hints
 
 import hivemind
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -179,6 +183,12 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
                 tensor.add_(update, alpha=self._averaging_alpha)
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
+            parts = runner.tensor_part_container
+            if parts.failed_size:  # hivemind keeps the local values of a part whose reducer failed
+                raise AllreduceException(
+                    f"a partner failed to return its averaged part: {parts.failed_size} of {parts.total_size} "
+                    f"values kept their local value; the round counts as failed"
+                )
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
