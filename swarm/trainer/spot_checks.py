@@ -1,0 +1,110 @@
+"""Spot checks of replicas' answers (issue #25), as pure decisions: which forward call to verify, how
+far apart two honest answers may be, and who is in the minority.
+
+A replica can lie plausibly: answer with the right shape and finite values (which the answer check,
+`stage_call.check_answer`, lets through) that are not what its weights compute: outputs scaled by
+1.05, plus noise, an old answer replayed, answers from stale weights. The trainer cannot recompute a
+stage (it holds no weights), but replicas of one stage hold the same parameters between commits
+(sync averaging), so the same request must get the same answer from each. A fraction
+(`--verify-fraction`) of forward calls, drawn by a seeded RNG, is sent again, unchanged (the same
+encoded inputs, the same answer codec), to a second replica; answers further apart than the
+tolerance go to a third, and a replica whose answer agrees with neither of two agreeing others is
+banned for the run. Two answers that disagree with no third replica to ask decide nothing: each
+could be the liar.
+
+The tolerance, relative to the larger answer's norm: `TIGHT` (1e-4, for float nondeterminism across
+machines and thread counts; replicas of one stage compute the same float32 operations) plus twice
+the answer codec's relative error bound (wire.compression.RELATIVE_ERROR_BOUNDS: each answer may be
+that far from what its replica computed): 1e-4 uncompressed, 2.1e-3 with fp16, 0.0401 with int8.
+top-k's bound is 1 (it drops the rest of the tensor), which makes every answer pass: under
+`--codec topk` spot checks catch nothing plausible. Replicas that average periodically (not in
+sync) hold parameters that differ between rounds, and spot checks would ban honest ones: use them
+only with sync averaging.
+
+What a check does not catch: a liar that lies only when it is not checked cannot know which calls
+are checked (a checked call is an ordinary forward, with the same microbatch id), but it can lie on
+backward calls, which are never checked, or collude with the replica asked to verify it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from wire.compression import relative_error_bound
+
+TIGHT = 1e-4  # relative difference two honest replicas may show with an exact codec
+
+
+def tolerance(codec: str) -> float:
+    """How far apart (relative to the larger norm) two honest answers sent with `codec` may be."""
+    return TIGHT + 2.0 * relative_error_bound(codec)
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| over the larger of ||a||, ||b|| (0 when both are zero; inf for different shapes)."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.double(), b.double()
+    scale = max(float(a.norm()), float(b.norm()))
+    difference = float((a - b).norm())
+    return 0.0 if difference == 0.0 else difference / scale if scale > 0.0 else float("inf")
+
+
+class CallSampler:
+    """Which forward calls to verify: each with probability `fraction`, from a seeded RNG, so the
+    same run verifies the same calls (in the order the pipeline asks)."""
+
+    def __init__(self, fraction: float, *, seed: int = 0):
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"the fraction of calls to verify must lie in [0, 1], got {fraction}")
+        self.fraction = fraction
+        self._rng = random.Random(f"spot-checks:{seed}")
+
+    def pick(self) -> bool:
+        return self.fraction > 0.0 and self._rng.random() < self.fraction
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What answers to one request say about who answered.
+
+    agreed: whether every answer agrees with every other.
+    minority: replicas whose answer agrees with no other while the others agree among themselves.
+    trusted: the replica whose answer the pipeline goes on with: the first (the call the pipeline
+        made) unless it is in the minority; then one of the majority.
+    """
+
+    agreed: bool
+    minority: tuple[str, ...]
+    trusted: str
+
+    @property
+    def decided(self) -> bool:
+        """Whether the answers settle who lied (all agree, or a minority is known)."""
+        return self.agreed or bool(self.minority)
+
+
+def judge(answers: Mapping[str, torch.Tensor], tolerance: float) -> Verdict:
+    """The verdict on two or three answers to one request (replica -> its answer, the pipeline's
+    own call first). A replica is in the minority when its answer is further than `tolerance` from
+    every other, and the others all agree with each other: with two answers that disagree, or three
+    that disagree pairwise (or agree in a chain: a with b, b with c, not a with c), nobody is."""
+    if not 2 <= len(answers) <= 3:
+        raise ValueError(f"a verdict needs two or three answers, got {len(answers)}")
+    peers = list(answers)
+    close = {(p, q): relative_difference(answers[p], answers[q]) <= tolerance for p in peers for q in peers if p != q}
+    if all(close.values()):
+        return Verdict(agreed=True, minority=(), trusted=peers[0])
+    for outlier in peers:
+        rest = [p for p in peers if p != outlier]
+        if len(rest) < 2:
+            break
+        rest_agree = all(close[(p, q)] for p in rest for q in rest if p != q)
+        if rest_agree and not any(close[(outlier, p)] for p in rest):
+            trusted = peers[0] if peers[0] != outlier else rest[0]
+            return Verdict(agreed=False, minority=(outlier,), trusted=trusted)
+    return Verdict(agreed=False, minority=(), trusted=peers[0])
