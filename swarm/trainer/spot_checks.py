@@ -18,8 +18,11 @@ the answer codec's relative error bound (wire.compression.RELATIVE_ERROR_BOUNDS:
 that far from what its replica computed): 1e-4 uncompressed, 2.1e-3 with fp16, 0.0401 with int8.
 top-k's bound is 1 (it drops the rest of the tensor), which makes every answer pass: under
 `--codec topk` spot checks catch nothing plausible. Replicas that average periodically (not in
-sync) hold parameters that differ between rounds, and spot checks would ban honest ones: use them
-only with sync averaging.
+sync), or not at all, hold other parameters, and so do replicas outside a run's averaging group:
+a check only asks replicas that average in sync in the first one's group (`comparable_replicas`,
+from their records), and verifies nothing on stages without two of them. The tolerance knows
+nothing of the peers' precision: replicas computing in fp16/bf16 autocast (`--precision`) differ
+by far more than 1e-4 and would be banned; use spot checks with float32 peers.
 
 What a check does not catch: a liar that lies only when it is not checked cannot know which calls
 are checked (a checked call is an ordinary forward, with the same microbatch id), but it can lie on
@@ -29,7 +32,7 @@ backward calls, which are never checked, or collude with the replica asked to ve
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,15 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = max(float(a.norm()), float(b.norm()))
     difference = float((a - b).norm())
     return 0.0 if difference == 0.0 else difference / scale if scale > 0.0 else float("inf")
+
+
+def comparable_replicas(first: str, averaging: Mapping[str, str], members: Set[str] | None = None) -> set[str]:
+    """The replicas whose answers must equal `first`'s: those that average with it in sync
+    (`averaging`: replica -> its record's averaging mode), in its group (`members`: a run's
+    credentialed replicas, who average only among themselves; None: no run authority)."""
+    if averaging.get(first) != "sync" or (members is not None and first not in members):
+        return set()
+    return {p for p, mode in averaging.items() if mode == "sync" and (members is None or p in members)} - {first}
 
 
 class CallSampler:

@@ -43,7 +43,7 @@ from swarm.trainer.failures import (
 )
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
-from swarm.trainer.spot_checks import CallSampler, judge, tolerance
+from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.failures import Failure
 from wire.protocol import ResponseHeader
@@ -296,10 +296,13 @@ class StageCaller:
         self, stage: int, microbatch_id: str, batch_size: int, asked: StageAnswer, avoid: set[str]
     ) -> StageAnswer | None:
         """`asked`'s request (the same encoded tensors, the same answer codec) sent to one replica of
-        `stage` outside `avoid`; None when none can take it or it fails (no retry: a spot check is
+        `stage` outside `avoid` that averages in sync with `asked`'s; None when none can take it or it fails (no retry: a spot check is
         an extra, not a call the pipeline needs)."""
         scheduler = self.view.schedulers[stage]
+        averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
+        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage))
         exclude = self.view.bans.banned() | self.view.violations.banned(stage) | avoid | self.not_allowed_by.keys()
+        exclude |= set(scheduler.keys_s()) - comparable
         exclude |= self.view.newcomers[stage].excluded(set(scheduler.keys_s()) - exclude)
         peer_id = scheduler.choose("forward", batch_size, exclude=exclude)
         if peer_id is None:

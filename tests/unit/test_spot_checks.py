@@ -8,13 +8,14 @@ import asyncio
 import pytest
 import torch
 
+from dht.records import PeerRecord, PeerState
 from swarm.trainer.client import CallResult
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.routing import ReplicaInfo
 from swarm.trainer.schedule import StepSchedule
-from swarm.trainer.spot_checks import CallSampler, judge, relative_difference, tolerance
+from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, relative_difference, tolerance
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.compression import RELATIVE_ERROR_BOUNDS, decode, encode
 from wire.protocol import ResponseHeader
@@ -116,7 +117,25 @@ class ScriptedReplicas:
         return CallResult(decoded, {"outputs": encoded}, ResponseHeader(compute_s=0.01), 100)
 
 
-def make_caller(client, peers, verify_fraction=1.0) -> StageCaller:
+def serve(view: SwarmView, stage: int, peers, averaging: str = "sync") -> None:
+    """`peers` serve `stage` (their records, and the stage's scheduler)."""
+    view.records[stage] = [
+        PeerRecord(
+            peer_id=p,
+            model="tiny",
+            stage=stage,
+            num_stages=view.num_stages,
+            state=PeerState.ONLINE,
+            throughput=10.0,
+            expires_at=1e12,
+            averaging=averaging,
+        )
+        for p in peers
+    ]
+    view.schedulers[stage].update_replicas([ReplicaInfo(p, 10.0) for p in peers])
+
+
+def make_caller(client, peers, verify_fraction=1.0, averaging="sync") -> StageCaller:
     view = SwarmView(None, model="tiny", num_stages=2)
     caller = StageCaller(
         view,
@@ -126,8 +145,8 @@ def make_caller(client, peers, verify_fraction=1.0) -> StageCaller:
         failover=FailoverSettings(max_retries=2, stage_wait_timeout_s=1.0),
         verify_fraction=verify_fraction,
     )
-    for scheduler in view.schedulers:
-        scheduler.update_replicas([ReplicaInfo(p, 10.0) for p in peers])
+    for stage in range(2):
+        serve(view, stage, peers, averaging)
     return caller
 
 
@@ -192,6 +211,23 @@ def test_two_replicas_that_disagree_ban_nobody_and_a_lone_one_is_not_verified():
     assert kept is answer and alone.counters.calls_verified == 0 and alone.counters.verify_calls == 0
 
 
+@pytest.mark.parametrize("averaging", ["periodic", "none"])
+def test_replicas_that_do_not_average_in_sync_are_not_compared(averaging):
+    """Their parameters differ between rounds (or always): a difference would ban an honest replica."""
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging)
+    answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
+    assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
+
+
+def test_comparable_replicas_average_in_sync_in_the_same_group():
+    averaging = {"a": "sync", "b": "sync", "c": "periodic", "d": "sync"}
+    assert comparable_replicas("a", averaging) == {"b", "d"}
+    assert comparable_replicas("c", averaging) == set()
+    assert comparable_replicas("a", averaging, members={"a", "b", "c"}) == {"b"}
+    assert comparable_replicas("d", averaging, members={"a", "b"}) == set()  # outside the run: averages alone
+
+
 def test_a_failing_second_replica_leaves_the_call_unverified():
     client = ScriptedReplicas(failing={"peer-b"})
     caller = make_caller(client, ["peer-a", "peer-b"])
@@ -238,8 +274,8 @@ def test_the_schedule_verifies_forward_calls_and_goes_on_with_the_majority():
     caller = StageCaller(
         view, client, d_model=D, seq_len=T, failover=FailoverSettings(max_retries=2), verify_fraction=1.0
     )
-    view.schedulers[0].update_replicas([ReplicaInfo(p, 10.0) for p in ("peer-a", "peer-b", "peer-liar")])
-    view.schedulers[1].update_replicas([ReplicaInfo("peer-last", 10.0)])
+    serve(view, 0, ("peer-a", "peer-b", "peer-liar"))
+    serve(view, 1, ("peer-last",))
     schedule = StepSchedule(caller, max_in_flight=1, run_id="run")
     microbatches = [
         Microbatch(step=0, index=i, inputs=activations(i), targets=torch.zeros(B, T, dtype=torch.long))
