@@ -195,6 +195,9 @@ def test_a_plausible_liar_among_three_is_banned_for_the_run_and_its_answer_dropp
         2,
     )
     assert "peer-liar" in caller.view.violations.banned(0) and "peer-liar" in caller.view.violations.banned(1)
+    registry = caller.metrics.registry
+    for name in ("calls_verified", "verify_mismatches", "verify_bans"):
+        assert registry.get_sample_value(f"swarm_trainer_{name}_total", {"stage": "0"}) == 1, name
     # Banned for the run: no later call or check goes there.
     client.calls.clear()
     forward_then_verify(caller)
