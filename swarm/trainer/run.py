@@ -83,6 +83,7 @@ class TrainingReport:
     calls_verified: int = 0  # forward calls also answered by a second replica
     verify_mismatches: int = 0  # ... whose two answers differed beyond the codec's error
     verify_calls: int = 0  # extra calls made for the checks (second and third replicas)
+    verify_largest_agreeing_difference: float = 0.0  # relative; the margin left below the tolerance
     banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> reason, banned for the run
 
     @classmethod
@@ -388,6 +389,7 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
     report.calls_verified = calls.calls_verified
     report.verify_mismatches = calls.verify_mismatches
     report.verify_calls = calls.verify_calls
+    report.verify_largest_agreeing_difference = calls.verify_largest_agreeing_difference
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
     report.banned_peers = {**report.banned_peers, **calls.banned_peers}
 

@@ -76,6 +76,7 @@ class CallCounters:
     verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
     verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
     banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why it was banned for the run
+    verify_largest_agreeing_difference: float = 0.0  # the tolerance's margin: the most two agreeing answers differed
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,7 @@ class StageCaller:
             return answer
         answers[second.peer_id], by_peer[second.peer_id] = second.outputs["outputs"], second
         verdict = judge(answers, allowed)
+        self._note_spread(verdict.largest_agreeing_difference)
         self.counters.calls_verified += 1
         self.metrics.calls_verified.labels(stage=str(stage)).inc()
         if verdict.agreed:
@@ -276,6 +278,7 @@ class StageCaller:
         if third is not None:
             answers[third.peer_id], by_peer[third.peer_id] = third.outputs["outputs"], third
             verdict = judge(answers, allowed)
+            self._note_spread(verdict.largest_agreeing_difference)
         for peer_id in verdict.minority:
             reason = (
                 f"stage {stage}: its forward answer to {microbatch_id} differed from {len(answers) - 1} agreeing "
@@ -291,6 +294,10 @@ class StageCaller:
                 f"and no replica is in the minority; nobody banned"
             )
         return by_peer[verdict.trusted]
+
+    def _note_spread(self, difference: float) -> None:
+        counters = self.counters
+        counters.verify_largest_agreeing_difference = max(counters.verify_largest_agreeing_difference, difference)
 
     async def _ask_another(
         self, stage: int, microbatch_id: str, batch_size: int, asked: StageAnswer, avoid: set[str]
