@@ -118,6 +118,8 @@ class TrainerMetrics:
             self.live_replicas.labels(stage=str(stage))
             for rpc in ("forward", "backward"):
                 self.calls.labels(stage=str(stage), rpc=rpc)
+            for counter in (self.calls_verified, self.verify_mismatches, self.verify_bans):
+                counter.labels(stage=str(stage))
 
     def set_stages(self, live: Sequence[int], throughput: Sequence[float]) -> None:
         for stage, (count, samples_per_s) in enumerate(zip(live, throughput)):

@@ -314,6 +314,7 @@ class StageCaller:
         peer_id = scheduler.choose("forward", batch_size, exclude=exclude)
         if peer_id is None:
             return None
+        self.view.newcomers[stage].called(peer_id)  # counts against the newcomers' share like any call
         self.counters.verify_calls += 1
         codec, params = asked.received_codec
         numel_out = batch_size * self.seq_len * self.d_model
