@@ -280,6 +280,8 @@ class StageCaller:
             verdict = judge(answers, allowed)
             self._note_spread(verdict.largest_agreeing_difference)
         for peer_id in verdict.minority:
+            if peer_id in self.counters.banned_peers:  # caught by a check in flight at the same time
+                continue
             reason = (
                 f"stage {stage}: its forward answer to {microbatch_id} differed from {len(answers) - 1} agreeing "
                 f"replicas' beyond the {codec} codec's tolerance {allowed:.2g}"

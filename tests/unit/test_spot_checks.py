@@ -199,7 +199,13 @@ def test_a_plausible_liar_among_three_is_banned_for_the_run_and_its_answer_dropp
     registry = caller.metrics.registry
     for name in ("calls_verified", "verify_mismatches", "verify_bans"):
         assert registry.get_sample_value(f"swarm_trainer_{name}_total", {"stage": "0"}) == 1, name
+    # Caught again by a check that was in flight: banned and counted once.
+    caller.view.violations = type(caller.view.violations)()
+    forward_then_verify(caller, order=("peer-liar", "peer-a", "peer-b"))
+    assert list(caller.counters.banned_peers) == ["peer-liar"] and caller.counters.verify_mismatches == 2
+    assert registry.get_sample_value("swarm_trainer_verify_bans_total", {"stage": "0"}) == 1
     # Banned for the run: no later call or check goes there.
+    caller.view.violations.lied("peer-liar", "again")
     client.calls.clear()
     forward_then_verify(caller)
     assert {c["peer"] for c in client.calls} == {"peer-a", "peer-b"}
