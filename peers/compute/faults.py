@@ -1,10 +1,14 @@
 """Fault injection for tests and benchmarks: a stage runtime that is slower than it should be,
-fails a fraction of its calls, or returns garbage (NaNs, or a wrong shape) while computing
-correctly inside. Only built when a `--fault-*` flag is set, so the normal code path never
-branches on it."""
+fails a fraction of its calls, or returns garbage while computing correctly inside: obvious garbage
+(NaNs, a wrong shape), which the trainer's answer check catches, or plausible lies (issue #25) that
+only a spot check can catch: outputs scaled by 1 + `--fault-garbage-size`, outputs plus noise of that
+relative size, an earlier answer of the same shape replayed, or answers computed from the weights
+frozen at start-up while the real ones train. Only built when a `--fault-*` flag is set, so the
+normal code path never branches on it."""
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -16,7 +20,9 @@ from peers.replicas.averaging import GradientSync
 from process.config import ConfigError, option
 from wire.protocol import ProtocolError
 
-GARBAGE_KINDS = ("none", "nan", "shape")
+GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "replay", "stale")
+# Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
+PLAUSIBLE_KINDS = ("scale", "noise", "replay", "stale")
 # How the extra time of a slowed compute is spent:
 # - sleep: waiting, off the CPU, (slowdown - 1) x the compute's wall time. Simple, but on shared cores
 #   the wall time includes waiting for a core, so contention is multiplied too (see `device`).
@@ -33,15 +39,26 @@ GARBAGE_KINDS = ("none", "nan", "shape")
 SLOWDOWN_MODES = ("sleep", "busy", "device")
 
 
-def garbled(value, kind: str):
-    """What a broken peer sends instead of `value` (a tensor, a loss, or None)."""
+def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator | None = None):
+    """What a broken peer sends instead of `value` (a tensor, a loss, or None), for the kinds that
+    need nothing but the value: nan, shape, scale (times 1 + size) and noise (plus Gaussian noise of
+    norm `size` times the value's norm; a loss is scaled instead)."""
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):
-        return float("nan") if kind == "nan" else value
+        if kind == "nan":
+            return float("nan")
+        return value * (1.0 + size) if kind in ("scale", "noise") else value
     if kind == "nan":
         return torch.full_like(value, float("nan"))
-    return value[..., :-1].contiguous()  # one value short in the last dimension
+    if kind == "scale":
+        return value * (1.0 + size)
+    if kind == "noise":
+        noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        return value + noise * (size * value.norm() / noise.norm().clamp_min(1e-30))
+    if kind == "shape":
+        return value[..., :-1].contiguous()  # one value short in the last dimension
+    raise ValueError(f"garbled() cannot make {kind!r} answers: it needs the runtime (FaultyStageRuntime)")
 
 
 class InjectedFault(RuntimeError):
@@ -68,11 +85,16 @@ class FaultSettings:
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     fault_garbage: str = option(
         "none",
-        help="testing only: answer with garbage (nan: NaN values; shape: one value "
-        "short) while computing correctly inside",
+        help="testing only: answer with garbage while computing correctly inside (nan: NaN values; "
+        "shape: one value short; scale: outputs times 1 + --fault-garbage-size; noise: plus noise of "
+        "that relative size; replay: the previous answer of the same shape; stale: computed from the "
+        "weights frozen at start-up)",
         choices=list(GARBAGE_KINDS),
     )
     fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
+    fault_garbage_size: float = option(
+        0.05, help="testing only: relative size of --fault-garbage scale and noise (a fraction of the output's norm)"
+    )
     fault_miss_sync_round: int = option(
         0,
         help="testing only: act as if the Nth sync averaging round failed after it completed (this "
@@ -106,6 +128,8 @@ class FaultSettings:
             raise ConfigError(
                 f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
             )
+        if not 0.0 <= self.fault_garbage_size < float("inf"):
+            raise ConfigError("--fault-garbage-size must be a finite number >= 0")
 
 
 class RoundMissingSync(GradientSync):
@@ -125,11 +149,20 @@ class RoundMissingSync(GradientSync):
 
 
 class FaultyStageRuntime:
-    """Wraps a StageRuntime; forwards everything else to it unchanged."""
+    """Wraps a StageRuntime; forwards everything else to it unchanged. Garbage answers are made after
+    the real compute, which keeps training the real weights (and caching the real activations): the
+    peer lies about what it computed, never skips the work."""
 
     def __init__(self, runtime: StageRuntime, settings: FaultSettings, *, seed: int = 0):
         self._runtime, self._settings = runtime, settings
         self._rng = random.Random(seed)
+        self._noise = torch.Generator().manual_seed(seed)
+        # replay: the latest true answer per (rpc, shape), handed out in place of the next one
+        self._earlier: dict[tuple[str, tuple], object] = {}
+        # stale: the weights as they were at start-up, which the answers come from while the real ones train
+        self._frozen = (
+            copy.deepcopy(runtime.module).requires_grad_(False) if settings.fault_garbage == "stale" else None
+        )
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -170,15 +203,60 @@ class FaultyStageRuntime:
     def _garbage_now(self) -> bool:
         return self._settings.fault_garbage != "none" and self._rng.random() < self._settings.fault_garbage_rate
 
+    def _garbled(self, value):
+        return garbled(
+            value, self._settings.fault_garbage, size=self._settings.fault_garbage_size, generator=self._noise
+        )
+
+    def _replayed(self, rpc: str, answer, shape: tuple):
+        """The previous true answer of this rpc and shape (the current one the first time); keeps the current."""
+        earlier = self._earlier.get((rpc, shape), answer)
+        self._earlier[(rpc, shape)] = answer
+        return earlier
+
     def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets)
-        return garbled(outputs, self._settings.fault_garbage) if self._garbage_now() else outputs
+        if not self._garbage_now():
+            return outputs
+        kind = self._settings.fault_garbage
+        if kind == "replay":
+            return self._replayed("forward", outputs, tuple(inputs.shape))
+        if kind == "stale":
+            return self._stale(inputs, targets)[0]
+        return self._garbled(outputs)
 
     def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
         grad_inputs, loss = self._run(self._runtime.backward, microbatch_id, inputs, **kwargs)
-        if self._garbage_now():
-            return garbled(grad_inputs, self._settings.fault_garbage), garbled(loss, self._settings.fault_garbage)
-        return grad_inputs, loss
+        if not self._garbage_now():
+            return grad_inputs, loss
+        kind = self._settings.fault_garbage
+        if kind == "replay":
+            shape = None if inputs is None else tuple(inputs.shape)
+            return self._replayed("backward", (grad_inputs, loss), shape)
+        if kind == "stale":
+            if inputs is None:  # served from the activation cache, which the real forward filled: honest
+                return grad_inputs, loss
+            _, stale_grad, stale_loss = self._stale(
+                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True
+            )
+            return stale_grad, stale_loss
+        return self._garbled(grad_inputs), self._garbled(loss)
+
+    def _stale(self, inputs, targets=None, grad_outputs=None, *, grad: bool = False):
+        """(outputs, input gradient, loss) of the weights frozen at start-up, as the runtime would
+        send them."""
+        runtime = self._runtime
+        inputs, targets = inputs.to(runtime.device), None if targets is None else targets.to(runtime.device)
+        leaf = inputs if inputs.dtype == torch.int64 or not grad else inputs.detach().requires_grad_(True)
+        with torch.enable_grad() if grad else torch.no_grad():
+            outputs = self._frozen(leaf, targets)
+            loss = float(outputs.detach()) if runtime.is_last else None
+            input_grad = None
+            if grad and leaf.requires_grad:
+                grad_outputs = None if grad_outputs is None else grad_outputs.to(runtime.device)
+                (input_grad,) = torch.autograd.grad(outputs, leaf, grad_outputs=grad_outputs)
+                input_grad = runtime._to_wire(input_grad)
+        return runtime._to_wire(outputs.detach()), input_grad, loss
 
 
 _BURN_MATRIX_SIZE = 128  # one product takes well under a millisecond: the deadline is overshot by little

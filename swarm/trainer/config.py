@@ -9,6 +9,7 @@ Sections, one per component that reads them:
 - `discovery`: how it finds the stages' replicas (swarm/trainer/discovery.py);
 - `failover`: how long it retries and waits for a failing stage (swarm/trainer/stage_call.py);
 - `compression`: the codec on the wire (swarm/trainer/codec_policy.py);
+- `verification`: spot checks of replicas' answers (swarm/trainer/spot_checks.py);
 - `reporting`: the JSON report, progress lines and the Prometheus endpoint.
 Each section validates its own fields.
 """
@@ -105,6 +106,20 @@ class CompressionSettings:
 
 
 @dataclasses.dataclass(kw_only=True)
+class VerificationSettings:
+    verify_fraction: float = option(
+        0.0,
+        help="send this fraction of forward calls (drawn with --seed) to a second replica of the stage too, "
+        "and a third when the answers differ beyond the codec's error; a replica in the minority is banned "
+        "for the run (for sync averaging only: periodic replicas differ between rounds)",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ConfigError("--verify-fraction must lie in [0, 1]")
+
+
+@dataclasses.dataclass(kw_only=True)
 class ReportingSettings:
     report: str | None = option(None, help="write a JSON report of the run to this file")
     resume: bool = option(False, help="continue the run recorded in --report from its last step (same data position)")
@@ -142,6 +157,7 @@ class TrainerConfig:
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
     compression: CompressionSettings = section(CompressionSettings, help="compression on the wire")
+    verification: VerificationSettings = section(VerificationSettings, help="spot checks of replicas' answers")
     reporting: ReportingSettings = section(ReportingSettings, help="report file, progress lines and metrics")
 
     def __post_init__(self) -> None:

@@ -278,7 +278,8 @@ class ProtocolViolations:
 
     A failure (a timeout, a dropped stream) may be bad luck and earns a short ``BanList`` ban; a
     protocol violation is the peer's own doing: a "wrong stage" answer from a record that names the
-    stage, an answer of the wrong shape, NaN or inf. Nine fake records that announced a huge
+    stage, an answer of the wrong shape, NaN or inf, or one that a spot check found in the minority
+    (banned for the run). Nine fake records that announced a huge
     throughput and answered "wrong stage" were never banned and cut throughput 100x (issue #30).
 
     A wrong-stage answer bans the peer on that stage only (an honest peer that moved has left an old
@@ -317,6 +318,11 @@ class ProtocolViolations:
     def malformed(self, peer_id: str, reason: str) -> float:
         """The peer's answer broke the contract (shape, dtype, NaN/inf, undecodable)."""
         return self._ban(peer_id, None, self._identity_ban_s, reason)
+
+    def lied(self, peer_id: str, reason: str) -> float:
+        """A spot check found the peer's answer in the minority (swarm/trainer/spot_checks.py): a
+        plausible lie, on purpose or from broken hardware. Banned everywhere for the rest of the run."""
+        return self._ban(peer_id, None, math.inf, reason)
 
     def banned(self, stage: int) -> set[str]:
         """Peers not to route `stage`'s calls to now."""

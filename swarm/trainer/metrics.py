@@ -80,6 +80,25 @@ class TrainerMetrics:
             "swarm_trainer_retries_total", "Calls retried on another replica after a failure", ["stage"], registry=r
         )
         self.bans = Counter("swarm_trainer_bans_total", "Replicas banned after a failure", ["stage"], registry=r)
+        # spot checks (swarm/trainer/spot_checks.py): their cost is these extra calls
+        self.calls_verified = Counter(
+            "swarm_trainer_calls_verified_total",
+            "Forward calls also sent to a second replica to compare the answers (--verify-fraction)",
+            ["stage"],
+            registry=r,
+        )
+        self.verify_mismatches = Counter(
+            "swarm_trainer_verify_mismatches_total",
+            "Verified calls whose two answers differed beyond the codec's error (a third replica is asked)",
+            ["stage"],
+            registry=r,
+        )
+        self.verify_bans = Counter(
+            "swarm_trainer_verify_bans_total",
+            "Replicas banned for the run: their answer was in the minority of a spot check",
+            ["stage"],
+            registry=r,
+        )
         self.stage_wait = Counter(
             "swarm_trainer_stage_wait_seconds_total",
             "Time calls spent waiting for a usable replica of the stage (none live, or all banned)",
@@ -99,6 +118,8 @@ class TrainerMetrics:
             self.live_replicas.labels(stage=str(stage))
             for rpc in ("forward", "backward"):
                 self.calls.labels(stage=str(stage), rpc=rpc)
+            for counter in (self.calls_verified, self.verify_mismatches, self.verify_bans):
+                counter.labels(stage=str(stage))
 
     def set_stages(self, live: Sequence[int], throughput: Sequence[float]) -> None:
         for stage, (count, samples_per_s) in enumerate(zip(live, throughput)):

@@ -28,7 +28,13 @@ from process.lifetime import ShutdownSignals, remove_stale_temporaries
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
-from swarm.trainer.config import CompressionSettings, DiscoverySettings, FailoverSettings, TrainerConfig
+from swarm.trainer.config import (
+    CompressionSettings,
+    DiscoverySettings,
+    FailoverSettings,
+    TrainerConfig,
+    VerificationSettings,
+)
 from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
 from swarm.trainer.metrics import TrainerMetrics
@@ -73,6 +79,12 @@ class TrainingReport:
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
     final_eval_loss: float | None = None
     stopped_early: bool = False  # stopped by SIGTERM/SIGINT before its last step
+    # spot checks (--verify-fraction): their cost, and who they caught
+    calls_verified: int = 0  # forward calls also answered by a second replica
+    verify_mismatches: int = 0  # ... whose two answers differed beyond the codec's error
+    verify_calls: int = 0  # extra calls made for the checks (second and third replicas)
+    verify_largest_agreeing_difference: float = 0.0  # relative; the margin left below the tolerance
+    banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> reason, banned for the run
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -155,6 +167,8 @@ async def train(
             discovery=config.discovery,
             failover=config.failover,
             compression=config.compression,
+            verification=config.verification,
+            seed=config.corpus.seed,
             max_in_flight=batches.max_in_flight,
             data_source=f"data {data.folder}",
             metrics=metrics,
@@ -310,6 +324,8 @@ async def connect(
     metrics: TrainerMetrics,
     say=print,
     access: RunAccess | None = None,
+    verification: VerificationSettings | None = None,
+    seed: int = 0,
 ) -> StepSchedule:
     """Find the swarm's stages and wire the pipeline to them (the view, the caller, the schedule);
     returns once every stage has an online replica. Refuses, in one line, a swarm that serves
@@ -336,6 +352,8 @@ async def connect(
         seq_len=model_config.seq_len,
         failover=failover,
         codecs=codecs,
+        verify_fraction=verification.verify_fraction if verification is not None else 0.0,
+        seed=seed,
         say=say,
     )
     schedule = StepSchedule(caller, max_in_flight=max_in_flight, run_id=secrets.token_hex(4))
@@ -368,6 +386,12 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
     report.backward_inputs_resent = calls.backward_inputs_resent
     report.failures_by_kind = dict(calls.failures_by_kind)
     report.calls_by_peer = dict(calls.calls_by_peer)
+    report.calls_verified = calls.calls_verified
+    report.verify_mismatches = calls.verify_mismatches
+    report.verify_calls = calls.verify_calls
+    report.verify_largest_agreeing_difference = calls.verify_largest_agreeing_difference
+    # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
+    report.banned_peers = {**report.banned_peers, **calls.banned_peers}
 
 
 async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:

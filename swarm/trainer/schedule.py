@@ -3,7 +3,8 @@
 `StepSchedule.run_step` streams a step's microbatches through the stages, at most `max_in_flight`
 at once: each goes forward through stages 0..S-2, takes a fused forward+backward on the last stage
 (which owns the loss), and goes backward through S-2..0, every call through `StageCaller`
-(swarm/trainer/stage_call.py, which fails over). Nothing is dropped: a microbatch either finishes
+(swarm/trainer/stage_call.py, which fails over); a fraction of the forward calls is spot-checked
+on a second replica (`StageCaller.verify`). Nothing is dropped: a microbatch either finishes
 or the run stops with the error that stopped it. Then the step is committed on the replicas that
 average (sync, or periodic every K steps), so that they step together.
 """
@@ -79,6 +80,8 @@ class StepSchedule:
             served_by: list[str] = []
             for stage in range(self.num_stages - 1):
                 answer = await call(stage, "forward", microbatch_id, mb.size, [("inputs", stage_inputs[-1])], failures)
+                if self.caller.spot_checks.pick():  # --verify-fraction: asked of a second replica too
+                    answer = await self.caller.verify(stage, microbatch_id, mb.size, answer)
                 stage_inputs.append(answer.payload("outputs"))
                 served_by.append(answer.peer_id)
             last = self.num_stages - 1

@@ -9,6 +9,10 @@ replica can take the call, it waits for the stage (refreshing the view) until on
 `stage_wait_timeout_s` runs out, which stops the run with an error instead of losing data. The
 bookkeeping itself (timeouts, bans, the retry budget) is pure: swarm/trainer/failures.py.
 
+`StageCaller.verify` is the spot check (issue #25): the same request sent again to a second replica,
+and to a third when the answers differ; the decisions (which call, the tolerance, the minority) are
+pure: swarm/trainer/spot_checks.py.
+
 Encoding lives here and only here. A `Payload` is a tensor together with the encodings made or
 received of it so far, one per codec choice: each is made once (a retry, or the backward that
 resends a forward's inputs, reuses it), and an encoding that came over the wire from one stage is
@@ -39,6 +43,7 @@ from swarm.trainer.failures import (
 )
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
+from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.failures import Failure
 from wire.protocol import ResponseHeader
@@ -67,6 +72,11 @@ class CallCounters:
     calls_by_peer: dict[str, int] = field(default_factory=dict)
     backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
+    calls_verified: int = 0  # forward calls sent to a second replica too (spot checks)
+    verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
+    verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
+    banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why it was banned for the run
+    verify_largest_agreeing_difference: float = 0.0  # the tolerance's margin: the most two agreeing answers differed
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class StageAnswer:
     peer_id: str  # the replica that answered
     received: dict[str, EncodedTensor]  # the outputs as they came over the wire
     received_codec: tuple  # their codec key
+    request: tuple[tuple[str, EncodedTensor], ...] = ()  # what was sent, as sent (a spot check resends it)
 
     def payload(self, name: str) -> Payload:
         """Output `name`, to send on to the next stage in the encoding it came in."""
@@ -98,6 +109,8 @@ class StageCaller:
         seq_len: int,
         failover: FailoverSettings,
         codecs: CodecPolicy | None = None,
+        verify_fraction: float = 0.0,
+        seed: int = 0,
         say=print,
     ):
         self.view, self.client = view, client
@@ -109,6 +122,7 @@ class StageCaller:
         self.service = ServiceClock()  # routing's measure of each replica: the trainer's own clock
         self.counters = CallCounters()
         self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
+        self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
         self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
@@ -179,6 +193,7 @@ class StageCaller:
                 )
                 while True:
                     sent = [(n, t) for n, t in tensors if not (skip_inputs and n == "inputs")]
+                    encoded = self._encode(peer_id, stage, batch_size, sent)
                     try:
                         result = await self.client.exchange(
                             peer_id,
@@ -186,7 +201,7 @@ class StageCaller:
                             stage=stage,
                             microbatch_id=microbatch_id,
                             batch_size=batch_size,
-                            tensors=self._encode(peer_id, stage, batch_size, sent),
+                            tensors=encoded,
                             timeout_s=timeout_s,
                             response_codec=response_codec,
                             inputs_cached=skip_inputs,
@@ -234,7 +249,113 @@ class StageCaller:
             self._note_success(
                 stage, rpc, peer_id, batch_size, done - started, service_s, result.response, result.moved, skip_inputs
             )
-            return StageAnswer(result.outputs, result.response, peer_id, result.received, codec_key(response_codec))
+            return StageAnswer(
+                result.outputs, result.response, peer_id, result.received, codec_key(response_codec), tuple(encoded)
+            )
+
+    async def verify(self, stage: int, microbatch_id: str, batch_size: int, answer: StageAnswer) -> StageAnswer:
+        """Spot-check a forward `answer`: send its request, unchanged, to another replica of the stage,
+        and to a third when the two answers differ beyond the answer codec's error. A replica whose
+        answer is in the minority is banned for the run. Returns the answer to go on with: `answer`,
+        unless its replica was in the minority. Without another replica (or when the other fails) the
+        call stays unverified; failures of the extra calls are noted like any other."""
+        codec = answer.received_codec[0]
+        allowed = tolerance(codec)
+        answers, by_peer = {answer.peer_id: answer.outputs["outputs"]}, {answer.peer_id: answer}
+        second = await self._ask_another(stage, microbatch_id, batch_size, answer, avoid=set(answers))
+        if second is None:  # no other replica, or it failed: unverified
+            return answer
+        answers[second.peer_id], by_peer[second.peer_id] = second.outputs["outputs"], second
+        verdict = judge(answers, allowed)
+        self._note_spread(verdict.largest_agreeing_difference)
+        self.counters.calls_verified += 1
+        self.metrics.calls_verified.labels(stage=str(stage)).inc()
+        if verdict.agreed:
+            return answer
+        self.counters.verify_mismatches += 1
+        self.metrics.verify_mismatches.labels(stage=str(stage)).inc()
+        third = await self._ask_another(stage, microbatch_id, batch_size, answer, avoid=set(answers))
+        if third is not None:
+            answers[third.peer_id], by_peer[third.peer_id] = third.outputs["outputs"], third
+            verdict = judge(answers, allowed)
+            self._note_spread(verdict.largest_agreeing_difference)
+        for peer_id in verdict.minority:
+            if peer_id in self.counters.banned_peers:  # caught by a check in flight at the same time
+                continue
+            reason = (
+                f"stage {stage}: its forward answer to {microbatch_id} differed from {len(answers) - 1} agreeing "
+                f"replicas' beyond the {codec} codec's tolerance {allowed:.2g}"
+            )
+            self.view.violations.lied(peer_id, reason)
+            self.counters.banned_peers[peer_id] = reason
+            self.metrics.verify_bans.labels(stage=str(stage)).inc()
+            logger.warning(f"{reason}; banned {peer_id[-8:]} for the run")
+        if not verdict.decided:
+            logger.warning(
+                f"stage {stage}: replicas {sorted(p[-8:] for p in answers)} answered {microbatch_id} differently "
+                f"and no replica is in the minority; nobody banned"
+            )
+        return by_peer[verdict.trusted]
+
+    def _note_spread(self, difference: float) -> None:
+        counters = self.counters
+        counters.verify_largest_agreeing_difference = max(counters.verify_largest_agreeing_difference, difference)
+
+    async def _ask_another(
+        self, stage: int, microbatch_id: str, batch_size: int, asked: StageAnswer, avoid: set[str]
+    ) -> StageAnswer | None:
+        """`asked`'s request (the same encoded tensors, the same answer codec) sent to one replica of
+        `stage` outside `avoid` that averages in sync with `asked`'s; None when none can take it or it fails (no retry: a spot check is
+        an extra, not a call the pipeline needs)."""
+        scheduler = self.view.schedulers[stage]
+        averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
+        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage))
+        exclude = self.view.bans.banned() | self.view.violations.banned(stage) | avoid | self.not_allowed_by.keys()
+        exclude |= set(scheduler.keys_s()) - comparable
+        exclude |= self.view.newcomers[stage].excluded(set(scheduler.keys_s()) - exclude)
+        peer_id = scheduler.choose("forward", batch_size, exclude=exclude)
+        if peer_id is None:
+            return None
+        self.view.newcomers[stage].called(peer_id)  # counts against the newcomers' share like any call
+        self.counters.verify_calls += 1
+        codec, params = asked.received_codec
+        numel_out = batch_size * self.seq_len * self.d_model
+        started = time.perf_counter()
+        try:
+            result = await self.client.exchange(
+                peer_id,
+                rpc="forward",
+                stage=stage,
+                microbatch_id=microbatch_id,
+                batch_size=batch_size,
+                tensors=list(asked.request),
+                timeout_s=self.timeouts.timeout_s(stage, "forward"),
+                response_codec=CodecChoice(codec, dict(params)),
+                max_answer_bytes=answer_bytes_limit(numel_out),
+            )
+            check_answer(
+                peer_id,
+                stage,
+                "forward",
+                num_stages=self.view.num_stages,
+                expected_shape=(batch_size, self.seq_len, self.d_model),
+                outputs=result.outputs,
+                loss=result.response.loss,
+            )
+        except PeerCallError as e:
+            self.metrics.observe_failure(stage=stage, rpc="forward", kind=e.kind.value)
+            failed_at = time.perf_counter()
+            self.service.finished(peer_id, started, failed_at)
+            self._note_failure(stage, peer_id, e, failed_after_s=failed_at - started)
+            return None
+        done = time.perf_counter()
+        service_s = self.service.finished(peer_id, started, done)
+        self._note_success(
+            stage, "forward", peer_id, batch_size, done - started, service_s, result.response, result.moved, False
+        )
+        return StageAnswer(
+            result.outputs, result.response, peer_id, result.received, asked.received_codec, asked.request
+        )
 
     def _note_success(
         self,

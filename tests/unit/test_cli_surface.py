@@ -95,6 +95,9 @@ TRAIN_DEFAULTS_BEFORE = NETWORK_DEFAULTS | {
 # Added since (issue #30): the run authority, both unset by default (no authority, as before).
 TRAIN_FLAGS_ADDED = {"--run", "--credential"}
 TRAIN_DEFAULTS_ADDED = {"run": None, "credential": None}
+# Added deliberately (issue #25): spot checks of replicas' answers, off by default.
+TRAIN_FLAGS_ADDED |= {"--verify-fraction"}
+TRAIN_DEFAULTS_ADDED |= {"verify_fraction": 0.0}
 
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {

@@ -32,6 +32,7 @@ PEER_FLAGS = {
     "--fault-fail-rate",
     "--fault-garbage",
     "--fault-garbage-rate",
+    "--fault-garbage-size",  # added deliberately: the size of the plausible lies scale and noise (issue #25)
     "--fault-miss-sync-round",  # added deliberately: a replica whose all-reduce fails on its side only
     "--fault-slowdown",
     "--fault-slowdown-mode",
@@ -117,6 +118,7 @@ PEER_VARIABLES = {
     "SWARM_FAULT_CLAIM_SPEEDUP",
     "SWARM_FAULT_GARBAGE",
     "SWARM_FAULT_GARBAGE_RATE",
+    "SWARM_FAULT_GARBAGE_SIZE",  # added deliberately (issue #25)
     "SWARM_FAULT_MISS_SYNC_ROUND",
     "SWARM_FAULT_SLOWDOWN",
     "SWARM_FAULT_SLOWDOWN_MODE",

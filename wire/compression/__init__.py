@@ -13,11 +13,19 @@ Typical use::
 from wire.compression.accounting import ByteCounter
 from wire.compression.adaptive import CodecChoice, LinkBandwidthMeter, LinkEstimate, choose_codec
 from wire.compression.base import Codec, CodecError, EncodedTensor, TensorHeader, UnknownCodecError
-from wire.compression.codecs import BlockwiseInt8Codec, Float16Codec, NoneCodec, TopKCodec
+from wire.compression.codecs import (
+    RELATIVE_ERROR_BOUNDS,
+    BlockwiseInt8Codec,
+    Float16Codec,
+    NoneCodec,
+    TopKCodec,
+    relative_error_bound,
+)
 from wire.compression.error_feedback import ErrorFeedback
 from wire.compression.registry import decode, encode, get_codec, known_codecs
 
 __all__ = [
+    "RELATIVE_ERROR_BOUNDS",
     "BlockwiseInt8Codec",
     "ByteCounter",
     "Codec",
@@ -37,4 +45,5 @@ __all__ = [
     "encode",
     "get_codec",
     "known_codecs",
+    "relative_error_bound",
 ]

@@ -44,6 +44,20 @@ from wire.compression.base import (
 )
 from wire.compression.parts import PartReader, int8_parts, raw_parts
 
+# The error column above as numbers: the most ||decode(encode(x)) - x|| / ||x|| may be for a float32
+# tensor (tests/unit/test_codecs.py checks these on random and activation-like tensors). top-k drops
+# the rest of the tensor, so nothing below 1 bounds it.
+RELATIVE_ERROR_BOUNDS = {"none": 0.0, "fp16": 1e-3, "int8": 0.02, "topk": 1.0}
+
+
+def relative_error_bound(codec: str) -> float:
+    """The relative L2 error `codec` may add to a float32 tensor (RELATIVE_ERROR_BOUNDS)."""
+    try:
+        return RELATIVE_ERROR_BOUNDS[codec]
+    except KeyError:
+        raise CodecError(f"no error bound is known for codec {codec!r}") from None
+
+
 SIXTEEN_BIT_DTYPES = frozenset({"float16", "bfloat16"})
 # Scaling exponents a header may carry; 2**±100 is a normal float32, so decoding never underflows.
 MAX_SCALE_EXPONENT = 100

@@ -1,0 +1,93 @@
+"""Plausible lies (issue #25): a FaultyStageRuntime around the `tiny` model's middle stage answers with
+the right shape and finite values, but not what its weights compute (peers/compute/faults.py)."""
+
+import pytest
+import torch
+
+from models.config import get_model_config
+from peers.compute.faults import FaultSettings, FaultyStageRuntime
+from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
+from process.config import ConfigError
+
+CONFIG = get_model_config("tiny")
+BATCH = 2
+
+
+def pair(kind: str, **settings) -> tuple[StageRuntime, FaultyStageRuntime]:
+    """An honest runtime of stage 1 of 3 and a lying one with the same initial weights."""
+    optimizer = OptimizerSettings(target_batch_size=BATCH, optimizer="sgd", lr=0.5)
+    honest = StageRuntime(CONFIG, 1, 3, optimizer=optimizer)
+    liar = FaultyStageRuntime(
+        StageRuntime(CONFIG, 1, 3, optimizer=optimizer), FaultSettings(fault_garbage=kind, **settings)
+    )
+    return honest, liar
+
+
+def activations(seed: int) -> torch.Tensor:
+    return torch.randn(BATCH, CONFIG.seq_len, CONFIG.d_model, generator=torch.Generator().manual_seed(seed))
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def train_one_step(runtime, seed: int = 99) -> None:
+    """One microbatch forward and backward: the runtime steps (target batch BATCH)."""
+    inputs = activations(seed)
+    runtime.forward("train", inputs)
+    runtime.backward("train", inputs, grad_outputs=torch.ones(BATCH, CONFIG.seq_len, CONFIG.d_model))
+    assert runtime.steps_done == 1
+
+
+def test_scale_multiplies_the_outputs_by_one_plus_size():
+    honest, liar = pair("scale", fault_garbage_size=0.1)
+    inputs = activations(0)
+    expected = honest.forward("a", inputs)
+    lie = liar.forward("a", inputs)
+    assert torch.allclose(lie, expected * 1.1, rtol=1e-5, atol=1e-6)
+
+
+def test_noise_adds_noise_of_the_given_relative_size():
+    honest, liar = pair("noise", fault_garbage_size=0.05)
+    inputs = activations(0)
+    expected, lie = honest.forward("a", inputs), liar.forward("a", inputs)
+    assert lie.shape == expected.shape and torch.isfinite(lie).all()
+    assert relative_distance(lie, expected) == pytest.approx(0.05, rel=1e-3)
+    assert relative_distance(liar.forward("b", inputs), lie) > 0.01  # fresh noise each time
+
+
+def test_replay_answers_with_the_previous_answer_of_the_same_shape():
+    honest, liar = pair("replay")
+    first, second = activations(0), activations(1)
+    # The first call has nothing to replay and answers honestly; the second gets the first's answer.
+    assert torch.equal(liar.forward("a", first), honest.forward("a", first))
+    assert torch.equal(liar.forward("b", second), honest.forward("a", first))
+    assert relative_distance(honest.forward("b", second), honest.forward("a", first)) > 0.1
+
+
+def test_stale_answers_from_the_start_up_weights_while_the_real_ones_train():
+    honest, liar = pair("stale")
+    inputs = activations(0)
+    start_up = honest.forward("a", inputs)
+    assert torch.allclose(liar.forward("a", inputs), start_up)  # honest until the weights move
+    train_one_step(honest)
+    train_one_step(liar)
+    trained = honest.forward("b", inputs)
+    assert relative_distance(trained, start_up) > 1e-3
+    # The lying replica's real weights trained as the honest one's did; its answers did not.
+    assert torch.allclose(liar._runtime.forward("b", inputs), trained)
+    assert torch.allclose(liar.forward("c", inputs), start_up)
+    grad = torch.ones(BATCH, CONFIG.seq_len, CONFIG.d_model)
+    stale_grad, _ = liar.backward("c2", inputs, grad_outputs=grad)
+    honest_grad, _ = honest.backward("b", inputs, grad_outputs=grad)
+    assert stale_grad.shape == honest_grad.shape and relative_distance(stale_grad, honest_grad) > 1e-4
+
+
+def test_rate_zero_lies_never_and_size_must_be_finite():
+    honest, liar = pair("scale", fault_garbage_rate=0.0)
+    inputs = activations(0)
+    assert torch.equal(liar.forward("a", inputs), honest.forward("a", inputs))
+    with pytest.raises(ConfigError):
+        FaultSettings(fault_garbage="scale", fault_garbage_size=float("inf"))
+    with pytest.raises(ConfigError):
+        FaultSettings(fault_garbage="scale", fault_garbage_size=-0.1)
