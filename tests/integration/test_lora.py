@@ -69,7 +69,9 @@ def test_a_2x2_swarm_fine_tunes_adapters_only(make_swarm, tmp_path):
         assert sum(t.numel() for t in states[0].values()) == adapter_values
         assert_same_params(states[0], states[1], atol=1e-6)
         for i in replicas:  # every step one round; each round moves the adapters' gradients, 4 bytes a value
-            rounds = averaging_sample(metrics[i], "swarm_peer_averaging_rounds_total", mode="sync", result="ok")
+            rounds = averaging_sample(metrics[i], "swarm_peer_averaging_rounds_total", mode="sync", result="ok") or 0
             sent = averaging_sample(metrics[i], "swarm_peer_averaging_bytes_total", mode="sync", direction="sent")
-            assert rounds == STEPS, rounds
+            # a replica that lost part of a round (hivemind's all-reduce can, under load) fails it and
+            # loads its partner's state (the trainer's repair): one round fewer for each repair
+            assert STEPS - report["replica_catch_ups"] <= rounds <= STEPS, (rounds, report["replica_catch_ups"])
             assert 4 * adapter_values <= sent / rounds <= 4.05 * adapter_values < 4 * full_values, (sent, rounds)
