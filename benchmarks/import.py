@@ -9,7 +9,7 @@ nothing downloaded), then measures in fresh subprocesses, one at a time:
 - `whole`: build the whole model in one process and load every tensor (`read_model_folder`);
 - `mem i/N`: stage i of the split that balances the stages' parameters (what each holds in memory),
   `balanced_split` over parameter counts in place of seconds: the end stages, which hold the
-  vocabulary matrices, get fewer blocks. A peer takes it as `--split-boundaries`.
+  vocabulary matrices, get fewer blocks: what a peer gets with `--split-boundaries memory`.
 
 Each child reports the seconds from before building to loaded, its peak RSS (VmHWM) and its
 RSS after the imports (what torch alone costs). The file is read once before timing, so every run
@@ -68,17 +68,19 @@ def make_folder(folder: str) -> None:
 
 
 def memory_balanced_boundaries(num_stages: int) -> tuple[int, ...]:
-    """The split of MODEL whose stages hold as equal a share of the parameters as blocks allow."""
-    from models.balanced_split import SplitCosts, balanced_split
+    """The split of MODEL a peer gets with `--split-boundaries memory` (stages holding as equal a
+    share of the parameters as blocks allow)."""
+    from models.balanced_split import memory_balanced_boundaries as balanced
     from models.config import get_model_config
 
     config = get_model_config(MODEL)
-    costs = SplitCosts(
-        block_s=(config.block_parameters(),) * config.n_layers,
-        first_extra_s=config.embedding_parameters(),
-        last_extra_s=config.head_parameters(),
+    return balanced(
+        block_parameters=config.block_parameters(),
+        n_layers=config.n_layers,
+        embedding_parameters=config.embedding_parameters(),
+        head_parameters=config.head_parameters(),
+        num_stages=num_stages,
     )
-    return balanced_split(costs, num_stages).boundaries
 
 
 def child(folder: str, what: str, num_stages: int) -> dict:
@@ -174,7 +176,7 @@ def main() -> None:
     with open(args.out + ".tmp", "w") as f:
         json.dump(report, f, indent=2)
     os.replace(args.out + ".tmp", args.out)
-    print(f"memory-balanced split: --split-boundaries {','.join(map(str, boundaries))}")
+    print(f"memory-balanced split: --split-boundaries memory ({','.join(map(str, boundaries))})")
     print(f"{'case':>8} {'params':>8} {'seconds':>8} {'peak MiB':>9} {'time ratio':>10} {'RSS ratio':>9}")
     for case, s in summary.items():
         print(

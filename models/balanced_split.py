@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BalancedSplitError", "SplitCosts", "BalancedSplit", "stage_times", "balanced_split"]
+__all__ = [
+    "BalancedSplitError",
+    "SplitCosts",
+    "BalancedSplit",
+    "stage_times",
+    "balanced_split",
+    "memory_balanced_boundaries",
+]
 
 # Relative slack within which two bottlenecks count as equal.
 _TIE = 1e-9
@@ -171,3 +178,19 @@ def balanced_split(costs: SplitCosts, num_stages: int, stage_speeds: Sequence[fl
     bounds.append(0)
     boundaries = tuple(reversed(bounds))
     return BalancedSplit(boundaries, stage_times(costs, boundaries, speeds))
+
+
+def memory_balanced_boundaries(
+    *, block_parameters: int, n_layers: int, embedding_parameters: int, head_parameters: int, num_stages: int
+) -> tuple[int, ...]:
+    """The split whose stages hold as equal a share of the model's parameters as whole blocks allow:
+    the end stages, which also hold the vocabulary matrices, get fewer blocks. What a peer serving
+    one stage keeps in memory is its parameters (and their optimizer state, in proportion), so this
+    is the split to use when memory, not compute, decides who can serve (`--split-boundaries memory`).
+    """
+    costs = SplitCosts(
+        block_s=(float(block_parameters),) * n_layers,
+        first_extra_s=float(embedding_parameters),
+        last_extra_s=float(head_parameters),
+    )
+    return balanced_split(costs, num_stages).boundaries

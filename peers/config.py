@@ -28,7 +28,8 @@ import dataclasses
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from dht.record_policy import MAX_RECORD_TTL_S
-from models.config import lora_rank, model_names_help
+from models.balanced_split import BalancedSplitError, memory_balanced_boundaries
+from models.config import GPTConfig, lora_rank, model_names_help
 from models.model_source import resolve_model
 from models.stages import stage_spec
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
@@ -43,6 +44,20 @@ from wire.protocol import STATE_REQUEST_INTERVAL_S
 
 AUTO_STAGE = "auto"
 DEFAULT_AVERAGING_PERIOD_S = 30.0
+MEMORY_SPLIT = "memory"  # --split-boundaries memory: the parameter-balanced split
+
+
+def _memory_split(config: GPTConfig, num_stages: int) -> tuple[int, ...]:
+    try:
+        return memory_balanced_boundaries(
+            block_parameters=config.block_parameters(),
+            n_layers=config.n_layers,
+            embedding_parameters=config.embedding_parameters(),
+            head_parameters=config.head_parameters(),
+            num_stages=num_stages,
+        )
+    except BalancedSplitError as e:
+        raise ConfigError(f"--split-boundaries memory: {e}") from None
 
 
 def _positive(section: object, *names: str) -> None:
@@ -391,7 +406,9 @@ class PeerConfig:
     split_boundaries: str | None = option(
         None,
         help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
-        "profile`); default: the swarm's split, or the equal split",
+        "profile`), or memory (the split whose stages hold equal shares of the parameters: "
+        "the end stages, which hold the vocabulary matrices, get fewer blocks); "
+        "default: the swarm's split, or the equal split",
     )
     init_weights: str | None = option(
         None,
@@ -418,6 +435,8 @@ class PeerConfig:
             lora_rank(self.trainable)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.split_boundaries is not None and self.split_boundaries.strip() == MEMORY_SPLIT:
+            self.split_boundaries = ",".join(map(str, _memory_split(config, self.num_stages)))
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
         if self.placement.standby:

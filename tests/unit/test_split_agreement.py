@@ -102,3 +102,23 @@ def test_peer_config_reads_split_boundaries():
 def test_checkpoints_of_other_splits_get_their_own_names():
     assert split_tag(claim("a", (0, 2, 3)), n_layers=3) is None  # the equal split keeps the old file name
     assert split_tag(claim("a", (0, 1, 3)), n_layers=3) == "0-1-3"
+
+
+def test_split_boundaries_memory_gives_the_end_stages_fewer_blocks():
+    """`--split-boundaries memory` resolves, at start-up, to the split balancing the stages'
+    parameters: for a gpt2-350m-shaped model (vocabulary matrices of 51M parameters on each end,
+    3.1M per block) the end stages get 4 blocks and the middle ones 8, as benchmarks/import.py measured."""
+    config = PeerConfig(model="gpt2-350m", stage=3, num_stages=4, split_boundaries="memory")
+    assert config.requested_boundaries == (0, 4, 12, 20, 24)
+    # with no vocabulary to speak of it is the equal split
+    assert PeerConfig(model="tiny", stage=0, num_stages=3, split_boundaries="memory").requested_boundaries == (
+        0,
+        1,
+        2,
+        3,
+    )
+
+
+def test_split_boundaries_memory_with_more_stages_than_blocks_is_one_line():
+    with pytest.raises(ConfigError, match="--split-boundaries memory: cannot split 3 blocks into 5 stages"):
+        PeerConfig(model="tiny", stage=0, num_stages=5, split_boundaries="memory")
