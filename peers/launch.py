@@ -31,7 +31,7 @@ from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
 from peers.serving.host import PeerHost
 from process.config import ConfigError
-from process.lifetime import ShutdownSignals, remove_stale_temporaries
+from process.lifetime import remove_stale_temporaries, stop_events_in_loop
 from process.metrics_http import advertised_metrics_addr, serve_metrics
 from wire import compression
 
@@ -188,18 +188,10 @@ def _auto_stage(config: PeerConfig, dht) -> int:
 async def _serve_until_signalled(host: PeerHost) -> None:
     """Serve until the first SIGINT/SIGTERM, then stop in order (host.serve); a second one exits at once.
     SIGHUP, the parent-death signal (process/lifetime.py), stops without the goodbyes on the DHT."""
-    stop, alone = asyncio.Event(), asyncio.Event()
-
-    def parent_gone() -> None:
-        alone.set()
-        stop.set()
-
-    ShutdownSignals(
-        stop.set,
+    stop, alone = stop_events_in_loop(
         what="saving the checkpoint, announcing offline, then stopping",
-        on_parent_gone=parent_gone,
         what_alone="saving the checkpoint, then stopping without the DHT goodbyes",
-    ).install_in_loop(asyncio.get_running_loop())
+    )
     await host.serve(stop, alone)
 
 

@@ -264,5 +264,21 @@ class ShutdownSignals:
         return self
 
 
+def stop_events_in_loop(*, what: str, what_alone: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """`(stop, alone)` for an asyncio role, with `ShutdownSignals` installed in the running loop:
+    `stop` is set by the first SIGINT/SIGTERM (the orderly stop, `what`) and by SIGHUP, the
+    parent-death signal, which also sets `alone` (stop without talking to the others, `what_alone`)."""
+    stop, alone = asyncio.Event(), asyncio.Event()
+
+    def parent_gone() -> None:
+        alone.set()
+        stop.set()
+
+    ShutdownSignals(stop.set, what=what, on_parent_gone=parent_gone, what_alone=what_alone).install_in_loop(
+        asyncio.get_running_loop()
+    )
+    return stop, alone
+
+
 class StopRequested(Exception):
     """Raised in the main thread by a role whose orderly stop unwinds its own stack (the demo)."""

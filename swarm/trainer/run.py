@@ -24,7 +24,7 @@ from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary,
 from dht.node import start_dht
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
-from process.lifetime import ShutdownSignals, remove_stale_temporaries
+from process.lifetime import remove_stale_temporaries, stop_events_in_loop
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.codec_policy import CodecPolicy
@@ -395,18 +395,10 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
 
 
 async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:
-    stop, alone = asyncio.Event(), asyncio.Event()
-
-    def parent_gone() -> None:
-        alone.set()
-        stop.set()
-
-    ShutdownSignals(
-        stop.set,
+    stop, alone = stop_events_in_loop(
         what="finishing the step in flight, then writing the report",
-        on_parent_gone=parent_gone,
         what_alone="abandoning the step in flight, then writing the report",
-    ).install_in_loop(asyncio.get_running_loop())
+    )
     return await train(config, dht, report, say, metrics=metrics, stop=stop, alone=alone)
 
 
