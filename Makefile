@@ -30,7 +30,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
