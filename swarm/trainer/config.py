@@ -36,10 +36,24 @@ class CorpusSettings:
         "into ~/.cache/swarm); default: the Shakespeare corpus, bytes",
     )
     seed: int = option(0, help="seed of the data order")
+    data_shard: str = option(
+        "0/1",
+        help="I/N: read only the I-th of N equal, disjoint parts of the training split (0-based), so that "
+        "N trainers on one run see different data; the validation split is read whole by every trainer",
+    )
 
     def __post_init__(self) -> None:
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data!r}: no such file or prepared data folder")
+        self.shard  # noqa: B018 - refuses a malformed --data-shard now, in one line
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(I, N) of --data-shard."""
+        index, _, count = self.data_shard.partition("/")
+        if not (index.strip().isdigit() and count.strip().isdigit()) or not 0 <= int(index) < int(count):
+            raise ConfigError(f"--data-shard {self.data_shard!r}: expected I/N with 0 <= I < N, e.g. 0/2 and 1/2")
+        return int(index), int(count)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -102,6 +102,8 @@ def _windows(tokens: torch.Tensor | TokenSplit, starts: torch.Tensor, length: in
 class MicrobatchSampler:
     """Batches drawn at random offsets from a generator seeded by (seed, step): the batch of a
     step is the same on every run, so a resumed run continues from the same data position.
+    With `shard=(I, N)` every window starts in the I-th of N equal parts of the tokens: N trainers
+    with shards 0..N-1 draw disjoint windows' starts (`--data-shard`).
     `tokens` is a tensor (in memory) or one split of a prepared dataset (read window by window)."""
 
     def __init__(
@@ -113,11 +115,24 @@ class MicrobatchSampler:
         microbatch_size: int,
         seed: int = 0,
         what: str = "the corpus",
+        shard: tuple[int, int] = (0, 1),
     ):
-        if len(tokens) < seq_len + 2:
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"shard {index}/{count}: expected 0 <= I < N")
+        # windows start in this shard's range of the tokens and may run past its end by one window
+        # (shards stay disjoint in where their windows start, and no token range is lost between them)
+        self.first, self.last = len(tokens) * index // count, len(tokens) * (index + 1) // count
+        if self.last - self.first < 1 or len(tokens) < seq_len + 2:
             raise CorpusError(
-                f"{what} has {len(tokens)} tokens, fewer than one window of the model's {seq_len} + 1: "
-                "give more text (or a model with a shorter --seq-len)"
+                f"{what} has {len(tokens)} tokens, fewer than one window of the model's {seq_len} + 1"
+                + (f" in each of {count} data shards" if count > 1 else "")
+                + ": give more text (or a model with a shorter --seq-len)"
+            )
+        self.last = min(self.last, len(tokens) - seq_len - 1)
+        if self.last <= self.first:
+            raise CorpusError(
+                f"{what}: data shard {index}/{count} starts within the last window of the split; use fewer shards"
             )
         if batch_size % microbatch_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of microbatch_size {microbatch_size}")
@@ -130,7 +145,7 @@ class MicrobatchSampler:
 
     def batch(self, step: int) -> list[Microbatch]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=g)
+        starts = torch.randint(self.first, self.last, (self.batch_size,), generator=g)
         window = _windows(self.tokens, starts, self.seq_len + 1)  # (B, T + 1)
         x, y = window[:, :-1], window[:, 1:]
         m = self.microbatch_size

@@ -146,6 +146,7 @@ async def train(
         microbatch_size=batches.microbatch_size,
         seed=config.corpus.seed,
         what="the training split",
+        shard=config.corpus.shard,
     )
     evaluation = config.evaluation
     validation = None

@@ -299,3 +299,30 @@ def test_documents_encoded_in_pieces_give_the_ids_of_the_whole_document(tmp_path
     (ids,) = list(encoder.encode([document]))
     whole = tokenizer.encode(document, add_special_tokens=False).ids
     assert ids[:-1].tolist() == whole and ids[-1] == tokenizer.token_to_id("<|endoftext|>")
+
+
+def test_data_shards_draw_disjoint_windows_and_the_whole_split_is_shard_0_of_1():
+    """--data-shard I/N: every window of trainer I starts in the I-th part of the tokens, so N
+    trainers never draw the same window; 0/1 draws exactly what the sampler drew before shards."""
+    tokens = torch.arange(10_000)  # token == its position: a window's first token is its start
+    whole = MicrobatchSampler(tokens, seq_len=16, batch_size=8, microbatch_size=4, seed=2)
+    g = torch.Generator().manual_seed(2 * 1_000_003 + 7)  # the draw of step 7 before shards existed
+    expected = torch.randint(0, len(tokens) - 16 - 1, (8,), generator=g)
+    assert torch.equal(torch.cat([mb.inputs for mb in whole.batch(7)])[:, 0], expected)
+    starts = []
+    for index in range(3):
+        sampler = MicrobatchSampler(tokens, seq_len=16, batch_size=8, microbatch_size=4, seed=2, shard=(index, 3))
+        drawn = torch.cat([mb.inputs for step in range(30) for mb in sampler.batch(step)])[:, 0]
+        assert int(drawn.min()) >= 10_000 * index // 3 and int(drawn.max()) < 10_000 * (index + 1) // 3
+        starts.append(set(drawn.tolist()))
+    assert not (starts[0] & starts[1]) and not (starts[1] & starts[2])
+
+
+def test_a_malformed_data_shard_is_one_line():
+    from process.config import ConfigError
+    from swarm.trainer.config import CorpusSettings
+
+    assert CorpusSettings(data_shard="1/2").shard == (1, 2)
+    for bad in ["2/2", "1", "a/b", "-1/2", "0/0"]:
+        with pytest.raises(ConfigError, match="--data-shard"):
+            CorpusSettings(data_shard=bad)
