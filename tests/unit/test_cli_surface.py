@@ -98,6 +98,9 @@ TRAIN_DEFAULTS_ADDED = {"run": None, "credential": None}
 # Added deliberately (issue #25): spot checks of replicas' answers, off by default.
 TRAIN_FLAGS_ADDED |= {"--verify-fraction"}
 TRAIN_DEFAULTS_ADDED |= {"verify_fraction": 0.0}
+# Added deliberately (issue #22): trainers on one run read disjoint parts of the data.
+TRAIN_FLAGS_ADDED |= {"--data-shard"}
+TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
 
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {
