@@ -263,7 +263,7 @@ PANELS = [
             target("swarm_trainer_peer_banned", "", instant=True, table=True),
         ],
         description="Per peer (id's last 8 characters) and stage, since the trainer started: training samples "
-        "served, calls answered and failed, spot checks its answer took part in, mismatches (it disagreed and "
+        "served (backward calls answered), calls answered and failed, spot checks its answer took part in, mismatches (it disagreed and "
         "was not the majority), banned (1; the reason is in the trainer's report and `swarm status --report`). "
         "At most 32 peers per trainer: the banned first, then those that served most.",
         w=16,

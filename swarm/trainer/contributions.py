@@ -1,7 +1,9 @@
 """What each peer did for this trainer (issue #25): a pure ledger, fed by the calls to stages.
 
-Per peer id: the samples it served (forward calls of training microbatches it answered, spot-check
-calls included; validation passes not), the calls it answered and the calls that failed, the spot
+Per peer id: the samples it served (those of the backward calls it answered: the calls whose
+gradients enter its optimizer step, on the last stage the fused forward+backward; each training
+sample counts once per stage, so a stage's replicas' counts add up to the samples trained; the extra
+forwards of spot checks and validation passes are calls answered, not samples served), the calls it answered and the calls that failed, the spot
 checks its answer took part in (`calls_verified`: as the replica checked or as a checker) and those
 in which its answer was not shown right (`mismatches`: it disagreed with another answer and was in
 the minority, or nobody could tell who was right), and the ban, if any, with its reason.
@@ -42,12 +44,11 @@ class ContributionLedger:
         self.max_peers = max_peers
         self._peers: dict[str, PeerContribution] = {}  # least recently heard from first
 
-    def answered(self, peer_id: str, stage: int, rpc: str, samples: int, *, evaluate: bool = False) -> None:
-        """`peer_id` answered a call of `samples` samples (a forward's samples count as served, but
-        not a validation pass's)."""
+    def answered(self, peer_id: str, stage: int, rpc: str, samples: int) -> None:
+        """`peer_id` answered a call of `samples` samples (served samples when it is a backward)."""
         entry = self._touch(peer_id, stage)
         entry.calls_answered += 1
-        if rpc == "forward" and not evaluate:
+        if rpc == "backward":
             entry.samples_served += samples
 
     def failed(self, peer_id: str, stage: int) -> None:

@@ -18,7 +18,10 @@ from peers.metrics import LATENCY_BUCKETS_S, ByteCounterCollector
 
 EXPORTED_PEERS = 32  # per-peer contribution series: at most this many peers
 PEER_COUNTS = {  # ContributionLedger field -> (gauge name, help)
-    "samples_served": ("swarm_trainer_peer_samples_served", "Training samples the peer answered forward calls for"),
+    "samples_served": (
+        "swarm_trainer_peer_samples_served",
+        "Training samples the peer answered backward calls for (its share of its stage's work)",
+    ),
     "calls_answered": ("swarm_trainer_peer_calls_answered", "Calls to the peer it answered (any rpc)"),
     "calls_failed": ("swarm_trainer_peer_calls_failed", "Calls to the peer that failed"),
     "calls_verified": ("swarm_trainer_peer_calls_verified", "Spot checks the peer's answer took part in"),

@@ -249,16 +249,7 @@ class StageCaller:
             done = time.perf_counter()
             service_s = self.service.finished(peer_id, started, done)
             self._note_success(
-                stage,
-                rpc,
-                peer_id,
-                batch_size,
-                done - started,
-                service_s,
-                result.response,
-                result.moved,
-                skip_inputs,
-                evaluate=evaluate,
+                stage, rpc, peer_id, batch_size, done - started, service_s, result.response, result.moved, skip_inputs
             )
             return StageAnswer(
                 result.outputs, result.response, peer_id, result.received, codec_key(response_codec), tuple(encoded)
@@ -383,8 +374,6 @@ class StageCaller:
         response: ResponseHeader,
         moved: int,
         from_cache: bool,
-        *,
-        evaluate: bool = False,
     ) -> None:
         self.metrics.observe_call(stage=stage, rpc=rpc, duration_s=elapsed)
         # Routing trusts only what this trainer measured: the time the call kept the replica busy on
@@ -404,7 +393,7 @@ class StageCaller:
         self.view.bans.clear(peer_id)
         key = peer_id[-8:]
         self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
-        self.contributions.answered(peer_id, stage, rpc, batch_size, evaluate=evaluate)
+        self.contributions.answered(peer_id, stage, rpc, batch_size)
 
     def _note_failure(self, stage: int, peer_id: str, error: PeerCallError, failed_after_s: float) -> None:
         self.view.schedulers[stage].report_failure(peer_id)

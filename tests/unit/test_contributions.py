@@ -12,11 +12,11 @@ from swarm.trainer.contributions import ContributionLedger, ReportError, read_re
 from swarm.trainer.run import TrainingReport
 
 
-def test_answered_forwards_count_samples_but_validation_and_backwards_do_not():
+def test_answered_backwards_count_samples_served_and_forwards_only_calls():
     ledger = ContributionLedger()
-    ledger.answered("p", 1, "forward", 4)
+    ledger.answered("p", 1, "forward", 4)  # a forward, a check's or a validation pass's: no step follows from it
     ledger.answered("p", 1, "backward", 4)
-    ledger.answered("p", 1, "forward", 4, evaluate=True)
+    ledger.answered("p", 1, "forward", 2)
     ledger.failed("p", 1)
     entry = ledger.get("p")
     assert (entry.stage, entry.samples_served, entry.calls_answered, entry.calls_failed) == (1, 4, 3, 1)
@@ -60,7 +60,7 @@ def test_memory_is_bounded_and_the_least_recent_unbanned_peer_goes_first():
 
 def test_a_resumed_run_adds_its_counts_to_the_earlier_reports():
     ledger = ContributionLedger()
-    ledger.answered("a", 1, "forward", 4)
+    ledger.answered("a", 1, "backward", 4)
     ledger.verified(1, ["a"], agreed=True)
     earlier = {
         "a": {"stage": 0, "samples_served": 10, "calls_answered": 5, "calls_failed": 2, "calls_verified": 1,
@@ -79,8 +79,8 @@ def test_a_resumed_run_adds_its_counts_to_the_earlier_reports():
 
 def test_the_report_carries_contributions_and_status_reads_them_back(tmp_path):
     ledger = ContributionLedger()
-    ledger.answered("QmHonest0000000000000001", 0, "forward", 8)
-    ledger.answered("QmLiar00000000000000LIAR", 0, "forward", 2)
+    ledger.answered("QmHonest0000000000000001", 0, "backward", 8)
+    ledger.answered("QmLiar00000000000000LIAR", 0, "backward", 2)
     ledger.verified(0, ["QmLiar00000000000000LIAR", "QmHonest0000000000000001"], agreed=False)
     ledger.banned("QmLiar00000000000000LIAR", 0, "stage 0: its forward answer differed")
     report = TrainingReport(model="tiny", num_stages=2, contributions=ledger.snapshot())
