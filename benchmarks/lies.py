@@ -1,14 +1,15 @@
 """Plausible lies (issue #25) against a live 2-stage swarm, beside clean runs in the same invocation.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --out benchmarks/out/lies.json
+    PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --cost-steps 20 --out benchmarks/out/lies.json
 
 Every swarm is a fresh `tiny` one on loopback with main's defaults (sync averaging): two honest
 replicas of stage 0 and one of stage 1; the trainer trains `--steps` steps of 8 samples
 (microbatches of 2) with the same seed and measures the validation loss after the last step.
 
-- clean: no liar, `--verify-fraction 0`: the baseline of validation loss and throughput. Then, on
-  the same swarm (its weights trained on further: throughput only), trainers with
-  `--verify-fraction 0.05` and `0.2`: the cost of the checks (tokens/s against 0).
+- clean: no liar, `--verify-fraction 0`, `--steps` steps: the baseline of validation loss. Then, on
+  the same swarm (its weights trained on further: throughput only), trainers of `--cost-steps`
+  steps with `--verify-fraction` 0, 0.05 and 0.2, in that order: the cost of the checks (tokens/s,
+  and the median of the steps' own rates, which one stalled averaging round does not move).
 - scale, noise, replay, stale: a third replica of stage 0 started with `--fault-garbage MODE
   --fault-garbage-rate 1` (size 0.05: every answer a lie), and a trainer with `--verify-fraction`
   `--detect-fraction` (default 0.2). Per mode: whether the liar was banned, the calls it answered
@@ -48,14 +49,16 @@ def peer_id(process: ManagedProcess) -> str | None:
     return match.group(1) if match else None
 
 
-def train(local: LocalSwarm, args, workdir: str, name: str, verify_fraction: float) -> dict:
+def train(
+    local: LocalSwarm, args, workdir: str, name: str, verify_fraction: float, *, steps: int, evaluate: bool
+) -> dict:
     """One trainer on `local`'s swarm, to the end; its report (or what it wrote) and wall time."""
     report_path = os.path.join(workdir, f"{name}.report.json")
     started = time.monotonic()
     trainer = local.start_trainer(
-        *("--steps", str(args.steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
+        *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
         *("--refresh-period-s", "2", "--seed", SEED, "--report", report_path),
-        *("--eval-every", str(args.steps), "--eval-batches", str(args.eval_batches)),
+        *("--eval-every", str(steps if evaluate else 0), "--eval-batches", str(args.eval_batches)),
         *("--verify-fraction", str(verify_fraction)),
         name=f"trainer-{name}",
     )
@@ -71,6 +74,7 @@ def train(local: LocalSwarm, args, workdir: str, name: str, verify_fraction: flo
     rates = report.get("tokens_per_s_by_step") or []
     return {
         "verify_fraction": verify_fraction,
+        "steps": steps,
         "finished": code == 0 and bool(report.get("completed")),
         "wall_s": round(time.monotonic() - started, 1),
         "tokens_per_s": report.get("tokens_per_s"),
@@ -101,10 +105,13 @@ def clean_runs(args, root: str) -> list[dict]:
     runs = []
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
         local.wait_online(honest_swarm(local), timeout_s=300)
+        baseline = train(local, args, workdir, "clean", 0.0, steps=args.steps, evaluate=True)
+        runs.append({"run": "clean", **baseline})
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "contributions"}), flush=True)
         for fraction in (0.0, *args.cost_fractions):
-            run = {"run": f"clean verify {fraction}", **train(local, args, workdir, f"clean-{fraction}", fraction)}
-            print(json.dumps({k: v for k, v in run.items() if k != "contributions"}), flush=True)
-            runs.append(run)
+            cost = train(local, args, workdir, f"cost-{fraction}", fraction, steps=args.cost_steps, evaluate=False)
+            runs.append({"run": f"cost verify {fraction}", **cost})
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "contributions"}), flush=True)
     return runs
 
 
@@ -117,7 +124,11 @@ def lying_run(mode: str, args, root: str) -> dict:
             0, "--fault-garbage", mode, "--fault-garbage-rate", "1.0", "--no-load-state", name="peer-s0-liar"
         )
         local.wait_online([*honest, liar], timeout_s=300)
-        run = {"run": f"liar {mode}", "mode": mode, **train(local, args, workdir, mode, args.detect_fraction)}
+        run = {
+            "run": f"liar {mode}",
+            "mode": mode,
+            **train(local, args, workdir, mode, args.detect_fraction, steps=args.steps, evaluate=True),
+        }
         liar_id = peer_id(liar)
         counts = run["contributions"].get(liar_id or "", {})
         run.update(
@@ -134,15 +145,17 @@ def lying_run(mode: str, args, root: str) -> dict:
 
 
 def judge(runs: list[dict]) -> None:
-    """Each run's figures against the clean run at --verify-fraction 0 (the first)."""
+    """The cost runs against the cost run at --verify-fraction 0; the lying runs' validation loss
+    against the clean run's (same steps, same seed)."""
     clean = runs[0]
+    cost_base = next((r for r in runs if r["run"] == "cost verify 0.0"), None)
     for run in runs[1:]:
         if not (run["finished"] and clean["finished"]):
             run["meets_goal"] = False
             continue
-        if clean["tokens_per_s"]:
-            run["tokens_ratio"] = round(run["tokens_per_s"] / clean["tokens_per_s"], 3)
-            run["median_step_ratio"] = round(run["median_step_tokens_per_s"] / clean["median_step_tokens_per_s"], 3)
+        if run["run"].startswith("cost") and cost_base is not None and cost_base["finished"] and run is not cost_base:
+            run["tokens_ratio"] = round(run["tokens_per_s"] / cost_base["tokens_per_s"], 3)
+            run["median_step_ratio"] = round(run["median_step_tokens_per_s"] / cost_base["median_step_tokens_per_s"], 3)
         if "mode" in run and clean["final_eval_loss"] and run["final_eval_loss"] is not None:
             rel = (run["final_eval_loss"] - clean["final_eval_loss"]) / clean["final_eval_loss"]
             run["eval_loss_rel_diff"] = round(rel, 4)
@@ -155,6 +168,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-batches", type=int, default=2)
     parser.add_argument("--detect-fraction", type=float, default=0.2, help="--verify-fraction of the lying runs")
+    parser.add_argument("--cost-steps", type=int, default=20, help="steps of each throughput run")
     parser.add_argument("--cost-fractions", type=float, nargs="*", default=[0.05, 0.2])
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per trainer")
     parser.add_argument("--out", default="benchmarks/out/lies.json")
@@ -175,6 +189,7 @@ def main() -> int:
         {
             "command": " ".join(sys.argv),
             "steps": args.steps,
+            "cost_steps": args.cost_steps,
             "detect_fraction": args.detect_fraction,
             "cpus": os.cpu_count(),
             "loadavg_before": load_before,
