@@ -1,4 +1,11 @@
-"""`swarm status`: the stages of a model, their peers, state, throughput and load, read from the DHT."""
+"""`swarm status`: the stages of a model, their peers, state, throughput and load, read from the DHT;
+with `--report`, also what each peer did for a trainer, read from that trainer's JSON report.
+
+A trainer publishes nothing on the DHT, and what it counts per peer (samples served, calls failed,
+spot checks and their mismatches, bans) is its own view, which no other process could check. So
+`swarm status` reads it from where the trainer writes it, its report (`swarm train --report`,
+rewritten after every step), on a machine that can read that file; the same counts are on the
+trainer's metrics endpoint (`swarm_trainer_peer_*`)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from dht.announce import fetch_stage_records_async
 from dht.node import NetworkConfig, start_dht
 from dht.records import PeerRecord, PeerState
 from process.config import option
+from swarm.trainer.contributions import ReportedContribution, ReportError, read_reported_contributions
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -18,6 +26,9 @@ class StatusConfig(NetworkConfig):
     model: str = option("small", help="model whose stages to show")
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     json: bool = option(False, help="print JSON instead of a table")
+    report: str = option(
+        "", help="a trainer's JSON report (swarm train --report): also show what each peer did for that trainer"
+    )
 
 
 async def collect_status(dht, model: str, num_stages: int | None) -> dict[int, list[PeerRecord]]:
@@ -46,6 +57,20 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
     return "\n".join(lines)
 
 
+def format_contributions(contributions: dict[str, ReportedContribution]) -> str:
+    """One line per peer that served the trainer: its counts, and why it was banned."""
+    lines = [
+        f"contributions to the trainer (its report): {len(contributions)} peers",
+        f"{'stage':>5}  {'peer':<14} {'samples':>8} {'answered':>8} {'failed':>6} {'verified':>8} {'mismatch':>8}  banned",
+    ]
+    for peer_id, c in sorted(contributions.items(), key=lambda item: (item[1].stage, -item[1].samples_served)):
+        lines.append(
+            f"{c.stage:>5}  {'…' + peer_id[-12:]:<14} {c.samples_served:>8} {c.calls_answered:>8} {c.calls_failed:>6} "
+            f"{c.calls_verified:>8} {c.mismatches:>8}  {c.banned or '-'}"
+        )
+    return "\n".join(lines)
+
+
 def independent_replica_warnings(stages: dict[int, list[PeerRecord]]) -> list[str]:
     """One warning per stage whose online replicas do not all average the same way (`--averaging
     none`, or modes that differ): such replicas train separate copies and the stage ends as no one model."""
@@ -63,20 +88,27 @@ def independent_replica_warnings(stages: dict[int, list[PeerRecord]]) -> list[st
 
 
 def run_status(config: StatusConfig) -> int:
+    contributions = None
+    if config.report:
+        try:
+            contributions = read_reported_contributions(config.report)
+        except ReportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     dht = start_dht(config, client_mode=True, models=[config.model])
     try:
         stages = asyncio.run(collect_status(dht, config.model, config.num_stages))
     finally:
         dht.shutdown()
     if config.json:
-        print(
-            json.dumps(
-                {"model": config.model, "stages": {str(s): [r.to_wire() for r in rs] for s, rs in stages.items()}},
-                indent=2,
-            )
-        )
+        shown = {"model": config.model, "stages": {str(s): [r.to_wire() for r in rs] for s, rs in stages.items()}}
+        if contributions is not None:
+            shown["contributions"] = {peer: c.model_dump() for peer, c in contributions.items()}
+        print(json.dumps(shown, indent=2))
     else:
         print(format_table(config.model, stages))
+        if contributions is not None:
+            print(format_contributions(contributions))
     for warning in independent_replica_warnings(stages) if config.json else ():
         print(warning, file=sys.stderr)
     return 0

@@ -250,6 +250,57 @@ PANELS = [
         ],
         w=12,
     ),
+    row("Contributions and spot checks"),
+    panel(
+        "What each peer did for the trainer",
+        "table",
+        [
+            target("swarm_trainer_peer_samples_served", "", instant=True, table=True),
+            target("swarm_trainer_peer_calls_answered", "", instant=True, table=True),
+            target("swarm_trainer_peer_calls_failed", "", instant=True, table=True),
+            target("swarm_trainer_peer_calls_verified", "", instant=True, table=True),
+            target("swarm_trainer_peer_mismatches", "", instant=True, table=True),
+            target("swarm_trainer_peer_banned", "", instant=True, table=True),
+        ],
+        description="Per peer (id's last 8 characters) and stage, since the trainer started: training samples "
+        "served (backward calls answered), calls answered and failed, spot checks its answer took part in, mismatches (it disagreed and "
+        "was not the majority), banned (1; the reason is in the trainer's report and `swarm status --report`). "
+        "At most 32 peers per trainer: the banned first, then those that served most.",
+        w=16,
+        h=8,
+        options={"showHeader": True},
+        transformations=[
+            {"id": "merge", "options": {}},  # one row per (trainer, peer, stage)
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True, "__name__": True, "job": True},
+                    "renameByName": {
+                        "Value #A": "samples",
+                        "Value #B": "answered",
+                        "Value #C": "failed",
+                        "Value #D": "verified",
+                        "Value #E": "mismatches",
+                        "Value #F": "banned",
+                    },
+                },
+            },
+        ],
+    ),
+    panel(
+        "Spot checks: cost and catches",
+        "timeseries",
+        [
+            target(f"sum by (stage) (rate(swarm_trainer_calls_verified_total[{RATE}]))", "verified stage {{stage}}"),
+            target(
+                f"sum by (stage) (rate(swarm_trainer_verify_mismatches_total[{RATE}]))", "mismatches stage {{stage}}"
+            ),
+            target(f"sum by (stage) (increase(swarm_trainer_verify_bans_total[{RATE}]))", "bans stage {{stage}}"),
+        ],
+        description="Forward calls also sent to a second replica (--verify-fraction), those whose answers "
+        "differed, and replicas banned for the run by a check.",
+        w=8,
+    ),
     row("Averaging, rebalancing, checkpoints"),
     panel(
         "Averaging",

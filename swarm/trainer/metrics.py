@@ -1,8 +1,11 @@
 """The trainer's Prometheus metrics, all defined here, named `swarm_trainer_<what>_<unit>`.
 
 Labels only take bounded values: a stage index, an rpc name, a failure kind (`wire.failures.Failure`),
-a codec name. Never a peer id. Updates come from the event loop (pipeline, training
-loop); nothing here reads the pipeline's own structures from the HTTP thread.
+a codec name. A peer id only in the per-peer contribution gauges (`swarm_trainer_peer_*`), shortened
+to its last 8 characters and for at most `EXPORTED_PEERS` peers (the banned ones first, then those
+that served most): a swarm of thousands of volunteers cannot blow up the series count. Updates come
+from the event loop (pipeline, training loop); nothing here reads the pipeline's own structures from
+the HTTP thread.
 """
 
 from __future__ import annotations
@@ -12,6 +15,27 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from peers.metrics import LATENCY_BUCKETS_S, ByteCounterCollector
+
+EXPORTED_PEERS = 32  # per-peer contribution series: at most this many peers
+PEER_COUNTS = {  # ContributionLedger field -> (gauge name, help)
+    "samples_served": (
+        "swarm_trainer_peer_samples_served",
+        "Training samples the peer answered backward calls for (its share of its stage's work)",
+    ),
+    "calls_answered": ("swarm_trainer_peer_calls_answered", "Calls to the peer it answered (any rpc)"),
+    "calls_failed": ("swarm_trainer_peer_calls_failed", "Calls to the peer that failed"),
+    "calls_verified": ("swarm_trainer_peer_calls_verified", "Spot checks the peer's answer took part in"),
+    "mismatches": (
+        "swarm_trainer_peer_mismatches",
+        "Spot checks where the peer's answer disagreed and was not the majority's",
+    ),
+}
+
+
+def short_peer_id(peer_id: str) -> str:
+    """The label a peer gets in metrics (its id's last 8 characters, as in the logs and the report)."""
+    return peer_id[-8:]
+
 
 STEP_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -99,6 +123,20 @@ class TrainerMetrics:
             ["stage"],
             registry=r,
         )
+        # what each peer did for this trainer (swarm/trainer/contributions.py), since the trainer started
+        self.peer_counts = {
+            field: Gauge(
+                name, f"{help_text}, since this trainer started (per peer, bounded)", ["peer", "stage"], registry=r
+            )
+            for field, (name, help_text) in PEER_COUNTS.items()
+        }
+        self.peer_banned = Gauge(
+            "swarm_trainer_peer_banned",
+            "1 if the trainer has banned the peer (see the report for why)",
+            ["peer", "stage"],
+            registry=r,
+        )
+        self._exported_peers: set[tuple[str, str]] = set()
         self.stage_wait = Counter(
             "swarm_trainer_stage_wait_seconds_total",
             "Time calls spent waiting for a usable replica of the stage (none live, or all banned)",
@@ -120,6 +158,26 @@ class TrainerMetrics:
                 self.calls.labels(stage=str(stage), rpc=rpc)
             for counter in (self.calls_verified, self.verify_mismatches, self.verify_bans):
                 counter.labels(stage=str(stage))
+
+    def set_contributions(self, contributions: dict[str, dict]) -> None:
+        """Export the ledger's counts (peer id -> `PeerContribution` as a dict) for at most
+        `EXPORTED_PEERS` peers: the banned first, then those that served the most samples."""
+        ranked = sorted(
+            contributions.items(), key=lambda item: (item[1]["banned"] is None, -item[1]["samples_served"], item[0])
+        )
+        exported = set()
+        for peer_id, counts in ranked[:EXPORTED_PEERS]:
+            labels = (short_peer_id(peer_id), str(counts["stage"]))
+            if labels in exported:  # two ids ending alike: the first (ranked higher) shows
+                continue
+            exported.add(labels)
+            for field, gauge in self.peer_counts.items():
+                gauge.labels(*labels).set(counts[field])
+            self.peer_banned.labels(*labels).set(1 if counts["banned"] else 0)
+        for labels in self._exported_peers - exported:  # a peer that moved stage, or fell out of the top
+            for gauge in (*self.peer_counts.values(), self.peer_banned):
+                gauge.remove(*labels)
+        self._exported_peers = exported
 
     def set_stages(self, live: Sequence[int], throughput: Sequence[float]) -> None:
         for stage, (count, samples_per_s) in enumerate(zip(live, throughput)):

@@ -85,6 +85,9 @@ class TrainingReport:
     verify_calls: int = 0  # extra calls made for the checks (second and third replicas)
     verify_largest_agreeing_difference: float = 0.0  # relative; the margin left below the tolerance
     banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> reason, banned for the run
+    # peer id -> what it did for this trainer: samples_served, calls_answered, calls_failed,
+    # calls_verified, mismatches, stage, banned (reason or None); swarm/trainer/contributions.py
+    contributions: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -194,6 +197,7 @@ async def train(
     report.num_stages = num_stages
     refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
     tokens_per_step = batches.batch_size * model_config.seq_len
+    earlier_contributions = dict(report.contributions)  # a resumed run's, counted on top
     started = time.perf_counter()
     try:
         first_step = report.steps  # > 0 when resuming: continue from the same data position
@@ -214,9 +218,10 @@ async def train(
             report.tokens_per_s_by_step.append(tokens_per_step / step_s)
             report.step_end_s.append(time.perf_counter() - started)
             if reporting.report:  # after every step, so a killed trainer can resume where it was
-                _fill_report(report, schedule, time.perf_counter() - started)
+                _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
                 report.write(reporting.report)
             metrics.observe_step(step=step + 1, loss=loss, tokens=tokens_per_step, duration_s=step_s)
+            metrics.set_contributions(caller.contributions.snapshot())
             elapsed = time.perf_counter() - started
             progress.update(
                 StepProgress(
@@ -249,7 +254,7 @@ async def train(
     finally:
         progress.close()
         refresher.cancel()
-        _fill_report(report, schedule, time.perf_counter() - started)
+        _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
     return report
 
 
@@ -364,7 +369,9 @@ async def connect(
     return schedule
 
 
-def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: float) -> None:
+def _fill_report(
+    report: TrainingReport, schedule: StepSchedule, train_time_s: float, earlier_contributions: dict | None = None
+) -> None:
     calls, microbatches = schedule.caller.counters, schedule.counters
     report.train_time_s = train_time_s
     report.codec = schedule.caller.codecs.mode
@@ -393,6 +400,7 @@ def _fill_report(report: TrainingReport, schedule: StepSchedule, train_time_s: f
     report.verify_largest_agreeing_difference = calls.verify_largest_agreeing_difference
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
     report.banned_peers = {**report.banned_peers, **calls.banned_peers}
+    report.contributions = schedule.caller.contributions.merge(earlier_contributions or {})
 
 
 async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:

@@ -32,6 +32,7 @@ import torch
 from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import FailoverSettings
+from swarm.trainer.contributions import ContributionLedger
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.failures import (
     NotAllowedError,
@@ -121,6 +122,7 @@ class StageCaller:
         self.timeouts = TimeoutPolicy()
         self.service = ServiceClock()  # routing's measure of each replica: the trainer's own clock
         self.counters = CallCounters()
+        self.contributions = ContributionLedger()  # what each peer served, failed, and how checks judged it
         self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
         self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
         self._say = say
@@ -271,6 +273,7 @@ class StageCaller:
         self.counters.calls_verified += 1
         self.metrics.calls_verified.labels(stage=str(stage)).inc()
         if verdict.agreed:
+            self.contributions.verified(stage, answers, agreed=True)
             return answer
         self.counters.verify_mismatches += 1
         self.metrics.verify_mismatches.labels(stage=str(stage)).inc()
@@ -279,6 +282,8 @@ class StageCaller:
             answers[third.peer_id], by_peer[third.peer_id] = third.outputs["outputs"], third
             verdict = judge(answers, allowed)
             self._note_spread(verdict.largest_agreeing_difference)
+        majority = set(answers) - set(verdict.minority) if verdict.minority else set()
+        self.contributions.verified(stage, answers, agreed=verdict.agreed, majority=majority)
         for peer_id in verdict.minority:
             if peer_id in self.counters.banned_peers:  # caught by a check in flight at the same time
                 continue
@@ -288,6 +293,7 @@ class StageCaller:
             )
             self.view.violations.lied(peer_id, reason)
             self.counters.banned_peers[peer_id] = reason
+            self.contributions.banned(peer_id, stage, reason)
             self.metrics.verify_bans.labels(stage=str(stage)).inc()
             logger.warning(f"{reason}; banned {peer_id[-8:]} for the run")
         if not verdict.decided:
@@ -387,6 +393,7 @@ class StageCaller:
         self.view.bans.clear(peer_id)
         key = peer_id[-8:]
         self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
+        self.contributions.answered(peer_id, stage, rpc, batch_size)
 
     def _note_failure(self, stage: int, peer_id: str, error: PeerCallError, failed_after_s: float) -> None:
         self.view.schedulers[stage].report_failure(peer_id)
@@ -396,12 +403,17 @@ class StageCaller:
         # A protocol violation is the peer's own doing, not bad luck: avoided for long. A wrong-stage
         # answer to a call routed by the peer's own record of this stage bans it on this stage (an
         # honest peer that moved serves its new one); a malformed answer bans it everywhere.
+        self.contributions.failed(peer_id, stage)
         if error.kind == Failure.WRONG_STAGE:
             banned_s = self.view.violations.wrong_stage(peer_id, stage, str(error))
             logger.warning(f"stage {stage}: {error}; not routing stage {stage} there for {banned_s:.0f} s")
+            self.contributions.banned(
+                peer_id, stage, f"stage {stage}: {error} (not asked for stage {stage} for {banned_s:.0f} s)"
+            )
         elif error.kind == Failure.GARBAGE:
             banned_s = self.view.violations.malformed(peer_id, str(error))
             logger.warning(f"stage {stage}: {error}; not routing anything there for {banned_s:.0f} s")
+            self.contributions.banned(peer_id, stage, f"stage {stage}: {error} (not asked for {banned_s:.0f} s)")
         else:
             # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
             self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)

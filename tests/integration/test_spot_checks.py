@@ -42,3 +42,20 @@ def test_a_replica_scaling_its_outputs_is_banned_by_spot_checks(make_swarm, tmp_
     for process in honest:  # honest replicas agree with each other: never banned
         assert peer_id(process) not in report["banned_peers"]
     assert liar.alive  # banned, not crashed
+
+    # What each peer did for the trainer: the liar's check and ban, the honest replicas' samples.
+    contributions = report["contributions"]
+    caught = contributions[peer_id(liar)]
+    assert caught["stage"] == 0 and caught["calls_verified"] >= 1 and caught["mismatches"] >= 1
+    assert caught["banned"] == report["banned_peers"][peer_id(liar)]
+    for process in honest:
+        counts = contributions[peer_id(process)]
+        assert counts["banned"] is None and counts["mismatches"] == 0, counts
+    last_stage = contributions[peer_id(honest[2])]
+    assert last_stage["stage"] == 1 and last_stage["calls_verified"] == 0  # alone on its stage: nothing to compare
+    assert last_stage["samples_served"] == 4 * 8  # every training sample once (its backward), validation none
+    # Stage 0's replicas served each training sample once between them; the checks' forwards are calls answered.
+    assert sum(c["samples_served"] for c in contributions.values() if c["stage"] == 0) == 4 * 8
+    microbatches = 4 * 8 // 2  # a forward and a backward each, plus a check's second answer (at least)
+    assert sum(c["calls_answered"] for c in contributions.values() if c["stage"] == 0) >= 2 * microbatches + 1
+    assert sum(contributions[peer_id(p)]["calls_verified"] for p in honest[:2]) >= report["calls_verified"]

@@ -30,6 +30,9 @@ BOUNDED_LABELS = {
     "model",
     "mode",
 }
+# The one exception: the trainer's per-peer contribution gauges carry a shortened peer id, for at most
+# EXPORTED_PEERS peers (test_peer_contribution_gauges_are_bounded_and_follow_the_ledger).
+PEER_LABELLED = "swarm_trainer_peer_"
 
 
 def sample(registry, name: str, **labels) -> float | None:
@@ -49,8 +52,10 @@ def test_names_follow_the_convention_and_labels_are_bounded(make, prefix):
         name = collector._name
         assert name.startswith(prefix), name
         assert re.fullmatch(r"swarm_[a-z0-9_]+", name), name
-        assert set(collector._labelnames) <= BOUNDED_LABELS, (name, collector._labelnames)
-        assert "peer" not in "".join(collector._labelnames)
+        allowed = BOUNDED_LABELS | ({"peer"} if name.startswith(PEER_LABELLED) else set())
+        assert set(collector._labelnames) <= allowed, (name, collector._labelnames)
+        if not name.startswith(PEER_LABELLED):
+            assert "peer" not in "".join(collector._labelnames)
         if isinstance(collector, Histogram):
             assert name.endswith("_seconds"), name
         if isinstance(collector, Counter):  # prometheus_client keeps a counter's name without _total
@@ -58,7 +63,8 @@ def test_names_follow_the_convention_and_labels_are_bounded(make, prefix):
     for family in metrics.registry.collect():
         if family.name.startswith("swarm_"):
             for s in family.samples:
-                assert set(s.labels) - {"le"} <= BOUNDED_LABELS, (s.name, s.labels)
+                allowed = BOUNDED_LABELS | ({"peer"} if s.name.startswith(PEER_LABELLED) else set())
+                assert set(s.labels) - {"le"} <= allowed, (s.name, s.labels)
 
 
 def test_peer_request_metrics_count_successes_failures_and_samples():
@@ -194,3 +200,41 @@ def test_the_advertised_address_is_one_others_can_dial():
         )
         is None
     )
+
+
+def _counts(stage: int, samples: int, banned: str | None = None) -> dict:
+    return {
+        "stage": stage,
+        "samples_served": samples,
+        "calls_answered": samples // 2,
+        "calls_failed": 1,
+        "calls_verified": 2,
+        "mismatches": 1 if banned else 0,
+        "banned": banned,
+    }
+
+
+def test_peer_contribution_gauges_are_bounded_and_follow_the_ledger():
+    from swarm.trainer.metrics import EXPORTED_PEERS
+
+    m = TrainerMetrics()
+    r = m.registry
+    many = {f"QmPeer{i:04d}xxxxxxxxABCD{i:04d}": _counts(i % 2, samples=10 + i) for i in range(EXPORTED_PEERS + 8)}
+    many["QmLiar000000000LIAR0001"] = _counts(0, samples=0, banned="stage 0: differed")
+    m.set_contributions(many)
+    exported = {
+        s.labels["peer"] for s in next(f for f in r.collect() if f.name == "swarm_trainer_peer_calls_failed").samples
+    }
+    assert len(exported) == EXPORTED_PEERS
+    assert "IAR0001" in {p[-7:] for p in exported}  # the banned peer shows first though it served nothing
+    assert sample(r, "swarm_trainer_peer_banned", peer="LIAR0001", stage="0") == 1
+    top = f"QmPeer{EXPORTED_PEERS + 7:04d}xxxxxxxxABCD{EXPORTED_PEERS + 7:04d}"
+    top_stage = str((EXPORTED_PEERS + 7) % 2)
+    assert sample(r, "swarm_trainer_peer_samples_served", peer=top[-8:], stage=top_stage) == EXPORTED_PEERS + 17
+    assert sample(r, "swarm_trainer_peer_banned", peer=top[-8:], stage=top_stage) == 0
+    assert sample(r, "swarm_trainer_peer_samples_served", peer="ABCD0000", stage="0") is None  # served least
+
+    m.set_contributions({top: _counts(1 - int(top_stage), samples=5)})  # moved stage; the rest gone
+    assert sample(r, "swarm_trainer_peer_samples_served", peer=top[-8:], stage=top_stage) is None
+    assert sample(r, "swarm_trainer_peer_samples_served", peer=top[-8:], stage=str(1 - int(top_stage))) == 5
+    assert sample(r, "swarm_trainer_peer_banned", peer="LIAR0001", stage="0") is None

@@ -111,6 +111,11 @@ def test_the_dashboard_shows_what_the_issue_asks_for():
         "swarm_trainer_tokens_total",  # loss, tokens/s
         "swarm_peer_averaging_rounds_total",
         "swarm_peer_rebalance_moves_total",
+        "swarm_trainer_peer_samples_served",  # contributions per peer (issue #25)
+        "swarm_trainer_peer_calls_failed",
+        "swarm_trainer_peer_mismatches",
+        "swarm_trainer_peer_banned",
+        "swarm_trainer_calls_verified_total",
     ]:
         assert metric in named, metric
 

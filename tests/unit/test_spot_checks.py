@@ -300,3 +300,31 @@ def test_the_schedule_verifies_forward_calls_and_goes_on_with_the_majority():
     sent_on = [decode_tensors({"inputs": c["tensors"]["inputs"]})["inputs"] for c in client.calls if c.get("stage")]
     assert len(sent_on) == 4  # what stage 1 got is always the honest answer
     assert all(any(torch.allclose(x, 2 * activations(i) + 1) for i in range(4)) for x in sent_on)
+
+
+def test_the_ledger_counts_each_replicas_samples_checks_mismatches_and_ban():
+    client = ScriptedReplicas(liars={"peer-liar"}, failing={"peer-down"})
+    caller = make_caller(client, ["peer-a", "peer-b", "peer-liar", "peer-down"])
+    caller.view.schedulers[0].update_replicas([ReplicaInfo(p, 10.0) for p in ("peer-a", "peer-b", "peer-liar")])
+    forward_then_verify(caller, order=("peer-a", "peer-b"))  # agreed
+    forward_then_verify(caller, order=("peer-liar", "peer-a", "peer-b"))  # the liar answers: caught
+    ledger = caller.contributions
+    liar, a, b = ledger.get("peer-liar"), ledger.get("peer-a"), ledger.get("peer-b")
+    assert (liar.samples_served, liar.calls_answered, liar.calls_verified, liar.mismatches) == (0, 1, 1, 1)
+    assert "differed" in liar.banned and liar.banned == caller.counters.banned_peers["peer-liar"]
+    for honest in (a, b):  # in both checks, on the majority's side in the second
+        assert (honest.calls_verified, honest.mismatches, honest.banned) == (2, 0, None)
+        assert honest.calls_answered == 2 and honest.samples_served == 0  # forwards: no samples served
+    caller.view.schedulers[0].update_replicas([ReplicaInfo(p, 10.0) for p in ("peer-down", "peer-a")])
+    caller.view.bans.clear("peer-a")
+    forward_then_verify(caller, order=("peer-down", "peer-a"))  # fails over to peer-a; nobody to check with
+    assert ledger.get("peer-down").calls_failed == 1 and ledger.get("peer-down").calls_answered == 0
+    assert ledger.get("peer-a").calls_answered == 3
+
+
+def test_an_undecided_check_counts_a_mismatch_for_both_replicas():
+    caller = make_caller(ScriptedReplicas(liars={"peer-liar"}), ["peer-a", "peer-liar"])
+    forward_then_verify(caller, order=("peer-a", "peer-liar"))
+    for peer in ("peer-a", "peer-liar"):
+        entry = caller.contributions.get(peer)
+        assert (entry.calls_verified, entry.mismatches, entry.banned) == (1, 1, None)

@@ -1,0 +1,205 @@
+"""Plausible lies (issue #25) against a live 2-stage swarm, beside clean runs in the same invocation.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --cost-steps 20 --out benchmarks/out/lies.json
+
+Every swarm is a fresh `tiny` one on loopback with main's defaults (sync averaging): two honest
+replicas of stage 0 and one of stage 1; the trainer trains `--steps` steps of 8 samples
+(microbatches of 2) with the same seed and measures the validation loss after the last step.
+
+- clean: no liar, `--verify-fraction 0`, `--steps` steps: the baseline of validation loss. Then, on
+  the same swarm (its weights trained on further: throughput only), trainers of `--cost-steps`
+  steps with `--verify-fraction` 0, 0.05 and 0.2, in that order: the cost of the checks (tokens/s,
+  and the median of the steps' own rates, which one stalled averaging round does not move).
+- scale, noise, replay, stale: a third replica of stage 0 started with `--fault-garbage MODE
+  --fault-garbage-rate 1` (size 0.05: every answer a lie), and a trainer with `--verify-fraction`
+  `--detect-fraction` (default 0.2). Per mode: whether the liar was banned, the calls it answered
+  before it was (its `contributions` in the report: after the ban no call goes to it), the checks
+  that took, the validation loss against the clean run's (goal: within 2%), microbatches lost.
+
+What the figures do not show: a few steps of a tiny model on a busy shared machine (the load is
+recorded); one seed; the liar's stage is 0 (the last stage's fused forward+backward is never
+checked); the clean baseline has two replicas of stage 0 where the lying runs have three; the
+throughput of 0.05 and 0.2 is measured after the 0 run on the same swarm, in sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report_file import write_report  # noqa: E402
+from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+
+PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
+MODES = ("scale", "noise", "replay", "stale")
+GOAL_LOSS_REL = 0.02
+SEED = "3"
+
+
+def peer_id(process: ManagedProcess) -> str | None:
+    match = re.search(r"peer (\S+) online", process.log())
+    return match.group(1) if match else None
+
+
+def train(
+    local: LocalSwarm, args, workdir: str, name: str, verify_fraction: float, *, steps: int, evaluate: bool
+) -> dict:
+    """One trainer on `local`'s swarm, to the end; its report (or what it wrote) and wall time."""
+    report_path = os.path.join(workdir, f"{name}.report.json")
+    started = time.monotonic()
+    trainer = local.start_trainer(
+        *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
+        *("--refresh-period-s", "2", "--seed", SEED, "--report", report_path),
+        *("--eval-every", str(steps if evaluate else 0), "--eval-batches", str(args.eval_batches)),
+        *("--verify-fraction", str(verify_fraction)),
+        name=f"trainer-{name}",
+    )
+    try:
+        code = trainer.popen.wait(timeout=args.timeout_s)
+    except Exception:
+        code = None
+    try:
+        with open(report_path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        report = {}
+    rates = report.get("tokens_per_s_by_step") or []
+    return {
+        "verify_fraction": verify_fraction,
+        "steps": steps,
+        "finished": code == 0 and bool(report.get("completed")),
+        "wall_s": round(time.monotonic() - started, 1),
+        "tokens_per_s": report.get("tokens_per_s"),
+        "median_step_tokens_per_s": statistics.median(rates) if rates else None,
+        "final_loss": report.get("final_loss"),
+        "final_eval_loss": report.get("final_eval_loss"),
+        "microbatches_lost": report.get("microbatches_lost"),
+        "calls_verified": report.get("calls_verified"),
+        "verify_mismatches": report.get("verify_mismatches"),
+        "verify_calls": report.get("verify_calls"),
+        "verify_largest_agreeing_difference": report.get("verify_largest_agreeing_difference"),
+        "banned_peers": report.get("banned_peers", {}),
+        "contributions": report.get("contributions", {}),
+        **({} if code == 0 else {"trainer_log_tail": trainer.log()[-2000:]}),
+    }
+
+
+def honest_swarm(local: LocalSwarm) -> list[ManagedProcess]:
+    local.start_bootstrap()
+    peers = [local.start_peer(0, name="peer-s0-a"), local.start_peer(0, name="peer-s0-b")]
+    peers.append(local.start_peer(1, name="peer-s1"))
+    return peers
+
+
+def clean_runs(args, root: str) -> list[dict]:
+    workdir = os.path.join(root, "clean")
+    os.makedirs(workdir)
+    runs = []
+    with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
+        local.wait_online(honest_swarm(local), timeout_s=300)
+        baseline = train(local, args, workdir, "clean", 0.0, steps=args.steps, evaluate=True)
+        runs.append({"run": "clean", **baseline})
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "contributions"}), flush=True)
+        for fraction in (0.0, *args.cost_fractions):
+            cost = train(local, args, workdir, f"cost-{fraction}", fraction, steps=args.cost_steps, evaluate=False)
+            runs.append({"run": f"cost verify {fraction}", **cost})
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "contributions"}), flush=True)
+    return runs
+
+
+def lying_run(mode: str, args, root: str) -> dict:
+    workdir = os.path.join(root, mode)
+    os.makedirs(workdir)
+    with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
+        honest = honest_swarm(local)
+        liar = local.start_peer(
+            0, "--fault-garbage", mode, "--fault-garbage-rate", "1.0", "--no-load-state", name="peer-s0-liar"
+        )
+        local.wait_online([*honest, liar], timeout_s=300)
+        run = {
+            "run": f"liar {mode}",
+            "mode": mode,
+            **train(local, args, workdir, mode, args.detect_fraction, steps=args.steps, evaluate=True),
+        }
+        liar_id = peer_id(liar)
+        counts = run["contributions"].get(liar_id or "", {})
+        run.update(
+            liar=liar_id,
+            liar_banned=liar_id in run["banned_peers"],
+            # every call the liar answered came before its ban (none goes to it after)
+            liar_calls_until_detection=counts.get("calls_answered"),
+            liar_checks=counts.get("calls_verified"),
+            liar_mismatches=counts.get("mismatches"),
+            honest_banned=sorted(set(run["banned_peers"]) - {liar_id}),
+        )
+    print(json.dumps({k: v for k, v in run.items() if k != "contributions"}), flush=True)
+    return run
+
+
+def judge(runs: list[dict]) -> None:
+    """The cost runs against the cost run at --verify-fraction 0; the lying runs' validation loss
+    against the clean run's (same steps, same seed)."""
+    clean = runs[0]
+    cost_base = next((r for r in runs if r["run"] == "cost verify 0.0"), None)
+    for run in runs[1:]:
+        if not (run["finished"] and clean["finished"]):
+            run["meets_goal"] = False
+            continue
+        if run["run"].startswith("cost") and cost_base is not None and cost_base["finished"] and run is not cost_base:
+            run["tokens_ratio"] = round(run["tokens_per_s"] / cost_base["tokens_per_s"], 3)
+            run["median_step_ratio"] = round(run["median_step_tokens_per_s"] / cost_base["median_step_tokens_per_s"], 3)
+        if "mode" in run and clean["final_eval_loss"] and run["final_eval_loss"] is not None:
+            rel = (run["final_eval_loss"] - clean["final_eval_loss"]) / clean["final_eval_loss"]
+            run["eval_loss_rel_diff"] = round(rel, 4)
+            run["meets_goal"] = bool(run["liar_banned"] and abs(rel) <= GOAL_LOSS_REL and not run["honest_banned"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--eval-batches", type=int, default=2)
+    parser.add_argument("--detect-fraction", type=float, default=0.2, help="--verify-fraction of the lying runs")
+    parser.add_argument("--cost-steps", type=int, default=20, help="steps of each throughput run")
+    parser.add_argument("--cost-fractions", type=float, nargs="*", default=[0.05, 0.2])
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="per trainer")
+    parser.add_argument("--out", default="benchmarks/out/lies.json")
+    args = parser.parse_args()
+    load_before, started = os.getloadavg(), time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="swarm-lies-") as root:
+        runs = clean_runs(args, root)
+        for mode in args.modes:
+            try:
+                runs.append(lying_run(mode, args, root))
+            except Exception as e:  # a swarm that could not start: say so, go on with the next mode
+                runs.append(
+                    {"run": f"liar {mode}", "mode": mode, "finished": False, "error": f"{type(e).__name__}: {e}"}
+                )
+    judge(runs)
+    write_report(
+        args.out,
+        {
+            "command": " ".join(sys.argv),
+            "steps": args.steps,
+            "cost_steps": args.cost_steps,
+            "detect_fraction": args.detect_fraction,
+            "cpus": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "wall_s": round(time.monotonic() - started, 1),
+            "runs": runs,
+        },
+    )
+    return 0 if all(r.get("meets_goal", True) for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
