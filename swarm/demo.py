@@ -41,7 +41,9 @@ class DemoConfig:
     )
     eval_every: int = option(10, help="validation loss through the swarm every N steps (0 = never)")
     eval_batches: int = option(4, help="validation batches per evaluation")
-    codec: str = option("none", help="compression on the wire (none, fp16, int8, topk, adaptive)", choices=CODEC_MODES)
+    codec: str = option(
+        "none", help="compression on the wire (none, fp16, int8, int4, topk, adaptive)", choices=CODEC_MODES
+    )
     report: str | None = option(None, help="write the trainer's JSON report here")
     workdir: str | None = option(None, help="folder for the processes' logs (default: a temporary one)")
     averaging: str = option(

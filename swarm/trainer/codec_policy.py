@@ -10,9 +10,11 @@ The adaptive rule (the choice itself is `wire.compression.adaptive.choose_codec`
   compute and queueing, less the link's latency, taken as 0.9x the cheapest call seen);
 - choice: the first of none, fp16, int8 whose serialization time (bytes / bandwidth; latency is
   not counted, no codec shortens it) fits the target; int8 also when it takes up to
-  `topk_slack` (4) times the target; top-k only on links slower than that, with the fraction
-  that fills `topk_slack` times the target (gradients with error feedback, floor 0.1%;
-  activations floor 5%). Before the stage's compute is measured, calls go uncompressed.
+  `topk_slack` (4) times the target; on slower links int4 (~half int8's bytes, every value kept
+  at ~0.11 relative error) when it fits `topk_slack` times the target; top-k only on links
+  slower than that, with the fraction that fills `topk_slack` times the target (gradients with
+  error feedback, floor 0.1%; activations floor 5%). Before the stage's compute is measured,
+  calls go uncompressed.
 """
 
 from __future__ import annotations

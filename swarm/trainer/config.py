@@ -109,7 +109,7 @@ class CompressionSettings:
     codec: str = option(
         "none",
         help="compression of activations and gradients on the wire: none, fp16, int8, "
-        "topk, or adaptive (per link, from its measured bandwidth)",
+        "int4 (blockwise 4-bit), topk, or adaptive (per link, from its measured bandwidth)",
         choices=CODEC_MODES,
     )
     topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")

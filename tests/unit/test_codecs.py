@@ -29,7 +29,7 @@ from wire.compression import (
 from wire.compression.base import DEFAULT_MAX_PART_BYTES, MAX_NUMEL
 
 SMALL_PARTS = 8192  # forces several parts on small tensors
-ALL_CODECS = [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.1})]
+ALL_CODECS = [("none", {}), ("fp16", {}), ("int8", {}), ("int4", {}), ("topk", {"fraction": 0.1})]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +60,7 @@ def random_normal(shape=(64, 1000), scale=1.0, seed=0) -> torch.Tensor:
 @pytest.mark.parametrize("make", [random_normal, transformer_activations], ids=["normal", "activations"])
 @pytest.mark.parametrize(
     ("name", "bound"),
-    [("none", 0.0), ("fp16", 1e-3), ("int8", 0.02)],
+    [("none", 0.0), ("fp16", 1e-3), ("int8", 0.02), ("int4", 0.12)],
 )
 def test_dense_codecs_round_trip_within_their_error_bound(make, name, bound):
     tensor = make()
@@ -155,7 +155,7 @@ def test_floating_dtypes_come_back_in_their_dtype(name, params, dtype):
     encoded = encode(tensor, name, **params)
     restored = decode(encoded)
     assert restored.dtype == dtype and encoded.header.dtype == str(dtype).removeprefix("torch.")
-    bound = {"none": 0.0, "fp16": 1e-3, "int8": 0.02, "topk": 1.0}[name]
+    bound = {"none": 0.0, "fp16": 1e-3, "int8": 0.02, "int4": 0.12, "topk": 1.0}[name]
     assert relative_l2(restored, tensor) <= bound
     if name in ("none", "fp16") and dtype != torch.float64:
         assert torch.equal(restored, tensor)  # 16-bit values are sent as their own bits
@@ -195,9 +195,10 @@ def test_non_finite_values_survive_fp16_and_make_int8_fall_back_to_fp16():
     restored = decode(encode(tensor, "fp16"))
     assert torch.equal(restored.isnan(), tensor.isnan())
     assert torch.equal(restored[~tensor.isnan()], tensor[~tensor.isnan()])
-    int8 = encode(tensor, "int8")
-    assert int8.header.codec == "fp16"
-    assert torch.equal(decode(int8).isinf(), tensor.isinf())
+    for name in ("int8", "int4"):
+        lossy = encode(tensor, name)
+        assert lossy.header.codec == "fp16"
+        assert torch.equal(decode(lossy).isinf(), tensor.isinf())
 
 
 # ---------------------------------------------------------------- strict decoding
@@ -251,7 +252,7 @@ def test_truncated_or_inconsistent_parts_raise_codec_error(name, params):
 
 def test_a_huge_header_with_tiny_parts_is_rejected_before_allocating():
     part = encode(torch.randn(1), "none").parts[0]
-    for codec, params in (("none", {}), ("fp16", {"exponent": 0})):
+    for codec, params in (("none", {}), ("fp16", {"exponent": 0}), ("int4", {"block": 64, "exponent": 0})):
         forged = EncodedTensor(TensorHeader(codec, (MAX_NUMEL,), "float32", 1, params), (part,))
         with pytest.raises(CodecError):
             decode(forged)
@@ -329,11 +330,11 @@ def test_headers_missing_fields_or_not_dicts_raise_codec_error():
 
 
 def test_registry_names_codecs_and_rejects_unknown_ones():
-    assert known_codecs() == ["none", "fp16", "int8", "topk"]
+    assert known_codecs() == ["none", "fp16", "int8", "int4", "topk"]
     assert isinstance(get_codec("none"), NoneCodec)
     assert isinstance(get_codec("int8"), BlockwiseInt8Codec)
     assert get_codec("topk", fraction=0.2).params == {"fraction": 0.2}
-    with pytest.raises(UnknownCodecError, match="none, fp16, int8, topk"):
+    with pytest.raises(UnknownCodecError, match="none, fp16, int8, int4, topk"):
         get_codec("zstd")
     with pytest.raises(CodecError):
         get_codec("none", fraction=0.1)

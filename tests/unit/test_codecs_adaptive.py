@@ -16,7 +16,7 @@ from wire.compression.adaptive import (
 
 MB = 1_000_000
 ACTIVATION_BYTES = 16 * 128 * 256 * 4  # a (B=16, T=128, d=256) float32 activation: 2 MiB
-ORDER = {"none": 0, "fp16": 1, "int8": 2, "topk": 3}
+ORDER = {"none": 0, "fp16": 1, "int8": 2, "int4": 3, "topk": 4}
 
 
 def link(bandwidth_bytes_per_s: float, latency_s: float = 0.02) -> LinkEstimate:
@@ -29,15 +29,27 @@ def test_very_fast_link_sends_uncompressed():
     assert choice.estimated_nbytes == ACTIVATION_BYTES
 
 
-def test_the_ladder_goes_fp16_then_int8_then_topk_as_bandwidth_falls():
+def test_the_ladder_goes_fp16_then_int8_then_int4_then_topk_as_bandwidth_falls():
     """fp16 once it saves more wire time than it costs CPU, int8 likewise (below ~450 Mbit/s),
-    top-k only when even int8 would take over 4x the target."""
+    int4 when int8 would take over 4x the target, top-k only when even int4 would."""
     target = 0.1
     codecs = [
         choose_codec(link(bandwidth * MB, 0.0), ACTIVATION_BYTES, target, is_gradient=True).codec
-        for bandwidth in (10_000, 1000, 50, 3, 1)
+        for bandwidth in (10_000, 1000, 50, 3, 1, 0.5)
     ]
-    assert codecs == ["none", "fp16", "int8", "int8", "topk"]
+    assert codecs == ["none", "fp16", "int8", "int8", "int4", "topk"]
+
+
+def test_int4_fills_the_gap_between_int8_and_topk():
+    """At 1 MB/s with a 0.1 s target the slack budget is 0.4 MB: int8 (0.53 MB) misses it, int4
+    (0.28 MB, every value kept) fits; at 0.5 MB/s (0.2 MB) only top-k does."""
+    choice = choose_codec(link(1 * MB, 0.01), ACTIVATION_BYTES, 0.1, is_gradient=False)
+    assert choice.codec == "int4" and choice.params == {}
+    assert choice.estimated_nbytes == encode(torch.randn(ACTIVATION_BYTES // 4), "int4").nbytes
+    assert choice.estimated_transfer_s == pytest.approx(0.01 + choice.estimated_nbytes / MB)
+    assert choose_codec(link(0.5 * MB, 0.01), ACTIVATION_BYTES, 0.1, is_gradient=False).codec == "topk"
+    sixteen_bit = choose_codec(link(1 * MB, 0.0), ACTIVATION_BYTES // 2, 0.1, is_gradient=True, bytes_per_element=2)
+    assert sixteen_bit.codec == "int4"  # 524,288 bf16 values: int8 0.53 MB over, int4 0.28 MB in
 
 
 def test_cheaper_codecs_are_kept_when_compressing_costs_more_cpu_than_it_saves():
@@ -152,7 +164,9 @@ def test_a_choice_that_is_not_the_floor_fits_the_target(bandwidth, latency, nume
         assert choice.estimated_transfer_s == pytest.approx(latency + serialization_s)
 
 
-@pytest.mark.parametrize(("name", "params"), [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.013})])
+@pytest.mark.parametrize(
+    ("name", "params"), [("none", {}), ("fp16", {}), ("int8", {}), ("int4", {}), ("topk", {"fraction": 0.013})]
+)
 @pytest.mark.parametrize("numel", [1, 4096, 1_500_000])
 def test_size_estimates_match_what_the_codecs_send(name, params, numel):
     encoded = encode(torch.randn(numel), name, **params)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from wire.compression import BlockwiseInt8Codec, CodecError, EncodedTensor, TensorHeader, decode, get_codec
 from wire.compression.base import SUPPORTED_DTYPES
 
-CODECS = [("none", {}), ("fp16", {}), ("int8", {}), ("topk", {"fraction": 0.3})]
+CODECS = [("none", {}), ("fp16", {}), ("int8", {}), ("int4", {}), ("int4", {"block": 8}), ("topk", {"fraction": 0.3})]
 # SWARM_CODEC_FUZZ_EXAMPLES=5000 turns these into a longer fuzzing run.
 PROPERTY_SETTINGS = settings(
     max_examples=int(os.environ.get("SWARM_CODEC_FUZZ_EXAMPLES", "150")),
@@ -44,11 +44,11 @@ json_values = st.recursive(
     max_leaves=10,
 )
 header_fields = {
-    "codec": st.sampled_from(["none", "fp16", "int8", "topk", "", "zstd"]) | json_values,
+    "codec": st.sampled_from(["none", "fp16", "int8", "int4", "topk", "", "zstd"]) | json_values,
     "shape": st.lists(st.integers(-3, 70), max_size=4) | st.lists(st.integers(0, 2**40), max_size=3) | json_values,
     "dtype": st.sampled_from([*SUPPORTED_DTYPES, "complex64", "float8"]) | json_values,
     "num_parts": st.integers(-2, 5) | json_values,
-    "params": st.dictionaries(st.sampled_from(["k", "exponent", "fraction", "x"]), json_values, max_size=3)
+    "params": st.dictionaries(st.sampled_from(["k", "exponent", "fraction", "block", "x"]), json_values, max_size=3)
     | json_values,
 }
 
@@ -80,10 +80,20 @@ def arbitrary_parts(draw) -> runtime_pb2.Tensor:
 
 @PROPERTY_SETTINGS
 @given(
-    codec=st.sampled_from(["none", "fp16", "int8", "topk"]),
+    codec=st.sampled_from(["none", "fp16", "int8", "int4", "topk"]),
     shape=st.lists(st.integers(0, 40), max_size=3),
     dtype=st.sampled_from(list(SUPPORTED_DTYPES)),
-    params=st.sampled_from([{}, {"exponent": 0}, {"exponent": -3}, {"k": 3, "exponent": 0}, {"k": 0, "exponent": 0}]),
+    params=st.sampled_from(
+        [
+            {},
+            {"exponent": 0},
+            {"exponent": -3},
+            {"k": 3, "exponent": 0},
+            {"k": 0, "exponent": 0},
+            {"block": 8, "exponent": 0},
+            {"block": 64, "exponent": -20},
+        ]
+    ),
     parts=st.lists(arbitrary_parts(), max_size=4),
 )
 def test_random_parts_never_crash_the_decoder(codec, shape, dtype, params, parts):
@@ -163,3 +173,33 @@ def test_finite_float32_values_round_trip_within_fp16_precision(values, name):
         assert torch.isfinite(restored).all()
     else:  # documented limits: tiny tensors flush toward zero, huge ones may overflow to inf
         assert restored.shape == tensor.shape
+
+
+@PROPERTY_SETTINGS
+@given(
+    numel=st.integers(0, 300),
+    block=st.sampled_from([8, 64, 100]),
+    exponent=st.integers(-100, 100),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
+    data=st.data(),
+)
+def test_int4_parts_of_the_right_layout_with_random_bytes_decode_bounded_or_raise_codec_error(
+    numel, block, exponent, dtype, data
+):
+    """The int4 decoder's own checks (scales finite and non-negative, code nibbles 1..15, a zero
+    padding nibble): whatever passes decodes to values no larger than their block's scale."""
+    blocks = -(-numel // block)
+    scales = data.draw(st.binary(min_size=2 * blocks, max_size=2 * blocks))
+    codes = data.draw(st.binary(min_size=-(-numel // 2), max_size=-(-numel // 2)))
+    parts = (
+        runtime_pb2.Tensor(compression=runtime_pb2.NONE, buffer=scales, size=[blocks], dtype="float16"),
+        runtime_pb2.Tensor(compression=runtime_pb2.NONE, buffer=codes, size=[len(codes)], dtype="uint8"),
+    )
+    encoded = EncodedTensor(TensorHeader("int4", (numel,), dtype, 2, {"block": block, "exponent": exponent}), parts)
+    try:
+        restored = decode(encoded)
+    except CodecError:
+        return
+    assert restored.shape == (numel,) and restored.dtype == SUPPORTED_DTYPES[dtype]
+    scale = torch.tensor(list(scales), dtype=torch.uint8).view(torch.float16).float().repeat_interleave(block)[:numel]
+    assert torch.all(restored.float().abs() <= scale * 2.0**exponent * (1 + 2**-7))

@@ -151,12 +151,12 @@ metas = st.builds(
         name=name, codec=codec, shape=shape, dtype=dtype, num_parts=num_parts, params=params
     ),
     st.sampled_from(["inputs", "targets", "grad_outputs", "x"]),
-    st.sampled_from(["none", "fp16", "int8", "topk", "zz"]),
+    st.sampled_from(["none", "fp16", "int8", "int4", "topk", "zz"]),
     st.lists(st.integers(-2, 9), max_size=4),
     st.sampled_from(["float32", "int64", "float16", "bfloat16", "bogus"]),
     st.integers(0, 3),
     st.dictionaries(
-        st.sampled_from(["fraction", "exponent", "blocksize", "q"]),
+        st.sampled_from(["fraction", "exponent", "blocksize", "block", "q"]),
         st.one_of(st.integers(-5, 5000), st.floats(), st.text(max_size=5)),
         max_size=3,
     ),
@@ -165,7 +165,7 @@ parts = st.lists(
     st.builds(
         lambda buffer, dtype, size: runtime_pb2.Tensor(buffer=buffer, dtype=dtype, size=size),
         st.binary(max_size=256),
-        st.sampled_from(["", "float32", "int64", "uint8", "junk"]),
+        st.sampled_from(["", "float32", "float16", "int64", "uint8", "junk"]),
         st.lists(st.integers(0, 64), max_size=3),
     ),
     max_size=6,
@@ -190,7 +190,7 @@ def test_random_tensor_metas_and_parts_give_a_protocol_error_or_tensors_of_the_s
 @FUZZ
 @given(cut=st.integers(0, 200), data=st.data())
 def test_truncated_tensor_parts_give_a_protocol_error(cut, data):
-    codec = data.draw(st.sampled_from(["none", "fp16", "int8", "topk"]))
+    codec = data.draw(st.sampled_from(["none", "fp16", "int8", "int4", "topk"]))
     encoded = {"inputs": encode_tensor(torch.randn(3, 5), codec), "targets": encode_tensor(torch.randint(0, 9, (3,)))}
     headers = {name: item.header for name, item in encoded.items()}
     wire_parts = [part for item in encoded.values() for part in item.parts]

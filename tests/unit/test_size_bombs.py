@@ -11,9 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from hivemind.proto import runtime_pb2
 
-from wire.compression import CodecError, EncodedTensor, TensorHeader
+from wire.compression import CodecError, EncodedTensor, TensorHeader, decode, encode
 from wire.compression.base import MAX_TENSOR_BYTES
 from wire.messages import read_request, read_response, request_messages, response_messages
 from wire.protocol import ProtocolError, RequestHeader, ResponseHeader
@@ -128,3 +129,15 @@ def test_a_joiner_refuses_a_state_larger_than_its_stage_can_take_at_the_header()
     messages = write_state(StateHeader(total_bytes=1 << 33, steps_done=1), b"")  # announces 8 GiB, sends none
     with pytest.raises(ProtocolError, match="more than such a stage can take"):
         asyncio.run(read_state(_messages_then_fail(messages), sender="abc", max_bytes=100 << 20))
+
+
+def test_an_int4_header_cannot_declare_more_than_its_parts_carry():
+    """int4 sends half a byte per value: a header declaring a gigabyte with a few bytes of parts is
+    refused by the decoder (the part lengths are checked before anything is allocated), and a valid
+    int4 tensor decodes to at most 16x its payload (float64: 8 bytes from 0.53)."""
+    tiny = encode(torch.randn(3), "int4")
+    header = TensorHeader("int4", (BOMB_NUMEL,), "float64", 2, {"block": 64, "exponent": 0})
+    with pytest.raises(CodecError, match="part"):
+        decode(EncodedTensor(header, tiny.parts))
+    honest = encode(torch.randn(4096, dtype=torch.float64), "int4")
+    assert honest.header.original_nbytes / honest.nbytes <= 16

@@ -22,10 +22,12 @@ from wire.compression.codecs import (
     relative_error_bound,
 )
 from wire.compression.error_feedback import ErrorFeedback
+from wire.compression.int4 import BlockwiseInt4Codec
 from wire.compression.registry import decode, encode, get_codec, known_codecs
 
 __all__ = [
     "RELATIVE_ERROR_BOUNDS",
+    "BlockwiseInt4Codec",
     "BlockwiseInt8Codec",
     "ByteCounter",
     "Codec",

@@ -20,7 +20,10 @@ the compute the receiving stage spends on the same microbatch, see ``swarm.train
    slower than the target costs some throughput, while top-k costs convergence (measured on the
    emulated world-wide network, issue #6: top-k on every slow link raised the loss after 10
    steps from 3.66 to 4.13-4.22);
-4. only on a very slow link (int8 over ``topk_slack * T``) use "topk" with the fraction whose
+4. on a slower link (int8 over ``topk_slack * T``), "int4" if it fits ``topk_slack * T``: about
+   half int8's bytes (0.53 per value) at ~0.11 relative error, every value kept, where top-k at
+   the same bytes (~9% of the values) drops the rest;
+5. only on a very slow link (int4 over ``topk_slack * T``) use "topk" with the fraction whose
    bytes fill ``topk_slack * T * B`` (``6 * fraction`` bytes per value: float16 value + int32
    index), clamped to ``[min_fraction, 1]``. The floor depends on the tensor's role: gradients
    go through ``ErrorFeedback``, which later resends what top-k drops, so they may go down to
@@ -42,13 +45,16 @@ from dataclasses import dataclass, field
 
 from wire.compression.base import DEFAULT_MAX_PART_BYTES
 from wire.compression.codecs import index_dtype_for, topk_count
+from wire.compression.int4 import int4_nbytes
 from wire.compression.parts import int8_elements_per_part, int8_nbytes
 
 MIN_TOPK_FRACTION_GRADIENT = 0.001
 MIN_TOPK_FRACTION_ACTIVATION = 0.05
 # Encode + decode seconds per value, one CPU thread, 131k-value float32 tensors; measured on the
 # shared 2-core development machine under load (best of 5 x 20): none 0.8 ns, fp16 1.2 ns, int8 18.8 ns.
-CODEC_CPU_S_PER_VALUE = {"none": 0.8e-9, "fp16": 1.2e-9, "int8": 18.8e-9}
+# int4, measured later at a lower load (none 0.7, fp16 1.2, int8 12.2, int4 8.8 ns), scaled by int8's
+# ratio to the same conditions: 13.5 ns.
+CODEC_CPU_S_PER_VALUE = {"none": 0.8e-9, "fp16": 1.2e-9, "int8": 18.8e-9, "int4": 13.5e-9}
 DEFAULT_TOPK_SLACK = 4.0  # int8 may take up to this many times the target before top-k replaces it
 _TOPK_VALUE_BYTES = 2  # float16 / bfloat16
 
@@ -91,6 +97,8 @@ def estimated_nbytes(codec: str, numel: int, bytes_per_element: int, fraction: f
         per_part = int8_elements_per_part(DEFAULT_MAX_PART_BYTES)
         full_parts, rest = divmod(numel, per_part)
         return full_parts * int8_nbytes(per_part) + (int8_nbytes(rest) if rest or not full_parts else 0)
+    if codec == "int4":
+        return int4_nbytes(numel)
     if codec == "topk":
         index_bytes = index_dtype_for(numel).itemsize
         return topk_count(numel, fraction) * (_TOPK_VALUE_BYTES + index_bytes)
@@ -108,7 +116,7 @@ def choose_codec(
     topk_slack: float = DEFAULT_TOPK_SLACK,
 ) -> CodecChoice:
     """The near-lossless codec that moves the tensor fastest within ``topk_slack * target_transfer_s``
-    of serialization, else top-k (see the module doc).
+    of serialization, else int4 if it fits that, else top-k (see the module doc).
 
     ``tensor_nbytes`` is the uncompressed size of a floating tensor with ``bytes_per_element``
     bytes per value (4 for float32). ``min_fraction`` overrides the role's top-k floor;
@@ -139,6 +147,9 @@ def choose_codec(
     if best is not None:
         _, codec, nbytes = best
         return CodecChoice(codec, {}, nbytes, link.transfer_s(nbytes))
+    nbytes = estimated_nbytes("int4", numel, bytes_per_element)
+    if nbytes <= budget_bytes:
+        return CodecChoice("int4", {}, nbytes, link.transfer_s(nbytes))
 
     value_and_index_bytes = _TOPK_VALUE_BYTES + index_dtype_for(numel).itemsize
     fitting_fraction = math.floor(budget_bytes / value_and_index_bytes) / numel  # numel > 0 here

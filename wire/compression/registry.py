@@ -6,9 +6,12 @@ import torch
 
 from wire.compression.base import Codec, CodecError, EncodedTensor, UnknownCodecError
 from wire.compression.codecs import BlockwiseInt8Codec, Float16Codec, NoneCodec, TopKCodec
+from wire.compression.int4 import BlockwiseInt4Codec
 
 # Ordered from least to most compression (the order in which adaptive selection tries them).
-_CODECS: dict[str, type[Codec]] = {cls.name: cls for cls in (NoneCodec, Float16Codec, BlockwiseInt8Codec, TopKCodec)}
+_CODECS: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (NoneCodec, Float16Codec, BlockwiseInt8Codec, BlockwiseInt4Codec, TopKCodec)
+}
 
 
 def known_codecs() -> list[str]:
