@@ -1,4 +1,6 @@
-"""Each codec trains the same model on the same data through a real loopback swarm (issue #5).
+"""Each codec trains the same model on the same data through a real loopback swarm (issue #5), or,
+with `--in-process`, through the stages of the split model run in sequence in this process with the
+wire's codec functions on every boundary tensor (issue #27, `benchmarks/compression_in_process.py`).
 
 For every codec (none, fp16, int8, topk, adaptive) the script starts a fresh swarm of `--stages`
 peers on 127.0.0.1, trains `--model` on the Shakespeare corpus for the same `--steps` (same data
@@ -14,6 +16,12 @@ JSON.
 
 Loopback is not bandwidth-bound: tokens/s here shows what each codec costs in CPU, not what it
 saves on a slow link (that is `benchmarks/wan.py`, on emulated links).
+
+In-process (no swarm, no tokens/s: the convergence table at equal tokens; `--tokens` per row):
+
+    nice -n 5 .venv/bin/python benchmarks/compression.py --in-process --model small --stages 4 \
+        --tokens 2000000 --codecs none,int8,int4,topk --out benchmarks/out/compression_in_process.json
+    .venv/bin/python benchmarks/compression.py --in-process --model medium --device cuda
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ import sys
 import tempfile
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.compression_in_process import RunSpec, run_table, table_lines  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
@@ -35,6 +46,7 @@ from swarm.trainer.codec_policy import CODEC_MODES  # noqa: E402
 
 INT8_MAX_LOSS_INCREASE = 0.02  # goal: int8's final loss within 2% of the uncompressed one
 INT8_MIN_BYTE_REDUCTION = 3.5  # ... with at least 3.5x fewer bytes
+IN_PROCESS_CODECS = ("none", "fp16", "int8", "int4", "topk")  # adaptive needs links to measure
 
 
 def train_with_codec(codec: str, args: argparse.Namespace) -> dict:
@@ -126,12 +138,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--topk-fraction", type=float, default=0.1)
     parser.add_argument(
-        "--codecs", default=",".join(CODEC_MODES), help="comma-separated subset of " + ",".join(CODEC_MODES)
+        "--codecs",
+        default=None,
+        help=f"comma-separated subset of {','.join(CODEC_MODES)} (default: all); with --in-process of "
+        f"{','.join(IN_PROCESS_CODECS)} (fp32 = none; default: none,int8,int4,topk)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
-    parser.add_argument("--out", default="benchmarks/out/compression.json")
+    parser.add_argument(
+        "--out", default=None, help="JSON report (default benchmarks/out/compression[_in_process].json)"
+    )
+    in_process = parser.add_argument_group("in-process mode")
+    in_process.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the split model's stages in sequence in this process (no swarm), codecs on every boundary",
+    )
+    in_process.add_argument("--device", default="cpu", help="torch device of the stages, e.g. cuda")
+    in_process.add_argument("--tokens", type=int, default=2_000_000, help="training tokens per codec")
+    in_process.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
+    in_process.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of every stage")
+    in_process.add_argument("--seed", type=int, default=0, help="initial weights and data order")
+    in_process.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
-    codecs = args.codecs.split(",")
+    if args.in_process:
+        return main_in_process(args, argv)
+    args.out = args.out or "benchmarks/out/compression.json"
+    codecs = (args.codecs or ",".join(CODEC_MODES)).split(",")
     unknown = sorted(set(codecs) - set(CODEC_MODES))
     if unknown:
         print(f"compression: error: unknown codecs {unknown}; choose from {', '.join(CODEC_MODES)}", file=sys.stderr)
@@ -190,6 +222,50 @@ def main(argv: list[str] | None = None) -> int:
         "goals": verdicts,
     }
     write_report(args.out, out)
+    return 0
+
+
+def main_in_process(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """`--in-process`: the convergence table (benchmarks/compression_in_process.py)."""
+    names = ["none" if name == "fp32" else name for name in (args.codecs or "none,int8,int4,topk").split(",")]
+    unknown = sorted(set(names) - set(IN_PROCESS_CODECS))
+    if unknown:
+        print(f"compression: error: --in-process runs {', '.join(IN_PROCESS_CODECS)}, not {unknown}", file=sys.stderr)
+        return 2
+    if args.stages < 2:
+        print("compression: error: --in-process needs --stages 2 or more (a boundary to cross)", file=sys.stderr)
+        return 2
+    spec = RunSpec(
+        model=args.model,
+        stages=args.stages,
+        tokens=args.tokens,
+        batch_size=args.batch_size,
+        microbatch_size=args.microbatch_size,
+        lr=args.lr,
+        seed=args.seed,
+        eval_batches=args.eval_batches,
+        device=args.device,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_at_start, started = os.getloadavg(), time.monotonic()
+    codecs = [(name, {"fraction": args.topk_fraction} if name == "topk" else {}) for name in names]
+    out = run_table(spec, codecs, say=lambda line: print(line, flush=True))
+    for line in table_lines(out):
+        print(line)
+    out = {
+        "benchmark": "compression",
+        "command": " ".join(["benchmarks/compression.py", *(argv if argv is not None else sys.argv[1:])]),
+        **out,
+        "topk_fraction": args.topk_fraction,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
+        "wall_s": time.monotonic() - started,
+    }
+    write_report(args.out or "benchmarks/out/compression_in_process.json", out)
     return 0
 
 

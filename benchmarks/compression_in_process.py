@@ -1,0 +1,221 @@
+"""The in-process mode of `benchmarks/compression.py` (issue #27): the convergence table of the
+codecs without a swarm, so that a run of many tokens fits one machine.
+
+The stages of the split model (`models.stages.build_stage`, the peers' own modules and seeded
+initialisation) run in sequence in this process, each with its own AdamW (the peers' defaults:
+lr 1e-3, betas 0.9/0.95, weight decay 0.01). Every tensor that crosses a stage boundary goes
+through the wire's own code: `wire.tensors.encode_tensor` (with error feedback for top-k
+gradients, as the trainer and the peers use it) and `wire.tensors.decode_tensors`, forward (the
+activations) and backward (the gradients of the activations); the bytes are the encoded payloads'
+(`EncodedTensor.nbytes`: parts' buffers, headers and framing excluded). Every row trains on the same
+batches (`MicrobatchSampler`, same seed), from the same initial weights, for the same tokens.
+
+What it counts differs from the live swarm's byte counter on purpose: a boundary tensor is counted
+once, as it would cross one direct link between stages. In a live swarm it goes stage -> trainer ->
+next stage and is counted on both legs (sent and received), and the token ids and targets cross too.
+
+Validation: the loss on the same validation batches (`ValidationBatches`, the trainer's), once with
+the activations through the codec as a swarm evaluates (`val_loss`) and once exact (`val_loss_exact`:
+the trained weights alone).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models.config import get_model_config
+from models.stages import build_stage
+from swarm.trainer.data import Microbatch, MicrobatchSampler, ValidationBatches, open_data
+from wire.compression import ErrorFeedback
+from wire.tensors import decode_tensors, encode_tensor
+
+FP32_LABEL = "fp32"  # the "none" codec: float32 activations and gradients as they are
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every row shares: the model, split, data, budget and optimizer."""
+
+    model: str = "small"
+    stages: int = 4
+    tokens: int = 2_000_000  # training tokens per row (rounded up to whole steps)
+    batch_size: int = 32
+    microbatch_size: int = 4
+    lr: float = 1e-3
+    seed: int = 0
+    eval_batches: int = 8
+    device: str = "cpu"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * get_model_config(self.model).seq_len
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.tokens / self.tokens_per_step))
+
+
+@dataclass
+class WireCounter:
+    """Payload bytes that crossed the stage boundaries, by direction."""
+
+    activation_bytes: int = 0
+    gradient_bytes: int = 0
+    feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
+
+
+def cross_boundary(
+    tensor: torch.Tensor, codec: str, params: dict, counter: WireCounter | None, *, boundary: int, is_gradient: bool
+) -> torch.Tensor:
+    """`tensor` as the next stage (forward) or the previous one (backward) receives it: encoded and
+    decoded by the wire's functions, on the tensor's device; its payload bytes counted."""
+    feedback = counter.feedback if counter is not None and is_gradient and codec == "topk" else None
+    encoded = encode_tensor(tensor.detach(), codec, params, feedback=feedback, feedback_key=boundary)
+    if counter is not None:
+        if is_gradient:
+            counter.gradient_bytes += encoded.nbytes
+        else:
+            counter.activation_bytes += encoded.nbytes
+    return decode_tensors({"tensor": encoded})["tensor"].to(tensor.device)
+
+
+def _forward(stages, mb: Microbatch, codec: str, params: dict, counter: WireCounter | None, device):
+    """Loss of one microbatch through all stages; returns (loss, [(stage output, next stage's input)])."""
+    x, links = mb.inputs.to(device), []
+    for index, stage in enumerate(stages[:-1]):
+        out = stage(x)
+        x = cross_boundary(out, codec, params, counter, boundary=index, is_gradient=False)
+        x.requires_grad_(torch.is_grad_enabled())
+        links.append((out, x))
+    return stages[-1](x, mb.targets.to(device)), links
+
+
+def train_row(spec: RunSpec, codec: str, params: dict, data) -> dict:
+    """Train a fresh split model with `codec` on every boundary; the row of the table."""
+    device = torch.device(spec.device)
+    config = get_model_config(spec.model)
+    torch.manual_seed(spec.seed)
+    stages = [build_stage(config, i, spec.stages, seed=spec.seed).to(device) for i in range(spec.stages)]
+    optimizers = [
+        torch.optim.AdamW(stage.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.01) for stage in stages
+    ]
+    sampler = MicrobatchSampler(
+        data.train,
+        seq_len=config.seq_len,
+        batch_size=spec.batch_size,
+        microbatch_size=spec.microbatch_size,
+        seed=spec.seed,
+        what="the training split",
+    )
+    counter, losses, started = WireCounter(), [], time.monotonic()
+    for step in range(spec.steps):
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for mb in sampler.batch(step):
+            loss, links = _forward(stages, mb, codec, params, counter, device)
+            (loss * mb.size / spec.batch_size).backward()  # the last stage, down to its input
+            for boundary in reversed(range(len(links))):
+                out, received = links[boundary]
+                grad = cross_boundary(received.grad, codec, params, counter, boundary=boundary, is_gradient=True)
+                out.backward(grad)
+            step_loss += loss.item() * mb.size / spec.batch_size
+        for optimizer in optimizers:
+            optimizer.step()
+        losses.append(step_loss)
+    train_s = time.monotonic() - started
+    for stage in stages:
+        stage.eval()
+    validation = ValidationBatches(
+        data.val,
+        seq_len=config.seq_len,
+        batch_size=spec.batch_size,
+        microbatch_size=spec.microbatch_size,
+        count=spec.eval_batches,
+    )
+    with torch.no_grad():
+        microbatches = [mb for batch in validation.batches() for mb in batch]
+        val_loss = sum(_forward(stages, mb, codec, params, None, device)[0].item() for mb in microbatches)
+        val_exact = sum(_forward(stages, mb, "none", {}, None, device)[0].item() for mb in microbatches)
+    tokens = spec.steps * spec.tokens_per_step
+    return {
+        "codec": codec,
+        "label": FP32_LABEL if codec == "none" else codec,
+        "params": params,
+        "steps": spec.steps,
+        "tokens": tokens,
+        "activation_bytes_per_token": counter.activation_bytes / tokens,
+        "gradient_bytes_per_token": counter.gradient_bytes / tokens,
+        "bytes_per_token": (counter.activation_bytes + counter.gradient_bytes) / tokens,
+        "val_loss": val_loss / len(microbatches),
+        "val_loss_exact": val_exact / len(microbatches),
+        "initial_train_loss": losses[0],
+        "final_train_loss": sum(losses[-5:]) / len(losses[-5:]),
+        "train_losses": [round(loss, 5) for loss in losses],
+        "train_s": train_s,
+    }
+
+
+def compare_to_fp32(rows: list[dict]) -> None:
+    """Add each row's ratios to the fp32 row (when there is one): bytes and validation loss."""
+    fp32 = next((row for row in rows if row["codec"] == "none"), None)
+    for row in rows:
+        if fp32 is None:
+            row["fewer_bytes_than_fp32"] = row["val_loss_ratio_to_fp32"] = None
+            continue
+        row["fewer_bytes_than_fp32"] = fp32["bytes_per_token"] / row["bytes_per_token"]
+        row["val_loss_ratio_to_fp32"] = row["val_loss"] / fp32["val_loss"]
+
+
+def run_table(spec: RunSpec, codecs: list[tuple[str, dict]], say=print) -> dict:
+    """Every codec's row on the same data, seed and budget; the JSON the benchmark writes."""
+    config = get_model_config(spec.model)
+    data = open_data(None, say=lambda *_: None)  # the trainer's default corpus, prepared once
+    say(
+        f"in-process: {spec.model} in {spec.stages} stages on {spec.device}, {spec.steps} steps x "
+        f"{spec.tokens_per_step:,} tokens = {spec.steps * spec.tokens_per_step:,} training tokens per row"
+    )
+    rows = []
+    for codec, params in codecs:
+        row = train_row(spec, codec, params, data)
+        rows.append(row)
+        say(
+            f"{row['label']:<6} act {row['activation_bytes_per_token']:>8,.1f} B/token  grad "
+            f"{row['gradient_bytes_per_token']:>8,.1f} B/token  val loss {row['val_loss']:.4f} "
+            f"(exact {row['val_loss_exact']:.4f})  train {row['train_s']:.0f} s"
+        )
+    compare_to_fp32(rows)
+    return {
+        "mode": "in-process",
+        "model": spec.model,
+        "stages": spec.stages,
+        "boundaries": spec.stages - 1,
+        "hidden": config.d_model,
+        "seq_len": config.seq_len,
+        "steps": spec.steps,
+        "tokens_per_row": spec.steps * spec.tokens_per_step,
+        "batch_size": spec.batch_size,
+        "microbatch_size": spec.microbatch_size,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        "eval_batches": spec.eval_batches,
+        "device": spec.device,
+        "results": rows,
+    }
+
+
+def table_lines(out: dict) -> list[str]:
+    """The convergence table, one line per row."""
+    lines = ["codec   act B/token  grad B/token  fewer bytes  val loss  vs fp32  (exact weights)"]
+    for row in out["results"]:
+        fewer = f"{row['fewer_bytes_than_fp32']:>10.2f}x" if row["fewer_bytes_than_fp32"] else "          -"
+        ratio = f"{row['val_loss_ratio_to_fp32'] - 1:+7.2%}" if row["val_loss_ratio_to_fp32"] else "      -"
+        lines.append(
+            f"{row['label']:<6} {row['activation_bytes_per_token']:>12,.1f} {row['gradient_bytes_per_token']:>13,.1f}"
+            f"  {fewer}  {row['val_loss']:>8.4f}  {ratio}  ({row['val_loss_exact']:.4f})"
+        )
+    return lines
