@@ -17,7 +17,18 @@ from wire.compression.int4 import int4_nbytes
 def test_in_process_table_counts_boundary_bytes_from_the_encoded_payloads(tmp_path):
     out = tmp_path / "table.json"
     argv = ["--in-process", "--model", "tiny", "--stages", "3", "--tokens", "64", "--batch-size", "2"]
-    argv += ["--microbatch-size", "1", "--eval-batches", "1", "--codecs", "fp32,int8,int4", "--out", str(out)]
+    argv += [
+        "--microbatch-size",
+        "1",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+        "--codecs",
+        "fp32,int8,int4",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     config = get_model_config("tiny")
