@@ -59,3 +59,28 @@ def test_a_replica_scaling_its_outputs_is_banned_by_spot_checks(make_swarm, tmp_
     microbatches = 4 * 8 // 2  # a forward and a backward each, plus a check's second answer (at least)
     assert sum(c["calls_answered"] for c in contributions.values() if c["stage"] == 0) >= 2 * microbatches + 1
     assert sum(contributions[peer_id(p)]["calls_verified"] for p in honest[:2]) >= report["calls_verified"]
+
+
+def test_each_other_plausible_lie_is_banned_with_nothing_lost(make_swarm, tmp_path):
+    """noise, replay and stale, one liar at a time among three replicas of stage 0 of one swarm: each
+    liar joins with the replicas' current state (so only its lie sets it apart), a trainer with
+    --verify-fraction 0.5 bans it, finishes, and loses nothing; the liar then leaves."""
+    swarm = make_swarm(num_stages=2, peer_args=PEER_ARGS)
+    swarm.start_bootstrap()
+    honest = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1)]
+    swarm.wait_online(honest)
+    for mode in ("noise", "replay", "stale"):
+        liar = swarm.start_peer(0, "--fault-garbage", mode, "--fault-garbage-rate", "1.0", name=f"liar-{mode}")
+        swarm.wait_online([liar])
+        report_path = tmp_path / f"report-{mode}.json"
+        trainer = swarm.start_trainer(
+            *("--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
+            *("--refresh-period-s", "1", "--verify-fraction", "0.5", "--report", str(report_path)),
+            name=f"trainer-{mode}",
+        )
+        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+        report = json.loads(report_path.read_text())
+        assert report["completed"] and report["microbatches_lost"] == 0, (mode, report)
+        assert list(report["banned_peers"]) == [peer_id(liar)], (mode, report["banned_peers"])
+        assert report["contributions"][peer_id(liar)]["mismatches"] >= 1, mode
+        liar.stop()
