@@ -224,6 +224,14 @@ class ReplicaSettings:
     )
     outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
+    sync_delay: int = option(
+        0,
+        help="sync mode: 0 = each commit waits for the replicas' all-reduce and step (exact, as one "
+        "process); 1 = the commit answers at once and the averaged update is applied at the next "
+        "commit, so the next step computes on parameters one update old (overlapped; see "
+        "peers/replicas/delayed_sync.py and benchmarks/RESULTS.md)",
+        choices=[0, 1],
+    )
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
 
     def __post_init__(self) -> None:
@@ -247,6 +255,10 @@ class ReplicaSettings:
             raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
         if self.outer_lr > 0 and self.averaging != "periodic":
             raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
+        if self.sync_delay not in (0, 1):
+            raise ConfigError("--sync-delay must be 0 (exact) or 1 (one step late, overlapped)")
+        if self.sync_delay and self.averaging != "sync":
+            raise ConfigError("--sync-delay delays sync averaging's update: use it with --averaging sync")
 
     @property
     def schedule(self) -> AveragingSchedule:

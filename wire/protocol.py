@@ -178,6 +178,9 @@ class CommitRequest(BaseModel):
     # completed (so that replica's update holds this one's gradients); drop the accumulated gradients
     # and load that replica's state instead of averaging
     catch_up_from: str | None = Field(default=None, min_length=1, max_length=128)
+    # sync averaging with a one-step delay (`--sync-delay 1`): the run's steps are over; apply the
+    # update still in flight and start no new round (replicas without a delay answer at once)
+    flush: bool = False
 
 
 class CommitResponse(BaseModel):
@@ -188,6 +191,9 @@ class CommitResponse(BaseModel):
     group_size: int = 1
     samples: int = 0
     steps_done: int = 0
+    # sync averaging with a one-step delay: this commit's round runs in the background and is applied
+    # at the next commit; `stepped`/`averaged` above then tell the outcome of the previous step's round
+    pending: bool = False
     error: str | None = Field(default=None, max_length=4096)
 
 

@@ -27,6 +27,7 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.delayed_sync import DelayedGradientSync
 from process.config import ConfigError
 
 
@@ -105,7 +106,11 @@ class StageBuilder:
         members = () if config.authority.run is not None else None
         if replicas.averaging == "sync":
             miss_round = config.faults.fault_miss_sync_round
-            averaging = (partial(RoundMissingSync, miss_round=miss_round) if miss_round else GradientSync)(
+            sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
+            if miss_round:  # the fault's round taken as failed, in either mode
+                faulty = type(f"RoundMissing{sync_class.__name__}", (RoundMissingSync, sync_class), {})
+                sync_class = partial(faulty, miss_round=miss_round)
+            averaging = sync_class(
                 runtime,
                 self.dht,
                 config.model,

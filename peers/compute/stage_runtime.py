@@ -353,6 +353,23 @@ class StageRuntime:
         n = max(self.samples_accumulated, 1)
         return [grad_sum / n for grad_sum in self.grad_sums]
 
+    def take_accumulated(self) -> tuple[list[torch.Tensor], int]:
+        """Move the step's gradients aside (sync averaging with a one-step delay): their mean and
+        sample count; the accumulation starts afresh, the parameters and step count stay."""
+        taken = (self.local_mean_gradients(), self.samples_accumulated)
+        for grad_sum in self.grad_sums:
+            grad_sum.zero_()
+        self.samples_accumulated = 0
+        self.accumulated_ids.clear()
+        return taken
+
+    def add_accumulated(self, mean_gradients: list[torch.Tensor], samples: int) -> None:
+        """Put gradients taken aside back into the accumulation (their round failed: they carry
+        over to the next one), weighted by their samples as if accumulated here."""
+        for grad_sum, mean in zip(self.grad_sums, mean_gradients):
+            grad_sum.add_(mean, alpha=samples)
+        self.samples_accumulated += samples
+
     def apply_gradients(self, mean_gradients: list[torch.Tensor]) -> None:
         """One optimizer step with the given mean gradients (local, or averaged across replicas),
         then start a new accumulation. Non-finite gradients (a NaN or inf loss) skip the step with a

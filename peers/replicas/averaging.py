@@ -80,6 +80,7 @@ class AveragingOutcome:
     samples: int  # samples behind the applied update (sync mode) or the local step (periodic by steps)
     stepped: bool  # sync and periodic by steps: the replica took an optimizer step on this commit
     outer_stepped: bool = False  # periodic: an outer (DiLoCo) step followed the round
+    pending: bool = False  # sync with a one-step delay: this commit's round is in flight (applied at the next)
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,10 @@ class GradientSync(ReplicaAveraging):
         saw each replica serve in the step; no replica weighs more than its count in the round."""
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False)
+        return self.average_and_step(group_size, samples)
+
+    def average_and_step(self, group_size: int, samples: Mapping[str, int] | None) -> AveragingOutcome:
+        """The exact barrier: all-reduce what this replica accumulated with the group, then step."""
         local_samples = self.runtime.samples_accumulated
         caps = dict(samples) if samples else None
         with self.averager.get_tensors() as buffers:
@@ -297,20 +302,23 @@ class GradientSync(ReplicaAveraging):
                     f"not stepping, the gradients carry over to the next commit"
                 )
                 return AveragingOutcome(False, 1, 0, stepped=False)
-        total = (
-            sum(
-                int(round(capped_weight(w, None if caps is None else caps.get(p.to_base58(), 0))))
-                for p, w in gathered.items()
-            )
-            if gathered
-            else local_samples
-        )
+        total = samples_in_round(gathered, caps) if gathered else local_samples
         if total == 0:
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
-        with self.averager.get_tensors() as buffers:
-            mean_gradients = [buffer.clone() for buffer in buffers]
-        self.runtime.apply_gradients(mean_gradients)
+        self.runtime.apply_gradients(self.averaged_gradients())
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
+
+    def averaged_gradients(self) -> list[torch.Tensor]:
+        """A copy of the averager's buffers: after a round, the group's mean gradients."""
+        with self.averager.get_tensors() as buffers:
+            return [buffer.clone() for buffer in buffers]
+
+
+def samples_in_round(gathered: Mapping, caps: Mapping[str, int] | None) -> int:
+    """The samples behind a sync round's mean: each member's weight, capped at what the trainer saw it serve."""
+    return sum(
+        int(round(capped_weight(w, None if caps is None else caps.get(p.to_base58(), 0)))) for p, w in gathered.items()
+    )
 
 
 class ParameterAveraging(ReplicaAveraging):

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from functools import partial
 
 import hivemind
 from hivemind.proto import runtime_pb2
@@ -27,6 +28,7 @@ from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_members import AveragingMembers
+from peers.replicas.delayed_sync import DelayedGradientSync
 from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
@@ -87,7 +89,20 @@ class ReplicaSyncService:
                 return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
-            if isinstance(averaging, GradientSync):
+            if isinstance(averaging, DelayedGradientSync):
+                loop = asyncio.get_running_loop()
+                # the round in flight ends in the averager's process: wait for it here, not on the compute thread
+                await loop.run_in_executor(None, averaging.wait_in_flight)
+                outcome = await loop.run_in_executor(
+                    self.compute,
+                    partial(averaging.commit, flush=commit.flush),
+                    commit.step_id,
+                    commit.group_size,
+                    commit.samples,
+                )
+            elif commit.flush:  # only a delayed update has anything to flush
+                outcome = None
+            elif isinstance(averaging, GradientSync):
                 outcome = await asyncio.get_running_loop().run_in_executor(
                     self.compute, averaging.commit, commit.step_id, commit.group_size, commit.samples
                 )
@@ -110,6 +125,7 @@ class ReplicaSyncService:
                     group_size=outcome.group_size,
                     samples=outcome.samples,
                     steps_done=serving.runtime.steps_done,
+                    pending=outcome.pending,
                 )
             )
         except ProtocolError as e:

@@ -154,6 +154,7 @@ class StageClient:
         timeout_s: float,
         samples: dict[str, int] | None = None,
         catch_up_from: str | None = None,
+        flush: bool = False,
     ) -> CommitResponse:
         """Sync averaging: tell one replica the step is over (`samples`: what each replica of the
         stage served in it, which caps its weight in the round). Raises PeerCallError on failure."""
@@ -167,6 +168,7 @@ class StageClient:
                 samples=samples or {},
                 credential=self.credential,
                 catch_up_from=catch_up_from,
+                flush=flush,
             )
         )
         try:

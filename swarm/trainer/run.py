@@ -247,6 +247,8 @@ async def train(
                 say(f"step {step + 1}: validation loss {eval_loss:.4f} ({evaluation.eval_batches} batches)")
                 if reporting.report:
                     report.write(reporting.report)
+        if report.steps > first_step:  # replicas with a one-step delay apply the last step's update
+            await schedule.flush(f"{schedule.run_id}:{report.steps}:flush")
         report.stopped_early = stop.is_set() and report.steps < batches.steps
         report.completed = not report.stopped_early
         if report.stopped_early:

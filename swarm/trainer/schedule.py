@@ -28,8 +28,10 @@ ROUND_RETRIES = 2  # commits again of a stage whose sync round failed everywhere
 
 def round_failed(answers: dict[str, CommitResponse]) -> bool:
     """Whether a stage's sync replicas all answered without averaging or stepping: their round failed
-    (a lone replica averages with nobody, and with no sample it has nothing to step on)."""
-    return len(answers) > 1 and not any(a.stepped or a.averaged for a in answers.values())
+    (a lone replica averages with nobody, and with no sample it has nothing to step on). Replicas
+    with a one-step delay that started a new round (`pending`) carry a failed round's gradients into
+    it themselves: nothing to commit again."""
+    return len(answers) > 1 and not any(a.stepped or a.averaged or a.pending for a in answers.values())
 
 
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
@@ -138,7 +140,13 @@ class StepSchedule:
         await self.commit_step(f"{self.run_id}:{microbatches[0].step}")
         return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
 
-    async def commit_step(self, step_id: str, timeout_s: float = 120.0) -> None:
+    async def flush(self, step_id: str, timeout_s: float = 120.0) -> None:
+        """After the run's last step: sync replicas with a one-step delay apply the update still in
+        flight (the others answer at once); a round that failed is committed again and a replica
+        that missed one is repaired, as after any step."""
+        await self.commit_step(step_id, timeout_s, flush=True)
+
+    async def commit_step(self, step_id: str, timeout_s: float = 120.0, *, flush: bool = False) -> None:
         """Commit the step on every averaging replica of every stage, all at once: sync replicas
         meet in one all-reduce per stage and step; periodic replicas that average every K steps
         step on the commit (and average after every K-th); periodic replicas on a period answer
@@ -151,12 +159,12 @@ class StepSchedule:
         groups = [
             (stage, mode, group)
             for stage, records in enumerate(self.view.records)
-            for mode in ("sync", "periodic")
+            for mode in (("sync",) if flush else ("sync", "periodic"))
             for group in commit_groups(
                 [r.peer_id for r in records if r.averaging == mode], self.view.averaging_members(stage)
             )
         ]
-        sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s)
+        sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush)
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
 
@@ -178,7 +186,7 @@ class StepSchedule:
                     f"committing again ({attempt}/{ROUND_RETRIES})"
                 )
             again = [(stage, "sync", [p for p in averaging[stage] if p in sync_answers[stage]]) for stage in failed]
-            sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s))
+            sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s, flush=flush))
         else:
             for stage in failed_stages():
                 logger.warning(
@@ -193,6 +201,8 @@ class StepSchedule:
         groups: list[tuple[int, str, list[str]]],
         served: dict[int, dict[str, int]],
         timeout_s: float,
+        *,
+        flush: bool = False,
     ) -> dict[int, dict[str, CommitResponse]]:
         """Commit `step_id` on every replica of `groups` ((stage, mode, peer ids)); the sync replicas'
         answers by stage and peer id. A replica whose commit fails is banned."""
@@ -208,6 +218,7 @@ class StepSchedule:
                     group_size=len(group),
                     timeout_s=timeout_s,
                     samples={p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" else None,
+                    flush=flush,
                 ),
             )
             for stage, mode, group in groups

@@ -20,6 +20,7 @@ from peers.replicas.averaging import (
     wire_bytes_per_value,
 )
 from peers.replicas.averaging_schedule import AveragingSchedule
+from peers.replicas.delayed_sync import DelayedGradientSync
 
 
 def test_a_replica_alone_moves_nothing_and_a_pair_moves_its_whole_tensor_each_way():
@@ -136,3 +137,80 @@ def test_a_failed_periodic_round_keeps_the_local_step_and_a_lone_replica_does_no
     assert not all(torch.equal(p, b) for p, b in zip(runtime.params, before))  # the step was not lost
     alone = averaging.commit("run:1", group_size=1)
     assert alone.stepped and not alone.averaged and averaging.rounds_tried == [(1, 2)]
+
+
+class _ControlledDelayed(DelayedGradientSync):
+    """DelayedGradientSync without a DHT: a round 'averages' this replica's buffers with nobody's
+    (they keep its own mean); whether it succeeds, and with what weights, is set by the test."""
+
+    def __init__(self, runtime: StageRuntime, round_result):
+        self.runtime, self.committed, self.round_result, self.in_flight = runtime, set(), round_result, None
+        runtime.auto_step = False
+        self.averager = self
+        self.buffers = [torch.zeros_like(p) for p in runtime.params]
+        self.weights: list[float] = []  # each round's weight, as started
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        yield self.buffers
+
+    def set_weight_caps(self, caps):
+        self.caps = caps
+
+    def begin_round(self, group_size: int, weight: float, *args, **kwargs):
+        self.weights.append(weight)
+        return weight  # stands in for the round's control
+
+    def finish_round(self, control):
+        return self.round_result(control)
+
+    def record_failure(self) -> None:
+        pass
+
+
+def _accumulate(runtime: StageRuntime, microbatch_id: str, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, 256, (2, runtime.config.seq_len), generator=generator)
+    grad_outputs = torch.randn(2, runtime.config.seq_len, runtime.config.d_model, generator=generator)
+    runtime.backward(microbatch_id, inputs, grad_outputs=grad_outputs)
+
+
+def test_a_delayed_commit_answers_at_once_and_applies_the_update_at_the_next_commit():
+    runtime = _runtime_with_gradients()
+    initial = [p.detach().clone() for p in runtime.params]
+    first = [g.clone() for g in runtime.local_mean_gradients()]
+    sync = _ControlledDelayed(runtime, round_result=lambda weight: {"self": weight, "other": 2.0})
+    outcome = sync.commit("run:0", group_size=2)
+    assert outcome.pending and not outcome.stepped and runtime.steps_done == 0 and runtime.samples_accumulated == 0
+    assert all(torch.equal(p, b) for p, b in zip(runtime.params, initial))  # step 1 computes on these
+    _accumulate(runtime, "mb1", seed=1)
+    outcome = sync.commit("run:1", group_size=2)
+    assert outcome.pending and outcome.stepped and outcome.averaged and outcome.samples == 4
+    assert runtime.steps_done == 1
+    for param, before, gradient in zip(runtime.params, initial, first):  # SGD at lr 0.1 on step 0's gradient
+        torch.testing.assert_close(param.detach(), before - 0.1 * gradient, atol=1e-6, rtol=0)
+    assert sync.commit("run:1", group_size=2).stepped is False and runtime.steps_done == 1  # a retry
+    flushed = sync.commit("run:flush", group_size=2, flush=True)
+    assert flushed.stepped and not flushed.pending and runtime.steps_done == 2 and sync.in_flight is None
+    assert sync.commit("run:flush2", group_size=2, flush=True).stepped is False  # nothing left to apply
+
+
+def test_a_failed_delayed_round_carries_its_gradients_into_the_next_round():
+    runtime = _runtime_with_gradients()
+    results = iter([None, {"self": 4.0, "other": 4.0}])
+    sync = _ControlledDelayed(runtime, round_result=lambda weight: next(results))
+    sync.commit("run:0", group_size=2)
+    _accumulate(runtime, "mb1", seed=1)
+    outcome = sync.commit("run:1", group_size=2)  # step 0's round failed: nothing applied, still pending
+    assert not outcome.stepped and outcome.pending and runtime.steps_done == 0
+    assert runtime.samples_accumulated == 2  # step 0's gradients, back in the accumulation
+    _accumulate(runtime, "mb2", seed=2)
+    sync.commit("run:2", group_size=2)
+    assert sync.weights == [2.0, 2.0, 4.0]  # step 2's round carries step 0's samples along
+
+
+def test_a_lone_delayed_replica_steps_one_commit_late_too():
+    runtime = _runtime_with_gradients()
+    sync = _ControlledDelayed(runtime, round_result=lambda weight: pytest.fail("a lone replica has no round"))
+    assert sync.commit("run:0", group_size=1).stepped is False and runtime.steps_done == 0
+    assert sync.commit("run:1", group_size=1).stepped and runtime.steps_done == 1

@@ -1,0 +1,148 @@
+"""Sync averaging with a one-step delay (`--averaging sync --sync-delay 1`): agreement overlapped
+with compute, as hivemind's Optimizer does with `delay_optimizer_step` / `delay_grad_averaging`.
+
+The exact barrier (`GradientSync`, peers/replicas/averaging.py) answers the trainer's commit only
+once the replicas have all-reduced the step's gradients and stepped, so the next step's first
+microbatch waits for a whole round. Here the commit of step t, on the compute thread:
+1. moves step t's accumulated gradients aside (the accumulation starts afresh);
+2. finishes the round of step t-1 (started at the previous commit; the RPC handler has already
+   waited for it off the compute thread) and applies its averaged gradient with one optimizer step;
+3. puts step t's gradients in the averager's buffers and starts their round, which matchmakes and
+   all-reduces in the averager's own process while the trainer runs step t+1;
+and answers at once, with the outcome of step t-1's round (`pending`: step t's is in flight).
+
+So step t+1's forwards and backwards run on the parameters after update t-1: every update is
+applied exactly one step late, on every replica alike (a deterministic schedule, not a race), and a
+one-process run with the same delay computes the same parameters (tests/integration/test_replicas.py).
+A replica alone in its stage delays its own step the same way. The trainer's last commit leaves one
+round in flight: the trainer then sends a flush (`CommitRequest.flush`), which finishes and applies
+it and starts nothing.
+
+A round that fails puts its gradients back into the accumulation: they join the next step's round
+(no replica steps on them alone, so the replicas stay equal). One that fails on one side only
+shows in the answers as it does in exact mode (one replica stepped after averaging, another did not),
+and the trainer's repair applies: the replica that missed it drops its accumulation (exactly the
+carried gradients, which its partner's update holds) and loads its partner's state; its round of
+the next step, already in flight with the partner's, goes on.
+
+Not covered: a replica that joins mid-run downloads parameters without the update in flight on the
+others, and a stage move drops the round in flight; with a delay both leave that replica one update
+apart from the others (exact mode has neither gap).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+from hivemind.averaging.control import StepControl
+
+from peers.replicas.averaging import AveragingOutcome, GradientSync, samples_in_round
+from peers.replicas.averaging_members import MIN_WEIGHT
+
+logger = logging.getLogger(__name__)
+
+SYNC_DELAYS = (0, 1)  # steps an update may lag: 0, the exact barrier; 1, overlapped with the next step
+
+
+@dataclass
+class InFlightRound:
+    """A step's gradients on their way to the update: averaging with the group, or waiting alone."""
+
+    control: StepControl | None  # None: no round (alone in the stage, or it could not start)
+    gradients: list[torch.Tensor]  # this replica's mean gradients of the step (applied alone, or carried over)
+    samples: int
+    caps: dict[str, int] | None
+    alone: bool
+
+
+class DelayedGradientSync(GradientSync):
+    """`sync` with `--sync-delay 1`: each commit applies the previous step's averaged update and
+    starts the averaging of this one, answering without waiting for it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.in_flight: InFlightRound | None = None
+
+    def wait_in_flight(self, timeout_s: float | None = None) -> None:
+        """Block until the round in flight (if any) is over; touches no tensor, so call it on any
+        thread but the compute thread, before `commit`, which then finds the round done."""
+        in_flight = self.in_flight
+        if in_flight is None or in_flight.control is None:
+            return
+        try:
+            in_flight.control.result(timeout=timeout_s if timeout_s is not None else 2 * self.timeout_s + 5.0)
+        except Exception:  # noqa: BLE001 - the outcome is read (and logged) by `finish_round` on the compute thread
+            pass
+
+    def commit(
+        self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None, *, flush: bool = False
+    ) -> AveragingOutcome:
+        """Apply the update in flight, then start averaging this step's gradients (none with `flush`).
+        Answers with the outcome of the update applied. A repeated commit (a trainer retry) does
+        nothing. A flush with no round in flight but carried gradients (every replica's last round
+        failed, the trainer retries) averages and steps on them at once, as exact mode does."""
+        if not self._first_commit_of(step_id):
+            return AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
+        if flush and self.in_flight is None:
+            if self.runtime.samples_accumulated == 0:
+                return AveragingOutcome(False, 1, 0, stepped=False)
+            return self.average_and_step(group_size, samples)
+        gradients, local_samples = self.runtime.take_accumulated()
+        outcome = self.finish_in_flight()
+        if flush:
+            self.runtime.add_accumulated(gradients, local_samples)  # nothing, after the trainer's last commit
+            return outcome
+        self.start_round(gradients, local_samples, group_size, dict(samples) if samples else None)
+        return replace(outcome, pending=True)
+
+    def start_round(
+        self, gradients: list[torch.Tensor], samples: int, group_size: int, caps: dict[str, int] | None
+    ) -> None:
+        """Average `gradients` with the group in the averager's process; `finish_in_flight` applies them."""
+        if group_size < 2:
+            self.in_flight = InFlightRound(None, gradients, samples, caps, alone=True)
+            return
+        with self.averager.get_tensors() as buffers:
+            for buffer, mean in zip(buffers, gradients):
+                buffer.copy_(mean)
+        control = None
+        try:
+            self.averager.set_weight_caps(caps)
+            control = self.begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
+        except Exception as e:  # noqa: BLE001 - a round that cannot start is a failed round, the peer goes on
+            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
+            self.record_failure()
+        self.in_flight = InFlightRound(control, gradients, samples, caps, alone=False)
+
+    def finish_in_flight(self) -> AveragingOutcome:
+        """Wait for the round in flight, if any, and step on its mean gradients; a failed round's
+        gradients go back into the accumulation. Writes the parameters: call on the compute thread."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            return AveragingOutcome(False, 1, 0, stepped=False)
+        if in_flight.alone:
+            if in_flight.samples == 0:
+                return AveragingOutcome(False, 1, 0, stepped=False)
+            self.runtime.apply_gradients(in_flight.gradients)
+            return AveragingOutcome(False, 1, in_flight.samples, stepped=True)
+        gathered = None if in_flight.control is None else self.finish_round(in_flight.control)
+        if gathered is None:
+            logger.warning(
+                f"stage {self.runtime.stage}: the previous step's averaging round failed; not stepping, "
+                f"its gradients carry over to the next round"
+            )
+            self.runtime.add_accumulated(in_flight.gradients, in_flight.samples)
+            return AveragingOutcome(False, 1, 0, stepped=False)
+        total = samples_in_round(gathered, in_flight.caps)
+        if total == 0:
+            return AveragingOutcome(True, len(gathered), 0, stepped=False)
+        self.runtime.apply_gradients(self.averaged_gradients())
+        return AveragingOutcome(True, len(gathered), total, stepped=True)
+
+    def shutdown(self) -> None:
+        if self.in_flight is not None and self.in_flight.control is not None:
+            self.in_flight.control.cancel()
+        super().shutdown()
