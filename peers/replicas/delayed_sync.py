@@ -16,7 +16,7 @@ applied exactly one step late, on every replica alike (a deterministic schedule,
 one-process run with the same delay computes the same parameters (tests/integration/test_replicas.py).
 A replica alone in its stage delays its own step the same way. The trainer's last commit leaves one
 round in flight: the trainer then sends a flush (`CommitRequest.flush`), which finishes and applies
-it and starts nothing.
+it and starts nothing (if that round failed, the flush averages its gradients again, at once).
 
 A round that fails puts its gradients back into the accumulation: they join the next step's round
 (no replica steps on them alone, so the replicas stay equal). One that fails on one side only
@@ -82,19 +82,19 @@ class DelayedGradientSync(GradientSync):
     ) -> AveragingOutcome:
         """Apply the update in flight, then start averaging this step's gradients (none with `flush`).
         Answers with the outcome of the update applied. A repeated commit (a trainer retry) does
-        nothing. A flush with no round in flight but carried gradients (every replica's last round
-        failed, the trainer retries) averages and steps on them at once, as exact mode does."""
+        nothing. A flush whose round failed averages its gradients again at once, as exact mode does
+        (with a partner whose round did not fail, this one waits for the round's timeout in vain, and
+        then the trainer's repair loads the partner's state)."""
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
-        if flush and self.in_flight is None:
-            if self.runtime.samples_accumulated == 0:
-                return AveragingOutcome(False, 1, 0, stepped=False)
-            return self.average_and_step(group_size, samples)
         gradients, local_samples = self.runtime.take_accumulated()
         outcome = self.finish_in_flight()
         if flush:
-            self.runtime.add_accumulated(gradients, local_samples)  # nothing, after the trainer's last commit
-            return outcome
+            self.runtime.add_accumulated(gradients, local_samples)  # none, after the trainer's last commit
+            if outcome.stepped or self.runtime.samples_accumulated == 0:
+                return outcome
+            # the last round failed (its gradients are back in the accumulation): average them now, exactly
+            return self.average_and_step(group_size, samples)
         self.start_round(gradients, local_samples, group_size, dict(samples) if samples else None)
         return replace(outcome, pending=True)
 

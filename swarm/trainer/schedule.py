@@ -142,8 +142,8 @@ class StepSchedule:
 
     async def flush(self, step_id: str, timeout_s: float = 120.0) -> None:
         """After the run's last step: sync replicas with a one-step delay apply the update still in
-        flight (the others answer at once); a round that failed is committed again and a replica
-        that missed one is repaired, as after any step."""
+        flight (the others answer at once; one whose round failed averages again, itself); a
+        replica that missed a round its partner completed is repaired, as after any step."""
         await self.commit_step(step_id, timeout_s, flush=True)
 
     async def commit_step(self, step_id: str, timeout_s: float = 120.0, *, flush: bool = False) -> None:
@@ -165,6 +165,9 @@ class StepSchedule:
             )
         ]
         sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush)
+        if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
+            await self._repair_missed_rounds(step_id, sync_answers, timeout_s)
+            return
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
 
@@ -186,7 +189,7 @@ class StepSchedule:
                     f"committing again ({attempt}/{ROUND_RETRIES})"
                 )
             again = [(stage, "sync", [p for p in averaging[stage] if p in sync_answers[stage]]) for stage in failed]
-            sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s, flush=flush))
+            sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s))
         else:
             for stage in failed_stages():
                 logger.warning(
@@ -217,7 +220,10 @@ class StepSchedule:
                     step_id=step_id,
                     group_size=len(group),
                     timeout_s=timeout_s,
-                    samples={p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" else None,
+                    # a flush's own round (a failed last one, again) is weighed by what each replica holds
+                    samples=(
+                        {p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" and not flush else None
+                    ),
                     flush=flush,
                 ),
             )
