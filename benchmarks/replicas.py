@@ -180,8 +180,12 @@ def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[s
         * args.batch_size
         * get_model_config(args.model).seq_len
         / sum(args.batch_size * get_model_config(args.model).seq_len / t for t in report["tokens_per_s_by_step"]),
+        "report_tokens_per_s": report["tokens_per_s"],  # the whole training loop, start-up of the peers excluded
+        "step_end_s": report["step_end_s"],
         "wall_s": time.monotonic() - started,
         "microbatches_lost": report["microbatches_lost"],
+        "sync_round_retries": report.get("sync_round_retries", 0),
+        "replica_catch_ups": report.get("replica_catch_ups", 0),
     }
     if replicas > 1:
         result["max_param_difference_between_replicas"] = {

@@ -1,0 +1,121 @@
+"""What agreement between replicas costs (issue #22): 2 stages x 2 replicas of `small` trained
+without averaging, with exact sync averaging, and with sync averaging one step late, in one run,
+against one replica per stage at equal samples.
+
+    .venv/bin/python benchmarks/replica_speed.py --out benchmarks/out/replica_speed.json
+
+Runs, one after the other, each a real loopback swarm (`LocalSwarm`, through `run` of
+benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on held-out windows):
+* `1 replica`: one peer per stage, the loss reference (as one process, up to the order in which a
+  peer sums a step's microbatch gradients);
+* `2x2 none`: two peers per stage, no averaging, each stepping on its half of every batch: the
+  throughput reference (replicas drift apart, so its loss is not the point);
+* `2x2 sync exact`: `--averaging sync --sync-delay 0`, every commit waits for the all-reduce and step;
+* `2x2 sync delayed`: `--averaging sync --sync-delay 1`, the commit answers at once and the update is
+  applied at the next one (peers/replicas/delayed_sync.py).
+With `--repeats N` the three 2x2 runs are repeated N times, alternating, so that a change in the
+machine's load hits each.
+
+tokens/s: the trainer's step times (its steps only: no start-up, no final flush), as in
+benchmarks/replicas.py; `report_tokens_per_s` is the trainer report's (the whole training loop,
+the flush included). The machine's load (1/5/15 min, `os.getloadavg`) is recorded before and after:
+on a shared machine the figures are only as steady as that load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.replicas import run  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
+
+LAYOUTS = {
+    "2x2 none": (2, "none", ()),
+    "2x2 sync exact": (2, "sync", ("--sync-delay", "0")),
+    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1")),
+}
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each 2x2 layout, alternating")
+    parser.add_argument("--run-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", default="benchmarks/out/replica_speed.json")
+    args = parser.parse_args()
+    args.period_s = 5.0  # read by benchmarks.replicas.run for periodic runs; none here
+    if args.batch_size % (2 * args.microbatch_size):
+        parser.error("--batch-size must be a multiple of 2 x --microbatch-size (two replicas share each batch)")
+
+    load_before = load()
+    print(f"machine load (1/5/15 min) before: {load_before}", flush=True)
+    reference = run("1 replica", args, 1, "none")
+    reference["load_after"] = load()
+    runs = []
+    for repeat in range(args.repeats):
+        for name, (replicas, averaging, extra) in LAYOUTS.items():
+            result = run(name, args, replicas, averaging, extra)
+            result.update(repeat=repeat, load_after=load())
+            runs.append(result)
+    load_after = load()
+    print(f"machine load (1/5/15 min) after: {load_after}", flush=True)
+
+    summary = {}
+    for name in LAYOUTS:
+        mine = [r for r in runs if r["name"] == name]
+        summary[name] = {
+            "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in mine),
+            "tokens_per_s_runs": [round(r["tokens_per_s"]) for r in mine],
+            "report_tokens_per_s": statistics.mean(r["report_tokens_per_s"] for r in mine),
+            "final_loss": statistics.mean(r["final_loss"] for r in mine),
+            "eval_loss": statistics.mean(r["eval_loss"] for r in mine),
+        }
+    none_speed = summary["2x2 none"]["tokens_per_s"]
+    for name, s in summary.items():
+        s["speed_vs_none"] = s["tokens_per_s"] / none_speed
+        s["final_loss_vs_1_replica"] = s["final_loss"] / reference["final_loss"] - 1
+        s["eval_loss_vs_1_replica"] = s["eval_loss"] / reference["eval_loss"] - 1
+
+    print(f"\n{'run':<20}{'tokens/s':>10}{'vs none':>9}{'final loss':>12}{'vs 1':>8}{'eval loss':>11}{'vs 1':>8}")
+    print(f"{'1 replica':<20}{reference['tokens_per_s']:>10.0f}{'':>9}{reference['final_loss']:>12.4f}{'':>8}"
+          f"{reference['eval_loss']:>11.4f}")  # fmt: skip
+    for name, s in summary.items():
+        print(
+            f"{name:<20}{s['tokens_per_s']:>10.0f}{s['speed_vs_none']:>9.2f}{s['final_loss']:>12.4f}"
+            f"{s['final_loss_vs_1_replica']:>+8.2%}{s['eval_loss']:>11.4f}{s['eval_loss_vs_1_replica']:>+8.2%}"
+        )
+    write_report(
+        args.out,
+        {
+            "args": vars(args),
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "load_before": load_before,
+                "load_after": load_after,
+            },
+            "reference": reference,
+            "runs": runs,
+            "summary": summary,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
