@@ -56,6 +56,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each 2x2 layout, alternating")
+    parser.add_argument(
+        "--matchmaking-s", type=float, default=None, help="the sync runs' --averaging-matchmaking-s (peer default 0.5)"
+    )
+    parser.add_argument(
+        "--only", nargs="*", help="run only the 2x2 layouts whose names contain one of these words (1 replica always)"
+    )
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default="benchmarks/out/replica_speed.json")
     args = parser.parse_args()
@@ -67,17 +73,19 @@ def main() -> None:
     print(f"machine load (1/5/15 min) before: {load_before}", flush=True)
     reference = run("1 replica", args, 1, "none")
     reference["load_after"] = load()
+    layouts = {n: layout for n, layout in LAYOUTS.items() if not args.only or any(w in n for w in args.only)}
+    matchmaking = () if args.matchmaking_s is None else ("--averaging-matchmaking-s", str(args.matchmaking_s))
     runs = []
     for repeat in range(args.repeats):
-        for name, (replicas, averaging, extra) in LAYOUTS.items():
-            result = run(name, args, replicas, averaging, extra)
+        for name, (replicas, averaging, extra) in layouts.items():
+            result = run(name, args, replicas, averaging, extra + (matchmaking if averaging == "sync" else ()))
             result.update(repeat=repeat, load_after=load())
             runs.append(result)
     load_after = load()
     print(f"machine load (1/5/15 min) after: {load_after}", flush=True)
 
     summary = {}
-    for name in LAYOUTS:
+    for name in layouts:
         mine = [r for r in runs if r["name"] == name]
         summary[name] = {
             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in mine),
@@ -86,7 +94,7 @@ def main() -> None:
             "final_loss": statistics.mean(r["final_loss"] for r in mine),
             "eval_loss": statistics.mean(r["eval_loss"] for r in mine),
         }
-    none_speed = summary["2x2 none"]["tokens_per_s"]
+    none_speed = summary["2x2 none"]["tokens_per_s"] if "2x2 none" in summary else float("nan")
     for name, s in summary.items():
         s["speed_vs_none"] = s["tokens_per_s"] / none_speed
         s["final_loss_vs_1_replica"] = s["final_loss"] / reference["final_loss"] - 1

@@ -224,6 +224,12 @@ class ReplicaSettings:
     )
     outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
+    averaging_matchmaking_s: float | None = option(
+        None,
+        help="how long hivemind's matchmaking gathers a round's group, in seconds (default 0.5 for sync "
+        "and periodic by steps, 1.0 by time); a round takes about this long plus the all-reduce "
+        "(benchmarks/RESULTS.md), too short and groups may not form on a loaded machine",
+    )
     sync_delay: int = option(
         0,
         help="sync mode: 0 = each commit waits for the replicas' all-reduce and step (exact, as one "
@@ -255,6 +261,8 @@ class ReplicaSettings:
             raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
         if self.outer_lr > 0 and self.averaging != "periodic":
             raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
+        if self.averaging_matchmaking_s is not None and self.averaging_matchmaking_s <= 0:
+            raise ConfigError("--averaging-matchmaking-s must be positive")
         if self.sync_delay not in (0, 1):
             raise ConfigError("--sync-delay must be 0 (exact) or 1 (one step late, overlapped)")
         if self.sync_delay and self.averaging != "sync":

@@ -104,6 +104,9 @@ class StageBuilder:
         averaging = None
         # a run with an authority: only credentialed replicas average (filled in by the host)
         members = () if config.authority.run is not None else None
+        matchmaking = (
+            {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
+        )
         if replicas.averaging == "sync":
             miss_round = config.faults.fault_miss_sync_round
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
@@ -118,6 +121,7 @@ class StageBuilder:
                 compression=replicas.averaging_compression or "none",
                 on_round=self.on_averaging_round,
                 members=members,
+                **matchmaking,
             )
         elif replicas.averaging == "periodic":
             averaging = ParameterAveraging(
@@ -130,6 +134,7 @@ class StageBuilder:
                 outer=replicas.outer,
                 on_round=self.on_averaging_round,
                 members=members,
+                **matchmaking,
             )
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)

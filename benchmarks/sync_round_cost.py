@@ -1,0 +1,100 @@
+"""Where a sync round's time goes (issue #22): hivemind's matchmaking against the all-reduce itself,
+for two replicas of one stage on loopback, without a trainer.
+
+    .venv/bin/python benchmarks/sync_round_cost.py --model tiny --rounds 10 --out benchmarks/out/sync_round_cost.json
+
+Two `GradientSync` averagers (each with its own DHT node, as two peers) of stage 0 of 2 start a
+round together (`begin_round(..., wait_for_trigger=True)`, as a commit does, but held before the
+all-reduce); the time until both have a group is matchmaking, the time from the trigger until both
+have the averaged tensors is the all-reduce. The machine's load is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report_file import write_report  # noqa: E402
+from models.config import get_model_config  # noqa: E402
+from peers.compute.stage_runtime import StageRuntime  # noqa: E402
+from peers.replicas.averaging import GradientSync, ParameterAveraging  # noqa: E402
+
+
+def one_round(replicas: list[GradientSync], pool: ThreadPoolExecutor) -> tuple[float, float]:
+    start = time.perf_counter()
+    controls = [r.begin_round(len(replicas), weight=1.0, wait_for_trigger=True) for r in replicas]
+    while not all(ParameterAveraging.group_ready(c) for c in controls):
+        time.sleep(0.002)
+    matched = time.perf_counter()
+    results = list(pool.map(lambda rc: rc[0].finish_round(rc[1]), zip(replicas, controls)))
+    done = time.perf_counter()
+    if any(r is None for r in results):
+        raise RuntimeError("a round failed")
+    return matched - start, done - matched
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--matchmaking-s", type=float, default=0.5, help="min_matchmaking_time (GradientSync's default)"
+    )
+    parser.add_argument("--out", default="benchmarks/out/sync_round_cost.json")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    config = get_model_config(args.model)
+    first = hivemind.DHT(start=True)
+    dhts = [first, hivemind.DHT(start=True, initial_peers=[str(a) for a in first.get_visible_maddrs()])]
+    replicas = [
+        GradientSync(StageRuntime(config, 0, 2), dht, args.model, matchmaking_s=args.matchmaking_s) for dht in dhts
+    ]
+    values = replicas[0].num_values
+    try:
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            one_round(replicas, pool)  # warm-up: first DHT lookups
+            rounds = [one_round(replicas, pool) for _ in range(args.rounds)]
+    finally:
+        for r in replicas:
+            r.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+    matchmaking, allreduce = [m for m, _ in rounds], [a for _, a in rounds]
+    summary = {
+        "values": values,
+        "matchmaking_s_median": statistics.median(matchmaking),
+        "allreduce_s_median": statistics.median(allreduce),
+        "matchmaking_s": matchmaking,
+        "allreduce_s": allreduce,
+    }
+    print(
+        f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds: matchmaking median "
+        f"{summary['matchmaking_s_median']:.3f} s, all-reduce median {summary['allreduce_s_median']:.3f} s",
+        flush=True,
+    )
+    write_report(
+        args.out,
+        {
+            "args": vars(args),
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "load_before": load_before,
+                "load_after": os.getloadavg(),
+            },
+            "summary": summary,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
