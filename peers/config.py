@@ -37,6 +37,7 @@ from peers.compute.stage_runtime import OptimizerSettings
 from peers.placement.link_probe import ProbeSettings
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterSettings
+from peers.replicas.robust_mean import ROBUST_METHODS
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
 from wire.protocol import STATE_REQUEST_INTERVAL_S
@@ -209,6 +210,15 @@ class ReplicaSettings:
     )
     outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
+    robust_averaging: str = option(
+        "clip",
+        help="how a replica averages the part of the all-reduce it reduces, in groups of 3 or more: clip "
+        "(default: CenteredClip around the coordinate-wise median; the plain mean unless a contribution "
+        "stands out, and one liar moves the result at most a few times the honest spread), trim "
+        "(coordinate-wise trimmed mean; never exactly the mean), none (plain weighted mean). A group of "
+        "two cannot tell the liar: plain mean (peers/replicas/robust_mean.py)",
+        choices=list(ROBUST_METHODS),
+    )
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
 
     def __post_init__(self) -> None:

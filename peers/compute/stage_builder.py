@@ -22,7 +22,7 @@ from models.init_weights import InitWeightsError, load_stage_weights
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.checkpoint import checkpoint_path
-from peers.compute.faults import FaultyStageRuntime, RoundMissingSync
+from peers.compute.faults import FaultyStageRuntime, LyingGradientSync, LyingParameterAveraging, RoundMissingSync
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
@@ -104,8 +104,13 @@ class StageBuilder:
         # a run with an authority: only credentialed replicas average (filled in by the host)
         members = () if config.authority.run is not None else None
         if replicas.averaging == "sync":
-            miss_round = config.faults.fault_miss_sync_round
-            averaging = (partial(RoundMissingSync, miss_round=miss_round) if miss_round else GradientSync)(
+            miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
+            sync_kind = GradientSync
+            if miss_round:
+                sync_kind = partial(RoundMissingSync, miss_round=miss_round)
+            elif lie != "none":
+                sync_kind = partial(LyingGradientSync, lie=lie)
+            averaging = sync_kind(
                 runtime,
                 self.dht,
                 config.model,
@@ -113,9 +118,11 @@ class StageBuilder:
                 compression=replicas.averaging_compression or "none",
                 on_round=self.on_averaging_round,
                 members=members,
+                robust=replicas.robust_averaging,
             )
         elif replicas.averaging == "periodic":
-            averaging = ParameterAveraging(
+            lie = config.faults.fault_averaging
+            averaging = (ParameterAveraging if lie == "none" else partial(LyingParameterAveraging, lie=lie))(
                 runtime,
                 self.dht,
                 config.model,
@@ -125,6 +132,7 @@ class StageBuilder:
                 outer=replicas.outer,
                 on_round=self.on_averaging_round,
                 members=members,
+                robust=replicas.robust_averaging,
             )
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)

@@ -62,6 +62,7 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.replicas.averaging_members import MIN_WEIGHT, MemberAverager, capped_weight
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterOptimizer, OuterSettings
+from peers.replicas.robust_mean import ROBUST_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +130,15 @@ class ReplicaAveraging:
         compression: str,
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
+        robust: str = "clip",
     ):
         """`members`: the peers allowed in a round (peers/replicas/averaging_members.py), kept fresh
-        with `set_members`; None: anyone (no run authority)."""
+        with `set_members`; None: anyone (no run authority). `robust`: how the part this replica
+        reduces is averaged over its senders (peers/replicas/robust_mean.py)."""
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
+        if robust not in ROBUST_METHODS:
+            raise ValueError(f"unknown robust averaging {robust!r}; use one of {', '.join(ROBUST_METHODS)}")
         self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
         self.committed: set[str] = set()  # step ids already committed (a trainer retries unanswered commits)
         codec = COMPRESSIONS[compression]()
@@ -143,6 +148,7 @@ class ReplicaAveraging:
             tensors,
             dht,
             members=members,
+            robust=robust,
             start=False,
             prefix=prefix,
             min_matchmaking_time=matchmaking_s,
@@ -257,6 +263,7 @@ class GradientSync(ReplicaAveraging):
         compression: str = "none",
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
+        robust: str = "clip",
     ):
         self.runtime = runtime
         runtime.auto_step = False
@@ -270,6 +277,7 @@ class GradientSync(ReplicaAveraging):
             compression=compression,
             on_round=on_round,
             members=members,
+            robust=robust,
         )
 
     def commit(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
@@ -332,6 +340,7 @@ class ParameterAveraging(ReplicaAveraging):
         outer: OuterSettings | None = None,
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
+        robust: str = "clip",
     ):
         self.runtime, self.rounds_schedule = runtime, schedule
         self.outer = OuterOptimizer(outer) if outer is not None else None
@@ -350,6 +359,7 @@ class ParameterAveraging(ReplicaAveraging):
             compression=compression,
             on_round=on_round,
             members=members,
+            robust=robust,
         )
 
     def next_round_time(self) -> float:
