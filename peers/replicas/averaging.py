@@ -31,6 +31,11 @@ crosses the wire and stays exact. So with fp16 (2 bytes a value) or int8 (blockw
 those differences (measured after one sync step of the tiny model with SGD at lr 0.5: fp16 6e-5
 apart, int8 1.6e-3); uncompressed, they agree exactly. Hence none by default.
 
+Robust reduction (`--robust-averaging`, default clip): in a round of three or more replicas, each
+part of the all-reduce is averaged so that one replica lying in it (gradients or parameters scaled,
+negated) moves the result at most a few times the honest replicas' spread; when no contribution
+stands out the result is the plain mean (peers/replicas/robust_mean.py has the bound).
+
 Traffic is counted per round (`AveragingRound`, exported as Prometheus counters): with a group of
 n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
 codec's serialized size measured on its own tensors at start-up.

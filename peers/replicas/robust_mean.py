@@ -29,7 +29,8 @@ History for Byzantine Robust Optimization") from c, with radius tau = CLIP_RADIU
   the result by at most a few times the honest replicas' own spread, however large its lie (x10, a
   flipped sign, 1e30); without the clip it moves it by (W_B / W) ||x_b - mu_H||, without limit.
   The weight share W_B / W is bounded too: in sync mode the trainer caps each replica's weight at
-  the samples it saw it serve (`MemberAverager`).
+  the samples it saw it serve (`MemberAverager`). Periodic mode has no caps (every replica sends
+  weight 1, and a liar may declare more): there only the second, weight-free bound holds.
 - What it does not give: a lie no larger than the honest spread passes (a flipped gradient of a
   replica whose gradients are mostly noise looks like one more noisy replica; it moves the result
   no more than an honest replica's noise does). Honest replicas with very uneven deviations (one
