@@ -23,7 +23,7 @@ both applied in the averager's own process:
   equals the plain mean when nobody's contribution stands out). `RobustPartReducer` keeps every
   sender's part until all have arrived, then reduces them at once.
 
-Without a member list (no run authority) it behaves as hivemind's own averager.
+Without a member list (no run authority), anyone may join, as with hivemind's own averager.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ class _SenderParts:
 
 class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer of this replica's parts, reducing each part robustly over its senders
-    (`method`, peers/replicas/robust_mean.py) instead of summing them as they arrive. Counts the
-    parts where a sender was clipped, and how far the farthest lay beyond the radius."""
+    (`method`, peers/replicas/robust_mean.py) instead of summing them as they arrive, and counts
+    the parts where a sender was clipped. A part with fewer than three senders gets the plain mean."""
 
     def __init__(self, part_shapes, num_senders: int, *, method: str):
         self.method = method

@@ -37,6 +37,11 @@ History for Byzantine Robust Optimization") from c, with radius tau = CLIP_RADIU
   served far fewer samples than the others, so its mean gradient is much noisier) may be clipped:
   the result is then not exactly the mean (still the same on every replica, and within the bound).
 
+Senders of negligible weight (below NEGLIGIBLE_WEIGHT_SHARE of the largest: in sync mode, a replica
+that served no sample of the step and sends zeros) take no part: they would move the plain mean by
+less than that share, but as a part far from the others they would pull the median and get honest
+ones clipped. n above counts the others.
+
 `trim`: the coordinate-wise trimmed mean: per coordinate, the f largest and f smallest values are
 dropped and the rest averaged with their weights. Each coordinate of the result lies within the
 honest senders' range, so ||result - mu_H|| <= R_H, but it is not the mean even when nobody lies
@@ -63,6 +68,7 @@ import torch
 ROBUST_METHODS = ("none", "clip", "trim")
 MIN_ROBUST_GROUP = 3  # below this, no sender can be told apart from another: plain mean
 CLIP_RADIUS_FACTOR = 2.0
+NEGLIGIBLE_WEIGHT_SHARE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,12 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], method:
         raise ValueError("robust_mean needs at least one part")
     if len(parts) != len(weights) or any(not w > 0 for w in weights):
         raise ValueError("robust_mean needs one positive weight per part")
+    if method in ("clip", "trim"):
+        heaviest = max(weights)
+        kept = [i for i, w in enumerate(weights) if w >= NEGLIGIBLE_WEIGHT_SHARE * heaviest]
+        if len(kept) < len(parts):
+            reduced = robust_mean([parts[i] for i in kept], [weights[i] for i in kept], method)
+            return Reduced(reduced.value, tuple(kept[i] for i in reduced.clipped), reduced.radius)
     if method == "clip":
         return centered_clip(parts, weights)
     if method == "trim":

@@ -107,6 +107,18 @@ def test_a_liar_sending_non_finite_values_adds_nothing():
         assert float((reduced.value - weighted_mean(honest, [1.0, 1.0])).norm()) <= 2 / 3 * reduced.radius + 1e-4
 
 
+@pytest.mark.parametrize("method", ["clip", "trim"])
+def test_a_replica_that_served_no_sample_takes_no_part(method):
+    """In sync mode a replica that saw no sample of the step sends zeros with a weight of 1e-9."""
+    honest = honest_parts(3, seed=9)
+    parts, weights = [*honest, torch.zeros(SIZE)], [6.0, 4.0, 2.0, 1e-9]
+    reduced = robust_mean(parts, weights, method)
+    assert reduced.clipped == ()
+    expected = weighted_mean(honest, weights[:3]) if method == "clip" else trimmed_mean(honest, weights[:3]).value
+    torch.testing.assert_close(reduced.value, expected, atol=1e-6, rtol=0)
+    assert robust_mean([honest[0], -honest[0] * 10, torch.zeros(SIZE)], [1.0, 1.0, 1e-9], method).clipped == ()
+
+
 def test_identical_honest_parts_are_kept_exactly_whatever_the_liar_sends():
     value = honest_parts(1, seed=7)[0]
     reduced = centered_clip([value, value.clone(), value * -1e3], [1.0, 1.0, 1.0])
@@ -144,26 +156,26 @@ def test_robust_mean_refuses_what_it_cannot_average():
 
 @pytest.mark.parametrize("method", ["clip", "trim"])
 def test_hiveminds_reducer_with_the_robust_accumulator_reduces_each_part_robustly(method):
-    """RobustPartReducer under hivemind's own accumulate_part protocol: three senders, two parts,
-    arriving in any order; each sender gets the robust mean of the part, and a liar's 0 or negative
-    weight counts as (almost) nothing."""
+    """RobustPartReducer under hivemind's own accumulate_part protocol: four senders, two parts,
+    arriving in any order; each sender gets the robust mean of the part. Sender 2 lies (x10);
+    sender 3 sends noise with a negative weight, which counts as (almost) none: it takes no part."""
     honest = [honest_parts(3, seed=s) for s in (11, 12)]  # [part][sender]
-    parts = [[*p[:2], p[2] * 10] for p in honest]  # sender 2 lies in both parts
-    weights = [1.0, 2.0, -5.0]
+    parts = [[*p[:2], p[2] * 10, torch.randn(SIZE) * 1e3] for p in honest]
+    weights = [1.0, 2.0, 3.0, -5.0]
 
     async def run():
-        reducer = RobustPartReducer((torch.Size([SIZE]), torch.Size([SIZE])), 3, method=method)
+        reducer = RobustPartReducer((torch.Size([SIZE]), torch.Size([SIZE])), 4, method=method)
 
         async def sender(index: int):
             return [await reducer.accumulate_part(index, p, parts[p][index], weight=weights[index]) for p in (0, 1)]
 
-        results = await asyncio.gather(sender(2), sender(0), sender(1))
+        results = await asyncio.gather(sender(2), sender(3), sender(0), sender(1))
         reducer.finalize()
         return reducer, results
 
     reducer, results = asyncio.run(run())
     for part in (0, 1):
-        expected = robust_mean(parts[part], [1.0, 2.0, 1e-9], method).value
+        expected = robust_mean(parts[part][:3], weights[:3], method).value
         for sender_results in results:
             torch.testing.assert_close(sender_results[part], expected, atol=0, rtol=0)
     assert reducer.parts_reduced == 2
