@@ -20,7 +20,7 @@ from tests.integration.test_replicas import assert_same_params, run_trainer, sta
 
 pytestmark = pytest.mark.slow
 
-BATCH, MICROBATCH, LR = 12, 2, 0.5
+BATCH, MICROBATCH, LR = 24, 2, 0.5  # 12 microbatches: each of the three replicas serves some
 PEER_ARGS = ["--optimizer", "sgd", "--lr", str(LR), "--averaging", "sync"]
 
 

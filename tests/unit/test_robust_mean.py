@@ -11,8 +11,8 @@ import torch
 
 from peers.replicas.averaging_members import RobustPartReducer
 from peers.replicas.robust_mean import (
-    CLIP_RADIUS_FACTOR,
     centered_clip,
+    clip_factor,
     coordinate_median,
     robust_mean,
     tolerated_liars,
@@ -42,11 +42,20 @@ def honest_range(parts: list[torch.Tensor]) -> float:
     return float((stacked.max(dim=0).values - stacked.min(dim=0).values).norm())
 
 
+def farthest_from_center(parts: list[torch.Tensor], honest: list[torch.Tensor]) -> float:
+    """max_h ||x_h - c||, c the coordinate-wise median of every part sent."""
+    center = coordinate_median(torch.stack(parts))
+    return max(float((h - center).norm()) for h in honest)
+
+
 @pytest.mark.parametrize("n", [3, 4, 5])
 @pytest.mark.parametrize("method", ["clip", "none"])
 def test_honest_parts_give_the_plain_weighted_mean(n, method):
-    parts = honest_parts(n, seed=n)
+    """Unequal weights too: the replica that served w samples has noise ~ 1 / sqrt(w)."""
+    generator = torch.Generator().manual_seed(n)
+    signal = torch.randn(SIZE, generator=generator)
     weights = [float(w) for w in range(1, n + 1)]
+    parts = [signal + 0.5 * torch.randn(SIZE, generator=generator) / w**0.5 for w in weights]
     reduced = robust_mean(parts, weights, method)
     assert reduced.clipped == ()
     torch.testing.assert_close(reduced.value, weighted_mean(parts, weights), atol=1e-6, rtol=0)
@@ -66,16 +75,16 @@ def test_one_liar_moves_the_clipped_mean_at_most_the_bound(n, lie):
     share = weights[-1] / sum(weights)
 
     assert reduced.clipped == (n - 1,)  # only the liar, so the tight bound applies
-    center = coordinate_median(torch.stack(parts))
-    farthest_honest = max(float((h - center).norm()) for h in honest)
-    assert reduced.radius <= CLIP_RADIUS_FACTOR * farthest_honest + 1e-4
-    assert moved <= 2 * share * reduced.radius + 1e-4
-    assert moved <= 2 * CLIP_RADIUS_FACTOR * share * honest_range(honest) + 1e-4
+    factor = clip_factor(SIZE)
+    farthest_honest = farthest_from_center(parts, honest)
+    assert reduced.radius <= factor * farthest_honest + 1e-4  # weights 1: z is the distance
+    assert moved <= share * farthest_honest + share * reduced.radius + 1e-4
+    assert moved <= (1 + factor) * share * honest_range(honest) + 1e-4
     # without the clip the liar moves the mean by its share of its whole lie: here beyond the bound
     # (a lie no larger than the honest spread, e.g. a flipped gradient that is mostly noise, is not)
     undefended = float((weighted_mean(parts, weights) - honest_mean).norm())
     assert undefended == pytest.approx(share * float((liar - honest_mean).norm()), rel=1e-4)
-    assert undefended > 2 * CLIP_RADIUS_FACTOR * share * honest_range(honest)
+    assert undefended > (1 + factor) * share * honest_range(honest)
 
 
 def test_the_bound_scales_with_the_liars_weight_share():
@@ -84,8 +93,11 @@ def test_the_bound_scales_with_the_liars_weight_share():
     honest_mean = weighted_mean(honest, [5.0, 5.0])
     light = centered_clip([*honest, liar], [5.0, 5.0, 1.0])
     heavy = centered_clip([*honest, liar], [5.0, 5.0, 10.0])
-    for reduced, share in ((light, 1 / 11), (heavy, 10 / 20)):
-        assert float((reduced.value - honest_mean).norm()) <= 2 * share * reduced.radius + 1e-4
+    for reduced, weights in ((light, [5.0, 5.0, 1.0]), (heavy, [5.0, 5.0, 10.0])):
+        share, root_share = weights[2] / sum(weights), weights[2] ** 0.5 / sum(weights)
+        farthest_honest = farthest_from_center([*honest, liar], honest)
+        bound = share * farthest_honest + root_share * reduced.radius
+        assert float((reduced.value - honest_mean).norm()) <= bound + 1e-4
     assert float((light.value - honest_mean).norm()) < float((heavy.value - honest_mean).norm())
 
 
@@ -96,7 +108,7 @@ def test_two_liars_among_five_are_bounded_too():
     reduced = centered_clip([*honest, *liars], [1.0] * 5)
     assert set(reduced.clipped) == {3, 4}
     moved = float((reduced.value - weighted_mean(honest, [1.0] * 3)).norm())
-    assert moved <= 2 * (2 / 5) * reduced.radius + 1e-4
+    assert moved <= 2 / 5 * (farthest_from_center([*honest, *liars], honest) + reduced.radius) + 1e-4
 
 
 def test_a_liar_sending_non_finite_values_adds_nothing():
@@ -104,7 +116,8 @@ def test_a_liar_sending_non_finite_values_adds_nothing():
     for bad in (torch.full((SIZE,), float("nan")), torch.full((SIZE,), float("inf"))):
         reduced = centered_clip([*honest, bad], [1.0, 1.0, 1.0])
         assert reduced.clipped == (2,) and bool(reduced.value.isfinite().all())
-        assert float((reduced.value - weighted_mean(honest, [1.0, 1.0])).norm()) <= 2 / 3 * reduced.radius + 1e-4
+        moved = float((reduced.value - weighted_mean(honest, [1.0, 1.0])).norm())
+        assert moved <= 1 / 3 * (farthest_from_center([*honest, bad], honest) + reduced.radius) + 1e-4
 
 
 @pytest.mark.parametrize("method", ["clip", "trim"])
