@@ -87,6 +87,20 @@ def test_one_liar_moves_the_clipped_mean_at_most_the_bound(n, lie):
     assert undefended > (1 + factor) * share * honest_range(honest)
 
 
+@pytest.mark.parametrize("size", [32, 96, 1024])
+@pytest.mark.parametrize("weights", [[2.0, 2.0, 2.0], [6.0, 4.0, 2.0], [8.0, 2.0, 2.0], [5.0, 4.0, 2.0, 1.0]])
+def test_honest_replicas_of_unequal_shares_are_not_clipped_even_in_small_parts(size, weights):
+    """hivemind's parts are whole tensors (a bias: 32 values); a replica that served w samples has
+    noise ~ 1 / sqrt(w). Fifty draws each: none clipped; a x10 liar in the same parts always is."""
+    for seed in range(50):
+        generator = torch.Generator().manual_seed(seed)
+        signal = torch.randn(size, generator=generator)
+        parts = [signal + torch.randn(size, generator=generator) / w**0.5 for w in weights]
+        assert centered_clip(parts, weights).clipped == (), seed
+        lying = [*parts[:-1], parts[-1] * 10]
+        assert centered_clip(lying, weights).clipped == (len(weights) - 1,), seed
+
+
 def test_the_bound_scales_with_the_liars_weight_share():
     honest = honest_parts(2, seed=3)
     liar = honest[0] * 10
