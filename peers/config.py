@@ -38,6 +38,7 @@ from peers.compute.stage_runtime import OptimizerSettings
 from peers.placement.link_probe import ProbeSettings
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterSettings
+from peers.replicas.robust_mean import ROBUST_METHODS
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
 from wire.protocol import STATE_REQUEST_INTERVAL_S
@@ -237,6 +238,15 @@ class ReplicaSettings:
         "commit, so the next step computes on parameters one update old (overlapped; see "
         "peers/replicas/delayed_sync.py and benchmarks/RESULTS.md)",
         choices=[0, 1],
+    )
+    robust_averaging: str = option(
+        "clip",
+        help="how a replica averages the part of the all-reduce it reduces, in groups of 3 or more: clip "
+        "(default: CenteredClip around the coordinate-wise median; the plain mean unless a contribution "
+        "stands out, and one liar moves the result at most a few times the honest spread), trim "
+        "(coordinate-wise trimmed mean; never exactly the mean), none (plain weighted mean). A group of "
+        "two cannot tell the liar: plain mean (peers/replicas/robust_mean.py)",
+        choices=list(ROBUST_METHODS),
     )
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
 

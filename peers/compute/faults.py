@@ -3,8 +3,9 @@ fails a fraction of its calls, or returns garbage while computing correctly insi
 (NaNs, a wrong shape), which the trainer's answer check catches, or plausible lies (issue #25) that
 only a spot check can catch: outputs scaled by 1 + `--fault-garbage-size`, outputs plus noise of that
 relative size, an earlier answer of the same shape replayed, or answers computed from the weights
-frozen at start-up while the real ones train. Only built when a `--fault-*` flag is set, so the
-normal code path never branches on it."""
+frozen at start-up while the real ones train. A replica can also lie to its groupmates in the
+averaging all-reduce (`--fault-averaging`): its contribution multiplied by 10 or negated. Only built
+when a `--fault-*` flag is set, so the normal code path never branches on it."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
-from peers.replicas.averaging import GradientSync
+from peers.replicas.averaging import GradientSync, ParameterAveraging
 from process.config import ConfigError, option
 from wire.protocol import ProtocolError
 
 GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "replay", "stale")
 # Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
 PLAUSIBLE_KINDS = ("scale", "noise", "replay", "stale")
+# --fault-averaging: what the replica's contribution to the all-reduce is multiplied by
+AVERAGING_LIES = {"none": 1.0, "scale": 10.0, "flip": -1.0}
 # How the extra time of a slowed compute is spent:
 # - sleep: waiting, off the CPU, (slowdown - 1) x the compute's wall time. Simple, but on shared cores
 #   the wall time includes waiting for a core, so contention is multiplied too (see `device`).
@@ -106,6 +109,13 @@ class FaultSettings:
         "compute times this many times shorter (the rest as queueing)",
     )
     fault_wrong_stage: bool = option(False, help="testing only: answer every call 'wrong stage' (a fake record)")
+    fault_averaging: str = option(
+        "none",
+        help="testing only: lie in the replicas' all-reduce: send a contribution (gradients in sync mode, "
+        "parameters in periodic) multiplied by 10 (scale) or negated (flip); this replica's own state "
+        "stays as an honest one's",
+        choices=list(AVERAGING_LIES),
+    )
 
     @property
     def enabled(self) -> bool:
@@ -130,6 +140,8 @@ class FaultSettings:
             )
         if not 0.0 <= self.fault_garbage_size < float("inf"):
             raise ConfigError("--fault-garbage-size must be a finite number >= 0")
+        if self.fault_averaging not in AVERAGING_LIES:
+            raise ConfigError(f"--fault-averaging must be one of {', '.join(AVERAGING_LIES)}")
 
 
 class RoundMissingSync(GradientSync):
@@ -146,6 +158,60 @@ class RoundMissingSync(GradientSync):
             print(f"fault: taking averaging round {self.rounds} as failed (--fault-miss-sync-round)", flush=True)
             return None
         return gathered
+
+
+class LyingContribution:
+    """A replica averaging (mixed into GradientSync or ParameterAveraging) that hands the all-reduce
+    its tensors multiplied by `factor` (`--fault-averaging`). The all-reduce then writes the group's
+    average over them, so after a round this replica holds what its groupmates hold; after a failed
+    one its honest values are put back. The lie is made just before the all-reduce can read the
+    tensors: when the round starts (sync, periodic by steps: the compute thread, which the all-reduce
+    then holds), or when a scheduled round is let run (periodic by time)."""
+
+    def __init__(self, *args, lie: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.factor = AVERAGING_LIES[lie]
+        self._honest: list[torch.Tensor] | None = None
+        print(f"fault: this replica's averaging contributions are multiplied by {self.factor:g} ({lie})", flush=True)
+
+    def _lie(self) -> None:
+        with self.averager.get_tensors() as tensors:
+            self._honest = [t.clone() for t in tensors]
+            for tensor in tensors:
+                tensor.mul_(self.factor)
+
+    def _tell_the_truth(self) -> None:
+        if self._honest is not None:
+            with self.averager.get_tensors() as tensors:
+                for tensor, honest in zip(tensors, self._honest):
+                    tensor.copy_(honest)
+        self._honest = None
+
+    def begin_round(self, group_size, weight, scheduled_time=None, *, wait_for_trigger=False):
+        if not wait_for_trigger:  # the all-reduce may read the tensors as soon as the group forms
+            self._lie()
+        try:
+            return super().begin_round(group_size, weight, scheduled_time, wait_for_trigger=wait_for_trigger)
+        except Exception:
+            self._tell_the_truth()
+            raise
+
+    def finish_round(self, control):
+        if self._honest is None:
+            self._lie()
+        gathered = super().finish_round(control)
+        if gathered is None:
+            self._tell_the_truth()
+        self._honest = None
+        return gathered
+
+
+class LyingGradientSync(LyingContribution, GradientSync):
+    """Sync averaging that sends its gradients multiplied (`--fault-averaging`)."""
+
+
+class LyingParameterAveraging(LyingContribution, ParameterAveraging):
+    """Periodic averaging that sends its parameters multiplied (`--fault-averaging`)."""
 
 
 class FaultyStageRuntime:

@@ -22,7 +22,7 @@ from models.init_weights import InitWeightsError, load_stage_weights
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.checkpoint import checkpoint_path
-from peers.compute.faults import FaultyStageRuntime, RoundMissingSync
+from peers.compute.faults import FaultyStageRuntime, LyingContribution, LyingParameterAveraging, RoundMissingSync
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
@@ -108,11 +108,14 @@ class StageBuilder:
             {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
         )
         if replicas.averaging == "sync":
-            miss_round = config.faults.fault_miss_sync_round
+            miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
             if miss_round:  # the fault's round taken as failed, in either mode
                 faulty = type(f"RoundMissing{sync_class.__name__}", (RoundMissingSync, sync_class), {})
                 sync_class = partial(faulty, miss_round=miss_round)
+            elif lie != "none":  # the replica's contribution to the all-reduce multiplied, in either mode
+                lying = type(f"Lying{sync_class.__name__}", (LyingContribution, sync_class), {})
+                sync_class = partial(lying, lie=lie)
             averaging = sync_class(
                 runtime,
                 self.dht,
@@ -122,9 +125,11 @@ class StageBuilder:
                 on_round=self.on_averaging_round,
                 members=members,
                 **matchmaking,
+                robust=replicas.robust_averaging,
             )
         elif replicas.averaging == "periodic":
-            averaging = ParameterAveraging(
+            lie = config.faults.fault_averaging
+            averaging = (ParameterAveraging if lie == "none" else partial(LyingParameterAveraging, lie=lie))(
                 runtime,
                 self.dht,
                 config.model,
@@ -135,6 +140,7 @@ class StageBuilder:
                 on_round=self.on_averaging_round,
                 members=members,
                 **matchmaking,
+                robust=replicas.robust_averaging,
             )
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)

@@ -31,6 +31,11 @@ crosses the wire and stays exact. So with fp16 (2 bytes a value) or int8 (blockw
 those differences (measured after one sync step of the tiny model with SGD at lr 0.5: fp16 6e-5
 apart, int8 1.6e-3); uncompressed, they agree exactly. Hence none by default.
 
+Robust reduction (`--robust-averaging`, default clip): in a round of three or more replicas, each
+part of the all-reduce is averaged so that one replica lying in it (gradients or parameters scaled,
+negated) moves the result at most a few times the honest replicas' spread; when no contribution
+stands out the result is the plain mean (peers/replicas/robust_mean.py has the bound).
+
 Traffic is counted per round (`AveragingRound`, exported as Prometheus counters): with a group of
 n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
 codec's serialized size measured on its own tensors at start-up.
@@ -62,6 +67,7 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.replicas.averaging_members import MIN_WEIGHT, MemberAverager, capped_weight
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterOptimizer, OuterSettings
+from peers.replicas.robust_mean import ROBUST_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +136,15 @@ class ReplicaAveraging:
         compression: str,
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
+        robust: str = "clip",
     ):
         """`members`: the peers allowed in a round (peers/replicas/averaging_members.py), kept fresh
-        with `set_members`; None: anyone (no run authority)."""
+        with `set_members`; None: anyone (no run authority). `robust`: how the part this replica
+        reduces is averaged over its senders (peers/replicas/robust_mean.py)."""
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
+        if robust not in ROBUST_METHODS:
+            raise ValueError(f"unknown robust averaging {robust!r}; use one of {', '.join(ROBUST_METHODS)}")
         self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
         self.committed: set[str] = set()  # step ids already committed (a trainer retries unanswered commits)
         codec = COMPRESSIONS[compression]()
@@ -144,6 +154,7 @@ class ReplicaAveraging:
             tensors,
             dht,
             members=members,
+            robust=robust,
             start=False,
             prefix=prefix,
             min_matchmaking_time=matchmaking_s,
@@ -258,6 +269,7 @@ class GradientSync(ReplicaAveraging):
         compression: str = "none",
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
+        robust: str = "clip",
     ):
         self.runtime = runtime
         runtime.auto_step = False
@@ -271,6 +283,7 @@ class GradientSync(ReplicaAveraging):
             compression=compression,
             on_round=on_round,
             members=members,
+            robust=robust,
         )
 
     def commit(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
@@ -340,6 +353,7 @@ class ParameterAveraging(ReplicaAveraging):
         outer: OuterSettings | None = None,
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
+        robust: str = "clip",
     ):
         self.runtime, self.rounds_schedule = runtime, schedule
         self.outer = OuterOptimizer(outer) if outer is not None else None
@@ -358,6 +372,7 @@ class ParameterAveraging(ReplicaAveraging):
             compression=compression,
             on_round=on_round,
             members=members,
+            robust=robust,
         )
 
     def next_round_time(self) -> float:

@@ -17,8 +17,13 @@ both applied in the averager's own process:
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
   instead, so no replica can outweigh what it did.
+- robust reduction (`--robust-averaging`, default clip): the part this replica reduces is not the
+  plain weighted mean of what its groupmates sent but a robust mean of them
+  (peers/replicas/robust_mean.py: a group of three or more bounds how far one liar moves it, and
+  equals the plain mean when nobody's contribution stands out). `RobustPartReducer` keeps every
+  sender's part until all have arrived, then reduces them at once.
 
-Without a member list (no run authority) it behaves as hivemind's own averager.
+Without a member list (no run authority), anyone may join, as with hivemind's own averager.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's A
 import hivemind
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -40,6 +46,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
 from dht.records import PeerRecord
+from peers.replicas.robust_mean import MIN_ROBUST_GROUP, robust_mean
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +67,62 @@ def credentialed_members(
     return frozenset(r.peer_id for r in credentialed_records(records, authority, stage=stage, now=now))
 
 
-class _CappedRunner(AllReduceRunner):
-    """An all-reduce whose reducer averages each sender's part with its weight capped."""
+class _SenderParts:
+    """What hivemind's reducer uses as its accumulator for one part (`add_` for each sender, then
+    `div_` by the total weight once all have sent), keeping the parts to reduce them robustly."""
 
-    def __init__(self, *args, weight_caps: Mapping[str, float] | None = None, **kwargs):
+    def __init__(self, reducer: RobustPartReducer):
+        self.reducer = reducer
+        self.parts: list = []
+        self.weights: list[float] = []
+
+    def add_(self, part, alpha: float = 1.0) -> _SenderParts:
+        # a weight must be positive and finite for the bound to hold: a sender's 0, negative, NaN or
+        # infinite weight weighs (almost) nothing
+        self.parts.append(part)
+        self.weights.append(alpha if MIN_WEIGHT < alpha < float("inf") else MIN_WEIGHT)
+        return self
+
+    def div_(self, denominator: float):
+        return self.reducer.reduce(self.parts, self.weights)
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer of this replica's parts, reducing each part robustly over its senders
+    (`method`, peers/replicas/robust_mean.py) instead of summing them as they arrive, and counts
+    the parts where a sender was clipped. A part with fewer than three senders gets the plain mean."""
+
+    def __init__(self, part_shapes, num_senders: int, *, method: str):
+        self.method = method
+        self.parts_clipped = 0
+        self.parts_reduced = 0
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _SenderParts(self)
+
+    def reduce(self, parts: list, weights: list[float]):
+        self.parts_reduced += 1
+        if len(parts) < MIN_ROBUST_GROUP:
+            return robust_mean(parts, weights, "none").value
+        reduced = robust_mean(parts, weights, self.method)
+        if reduced.clipped:
+            self.parts_clipped += 1
+        return reduced.value
+
+
+class _CappedRunner(AllReduceRunner):
+    """An all-reduce whose reducer averages each sender's part with its weight capped, robustly
+    unless `robust` is "none"."""
+
+    def __init__(self, *args, weight_caps: Mapping[str, float] | None = None, robust: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
+        if robust != "none":
+            replaced = self.tensor_part_reducer
+            replaced.finished.set()  # unused: its finalization would warn that it received no parts
+            self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, method=robust)
         if weight_caps is None:
             return
         caps = [weight_caps.get(peer.to_base58(), 0.0) for peer in self.sender_peer_ids]
@@ -79,11 +137,13 @@ class _CappedRunner(AllReduceRunner):
 
 
 class MemberAverager(hivemind.averaging.DecentralizedAverager):
-    """hivemind's averager with a member list and weight caps (see the module's docstring)."""
+    """hivemind's averager with a member list, weight caps and a robust reduction (see the module's
+    docstring). `robust`: one of peers/replicas/robust_mean.py's ROBUST_METHODS."""
 
-    def __init__(self, *args, members: Collection[str] | None = None, **kwargs):
+    def __init__(self, *args, members: Collection[str] | None = None, robust: str = "none", **kwargs):
         # set first: with start=True, hivemind's __init__ forks the averager's process itself
         self._members = None if members is None else frozenset(members)
+        self._robust = robust
         self._weight_caps: dict[str, float] | None = None
         super().__init__(*args, **kwargs)
 
@@ -174,6 +234,7 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             weight_caps=self._weight_caps,
+            robust=self._robust,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
@@ -183,6 +244,12 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
                 tensor.add_(update, alpha=self._averaging_alpha)
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
+            reducer = runner.tensor_part_reducer
+            if isinstance(reducer, RobustPartReducer) and reducer.parts_clipped:
+                logger.warning(
+                    f"Robust averaging ({self._robust}) clipped a sender's contribution in {reducer.parts_clipped} "
+                    f"of the {reducer.parts_reduced} part(s) this replica reduced (a groupmate far from the others)"
+                )
             parts = runner.tensor_part_container
             if parts.failed_size:  # hivemind keeps the local values of a part whose reducer failed
                 raise AllreduceException(

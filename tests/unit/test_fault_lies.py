@@ -1,11 +1,13 @@
 """Plausible lies (issue #25): a FaultyStageRuntime around the `tiny` model's middle stage answers with
 the right shape and finite values, but not what its weights compute (peers/compute/faults.py)."""
 
+import contextlib
+
 import pytest
 import torch
 
 from models.config import get_model_config
-from peers.compute.faults import FaultSettings, FaultyStageRuntime
+from peers.compute.faults import FaultSettings, FaultyStageRuntime, LyingContribution
 from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
 from process.config import ConfigError
 
@@ -91,3 +93,62 @@ def test_rate_zero_lies_never_and_size_must_be_finite():
         FaultSettings(fault_garbage="scale", fault_garbage_size=float("inf"))
     with pytest.raises(ConfigError):
         FaultSettings(fault_garbage="scale", fault_garbage_size=-0.1)
+
+
+class _Rounds:
+    """A replica averaging without a DHT: records what the all-reduce reads from the tensors (when
+    it starts without a trigger, or when triggered) and writes `average` on success."""
+
+    def __init__(self, tensors: list[torch.Tensor], average: list[torch.Tensor] | None):
+        self.tensors, self.average, self.averager, self.sent = tensors, average, self, None
+
+    def get_tensors(self):
+        return contextlib.nullcontext(self.tensors)
+
+    def begin_round(self, group_size, weight, scheduled_time=None, *, wait_for_trigger=False):
+        if not wait_for_trigger:
+            self.sent = [t.clone() for t in self.tensors]
+        return "control"
+
+    def finish_round(self, control):
+        if self.sent is None:
+            self.sent = [t.clone() for t in self.tensors]
+        if self.average is None:
+            return None
+        for tensor, value in zip(self.tensors, self.average):
+            tensor.copy_(value)
+        return {"self": 1.0, "other": 1.0}
+
+
+class _LyingRounds(LyingContribution, _Rounds):
+    pass
+
+
+@pytest.mark.parametrize("lie,factor", [("scale", 10.0), ("flip", -1.0)])
+@pytest.mark.parametrize("triggered", [False, True])
+def test_a_replica_lying_in_the_all_reduce_sends_its_tensors_multiplied_and_keeps_an_honest_state(
+    lie, factor, triggered
+):
+    honest = [torch.randn(4, 3), torch.randn(5)]
+    average = [torch.ones(4, 3), torch.zeros(5)]
+    rounds = _LyingRounds([t.clone() for t in honest], average, lie=lie)
+    control = rounds.begin_round(3, 1.0, wait_for_trigger=triggered)
+    assert rounds.finish_round(control) is not None
+    for sent, value in zip(rounds.sent, honest):
+        torch.testing.assert_close(sent, value * factor)
+    for tensor, value in zip(rounds.tensors, average):  # after the round: the group's average, like everyone
+        assert torch.equal(tensor, value)
+
+    failed = _LyingRounds([t.clone() for t in honest], None, lie=lie)  # a round that failed
+    assert failed.finish_round(failed.begin_round(3, 1.0, wait_for_trigger=triggered)) is None
+    for sent, value in zip(failed.sent, honest):
+        torch.testing.assert_close(sent, value * factor)
+    for tensor, value in zip(failed.tensors, honest):  # its honest values are back
+        assert torch.equal(tensor, value)
+
+
+def test_fault_averaging_accepts_only_its_lies():
+    assert FaultSettings(fault_averaging="flip").fault_averaging == "flip"
+    assert not FaultSettings(fault_averaging="scale").enabled  # the stage runtime is not wrapped for it
+    with pytest.raises(ConfigError, match="--fault-averaging"):
+        FaultSettings(fault_averaging="negate")

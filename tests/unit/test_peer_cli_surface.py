@@ -25,11 +25,13 @@ PEER_FLAGS = {
     "--averaging-timeout-s",
     "--sync-delay",
     "--averaging-matchmaking-s",
+    "--robust-averaging",  # added deliberately: robust reduction of the replicas' all-reduce (issue #25)
     "--bad-request-burst",
     "--bad-request-refill-per-s",
     "--checkpoint-dir",
     "--checkpoint-period-s",
     "--device",
+    "--fault-averaging",  # added deliberately: a replica lying in the all-reduce (issue #25)
     "--fault-claim-speedup",  # added deliberately: a replica lying about its speed (issue #30)
     "--fault-fail-rate",
     "--fault-garbage",
@@ -111,11 +113,13 @@ PEER_VARIABLES = {
     "SWARM_AVERAGING_EVERY_STEPS",
     "SWARM_AVERAGING_PERIOD_S",
     "SWARM_AVERAGING_TIMEOUT_S",
+    "SWARM_ROBUST_AVERAGING",  # added deliberately (issue #25)
     "SWARM_BAD_REQUEST_BURST",
     "SWARM_BAD_REQUEST_REFILL_PER_S",
     "SWARM_CHECKPOINT_DIR",
     "SWARM_CHECKPOINT_PERIOD_S",
     "SWARM_DEVICE",
+    "SWARM_FAULT_AVERAGING",  # added deliberately (issue #25)
     "SWARM_FAULT_FAIL_RATE",
     "SWARM_FAULT_CLAIM_SPEEDUP",
     "SWARM_FAULT_GARBAGE",
