@@ -1,0 +1,134 @@
+"""One trainer against two on the same peers (issue #22): a 2 stages x 2 replicas swarm with sync
+averaging, fed the same number of samples by one trainer, then by two trainers on disjoint data
+shards (`--data-shard 0/2` and `1/2`) running at once.
+
+    .venv/bin/python benchmarks/trainers.py --out benchmarks/out/trainers.json
+
+Each layout is a fresh loopback swarm (`LocalSwarm`, `--no-load-state`, one torch thread per peer).
+The run's tokens/s is the tokens every trainer trained over the wall time from starting the
+trainer(s) to the last one's exit (DHT join included, the same in both layouts); each trainer's own
+tokens/s is its report's. Where the time goes: every commit of either trainer is an optimizer step
+and an averaging round of every replica (today there is no global step over trainers), so two
+trainers of half the steps each make the same number of rounds for the same samples, each over
+half the microbatches; the sync rounds each stage-0 replica completed (its Prometheus counter)
+are recorded. The machine's load
+(1/5/15 min) is recorded before and after each layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report_file import write_report  # noqa: E402
+from models.config import get_model_config  # noqa: E402
+from swarm.local_swarm import LocalSwarm  # noqa: E402
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def sync_rounds(peer) -> int:
+    """The sync averaging rounds a peer completed, from its Prometheus endpoint."""
+    match = re.search(r"metrics on (http://\S+/metrics)", peer.log())
+    if not match:
+        return -1
+    with urllib.request.urlopen(match.group(1), timeout=10) as response:
+        text = response.read().decode()
+    return int(
+        sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "swarm_peer_averaging_rounds_total" and s.labels.get("result") == "ok"
+        )
+    )
+
+
+def run(name: str, args, shards: int) -> dict:
+    workdir = tempfile.mkdtemp(prefix="swarm-trainers-")
+    peer_args = ["--target-batch-size", str(args.batch_size), "--num-threads", "1", "--lr", str(args.lr)]
+    peer_args += ["--averaging", "sync", "--no-load-state"]
+    print(f"--- {name}", flush=True)
+    load_before = load()
+    with LocalSwarm(model=args.model, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
+        swarm.start_bootstrap()
+        peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
+        swarm.wait_online(peers)
+        started = time.monotonic()
+        trainers = []
+        for shard in range(shards):
+            report = os.path.join(workdir, f"report-{shard}.json")
+            process = swarm.start_trainer(
+                *("--steps", str(args.steps // shards), "--batch-size", str(args.batch_size)),
+                *("--microbatch-size", str(args.microbatch_size), "--num-stages", "2", "--log-every", "10"),
+                *("--data-shard", f"{shard}/{shards}", "--report", report),
+                name=f"trainer-{shard}",
+            )
+            trainers.append((process, report))
+        for process, _ in trainers:
+            if process.popen.wait(timeout=args.run_timeout_s) != 0:
+                raise RuntimeError(f"{name}: a trainer failed:\n{process.log()[-3000:]}")
+        wall_s = time.monotonic() - started
+        rounds = [sync_rounds(p) for p in peers[:2]]
+    reports = []
+    for _, path in trainers:
+        with open(path) as f:
+            reports.append(json.load(f))
+    seq_len = get_model_config(args.model).seq_len
+    tokens = sum(r["steps"] * args.batch_size * seq_len for r in reports)
+    return {
+        "name": name,
+        "trainers": shards,
+        "steps_per_trainer": [r["steps"] for r in reports],
+        "tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "run_tokens_per_s": tokens / wall_s,
+        "trainer_tokens_per_s": [round(r["tokens_per_s"]) for r in reports],
+        "final_losses": [r["final_loss"] for r in reports],
+        "microbatches_lost": sum(r["microbatches_lost"] for r in reports),
+        "stage0_rounds": rounds,
+        "load_before": load_before,
+        "load_after": load(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=20, help="steps of the one trainer; each of two does half")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", default="benchmarks/out/trainers.json")
+    args = parser.parse_args()
+    if args.steps % 2:
+        parser.error("--steps must be even (two trainers do half each)")
+    runs = [run("1 trainer", args, 1), run("2 trainers", args, 2)]
+    print(f"\n{'run':<12}{'run tok/s':>10}{'wall s':>8}{'trainers tok/s':>18}{'rounds (s0)':>13}{'lost':>6}")
+    for r in runs:
+        print(
+            f"{r['name']:<12}{r['run_tokens_per_s']:>10.0f}{r['wall_s']:>8.1f}{str(r['trainer_tokens_per_s']):>18}"
+            f"{str(r['stage0_rounds']):>13}{r['microbatches_lost']:>6}"
+        )
+    write_report(
+        args.out,
+        {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "runs": runs},
+    )
+
+
+if __name__ == "__main__":
+    main()
