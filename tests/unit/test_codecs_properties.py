@@ -203,3 +203,16 @@ def test_int4_parts_of_the_right_layout_with_random_bytes_decode_bounded_or_rais
     assert restored.shape == (numel,) and restored.dtype == SUPPORTED_DTYPES[dtype]
     scale = torch.tensor(list(scales), dtype=torch.uint8).view(torch.float16).float().repeat_interleave(block)[:numel]
     assert torch.all(restored.float().abs() <= scale * 2.0**exponent * (1 + 2**-7))
+
+
+def test_int4_scales_beyond_the_dtypes_range_are_refused_not_decoded_to_inf():
+    """Found by the property test above in CI: a float16 header whose scale x 2**exponent is past
+    float16's range decoded to -inf; the decoder now refuses it."""
+    scales = torch.full((1,), 1.5259e-05, dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    parts = (
+        runtime_pb2.Tensor(compression=runtime_pb2.NONE, buffer=scales, size=[1], dtype="float16"),
+        runtime_pb2.Tensor(compression=runtime_pb2.NONE, buffer=bytes([0x11]), size=[1], dtype="uint8"),
+    )
+    encoded = EncodedTensor(TensorHeader("int4", (2,), "float16", 2, {"block": 8, "exponent": 32}), parts)
+    with pytest.raises(CodecError, match="exceed the range of float16"):
+        decode(encoded)

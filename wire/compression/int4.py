@@ -158,5 +158,7 @@ class BlockwiseInt4Codec(Codec):
         nibbles = _unpack(packed, numel)
         codes = torch.nn.functional.pad(nibbles.to(torch.float32) - _OFFSET, (0, blocks * block - numel))
         step = scales.to(torch.float32) * 2.0**exponent / LEVELS
-        values = (codes.view(blocks, block) * step[:, None]).reshape(-1)[:numel]
-        return values.to(header.torch_dtype).reshape(header.shape)
+        values = (codes.view(blocks, block) * step[:, None]).reshape(-1)[:numel].to(header.torch_dtype)
+        if not bool(torch.isfinite(values).all()):  # scale x 2**exponent beyond what the dtype holds
+            raise CodecError(f"int4 scales x 2**{exponent} exceed the range of {header.dtype}")
+        return values.reshape(header.shape)
