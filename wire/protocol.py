@@ -178,6 +178,12 @@ class CommitRequest(BaseModel):
     # completed (so that replica's update holds this one's gradients); drop the accumulated gradients
     # and load that replica's state instead of averaging
     catch_up_from: str | None = Field(default=None, min_length=1, max_length=128)
+    # ... the steps that replica had done when the trainer saw it: a replica that has done as many
+    # does nothing (a round since, or another trainer's repair, got it there already)
+    catch_up_to: int | None = Field(default=None, ge=0)
+    # ... whether its accumulated gradients are in that replica's update (a round that failed on this
+    # side only) and are dropped; otherwise (it fell behind without taking part) they are kept
+    catch_up_drops_gradients: bool = True
     # sync averaging with a one-step delay (`--sync-delay 1`): the run's steps are over; apply the
     # update still in flight and start no new round (replicas without a delay answer at once)
     flush: bool = False

@@ -187,11 +187,11 @@ class LyingContribution:
                     tensor.copy_(honest)
         self._honest = None
 
-    def begin_round(self, group_size, weight, scheduled_time=None, *, wait_for_trigger=False):
+    def begin_round(self, group_size, weight, scheduled_time=None, *, wait_for_trigger=False, **kwargs):
         if not wait_for_trigger:  # the all-reduce may read the tensors as soon as the group forms
             self._lie()
         try:
-            return super().begin_round(group_size, weight, scheduled_time, wait_for_trigger=wait_for_trigger)
+            return super().begin_round(group_size, weight, scheduled_time, wait_for_trigger=wait_for_trigger, **kwargs)
         except Exception:
             self._tell_the_truth()
             raise

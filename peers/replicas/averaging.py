@@ -9,6 +9,11 @@ Two modes (`--averaging`):
   that ends at its deadline for one member after the others got their parts): the trainer sees one
   replica stepped and another not, and has the latter drop its gradients (they are in the other's
   update) and load the other's state (`CommitRequest.catch_up_from`, peers/replicas/replica_sync.py).
+  A sync round only groups replicas that have taken the same number of steps (`round_key`): so
+  with several trainers, whose commits reach the replicas in different orders, each round still
+  pairs replicas holding the same parameters, and every member of a round decides to step or not
+  from what all of them declared (`round_has_samples`), never from its own trainer's view. A
+  replica that fell behind meets no one until a trainer sees its step count and has it catch up.
 * `periodic`: each replica steps on its own gradients and they average their parameters on a
   schedule (peers/replicas/averaging_schedule.py), one of:
   - every `averaging_period_s` seconds (aligned to DHT time, so replicas meet without
@@ -179,11 +184,21 @@ class ReplicaAveraging:
         return self.bytes_sent + self.bytes_received
 
     def begin_round(
-        self, group_size: int, weight: float, scheduled_time: float | None = None, *, wait_for_trigger: bool = False
+        self,
+        group_size: int,
+        weight: float,
+        scheduled_time: float | None = None,
+        *,
+        wait_for_trigger: bool = False,
+        round_key: int | None = None,
     ) -> StepControl:
         """Start looking for a group of `group_size` replicas in the background (the averager's own
-        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`."""
+        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`. With
+        `round_key` (sync: the steps taken), only replicas that start their round with the same key
+        group together."""
         self.averager.target_group_size = group_size
+        if round_key is not None:  # hivemind reshuffles the bits after each group: set them every round
+            self.averager.set_group_bits(round_group_bits(round_key))
         return self.averager.step(
             weight=weight,
             gather=weight,
@@ -231,10 +246,10 @@ class ReplicaAveraging:
         self.failed_rounds += 1
         self._report(AveragingRound(self.mode, ok=False, group_size=0, sent_bytes=0, received_bytes=0))
 
-    def _all_reduce(self, group_size: int, weight: float) -> dict | None:
+    def _all_reduce(self, group_size: int, weight: float, round_key: int | None = None) -> dict | None:
         """One round, from matchmaking to the averaged tensors, all on the calling thread."""
         try:
-            control = self.begin_round(group_size, weight)
+            control = self.begin_round(group_size, weight, round_key=round_key)
         except Exception as e:
             logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
             self.record_failure()
@@ -305,7 +320,9 @@ class GradientSync(ReplicaAveraging):
         if group_size > 1:
             self.averager.set_weight_caps(caps)
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
-            gathered = self._all_reduce(group_size, weight=max(float(local_samples), MIN_WEIGHT))
+            gathered = self._all_reduce(
+                group_size, weight=max(float(local_samples), MIN_WEIGHT), round_key=self.runtime.steps_done
+            )
             if gathered is None:
                 # Stepping on local gradients would part this replica from the others for good (sync
                 # mode never averages parameters). Skipping keeps them equal: the gradients stay
@@ -315,9 +332,9 @@ class GradientSync(ReplicaAveraging):
                     f"not stepping, the gradients carry over to the next commit"
                 )
                 return AveragingOutcome(False, 1, 0, stepped=False)
-        total = samples_in_round(gathered, caps) if gathered else local_samples
-        if total == 0:
+        if not (round_has_samples(gathered) if gathered else local_samples > 0):
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
+        total = samples_in_round(gathered, caps) if gathered else local_samples
         self.runtime.apply_gradients(self.averaged_gradients())
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
 
@@ -325,6 +342,21 @@ class GradientSync(ReplicaAveraging):
         """A copy of the averager's buffers: after a round, the group's mean gradients."""
         with self.averager.get_tensors() as buffers:
             return [buffer.clone() for buffer in buffers]
+
+
+ROUND_KEY_BITS = 24  # a sync round's key: the step count modulo 2**24
+
+
+def round_group_bits(round_key: int) -> str:
+    """The averager's group bits for a round keyed by `round_key` (hivemind's group key ends with them)."""
+    return format(round_key % (1 << ROUND_KEY_BITS), f"0{ROUND_KEY_BITS}b")
+
+
+def round_has_samples(gathered: Mapping) -> bool:
+    """Whether a sync round's members step on it: some member declared at least one sample. Every
+    member sees the same declarations, so all decide alike, whatever each one's trainer saw (its
+    weight caps, which differ when several trainers commit, only shape the mean)."""
+    return any(float(weight) >= 1.0 for weight in gathered.values())
 
 
 def samples_in_round(gathered: Mapping, caps: Mapping[str, int] | None) -> int:

@@ -22,8 +22,9 @@ A round that fails puts its gradients back into the accumulation: they join the 
 (no replica steps on them alone, so the replicas stay equal). One that fails on one side only
 shows in the answers as it does in exact mode (one replica stepped after averaging, another did not),
 and the trainer's repair applies: the replica that missed it drops its accumulation (exactly the
-carried gradients, which its partner's update holds) and loads its partner's state; its round of
-the next step, already in flight with the partner's, goes on.
+carried gradients, which its partner's update holds) and loads its partner's state. Its round of the
+next step, started one step behind its partner's, found no partner (rounds group replicas with equal
+step counts): on both replicas those gradients go back into the accumulation and join the next round.
 
 Not covered: a replica that joins mid-run downloads parameters without the update in flight on the
 others, and a stage move drops the round in flight; with a delay both leave that replica one update
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 from hivemind.averaging.control import StepControl
 
-from peers.replicas.averaging import AveragingOutcome, GradientSync, samples_in_round
+from peers.replicas.averaging import AveragingOutcome, GradientSync, round_has_samples, samples_in_round
 from peers.replicas.averaging_members import MIN_WEIGHT
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,9 @@ class DelayedGradientSync(GradientSync):
         control = None
         try:
             self.averager.set_weight_caps(caps)
-            control = self.begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
+            control = self.begin_round(
+                group_size, weight=max(float(samples), MIN_WEIGHT), round_key=self.runtime.steps_done
+            )
         except Exception as e:  # noqa: BLE001 - a round that cannot start is a failed round, the peer goes on
             logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
             self.record_failure()
@@ -136,11 +139,10 @@ class DelayedGradientSync(GradientSync):
             )
             self.runtime.add_accumulated(in_flight.gradients, in_flight.samples)
             return AveragingOutcome(False, 1, 0, stepped=False)
-        total = samples_in_round(gathered, in_flight.caps)
-        if total == 0:
+        if not round_has_samples(gathered):
             return AveragingOutcome(True, len(gathered), 0, stepped=False)
         self.runtime.apply_gradients(self.averaged_gradients())
-        return AveragingOutcome(True, len(gathered), total, stepped=True)
+        return AveragingOutcome(True, len(gathered), samples_in_round(gathered, in_flight.caps), stepped=True)
 
     def shutdown(self) -> None:
         if self.in_flight is not None and self.in_flight.control is not None:

@@ -85,7 +85,9 @@ class ReplicaSyncService:
                 )
             averaging = serving.averaging
             if commit.catch_up_from is not None:
-                await self.catch_up(commit.catch_up_from)
+                await self.catch_up(
+                    commit.catch_up_from, to_steps=commit.catch_up_to, drop_gradients=commit.catch_up_drops_gradients
+                )
                 return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
@@ -156,12 +158,17 @@ class ReplicaSyncService:
         for message in write_state(header, data):
             yield message
 
-    async def catch_up(self, source: str) -> None:
+    async def catch_up(self, source: str, *, to_steps: int | None = None, drop_gradients: bool = True) -> None:
         """Sync averaging's repair (the trainer asks for it): this replica missed a round that `source`,
-        a replica of the same stage, completed, so the replicas' parameters parted. `source`'s update
-        holds this replica's accumulated gradients already: drop them and load its state (parameters,
-        optimizer state and step count), all on the compute thread, before the next step's forwards."""
+        a replica of the same stage, completed, so the replicas' parameters parted. Load its state
+        (parameters, optimizer state and step count) on the compute thread, before the next step's
+        forwards; with `drop_gradients`, first drop the accumulated gradients, which `source`'s update
+        holds already. Nothing is done when this replica has done `to_steps` steps (what the trainer
+        saw `source` at) already, and nothing is loaded that is not ahead of this replica: with several
+        trainers, two may ask for the same repair, or a round may have moved both replicas on since."""
         runtime = self.serving.runtime
+        if to_steps is not None and runtime.steps_done >= to_steps:
+            return
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
         )
@@ -176,11 +183,16 @@ class ReplicaSyncService:
         except (TimeoutError, CheckpointError, ProtocolError, OSError) as e:
             raise ProtocolError(f"could not load the state of replica {source[-8:]} to catch up: {e}") from None
 
-        def load() -> None:
-            runtime.discard_accumulated()
+        def load() -> bool:
+            if downloaded[0].steps_done <= runtime.steps_done:
+                return False
+            if drop_gradients:
+                runtime.discard_accumulated()
             runtime.import_state(downloaded, self.model, f"state from replica {source[-8:]}")
+            return True
 
-        await asyncio.get_running_loop().run_in_executor(self.compute, load)
+        if not await asyncio.get_running_loop().run_in_executor(self.compute, load):
+            return
         logger.info(
             f"stage {runtime.stage}: caught up with replica {source[-8:]} after missing an averaging round "
             f"({runtime.steps_done} steps done)"

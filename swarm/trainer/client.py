@@ -154,6 +154,8 @@ class StageClient:
         timeout_s: float,
         samples: dict[str, int] | None = None,
         catch_up_from: str | None = None,
+        catch_up_to: int | None = None,
+        catch_up_drops_gradients: bool = True,
         flush: bool = False,
     ) -> CommitResponse:
         """Sync averaging: tell one replica the step is over (`samples`: what each replica of the
@@ -168,6 +170,8 @@ class StageClient:
                 samples=samples or {},
                 credential=self.credential,
                 catch_up_from=catch_up_from,
+                catch_up_to=catch_up_to,
+                catch_up_drops_gradients=catch_up_drops_gradients,
                 flush=flush,
             )
         )

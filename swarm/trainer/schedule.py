@@ -34,6 +34,37 @@ def round_failed(answers: dict[str, CommitResponse]) -> bool:
     return len(answers) > 1 and not any(a.stepped or a.averaged or a.pending for a in answers.values())
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """A sync replica behind its stage's others, and how it catches up (`replicas_to_repair`)."""
+
+    peer_id: str
+    source: str  # a replica with the most steps, whose state it loads
+    to_steps: int  # the source's step count when it answered
+    drops_gradients: bool  # its accumulated gradients are in the source's update: drop them
+
+
+def replicas_to_repair(answers: dict[str, CommitResponse]) -> list[CatchUp]:
+    """The replicas of one sync averaging group that have taken fewer steps than another, by their
+    answers to a commit. Replicas that take the same rounds take the same steps, so a replica behind
+    missed a round others completed: it failed on its side only (it did not step while the source
+    stepped after averaging: its gradients are in the source's update), or it was left behind
+    earlier, e.g. on the commit of a trainer that died before repairing it (its gradients are its
+    own, and kept). With several trainers an answer can predate a round that brought its replica
+    level: the replica then does nothing (`CatchUp.to_steps`)."""
+    if len(answers) < 2:
+        return []
+    most = max(a.steps_done for a in answers.values())
+    ahead = sorted(p for p, a in answers.items() if a.steps_done == most)
+    source = next((p for p in ahead if answers[p].stepped and answers[p].averaged), ahead[0])
+    partial_round = answers[source].stepped and answers[source].averaged
+    return [
+        CatchUp(peer_id, source, most, drops_gradients=partial_round and not answer.stepped)
+        for peer_id, answer in sorted(answers.items())
+        if answer.steps_done < most
+    ]
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -165,11 +196,11 @@ class StepSchedule:
             )
         ]
         sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush)
-        if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
-            await self._repair_missed_rounds(step_id, sync_answers, timeout_s)
-            return
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
+        await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
+        if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
+            return
 
         def failed_stages() -> list[int]:
             return [
@@ -190,13 +221,13 @@ class StepSchedule:
                 )
             again = [(stage, "sync", [p for p in averaging[stage] if p in sync_answers[stage]]) for stage in failed]
             sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s))
+            await self._repair_missed_rounds(f"{step_id}:again{attempt}", averaging, sync_answers, timeout_s)
         else:
             for stage in failed_stages():
                 logger.warning(
                     f"stage {stage}: no averaging round after {ROUND_RETRIES} retries; the step's gradients "
                     f"carry over to the next commit"
                 )
-        await self._repair_missed_rounds(step_id, sync_answers, timeout_s)
 
     async def _commit(
         self,
@@ -248,46 +279,53 @@ class StepSchedule:
         return sync_answers
 
     async def _repair_missed_rounds(
-        self, step_id: str, answers: dict[int, dict[str, CommitResponse]], timeout_s: float
+        self,
+        step_id: str,
+        averaging: dict[int, list[str]],
+        answers: dict[int, dict[str, CommitResponse]],
+        timeout_s: float,
     ) -> None:
-        """Sync replicas of a stage that did not step while another stepped after averaging missed a
-        round the other completed (an all-reduce can fail on one side only, e.g. at its deadline): their
-        parameters parted. Each such replica drops its gradients (the other's update holds them) and
-        loads the other's state before the next step. A repair that fails bans the replica."""
+        """Sync replicas of a stage's averaging group (`averaging`) that have taken fewer steps than
+        another missed a round it completed (an all-reduce can fail on one side only, e.g. at its
+        deadline): their parameters parted, and rounds only group replicas with equal step counts.
+        Each such replica loads the state of one ahead (`replicas_to_repair`) before the next step;
+        its answer is then taken at that step count. A repair that fails bans the replica."""
         repairs = [
-            (stage, peer_id, source)
-            for stage, by_peer in answers.items()
-            for source in [next((p for p, a in by_peer.items() if a.stepped and a.averaged), None)]
-            if source is not None
-            for peer_id, answer in by_peer.items()
-            if not answer.stepped
+            (stage, repair)
+            for stage, group in averaging.items()
+            for repair in replicas_to_repair({p: a for p, a in answers.get(stage, {}).items() if p in group})
         ]
         if not repairs:
             return
-        for stage, peer_id, source in repairs:
+        for stage, repair in repairs:
             logger.warning(
-                f"stage {stage}: replica {peer_id[-8:]} missed the averaging round that {source[-8:]} completed; "
-                f"it loads {source[-8:]}'s state"
+                f"stage {stage}: replica {repair.peer_id[-8:]} is behind {repair.source[-8:]} "
+                f"({answers[stage][repair.peer_id].steps_done} steps against {repair.to_steps}); "
+                f"it loads {repair.source[-8:]}'s state"
             )
         results = await asyncio.gather(
             *[
                 self.client.commit(
-                    peer_id,
+                    repair.peer_id,
                     stage=stage,
                     step_id=f"{step_id}:catch-up",
                     group_size=1,
                     timeout_s=timeout_s,
-                    catch_up_from=source,
+                    catch_up_from=repair.source,
+                    catch_up_to=repair.to_steps,
+                    catch_up_drops_gradients=repair.drops_gradients,
                 )
-                for stage, peer_id, source in repairs
+                for stage, repair in repairs
             ],
             return_exceptions=True,
         )
-        for (stage, peer_id, _), result in zip(repairs, results):
+        for (stage, repair), result in zip(repairs, results):
             if isinstance(result, PeerCallError):
-                logger.warning(f"stage {stage}: replica {peer_id[-8:]} could not catch up: {result}")
-                self.view.bans.ban(peer_id)
+                logger.warning(f"stage {stage}: replica {repair.peer_id[-8:]} could not catch up: {result}")
+                self.view.bans.ban(repair.peer_id)
             elif isinstance(result, BaseException):
                 raise result
             else:
                 self.counters.catch_ups += 1
+                previous = answers[stage][repair.peer_id]
+                answers[stage][repair.peer_id] = previous.model_copy(update={"steps_done": result.steps_done})

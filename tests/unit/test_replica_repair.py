@@ -1,0 +1,45 @@
+"""Which sync replicas catch up after a commit (swarm/trainer/schedule.py: replicas_to_repair), and
+how a sync round is keyed by the step count (peers/replicas/averaging.py)."""
+
+from peers.replicas.averaging import round_group_bits, round_has_samples
+from swarm.trainer.schedule import CatchUp, replicas_to_repair
+from wire.protocol import CommitResponse
+
+
+def answer(steps: int, *, stepped: bool = False, averaged: bool = False) -> CommitResponse:
+    return CommitResponse(steps_done=steps, stepped=stepped, averaged=averaged)
+
+
+def test_replicas_at_equal_step_counts_need_no_repair_whatever_they_answered():
+    # e.g. one replica's round found no partner (a second trainer's commit took its partner first)
+    assert replicas_to_repair({"a": answer(5, stepped=True, averaged=True), "b": answer(5)}) == []
+    assert replicas_to_repair({"a": answer(5)}) == []
+
+
+def test_a_round_failed_on_one_side_drops_the_gradients_the_partners_update_holds():
+    answers = {"a": answer(6, stepped=True, averaged=True), "b": answer(5), "c": answer(6, stepped=True, averaged=True)}
+    assert replicas_to_repair(answers) == [CatchUp("b", "a", 6, drops_gradients=True)]
+
+
+def test_a_replica_left_behind_earlier_keeps_its_own_gradients():
+    # neither stepped on this commit (their rounds could not meet: different step counts)
+    assert replicas_to_repair({"a": answer(7), "b": answer(6)}) == [CatchUp("b", "a", 7, drops_gradients=False)]
+
+
+def test_a_replica_that_stepped_but_answered_earlier_than_its_partner_keeps_its_gradients():
+    # two trainers: "a" answered this commit after one round, "b" after two
+    repairs = replicas_to_repair(
+        {"a": answer(3, stepped=True, averaged=True), "b": answer(4, stepped=True, averaged=True)}
+    )
+    assert repairs == [CatchUp("a", "b", 4, drops_gradients=False)]
+
+
+def test_round_keys_differ_between_consecutive_steps_and_are_hivemind_group_bits():
+    keys = [round_group_bits(step) for step in range(4)]
+    assert len(set(keys)) == 4 and all(set(key) <= {"0", "1"} and len(key) == len(keys[0]) for key in keys)
+    assert round_group_bits(0) == round_group_bits(1 << 24)
+
+
+def test_every_member_decides_to_step_from_the_declared_weights_alone():
+    assert round_has_samples({"a": 4.0, "b": 1e-6})
+    assert not round_has_samples({"a": 1e-6, "b": 1e-6})
