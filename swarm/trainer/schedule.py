@@ -48,16 +48,17 @@ def replicas_to_repair(answers: dict[str, CommitResponse]) -> list[CatchUp]:
     """The replicas of one sync averaging group that have taken fewer steps than another, by their
     answers to a commit. Replicas that take the same rounds take the same steps, so a replica behind
     missed a round others completed: it failed on its side only (it did not step while the source
-    stepped after averaging: its gradients are in the source's update), or it was left behind
-    earlier, e.g. on the commit of a trainer that died before repairing it (its gradients are its
-    own, and kept). With several trainers an answer can predate a round that brought its replica
-    level: the replica then does nothing (`CatchUp.to_steps`)."""
+    stepped after averaging in a round of every replica: its gradients are in the source's update),
+    or it was not in the round (a smaller group formed without it, e.g. a replica that joined one
+    step behind) or was left behind earlier, e.g. on the commit of a trainer that died before
+    repairing it: then its gradients are its own, and kept. With several trainers an answer can
+    predate a round that brought its replica level: the replica then does nothing (`CatchUp.to_steps`)."""
     if len(answers) < 2:
         return []
     most = max(a.steps_done for a in answers.values())
     ahead = sorted(p for p, a in answers.items() if a.steps_done == most)
     source = next((p for p in ahead if answers[p].stepped and answers[p].averaged), ahead[0])
-    partial_round = answers[source].stepped and answers[source].averaged
+    partial_round = answers[source].stepped and answers[source].averaged and answers[source].group_size >= len(answers)
     return [
         CatchUp(peer_id, source, most, drops_gradients=partial_round and not answer.stepped)
         for peer_id, answer in sorted(answers.items())

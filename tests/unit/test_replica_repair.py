@@ -6,8 +6,8 @@ from swarm.trainer.schedule import CatchUp, replicas_to_repair
 from wire.protocol import CommitResponse
 
 
-def answer(steps: int, *, stepped: bool = False, averaged: bool = False) -> CommitResponse:
-    return CommitResponse(steps_done=steps, stepped=stepped, averaged=averaged)
+def answer(steps: int, *, stepped: bool = False, averaged: bool = False, group: int = 0) -> CommitResponse:
+    return CommitResponse(steps_done=steps, stepped=stepped, averaged=averaged, group_size=group)
 
 
 def test_replicas_at_equal_step_counts_need_no_repair_whatever_they_answered():
@@ -17,8 +17,22 @@ def test_replicas_at_equal_step_counts_need_no_repair_whatever_they_answered():
 
 
 def test_a_round_failed_on_one_side_drops_the_gradients_the_partners_update_holds():
-    answers = {"a": answer(6, stepped=True, averaged=True), "b": answer(5), "c": answer(6, stepped=True, averaged=True)}
+    answers = {
+        "a": answer(6, stepped=True, averaged=True, group=3),
+        "b": answer(5),
+        "c": answer(6, stepped=True, averaged=True, group=3),
+    }
     assert replicas_to_repair(answers) == [CatchUp("b", "a", 6, drops_gradients=True)]
+
+
+def test_a_replica_outside_a_smaller_round_keeps_its_gradients():
+    # "b" joined a step behind: "a" and "c" formed a group of two without it
+    answers = {
+        "a": answer(6, stepped=True, averaged=True, group=2),
+        "b": answer(5),
+        "c": answer(6, stepped=True, averaged=True, group=2),
+    }
+    assert replicas_to_repair(answers) == [CatchUp("b", "a", 6, drops_gradients=False)]
 
 
 def test_a_replica_left_behind_earlier_keeps_its_own_gradients():
