@@ -47,6 +47,10 @@ class PeerRecord(BaseModel):
     steps_done: int = Field(
         default=0, ge=0, description="optimizer steps the served copy holds (a standby compares its copy with it)"
     )
+    averaging_rounds: int = Field(default=0, ge=0, description="rounds averaged with other replicas of the stage")
+    averaging_rounds_failed: int = Field(
+        default=0, ge=0, description="rounds that failed (no group in time, or the all-reduce broke off)"
+    )
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -41,19 +41,25 @@ async def collect_status(dht, model: str, num_stages: int | None) -> dict[int, l
 
 def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
     lines = [f"model {model}: {len(stages)} stages"]
-    header = f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5}  {'version':<8} metrics"
+    header = (
+        f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5} {'steps':>6} {'rounds':>9}  "
+        f"{'version':<8} metrics"
+    )
     lines.append(header)
     for stage, records in stages.items():
         online = [r for r in records if r.state == PeerState.ONLINE]
         if not records:
             lines.append(f"{stage:>5}  (no peers)")
         for r in records:
+            rounds = "-" if r.averaging == "none" else f"{r.averaging_rounds}/{r.averaging_rounds_failed}"
             lines.append(
                 f"{stage:>5}  {'…' + r.peer_id[-12:]:<14} {r.state.value:<8} {r.throughput:>10.1f} "
-                f"{r.load:>5.0f}  {r.version:<8} {r.metrics_addr or '-'}"
+                f"{r.load:>5.0f} {r.steps_done:>6} {rounds:>9}  {r.version:<8} {r.metrics_addr or '-'}"
             )
         lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
+    lines.append(f"{'':>5}  rounds: averaging rounds with the stage's other replicas, completed/failed")
     lines.extend(independent_replica_warnings(stages))
+    lines.extend(failed_round_warnings(stages))
     return "\n".join(lines)
 
 
@@ -87,6 +93,28 @@ def independent_replica_warnings(stages: dict[int, list[PeerRecord]]) -> list[st
     return warnings
 
 
+FAILED_ROUNDS_WARNED = 0.1  # a replica whose averaging rounds failed more often than this is named
+
+
+def failed_round_warnings(stages: dict[int, list[PeerRecord]], *, min_failed: int = 3) -> list[str]:
+    """One warning per online replica whose averaging rounds fail often (at least `min_failed`, and
+    more than FAILED_ROUNDS_WARNED of them): a failed sync round steps no replica and carries the
+    gradients to the next commit, so the step is late, not lost; still, the replica's link or load
+    needs a look."""
+    warnings = []
+    for stage, records in stages.items():
+        for r in records:
+            tried = r.averaging_rounds + r.averaging_rounds_failed
+            if r.state == PeerState.ONLINE and r.averaging_rounds_failed >= min_failed:
+                if r.averaging_rounds_failed > FAILED_ROUNDS_WARNED * tried:
+                    warnings.append(
+                        f"warning: stage {stage}: replica …{r.peer_id[-12:]}: {r.averaging_rounds_failed} of {tried} "
+                        f"averaging rounds failed ({r.averaging}; a failed sync round carries its gradients to the "
+                        "next commit): check that peer's load and its link to the other replicas"
+                    )
+    return warnings
+
+
 def run_status(config: StatusConfig) -> int:
     contributions = None
     if config.report:
@@ -109,6 +137,6 @@ def run_status(config: StatusConfig) -> int:
         print(format_table(config.model, stages))
         if contributions is not None:
             print(format_contributions(contributions))
-    for warning in independent_replica_warnings(stages) if config.json else ():
+    for warning in [*independent_replica_warnings(stages), *failed_round_warnings(stages)] if config.json else ():
         print(warning, file=sys.stderr)
     return 0

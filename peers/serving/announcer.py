@@ -65,6 +65,8 @@ class Announcer:
             vocab_size=serving.runtime.config.vocab_size,
             credential=self.credential,
             steps_done=serving.runtime.steps_done,
+            averaging_rounds=serving.averaging.rounds if serving.averaging is not None else 0,
+            averaging_rounds_failed=serving.averaging.failed_rounds if serving.averaging is not None else 0,
         )
 
     async def announce(

@@ -34,8 +34,8 @@ def test_the_table_lists_peers_per_stage_with_their_metrics_address():
     )
     lines = text.splitlines()
     assert lines[0] == "model tiny: 2 stages"
-    assert lines[1].split() == ["stage", "peer", "state", "samples/s", "load", "version", "metrics"]
-    assert lines[2].split() == ["0", "…AAAAAAAAAAA0", "online", "120.0", "3", "0.1.0", "127.0.0.1:9100"]
+    assert lines[1].split() == ["stage", "peer", "state", "samples/s", "load", "steps", "rounds", "version", "metrics"]
+    assert lines[2].split() == ["0", "…AAAAAAAAAAA0", "online", "120.0", "3", "0", "-", "0.1.0", "127.0.0.1:9100"]
     assert lines[3].split()[-1] == "-" and "offline" in lines[3]
     assert "stage 0: 1 online, 120.0 samples/s" in lines[4]
     assert lines[5].split() == ["1", "(no", "peers)"]
@@ -55,3 +55,15 @@ def test_a_stage_whose_replicas_do_not_average_is_warned_about():
     assert len(warnings) == 2, warnings
     assert "stage 0: 2 replicas" in warnings[0] and "--averaging none" in warnings[0]
     assert "stage 3" in warnings[1] and "periodic/sync" in warnings[1]
+
+
+def test_a_replica_whose_averaging_rounds_often_fail_is_named_with_its_counts():
+    def replica(peer, ok, failed, state=PeerState.ONLINE):
+        update = {"averaging": "sync", "averaging_rounds": ok, "averaging_rounds_failed": failed, "steps_done": ok}
+        return record(peer, 0, state=state).model_copy(update=update)
+
+    stages = {0: [replica("QmGOOD0", 40, 2), replica("QmFLAKY", 30, 6), replica("QmGONE0", 1, 9, PeerState.OFFLINE)]}
+    lines = format_table("tiny", stages).splitlines()
+    assert lines[3].split()[5:7] == ["30", "30/6"]  # steps, rounds completed/failed
+    warnings = [line for line in lines if line.startswith("warning")]
+    assert len(warnings) == 1 and "QmFLAKY" in warnings[0] and "6 of 36 averaging rounds failed" in warnings[0]
