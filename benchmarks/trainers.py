@@ -1,17 +1,16 @@
 """One trainer against two on the same peers (issue #22): a 2 stages x 2 replicas swarm with sync
-averaging, fed the same number of samples by one trainer, then by two trainers on disjoint data
-shards (`--data-shard 0/2` and `1/2`) running at once.
+averaging, fed the same number of steps of the same batch by one trainer, then by two trainers on
+disjoint data shards (`--data-shard 0/2` and `1/2`) running at once, which take the run's steps
+together (one global step: a step ends when both trainers' samples reach the batch).
 
     .venv/bin/python benchmarks/trainers.py --out benchmarks/out/trainers.json
 
 Each layout is a fresh loopback swarm (`LocalSwarm`, `--no-load-state`, one torch thread per peer).
-The run's tokens/s is the tokens every trainer trained over the wall time from starting the
-trainer(s) to the last one's exit (DHT join included, the same in both layouts); each trainer's own
-tokens/s is its report's. Where the time goes: every commit of either trainer is an optimizer step
-and an averaging round of every replica (today there is no global step over trainers), so two
-trainers of half the steps each make the same number of rounds for the same samples, each over
-half the microbatches; the sync rounds each stage-0 replica completed (its Prometheus counter)
-are recorded. The machine's load
+The run's tokens/s is the tokens every trainer trained (its report's, so the few samples a global
+step takes past the batch count) over the wall time from starting the trainer(s) to the last one's
+exit (DHT join included, the same in both layouts); each trainer's own tokens/s is its report's.
+The sync rounds each stage-0 replica completed (its Prometheus counter) are recorded: one per global
+step in both layouts. The machine's load
 (1/5/15 min) is recorded before and after each layout.
 """
 
@@ -32,7 +31,6 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
-from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
 
 
@@ -72,7 +70,7 @@ def run(name: str, args, shards: int) -> dict:
         for shard in range(shards):
             report = os.path.join(workdir, f"report-{shard}.json")
             process = swarm.start_trainer(
-                *("--steps", str(args.steps // shards), "--batch-size", str(args.batch_size)),
+                *("--steps", str(args.steps), "--batch-size", str(args.batch_size)),
                 *("--microbatch-size", str(args.microbatch_size), "--num-stages", "2", "--log-every", "10"),
                 *("--data-shard", f"{shard}/{shards}", "--report", report),
                 name=f"trainer-{shard}",
@@ -87,8 +85,7 @@ def run(name: str, args, shards: int) -> dict:
     for _, path in trainers:
         with open(path) as f:
             reports.append(json.load(f))
-    seq_len = get_model_config(args.model).seq_len
-    tokens = sum(r["steps"] * args.batch_size * seq_len for r in reports)
+    tokens = sum(r["tokens"] for r in reports)
     return {
         "name": name,
         "trainers": shards,
@@ -108,15 +105,13 @@ def run(name: str, args, shards: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--steps", type=int, default=20, help="steps of the one trainer; each of two does half")
+    parser.add_argument("--steps", type=int, default=20, help="the run's steps (global steps, with two trainers)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="benchmarks/out/trainers.json")
     args = parser.parse_args()
-    if args.steps % 2:
-        parser.error("--steps must be even (two trainers do half each)")
     runs = [run("1 trainer", args, 1), run("2 trainers", args, 2)]
     print(f"\n{'run':<12}{'run tok/s':>10}{'wall s':>8}{'trainers tok/s':>18}{'rounds (s0)':>13}{'lost':>6}")
     for r in runs:

@@ -43,6 +43,12 @@ def links_key(model: str) -> str:
     return f"swarm/{model}/links"
 
 
+def progress_key(model: str) -> str:
+    """The key under which trainers of a model state their progress through the run's global step
+    (subkey: `peer_subkey` of the trainer; dht/trainer_progress.py)."""
+    return f"swarm/{model}/progress"
+
+
 def plan_key(model: str) -> str:
     """The key under which `swarm plan --publish` stores placement plans (subkey: the planner's
     peer id; the newest unexpired plan is the current one)."""

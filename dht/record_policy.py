@@ -2,7 +2,7 @@
 
 hivemind calls a node's record validators when another node asks it to store a record and when a
 node it asked returns one (a dictionary that holds one refused entry is dropped whole). On the keys
-of the models a node knows (`protected_keys`: every stage key, the split, links and plan keys),
+of the models a node knows (`protected_keys`: every stage key, the split, links, plan and progress keys),
 `SwarmRecordValidator` refuses
 - a plain value (it would replace the whole dictionary of subkeys, hiding every peer under it);
 - a subkey that is not `<peer id>[owner:<RSA key>]` with the key hashing to that peer id (unsigned
@@ -29,13 +29,14 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from dht.keys import links_key, parse_peer_subkey, plan_key, split_key, stage_key
+from dht.keys import links_key, parse_peer_subkey, plan_key, progress_key, split_key, stage_key
 from dht.signing import peer_id_of
 
 MAX_PROTECTED_STAGES = 1024  # stage keys guarded per model (a PlanRecord allows as many stages)
 CLOCK_SKEW_S = 60.0  # how far ahead of ours another node's clock may run
 MAX_RECORD_TTL_S = 3600.0  # stage, split and link records are renewed every few seconds to minutes
 MAX_PLAN_TTL_S = 7 * 86400.0  # `swarm plan --plan-ttl-s` (default an hour)
+MAX_PROGRESS_TTL_S = 600.0  # a trainer renews its progress record every step
 _REGULAR_VALUE = MSGPackSerializer.dumps(None)  # hivemind's subkey tag of a value without subkeys
 
 
@@ -43,7 +44,7 @@ _REGULAR_VALUE = MSGPackSerializer.dumps(None)  # hivemind's subkey tag of a val
 class KeyRules:
     """What one protected key accepts."""
 
-    kind: str  # "stage", "split", "links" or "plan"
+    kind: str  # "stage", "split", "links", "plan" or "progress"
     max_subkeys: int
     max_value_bytes: int
     max_ttl_s: float
@@ -73,6 +74,8 @@ def protected_keys(
     plan = KeyRules(
         "plan", max_subkeys=64, max_value_bytes=128 << 10, max_ttl_s=MAX_PLAN_TTL_S, allowed_signers=planners
     )
+    # trainers are not among a private swarm's peers: any trainer signs its own progress subkey
+    progress = KeyRules("progress", max_subkeys=256, max_value_bytes=64 << 10, max_ttl_s=MAX_PROGRESS_TTL_S)
     rules = {}
     for model in models:
         for s in range(max_stages):
@@ -80,6 +83,7 @@ def protected_keys(
         rules[_key_id(split_key(model))] = split
         rules[_key_id(links_key(model))] = links
         rules[_key_id(plan_key(model))] = plan
+        rules[_key_id(progress_key(model))] = progress
     return rules
 
 

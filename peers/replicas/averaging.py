@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ from peers.replicas.robust_mean import ROBUST_METHODS
 logger = logging.getLogger(__name__)
 
 AVERAGING_MODES = ("none", "sync", "periodic")
+REMEMBERED_OUTCOMES = 64  # commits whose answers a replica keeps for repeats
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
     "fp16": Float16Compression,
@@ -152,6 +154,9 @@ class ReplicaAveraging:
             raise ValueError(f"unknown robust averaging {robust!r}; use one of {', '.join(ROBUST_METHODS)}")
         self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
         self.committed: set[str] = set()  # step ids already committed (a trainer retries unanswered commits)
+        # the answers of the latest commits: a repeated commit (a retry, or another trainer committing
+        # the run's global step) gets the first one's, so every trainer sees the same outcome
+        self.outcomes: OrderedDict[str, AveragingOutcome] = OrderedDict()
         codec = COMPRESSIONS[compression]()
         self.num_values = sum(t.numel() for t in tensors)
         self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
@@ -235,6 +240,16 @@ class ReplicaAveraging:
         )
         return gathered
 
+    def _remember(self, step_id: str, outcome: AveragingOutcome) -> AveragingOutcome:
+        self.outcomes[step_id] = outcome
+        while len(self.outcomes) > REMEMBERED_OUTCOMES:
+            self.outcomes.popitem(last=False)
+        return outcome
+
+    def _repeated(self, step_id: str) -> AveragingOutcome:
+        """The answer to a repeated commit: the first one's outcome, as far as it is remembered."""
+        return self.outcomes.get(step_id, AveragingOutcome(False, 1, 0, stepped=False))
+
     def _first_commit_of(self, step_id: str) -> bool:
         """Whether this is the first commit of `step_id`; a repeated one must not step twice."""
         if step_id in self.committed:
@@ -306,8 +321,8 @@ class GradientSync(ReplicaAveraging):
         same step (a trainer retry) is answered without stepping twice. `samples`: what the trainer
         saw each replica serve in the step; no replica weighs more than its count in the round."""
         if not self._first_commit_of(step_id):
-            return AveragingOutcome(False, 1, 0, stepped=False)
-        return self.average_and_step(group_size, samples)
+            return self._repeated(step_id)
+        return self._remember(step_id, self.average_and_step(group_size, samples))
 
     def average_and_step(self, group_size: int, samples: Mapping[str, int] | None) -> AveragingOutcome:
         """The exact barrier: all-reduce what this replica accumulated with the group, then step."""

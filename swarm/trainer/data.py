@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,6 +144,12 @@ class MicrobatchSampler:
     @property
     def microbatches_per_step(self) -> int:
         return self.batch_size // self.microbatch_size
+
+    def stream(self, first_batch: int = 0) -> Iterator[Microbatch]:
+        """The microbatches of batch `first_batch`, then of the next and so on, one at a time (a trainer
+        on a global step draws as many as its share of the step turns out to be)."""
+        for step in itertools.count(first_batch):
+            yield from self.batch(step)
 
     def batch(self, step: int) -> list[Microbatch]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)

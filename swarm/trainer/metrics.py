@@ -184,9 +184,11 @@ class TrainerMetrics:
             self.live_replicas.labels(stage=str(stage)).set(count)
             self.stage_throughput.labels(stage=str(stage)).set(samples_per_s)
 
-    def observe_step(self, *, step: int, loss: float, tokens: int, duration_s: float) -> None:
+    def observe_step(self, *, step: int, loss: float | None, tokens: int, duration_s: float) -> None:
+        """`loss` None: a global step the other trainers finished before this one sent anything."""
         self.step.set(step)
-        self.loss.set(loss)
+        if loss is not None:
+            self.loss.set(loss)
         self.tokens.inc(tokens)
         self.tokens_per_second.set(tokens / duration_s if duration_s > 0 else 0.0)
         self.step_duration.observe(duration_s)

@@ -12,11 +12,15 @@ from typing import TextIO
 CLEAR_LINE = "\r\x1b[K"
 
 
+def _loss(loss: float | None) -> str:
+    return "     -" if loss is None else f"{loss:.4f}"
+
+
 @dataclass(frozen=True)
 class StepProgress:
     step: int  # steps completed
     total_steps: int
-    loss: float
+    loss: float | None  # None: the other trainers finished this global step before ours sent anything
     tokens_per_s: float  # average since training started
     live_replicas: Sequence[int]  # per stage
     calls_retried: int
@@ -27,7 +31,7 @@ class StepProgress:
 def format_line(p: StepProgress) -> str:
     """The plain progress line (unchanged from before the bar existed: tests parse `step N/`)."""
     return (
-        f"step {p.step:>4}/{p.total_steps}  loss {p.loss:.4f}  {p.tokens_per_s:,.0f} tok/s  "
+        f"step {p.step:>4}/{p.total_steps}  loss {_loss(p.loss)}  {p.tokens_per_s:,.0f} tok/s  "
         f"replicas {list(p.live_replicas)}  retried {p.calls_retried}"
         + (f"  val {p.eval_loss:.4f}" if p.eval_loss is not None else "")
     )
@@ -47,7 +51,7 @@ def format_bar(p: StepProgress, width: int = 24) -> str:
     eta_s = p.elapsed_s / p.step * (p.total_steps - p.step) if p.step else 0.0
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {fraction:>4.0%} step {p.step}/{p.total_steps}  "
-        f"loss {p.loss:.4f}  {'' if p.eval_loss is None else f'val {p.eval_loss:.4f}  '}{p.tokens_per_s:,.0f} tok/s  peers {sum(p.live_replicas)} {list(p.live_replicas)}  "
+        f"loss {_loss(p.loss)}  {'' if p.eval_loss is None else f'val {p.eval_loss:.4f}  '}{p.tokens_per_s:,.0f} tok/s  peers {sum(p.live_replicas)} {list(p.live_replicas)}  "
         f"retried {p.calls_retried}  eta {format_duration(eta_s)}"
     )
 

@@ -22,6 +22,7 @@ import torch
 
 from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary, load_run_access
 from dht.node import start_dht
+from dht.signing import identity_of
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
 from process.lifetime import remove_stale_temporaries, stop_events_in_loop
@@ -37,6 +38,7 @@ from swarm.trainer.config import (
 )
 from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
+from swarm.trainer.global_step import SharedProgress
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
@@ -55,7 +57,7 @@ class TrainingReport:
     tokens: int = 0
     initial_loss: float | None = None
     final_loss: float | None = None
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # per step (with a global step: each one we sent samples in)
     tokens_per_s: float = 0.0
     train_time_s: float = 0.0
     microbatches_sent: int = 0
@@ -196,31 +198,54 @@ async def train(
     )
     report.num_stages = num_stages
     refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
-    tokens_per_step = batches.batch_size * model_config.seq_len
     earlier_contributions = dict(report.contributions)  # a resumed run's, counted on top
     started = time.perf_counter()
     try:
         first_step = report.steps  # > 0 when resuming: continue from the same data position
+        tokens_at_start = report.tokens
+        shared = None
+        if config.corpus.shard[1] > 1:  # one of several trainers: the run's steps are global
+            shared = SharedProgress(
+                dht,
+                model=config.model,
+                num_stages=num_stages,
+                batch=batches.batch_size,
+                peer_id=identity_of(dht).peer_id,
+            )
+            first_step = await shared.join(at_least=first_step)
+            stream = sampler.stream(first_step)
+            say(
+                f"data shard {config.corpus.data_shard}: steps are global over every trainer of run {shared.run} "
+                f"(each ends at {batches.batch_size} samples from all of them); starting at step {first_step}"
+            )
         if first_step:
             say(f"resuming at step {first_step} of {batches.steps}")
         for step in range(first_step, batches.steps):
             if stop.is_set():
                 break
             step_started = time.perf_counter()
-            loss = await _step_unless_stopped(
-                schedule.run_step(sampler.batch(step)), stop, batches.stop_timeout_s, say, alone
-            )
-            if loss is None:
+            if shared is not None:
+                shared.begin(step)
+                work = schedule.run_shared_step(lambda: next(stream), shared)
+            else:
+                work = schedule.run_step(sampler.batch(step))
+            result = await _step_unless_stopped(work, stop, batches.stop_timeout_s, say, alone)
+            if result is None:
                 break
+            loss, samples = result if shared is not None else (result, batches.batch_size)
             step_s = time.perf_counter() - step_started
-            report.steps, report.tokens = step + 1, (step + 1) * tokens_per_step
-            report.losses.append(loss)
-            report.tokens_per_s_by_step.append(tokens_per_step / step_s)
+            step_tokens = samples * model_config.seq_len
+            report.steps, report.tokens = step + 1, report.tokens + step_tokens
+            if samples:
+                report.losses.append(loss)
+            else:
+                loss = None  # the other trainers finished this step before we sent anything
+            report.tokens_per_s_by_step.append(step_tokens / step_s)
             report.step_end_s.append(time.perf_counter() - started)
             if reporting.report:  # after every step, so a killed trainer can resume where it was
                 _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
                 report.write(reporting.report)
-            metrics.observe_step(step=step + 1, loss=loss, tokens=tokens_per_step, duration_s=step_s)
+            metrics.observe_step(step=step + 1, loss=loss, tokens=step_tokens, duration_s=step_s)
             metrics.set_contributions(caller.contributions.snapshot())
             elapsed = time.perf_counter() - started
             progress.update(
@@ -228,7 +253,7 @@ async def train(
                     step=step + 1,
                     total_steps=batches.steps,
                     loss=loss,
-                    tokens_per_s=(step + 1 - first_step) * tokens_per_step / elapsed,
+                    tokens_per_s=(report.tokens - tokens_at_start) / elapsed,
                     live_replicas=view.live_replicas(),
                     calls_retried=caller.counters.calls_retried,
                     elapsed_s=elapsed,
@@ -290,10 +315,8 @@ async def _unless_stopped(stop: asyncio.Event, coro):
         stopped.cancel()
 
 
-async def _step_unless_stopped(
-    step, stop: asyncio.Event, timeout_s: float, say, alone: asyncio.Event | None = None
-) -> float | None:
-    """The step's loss; when `stop` is set while it runs, it gets `timeout_s` more (no new step
+async def _step_unless_stopped(step, stop: asyncio.Event, timeout_s: float, say, alone: asyncio.Event | None = None):
+    """The step's result (its loss, and with a global step its samples); when `stop` is set while it runs, it gets `timeout_s` more (no new step
     starts after it), then it is abandoned (None). Once `alone` is set (the process that started
     this one died, and the swarm with it) it is abandoned at once."""
     work = asyncio.ensure_future(step)

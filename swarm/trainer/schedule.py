@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
+from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
+from swarm.trainer.global_step import step_id as global_step_id
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.protocol import CommitResponse
@@ -95,6 +98,7 @@ class StepSchedule:
         self.num_stages = self.view.num_stages
         self.counters = ScheduleCounters()
         self.metrics: TrainerMetrics = caller.metrics
+        self.max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
         # samples each replica served (answered a backward for) in this step, by stage: the commit
         # caps each replica's weight in the sync average at its count
@@ -172,13 +176,62 @@ class StepSchedule:
         await self.commit_step(f"{self.run_id}:{microbatches[0].step}")
         return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
 
+    async def run_shared_step(self, draw: Callable[[], Microbatch], progress: SharedProgress) -> tuple[float, int]:
+        """This trainer's part of global step `progress.step` (swarm/trainer/global_step.py): draw and
+        stream microbatches while the samples counted toward the step, with ours in flight, fall
+        short of the batch; stop once the step is over (the batch is reached, or another trainer has
+        moved on), let ours in flight finish, and commit the step under the run's shared id. Returns
+        the mean loss over our samples and their number."""
+        tasks: dict[asyncio.Task, Microbatch] = {}
+        finished: list[tuple[float, int]] = []
+        try:
+            while not progress.status().over:
+                if len(tasks) < self.max_in_flight and progress.may_send():
+                    mb = draw()
+                    tasks[asyncio.ensure_future(self.run_microbatch(mb))] = mb
+                    progress.sent(mb.size)
+                    continue
+                await progress.publish(unless_within_s=HEARTBEAT_S)  # our claims, and a sign of life
+                if tasks:
+                    done, _ = await asyncio.wait(tasks, timeout=REFRESH_S, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    done = set()
+                    await asyncio.sleep(REFRESH_S)
+                for task in done:
+                    mb = tasks.pop(task)
+                    finished.append((task.result(), mb.size))
+                    progress.note(mb.size, self._served)
+                if done:
+                    await progress.publish()
+                await progress.refresh()
+            # ours in flight finish (the replicas accumulate them into this step, or the next)
+            for task, mb in list(tasks.items()):
+                finished.append((await task, mb.size))
+                progress.note(mb.size, self._served)
+                del tasks[task]
+        finally:
+            for task in tasks:
+                task.cancel()
+        await progress.publish()
+        await progress.refresh(every_s=0.0)
+        await self.commit_step(global_step_id(progress.run, progress.step), served=progress.caps())
+        samples = sum(size for _, size in finished)
+        return sum(loss * size for loss, size in finished) / max(samples, 1), samples
+
     async def flush(self, step_id: str, timeout_s: float = 120.0) -> None:
         """After the run's last step: sync replicas with a one-step delay apply the update still in
         flight (the others answer at once; one whose round failed averages again, itself); a
         replica that missed a round its partner completed is repaired, as after any step."""
         await self.commit_step(step_id, timeout_s, flush=True)
 
-    async def commit_step(self, step_id: str, timeout_s: float = 120.0, *, flush: bool = False) -> None:
+    async def commit_step(
+        self,
+        step_id: str,
+        timeout_s: float = 120.0,
+        *,
+        flush: bool = False,
+        served: dict[int, dict[str, int]] | None = None,
+    ) -> None:
         """Commit the step on every averaging replica of every stage, all at once: sync replicas
         meet in one all-reduce per stage and step; periodic replicas that average every K steps
         step on the commit (and average after every K-th); periodic replicas on a period answer
@@ -186,8 +239,10 @@ class StepSchedule:
         behind its stage's parameters, and periodic checks or a restart bring it back. A stage whose
         sync round failed on every replica (none stepped; their gradients stay accumulated) is
         committed again, up to ROUND_RETRIES times; one replica that missed a round its partner
-        completed is repaired (`_repair_missed_rounds`)."""
-        served, self._served = self._served, {}
+        completed is repaired (`_repair_missed_rounds`). `served`: the weight caps, by stage and
+        replica (default: what this trainer saw each replica serve since the last commit)."""
+        own, self._served = self._served, {}
+        served = own if served is None else served
         groups = [
             (stage, mode, group)
             for stage, records in enumerate(self.view.records)

@@ -1,7 +1,8 @@
 """Several trainers on one run: two trainers read disjoint data shards and feed the same 2x2 sync
-swarm; one is SIGKILLed mid-run. The other finishes with nothing lost, and the replicas of every
-stage end with identical parameters (what a trainer dying in the middle of a step left in a
-replica's gradients is averaged into the next commit like everything else)."""
+swarm, taking its steps together: a step ends when the samples of both reach the batch, and the
+replicas step once per global step, not once per trainer's commit (swarm/trainer/global_step.py).
+One trainer is SIGKILLed mid-run; the other finishes the run's steps alone with nothing lost, and
+the replicas of every stage end with identical parameters and exactly the run's step count."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import signal
 
 import pytest
 
+from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from tests.integration.polling import wait_for
 from tests.integration.processes import stop_together
 from tests.integration.test_replicas import assert_same_params, stage_params
 
 pytestmark = pytest.mark.slow
+
+STEPS = 12  # the run's global steps: enough for the victim to start and send in some before the survivor ends
 
 
 def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(make_swarm, tmp_path):
@@ -30,17 +34,30 @@ def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(m
     common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--log-every", "1"]
     survivor_report = tmp_path / "survivor.json"
     survivor = swarm.start_trainer(
-        *common, "--steps", "8", "--data-shard", "0/2", "--report", str(survivor_report), name="survivor"
+        *common, "--steps", str(STEPS), "--data-shard", "0/2", "--report", str(survivor_report), name="survivor"
     )
     victim = swarm.start_trainer(*common, "--steps", "1000", "--data-shard", "1/2", name="victim")
-    # kill the second trainer once it has finished two steps: it is then in the middle of its third
-    wait_for(lambda: re.search(r"step +2/1000", victim.log()), timeout_s=120, what="the victim's second step")
+    # kill the second trainer once a step it sent samples in is over (a line with its loss): it is
+    # then sending the next one's
+    try:
+        wait_for(lambda: re.search(r"step +\d+/1000  loss +\d", victim.log()), 120, "a step the victim sent in")
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}\n--- victim\n{victim.log()[-4000:]}\n--- survivor\n{survivor.log()[-4000:]}"
+        ) from None
     victim.signal(signal.SIGKILL)
     assert survivor.popen.wait(timeout=300) == 0, survivor.log()[-3000:]
     report = json.loads(survivor_report.read_text())
     stop_together(peers)
-    assert report["steps"] == 8 and report["microbatches_lost"] == 0, report
-    assert report["microbatches_sent"] >= 8 * 4, report
+    assert report["steps"] == STEPS and report["microbatches_lost"] == 0, report
+    assert "steps are global over every trainer of run" in victim.log(), victim.log()[-2000:]
+    # one optimizer step per global step: the steps the victim committed were the survivor's too
+    for stage in (0, 1):
+        steps = [
+            load_checkpoint(checkpoint_path(str(tmp_path / f"s{stage}{r}"), "tiny", stage, 2))[0].steps_done
+            for r in "ab"
+        ]
+        assert steps == [STEPS, STEPS], (stage, steps, survivor.log()[-3000:])
     for stage in (0, 1):
         assert_same_params(
             stage_params(tmp_path / f"s{stage}a", stage), stage_params(tmp_path / f"s{stage}b", stage), 1e-6

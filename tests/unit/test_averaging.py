@@ -3,6 +3,7 @@ periodic averaging by steps (a step on every commit, a round after every K-th, n
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -67,6 +68,7 @@ class _ControlledSync(GradientSync):
 
     def __init__(self, runtime: StageRuntime, round_result):
         self.runtime, self.committed, self.round_result = runtime, set(), round_result
+        self.outcomes = collections.OrderedDict()
         self.round_keys: list[int | None] = []
         runtime.auto_step = False
         self.averager = self  # get_tensors() below stands in for the averager's shared buffers
@@ -103,7 +105,9 @@ def test_a_failed_sync_round_does_not_step_and_keeps_the_gradients_for_the_next_
     sync.round_result = lambda weight: {"self": weight, "other": 2.0}  # the next round works
     outcome = sync.commit("run:1", group_size=2)
     assert outcome.stepped and outcome.samples == 4 and runtime.steps_done == 1
-    assert sync.commit("run:1", group_size=2).stepped is False  # a retried commit does not step twice
+    # a retried commit (or another trainer's of the same global step) does not step twice, and is
+    # answered with the first one's outcome
+    assert sync.commit("run:1", group_size=2) == outcome and runtime.steps_done == 1
     assert sync.round_keys == [0, 0]  # each round is keyed by the steps taken before it
 
 
