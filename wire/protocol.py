@@ -198,7 +198,7 @@ class ChainRequest(BaseModel):
 
 class ChainResponse(BaseModel):
     """A peer's answer to a ChainRequest: the loss and 'grad_inputs' (none on stage 0), with the peer
-    that served each stage from the request's on; or `error`, the stage whose call failed
+    that served each stage from the request's on and the replicas its hops failed over from; or `error`, the stage whose call failed
     (`failed_stage`) and the replicas of it that were tried (`failed_peers`)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
@@ -206,6 +206,8 @@ class ChainResponse(BaseModel):
     tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_response
     loss: float | None = None
     served_by: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    # replicas a hop failed on before another candidate of their stage answered (the chain's failovers)
+    failed_over: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
     error: str | None = Field(default=None, max_length=4096)
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
     failed_stage: int | None = Field(default=None, ge=0)

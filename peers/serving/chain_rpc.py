@@ -48,7 +48,7 @@ from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.compression import EncodedTensor
 from wire.failures import Failure
 from wire.messages import read_request, read_response, write_request, write_response
-from wire.protocol import RPC_TRAIN_CHAIN, ChainRequest, ChainResponse, ProtocolError
+from wire.protocol import MAX_CHAIN_STAGES, RPC_TRAIN_CHAIN, ChainRequest, ChainResponse, ProtocolError
 from wire.request_limits import InFlightBudgetError, RequestTooLargeError
 from wire.tensors import decoded_nbytes, encode_tensor
 
@@ -107,17 +107,18 @@ class ChainService:
                 grad_inputs, loss = await self._on_compute(
                     header, lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"))
                 )
-                served_by = []
+                served_by, failed_over = [], []
             else:
                 outputs = await self._on_compute(header, lambda r: r.forward(header.microbatch_id, inputs))
-                answer, grad_outputs = await self._next_hop(header, outputs, encoded.get("targets"))
+                answer, grad_outputs, skipped = await self._next_hop(header, outputs, encoded.get("targets"))
                 grad_inputs, _ = await self._on_compute(
                     header, lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs)
                 )
                 loss, served_by = answer.loss, list(answer.served_by)
+                failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
             samples = header.batch_size
             outputs = [] if grad_inputs is None else [("grad_inputs", encode_tensor(grad_inputs, "none"))]
-            response = ChainResponse(loss=loss, served_by=[self.peer_id, *served_by])
+            response = ChainResponse(loss=loss, served_by=[self.peer_id, *served_by], failed_over=failed_over)
             serving.requests_served += 1
         except ChainHopError as e:
             serving.requests_failed += 1
@@ -172,9 +173,10 @@ class ChainService:
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58() if self.p2p is not None else "unknown"
 
-    def _refusal(self, error: str, kind: Failure) -> ChainResponse:
-        """This peer's own refusal: the failed stage is its own."""
-        return ChainResponse(error=error[:4000], error_kind=kind, failed_stage=self.stages.serving.runtime.stage)
+    @staticmethod
+    def _refusal(error: str, kind: Failure) -> ChainResponse:
+        """This peer's own refusal or failure: no `failed_stage`, the caller knows which stage it called."""
+        return ChainResponse(error=error[:4000], error_kind=kind)
 
     def _authorize(self, caller: str, header: ChainRequest) -> None:
         guard = self.stages.guard
@@ -209,9 +211,9 @@ class ChainService:
 
     async def _next_hop(
         self, header: ChainRequest, outputs: torch.Tensor, targets: EncodedTensor | None
-    ) -> tuple[ChainResponse, torch.Tensor]:
-        """Call the next stage's candidates in the route's order until one answers; its answer and the
-        gradient wrt this stage's outputs. ChainHopError when every candidate failed, or when a
+    ) -> tuple[ChainResponse, torch.Tensor, list[str]]:
+        """Call the next stage's candidates in the route's order until one answers; its answer, the
+        gradient wrt this stage's outputs and the candidates that failed before it. ChainHopError when every candidate failed, or when a
         candidate answered that a stage after it failed (its own route is spent: the trainer re-drives)."""
         if self.p2p is None:
             raise ChainHopError(header.stage + 1, [], "this peer cannot call other peers yet")
@@ -266,7 +268,7 @@ class ChainService:
             except (ProtocolError, BadRequestError) as e:
                 reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
                 continue
-            return response, grad
+            return response, grad, tried[:-1]
         raise ChainHopError(
             next_stage,
             tried,

@@ -98,6 +98,11 @@ class ChainCaller:
             settle_route(view.schedulers, route, mb.size, result.served_by)
             caller.timeouts.observe(*CHAIN_TIMEOUT_KEY, elapsed)
             caller.metrics.observe_call(stage=0, rpc="train_chain", duration_s=elapsed)
+            if result.failed_over:  # a hop failed over inside the chain: the microbatch was retried there
+                failures.append(f"the chain failed over from {sorted(p[-8:] for p in result.failed_over)}")
+                caller.counters.calls_retried += len(result.failed_over)
+                for peer_id in result.failed_over:  # routed elsewhere for a while, as after any failed call
+                    view.bans.ban(peer_id)
             for stage, peer_id in enumerate(result.served_by):
                 view.bans.clear(peer_id)
                 key = peer_id[-8:]

@@ -64,6 +64,7 @@ class ChainCallError(PeerCallError):
 class ChainResult:
     loss: float
     served_by: list[str]  # the peer that served each stage
+    failed_over: list[str]  # replicas a hop failed on before another of their stage answered
     moved: int  # payload bytes, both ways
 
 
@@ -222,7 +223,7 @@ class StageClient:
         for _, item in tensors:
             self.bytes.record_sent(item)
         moved = sum(item.nbytes for _, item in tensors)
-        return ChainResult(float(response.loss), list(response.served_by), moved)
+        return ChainResult(float(response.loss), list(response.served_by), list(response.failed_over), moved)
 
     async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:
         stream = await iterate_bounded(

@@ -1,0 +1,88 @@
+"""Direct routing (`swarm train --routing direct`) with real processes on loopback: a peer refuses a
+chained call for a stage it does not serve, and a replica killed mid-run loses nothing.
+(One step's exact update against one process: tests/integration/test_correctness.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+
+import pytest
+import torch
+
+from dht.node import NetworkConfig, start_dht
+from models.config import get_model_config
+from swarm.trainer.client import ChainCallError, StageClient
+from tests.integration.polling import trainer_step, wait_for
+from wire.failures import Failure
+from wire.tensors import encode_tensor
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_peer_refuses_a_chained_call_for_a_stage_it_does_not_serve(make_swarm):
+    config = get_model_config("tiny")
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(1)
+    swarm.wait_online([peer])
+    peer_id = re.search(r"peer (\S+) online", peer.log()).group(1)
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+
+    async def scenario():
+        p2p = await dht.replicate_p2p()
+        tokens = torch.randint(0, config.vocab_size, (2, config.seq_len))
+        tensors = [("inputs", encode_tensor(tokens)), ("targets", encode_tensor(tokens))]
+
+        async def chain(client: StageClient):
+            return await client.train_chain(
+                peer_id,
+                microbatch_id="m",
+                batch_size=2,
+                tensors=tensors,
+                route=[[peer_id]],
+                timeout_s=30.0,
+                trainer_id=p2p.peer_id.to_base58(),
+            )
+
+        # a chain starts at stage 0; this peer serves stage 1
+        with pytest.raises(ChainCallError) as wrong_stage:
+            await chain(StageClient(p2p, model="tiny", num_stages=2))
+        assert wrong_stage.value.kind == Failure.WRONG_STAGE
+        assert "serves stage 1, not stage 0" in str(wrong_stage.value)
+        assert (wrong_stage.value.stage, wrong_stage.value.failed_peers) == (0, [peer_id])
+        with pytest.raises(ChainCallError) as other_split:  # another split of the model: the caller's bug
+            await chain(StageClient(p2p, model="tiny", num_stages=3))
+        assert other_split.value.kind == Failure.REFUSED
+        assert "split into 2 stages, not tiny in 3" in str(other_split.value)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dht.shutdown()
+    assert peer.alive
+
+
+def test_sigkill_of_a_stage_1_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path):
+    # As tests/integration/test_failover.py's hub version: routing failover, not averaging.
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
+    swarm.wait_online(peers)
+    report_path = tmp_path / "report.json"
+    steps = 24
+    trainer = swarm.start_trainer(
+        *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
+        *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
+    )
+    wait_for(lambda: trainer_step(trainer) >= 6, 120, "the trainer to reach step 6")
+    peers[2].signal(signal.SIGKILL)
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["completed"] and report["steps"] == steps
+    assert report["microbatches_sent"] == steps * 4
+    assert report["microbatches_lost"] == 0
+    assert report["microbatches_retried"] > 0, "the kill should have forced a failover"
+    assert report["backward_inputs_skipped"] == 0  # no call went through the trainer: every one was chained
