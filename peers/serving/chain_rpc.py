@@ -42,7 +42,7 @@ from hivemind.proto import runtime_pb2
 
 from dht.records import PeerState
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
-from peers.serving.admission import caller_id, failure_kind
+from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.compression import EncodedTensor
@@ -183,8 +183,12 @@ class ChainService:
         if caller == header.trainer_id:  # the trainer itself: as for any training request
             guard.authorize(caller, header.credential, "train")
             return
+        if header.stage == 0:
+            raise NotAuthorizedError(f"a chain's first stage is called by its trainer, not by peer {caller[-8:]}")
         guard.authorize(header.trainer_id, header.credential, "train")  # the trainer that started the chain
-        guard.authorize(caller, header.forwarder_credential, "chain")  # ...and a credentialed peer forwards it
+        guard.authorize(
+            caller, header.forwarder_credential, "chain", stage=header.stage - 1
+        )  # ...from the stage before
 
     def _check_route(self, header: ChainRequest) -> None:
         self.stages.check_route(header)

@@ -175,14 +175,16 @@ class StageClient:
         route: list[list[str]],
         timeout_s: float,
         trainer_id: str,
+        stage: int = 0,
     ) -> ChainResult:
         """Direct routing: one microbatch's training pass, sent to `peer_id` (a stage-0 replica), which
-        passes it on stage to stage along `route` (candidates for stages 1..S-1). Raises
+        passes it on stage to stage along `route` (candidates for stages 1..S-1; `stage`: another first
+        stage, which a peer refuses from anyone but a peer of the stage before). Raises
         ChainCallError on failure (which stage, which of its replicas were tried)."""
         request = write_request(
             ChainRequest(
                 model=self.model,
-                stage=0,
+                stage=stage,
                 num_stages=self.num_stages,
                 microbatch_id=microbatch_id,
                 batch_size=batch_size,
@@ -195,7 +197,7 @@ class StageClient:
         )
 
         def failed(kind: Failure, message: str) -> ChainCallError:
-            return ChainCallError(peer_id, kind, message, stage=0, failed_peers=[peer_id])
+            return ChainCallError(peer_id, kind, message, stage=stage, failed_peers=[peer_id])
 
         try:
             limits = StreamLimits(read_timeout_s=timeout_s + 5.0)
@@ -210,13 +212,14 @@ class StageClient:
             raise failed(Failure.TRANSPORT, f"{type(e).__name__}: {e}") from None
         response = answer.header
         if response.error is not None:
-            stage = response.failed_stage if response.failed_stage is not None else 0
+            own = response.failed_stage is None  # the peer called failed, not a stage after it
+            failed_stage = stage if own else response.failed_stage
             raise ChainCallError(
                 peer_id,
                 caller_failure(response.error_kind),
-                f"stage {stage}: {response.error}",
-                stage=stage,
-                failed_peers=list(response.failed_peers) or ([peer_id] if stage == 0 else []),
+                f"stage {failed_stage}: {response.error}",
+                stage=failed_stage,
+                failed_peers=[peer_id] if own else list(response.failed_peers),
             )
         if response.loss is None or not math.isfinite(response.loss) or answer.parts:
             raise failed(Failure.GARBAGE, f"expected a finite loss and no tensor, got loss {response.loss}")

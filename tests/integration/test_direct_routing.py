@@ -16,6 +16,8 @@ from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
 from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
+from tests.integration.test_replicas import run_trainer
+from tests.integration.test_run_authority import CONFIG, Run
 from wire.failures import Failure
 from wire.tensors import encode_tensor
 
@@ -72,12 +74,12 @@ def test_sigkill_of_a_stage_1_replica_during_a_direct_run_loses_nothing(make_swa
     peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
     swarm.wait_online(peers)
     report_path = tmp_path / "report.json"
-    steps = 24
+    steps = 16
     trainer = swarm.start_trainer(
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
     )
-    wait_for(lambda: trainer_step(trainer) >= 6, 120, "the trainer to reach step 6")
+    wait_for(lambda: trainer_step(trainer) >= 4, 120, "the trainer to reach step 4")
     peers[2].signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
@@ -86,3 +88,54 @@ def test_sigkill_of_a_stage_1_replica_during_a_direct_run_loses_nothing(make_swa
     assert report["microbatches_lost"] == 0
     assert report["microbatches_retried"] > 0, "the kill should have forced a failover"
     assert report["backward_inputs_skipped"] == 0  # no call went through the trainer: every one was chained
+
+
+def test_a_run_with_an_authority_trains_through_chains_and_refuses_a_chain_from_an_outsider(make_swarm, tmp_path):
+    """The trainer's credential rides along the chain; a peer passing it on shows its own. A stolen
+    trainer credential gets an outsider nowhere: as the first caller it is not the trainer it names,
+    and as a forwarder it holds no peer credential."""
+    run = Run(tmp_path, private=False)
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    first = swarm.start_peer(0, *run.args("first", "peer", stage=0))
+    last = swarm.start_peer(1, *run.args("last", "peer", stage=1))
+    swarm.wait_online([first, last])
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", "4", "--microbatch-size", "2", "--routing", "direct",
+        *run.args("trainer", "trainer"),
+    )  # fmt: skip
+    assert report["losses"][0] > 0 and report["microbatches_lost"] == 0
+
+    outsider = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+    stolen = (tmp_path / "trainer.cred").read_text().strip()
+
+    async def attacks():
+        p2p = await outsider.replicate_p2p()
+        thief = StageClient(p2p, model="tiny", num_stages=2, credential=stolen)
+        tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len))
+        refused = {}
+        for name, peer, stage, tensors, route in (
+            ("first", run.ids["first"], 0, [("inputs", encode_tensor(tokens))], [[run.ids["last"]]]),
+            ("forwarded", run.ids["last"], 1, [("inputs", encode_tensor(torch.randn(2, CONFIG.seq_len, CONFIG.d_model)))], []),
+        ):  # fmt: skip
+            with pytest.raises(ChainCallError) as error:
+                await thief.train_chain(
+                    peer,
+                    microbatch_id="stolen",
+                    batch_size=2,
+                    tensors=[*tensors, ("targets", encode_tensor(tokens))],
+                    route=route,
+                    timeout_s=30.0,
+                    trainer_id=run.ids["trainer"],
+                    stage=stage,
+                )
+            refused[name] = (error.value.kind, str(error.value))
+        return refused
+
+    try:
+        refused = asyncio.run(attacks())
+    finally:
+        outsider.shutdown()
+    assert refused["first"][0] == Failure.REFUSED and "called by its trainer" in refused["first"][1]
+    assert refused["forwarded"][0] == Failure.REFUSED and "needs a credential" in refused["forwarded"][1]
+    assert first.alive and last.alive
