@@ -1,10 +1,14 @@
-"""Direct routing's route choice (swarm/trainer/chain_route.py): pure, no network."""
+"""Direct routing's pure parts: the route choice (swarm/trainer/chain_route.py), the hops' time
+shares (peers/serving/chain_rpc.py) and the config's refusals; no network."""
 
 from __future__ import annotations
 
 import pytest
 
+from peers.serving.chain_rpc import hop_timeout_s
+from process.config import ConfigError, from_sources
 from swarm.trainer.chain_route import check_served_by, choose_route, settle_route
+from swarm.trainer.config import TrainerConfig
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 
 
@@ -85,3 +89,21 @@ def test_served_by_must_fit_the_route():
     assert "3 stages" in check_served_by(route, ["a0", "b1"])
     assert "first stage" in check_served_by(route, ["a1", "b1", "c0"])
     assert "did not name" in check_served_by(route, ["a0", "b9", "c0"])
+
+
+def test_direct_routing_refuses_what_it_does_not_do_yet_in_one_line():
+    assert from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct"}).schedule.routing == "direct"
+    assert from_sources(TrainerConfig, env={}).schedule.routing == "hub"
+    with pytest.raises(ConfigError, match="use --codec none"):
+        from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_CODEC": "int8"})
+    with pytest.raises(ConfigError, match="no spot checks"):
+        from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_VERIFY_FRACTION": "0.1"})
+
+
+def test_each_hop_leaves_its_own_stage_a_share_of_the_time():
+    assert hop_timeout_s(40.0, 0, 4) == pytest.approx(30.0)  # three stages after it, one its own
+    assert hop_timeout_s(40.0, 2, 4) == pytest.approx(20.0)
+    budget = 40.0
+    for stage in range(3):  # the budget shrinks along the chain and never reaches 0
+        budget = hop_timeout_s(budget, stage, 4)
+    assert 0 < budget < 40.0
