@@ -1,5 +1,5 @@
 """Direct routing (`swarm train --routing direct`) with real processes on loopback: a peer refuses a
-chained call for a stage it does not serve, and a replica killed mid-run loses nothing.
+chained call for a stage it does not serve, and a replica of either stage killed mid-run loses nothing.
 (One step's exact update against one process: tests/integration/test_correctness.py.)"""
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def test_a_peer_refuses_a_chained_call_for_a_stage_it_does_not_serve(make_swarm)
     assert peer.alive
 
 
-def test_sigkill_of_a_stage_1_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path):
+# A stage-1 replica dies: the stage-0 peer that called it fails over to the route's alternate. A
+# stage-0 replica dies: the trainer drives its microbatches again, from the start, on a new route.
+@pytest.mark.parametrize("victim_stage", [1, 0])
+def test_sigkill_of_a_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path, victim_stage):
     # As tests/integration/test_failover.py's hub version: routing failover, not averaging.
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
     swarm.start_bootstrap()
@@ -80,7 +83,7 @@ def test_sigkill_of_a_stage_1_replica_during_a_direct_run_loses_nothing(make_swa
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
     )
     wait_for(lambda: trainer_step(trainer) >= 4, 120, "the trainer to reach step 4")
-    peers[2].signal(signal.SIGKILL)
+    peers[2 if victim_stage == 1 else 0].signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
     assert report["completed"] and report["steps"] == steps
