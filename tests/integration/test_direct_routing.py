@@ -77,7 +77,7 @@ def test_sigkill_of_a_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_
     peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
     swarm.wait_online(peers)
     report_path = tmp_path / "report.json"
-    steps = 16
+    steps = 12
     trainer = swarm.start_trainer(
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
