@@ -16,7 +16,9 @@ from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
 from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
-from tests.integration.test_replicas import run_trainer
+from tests.integration.processes import stop_together
+from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
+from tests.integration.test_replicas import assert_same_params, run_trainer, stage_params
 from tests.integration.test_run_authority import CONFIG, Run
 from wire.failures import Failure
 from wire.tensors import encode_tensor
@@ -142,3 +144,29 @@ def test_a_run_with_an_authority_trains_through_chains_and_refuses_a_chain_from_
     assert refused["first"][0] == Failure.REFUSED and "called by its trainer" in refused["first"][1]
     assert refused["forwarded"][0] == Failure.REFUSED and "needs a credential" in refused["forwarded"][1]
     assert first.alive and last.alive
+
+
+def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm, tmp_path):
+    """Two stage-0 replicas each serve part of the batch through chains; the trainer counts what each
+    served from the chains' `served_by`, which caps each one's weight in the sync round: counted
+    wrong, the averaged step would not be the one-process step."""
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
+        swarm.start_peer(1, "--checkpoint-dir", str(tmp_path / "c")),
+    ]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
+        "--routing", "direct",
+    )  # fmt: skip
+    stop_together(peers)
+    assert report["microbatches_lost"] == 0
+    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
+    assert_same_params(a, b, atol=1e-6)
+    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
+    for name, value in a.items():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
