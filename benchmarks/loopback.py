@@ -3,7 +3,8 @@ same data, measured in one run.
 
     .venv/bin/python benchmarks/loopback.py --steps 20 --out benchmarks/out/loopback.json
 
-Layouts: 2 stages x 1 peer and 2 stages x 2 peers (each peer one torch thread), against one
+Layouts: 2 stages x 1 peer and 2 stages x 2 peers (each peer one torch thread; `--routing direct`
+or `both` for `swarm train --routing`), against one
 plain process with 1 thread and with one thread per core; the ratio is taken against the faster
 of the two. Warm-up steps are excluded from timing. Run it on a quiet machine: on 2 cores, a
 2-thread PyTorch process slows down many times over when another process takes a core.
@@ -72,6 +73,7 @@ def swarm_run(
     batch_size: int,
     microbatch_size: int,
     max_in_flight: int,
+    routing: str = "hub",
 ) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-bench-")
     report_path = os.path.join(workdir, "report.json")
@@ -97,6 +99,8 @@ def swarm_run(
             str(stages),
             "--report",
             report_path,
+            "--routing",
+            routing,
         )
         if trainer.popen.wait(timeout=3600) != 0:
             raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
@@ -106,7 +110,10 @@ def swarm_run(
     # tokens/s over the timed steps = total tokens / total time of those steps
     seconds = sum(batch_size * get_model_config(model_name).seq_len / t for t in timed)
     return {
-        "layout": f"swarm {stages} stages x {replicas} peer(s)",
+        "layout": f"swarm {stages} stages x {replicas} peer(s)" + (", direct" if routing == "direct" else ""),
+        "routing": routing,
+        # what crossed the trainer's own link (sent and received), per token trained
+        "trainer_link_bytes_per_token": report["wire_bytes_per_token"],
         "tokens_per_s": len(timed) * batch_size * get_model_config(model_name).seq_len / seconds,
         "final_loss": report["final_loss"],
         "microbatches_lost": report["microbatches_lost"],
@@ -122,6 +129,12 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--max-in-flight", type=int, default=8)
+    parser.add_argument(
+        "--routing",
+        default="hub",
+        choices=["hub", "direct", "both"],
+        help="swarm train --routing of the swarm layouts; both: each layout with each, hub first",
+    )
     parser.add_argument("--out", default="benchmarks/out/loopback.json")
     args = parser.parse_args()
 
@@ -132,7 +145,8 @@ def main() -> int:
         )
         print(f"{results[-1]['layout']:<32} {results[-1]['tokens_per_s']:>9,.0f} tokens/s", flush=True)
     plain_results = list(results)
-    for replicas in (1, 2):
+    routings = ["hub", "direct"] if args.routing == "both" else [args.routing]
+    for replicas, routing in [(r, routing) for r in (1, 2) for routing in routings]:
         results.append(
             swarm_run(
                 args.model,
@@ -143,15 +157,19 @@ def main() -> int:
                 args.batch_size,
                 args.microbatch_size,
                 args.max_in_flight,
+                routing,
             )
         )
         print(f"{results[-1]['layout']:<32} {results[-1]['tokens_per_s']:>9,.0f} tokens/s", flush=True)
     baseline = max(r["tokens_per_s"] for r in plain_results)  # compare with the stronger plain setting
     for r in results:
         r["ratio_to_plain"] = r["tokens_per_s"] / baseline
-    print("\nlayout                            tokens/s   ratio   final loss")
+    print("\nlayout                            tokens/s   ratio   final loss   trainer link bytes/token")
     for r in results:
-        print(f"{r['layout']:<32} {r['tokens_per_s']:>9,.0f}   {r['ratio_to_plain']:.2f}    {r['final_loss']:.3f}")
+        link = f"{r['trainer_link_bytes_per_token']:>12,.0f}" if "trainer_link_bytes_per_token" in r else ""
+        print(
+            f"{r['layout']:<32} {r['tokens_per_s']:>9,.0f}   {r['ratio_to_plain']:.2f}    {r['final_loss']:.3f}   {link}"
+        )
     out = {
         "benchmark": "loopback",
         "model": args.model,

@@ -32,6 +32,7 @@ from wire.compression import ByteCounter, EncodedTensor
 from wire.protocol import (
     MAX_STREAM_PARTS,
     STATE_CHUNK_BYTES,
+    ChainRequest,
     CommitRequest,
     Header,
     ProbeRequest,
@@ -46,7 +47,7 @@ from wire.protocol import (
 from wire.request_limits import check_request_bytes
 from wire.tensors import check_decoded_bytes, decode_tensors, group_parts
 
-_UIDS = {CommitRequest: "commit", StateRequest: "state", ProbeRequest: "probe"}
+_UIDS = {ChainRequest: "train_chain", CommitRequest: "commit", StateRequest: "state", ProbeRequest: "probe"}
 
 
 def _uid(header: BaseModel) -> str:

@@ -9,6 +9,8 @@ The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.Expert
     RPC_COMMIT                 unary  -> unary   CommitRequest -> CommitResponse
     RPC_STATE                  unary  -> stream  StateRequest -> StateHeader + the state in chunks
     RPC_PROBE                  stream -> stream  ProbeRequest + payload -> ProbeResponse + the payload
+    RPC_TRAIN_CHAIN            stream -> stream  ChainRequest + tensors -> ChainResponse + tensors
+                                                 (direct routing; a peer calls the next stage's peer)
 
 A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
 `tensors` field of that message and the ones after it, in the order the header's `tensors` list
@@ -45,6 +47,7 @@ RPC_BACKWARD = "swarm.backward"
 RPC_COMMIT = "swarm.commit"  # sync averaging: the trainer finished a step; replicas average and step
 RPC_STATE = "swarm.state"  # a joining replica downloads this stage's parameters and optimizer state
 RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (peers/placement/link_probe.py)
+RPC_TRAIN_CHAIN = "swarm.train_chain"  # direct routing: forward on, backward back, stage to stage
 
 MAX_HEADER_BYTES = 64 << 10  # one encoded header
 MAX_TENSORS = 4  # tensors in one request or response
@@ -58,6 +61,9 @@ STATE_REQUEST_INTERVAL_S = 10.0
 PROBE_CHUNK_BYTES = 1 << 20
 MAX_PROBE_BYTES = 8 << 20
 MAX_CREDENTIAL_CHARS = 4096  # a run credential (dht/authority.py), carried as the JSON text it is
+MAX_CHAIN_STAGES = 256  # stages one chained call may still route through
+MAX_CHAIN_CANDIDATES = 8  # replicas named for one stage of a chained call's route (the first preferred)
+MAX_PEER_ID_CHARS = 128
 
 
 class ProtocolError(ValueError):
@@ -159,6 +165,53 @@ class ResponseHeader(BaseModel):
     queue_s: float = 0.0  # seconds from its full arrival to the start of that compute (decode, wait)
     error: str | None = Field(default=None, max_length=4096)
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
+
+
+PeerIdText = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID_CHARS)]
+Candidates = Annotated[list[PeerIdText], Field(min_length=1, max_length=MAX_CHAIN_CANDIDATES)]
+
+
+class ChainRequest(BaseModel):
+    """Direct routing (`swarm train --routing direct`): one microbatch's training pass from `stage`
+    to the last stage. The peer computes its forward, sends its outputs to the first candidate of
+    `route[0]` (a replica of `stage + 1`, with `route[1:]` as that call's route), fails over to the
+    next candidates, then runs its backward with the gradient it got back. Tensors: 'inputs' (tokens
+    on stage 0, activations after), 'targets' (passed along to the last stage)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    microbatch_id: str = Field(min_length=1, max_length=128)
+    batch_size: int = Field(ge=1)
+    tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_request
+    # for each stage after this one, in order: the replicas to try (the trainer's choice, first preferred)
+    route: list[Candidates] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    timeout_s: float = Field(gt=0.0, le=3600.0)  # what this call (the rest of the chain included) may take
+    # the trainer that started the chain, and its credential for the run (dht/authority.py) when the
+    # peer's run has an authority; a peer forwarding the chain adds its own credential
+    trainer_id: PeerIdText
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    forwarder_credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+
+
+class ChainResponse(BaseModel):
+    """A peer's answer to a ChainRequest: the loss and 'grad_inputs' (none on stage 0), with the peer
+    that served each stage from the request's on and the replicas its hops failed over from; or `error`, the stage whose call failed
+    (`failed_stage`) and the replicas of it that were tried (`failed_peers`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_response
+    loss: float | None = None
+    served_by: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    # replicas a hop failed on before another candidate of their stage answered (the chain's failovers)
+    failed_over: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    error: str | None = Field(default=None, max_length=4096)
+    error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
+    failed_stage: int | None = Field(default=None, ge=0)
+    failed_peers: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_CANDIDATES)
 
 
 class CommitRequest(BaseModel):

@@ -71,6 +71,7 @@ POLICY: dict[str, tuple[str, ...]] = {
     "train": ("trainer",),  # forward that caches for a backward, backward, commit
     "state": ROLES,  # download a stage's parameters and optimizer state (a peer: of its stage)
     "evaluate": ROLES,
+    "chain": ("peer",),  # pass a trainer's chained call on to the next stage (direct routing)
 }
 
 

@@ -4,6 +4,7 @@
 and the lifecycle (start, serve, stop, in that order). Each service receives what it needs and no more:
 
     StageRpcService     forward/backward (peers/serving/stage_rpc.py)
+    ChainService        direct routing's chained training pass, stage to stage (peers/serving/chain_rpc.py)
     ReplicaSyncService  commit, state, loading a replica's state, periodic averaging (peers/replicas/)
     StageMoves          rebalancing moves and the standby pool (peers/placement/stage_moves.py)
     Announcer           the DHT record, its renewal, the status file (peers/serving/announcer.py)
@@ -51,13 +52,14 @@ from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.replica_sync import ReplicaSyncService
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.announcer import Announcer
+from peers.serving.chain_rpc import ChainService
 from peers.serving.checkpointer import Checkpointer
 from peers.serving.serving_state import ServingState
 from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
 from wire import compression
 from wire.bounded_streams import StreamLimits
-from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE
+from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE, RPC_TRAIN_CHAIN
 from wire.request_limits import InFlightBytes, PenaltyBox
 
 
@@ -123,6 +125,7 @@ class PeerHost:
                 request_deadline_s=float(1 << 30),  # no deadline: they are read already
             ),
         )
+        self.chains = ChainService(self.stage_rpc, credential=credential)  # direct routing: stage to stage
         # a run with an authority: the replicas this one averages with are those holding a peer credential
         self.members = (
             AveragingMembers(
@@ -224,6 +227,14 @@ class PeerHost:
                 stream_output=True,
                 carries_credential=True,
             ),
+            Rpc(
+                RPC_TRAIN_CHAIN,
+                self.chains.rpc_train_chain,
+                self.chains.refused,
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
             Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit, carries_credential=True),
             Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True, carries_credential=True),
             # Other peers measure their link to us (echoes bounded by the probe's own size limit)...
@@ -240,6 +251,7 @@ class PeerHost:
         ]
 
     async def register_rpcs(self, p2p) -> None:
+        self.chains.p2p = p2p  # a chained call goes on to the next stage's peer
         self.dial_back.p2p = p2p  # it dials back callers only at the hosts their connections come from
         await self.guard.register(p2p, self.rpcs(), runtime_pb2.ExpertRequest)
 

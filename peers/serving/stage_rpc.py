@@ -25,7 +25,7 @@ from peers.serving.serving_state import ServingState
 from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
-from wire.protocol import ProtocolError, RequestHeader, ResponseHeader
+from wire.protocol import ChainRequest, ProtocolError, RequestHeader, ResponseHeader
 from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLargeError
 from wire.tensors import decoded_nbytes, encode_tensor
 
@@ -95,7 +95,7 @@ class StageRpcService:
             # before anything is decoded: only a run's trainers may run what changes the weights
             evaluating = header.rpc == "forward" and header.evaluate
             self.guard.authorize(caller, header.credential, "evaluate" if evaluating else "train")
-            self._check_route(header)
+            self.check_route(header)
             if header.response_codec not in compression.known_codecs():
                 raise ProtocolError(
                     f"unknown response codec {header.response_codec!r}; this peer knows "
@@ -111,7 +111,7 @@ class StageRpcService:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
                 (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, _timed, self._compute, header, tensors
+                    self.compute, timed, self._compute, header, tensors
                 )
             queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
@@ -188,7 +188,9 @@ class StageRpcService:
             tensor, header.response_codec, header.response_codec_params, feedback=feedback, feedback_key=name
         )
 
-    def _check_route(self, header: RequestHeader) -> None:
+    def check_route(self, header: RequestHeader | ChainRequest) -> None:
+        """Refuse a request for another model, split or stage than this peer serves (WrongStageError
+        when only the stage differs: a stale route)."""
         runtime = self.serving.runtime
         if header.model != self.model or header.num_stages != runtime.num_stages:
             raise ProtocolError(
@@ -235,7 +237,7 @@ class StageRpcService:
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 
 
-def _timed(compute, *args):
+def timed(compute, *args):
     """Run `compute(*args)`; returns its result, when it started and how long it ran (perf_counter seconds)."""
     started = time.perf_counter()
     result = compute(*args)

@@ -8,6 +8,7 @@ or the peer's own answer as `caller_failure` classifies it).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ from wire.protocol import (
     RPC_BACKWARD,
     RPC_COMMIT,
     RPC_FORWARD,
+    RPC_TRAIN_CHAIN,
+    ChainRequest,
+    ChainResponse,
     CommitRequest,
     CommitResponse,
     ProtocolError,
@@ -45,6 +49,23 @@ class PeerCallError(RuntimeError):
     def __init__(self, peer_id: str, kind: Failure, message: str):
         super().__init__(f"peer {peer_id[-8:]}: {kind.value}: {message}")
         self.peer_id, self.kind = peer_id, kind
+
+
+class ChainCallError(PeerCallError):
+    """A chained call failed: `stage` is the stage whose call failed, `failed_peers` the replicas of
+    it that were tried (the one called, when the call to the first stage itself failed)."""
+
+    def __init__(self, peer_id: str, kind: Failure, message: str, *, stage: int, failed_peers: list[str]):
+        super().__init__(peer_id, kind, message)
+        self.stage, self.failed_peers = stage, failed_peers
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    loss: float
+    served_by: list[str]  # the peer that served each stage
+    failed_over: list[str]  # replicas a hop failed on before another of their stage answered
+    moved: int  # payload bytes, both ways
 
 
 class StageClient:
@@ -143,6 +164,75 @@ class StageClient:
             self.bytes.record_received(item)
         moved = sum(item.nbytes for _, item in tensors) + sum(item.nbytes for item in encoded.values())
         return CallResult(outputs, encoded, response, moved)
+
+    async def train_chain(
+        self,
+        peer_id: str,
+        *,
+        microbatch_id: str,
+        batch_size: int,
+        tensors: list[tuple[str, EncodedTensor]],
+        route: list[list[str]],
+        timeout_s: float,
+        trainer_id: str,
+        stage: int = 0,
+    ) -> ChainResult:
+        """Direct routing: one microbatch's training pass, sent to `peer_id` (a stage-0 replica), which
+        passes it on stage to stage along `route` (candidates for stages 1..S-1; `stage`: another first
+        stage, which a peer refuses from anyone but a peer of the stage before). Raises
+        ChainCallError on failure (which stage, which of its replicas were tried)."""
+        request = write_request(
+            ChainRequest(
+                model=self.model,
+                stage=stage,
+                num_stages=self.num_stages,
+                microbatch_id=microbatch_id,
+                batch_size=batch_size,
+                route=route,
+                timeout_s=float(timeout_s),
+                trainer_id=trainer_id,
+                credential=self.credential,
+            ),
+            tensors,
+        )
+
+        def failed(kind: Failure, message: str) -> ChainCallError:
+            return ChainCallError(peer_id, kind, message, stage=stage, failed_peers=[peer_id])
+
+        try:
+            limits = StreamLimits(read_timeout_s=timeout_s + 5.0)
+            answer = await asyncio.wait_for(self._read_chain(peer_id, request, limits), timeout=timeout_s)
+        except TimeoutError:
+            raise failed(Failure.TIMEOUT, f"the chained call took over {timeout_s:.1f} s") from None
+        except StreamClosedError as e:
+            raise failed(Failure.TRANSPORT, str(e)) from None
+        except ProtocolError as e:
+            raise failed(Failure.GARBAGE, str(e)) from None
+        except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
+            raise failed(Failure.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        response = answer.header
+        if response.error is not None:
+            own = response.failed_stage is None  # the peer called failed, not a stage after it
+            failed_stage = stage if own else response.failed_stage
+            raise ChainCallError(
+                peer_id,
+                caller_failure(response.error_kind),
+                f"stage {failed_stage}: {response.error}",
+                stage=failed_stage,
+                failed_peers=[peer_id] if own else list(response.failed_peers),
+            )
+        if response.loss is None or not math.isfinite(response.loss) or answer.parts:
+            raise failed(Failure.GARBAGE, f"expected a finite loss and no tensor, got loss {response.loss}")
+        for _, item in tensors:
+            self.bytes.record_sent(item)
+        moved = sum(item.nbytes for _, item in tensors)
+        return ChainResult(float(response.loss), list(response.served_by), list(response.failed_over), moved)
+
+    async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:
+        stream = await iterate_bounded(
+            self.p2p, PeerID.from_base58(peer_id), RPC_TRAIN_CHAIN, request, runtime_pb2.ExpertResponse, limits
+        )
+        return await read_response(stream, ChainResponse, max_decoded_bytes=0)
 
     async def commit(
         self,

@@ -68,6 +68,9 @@ class EvaluationSettings:
             raise ConfigError("--eval-every must be at least 0 and --eval-batches at least 1")
 
 
+ROUTINGS = ("hub", "direct")
+
+
 @dataclasses.dataclass(kw_only=True)
 class ScheduleSettings:
     steps: int = option(100, help="optimizer steps to train")
@@ -76,6 +79,13 @@ class ScheduleSettings:
     )
     microbatch_size: int = option(4, help="samples per microbatch sent through the pipeline")
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
+    routing: str = option(
+        "hub",
+        help="how activations travel: hub (every stage's call goes from and back to the trainer) or direct "
+        "(the trainer sends a microbatch to a stage-0 replica, each peer sends its outputs straight to a "
+        "replica of the next stage and the gradients come back the same way; codec none only)",
+        choices=ROUTINGS,
+    )
     stop_timeout_s: float = option(
         30.0,
         help="on SIGTERM or Ctrl-C, wait this long for the step in flight before stopping (a second signal: at once)",
@@ -182,3 +192,7 @@ class TrainerConfig:
             raise ConfigError(str(e)) from None
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")
+        if self.schedule.routing == "direct" and self.compression.codec != "none":
+            raise ConfigError("--routing direct sends every hop uncompressed for now: use --codec none with it")
+        if self.schedule.routing == "direct" and self.verification.verify_fraction:
+            raise ConfigError("--routing direct has no spot checks yet: use --verify-fraction 0 with it")

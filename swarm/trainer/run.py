@@ -176,6 +176,7 @@ async def train(
             verification=config.verification,
             seed=config.corpus.seed,
             max_in_flight=batches.max_in_flight,
+            routing=batches.routing,
             data_source=f"data {data.folder}",
             metrics=metrics,
             say=say,
@@ -352,6 +353,7 @@ async def connect(
     compression: CompressionSettings,
     max_in_flight: int,
     data_source: str,
+    routing: str = "hub",
     metrics: TrainerMetrics,
     say=print,
     access: RunAccess | None = None,
@@ -387,7 +389,7 @@ async def connect(
         seed=seed,
         say=say,
     )
-    schedule = StepSchedule(caller, max_in_flight=max_in_flight, run_id=secrets.token_hex(4))
+    schedule = StepSchedule(caller, max_in_flight=max_in_flight, run_id=secrets.token_hex(4), routing=routing)
     codecs.warm_up()
     metrics.count_bytes(client.bytes.snapshot)
     await wait_for_every_stage(view, timeout_s, vocab_size=model_config.vocab_size, vocab_source=data_source)

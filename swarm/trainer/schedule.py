@@ -4,7 +4,9 @@
 at once: each goes forward through stages 0..S-2, takes a fused forward+backward on the last stage
 (which owns the loss), and goes backward through S-2..0, every call through `StageCaller`
 (swarm/trainer/stage_call.py, which fails over); a fraction of the forward calls is spot-checked
-on a second replica (`StageCaller.verify`). Nothing is dropped: a microbatch either finishes
+on a second replica (`StageCaller.verify`). With `--routing direct` a microbatch is instead one
+chained call that the peers pass on stage to stage (`ChainCaller`, swarm/trainer/chain_call.py;
+no spot checks there yet). Nothing is dropped: a microbatch either finishes
 or the run stops with the error that stopped it. Then the step is committed on the replicas that
 average (sync, or periodic every K steps), so that they step together.
 """
@@ -16,6 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from swarm.trainer.chain_call import ChainCaller
 from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
@@ -91,8 +94,10 @@ class ScheduleCounters:
 
 
 class StepSchedule:
-    def __init__(self, caller: StageCaller, *, max_in_flight: int, run_id: str):
+    def __init__(self, caller: StageCaller, *, max_in_flight: int, run_id: str, routing: str = "hub"):
         self.caller, self.run_id = caller, run_id
+        # direct routing: each microbatch is one chained call through the stages (chain_call.py)
+        self.chains = ChainCaller(caller) if routing == "direct" else None
         self.view: SwarmView = caller.view
         self.client: StageClient = caller.client
         self.num_stages = self.view.num_stages
@@ -111,6 +116,8 @@ class StepSchedule:
             microbatch_id = f"{self.run_id}:{mb.step}:{mb.index}"
             self.counters.microbatches_sent += 1
             failures: list[str] = []
+            if self.chains is not None:
+                return await self._chained(microbatch_id, mb, failures)
             call = self.caller.call
             # Per stage: its inputs (their encodings are reused by its backward) and the peer that
             # served its forward (and cached it, so that the backward need not resend the inputs).
@@ -133,12 +140,23 @@ class StepSchedule:
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
                 self._count_served(stage, answer.peer_id, mb.size)
-            self.counters.microbatches_done += 1
-            self.metrics.microbatches.inc()
-            if failures:
-                self.counters.microbatches_retried += 1
-                self.metrics.microbatches_retried.inc()
+            self._finished(failures)
             return float(response.loss)
+
+    async def _chained(self, microbatch_id: str, mb: Microbatch, failures: list[str]) -> float:
+        """Direct routing: the microbatch as one chained call, re-driven until it answers; counted once."""
+        answer = await self.chains.run(microbatch_id, mb, failures)
+        for stage, peer_id in enumerate(answer.served_by):
+            self._count_served(stage, peer_id, mb.size)
+        self._finished(failures)
+        return answer.loss
+
+    def _finished(self, failures: list[str]) -> None:
+        self.counters.microbatches_done += 1
+        self.metrics.microbatches.inc()
+        if failures:
+            self.counters.microbatches_retried += 1
+            self.metrics.microbatches_retried.inc()
 
     def _count_served(self, stage: int, peer_id: str, samples: int) -> None:
         served = self._served.setdefault(stage, {})

@@ -35,9 +35,13 @@ def reference_update(config, kind: str, lr: float):
 
 
 # cache_size 0: every backward sent without inputs (to the peer that served the forward) misses
-# the activation cache, and the trainer must resend it with the inputs.
-@pytest.mark.parametrize(("num_stages", "cache_size"), [(2, 64), (3, 64), (3, 0)])
-def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages, cache_size):
+# the activation cache, and the trainer must resend it with the inputs. Direct routing: the peers
+# pass each microbatch on stage to stage (peers/serving/chain_rpc.py), nothing through the trainer.
+@pytest.mark.parametrize(
+    ("num_stages", "cache_size", "routing"),
+    [(2, 64, "hub"), (3, 64, "hub"), (3, 0, "hub"), (2, 64, "direct"), (3, 64, "direct")],
+)
+def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages, cache_size, routing):
     config = get_model_config("tiny")
     kind, lr = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
     ckpt = str(tmp_path / "ckpt")
@@ -71,6 +75,8 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
         str(num_stages),
         "--report",
         report_path,
+        "--routing",
+        routing,
     )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
     stop_together(peers)  # a clean exit writes each stage's checkpoint
@@ -81,7 +87,10 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
     assert report["losses"][0] == pytest.approx(ref_loss, abs=1e-5)
     assert report["microbatches_lost"] == 0
     backwards_with_cache = (BATCH // MICROBATCH) * (num_stages - 1)  # the last stage's fused call needs its inputs
-    if cache_size:
+    if routing == "direct":  # no backward call from the trainer at all: one chained call per microbatch
+        assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (0, 0)
+        assert report["microbatches_retried"] == 0
+    elif cache_size:
         assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (backwards_with_cache, 0)
     else:
         assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (0, backwards_with_cache)

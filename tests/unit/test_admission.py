@@ -17,12 +17,12 @@ from peers.config import PeerConfig, ServingLimits
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.host import PeerHost
-from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE
+from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE, RPC_TRAIN_CHAIN
 from wire.request_limits import PenaltyBox
 
 FRIEND = "QmXeJ1gN6Vft1PyTUwGYGtLrLKHg7WXDXpsLdhKJwfmLXs"
 STRANGER = "12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
-EVERY_RPC = {RPC_FORWARD, RPC_BACKWARD, RPC_COMMIT, RPC_STATE, RPC_PROBE, RPC_REACHABILITY}
+EVERY_RPC = {RPC_FORWARD, RPC_BACKWARD, RPC_TRAIN_CHAIN, RPC_COMMIT, RPC_STATE, RPC_PROBE, RPC_REACHABILITY}
 
 
 class FakeRuntime:
@@ -117,7 +117,8 @@ def test_a_caller_off_the_allow_list_is_refused_by_every_rpc():
             assert "private swarm" in error_of(answer) and STRANGER in error_of(answer), rpc
         if stream is not None:  # read to the end before the answer: answering earlier resets the stream
             assert stream.read == 2, rpc
-    assert host.serving.requests_failed == 2 and host.serving.requests_served == 0  # forward and backward
+    # forward, backward and train_chain
+    assert host.serving.requests_failed == 3 and host.serving.requests_served == 0
 
 
 def test_an_allowed_caller_reaches_the_handler():

@@ -101,6 +101,9 @@ TRAIN_DEFAULTS_ADDED |= {"verify_fraction": 0.0}
 # Added deliberately (issue #22): trainers on one run read disjoint parts of the data.
 TRAIN_FLAGS_ADDED |= {"--data-shard"}
 TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
+# Added deliberately (issue #23): activations stage to stage instead of through the trainer; hub by default.
+TRAIN_FLAGS_ADDED |= {"--routing"}
+TRAIN_DEFAULTS_ADDED |= {"routing": "hub"}
 
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {

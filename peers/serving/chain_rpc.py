@@ -1,0 +1,297 @@
+"""Direct routing's RPC: one microbatch's training pass, from this peer's stage to the last, stage to stage.
+
+`ChainService.rpc_train_chain` serves a `ChainRequest` (wire/protocol.py): it computes this stage's
+forward on the compute thread (`StageRuntime.forward`, which caches the graph), sends the outputs to
+the next stage's first candidate of the request's route (peer to peer, with a timeout), and if that
+call fails tries the route's next candidate for that stage (it still holds its activations); with the
+gradient it got back it runs its own backward (`StageRuntime.backward`, which reuses the cached graph)
+and answers the loss, its `grad_inputs` (none on stage 0) and which peer served each stage. The last
+stage runs the fused forward+backward that owns the loss. The route is the trainer's choice
+(swarm/trainer/chain_route.py): the handler only walks the candidates in order.
+
+Exactly once, and never applied twice. A replica accumulates one microbatch's gradients at most once
+per step: `StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids`) and answers
+a repeated backward without adding it again. A chain keeps the trainer's microbatch id on every hop
+and on every attempt (a hop's failover and the trainer's re-drive alike), so a replica that already
+ran the backward of a microbatch whose answer was then lost (the peer above it died, a timeout)
+answers the repeat without counting it twice. What a replica cannot know is that another replica
+of its stage served the same microbatch in an attempt that failed further up: then both hold its
+gradients, exactly as when a hub-routed backward times out on one replica and is retried on
+another. The trainer counts the samples each replica served from the one chain answer that
+succeeded (`served_by`), and the sync round caps each replica's weight at that count, so the orphan
+attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
+chain answers.
+
+Security: a chained call is refused (WRONG_STAGE) unless it names the model, the number of stages and
+the stage this peer serves. In a run with an authority, the trainer's credential rides along every
+hop: a call straight from the trainer needs the trainer's credential bound to the caller; a call
+from a peer needs the trainer's credential bound to the trainer it names and the calling peer's own
+peer credential. What a chain holds while it waits for the stages after it (its inputs and outputs)
+is counted in the peer's budget of decoded bytes (`--max-in-flight-mb`), refused when over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from dht.records import PeerState
+from peers.compute.stage_runtime import BadRequestError, StageRuntime
+from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
+from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
+from wire.bounded_streams import StreamLimits, iterate_bounded
+from wire.compression import EncodedTensor
+from wire.failures import Failure
+from wire.messages import read_request, read_response, write_request, write_response
+from wire.protocol import MAX_CHAIN_STAGES, RPC_TRAIN_CHAIN, ChainRequest, ChainResponse, ProtocolError
+from wire.request_limits import InFlightBudgetError, RequestTooLargeError
+from wire.tensors import decoded_nbytes, encode_tensor
+
+logger = logging.getLogger(__name__)
+
+OWN_SHARE_MIN = 0.1  # of a chained call's time, what a peer keeps for its own compute at least
+
+
+class ChainHopError(Exception):
+    """The call to the next stage failed on every candidate the route names (or deeper down)."""
+
+    def __init__(self, stage: int, peers: list[str], message: str, kind: Failure = Failure.INTERNAL):
+        super().__init__(message)
+        self.stage, self.peers, self.kind = stage, peers, kind
+
+
+def hop_timeout_s(budget_s: float, stage: int, num_stages: int) -> float:
+    """Of a chained call's `budget_s` on `stage`, the time its call to the next stage may take: the
+    stages after it get their share of the budget, this one keeps its own for its compute."""
+    after = num_stages - 1 - stage
+    return budget_s * max(after / (after + 1), OWN_SHARE_MIN)
+
+
+class ChainService:
+    """Serves RPC_TRAIN_CHAIN for the stage a `StageRpcService` serves (the same runtime, compute
+    thread, admission guard, budgets and counters)."""
+
+    def __init__(self, stages: StageRpcService, *, credential: str | None = None):
+        self.stages = stages
+        self.credential = credential  # this peer's own run credential, shown to the next stage's peer
+        self.p2p = None  # set when the host registers its RPCs
+
+    async def rpc_train_chain(self, requests, context):
+        stages, serving = self.stages, self.stages.serving
+        caller = caller_id(context)
+        received = time.perf_counter()
+        serving.in_flight += 1
+        held = None
+        failed_as, samples = None, 0
+        try:
+            request = await read_request(requests, ChainRequest, max_decoded_bytes=stages.max_decoded_bytes)
+            header = request.header
+            self._authorize(caller, header)
+            self._check_route(header)
+            runtime = serving.runtime
+            outputs_nbytes = header.batch_size * runtime.config.seq_len * runtime.config.d_model * 4
+            if stages.decoded_budget is not None:  # held until answered: inputs, and outputs while waiting
+                held = stages.decoded_budget.open(caller)
+                held.take(decoded_nbytes(header.tensors.values()) + 2 * outputs_nbytes)
+            encoded = request.encoded(stages.bytes)
+            tensors = request.decoded(max_bytes=stages.max_decoded_bytes)
+            inputs = tensors.get("inputs")
+            if inputs is None or inputs.shape[:1] != (header.batch_size,):
+                raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
+            if header.stage == header.num_stages - 1:
+                grad_inputs, loss = await self._on_compute(
+                    header, lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"))
+                )
+                served_by, failed_over = [], []
+            else:
+                outputs = await self._on_compute(header, lambda r: r.forward(header.microbatch_id, inputs))
+                answer, grad_outputs, skipped = await self._next_hop(header, outputs, encoded.get("targets"))
+                grad_inputs, _ = await self._on_compute(
+                    header, lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs)
+                )
+                loss, served_by = answer.loss, list(answer.served_by)
+                failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
+            samples = header.batch_size
+            outputs = [] if grad_inputs is None else [("grad_inputs", encode_tensor(grad_inputs, "none"))]
+            response = ChainResponse(loss=loss, served_by=[self.peer_id, *served_by], failed_over=failed_over)
+            serving.requests_served += 1
+        except ChainHopError as e:
+            serving.requests_failed += 1
+            failed_as = Failure.INTERNAL
+            logger.info(f"train_chain: {e}")
+            response, outputs = (
+                ChainResponse(error=str(e)[:4000], error_kind=e.kind, failed_stage=e.stage, failed_peers=e.peers[:8]),
+                [],
+            )
+        except InFlightBudgetError as e:  # busy, not the caller's fault: it retries elsewhere
+            serving.requests_failed += 1
+            failed_as = Failure.TOO_LARGE
+            response, outputs = self._refusal(str(e), Failure.INTERNAL), []
+        except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
+            serving.requests_failed += 1
+            wrong_stage = isinstance(e, WrongStageError)
+            failed_as = Failure.WRONG_STAGE if wrong_stage else Failure.BAD_REQUEST
+            if not wrong_stage:
+                stages.guard.penalize(caller)
+            logger.warning(f"Refused a train_chain request from {caller[-8:]}: {e}")
+            response, outputs = self._refusal(str(e), failed_as), []
+        except Exception as e:  # a bug or resource failure here must not take the peer down
+            serving.requests_failed += 1
+            failed_as = Failure.INTERNAL
+            logger.exception("train_chain failed")
+            response, outputs = self._refusal(f"{type(e).__name__}: {e}", Failure.INTERNAL), []
+        finally:
+            serving.in_flight -= 1
+            if held is not None:
+                held.close()
+            stages.metrics.observe_request(
+                stage=serving.runtime.stage,
+                rpc="train_chain",
+                duration_s=time.perf_counter() - received,
+                samples=samples,
+                failure_kind=getattr(failed_as, "value", failed_as),
+            )
+        for message in write_response(response, outputs, stages.bytes):
+            yield message
+
+    def refused(self, error, waited_s: float):
+        """What a caller the admission guard refused is answered; counted as a failed request."""
+        serving = self.stages.serving
+        serving.requests_failed += 1
+        self.stages.metrics.observe_request(
+            stage=serving.runtime.stage, rpc="train_chain", duration_s=waited_s, failure_kind=failure_kind(error)
+        )
+        kind = Failure.INTERNAL if isinstance(error, InFlightBudgetError) else Failure.BAD_REQUEST
+        return write_response(self._refusal(str(error), kind))
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58() if self.p2p is not None else "unknown"
+
+    @staticmethod
+    def _refusal(error: str, kind: Failure) -> ChainResponse:
+        """This peer's own refusal or failure: no `failed_stage`, the caller knows which stage it called."""
+        return ChainResponse(error=error[:4000], error_kind=kind)
+
+    def _authorize(self, caller: str, header: ChainRequest) -> None:
+        guard = self.stages.guard
+        if caller == header.trainer_id:  # the trainer itself: as for any training request
+            guard.authorize(caller, header.credential, "train")
+            return
+        if header.stage == 0:
+            raise NotAuthorizedError(f"a chain's first stage is called by its trainer, not by peer {caller[-8:]}")
+        guard.authorize(header.trainer_id, header.credential, "train")  # the trainer that started the chain
+        guard.authorize(
+            caller, header.forwarder_credential, "chain", stage=header.stage - 1
+        )  # ...from the stage before
+
+    def _check_route(self, header: ChainRequest) -> None:
+        self.stages.check_route(header)
+        expected = header.num_stages - 1 - header.stage
+        if len(header.route) != expected:
+            raise ProtocolError(
+                f"a chained call to stage {header.stage} of {header.num_stages} must name candidates for "
+                f"{expected} later stages, not {len(header.route)}"
+            )
+
+    async def _on_compute(self, header: ChainRequest, compute):
+        """`compute(runtime)` on the compute thread, within the peer's request slots; WrongStageError
+        when the peer moved to another stage since the request arrived."""
+
+        def run():
+            runtime: StageRuntime = self.stages.serving.runtime
+            if header.stage != runtime.stage or self.stages.serving.state == PeerState.STANDBY:
+                raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
+            return compute(runtime)
+
+        async with self.stages.slots:
+            result, _, _ = await asyncio.get_running_loop().run_in_executor(self.stages.compute, timed, run)
+        return result
+
+    async def _next_hop(
+        self, header: ChainRequest, outputs: torch.Tensor, targets: EncodedTensor | None
+    ) -> tuple[ChainResponse, torch.Tensor, list[str]]:
+        """Call the next stage's candidates in the route's order until one answers; its answer, the
+        gradient wrt this stage's outputs and the candidates that failed before it. ChainHopError when every candidate failed, or when a
+        candidate answered that a stage after it failed (its own route is spent: the trainer re-drives)."""
+        if self.p2p is None:
+            raise ChainHopError(header.stage + 1, [], "this peer cannot call other peers yet")
+        next_stage, deadline = (
+            header.stage + 1,
+            time.monotonic() + hop_timeout_s(header.timeout_s, header.stage, header.num_stages),
+        )
+        sent = [("inputs", encode_tensor(outputs, "none"))]
+        if targets is not None:
+            sent.append(("targets", targets))
+        tried, reasons = [], []
+        for peer_id in header.route[0]:
+            timeout_s = deadline - time.monotonic()
+            if timeout_s <= 0:
+                break
+            tried.append(peer_id)
+            request = ChainRequest(
+                model=header.model,
+                stage=next_stage,
+                num_stages=header.num_stages,
+                microbatch_id=header.microbatch_id,
+                batch_size=header.batch_size,
+                route=header.route[1:],
+                timeout_s=timeout_s,
+                trainer_id=header.trainer_id,
+                credential=header.credential,
+                forwarder_credential=self.credential,
+            )
+            try:
+                answer = await asyncio.wait_for(self._call(peer_id, request, sent), timeout=timeout_s)
+            except TimeoutError:
+                reasons.append(f"{peer_id[-8:]}: no answer within {timeout_s:.1f} s")
+                continue
+            except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
+                reasons.append(f"{peer_id[-8:]}: {type(e).__name__}: {e}")
+                continue
+            response = answer.header
+            if response.error is not None:
+                if response.failed_stage is not None and response.failed_stage > next_stage:
+                    raise ChainHopError(
+                        response.failed_stage, list(response.failed_peers), response.error, Failure.INTERNAL
+                    )
+                reasons.append(f"{peer_id[-8:]}: {response.error}")
+                continue
+            try:
+                grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
+                self.stages.serving.runtime.check_grad_outputs(header.batch_size, grad)
+                if len(response.served_by) != header.num_stages - next_stage or response.served_by[0] != peer_id:
+                    raise BadRequestError(f"it says stages were served by {len(response.served_by)} peers")
+                if next_stage == header.num_stages - 1 and response.loss is None:
+                    raise BadRequestError("the last stage answered no loss")
+            except (ProtocolError, BadRequestError) as e:
+                reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
+                continue
+            return response, grad, tried[:-1]
+        raise ChainHopError(
+            next_stage,
+            tried,
+            f"stage {next_stage}: no candidate of the route answered ({'; '.join(reasons) or 'no time left'})",
+        )
+
+    async def _call(self, peer_id: str, request: ChainRequest, tensors: list[tuple[str, EncodedTensor]]):
+        limits = StreamLimits(read_timeout_s=request.timeout_s + 5.0)
+        stream = await iterate_bounded(
+            self.p2p,
+            PeerID.from_base58(peer_id),
+            RPC_TRAIN_CHAIN,
+            write_request(request, tensors),
+            runtime_pb2.ExpertResponse,
+            limits,
+        )
+        return await read_response(stream, ChainResponse, max_decoded_bytes=self.stages.max_decoded_bytes)
+
+
+def decoded_nbytes_limit(outputs: torch.Tensor) -> int:
+    """What the gradient wrt `outputs` may decode to: float64 of that shape, the widest dtype on the wire."""
+    return 8 * outputs.numel() + (1 << 20)

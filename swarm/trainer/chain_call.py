@@ -1,0 +1,146 @@
+"""Direct routing (`swarm train --routing direct`): one microbatch as one chained call, with re-drives.
+
+`ChainCaller.run` picks a route (swarm/trainer/chain_route.py: for every stage a preferred replica
+and alternates) and sends the microbatch's tokens and targets to the route's stage-0 replica; each
+peer sends its outputs straight to the next stage's replica and the gradient comes back the same way
+(peers/serving/chain_rpc.py), so each boundary's link carries the activation once forward and its
+gradient once back. A hop that fails is retried by the sending peer on the route's next candidate
+for that stage. When the chain fails beyond those (or the stage-0 replica does), the replicas that
+failed are banned and the microbatch is re-driven from the start on a new route, with the same
+microbatch id: a replica that already ran that microbatch's backward in a failed attempt answers a
+repeat without accumulating it twice (the argument, and its limits, are in chain_rpc.py's docstring).
+After `max_retries` failed attempts it waits for the swarm as hub routing does, refreshing the view,
+and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
+
+The answer names the replica that served each stage (`served_by`): the schedule counts each one's
+samples from it, for the sync round's weight caps, exactly as from hub routing's backward answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from swarm.trainer.chain_route import check_served_by, choose_route, settle_route
+from swarm.trainer.client import ChainCallError, PeerCallError
+from swarm.trainer.data import Microbatch
+from swarm.trainer.failures import NotAllowedError, StageUnavailableError, refused_as_not_allowed
+from swarm.trainer.stage_call import StageCaller
+from wire.failures import Failure
+from wire.tensors import encode_tensor
+
+logger = logging.getLogger(__name__)
+
+CHAIN_TIMEOUT_KEY = (-1, "chain")  # the TimeoutPolicy's (stage, task) slot for whole chains
+ROUTE_ALTERNATES = 2  # replicas named after the preferred one, per stage
+
+
+@dataclass(frozen=True)
+class ChainAnswer:
+    loss: float
+    served_by: list[str]  # the replica that served each stage
+
+
+class ChainCaller:
+    def __init__(self, caller: StageCaller, *, alternates: int = ROUTE_ALTERNATES):
+        self.caller, self.view, self.client = caller, caller.view, caller.client
+        self.alternates = alternates
+
+    def _trainer_id(self) -> str:
+        return self.client.p2p.peer_id.to_base58()
+
+    async def run(self, microbatch_id: str, mb: Microbatch, failures: list[str]) -> ChainAnswer:
+        caller, view = self.caller, self.view
+        tensors = [("inputs", encode_tensor(mb.inputs, "none")), ("targets", encode_tensor(mb.targets, "none"))]
+        failed: set[str] = set()  # replicas that failed this microbatch: not named again (until we wait)
+        attempts, waited_since = 0, None
+        while True:
+            exclude = view.bans.banned() | failed | caller.not_allowed_by.keys()
+            route = choose_route(
+                view.schedulers,
+                mb.size,
+                [exclude | view.violations.banned(stage) for stage in range(view.num_stages)],
+                alternates=self.alternates,
+            )
+            if route is None or attempts > caller.max_retries:
+                if route is None and caller.not_allowed_by:
+                    raise NotAllowedError(0, self._trainer_id(), list(caller.not_allowed_by.values()))
+                waited_since = waited_since or time.monotonic()
+                await self._wait(waited_since)
+                failed.clear()
+                attempts = 0
+                continue
+            waited_since = None
+            timeout_s = caller.timeouts.timeout_s(*CHAIN_TIMEOUT_KEY)
+            started = time.perf_counter()
+            try:
+                result = await self.client.train_chain(
+                    route[0][0],
+                    microbatch_id=microbatch_id,
+                    batch_size=mb.size,
+                    tensors=tensors,
+                    route=route[1:],
+                    timeout_s=timeout_s,
+                    trainer_id=self._trainer_id(),
+                )
+                wrong = check_served_by(route, result.served_by)
+                if wrong is not None:
+                    raise ChainCallError(route[0][0], Failure.GARBAGE, wrong, stage=0, failed_peers=[route[0][0]])
+            except PeerCallError as e:
+                settle_route(view.schedulers, route, mb.size, [])
+                attempts += 1
+                self._note_failure(e, route, failures, time.perf_counter() - started)
+                failed |= set(getattr(e, "failed_peers", [e.peer_id]))
+                continue
+            elapsed = time.perf_counter() - started
+            settle_route(view.schedulers, route, mb.size, result.served_by)
+            caller.timeouts.observe(*CHAIN_TIMEOUT_KEY, elapsed)
+            caller.metrics.observe_call(stage=0, rpc="train_chain", duration_s=elapsed)
+            if result.failed_over:  # a hop failed over inside the chain: the microbatch was retried there
+                failures.append(f"the chain failed over from {sorted(p[-8:] for p in result.failed_over)}")
+                caller.counters.calls_retried += len(result.failed_over)
+                for peer_id in result.failed_over:  # routed elsewhere for a while, as after any failed call
+                    view.bans.ban(peer_id)
+            for stage, peer_id in enumerate(result.served_by):
+                view.bans.clear(peer_id)
+                key = peer_id[-8:]
+                caller.counters.calls_by_peer[key] = caller.counters.calls_by_peer.get(key, 0) + 1
+                caller.contributions.answered(peer_id, stage, "backward", mb.size)
+            return ChainAnswer(result.loss, result.served_by)
+
+    def _note_failure(self, error: PeerCallError, route: list[list[str]], failures: list[str], took_s: float) -> None:
+        caller = self.caller
+        failures.append(str(error))
+        caller.counters.calls_retried += 1
+        kind = error.kind.value
+        caller.counters.failures_by_kind[kind] = caller.counters.failures_by_kind.get(kind, 0) + 1
+        stage = getattr(error, "stage", 0)
+        caller.metrics.observe_failure(stage=stage, rpc="train_chain", kind=kind)
+        if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):
+            caller.not_allowed_by[error.peer_id] = error.peer_id[-8:]
+            return
+        for peer_id in getattr(error, "failed_peers", [error.peer_id]):
+            caller.contributions.failed(peer_id, stage)
+            if error.kind == Failure.WRONG_STAGE:
+                caller.view.violations.wrong_stage(peer_id, stage, str(error))
+            else:
+                caller.view.bans.ban(peer_id, at_least_s=3.0 * took_s if peer_id == route[0][0] else 0.0)
+        logger.info(f"{error}; driving the microbatch again on another route")
+
+    async def _wait(self, since: float) -> None:
+        """No route can be formed (or this microbatch failed too often): refresh the view until one
+        can, or stop the run after `stage_wait_timeout_s`."""
+        caller = self.caller
+        waited = time.monotonic() - since
+        if waited > caller.stage_wait_timeout_s:
+            empty = [s for s, n in enumerate(self.view.live_replicas()) if not n] or [0]
+            raise StageUnavailableError(
+                empty[0],
+                f"no chain through every stage for {waited:.0f} s; start a peer for each stage with no live "
+                f"replica or raise --stage-wait-timeout-s",
+            )
+        next_unban = self.view.bans.seconds_until_next_unban()
+        await asyncio.sleep(min(1.0, next_unban if next_unban is not None else 1.0))
+        await self.view.refresh()

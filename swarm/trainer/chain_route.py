@@ -1,0 +1,78 @@
+"""Direct routing's route: for each stage of a chained call, the replicas to try, in order.
+
+The trainer picks, before a microbatch starts, the replica of every stage its chain goes through
+(`swarm train --routing direct`, swarm/trainer/chain_call.py): the preferred one is each stage's
+`ReplicaScheduler.choose` (the same interleaved weighted round-robin as hub routing, charged the
+whole forward + cached backward the chain runs there), and behind it up to `alternates` other
+replicas, least busy first, that the peer before that stage fails over to. Excluded peers (banned,
+failed for this microbatch, refused us) are never named. The peers only walk the lists in order
+(peers/serving/chain_rpc.py): the choice stays here.
+
+`settle_route` hands each preferred replica's charge back once the chain answered: settled without
+a speed measurement (the trainer times the whole chain, not each stage), or as a failure where the
+stage was served by an alternate or the chain failed.
+
+Pure: no I/O, no asyncio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from swarm.trainer.routing import ReplicaScheduler
+
+CHAIN_TASK = "backward"  # what a chain costs a replica: its forward, then the backward from its cached graph
+
+
+def choose_route(
+    schedulers: Sequence[ReplicaScheduler],
+    batch_size: int,
+    exclude: Sequence[Collection[str]],
+    *,
+    alternates: int = 2,
+) -> list[list[str]] | None:
+    """For each stage (`schedulers[s]`, `exclude[s]`): the preferred replica, then up to `alternates`
+    others by their expected busy time (ties by peer id). None, charging nobody, when some stage has
+    no replica left to name."""
+    if alternates < 0:
+        raise ValueError(f"alternates must be at least 0, got {alternates}")
+    if len(exclude) != len(schedulers):
+        raise ValueError(f"{len(schedulers)} stages but {len(exclude)} exclusion sets")
+    free = [
+        {p: k for p, k in scheduler.keys_s().items() if p not in excluded}
+        for scheduler, excluded in zip(schedulers, exclude)
+    ]
+    if not all(free):
+        return None
+    route = []
+    for scheduler, excluded, keys in zip(schedulers, exclude, free):
+        first = scheduler.choose(CHAIN_TASK, batch_size, exclude=set(excluded))
+        others = sorted((k, p) for p, k in keys.items() if p != first)
+        route.append([first, *[p for _, p in others[:alternates]]])
+    return route
+
+
+def settle_route(
+    schedulers: Sequence[ReplicaScheduler], route: Sequence[Sequence[str]], batch_size: int, served_by: Sequence[str]
+) -> None:
+    """Settle what `choose_route` charged: a preferred replica that served its stage is settled
+    (without a measurement), one that did not (an alternate served, or the chain failed: an empty
+    `served_by`) as a failure, which keeps the time it was tied up."""
+    for stage, (scheduler, candidates) in enumerate(zip(schedulers, route)):
+        if stage < len(served_by) and served_by[stage] == candidates[0]:
+            scheduler.report_success(candidates[0], CHAIN_TASK, batch_size, 0.0)
+        else:
+            scheduler.report_failure(candidates[0])
+
+
+def check_served_by(route: Sequence[Sequence[str]], served_by: Sequence[str]) -> str | None:
+    """Why a chain's `served_by` does not fit its route (one replica per stage, each a candidate the
+    route named for its stage, the first stage's the one called), or None."""
+    if len(served_by) != len(route):
+        return f"it names {len(served_by)} peers for {len(route)} stages"
+    if served_by and served_by[0] != route[0][0]:
+        return "it says another peer served the first stage"
+    for stage, (peer_id, candidates) in enumerate(zip(served_by, route)):
+        if peer_id not in candidates:
+            return f"it says stage {stage} was served by {peer_id[-8:]}, which the route did not name"
+    return None

@@ -1,0 +1,172 @@
+"""Direct routing (`swarm train --routing direct`) with real processes on loopback: a peer refuses a
+chained call for a stage it does not serve, and a replica of either stage killed mid-run loses nothing.
+(One step's exact update against one process: tests/integration/test_correctness.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+
+import pytest
+import torch
+
+from dht.node import NetworkConfig, start_dht
+from models.config import get_model_config
+from swarm.trainer.client import ChainCallError, StageClient
+from tests.integration.polling import trainer_step, wait_for
+from tests.integration.processes import stop_together
+from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
+from tests.integration.test_replicas import assert_same_params, run_trainer, stage_params
+from tests.integration.test_run_authority import CONFIG, Run
+from wire.failures import Failure
+from wire.tensors import encode_tensor
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_peer_refuses_a_chained_call_for_a_stage_it_does_not_serve(make_swarm):
+    config = get_model_config("tiny")
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(1)
+    swarm.wait_online([peer])
+    peer_id = re.search(r"peer (\S+) online", peer.log()).group(1)
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+
+    async def scenario():
+        p2p = await dht.replicate_p2p()
+        tokens = torch.randint(0, config.vocab_size, (2, config.seq_len))
+        tensors = [("inputs", encode_tensor(tokens)), ("targets", encode_tensor(tokens))]
+
+        async def chain(client: StageClient):
+            return await client.train_chain(
+                peer_id,
+                microbatch_id="m",
+                batch_size=2,
+                tensors=tensors,
+                route=[[peer_id]],
+                timeout_s=30.0,
+                trainer_id=p2p.peer_id.to_base58(),
+            )
+
+        # a chain starts at stage 0; this peer serves stage 1
+        with pytest.raises(ChainCallError) as wrong_stage:
+            await chain(StageClient(p2p, model="tiny", num_stages=2))
+        assert wrong_stage.value.kind == Failure.WRONG_STAGE
+        assert "serves stage 1, not stage 0" in str(wrong_stage.value)
+        assert (wrong_stage.value.stage, wrong_stage.value.failed_peers) == (0, [peer_id])
+        with pytest.raises(ChainCallError) as other_split:  # another split of the model: the caller's bug
+            await chain(StageClient(p2p, model="tiny", num_stages=3))
+        assert other_split.value.kind == Failure.REFUSED
+        assert "split into 2 stages, not tiny in 3" in str(other_split.value)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dht.shutdown()
+    assert peer.alive
+
+
+# A stage-1 replica dies: the stage-0 peer that called it fails over to the route's alternate. A
+# stage-0 replica dies: the trainer drives its microbatches again, from the start, on a new route.
+@pytest.mark.parametrize("victim_stage", [1, 0])
+def test_sigkill_of_a_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path, victim_stage):
+    # As tests/integration/test_failover.py's hub version: routing failover, not averaging.
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
+    swarm.wait_online(peers)
+    report_path = tmp_path / "report.json"
+    steps = 12
+    trainer = swarm.start_trainer(
+        *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
+        *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
+    )
+    wait_for(lambda: trainer_step(trainer) >= 4, 120, "the trainer to reach step 4")
+    peers[2 if victim_stage == 1 else 0].signal(signal.SIGKILL)
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["completed"] and report["steps"] == steps
+    assert report["microbatches_sent"] == steps * 4
+    assert report["microbatches_lost"] == 0
+    assert report["microbatches_retried"] > 0, "the kill should have forced a failover"
+    assert report["backward_inputs_skipped"] == 0  # no call went through the trainer: every one was chained
+
+
+def test_a_run_with_an_authority_trains_through_chains_and_refuses_a_chain_from_an_outsider(make_swarm, tmp_path):
+    """The trainer's credential rides along the chain; a peer passing it on shows its own. A stolen
+    trainer credential gets an outsider nowhere: as the first caller it is not the trainer it names,
+    and as a forwarder it holds no peer credential."""
+    run = Run(tmp_path, private=False)
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    first = swarm.start_peer(0, *run.args("first", "peer", stage=0))
+    last = swarm.start_peer(1, *run.args("last", "peer", stage=1))
+    swarm.wait_online([first, last])
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", "4", "--microbatch-size", "2", "--routing", "direct",
+        *run.args("trainer", "trainer"),
+    )  # fmt: skip
+    assert report["losses"][0] > 0 and report["microbatches_lost"] == 0
+
+    outsider = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+    stolen = (tmp_path / "trainer.cred").read_text().strip()
+
+    async def attacks():
+        p2p = await outsider.replicate_p2p()
+        thief = StageClient(p2p, model="tiny", num_stages=2, credential=stolen)
+        tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len))
+        refused = {}
+        for name, peer, stage, tensors, route in (
+            ("first", run.ids["first"], 0, [("inputs", encode_tensor(tokens))], [[run.ids["last"]]]),
+            ("forwarded", run.ids["last"], 1, [("inputs", encode_tensor(torch.randn(2, CONFIG.seq_len, CONFIG.d_model)))], []),
+        ):  # fmt: skip
+            with pytest.raises(ChainCallError) as error:
+                await thief.train_chain(
+                    peer,
+                    microbatch_id="stolen",
+                    batch_size=2,
+                    tensors=[*tensors, ("targets", encode_tensor(tokens))],
+                    route=route,
+                    timeout_s=30.0,
+                    trainer_id=run.ids["trainer"],
+                    stage=stage,
+                )
+            refused[name] = (error.value.kind, str(error.value))
+        return refused
+
+    try:
+        refused = asyncio.run(attacks())
+    finally:
+        outsider.shutdown()
+    assert refused["first"][0] == Failure.REFUSED and "called by its trainer" in refused["first"][1]
+    assert refused["forwarded"][0] == Failure.REFUSED and "needs a credential" in refused["forwarded"][1]
+    assert first.alive and last.alive
+
+
+def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm, tmp_path):
+    """Two stage-0 replicas each serve part of the batch through chains; the trainer counts what each
+    served from the chains' `served_by`, which caps each one's weight in the sync round: counted
+    wrong, the averaged step would not be the one-process step."""
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
+        swarm.start_peer(1, "--checkpoint-dir", str(tmp_path / "c")),
+    ]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
+        "--routing", "direct",
+    )  # fmt: skip
+    stop_together(peers)
+    assert report["microbatches_lost"] == 0
+    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
+    assert_same_params(a, b, atol=1e-6)
+    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
+    for name, value in a.items():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)

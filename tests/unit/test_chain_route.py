@@ -1,0 +1,109 @@
+"""Direct routing's pure parts: the route choice (swarm/trainer/chain_route.py), the hops' time
+shares (peers/serving/chain_rpc.py) and the config's refusals; no network."""
+
+from __future__ import annotations
+
+import pytest
+
+from peers.serving.chain_rpc import hop_timeout_s
+from process.config import ConfigError, from_sources
+from swarm.trainer.chain_route import check_served_by, choose_route, settle_route
+from swarm.trainer.config import TrainerConfig
+from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def schedulers(*stages: dict[str, float], clock=None) -> list[ReplicaScheduler]:
+    """One scheduler per stage, each replica with its announced throughput (samples/s)."""
+    made = []
+    for replicas in stages:
+        scheduler = ReplicaScheduler(clock=clock or Clock())
+        scheduler.update_replicas([ReplicaInfo(p, t) for p, t in replicas.items()])
+        made.append(scheduler)
+    return made
+
+
+def test_every_stage_gets_its_preferred_replica_then_the_others_least_busy_first():
+    stages = schedulers({"a0": 10.0}, {"b0": 10.0, "b1": 10.0, "b2": 10.0})
+    stages[1].choose("backward", 4, exclude={"b1", "b2"})  # b0 is busier now
+    stages[1].choose("backward", 8, exclude={"b0", "b2"})  # b1 busier still
+    route = choose_route(stages, 2, [set(), set()], alternates=2)
+    assert route == [["a0"], ["b2", "b0", "b1"]]
+
+
+def test_the_preferred_replica_is_the_schedulers_choice_and_is_charged():
+    stages = schedulers({"a0": 10.0, "a1": 10.0})
+    first = choose_route(stages, 4, [set()])
+    second = choose_route(stages, 4, [set()])
+    assert {first[0][0], second[0][0]} == {"a0", "a1"}  # round-robin: the first pick was charged
+    assert first[0][1:] == [second[0][0]]
+
+
+def test_alternates_are_bounded():
+    stages = schedulers({f"p{i}": 1.0 for i in range(6)})
+    assert len(choose_route(stages, 1, [set()], alternates=2)[0]) == 3
+    assert len(choose_route(stages, 1, [set()], alternates=0)[0]) == 1
+    with pytest.raises(ValueError):
+        choose_route(stages, 1, [set()], alternates=-1)
+
+
+def test_excluded_replicas_are_never_named():
+    stages = schedulers({"a0": 1.0, "a1": 1.0}, {"b0": 1.0, "b1": 1.0, "b2": 1.0})
+    for _ in range(10):
+        route = choose_route(stages, 1, [{"a0"}, {"b1"}])
+        assert "a0" not in route[0] and "b1" not in route[1]
+
+
+def test_a_stage_with_no_replica_left_gives_no_route_and_charges_nobody():
+    stages = schedulers({"a0": 1.0, "a1": 1.0}, {"b0": 1.0})
+    keys_before = [s.keys_s() for s in stages]
+    assert choose_route(stages, 4, [set(), {"b0"}]) is None
+    assert [s.keys_s() for s in stages] == keys_before
+    with pytest.raises(ValueError):
+        choose_route(stages, 4, [set()])  # one exclusion set per stage
+
+
+def test_settling_a_served_route_frees_the_charge_and_a_failed_one_keeps_the_time_it_took():
+    clock = Clock()
+    stages = schedulers({"a0": 1.0, "a1": 1.0}, clock=clock)
+    route = choose_route(stages, 4, [set()], alternates=1)
+    first = route[0][0]
+    settle_route(stages, route, 4, [first])  # served: settled, no speed measured (the chain is timed whole)
+    assert stages[0].throughputs()[first] == pytest.approx(1.0)
+    route = choose_route(stages, 4, [set()], alternates=1)
+    charged = stages[0].keys_s()[route[0][0]]
+    settle_route(stages, route, 4, [])  # failed at once: the charge is given back
+    assert stages[0].keys_s()[route[0][0]] < charged
+
+
+def test_served_by_must_fit_the_route():
+    route = [["a0"], ["b0", "b1"], ["c0"]]
+    assert check_served_by(route, ["a0", "b1", "c0"]) is None
+    assert "3 stages" in check_served_by(route, ["a0", "b1"])
+    assert "first stage" in check_served_by(route, ["a1", "b1", "c0"])
+    assert "did not name" in check_served_by(route, ["a0", "b9", "c0"])
+
+
+def test_direct_routing_refuses_what_it_does_not_do_yet_in_one_line():
+    assert from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct"}).schedule.routing == "direct"
+    assert from_sources(TrainerConfig, env={}).schedule.routing == "hub"
+    with pytest.raises(ConfigError, match="use --codec none"):
+        from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_CODEC": "int8"})
+    with pytest.raises(ConfigError, match="no spot checks"):
+        from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_VERIFY_FRACTION": "0.1"})
+
+
+def test_each_hop_leaves_its_own_stage_a_share_of_the_time():
+    assert hop_timeout_s(40.0, 0, 4) == pytest.approx(30.0)  # three stages after it, one its own
+    assert hop_timeout_s(40.0, 2, 4) == pytest.approx(20.0)
+    budget = 40.0
+    for stage in range(3):  # the budget shrinks along the chain and never reaches 0
+        budget = hop_timeout_s(budget, stage, 4)
+    assert 0 < budget < 40.0
