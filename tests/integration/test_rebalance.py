@@ -86,9 +86,11 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
     assert report["steps"] == 80 and report["microbatches_lost"] == 0
-    # The trainer saw the 3:1 swarm, then the 2:2 one, without stopping.
+    # The trainer saw the 3:1 swarm, then the 2:2 one, without stopping. (Its last line may show a
+    # replica missing: on a loaded machine a record renewed every second with a 3 s lifetime can
+    # lapse for a moment; what the DHT holds at the end is checked below.)
     replicas_seen = re.findall(r"replicas \[(\d+), (\d+)\]", trainer.log())
-    assert replicas_seen[0] == ("3", "1") and replicas_seen[-1] == ("2", "2"), trainer.log()[-3000:]
+    assert replicas_seen[0] == ("3", "1") and ("2", "2") in replicas_seen, trainer.log()[-3000:]
     # One coordinated move, no herd and no moving back.
     assert len(moved) == 1 and sum(len(re.findall("rebalancing: moving", p.log())) for p in peers) == 1
     assert online_per_stage(swarm) == [2, 2]
