@@ -9,11 +9,12 @@ Two modes (`--averaging`):
   that ends at its deadline for one member after the others got their parts): the trainer sees one
   replica stepped and another not, and has the latter drop its gradients (they are in the other's
   update) and load the other's state (`CommitRequest.catch_up_from`, peers/replicas/replica_sync.py).
-  A sync round only groups replicas that have taken the same number of steps (`round_key`): so
-  with several trainers, whose commits reach the replicas in different orders, each round still
-  pairs replicas holding the same parameters, and every member of a round decides to step or not
-  from what all of them declared (`round_has_samples`), never from its own trainer's view. A
-  replica that fell behind meets no one until a trainer sees its step count and has it catch up.
+  With several trainers, whose commits reach the replicas in different orders, every member of a
+  round decides to step or not from what all of them declared (`round_has_samples`), never from its
+  own trainer's view; and a trainer that sees a replica's step count behind another's has it catch
+  up (a joiner that loaded a state one step old averages once with the others, then is repaired).
+  Rounds are not keyed by the step count: a behind replica would then meet no one, and every
+  replica of its stage would wait out the averaging timeout before the repair.
 * `periodic`: each replica steps on its own gradients and they average their parameters on a
   schedule (peers/replicas/averaging_schedule.py), one of:
   - every `averaging_period_s` seconds (aligned to DHT time, so replicas meet without
@@ -195,15 +196,10 @@ class ReplicaAveraging:
         scheduled_time: float | None = None,
         *,
         wait_for_trigger: bool = False,
-        round_key: int | None = None,
     ) -> StepControl:
         """Start looking for a group of `group_size` replicas in the background (the averager's own
-        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`. With
-        `round_key` (sync: the steps taken), only replicas that start their round with the same key
-        group together."""
+        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`."""
         self.averager.target_group_size = group_size
-        if round_key is not None:  # hivemind reshuffles the bits after each group: set them every round
-            self.averager.set_group_bits(round_group_bits(round_key))
         return self.averager.step(
             weight=weight,
             gather=weight,
@@ -261,10 +257,10 @@ class ReplicaAveraging:
         self.failed_rounds += 1
         self._report(AveragingRound(self.mode, ok=False, group_size=0, sent_bytes=0, received_bytes=0))
 
-    def _all_reduce(self, group_size: int, weight: float, round_key: int | None = None) -> dict | None:
+    def _all_reduce(self, group_size: int, weight: float) -> dict | None:
         """One round, from matchmaking to the averaged tensors, all on the calling thread."""
         try:
-            control = self.begin_round(group_size, weight, round_key=round_key)
+            control = self.begin_round(group_size, weight)
         except Exception as e:
             logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
             self.record_failure()
@@ -335,9 +331,7 @@ class GradientSync(ReplicaAveraging):
         if group_size > 1:
             self.averager.set_weight_caps(caps)
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
-            gathered = self._all_reduce(
-                group_size, weight=max(float(local_samples), MIN_WEIGHT), round_key=self.runtime.steps_done
-            )
+            gathered = self._all_reduce(group_size, weight=max(float(local_samples), MIN_WEIGHT))
             if gathered is None:
                 # Stepping on local gradients would part this replica from the others for good (sync
                 # mode never averages parameters). Skipping keeps them equal: the gradients stay
@@ -357,14 +351,6 @@ class GradientSync(ReplicaAveraging):
         """A copy of the averager's buffers: after a round, the group's mean gradients."""
         with self.averager.get_tensors() as buffers:
             return [buffer.clone() for buffer in buffers]
-
-
-ROUND_KEY_BITS = 24  # a sync round's key: the step count modulo 2**24
-
-
-def round_group_bits(round_key: int) -> str:
-    """The averager's group bits for a round keyed by `round_key` (hivemind's group key ends with them)."""
-    return format(round_key % (1 << ROUND_KEY_BITS), f"0{ROUND_KEY_BITS}b")
 
 
 def round_has_samples(gathered: Mapping) -> bool:

@@ -22,9 +22,8 @@ A round that fails puts its gradients back into the accumulation: they join the 
 (no replica steps on them alone, so the replicas stay equal). One that fails on one side only
 shows in the answers as it does in exact mode (one replica stepped after averaging, another did not),
 and the trainer's repair applies: the replica that missed it drops its accumulation (exactly the
-carried gradients, which its partner's update holds) and loads its partner's state. Its round of the
-next step, started one step behind its partner's, found no partner (rounds group replicas with equal
-step counts): on both replicas those gradients go back into the accumulation and join the next round.
+carried gradients, which its partner's update holds) and loads its partner's state; its round of
+the next step, already in flight with the partner's, goes on.
 
 Not covered: a replica that joins mid-run downloads parameters without the update in flight on the
 others, and a stage move drops the round in flight; with a delay both leave that replica one update
@@ -112,9 +111,7 @@ class DelayedGradientSync(GradientSync):
         control = None
         try:
             self.averager.set_weight_caps(caps)
-            control = self.begin_round(
-                group_size, weight=max(float(samples), MIN_WEIGHT), round_key=self.runtime.steps_done
-            )
+            control = self.begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
         except Exception as e:  # noqa: BLE001 - a round that cannot start is a failed round, the peer goes on
             logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
             self.record_failure()

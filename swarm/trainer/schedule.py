@@ -361,7 +361,7 @@ class StepSchedule:
     ) -> None:
         """Sync replicas of a stage's averaging group (`averaging`) that have taken fewer steps than
         another missed a round it completed (an all-reduce can fail on one side only, e.g. at its
-        deadline): their parameters parted, and rounds only group replicas with equal step counts.
+        deadline), or joined with a state a step old: their parameters parted.
         Each such replica loads the state of one ahead (`replicas_to_repair`) before the next step;
         its answer is then taken at that step count. A repair that fails bans the replica."""
         repairs = [

@@ -69,7 +69,6 @@ class _ControlledSync(GradientSync):
     def __init__(self, runtime: StageRuntime, round_result):
         self.runtime, self.committed, self.round_result = runtime, set(), round_result
         self.outcomes = collections.OrderedDict()
-        self.round_keys: list[int | None] = []
         runtime.auto_step = False
         self.averager = self  # get_tensors() below stands in for the averager's shared buffers
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
@@ -78,8 +77,7 @@ class _ControlledSync(GradientSync):
     def get_tensors(self):
         yield self.buffers
 
-    def _all_reduce(self, group_size: int, weight: float, round_key: int | None = None):
-        self.round_keys.append(round_key)
+    def _all_reduce(self, group_size: int, weight: float):
         return self.round_result(weight)
 
     def set_weight_caps(self, caps):
@@ -108,7 +106,6 @@ def test_a_failed_sync_round_does_not_step_and_keeps_the_gradients_for_the_next_
     # a retried commit (or another trainer's of the same global step) does not step twice, and is
     # answered with the first one's outcome
     assert sync.commit("run:1", group_size=2) == outcome and runtime.steps_done == 1
-    assert sync.round_keys == [0, 0]  # each round is keyed by the steps taken before it
 
 
 class _ControlledPeriodic(ParameterAveraging):
@@ -119,8 +116,7 @@ class _ControlledPeriodic(ParameterAveraging):
         self.committed, self.round_result, self.rounds_tried = set(), round_result, []
         runtime.auto_step = False
 
-    def _all_reduce(self, group_size: int, weight: float, round_key: int | None = None):
-        assert round_key is None  # periodic replicas step on their own: their rounds are not keyed by steps
+    def _all_reduce(self, group_size: int, weight: float):
         self.rounds_tried.append((self.runtime.steps_done, group_size))
         return self.round_result()
 

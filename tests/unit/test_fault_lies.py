@@ -105,7 +105,7 @@ class _Rounds:
     def get_tensors(self):
         return contextlib.nullcontext(self.tensors)
 
-    def begin_round(self, group_size, weight, scheduled_time=None, *, wait_for_trigger=False, round_key=None):
+    def begin_round(self, group_size, weight, scheduled_time=None, *, wait_for_trigger=False):
         if not wait_for_trigger:
             self.sent = [t.clone() for t in self.tensors]
         return "control"

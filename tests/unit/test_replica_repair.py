@@ -1,7 +1,7 @@
 """Which sync replicas catch up after a commit (swarm/trainer/schedule.py: replicas_to_repair), and
-how a sync round is keyed by the step count (peers/replicas/averaging.py)."""
+how the members of a sync round decide to step (peers/replicas/averaging.py)."""
 
-from peers.replicas.averaging import round_group_bits, round_has_samples
+from peers.replicas.averaging import round_has_samples
 from swarm.trainer.schedule import CatchUp, replicas_to_repair
 from wire.protocol import CommitResponse
 
@@ -46,12 +46,6 @@ def test_a_replica_that_stepped_but_answered_earlier_than_its_partner_keeps_its_
         {"a": answer(3, stepped=True, averaged=True), "b": answer(4, stepped=True, averaged=True)}
     )
     assert repairs == [CatchUp("a", "b", 4, drops_gradients=False)]
-
-
-def test_round_keys_differ_between_consecutive_steps_and_are_hivemind_group_bits():
-    keys = [round_group_bits(step) for step in range(4)]
-    assert len(set(keys)) == 4 and all(set(key) <= {"0", "1"} and len(key) == len(keys[0]) for key in keys)
-    assert round_group_bits(0) == round_group_bits(1 << 24)
 
 
 def test_every_member_decides_to_step_from_the_declared_weights_alone():
