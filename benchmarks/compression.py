@@ -17,10 +17,12 @@ JSON.
 Loopback is not bandwidth-bound: tokens/s here shows what each codec costs in CPU, not what it
 saves on a slow link (that is `benchmarks/wan.py`, on emulated links).
 
-In-process (no swarm, no tokens/s: the convergence table at equal tokens; `--tokens` per row):
+In-process (no swarm, no tokens/s: the convergence table at equal tokens; `--tokens` per row;
+subspace rows `fixed:K`, `learned:K`, `fixed:K+int8`, ...):
 
     nice -n 5 .venv/bin/python benchmarks/compression.py --in-process --model small --stages 4 \
-        --tokens 2000000 --codecs none,int8,int4,topk --out benchmarks/out/compression_in_process.json
+        --tokens 2000000 --codecs fp32,int8,int4,fixed:16,learned:16,fixed:16+int8 \
+        --out benchmarks/out/compression_in_process.json
     .venv/bin/python benchmarks/compression.py --in-process --model medium --device cuda
 """
 
@@ -38,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.compression_in_process import RunSpec, run_table, table_lines  # noqa: E402
+from benchmarks.compression_in_process import RunSpec, parse_row, run_table, table_lines  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
@@ -140,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--codecs",
         default=None,
-        help=f"comma-separated subset of {','.join(CODEC_MODES)} (default: all); with --in-process of "
-        f"{','.join(IN_PROCESS_CODECS)} (fp32 = none; default: none,int8,int4,topk)",
+        help=f"comma-separated subset of {','.join(CODEC_MODES)} (default: all); with --in-process rows of "
+        f"{','.join(IN_PROCESS_CODECS)} (fp32 = none; default: none,int8,int4,topk), and subspace rows "
+        "KIND:K[+codec] with KIND fixed or learned and K coefficients per token (e.g. fixed:16, "
+        "learned:64, fixed:16+int8; the token ids cross beside them, counted)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument(
@@ -227,10 +231,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_in_process(args: argparse.Namespace, argv: list[str] | None) -> int:
     """`--in-process`: the convergence table (benchmarks/compression_in_process.py)."""
-    names = ["none" if name == "fp32" else name for name in (args.codecs or "none,int8,int4,topk").split(",")]
-    unknown = sorted(set(names) - set(IN_PROCESS_CODECS))
-    if unknown:
-        print(f"compression: error: --in-process runs {', '.join(IN_PROCESS_CODECS)}, not {unknown}", file=sys.stderr)
+    try:
+        rows = [
+            parse_row(name, IN_PROCESS_CODECS, {"fraction": args.topk_fraction} if name.endswith("topk") else {})
+            for name in (args.codecs or "none,int8,int4,topk").split(",")
+        ]
+    except ValueError as e:
+        print(f"compression: error: --codecs {e}", file=sys.stderr)
         return 2
     if args.stages < 2:
         print("compression: error: --in-process needs --stages 2 or more (a boundary to cross)", file=sys.stderr)
@@ -249,8 +256,7 @@ def main_in_process(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_at_start, started = os.getloadavg(), time.monotonic()
-    codecs = [(name, {"fraction": args.topk_fraction} if name == "topk" else {}) for name in names]
-    out = run_table(spec, codecs, say=lambda line: print(line, flush=True))
+    out = run_table(spec, rows, say=lambda line: print(line, flush=True))
     for line in table_lines(out):
         print(line)
     out = {

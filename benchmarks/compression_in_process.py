@@ -14,6 +14,13 @@ What it counts differs from the live swarm's byte counter on purpose: a boundary
 once, as it would cross one direct link between stages. In a live swarm it goes stage -> trainer ->
 next stage and is counted on both legs (sent and received), and the token ids and targets cross too.
 
+Subspace rows (`fixed:K`, `learned:K`, optionally `+codec`, e.g. `fixed:16+int8`): the model is
+built with `GPTConfig.subspace_rank` K of that kind (models/subspace.py), so a boundary tensor is
+the (B, T, K) coefficients, encoded with the row's codec; the token ids the next stage needs cross
+too, as the wire sends them (`encode_tensor(ids)`: int64, lossless, 8 bytes per token per
+boundary), counted forward in `token_id_bytes_per_token` and in the total. Gradients back are K
+per token. The fp32 row is the plain model (no subspace), the reference of every ratio.
+
 Validation: the loss on the same validation batches (`ValidationBatches`, the trainer's), once with
 the activations through the codec as a swarm evaluates (`val_loss`) and once exact (`val_loss_exact`:
 the trained weights alone).
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.config import get_model_config
+from models.config import SUBSPACE_KINDS, get_model_config, with_subspace
 from models.stages import build_stage
 from swarm.trainer.data import Microbatch, MicrobatchSampler, ValidationBatches, open_data
 from wire.compression import ErrorFeedback
@@ -59,12 +66,48 @@ class RunSpec:
         return max(1, math.ceil(self.tokens / self.tokens_per_step))
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: a codec on every boundary tensor, with or without a subspace."""
+
+    codec: str = "none"
+    params: dict = field(default_factory=dict)
+    subspace_rank: int = 0
+    subspace_kind: str = "fixed"
+
+    @property
+    def label(self) -> str:
+        codec = FP32_LABEL if self.codec == "none" else self.codec
+        if not self.subspace_rank:
+            return codec
+        base = f"{self.subspace_kind}:{self.subspace_rank}"
+        return base if self.codec == "none" else f"{base}+{codec}"
+
+
+def parse_row(name: str, codecs: tuple[str, ...], params: dict | None = None) -> Row:
+    """`fp32`, a codec, `fixed:K` / `learned:K`, or `fixed:K+codec`; ValueError otherwise."""
+    subspace, plus, codec = name.partition("+")
+    if not plus and ":" not in name:
+        subspace, codec = "", name
+    codec = "none" if codec in ("", FP32_LABEL) else codec
+    if codec not in codecs:
+        raise ValueError(f"{name!r}: unknown codec {codec!r}; choose from fp32, {', '.join(codecs)}")
+    rank, kind = 0, "fixed"
+    if subspace:
+        kind, _, rank_text = subspace.partition(":")
+        if kind not in SUBSPACE_KINDS or not rank_text.isdigit() or int(rank_text) < 1:
+            raise ValueError(f"{name!r}: a subspace row is KIND:K[+codec], KIND one of {', '.join(SUBSPACE_KINDS)}")
+        rank = int(rank_text)
+    return Row(codec=codec, params=dict(params or {}), subspace_rank=rank, subspace_kind=kind)
+
+
 @dataclass
 class WireCounter:
-    """Payload bytes that crossed the stage boundaries, by direction."""
+    """Payload bytes that crossed the stage boundaries, by direction (token ids apart)."""
 
     activation_bytes: int = 0
     gradient_bytes: int = 0
+    token_id_bytes: int = 0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
 
 
@@ -85,19 +128,25 @@ def cross_boundary(
 
 def _forward(stages, mb: Microbatch, codec: str, params: dict, counter: WireCounter | None, device):
     """Loss of one microbatch through all stages; returns (loss, [(stage output, next stage's input)])."""
-    x, links = mb.inputs.to(device), []
+    tokens = mb.inputs.to(device)
+    x, links = tokens, []
     for index, stage in enumerate(stages[:-1]):
-        out = stage(x)
+        out = stage(x, tokens=tokens)
         x = cross_boundary(out, codec, params, counter, boundary=index, is_gradient=False)
         x.requires_grad_(torch.is_grad_enabled())
         links.append((out, x))
-    return stages[-1](x, mb.targets.to(device)), links
+        if stages[index + 1].needs_tokens and counter is not None:  # the ids cross beside the coefficients
+            counter.token_id_bytes += encode_tensor(mb.inputs, "none").nbytes
+    return stages[-1](x, mb.targets.to(device), tokens=tokens), links
 
 
-def train_row(spec: RunSpec, codec: str, params: dict, data) -> dict:
-    """Train a fresh split model with `codec` on every boundary; the row of the table."""
+def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data) -> dict:
+    """Train a fresh split model with the row's codec on every boundary (and its subspace, if
+    any); the row of the table. `codec` is a codec name (with `params`) or a `Row`."""
+    row = codec if isinstance(codec, Row) else Row(codec=codec, params=dict(params or {}))
+    codec, params = row.codec, row.params
     device = torch.device(spec.device)
-    config = get_model_config(spec.model)
+    config = with_subspace(get_model_config(spec.model), row.subspace_rank, row.subspace_kind)
     torch.manual_seed(spec.seed)
     stages = [build_stage(config, i, spec.stages, seed=spec.seed).to(device) for i in range(spec.stages)]
     optimizers = [
@@ -142,15 +191,19 @@ def train_row(spec: RunSpec, codec: str, params: dict, data) -> dict:
         val_loss = sum(_forward(stages, mb, codec, params, None, device)[0].item() for mb in microbatches)
         val_exact = sum(_forward(stages, mb, "none", {}, None, device)[0].item() for mb in microbatches)
     tokens = spec.steps * spec.tokens_per_step
+    total = counter.activation_bytes + counter.gradient_bytes + counter.token_id_bytes
     return {
         "codec": codec,
-        "label": FP32_LABEL if codec == "none" else codec,
+        "label": row.label,
         "params": params,
+        "subspace_rank": row.subspace_rank,
+        "subspace_kind": row.subspace_kind if row.subspace_rank else None,
         "steps": spec.steps,
         "tokens": tokens,
         "activation_bytes_per_token": counter.activation_bytes / tokens,
         "gradient_bytes_per_token": counter.gradient_bytes / tokens,
-        "bytes_per_token": (counter.activation_bytes + counter.gradient_bytes) / tokens,
+        "token_id_bytes_per_token": counter.token_id_bytes / tokens,
+        "bytes_per_token": total / tokens,
         "val_loss": val_loss / len(microbatches),
         "val_loss_exact": val_exact / len(microbatches),
         "initial_train_loss": losses[0],
@@ -162,7 +215,7 @@ def train_row(spec: RunSpec, codec: str, params: dict, data) -> dict:
 
 def compare_to_fp32(rows: list[dict]) -> None:
     """Add each row's ratios to the fp32 row (when there is one): bytes and validation loss."""
-    fp32 = next((row for row in rows if row["codec"] == "none"), None)
+    fp32 = next((row for row in rows if row["label"] == FP32_LABEL), None)
     for row in rows:
         if fp32 is None:
             row["fewer_bytes_than_fp32"] = row["val_loss_ratio_to_fp32"] = None
@@ -171,7 +224,7 @@ def compare_to_fp32(rows: list[dict]) -> None:
         row["val_loss_ratio_to_fp32"] = row["val_loss"] / fp32["val_loss"]
 
 
-def run_table(spec: RunSpec, codecs: list[tuple[str, dict]], say=print) -> dict:
+def run_table(spec: RunSpec, codecs: list[tuple[str, dict] | Row], say=print) -> dict:
     """Every codec's row on the same data, seed and budget; the JSON the benchmark writes."""
     config = get_model_config(spec.model)
     data = open_data(None, say=lambda *_: None)  # the trainer's default corpus, prepared once
@@ -180,13 +233,13 @@ def run_table(spec: RunSpec, codecs: list[tuple[str, dict]], say=print) -> dict:
         f"{spec.tokens_per_step:,} tokens = {spec.steps * spec.tokens_per_step:,} training tokens per row"
     )
     rows = []
-    for codec, params in codecs:
-        row = train_row(spec, codec, params, data)
+    for entry in codecs:
+        row = train_row(spec, entry if isinstance(entry, Row) else Row(codec=entry[0], params=entry[1]), None, data)
         rows.append(row)
         say(
-            f"{row['label']:<6} act {row['activation_bytes_per_token']:>8,.1f} B/token  grad "
-            f"{row['gradient_bytes_per_token']:>8,.1f} B/token  val loss {row['val_loss']:.4f} "
-            f"(exact {row['val_loss_exact']:.4f})  train {row['train_s']:.0f} s"
+            f"{row['label']:<16} act {row['activation_bytes_per_token']:>8,.1f} B/token  ids "
+            f"{row['token_id_bytes_per_token']:>5,.1f}  grad {row['gradient_bytes_per_token']:>8,.1f} B/token  "
+            f"val loss {row['val_loss']:.4f} (exact {row['val_loss_exact']:.4f})  train {row['train_s']:.0f} s"
         )
     compare_to_fp32(rows)
     return {
@@ -210,12 +263,13 @@ def run_table(spec: RunSpec, codecs: list[tuple[str, dict]], say=print) -> dict:
 
 def table_lines(out: dict) -> list[str]:
     """The convergence table, one line per row."""
-    lines = ["codec   act B/token  grad B/token  fewer bytes  val loss  vs fp32  (exact weights)"]
+    lines = ["row              act B/token  ids B/token  grad B/token  fewer bytes  val loss  vs fp32  (exact weights)"]
     for row in out["results"]:
         fewer = f"{row['fewer_bytes_than_fp32']:>10.2f}x" if row["fewer_bytes_than_fp32"] else "          -"
         ratio = f"{row['val_loss_ratio_to_fp32'] - 1:+7.2%}" if row["val_loss_ratio_to_fp32"] else "      -"
         lines.append(
-            f"{row['label']:<6} {row['activation_bytes_per_token']:>12,.1f} {row['gradient_bytes_per_token']:>13,.1f}"
-            f"  {fewer}  {row['val_loss']:>8.4f}  {ratio}  ({row['val_loss_exact']:.4f})"
+            f"{row['label']:<16} {row['activation_bytes_per_token']:>11,.1f} {row.get('token_id_bytes_per_token', 0):>12,.1f}"
+            f" {row['gradient_bytes_per_token']:>13,.1f}  {fewer}  {row['val_loss']:>8.4f}  {ratio}"
+            f"  ({row['val_loss_exact']:.4f})"
         )
     return lines

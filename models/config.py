@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 class UnknownModelError(ValueError):
@@ -39,6 +39,10 @@ class GPTConfig:
     trainable: "all" (full training) or "lora:R" (rank-R LoRA adapters on the blocks, base weights
         frozen; models/lora.py). Part of the config so that the fingerprint peers announce keeps
         peers of different modes apart.
+    subspace_rank: K > 0 compresses every stage boundary to K coefficients per token (0 = off):
+        models/subspace.py. "gpt" and "llama" only.
+    subspace_kind: "fixed" (one shared basis every block writes into, Pluralis' subspace networks)
+        or "learned" (an orthonormal projection per stage boundary and token anchors, MAPL).
 
     With these fields the blocks compute exactly what transformers' `GPT2LMHeadModel` and
     `LlamaForCausalLM` compute for the same weights (models/hf_format.py converts the names).
@@ -62,6 +66,8 @@ class GPTConfig:
     code_hash: str = ""
     part_parameters: tuple[int, int, int] | None = None
     trainable: str = "all"
+    subspace_rank: int = 0
+    subspace_kind: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -86,6 +92,21 @@ class GPTConfig:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        self._check_subspace()
+
+    def _check_subspace(self) -> None:
+        if self.subspace_kind not in SUBSPACE_KINDS:
+            raise ValueError(f"unknown subspace kind {self.subspace_kind!r}; use one of {', '.join(SUBSPACE_KINDS)}")
+        if isinstance(self.subspace_rank, bool) or not isinstance(self.subspace_rank, int):
+            raise ValueError(f"subspace rank must be an integer, got {self.subspace_rank!r}")
+        if self.subspace_rank == 0:
+            return
+        if not 0 < self.subspace_rank <= self.d_model:
+            raise ValueError(
+                f"subspace rank must be 0 (off) or between 1 and d_model={self.d_model}, got {self.subspace_rank}"
+            )
+        if self.arch == "user":
+            raise ValueError("subspace compression is for the gpt and llama architectures, not arch 'user'")
 
     @property
     def hidden_size(self) -> int:
@@ -138,6 +159,13 @@ class GPTConfig:
 
 ARCHITECTURES = ("gpt", "llama", "user")
 ACTIVATIONS = ("gelu", "gelu_tanh")
+SUBSPACE_KINDS = ("fixed", "learned")
+
+
+def with_subspace(config: GPTConfig, rank: int, kind: str = "fixed") -> GPTConfig:
+    """`config` with subspace compression at rank `rank` (0 = off) of `kind`; ValueError in one
+    line for a rank outside 0..d_model, an unknown kind or a user architecture."""
+    return replace(config, subspace_rank=rank, subspace_kind=kind)
 
 
 def lora_rank(trainable: str) -> int | None:

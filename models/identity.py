@@ -18,7 +18,10 @@ FINGERPRINT_CHARS = 16
 
 def model_fingerprint(config: GPTConfig, *, code_hash: str = "") -> str:
     """Hex digest of everything that changes what the model computes: every field of `config`
-    except its display name, plus `code_hash` (the hash of a user architecture's definition)."""
+    except its display name, plus `code_hash` (the hash of a user architecture's definition). The
+    subspace options (rank, kind) enter only when compression is on."""
     fields = {k: v for k, v in config.to_dict().items() if k != "name"}
+    if not config.subspace_rank:  # off: the fingerprint of a model from before the option existed
+        del fields["subspace_rank"], fields["subspace_kind"]
     payload = json.dumps({"config": fields, "code": code_hash}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:FINGERPRINT_CHARS]

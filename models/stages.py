@@ -7,6 +7,10 @@ blocks are split into contiguous ranges, described by their block boundaries
 explicit boundaries. Every component is initialised from its own seeded generator, so a stage
 built alone holds exactly the weights the same slice of the whole model would hold, whatever the
 split.
+
+With subspace compression on (`GPTConfig.subspace_rank` K > 0, models/subspace.py) a boundary
+carries K coefficients per token, and every stage after the first also takes the microbatch's
+token ids (`tokens`) to rebuild the residual stream from them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from models import llama
 from models.config import GPTConfig
 from models.gpt import Block, Embedding, LMHead, init_weights_, language_model_loss
 from models.interface import build_part, load_model_parts
+from models.subspace import FixedSubspace, LearnedDown, LearnedUp, constrain_to_subspace
 
 
 class StageSplitError(ValueError):
@@ -120,13 +125,30 @@ _COMPONENTS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]]
 }
 
 
+def boundary_width(config: GPTConfig) -> int:
+    """Values per token that cross a stage boundary: K with subspace compression, else d_model."""
+    return config.subspace_rank or config.d_model
+
+
 class StageModule(nn.Module):
     """One stage. Inputs: token ids (B, T) int64 on stage 0, hidden states (B, T, C) elsewhere.
-    Output: hidden states (B, T, C), or on the last stage the mean loss given `targets` (B, T)."""
+    Output: hidden states (B, T, C), or on the last stage the mean loss given `targets` (B, T).
 
-    def __init__(self, config: GPTConfig, spec: StageSpec, seed: int = 0):
+    With subspace compression on, the hidden states that enter and leave are the K coefficients
+    (B, T, K) instead, and a stage after the first needs the token ids `tokens` (B, T) too.
+    `cuts`: block boundaries inside this stage where a learned subspace puts its bottleneck (the
+    whole model built for a split, `build_full_model(..., boundaries)`); empty for a split's stage.
+    """
+
+    def __init__(self, config: GPTConfig, spec: StageSpec, seed: int = 0, cuts: Sequence[int] = ()):
         super().__init__()
         self.config, self.spec = config, spec
+        self._cuts = tuple(cuts)
+        self.subspace = self.boundary_down = self.boundary_up = None
+        if any(not spec.first_layer < cut < spec.last_layer for cut in self._cuts):
+            raise StageSplitError(
+                f"cuts {list(cuts)} must lie strictly inside blocks {spec.first_layer}..{spec.last_layer}"
+            )
         if config.arch == "user":
             self._build_user_parts(config, spec, seed)
             return
@@ -142,6 +164,22 @@ class StageModule(nn.Module):
         self.head = head_cls(config) if spec.is_last else None
         if self.head is not None:
             init_weights_(self.head, _generator(seed, _HEAD), config.n_layers)
+        self._add_subspace(seed)
+
+    def _add_subspace(self, seed: int) -> None:
+        """The fixed basis (every stage) or the learned boundary modules, keyed by the block
+        boundary they sit at: a sender's `boundary_down[b]`, a receiver's `boundary_up[b]`."""
+        config, spec = self.config, self.spec
+        if not config.subspace_rank:
+            return
+        if config.subspace_kind == "fixed":
+            self.subspace = FixedSubspace(config, seed)
+            constrain_to_subspace(self.subspace, self.embedding, self.blocks)
+            return
+        senders = [*self._cuts, *([] if spec.is_last else [spec.last_layer])]
+        receivers = [*([] if spec.is_first else [spec.first_layer]), *self._cuts]
+        self.boundary_down = nn.ModuleDict({str(b): LearnedDown(config, seed, b) for b in senders})
+        self.boundary_up = nn.ModuleDict({str(b): LearnedUp(config, seed, b) for b in receivers})
 
     def _build_user_parts(self, config: GPTConfig, spec: StageSpec, seed: int) -> None:
         """The parts of a user architecture (models/interface.py), each under its own seeded state."""
@@ -152,22 +190,56 @@ class StageModule(nn.Module):
         )
         self.head = build_part(parts.head, seed, _HEAD) if spec.is_last else None
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embedding(inputs) if self.embedding is not None else inputs  # (B, T, C)
-        for block in self.blocks:
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether `forward` needs the microbatch's token ids beside its inputs."""
+        return bool(self.config.subspace_rank) and not self.spec.is_first
+
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.spec.is_first:
+            tokens = inputs
+        elif self.needs_tokens and tokens is None:
+            raise ValueError(
+                f"stage {self.spec.index} of a subspace-compressed model needs the microbatch's token ids (tokens=)"
+            )
+        x = self._receive(inputs, tokens)  # (B, T, C)
+        for offset, block in enumerate(self.blocks):
+            layer = self.spec.first_layer + offset
+            if layer in self._cuts:  # a learned boundary inside the whole model
+                x = self.boundary_up[str(layer)](self.boundary_down[str(layer)](x), tokens)
             x = block(x)
         if self.head is None:
-            return x
+            return self._send(x, tokens)
         if targets is None:
             raise ValueError("the last stage needs targets to compute the loss")
         return language_model_loss(self.head(x), targets)  # scalar
+
+    def _receive(self, inputs: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream entering the first block: (B, T, C)."""
+        if self.embedding is not None:
+            return self.embedding(inputs)
+        if self.subspace is not None:
+            return self.subspace.decode(inputs, tokens)
+        if self.boundary_up is not None:
+            return self.boundary_up[str(self.spec.first_layer)](inputs, tokens)
+        return inputs
+
+    def _send(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """What crosses the boundary after this stage: (B, T, C), or (B, T, K) compressed."""
+        if self.subspace is not None:
+            return self.subspace.encode(x, tokens)
+        if self.boundary_down is not None:
+            return self.boundary_down[str(self.spec.last_layer)](x)
+        return x
 
     # What the stage expects to receive, checked by the peer before any compute.
     def expected_input(self, batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
         T = self.config.seq_len
         if self.spec.is_first:
             return (batch_size, T), torch.int64
-        return (batch_size, T, self.config.d_model), torch.float32
+        return (batch_size, T, boundary_width(self.config)), torch.float32
 
 
 def build_block(config: GPTConfig, layer: int = 0) -> nn.Module:
@@ -185,6 +257,20 @@ def build_stage(
     return StageModule(config, stage_spec(config, stage, num_stages, boundaries), seed)
 
 
-def build_full_model(config: GPTConfig, seed: int = 0) -> StageModule:
-    """The whole model as a single stage: the reference the pipeline is tested against."""
-    return build_stage(config, 0, 1, seed)
+def build_full_model(config: GPTConfig, seed: int = 0, boundaries: Sequence[int] | None = None) -> StageModule:
+    """The whole model as a single stage: the reference the pipeline is tested against. A learned
+    subspace puts a bottleneck at each stage boundary, so it needs the split's `boundaries`
+    (0, b_1, ..., n_layers) to be the same function as that split; other models ignore them."""
+    spec = stage_spec(config, 0, 1)
+    cuts: tuple[int, ...] = ()
+    if config.subspace_rank and config.subspace_kind == "learned":
+        if boundaries is None:
+            raise StageSplitError(
+                "a learned-subspace model has a bottleneck at each stage boundary: pass the split's boundaries"
+            )
+        cuts = tuple(
+            split_from_boundaries(config.n_layers, boundaries)[i].first_layer for i in range(1, len(boundaries) - 1)
+        )
+    elif boundaries is not None:
+        split_from_boundaries(config.n_layers, boundaries)  # checked all the same
+    return StageModule(config, spec, seed, cuts)

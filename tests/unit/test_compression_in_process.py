@@ -49,3 +49,33 @@ def test_in_process_table_counts_boundary_bytes_from_the_encoded_payloads(tmp_pa
     assert rows["int4"]["fewer_bytes_than_fp32"] > 7.0
     assert 1.0 < rows["int8"]["fewer_bytes_than_fp32"] < rows["int4"]["fewer_bytes_than_fp32"]
     assert rows["int4"]["val_loss_ratio_to_fp32"] == rows["int4"]["val_loss"] / fp32["val_loss"]
+
+
+def test_row_names_parse_into_codec_and_subspace():
+    from benchmarks.compression_in_process import Row, parse_row
+
+    codecs = ("none", "int8", "int4")
+    assert parse_row("fp32", codecs) == Row()
+    assert parse_row("int8", codecs) == Row(codec="int8")
+    assert parse_row("fixed:16", codecs) == Row(subspace_rank=16, subspace_kind="fixed")
+    assert parse_row("learned:64+int4", codecs) == Row(codec="int4", subspace_rank=64, subspace_kind="learned")
+    assert parse_row("learned:64+int4", codecs).label == "learned:64+int4"
+    for bad in ("topk", "fixed:0", "pca:8", "fixed:8+zip"):
+        with pytest.raises(ValueError):
+            parse_row(bad, codecs)
+
+
+@pytest.mark.slow
+def test_subspace_rows_send_k_coefficients_and_the_token_ids(tmp_path):
+    out = tmp_path / "table.json"
+    argv = ["--in-process", "--model", "tiny", "--stages", "3", "--tokens", "64", "--batch-size", "2"]
+    argv += ["--microbatch-size", "1", "--eval-batches", "1", "--threads", "1"]
+    argv += ["--codecs", "fp32,fixed:8,learned:4", "--out", str(out)]
+    assert main(argv) == 0
+    rows = {row["label"]: row for row in json.loads(out.read_text())["results"]}
+    for label, rank in (("fixed:8", 8), ("learned:4", 4)):
+        row = rows[label]
+        assert row["activation_bytes_per_token"] == row["gradient_bytes_per_token"] == rank * 4 * 2
+        assert row["token_id_bytes_per_token"] == 8 * 2  # int64 ids, as the wire sends them, per boundary
+        assert row["bytes_per_token"] == 2 * rank * 4 * 2 + 16
+    assert rows["fp32"]["token_id_bytes_per_token"] == 0
