@@ -127,8 +127,8 @@ class OrthonormalColumns(nn.Module):
     would disagree)."""
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
-        q, r = torch.linalg.qr(stored)
-        return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+        q, r = torch.linalg.qr(stored.float())  # float32 whatever the model's dtype (no bf16 QR)
+        return (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).to(stored.dtype)
 
     def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
