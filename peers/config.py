@@ -32,6 +32,7 @@ from models.balanced_split import BalancedSplitError, memory_balanced_boundaries
 from models.config import GPTConfig, lora_rank, model_names_help
 from models.model_source import resolve_model
 from models.stages import stage_spec
+from models.subspace_options import SubspaceSettings
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
 from peers.compute.faults import FaultSettings
 from peers.compute.stage_runtime import OptimizerSettings
@@ -457,6 +458,7 @@ class PeerConfig:
     checkpointing: CheckpointSettings = section(CheckpointSettings, help="saving and restoring the stage")
     metrics: MetricsSettings = section(MetricsSettings, help="the Prometheus endpoint")
     faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
+    subspace: SubspaceSettings = section(SubspaceSettings, help="what crosses between stages: K coefficients per token")
 
     def __post_init__(self) -> None:
         config = resolve_model(self.model, self.model_dir, self.vocab_size)
@@ -465,6 +467,7 @@ class PeerConfig:
             lora_rank(self.trainable)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        config = self.subspace.apply(config)
         if self.split_boundaries is not None and self.split_boundaries.strip() == MEMORY_SPLIT:
             self.split_boundaries = ",".join(map(str, _memory_split(config, self.num_stages)))
         if self.model_dir is not None and self.init_weights is not None:

@@ -39,8 +39,10 @@ from wire import compression
 def run_peer(config: PeerConfig) -> None:
     """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
     torch.set_num_threads(config.compute.num_threads)
-    model_config = dataclasses.replace(
-        resolve_model(config.model, config.model_dir, config.vocab_size), trainable=config.trainable
+    model_config = config.subspace.apply(
+        dataclasses.replace(
+            resolve_model(config.model, config.model_dir, config.vocab_size), trainable=config.trainable
+        )
     )
     device = resolve_device(config.compute.device)
     print(

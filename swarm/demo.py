@@ -10,7 +10,8 @@ import subprocess
 
 from models.config import lora_rank
 from models.model_source import resolve_model
-from process.config import ConfigError, option
+from models.subspace_options import SubspaceSettings
+from process.config import ConfigError, option, section
 from process.lifetime import EXIT_SIGNALLED, ShutdownSignals, StopRequested
 from swarm.export.config import ExportConfig
 from swarm.export.run import run_export
@@ -52,9 +53,10 @@ class DemoConfig:
         choices=["sync", "periodic", "none"],
     )
     export: str | None = option(None, help="at the end, export the trained model to this folder and print a sample")
+    subspace: SubspaceSettings = section(SubspaceSettings, help="what crosses between stages: K coefficients per token")
 
     def __post_init__(self) -> None:
-        self.model = resolve_model(self.model, self.model_dir).name
+        self.model = self.subspace.apply(resolve_model(self.model, self.model_dir)).name
         try:
             lora_rank(self.trainable)
         except ValueError as e:
@@ -113,7 +115,7 @@ def run_demo(config: DemoConfig) -> int:
 def _run_swarm(config: DemoConfig) -> int:
     threads = max(1, (os.cpu_count() or 2) // config.peers)
     model_dir_args = ["--model-dir", os.path.abspath(config.model_dir)] if config.model_dir else []
-    model_dir_args += ["--trainable", config.trainable]
+    model_dir_args += ["--trainable", config.trainable, *config.subspace.args()]
     # The data first: its vocabulary is the model's, so the peers start with it.
     data = open_data(config.data, tokenizer=config.tokenizer, say=lambda line: print(f"[demo] {line}", flush=True))
     vocab_args = [] if config.model_dir else ["--vocab-size", str(data.vocab_size)]

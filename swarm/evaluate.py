@@ -18,6 +18,7 @@ from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig, start_dht
 from models.config import lora_rank
 from models.model_source import DEFAULT_MODEL, resolve_model
+from models.subspace_options import SubspaceSettings
 from process.config import ConfigError, option, section
 from swarm.trainer.config import CompressionSettings, CorpusSettings, DiscoverySettings, FailoverSettings
 from swarm.trainer.data import ValidationBatches, open_data
@@ -43,6 +44,7 @@ class EvalConfig:
     corpus: CorpusSettings = section(CorpusSettings, help="the data whose validation split is used")
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
+    subspace: SubspaceSettings = section(SubspaceSettings, help="the peers' subspace options (part of the model)")
 
     def __post_init__(self) -> None:
         try:
@@ -59,8 +61,10 @@ class EvalConfig:
 
 async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
     data = open_data(config.corpus.data, say=say)
-    model_config = dataclasses.replace(
-        resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+    model_config = config.subspace.apply(
+        dataclasses.replace(
+            resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+        )
     )
     validation = ValidationBatches(
         data.val,

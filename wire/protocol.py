@@ -15,8 +15,10 @@ The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.Expert
 A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
 `tensors` field of that message and the ones after it, in the order the header's `tensors` list
 them. Each tensor is described by the codec's `TensorHeader` (`wire.compression`: codec, shape,
-dtype, number of parts, decode parameters) under its name ("inputs", "targets", "grad_outputs",
-"outputs", "grad_inputs"); on the wire, `tensors` is a list of `{"name": ..., **TensorHeader}`.
+dtype, number of parts, decode parameters) under its name ("inputs", "targets", "tokens",
+"grad_outputs", "outputs", "grad_inputs"; "tokens" are the microbatch's token ids, which the later
+stages of a subspace model need beside their inputs); on the wire, `tensors` is a list of
+`{"name": ..., **TensorHeader}`.
 
 Everything a receiver reads comes from an untrusted peer. Decoding a header validates it against
 the limits below and the codec's (`MAX_NUMEL`, `MAX_TENSOR_BYTES`, `MAX_NDIM`, `MAX_PARTS`, parameter

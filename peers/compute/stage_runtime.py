@@ -17,7 +17,7 @@ import torch
 
 from models.config import GPTConfig, lora_rank
 from models.lora import add_adapters, trainable_state_dict
-from models.stages import StageModule, build_stage
+from models.stages import StageModule, boundary_width, build_stage
 from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
@@ -84,6 +84,13 @@ class _CachedForward:
     outputs: torch.Tensor
     version: int
     nbytes: int = 0  # estimated bytes autograd keeps for this forward
+    tokens: torch.Tensor | None = None  # the microbatch's token ids, on a stage that needs them (subspace)
+
+
+def _same_tokens(cached: torch.Tensor | None, given: torch.Tensor | None) -> bool:
+    return (cached is None and given is None) or (
+        cached is not None and given is not None and torch.equal(cached, given)
+    )
 
 
 class ThroughputMeter:
@@ -181,16 +188,27 @@ class StageRuntime:
             raise BadRequestError("inputs contain NaN or inf")
 
     def check_targets(self, batch_size: int, targets: torch.Tensor | None) -> None:
-        if targets is None:
-            raise BadRequestError("the last stage needs 'targets'")
+        self._check_ids("targets", batch_size, targets)
+
+    def check_tokens(self, batch_size: int, tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """The microbatch's token ids where this stage needs them beside its inputs (a subspace model's
+        later stages rebuild the residual stream from them); None where it does not."""
+        if not self.module.needs_tokens:
+            return None
+        self._check_ids("tokens", batch_size, tokens)
+        return tokens
+
+    def _check_ids(self, name: str, batch_size: int, ids: torch.Tensor | None) -> None:
+        if ids is None:
+            raise BadRequestError(f"stage {self.stage} needs {name!r}")
         shape = (batch_size, self.config.seq_len)
-        if tuple(targets.shape) != shape or targets.dtype != torch.int64:
-            raise BadRequestError(f"targets must be int64 of shape {shape}, got {tuple(targets.shape)} {targets.dtype}")
-        if int(targets.min()) < 0 or int(targets.max()) >= self.config.vocab_size:
-            raise BadRequestError(f"target ids must lie in [0, {self.config.vocab_size})")
+        if tuple(ids.shape) != shape or ids.dtype != torch.int64:
+            raise BadRequestError(f"{name} must be int64 of shape {shape}, got {tuple(ids.shape)} {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise BadRequestError(f"the ids in {name!r} must lie in [0, {self.config.vocab_size})")
 
     def check_grad_outputs(self, batch_size: int, grad_outputs: torch.Tensor | None) -> None:
-        shape = (batch_size, self.config.seq_len, self.config.d_model)
+        shape = (batch_size, self.config.seq_len, boundary_width(self.config))
         if grad_outputs is None or tuple(grad_outputs.shape) != shape or grad_outputs.dtype != torch.float32:
             got = None if grad_outputs is None else (tuple(grad_outputs.shape), grad_outputs.dtype)
             raise BadRequestError(f"grad_outputs must be float32 of shape {shape}, got {got}")
@@ -198,20 +216,31 @@ class StageRuntime:
             raise BadRequestError("grad_outputs contain NaN or inf")
 
     # --- compute ---------------------------------------------------------------------------------
-    def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        microbatch_id: str,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Outputs of this stage (the loss on the last stage). Keeps the graph for a backward
-        that comes back to this peer."""
+        that comes back to this peer. `tokens`: the microbatch's token ids, on a stage that needs them."""
         batch_size = inputs.shape[0]
         self.check_inputs(batch_size, inputs)
         if self.is_last:
             self.check_targets(batch_size, targets)
+        tokens = self.check_tokens(batch_size, tokens)
         start = time.perf_counter()
-        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
         leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
         with torch.enable_grad(), devices.autocast(self.device, self.precision):
-            outputs = self.module(leaf, targets)
+            outputs = self.module(leaf, targets, tokens=tokens)
         self.cache[microbatch_id] = _CachedForward(
-            leaf, outputs, self.steps_done, activation_bytes(self.config, self.module.spec, batch_size, self.precision)
+            leaf,
+            outputs,
+            self.steps_done,
+            activation_bytes(self.config, self.module.spec, batch_size, self.precision),
+            tokens,
         )
         self.cache.move_to_end(microbatch_id)
         while len(self.cache) > self.cache_size or (
@@ -223,16 +252,19 @@ class StageRuntime:
         self.throughput.observe(batch_size, (time.perf_counter() - start) * 3)  # fwd ~ 1/3 of fwd+bwd
         return self._to_wire(outputs)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Outputs of this stage (the loss on the last stage) for validation: no gradient, nothing
         cached, no throughput or sample counted, the parameters untouched."""
         batch_size = inputs.shape[0]
         self.check_inputs(batch_size, inputs)
         if self.is_last:
             self.check_targets(batch_size, targets)
-        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        tokens = self.check_tokens(batch_size, tokens)
+        inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
         with torch.no_grad(), devices.autocast(self.device, self.precision):
-            outputs = self.module(inputs, targets)
+            outputs = self.module(inputs, targets, tokens=tokens)
         return self._to_wire(outputs)
 
     def backward(
@@ -243,15 +275,16 @@ class StageRuntime:
         grad_outputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         batch_size: int | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, float | None]:
         """Accumulate parameter gradients for one microbatch and return (input gradients, loss).
         The last stage takes `targets` and computes the loss itself; other stages take the
         gradient of the loss with respect to their outputs. Steps the optimizer once
         `target_batch_size` samples have been accumulated.
 
-        `inputs=None` reuses the inputs this peer's forward of `microbatch_id` cached (the caller
-        saves resending them); without a current cache entry it raises ActivationCacheMissError.
-        `batch_size`, if given, must match the cached inputs."""
+        `inputs=None` reuses the inputs (and token ids) this peer's forward of `microbatch_id` cached
+        (the caller saves resending them); without a current cache entry it raises
+        ActivationCacheMissError. `batch_size`, if given, must match the cached inputs."""
         cached = self.cache.pop(microbatch_id, None)
         if cached is not None and cached.version != self.steps_done:
             cached = None  # computed with older parameters
@@ -265,8 +298,10 @@ class StageRuntime:
             inputs = cached.inputs.detach()  # validated when the forward took them
             if batch_size is not None and inputs.shape[0] != batch_size:
                 raise BadRequestError(f"batch_size says {batch_size}, the cached inputs hold {inputs.shape[0]}")
+            tokens = cached.tokens
         else:
             self.check_inputs(inputs.shape[0], inputs)
+            tokens = self.check_tokens(inputs.shape[0], tokens)
         batch_size = inputs.shape[0]
         if self.is_last:
             self.check_targets(batch_size, targets)
@@ -274,14 +309,17 @@ class StageRuntime:
             self.check_grad_outputs(batch_size, grad_outputs)
         start = time.perf_counter()
         inputs, targets, grad_outputs = self._to_device(inputs), self._to_device(targets), self._to_device(grad_outputs)
-        if cached is not None and (from_cache or torch.equal(cached.inputs.detach(), inputs)):
+        tokens = self._to_device(tokens)
+        if cached is not None and (
+            from_cache or (torch.equal(cached.inputs.detach(), inputs) and _same_tokens(cached.tokens, tokens))
+        ):
             leaf, outputs = cached.inputs, cached.outputs
             self.cache_hits += 1
         else:  # served elsewhere, evicted or stale: recompute the forward
             self.cache_misses += 1
             leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
             with torch.enable_grad(), devices.autocast(self.device, self.precision):
-                outputs = self.module(leaf, targets)
+                outputs = self.module(leaf, targets, tokens=tokens)
         wants_input_grad = leaf.dtype != torch.int64
         grad_targets = ([leaf] if wants_input_grad else []) + self.params
         grads = self._scaled_grads(outputs, grad_targets, grad_outputs)
@@ -448,14 +486,16 @@ class StageRuntime:
         """A short start-up benchmark (forward + backward on random data, no update)."""
         shape, dtype = self.module.expected_input(batch_size)
         inputs = torch.randint(0, self.config.vocab_size, shape) if dtype == torch.int64 else torch.randn(shape)
-        targets = torch.randint(0, self.config.vocab_size, (batch_size, self.config.seq_len)) if self.is_last else None
-        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        ids = (batch_size, self.config.seq_len)
+        targets = torch.randint(0, self.config.vocab_size, ids) if self.is_last else None
+        tokens = torch.randint(0, self.config.vocab_size, ids) if self.module.needs_tokens else None
+        inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             leaf = inputs if dtype == torch.int64 else inputs.clone().requires_grad_(True)
             with torch.enable_grad(), devices.autocast(self.device, self.precision):
-                out = self.module(leaf, targets)
+                out = self.module(leaf, targets, tokens=tokens)
             torch.autograd.backward(out, None if self.is_last else torch.ones_like(out))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -41,6 +41,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from dht.records import PeerState
+from models.stages import boundary_width
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
@@ -94,7 +95,7 @@ class ChainService:
             self._authorize(caller, header)
             self._check_route(header)
             runtime = serving.runtime
-            outputs_nbytes = header.batch_size * runtime.config.seq_len * runtime.config.d_model * 4
+            outputs_nbytes = header.batch_size * runtime.config.seq_len * boundary_width(runtime.config) * 4
             if stages.decoded_budget is not None:  # held until answered: inputs, and outputs while waiting
                 held = stages.decoded_budget.open(caller)
                 held.take(decoded_nbytes(header.tensors.values()) + 2 * outputs_nbytes)
@@ -103,16 +104,27 @@ class ChainService:
             inputs = tensors.get("inputs")
             if inputs is None or inputs.shape[:1] != (header.batch_size,):
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
+            tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
             if header.stage == header.num_stages - 1:
                 grad_inputs, loss = await self._on_compute(
-                    header, lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"))
+                    header,
+                    lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
                 )
                 served_by, failed_over = [], []
             else:
-                outputs = await self._on_compute(header, lambda r: r.forward(header.microbatch_id, inputs))
-                answer, grad_outputs, skipped = await self._next_hop(header, outputs, encoded.get("targets"))
+                outputs = await self._on_compute(
+                    header, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
+                )
+                carried = encoded.get("inputs") if header.stage == 0 else encoded.get("tokens")
+                answer, grad_outputs, skipped = await self._next_hop(
+                    header,
+                    outputs,
+                    encoded.get("targets"),
+                    tokens=carried if runtime.config.subspace_rank > 0 else None,
+                )
                 grad_inputs, _ = await self._on_compute(
-                    header, lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs)
+                    header,
+                    lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
                 )
                 loss, served_by = answer.loss, list(answer.served_by)
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
@@ -214,7 +226,12 @@ class ChainService:
         return result
 
     async def _next_hop(
-        self, header: ChainRequest, outputs: torch.Tensor, targets: EncodedTensor | None
+        self,
+        header: ChainRequest,
+        outputs: torch.Tensor,
+        targets: EncodedTensor | None,
+        *,
+        tokens: EncodedTensor | None = None,
     ) -> tuple[ChainResponse, torch.Tensor, list[str]]:
         """Call the next stage's candidates in the route's order until one answers; its answer, the
         gradient wrt this stage's outputs and the candidates that failed before it. ChainHopError when every candidate failed, or when a
@@ -228,6 +245,8 @@ class ChainService:
         sent = [("inputs", encode_tensor(outputs, "none"))]
         if targets is not None:
             sent.append(("targets", targets))
+        if tokens is not None:  # the token ids, which a subspace model's later stages need
+            sent.append(("tokens", tokens))
         tried, reasons = [], []
         for peer_id in header.route[0]:
             timeout_s = deadline - time.monotonic()

@@ -217,22 +217,26 @@ class StageRpcService:
                 batch_size=header.batch_size,
                 grad_outputs=tensors.get("grad_outputs"),
                 targets=tensors.get("targets"),
-            )
+            )  # the token ids, too, come from the cached forward
             return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
         if inputs is None:
             raise BadRequestError("the request carries no 'inputs' tensor")
         if inputs.shape[:1] != (header.batch_size,):
             raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
         if header.rpc == "forward" and header.evaluate:
-            outputs = runtime.evaluate(inputs, tensors.get("targets"))
+            outputs = runtime.evaluate(inputs, tensors.get("targets"), tensors.get("tokens"))
             return ([], float(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
         if header.rpc == "forward":
-            outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"))
+            outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"), tensors.get("tokens"))
             if runtime.is_last:
                 return [], float(outputs)
             return [("outputs", outputs)], None
         grad_inputs, loss = runtime.backward(
-            header.microbatch_id, inputs, grad_outputs=tensors.get("grad_outputs"), targets=tensors.get("targets")
+            header.microbatch_id,
+            inputs,
+            grad_outputs=tensors.get("grad_outputs"),
+            targets=tensors.get("targets"),
+            tokens=tensors.get("tokens"),
         )
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 

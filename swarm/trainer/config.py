@@ -23,6 +23,7 @@ from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from models.config import lora_rank, model_names_help
 from models.model_source import resolve_model
+from models.subspace_options import SubspaceSettings
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
 from swarm.trainer.codec_policy import CODEC_MODES
@@ -183,9 +184,10 @@ class TrainerConfig:
     compression: CompressionSettings = section(CompressionSettings, help="compression on the wire")
     verification: VerificationSettings = section(VerificationSettings, help="spot checks of replicas' answers")
     reporting: ReportingSettings = section(ReportingSettings, help="report file, progress lines and metrics")
+    subspace: SubspaceSettings = section(SubspaceSettings, help="what crosses between stages: K coefficients per token")
 
     def __post_init__(self) -> None:
-        self.model = resolve_model(self.model, self.model_dir).name
+        self.model = self.subspace.apply(resolve_model(self.model, self.model_dir)).name
         try:
             lora_rank(self.trainable)
         except ValueError as e:

@@ -25,6 +25,7 @@ from dht.node import start_dht
 from dht.signing import identity_of
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
+from models.stages import boundary_width
 from process.lifetime import remove_stale_temporaries, stop_events_in_loop
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
@@ -141,8 +142,10 @@ async def train(
     say = progress.say
     data = open_data(config.corpus.data, say=say)
     # The model's vocabulary is the data's: the peers must serve the same (checked on discovery).
-    model_config = dataclasses.replace(
-        resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+    model_config = config.subspace.apply(
+        dataclasses.replace(
+            resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
+        )
     )
     sampler = MicrobatchSampler(
         data.train,
@@ -381,7 +384,7 @@ async def connect(
     caller = StageCaller(
         view,
         client,
-        d_model=model_config.d_model,
+        d_model=boundary_width(model_config),  # what crosses between stages: d_model, or a subspace's rank
         seq_len=model_config.seq_len,
         failover=failover,
         codecs=codecs,
@@ -389,7 +392,13 @@ async def connect(
         seed=seed,
         say=say,
     )
-    schedule = StepSchedule(caller, max_in_flight=max_in_flight, run_id=secrets.token_hex(4), routing=routing)
+    schedule = StepSchedule(
+        caller,
+        max_in_flight=max_in_flight,
+        run_id=secrets.token_hex(4),
+        routing=routing,
+        send_tokens=model_config.subspace_rank > 0,
+    )
     codecs.warm_up()
     metrics.count_bytes(client.bytes.snapshot)
     await wait_for_every_stage(view, timeout_s, vocab_size=model_config.vocab_size, vocab_source=data_source)

@@ -94,8 +94,12 @@ class ScheduleCounters:
 
 
 class StepSchedule:
-    def __init__(self, caller: StageCaller, *, max_in_flight: int, run_id: str, routing: str = "hub"):
+    def __init__(
+        self, caller: StageCaller, *, max_in_flight: int, run_id: str, routing: str = "hub", send_tokens: bool = False
+    ):
         self.caller, self.run_id = caller, run_id
+        # a subspace model's later stages rebuild the residual stream from the token ids: send them along
+        self.send_tokens = send_tokens
         # direct routing: each microbatch is one chained call through the stages (chain_call.py)
         self.chains = ChainCaller(caller) if routing == "direct" else None
         self.view: SwarmView = caller.view
@@ -124,18 +128,21 @@ class StepSchedule:
             stage_inputs = [Payload(mb.inputs)]
             served_by: list[str] = []
             for stage in range(self.num_stages - 1):
-                answer = await call(stage, "forward", microbatch_id, mb.size, [("inputs", stage_inputs[-1])], failures)
+                tensors = [("inputs", stage_inputs[-1]), *self._tokens(stage, stage_inputs[0])]
+                answer = await call(stage, "forward", microbatch_id, mb.size, tensors, failures)
                 if self.caller.spot_checks.pick():  # --verify-fraction: asked of a second replica too
                     answer = await self.caller.verify(stage, microbatch_id, mb.size, answer)
                 stage_inputs.append(answer.payload("outputs"))
                 served_by.append(answer.peer_id)
             last = self.num_stages - 1
             tensors = [("inputs", stage_inputs[last]), ("targets", Payload(mb.targets))]
+            tensors += self._tokens(last, stage_inputs[0])
             answer = await call(last, "backward", microbatch_id, mb.size, tensors, failures)
             self._count_served(last, answer.peer_id, mb.size)
             response = answer.response
             for stage in reversed(range(last)):
                 tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", answer.payload("grad_inputs"))]
+                tensors += self._tokens(stage, stage_inputs[0])
                 answer = await call(
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
@@ -150,6 +157,10 @@ class StepSchedule:
             self._count_served(stage, peer_id, mb.size)
         self._finished(failures)
         return answer.loss
+
+    def _tokens(self, stage: int, tokens: Payload) -> list[tuple[str, Payload]]:
+        """The token ids as a named tensor for `stage`, where it needs them (never stage 0: they are its inputs)."""
+        return [("tokens", tokens)] if self.send_tokens and stage > 0 else []
 
     def _finished(self, failures: list[str]) -> None:
         self.counters.microbatches_done += 1
@@ -168,8 +179,9 @@ class StepSchedule:
         async with self._slots:
             microbatch_id = f"{self.run_id}:eval:{-mb.step}:{mb.index}"
             payload, failures = Payload(mb.inputs), []
+            tokens = payload
             for stage in range(self.num_stages):
-                tensors = [("inputs", payload)]
+                tensors = [("inputs", payload), *self._tokens(stage, tokens)]
                 if stage == self.num_stages - 1:
                     tensors.append(("targets", Payload(mb.targets)))
                 answer = await self.caller.call(

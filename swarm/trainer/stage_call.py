@@ -188,13 +188,14 @@ class StageCaller:
             newcomers.called(peer_id)
             timeout_s = self.timeouts.timeout_s(stage, rpc)
             started = time.perf_counter()
+            # the peer that served the forward cached its inputs (and token ids): not sent again
             skip_inputs = rpc == "backward" and peer_id == cached_on and any(n == "inputs" for n, _ in tensors)
             try:
                 response_codec = self.codecs.choose(
                     peer_id, stage, numel_out, batch_size, is_gradient=rpc == "backward"
                 )
                 while True:
-                    sent = [(n, t) for n, t in tensors if not (skip_inputs and n == "inputs")]
+                    sent = [(n, t) for n, t in tensors if not (skip_inputs and n in ("inputs", "tokens"))]
                     encoded = self._encode(peer_id, stage, batch_size, sent)
                     try:
                         result = await self.client.exchange(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from models.config import get_model_config
-from models.stages import build_full_model, stage_spec
+from models.stages import build_full_model, equal_boundaries, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
 from swarm.trainer.data import MicrobatchSampler, open_data
@@ -19,14 +20,14 @@ pytestmark = pytest.mark.slow
 BATCH, MICROBATCH = 8, 2
 
 
-def reference_update(config, kind: str, lr: float):
+def reference_update(config, kind: str, lr: float, boundaries=None):
     sampler = MicrobatchSampler(
         open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
     )
     microbatches = sampler.batch(0)
     inputs = torch.cat([mb.inputs for mb in microbatches])
     targets = torch.cat([mb.targets for mb in microbatches])
-    model = build_full_model(config)
+    model = build_full_model(config, boundaries=boundaries)
     optimizer = OptimizerSettings(optimizer=kind, lr=lr).build(model.parameters())
     loss = model(inputs, targets)
     loss.backward()
@@ -37,17 +38,38 @@ def reference_update(config, kind: str, lr: float):
 # cache_size 0: every backward sent without inputs (to the peer that served the forward) misses
 # the activation cache, and the trainer must resend it with the inputs. Direct routing: the peers
 # pass each microbatch on stage to stage (peers/serving/chain_rpc.py), nothing through the trainer.
+# A subspace model (models/subspace.py): K coefficients per token cross between stages, and the
+# later stages get the token ids beside them (with the inputs resent on a cache miss, and carried
+# hop to hop by direct routing).
 @pytest.mark.parametrize(
-    ("num_stages", "cache_size", "routing"),
-    [(2, 64, "hub"), (3, 64, "hub"), (3, 0, "hub"), (2, 64, "direct"), (3, 64, "direct")],
+    ("num_stages", "cache_size", "routing", "subspace"),
+    [
+        (2, 64, "hub", None),
+        (3, 64, "hub", None),
+        (3, 0, "hub", None),
+        (2, 64, "direct", None),
+        (3, 64, "direct", None),
+        (3, 0, "hub", "fixed:8"),
+        (3, 64, "direct", "fixed:8"),
+        (3, 64, "hub", "learned:8"),
+    ],
 )
-def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, num_stages, cache_size, routing):
+def test_one_step_through_the_swarm_matches_one_process(
+    make_swarm, tmp_path, num_stages, cache_size, routing, subspace
+):
     config = get_model_config("tiny")
+    subspace_args = []
+    if subspace is not None:
+        subspace_kind, rank = subspace.split(":")
+        config = dataclasses.replace(config, subspace_kind=subspace_kind, subspace_rank=int(rank))
+        subspace_args = ["--subspace-kind", subspace_kind, "--subspace-rank", rank]
+    boundaries = equal_boundaries(config.n_layers, num_stages)
     kind, lr = "sgd", 0.5  # SGD: the update is the gradient itself, so a wrong scale would show
     ckpt = str(tmp_path / "ckpt")
     swarm = make_swarm(
         num_stages=num_stages,
         peer_args=[
+            *subspace_args,
             "--optimizer",
             kind,
             "--lr",
@@ -77,13 +99,14 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
         report_path,
         "--routing",
         routing,
+        *subspace_args,
     )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
     stop_together(peers)  # a clean exit writes each stage's checkpoint
     with open(report_path) as f:
         report = json.load(f)
 
-    ref_loss, ref_params = reference_update(config, kind, lr)
+    ref_loss, ref_params = reference_update(config, kind, lr, boundaries)
     assert report["losses"][0] == pytest.approx(ref_loss, abs=1e-5)
     assert report["microbatches_lost"] == 0
     backwards_with_cache = (BATCH // MICROBATCH) * (num_stages - 1)  # the last stage's fused call needs its inputs
@@ -94,17 +117,23 @@ def test_one_step_through_the_swarm_matches_one_process(make_swarm, tmp_path, nu
         assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (backwards_with_cache, 0)
     else:
         assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (0, backwards_with_cache)
-    initial = dict(build_full_model(config).named_parameters())
+    initial = dict(build_full_model(config, boundaries=boundaries).named_parameters())
     compared = 0
     for stage in range(num_stages):
         meta, state, _ = load_checkpoint(checkpoint_path(ckpt, "tiny", stage, num_stages))
         assert meta.steps_done == 1
-        offset = stage_spec(config, stage, num_stages).first_layer
+        spec = stage_spec(config, stage, num_stages)
         for name, value in state.items():
-            if name.startswith("blocks."):
-                index = int(name.split(".")[1]) + offset
-                name = f"blocks.{index}." + name.split(".", 2)[2]
+            name = full_model_name(name, spec)
             torch.testing.assert_close(value, ref_params[name].detach(), atol=1e-5, rtol=0)
             assert not torch.equal(value, initial[name].detach()), f"{name} did not change"
             compared += 1
     assert compared == len(ref_params)
+
+
+def full_model_name(name: str, spec) -> str:
+    """A stage's parameter name as the whole model names it (its blocks are numbered from 0)."""
+    if name.startswith("blocks."):
+        index = int(name.split(".")[1]) + spec.first_layer
+        return f"blocks.{index}." + name.split(".", 2)[2]
+    return name

@@ -1,5 +1,7 @@
 """The stage runtime alone (no network): split compute equals whole-model compute."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -143,3 +145,27 @@ def test_evaluate_keeps_nothing_and_computes_the_training_forward():
         assert all(torch.equal(v, state[k]) for k, v in stage.module.state_dict().items())
     reference = build_full_model(config)(x, y)
     torch.testing.assert_close(loss, reference.detach(), atol=1e-6, rtol=0)
+
+
+def test_a_subspace_stage_needs_the_token_ids_and_a_cached_backward_reuses_them():
+    config = dataclasses.replace(get_model_config("tiny"), subspace_rank=8, subspace_kind="fixed")
+    settings = OptimizerSettings(optimizer="sgd", lr=0.5, target_batch_size=4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, config.seq_len, 8, generator=g)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=g)
+    grad = torch.randn(2, config.seq_len, 8, generator=g)
+    cached, resent = StageRuntime(config, 1, 3, optimizer=settings), StageRuntime(config, 1, 3, optimizer=settings)
+    with pytest.raises(BadRequestError, match="needs 'tokens'"):
+        cached.forward("a", x)
+    with pytest.raises(BadRequestError, match="ids in .tokens. must lie"):
+        cached.forward("a", x, tokens=tokens + config.vocab_size)
+    out = cached.forward("a", x, tokens=tokens)
+    assert out.shape == (2, config.seq_len, 8)
+    expected, _ = resent.backward("a", x, grad_outputs=grad, tokens=tokens)  # recomputed with the ids sent
+    got, _ = cached.backward("a", None, grad_outputs=grad, batch_size=2)  # the ids come from the cached forward
+    assert cached.cache_hits == 1
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    other_tokens = (tokens + 1) % config.vocab_size  # other ids, same inputs: not the cached forward
+    cached.forward("b", x, tokens=tokens)
+    cached.backward("b", x, grad_outputs=grad, tokens=other_tokens)
+    assert cached.cache_misses == 1
