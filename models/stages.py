@@ -198,6 +198,25 @@ class StageModule(nn.Module):
     def forward(
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
+        x, tokens = self._through_blocks(inputs, tokens)
+        if self.head is None:
+            return self._send(x, tokens)
+        if targets is None:
+            raise ValueError("the last stage needs targets to compute the loss")
+        return language_model_loss(self.head(x), targets)  # scalar
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) of a whole model (one stage holding everything) for token ids (B, T):
+        what generation samples from."""
+        if not (self.spec.is_first and self.head is not None):
+            raise ValueError("logits() needs the whole model: the embedding and the head on one stage")
+        x, _ = self._through_blocks(tokens, None)
+        return self.head(x)
+
+    def _through_blocks(
+        self, inputs: torch.Tensor, tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream after this stage's blocks (B, T, C), and the token ids it went with."""
         if self.spec.is_first:
             tokens = inputs
         elif self.needs_tokens and tokens is None:
@@ -210,11 +229,7 @@ class StageModule(nn.Module):
             if layer in self._cuts:  # a learned boundary inside the whole model
                 x = self.boundary_up[str(layer)](self.boundary_down[str(layer)](x), tokens)
             x = block(x)
-        if self.head is None:
-            return self._send(x, tokens)
-        if targets is None:
-            raise ValueError("the last stage needs targets to compute the loss")
-        return language_model_loss(self.head(x), targets)  # scalar
+        return x, tokens
 
     def _receive(self, inputs: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         """The residual stream entering the first block: (B, T, C)."""

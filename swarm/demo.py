@@ -82,6 +82,7 @@ def export_and_sample(config: DemoConfig, swarm: LocalSwarm, data_folder: str) -
         data=data_folder,
         overwrite=False,
         num_stages=config.stages,
+        subspace=config.subspace,
     )
     run_export(export)
     print("[demo] a sample from the exported model:", flush=True)

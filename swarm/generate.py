@@ -1,5 +1,5 @@
 """`swarm generate`: sample text from an exported model folder in one process (plain PyTorch, the
-project's own model code, models/hf_format.read_model_folder), with the folder's tokenizer.json
+project's own model code; a Hugging Face folder or one in the project's format, models/project_folder.py), with the folder's tokenizer.json
 (the `tokenizers` library). The text is printed as it is produced; the context the model sees is
 the last `seq_len` tokens."""
 
@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from models.hf_format import TOKENIZER_FILE, read_model_folder
+from models.hf_format import TOKENIZER_FILE
+from models.project_folder import load_model_folder
 from models.stages import StageModule
 from process.config import ConfigError, option
 
@@ -46,14 +47,6 @@ def load_tokenizer(folder: str):
     return Tokenizer.from_file(path)
 
 
-def head_logits(model: StageModule, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits (B, T, V) of the whole model for token ids (B, T)."""
-    x = model.embedding(tokens)
-    for block in model.blocks:
-        x = block(x)
-    return model.head(x)
-
-
 @torch.no_grad()
 def sample_tokens(
     model: StageModule,
@@ -69,7 +62,7 @@ def sample_tokens(
     seq_len = model.config.seq_len
     for _ in range(max_new_tokens):
         context = torch.tensor([tokens[-seq_len:]], dtype=torch.int64)
-        logits = head_logits(model, context)[0, -1].float()
+        logits = model.logits(context)[0, -1].float()
         if temperature == 0:
             token = int(logits.argmax())
         else:
@@ -84,7 +77,7 @@ def sample_tokens(
 
 def generate_text(config: GenerateConfig, out=sys.stdout) -> str:
     """Print the prompt and its continuation as it is produced; returns the continuation."""
-    model_config, model = read_model_folder(config.model_dir)
+    model_config, model = load_model_folder(config.model_dir)
     model.eval()
     tokenizer = load_tokenizer(config.model_dir)
     prompt = tokenizer.encode(config.prompt).ids if config.prompt else []

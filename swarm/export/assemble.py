@@ -136,7 +136,7 @@ def check_stages_fit(
             raise ExportError(
                 f"the stages are at different steps ({describe_steps(parts)}); export when training has paused"
             )
-        _check_shapes(config, assemble_state(parts, boundaries=found))
+        _check_shapes(config, assemble_state(parts, boundaries=found), found)
         return config
     if EMBEDDING_WEIGHT not in first.state or HEAD_WEIGHT not in last.state:
         raise ExportError(
@@ -150,7 +150,7 @@ def check_stages_fit(
             f"the stages are at different steps ({describe_steps(parts)}); export when training has paused"
         )
     config = dataclasses.replace(config, vocab_size=int(vocab))
-    _check_shapes(config, assemble_state(parts, boundaries=found))
+    _check_shapes(config, assemble_state(parts, boundaries=found), found)
     return config
 
 
@@ -178,9 +178,10 @@ def block_boundaries(parts: dict[int, StagePart]) -> tuple[int, ...]:
     return tuple(bounds)
 
 
-def _check_shapes(config: GPTConfig, state: dict[str, torch.Tensor]) -> None:
+def _check_shapes(config: GPTConfig, state: dict[str, torch.Tensor], boundaries: Sequence[int]) -> None:
     with torch.device("meta"):  # shapes only: nothing is allocated, whatever the model's size
-        wanted = {name: tuple(t.shape) for name, t in build_full_model(config).state_dict().items()}
+        model = build_full_model(config, boundaries=boundaries)  # a learned subspace has parts at the boundaries
+        wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if set(state) != set(wanted):
         missing, extra = sorted(set(wanted) - set(state))[:3], sorted(set(state) - set(wanted))[:3]
         raise ExportError(

@@ -6,6 +6,7 @@ import dataclasses
 
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
+from models.subspace_options import SubspaceSettings
 from process.config import ConfigError, option, section
 
 
@@ -31,7 +32,11 @@ class ExportConfig(NetworkConfig):
         help="a run trained with --trainable lora:R: write its adapters apart (adapters.safetensors, "
         "adapter_config.json) instead of merging them into the weights",
     )
-    seed: int = option(0, help="a run with adapters: the peers' --seed (their base weights, without --init-weights)")
+    seed: int = option(
+        0,
+        help="the peers' --seed: with adapters, their base weights (without --init-weights); with a fixed "
+        "subspace, its basis",
+    )
     init_weights: str | None = option(None, help="a run with adapters: the peers' --init-weights (their base weights)")
     vocab_size: int | None = option(
         None, help="a run with adapters: the peers' --vocab-size (default: the live peers' records, else the model's)"
@@ -41,6 +46,9 @@ class ExportConfig(NetworkConfig):
     download_timeout_s: float = option(300.0, help="live: give up one replica's download after this many seconds")
     authority: RunAccessConfig = section(
         RunAccessConfig, help="live, a run with an authority: its run file and a credential to download state"
+    )
+    subspace: SubspaceSettings = section(
+        SubspaceSettings, help="the peers' subspace options (a fixed subspace is folded into plain weights)"
     )
 
     def __post_init__(self) -> None:

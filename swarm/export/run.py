@@ -3,10 +3,13 @@ model, and write one folder: `model.safetensors`, `config.json` (a Hugging Face 
 folder, models/hf_format.py), `swarm.json` (where each stage came from), and a tokenizer
 (`tokenizer.json` of `--data`, or the byte tokenizer of a byte-level run).
 
-A user architecture (`--model module.path:function`, models/interface.py) has no transformers
-class to load it: its folder holds `model.safetensors` in the project's own tensor naming (what
-`--init-weights` reads: `embedding.*`, `blocks.<i>.*`, `head.*`), `swarm.json` and the tokenizer,
-and the export says so in one line.
+A user architecture (`--model module.path:function`, models/interface.py) and a learned-subspace
+model (models/subspace.py) have no transformers class to load them: their folder is in the
+project's own format (models/project_folder.py: `model.safetensors` in the project's tensor naming,
+`swarm.json` with the config and the split, and the tokenizer), which `swarm generate` loads, and
+the export says so in one line. A fixed-subspace model only constrains its weights: its subspace is
+folded into them (models/subspace.py `fold_fixed_subspace`) and it is written as a plain GPT-2 or
+Llama folder.
 
 The folder is written beside `--out` under a temporary name and renamed, so `--out` is complete or
 absent; an existing `--out` is refused unless `--overwrite`.
@@ -22,15 +25,15 @@ import shutil
 import tempfile
 import time
 
-from safetensors.torch import save_file
-
 from dht.announce import fetch_stage_records_async
 from dht.authority import load_run_access
 from dht.model_match import check_same_model
 from dht.node import start_dht
 from models.config import GPTConfig
-from models.hf_format import SWARM_META_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_model_folder
+from models.hf_format import TOKENIZER_FILE, write_model_folder
 from models.model_source import model_hash, resolve_model
+from models.project_folder import needs_project_folder, write_project_folder
+from models.subspace import fold_fixed_subspace
 from swarm.data.tokenizer import byte_tokenizer
 from swarm.export.adapters import adapter_rank, merge_parts, write_adapters
 from swarm.export.assemble import (
@@ -51,7 +54,11 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 BYTE_VOCAB_SIZE = 256
 USER_ARCHITECTURE_NOTE = (
     "the weights are in the project's own tensor naming (what --init-weights reads): a transformers "
-    "folder needs a known architecture (gpt2 or llama), and a user architecture is none"
+    "folder needs a known architecture (gpt2 or llama), and a user architecture is none; `swarm generate` loads it"
+)
+LEARNED_SUBSPACE_NOTE = (
+    "a learned subspace's boundary projections and token anchors are no transformers layer: the folder is in "
+    "the project's own format (models/project_folder.py), which `swarm generate` loads"
 )
 
 
@@ -94,19 +101,28 @@ def write_export(
     data: str | None,
     overwrite: bool,
     extra_meta: dict,
+    seed: int = 0,
 ) -> str:
-    """Write the folder atomically: everything into a temporary folder beside `out`, then one rename."""
+    """Write the folder atomically: everything into a temporary folder beside `out`, then one rename.
+    `seed`: the peers' --seed, from which a fixed subspace's basis derives."""
     out = os.path.normpath(out)
     if os.path.exists(out) and not overwrite:
         raise ExportError(f"{out!r} already exists; choose another --out or pass --overwrite")
     tokenizer = tokenizer_source(data)
-    state = assemble_state(chosen, boundaries=block_boundaries(chosen))
+    boundaries = block_boundaries(chosen)
+    state = assemble_state(chosen, boundaries=boundaries)
+    if config.subspace_rank and config.subspace_kind == "fixed":  # a plain model computes the same
+        state = fold_fixed_subspace(config, state, seed)
+        extra_meta = {**extra_meta, "folded_subspace": {"kind": "fixed", "rank": config.subspace_rank, "seed": seed}}
+        config = dataclasses.replace(config, subspace_rank=0)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export.", dir=parent)
     try:
-        if config.arch == "user":
-            folder = write_project_folder(config, state, os.path.join(staging, "model"), extra_meta=extra_meta)
+        if needs_project_folder(config):
+            folder = write_project_folder(
+                config, state, os.path.join(staging, "model"), boundaries=boundaries, extra_meta=extra_meta
+            )
             if tokenizer is not None:
                 shutil.copyfile(tokenizer, os.path.join(folder, TOKENIZER_FILE))
         else:
@@ -127,18 +143,6 @@ def write_export(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def write_project_folder(config: GPTConfig, state: dict, folder: str, *, extra_meta: dict) -> str:
-    """`model.safetensors` in the project's tensor naming and `swarm.json` (the config, which names
-    the user's function and the hash of its definition, and `extra_meta`), into a new `folder`."""
-    os.makedirs(folder)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in state.items()}
-    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
-    with open(os.path.join(folder, SWARM_META_FILE), "w") as f:
-        json.dump({"config": config.to_dict(), **extra_meta}, f, indent=2)
-        f.write("\n")
-    return folder
 
 
 def gather_offline(config: ExportConfig, model_config: GPTConfig, say=print):
@@ -166,7 +170,7 @@ async def gather_live(dht, config: ExportConfig, say=print):
 
 def run_export(config: ExportConfig, say=print) -> ExportResult:
     started = time.monotonic()
-    model_config = resolve_model(config.model, config.model_dir)
+    model_config = config.subspace.apply(resolve_model(config.model, config.model_dir))
     if os.path.exists(config.out) and not config.overwrite:  # before any download
         raise ExportError(f"{config.out!r} already exists; choose another --out or pass --overwrite")
     if config.data is not None:
@@ -185,8 +189,8 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
         raise ExportError("--adapters-only: these stages hold full weights (--trainable all), not adapters")
     if rank is not None:  # the base weights are the peers' starting point; the adapters go on top
         vocab = config.vocab_size or next((r.vocab_size for r in records if r.vocab_size), None)
-        model_config = dataclasses.replace(
-            resolve_model(config.model, config.model_dir, vocab), trainable=f"lora:{rank}"
+        model_config = config.subspace.apply(
+            dataclasses.replace(resolve_model(config.model, config.model_dir, vocab), trainable=f"lora:{rank}")
         )
         check_same_model(records, model_hash(model_config), model=config.model, who="export")
         bounds = tuple(boundaries) if boundaries else block_boundaries(chosen)
@@ -223,7 +227,15 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
         "boundaries": list(block_boundaries(chosen)),
         "sources": {str(s): src for s, src in sources.items()},
     }
-    out = write_export(model_config, chosen, config.out, data=config.data, overwrite=config.overwrite, extra_meta=meta)
+    out = write_export(
+        model_config,
+        chosen,
+        config.out,
+        data=config.data,
+        overwrite=config.overwrite,
+        extra_meta=meta,
+        seed=config.seed,
+    )
     say(
         f"[export] wrote {out}: {config.model} ({model_config.arch}, {parameters:,} parameters, "
         f"vocabulary {model_config.vocab_size}) after {steps} steps, from {len(chosen)} stages "
@@ -231,4 +243,6 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
     )
     if model_config.arch == "user":
         say(f"[export] note: {USER_ARCHITECTURE_NOTE}")
+    elif needs_project_folder(model_config):
+        say(f"[export] note: {LEARNED_SUBSPACE_NOTE}")
     return ExportResult(out, model_config, steps, sources, warnings)

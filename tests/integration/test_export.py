@@ -20,7 +20,6 @@ from tokenizers import Tokenizer
 from models.hf_format import read_model_folder
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from swarm.data.shards import PreparedData
-from swarm.generate import head_logits
 from swarm.trainer.data import ValidationBatches
 from tests.integration.test_corpus import write_corpus
 
@@ -93,7 +92,7 @@ def losses_of_folder(folder, data: str) -> tuple[float, float, torch.Tensor, tor
     inputs = torch.cat([mb.inputs for batch in batches for mb in batch])
     targets = torch.cat([mb.targets for batch in batches for mb in batch])
     with torch.no_grad():
-        ours = head_logits(model, inputs)
+        ours = model.logits(inputs)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()(inputs).logits
     loss = lambda logits: F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1)).item()  # noqa: E731
     return loss(ours), loss(theirs), ours, theirs

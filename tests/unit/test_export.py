@@ -9,9 +9,11 @@ import os
 
 import pytest
 import torch
+from transformers import GPT2LMHeadModel
 
 from models.config import get_model_config
 from models.hf_format import read_model_folder
+from models.project_folder import load_model_folder
 from models.stages import build_full_model, build_stage
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, checkpoint_path, save_checkpoint
 from swarm.export.assemble import (
@@ -162,3 +164,32 @@ def test_stages_of_independent_replicas_may_be_at_different_steps():
     parts = parts_of(TINY)
     apart = {0: parts[0], 1: dataclasses.replace(parts[1], steps_done=9)}
     assert check_stages_fit(TINY, apart, steps_must_match=False) == TINY
+
+
+@pytest.mark.parametrize("kind", ["fixed", "learned"])
+def test_a_subspace_model_exports_to_a_folder_that_computes_the_same_logits(tmp_path, kind):
+    config = dataclasses.replace(TINY, subspace_rank=8, subspace_kind=kind)
+    boundaries, seed = (0, 1, 3), 5
+    parts = parts_of(config, boundaries=boundaries, seed=seed)
+    generator = torch.Generator().manual_seed(0)
+    for part in parts.values():  # trained-looking weights: the fold must not rely on the initial ones
+        for tensor in part.state.values():
+            tensor.add_(0.05 * torch.randn(tensor.shape, generator=generator))
+    reference = build_full_model(config, seed=seed, boundaries=boundaries)
+    reference.load_state_dict(assemble_state(parts, boundaries=boundaries))
+    fitted = check_stages_fit(config, parts, boundaries=boundaries)
+    out = str(tmp_path / "model")
+    write_export(fitted, parts, out, data=None, overwrite=False, extra_meta={}, seed=seed)
+    loaded_config, loaded = load_model_folder(out)
+    tokens = torch.randint(0, 256, (2, TINY.seq_len), generator=generator)
+    with torch.no_grad():
+        expected = reference.logits(tokens)
+        torch.testing.assert_close(loaded.logits(tokens), expected, atol=1e-5, rtol=0)
+    if kind == "fixed":  # folded into plain weights: a GPT-2 folder transformers loads
+        assert "config.json" in os.listdir(out) and loaded_config.subspace_rank == 0
+        with torch.no_grad():
+            hf_logits = GPT2LMHeadModel.from_pretrained(out).eval()(tokens).logits
+        torch.testing.assert_close(hf_logits, expected, atol=1e-4, rtol=0)
+    else:  # the project's own format, rebuilt for the split it names
+        assert "config.json" not in os.listdir(out)
+        assert (loaded_config.subspace_kind, loaded_config.subspace_rank) == ("learned", 8)
