@@ -1,0 +1,122 @@
+"""What a one-step-late update costs in loss, the optimizer alone (issue #22): `--sync-delay 1`
+applies step t's averaged gradient after step t+1's forward and backward, so every gradient is
+computed on parameters one update old. This trains the demo's model in one process on the same
+batches, exact and one step late, with a constant learning rate and with the demo's schedule
+(warmup for a tenth of the steps, then cosine to a tenth), and reports the validation loss at
+checkpoints along the way (equal tokens), so the gap can be read against the number of steps.
+
+It measures the staleness alone: no swarm, no averaging, no timing (the swarm with the same delay
+equals this loop to 1e-5: tests/integration/test_replicas.py `delayed_reference`).
+
+    nice -n 10 .venv/bin/python benchmarks/delayed_update.py --model small --steps 200 \\
+        --checkpoints 20,50,100,200 --out benchmarks/out/delayed_update.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.lr_schedule import schedule_settings  # noqa: E402
+from benchmarks.report_file import write_report  # noqa: E402
+from models.config import get_model_config  # noqa: E402
+from models.stages import build_full_model  # noqa: E402
+from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data  # noqa: E402
+
+
+def validation_loss(model, validation: ValidationBatches) -> float:
+    with torch.no_grad():
+        losses = [
+            model(torch.cat([mb.inputs for mb in batch]), torch.cat([mb.targets for mb in batch])).item()
+            for batch in validation.batches()
+        ]
+    return sum(losses) / len(losses)
+
+
+def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list[int]) -> dict:
+    """`args.steps` steps; the gradient of step t is applied `delay` steps late (the k-th update
+    applied uses the rate of step k, as a stage's own step count does). At each checkpoint (a number
+    of batches trained: equal tokens) the validation loss of the model with what still waits applied,
+    as the trainer's flush at the end of a run does; training then goes on from before that flush."""
+    config = dataclasses.replace(get_model_config(args.model), vocab_size=data.vocab_size)
+    torch.manual_seed(0)
+    model = build_full_model(config)
+    optimizer = settings.build(model.parameters())
+    schedule = settings.schedule()
+    sampler = MicrobatchSampler(data.train, seq_len=config.seq_len, batch_size=args.batch_size, microbatch_size=4)
+    validation = ValidationBatches(data.val, seq_len=config.seq_len, batch_size=32, microbatch_size=4, count=4)
+    losses, waiting, applied, val, started = [], [], [0], {}, time.perf_counter()
+
+    def apply(gradients) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.rate(applied[0])
+        for param, gradient in zip(model.parameters(), gradients):
+            param.grad = gradient
+        optimizer.step()
+        applied[0] += 1
+
+    for step in range(args.steps):
+        microbatches = sampler.batch(step)
+        model.zero_grad(set_to_none=True)
+        loss = model(torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.targets for mb in microbatches]))
+        loss.backward()
+        losses.append(loss.item())
+        waiting.append([p.grad.clone() for p in model.parameters()])
+        while len(waiting) > delay:
+            apply(waiting.pop(0))
+        if step + 1 in checkpoints:  # as the trainer's flush at the end of a run: what waits is applied
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), applied[0]
+            for gradients in waiting:
+                apply(gradients)
+            val[step + 1] = round(validation_loss(model, validation), 4)
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            applied[0] = saved[2]
+    return {
+        "delay": delay,
+        "val_loss_at": val,
+        "final_train_loss": round(sum(losses[-5:]) / 5, 4),
+        "losses": [round(x, 4) for x in losses],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--checkpoints", default="20,50,100,200", help="steps at which to measure validation loss")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default="delayed_update.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoints = sorted({int(c) for c in args.checkpoints.split(",") if int(c) <= args.steps} | {args.steps})
+    data = open_data(None, tokenizer="bpe:4096")
+    report = {"args": vars(args), "load_before": os.getloadavg(), "rows": {}}
+    for name, scheduled in (("constant", False), ("demo_schedule", True)):
+        settings = schedule_settings(args.steps, scheduled)
+        for delay in (0, 1):
+            row = train(args, data, settings, delay, checkpoints)
+            report["rows"][f"{name}/delay{delay}"] = row
+            print(f"{name} delay {delay}: val {row['val_loss_at']} ({row['seconds']} s)", flush=True)
+        exact, late = report["rows"][f"{name}/delay0"], report["rows"][f"{name}/delay1"]
+        gaps = {c: round(late["val_loss_at"][c] / exact["val_loss_at"][c] - 1, 4) for c in checkpoints}
+        report[f"{name}_gap"] = gaps
+        print(f"{name}: one step late vs exact, validation loss {gaps}", flush=True)
+    report["load_after"] = os.getloadavg()
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
