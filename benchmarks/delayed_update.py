@@ -42,26 +42,40 @@ def validation_loss(model, validation: ValidationBatches) -> float:
     return sum(losses) / len(losses)
 
 
-def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list[int]) -> dict:
+def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list[int], predict: bool = False) -> dict:
     """`args.steps` steps; the gradient of step t is applied `delay` steps late (the k-th update
     applied uses the rate of step k, as a stage's own step count does). At each checkpoint (a number
     of batches trained: equal tokens) the validation loss of the model with what still waits applied,
-    as the trainer's flush at the end of a run does; training then goes on from before that flush."""
+    as the trainer's flush at the end of a run does; training then goes on from before that flush.
+
+    `predict` (weight prediction, after PipeMare/SpecTrain): forwards and backwards run on the
+    parameters plus the last update applied (a guess at the parameters the exact schedule would
+    use, one update further), while the optimizer steps the real ones."""
     config = dataclasses.replace(get_model_config(args.model), vocab_size=data.vocab_size)
     torch.manual_seed(0)
     model = build_full_model(config)
-    optimizer = settings.build(model.parameters())
+    params = list(model.parameters())
+    optimizer = settings.build(params)
     schedule = settings.schedule()
     sampler = MicrobatchSampler(data.train, seq_len=config.seq_len, batch_size=args.batch_size, microbatch_size=4)
     validation = ValidationBatches(data.val, seq_len=config.seq_len, batch_size=32, microbatch_size=4, count=4)
     losses, waiting, applied, val, started = [], [], [0], {}, time.perf_counter()
+    real = [p.detach().clone() for p in params]  # what the optimizer steps; `params` may hold a prediction
+    last = [torch.zeros_like(p) for p in params]  # the last update applied
 
+    @torch.no_grad()
     def apply(gradients) -> None:
         for group in optimizer.param_groups:
             group["lr"] = schedule.rate(applied[0])
-        for param, gradient in zip(model.parameters(), gradients):
+        for param, base, gradient in zip(params, real, gradients):
+            param.copy_(base)
             param.grad = gradient
         optimizer.step()
+        for param, base, update in zip(params, real, last):
+            update.copy_(param - base)
+            base.copy_(param)
+            if predict:
+                param.add_(update)
         applied[0] += 1
 
     for step in range(args.steps):
@@ -70,19 +84,25 @@ def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list
         loss = model(torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.targets for mb in microbatches]))
         loss.backward()
         losses.append(loss.item())
-        waiting.append([p.grad.clone() for p in model.parameters()])
+        waiting.append([p.grad.clone() for p in params])
         while len(waiting) > delay:
             apply(waiting.pop(0))
         if step + 1 in checkpoints:  # as the trainer's flush at the end of a run: what waits is applied
-            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), applied[0]
+            saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), applied[0], real, last))
             for gradients in waiting:
                 apply(gradients)
+            with torch.no_grad():
+                for param, base in zip(params, real):
+                    param.copy_(base)  # validated on the real parameters, not a prediction
             val[step + 1] = round(validation_loss(model, validation), 4)
             model.load_state_dict(saved[0])
             optimizer.load_state_dict(saved[1])
             applied[0] = saved[2]
+            for mine, kept in zip(real + last, saved[3] + saved[4]):
+                mine.copy_(kept)
     return {
         "delay": delay,
+        "predict": predict,
         "val_loss_at": val,
         "final_train_loss": round(sum(losses[-5:]) / 5, 4),
         "losses": [round(x, 4) for x in losses],
@@ -104,16 +124,19 @@ def main() -> None:
     checkpoints = sorted({int(c) for c in args.checkpoints.split(",") if int(c) <= args.steps} | {args.steps})
     data = open_data(None, tokenizer="bpe:4096")
     report = {"args": vars(args), "load_before": os.getloadavg(), "rows": {}}
+    rows = (("exact", 0, False), ("late", 1, False), ("late_predicted", 1, True))
     for name, scheduled in (("constant", False), ("demo_schedule", True)):
         settings = schedule_settings(args.steps, scheduled)
-        for delay in (0, 1):
-            row = train(args, data, settings, delay, checkpoints)
-            report["rows"][f"{name}/delay{delay}"] = row
-            print(f"{name} delay {delay}: val {row['val_loss_at']} ({row['seconds']} s)", flush=True)
-        exact, late = report["rows"][f"{name}/delay0"], report["rows"][f"{name}/delay1"]
-        gaps = {c: round(late["val_loss_at"][c] / exact["val_loss_at"][c] - 1, 4) for c in checkpoints}
-        report[f"{name}_gap"] = gaps
-        print(f"{name}: one step late vs exact, validation loss {gaps}", flush=True)
+        for label, delay, predict in rows:
+            row = train(args, data, settings, delay, checkpoints, predict)
+            report["rows"][f"{name}/{label}"] = row
+            print(f"{name} {label}: val {row['val_loss_at']} ({row['seconds']} s)", flush=True)
+        exact = report["rows"][f"{name}/exact"]["val_loss_at"]
+        for label, _, _ in rows[1:]:
+            other = report["rows"][f"{name}/{label}"]["val_loss_at"]
+            gaps = {c: round(other[c] / exact[c] - 1, 4) for c in checkpoints}
+            report[f"{name}/{label}_gap"] = gaps
+            print(f"{name}: {label} vs exact, validation loss {gaps}", flush=True)
     report["load_after"] = os.getloadavg()
     write_report(args.out, report)
 

@@ -444,3 +444,37 @@ def test_compression_is_a_leaf_package():
             for name in names:
                 if name.split(".")[0] in project_roots:
                     assert name.startswith("wire.compression"), f"{module.name} imports {name}"
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "dtype", "wire_bytes"),
+    [
+        (0, 255, torch.int64, 1),  # a byte-level vocabulary: one byte an id
+        (0, 50_256, torch.int64, 2),  # GPT-2's vocabulary: two
+        (-5, 40_000, torch.int32, 2),
+        (0, 2**40, torch.int64, 8),  # nothing narrower holds it: sent as it is
+        (7, 7, torch.int16, 1),
+    ],
+)
+def test_integer_tensors_travel_in_the_narrowest_type_and_come_back_exact(low, high, dtype, wire_bytes):
+    values = torch.tensor([low, high, (low + high) // 2, low, high], dtype=dtype).reshape(5, 1)
+    encoded = get_codec("none").encode(values)
+    assert sum(len(part.buffer) for part in encoded.parts) == wire_bytes * values.numel()
+    back = decode(encoded)
+    assert back.dtype == dtype and torch.equal(back, values)
+
+
+def test_a_narrowed_header_that_cannot_be_undone_is_refused():
+    encoded = get_codec("none").encode(torch.tensor([0, 300], dtype=torch.int64))
+    assert encoded.header.params == {"narrow": "int16", "offset": 32768}  # sent as id - 32768
+    for params in (
+        {"narrow": "float32", "offset": 0},  # not an integer type
+        {"narrow": "int64", "offset": 0},  # no narrower than int64
+        {"narrow": "int16", "offset": 2**63},  # out of range
+        {"narrow": "int16"},  # the offset missing
+    ):
+        with pytest.raises(CodecError):
+            decode(_with_header(encoded, params=params))
+    as_int16 = get_codec("none").encode(torch.tensor([0, 200], dtype=torch.int16))
+    with pytest.raises(CodecError, match="do not fit int16"):
+        decode(_with_header(as_int16, params={"narrow": "uint8", "offset": 32_700}))

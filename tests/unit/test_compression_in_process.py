@@ -76,6 +76,7 @@ def test_subspace_rows_send_k_coefficients_and_the_token_ids(tmp_path):
     for label, rank in (("fixed:8", 8), ("learned:4", 4)):
         row = rows[label]
         assert row["activation_bytes_per_token"] == row["gradient_bytes_per_token"] == rank * 4 * 2
-        assert row["token_id_bytes_per_token"] == 8 * 2  # int64 ids, as the wire sends them, per boundary
-        assert row["bytes_per_token"] == 2 * rank * 4 * 2 + 16
+        # the ids as the wire sends them, per boundary: tiny's 256-token vocabulary fits one byte an id
+        assert row["token_id_bytes_per_token"] == 1 * 2
+        assert row["bytes_per_token"] == 2 * rank * 4 * 2 + 2
     assert rows["fp32"]["token_id_bytes_per_token"] == 0

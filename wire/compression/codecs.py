@@ -3,7 +3,7 @@
 ==========  =====================================  ==========================  ==================
 codec       wire format (parts)                    bytes per float32 value     error
 ==========  =====================================  ==========================  ==================
-none        raw values                             4                           exact
+none        raw values (integers: see below)       4                           exact
 fp16        raw float16 of x * 2**-exponent        2                           ~5e-4 per value
 int8        hivemind BLOCKWISE_8BIT (bitsandbytes)  ~1.001                      ~0.01-0.02 rel. L2
 int4        float16 scale per 64 values, 4-bit      0.53125                     ~0.11 rel. L2, each
@@ -16,6 +16,9 @@ Policies every codec follows:
 
 - Non-floating tensors (token ids, masks) are sent losslessly by the lossy codecs: they delegate
   to "none", and the header says "none", so byte accounting and decoding see what was sent.
+- "none" sends an int64/int32/int16 tensor as the narrowest integer type that holds its range,
+  shifted by an offset (header params `narrow`, `offset`): token ids of a vocabulary under 256
+  take 1 byte each, under 65,536 two, instead of int64's eight. Decoding restores the dtype.
 - float16 and bfloat16 values are sent as their own 16 bits where a codec sends 16-bit values,
   so "fp16" is lossless for them and bfloat16 never overflows float16's range.
 - float32/float64 values sent as float16 are first scaled by a power of two (the header's
@@ -38,6 +41,7 @@ import torch
 from wire.compression.base import (
     DEFAULT_MAX_PART_BYTES,
     FLOATING_DTYPES,
+    SUPPORTED_DTYPES,
     Codec,
     CodecError,
     EncodedTensor,
@@ -130,22 +134,66 @@ def _wire_16bit_dtype(original_dtype: str) -> str:
     return original_dtype if original_dtype in SIXTEEN_BIT_DTYPES else "float16"
 
 
+# What an integer tensor may be narrowed to, narrowest first: (dtype, smallest, largest value).
+_NARROW_INTEGERS = (("uint8", 0, 2**8 - 1), ("int16", -(2**15), 2**15 - 1), ("int32", -(2**31), 2**31 - 1))
+_NARROWED_DTYPES = frozenset({"int64", "int32", "int16"})
+MAX_NARROW_OFFSET = 2**62  # an offset beyond this is no range an int64 tensor narrows into
+
+
+def narrow_integers(flat: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """`flat` (1-D int64/int32/int16) as the narrowest integer type that holds its range, shifted by
+    an offset, with the header params that undo it; `flat` and {} when nothing narrower holds it."""
+    if dtype_name(flat.dtype) not in _NARROWED_DTYPES or flat.numel() == 0:
+        return flat, {}
+    lowest, highest = int(flat.min()), int(flat.max())
+    for name, smallest, largest in _NARROW_INTEGERS:
+        narrow = SUPPORTED_DTYPES[name]
+        if narrow.itemsize >= flat.element_size():
+            break
+        if highest - lowest <= largest - smallest:
+            offset = lowest - smallest
+            return (flat.to(torch.int64) - offset).to(narrow), {"narrow": name, "offset": offset}
+    return flat, {}
+
+
+def widen_integers(values: torch.Tensor, params: dict, original_dtype: str) -> torch.Tensor:
+    """The inverse of `narrow_integers`: CodecError for params or values that cannot have come from it."""
+    narrow, offset = params["narrow"], params["offset"]
+    if original_dtype not in _NARROWED_DTYPES or narrow not in {name for name, _, _ in _NARROW_INTEGERS}:
+        raise CodecError(f"{original_dtype} values cannot be sent narrowed to {narrow!r}")
+    if SUPPORTED_DTYPES[narrow].itemsize >= SUPPORTED_DTYPES[original_dtype].itemsize:
+        raise CodecError(f"{narrow} is no narrower than {original_dtype}")
+    if abs(offset) > MAX_NARROW_OFFSET:
+        raise CodecError(f"offset {offset} is out of range")
+    wide = values.to(torch.int64) + offset
+    info = torch.iinfo(SUPPORTED_DTYPES[original_dtype])
+    if wide.numel() and (int(wide.min()) < info.min or int(wide.max()) > info.max):
+        raise CodecError(f"narrowed values plus offset {offset} do not fit {original_dtype}")
+    return wide.to(SUPPORTED_DTYPES[original_dtype])
+
+
 class NoneCodec(Codec):
-    """Sends the values as they are: exact, any supported dtype."""
+    """Sends the values as they are: exact, any supported dtype (integers narrowed, losslessly)."""
 
     name = "none"
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
         flat, name = _flatten(tensor)
+        flat, params = narrow_integers(flat)
         parts = raw_parts(flat, self.max_part_bytes)
-        return EncodedTensor(TensorHeader(self.name, tuple(tensor.shape), name, len(parts), {}), tuple(parts))
+        return EncodedTensor(TensorHeader(self.name, tuple(tensor.shape), name, len(parts), params), tuple(parts))
 
     def decode(self, encoded: EncodedTensor) -> torch.Tensor:
         self._check_header_codec(encoded)
-        _check_params(encoded, {})
         header = encoded.header
         reader = PartReader(encoded.parts)
-        flat = reader.read_raw(header.numel, header.dtype)
+        if header.params:
+            params = _check_params(encoded, {"narrow": str, "offset": int})
+            if params["narrow"] not in SUPPORTED_DTYPES:
+                raise CodecError(f"header param 'narrow' names no supported dtype: {params['narrow']!r:.40}")
+            flat = widen_integers(reader.read_raw(header.numel, params["narrow"]), params, header.dtype)
+        else:
+            flat = reader.read_raw(header.numel, header.dtype)
         reader.finish()
         return flat.reshape(header.shape)
 
