@@ -9,6 +9,14 @@ and answers the loss, its `grad_inputs` (none on stage 0) and which peer served 
 stage runs the fused forward+backward that owns the loss. The route is the trainer's choice
 (swarm/trainer/chain_route.py): the handler only walks the candidates in order.
 
+Codecs per hop: the request carries the run's codec (`codec`, passed along) and the codec its
+caller wants the gradient in (`response_codec`). This peer encodes its outputs for the next replica
+and asks it for the gradient in what `HopCodecs` (peers/serving/hop_codecs.py, pure) chooses for
+that link, the run's fixed codec or the adaptive policy's choice from this peer's timing of its
+hops (each answer says how long the replica's handler took and how long it computed, so the link's
+share of the call is known). Top-k gradients keep their error-feedback residual here, with the
+sender, per caller. Integer tensors (tokens, targets) always travel as they are.
+
 Exactly once, and never applied twice. A replica accumulates one microbatch's gradients at most once
 per step: `StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids`) and answers
 a repeated backward without adding it again. A chain keeps the trainer's microbatch id on every hop
