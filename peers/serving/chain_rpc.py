@@ -52,6 +52,7 @@ from dht.records import PeerState
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
+from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.compression import CodecChoice, EncodedTensor
@@ -90,6 +91,7 @@ class ChainService:
         self.credential = credential  # this peer's own run credential, shown to the next stage's peer
         self.p2p = None  # set when the host registers its RPCs
         self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
+        self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
 
     async def rpc_train_chain(self, requests, context):
         stages, serving = self.stages, self.stages.serving
@@ -177,8 +179,14 @@ class ChainService:
                 samples=samples,
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
-        for message in write_response(response, outputs, stages.bytes):
-            yield message
+        messages = write_response(response, outputs, stages.bytes)
+        if outputs:  # a gradient back to the caller: in turn with the others on that link
+            messages = self.turns.in_turn(caller, messages)
+            async for message in messages:
+                yield message
+        else:
+            for message in messages:
+                yield message
 
     def refused(self, error, waited_s: float):
         """What a caller the admission guard refused is answered; counted as a failed request."""
@@ -360,7 +368,7 @@ class ChainService:
             self.p2p,
             PeerID.from_base58(peer_id),
             RPC_TRAIN_CHAIN,
-            write_request(request, tensors),
+            self.turns.in_turn(peer_id, write_request(request, tensors)),
             runtime_pb2.ExpertResponse,
             limits,
         )
