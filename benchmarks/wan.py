@@ -16,6 +16,14 @@ probed before anything is measured. On the same topology, data, model and steps 
 (`--runs` picks a subset; `fp16` and `topk` are swarm with those fixed codecs, e.g. to compare
 every codec on a mixed fast/slow topology such as `benchmarks/topologies/mixed4.json`.)
 
+Direct routing (`swarm train --routing direct`, issue #23): `direct-<codec>` (direct-none,
+direct-int8, direct-adaptive, ...) is the swarm run with that codec where each peer sends its
+activations straight to the next stage's peer and the gradients come back the same way (the
+trainer's links carry tokens and the loss only); `direct-kill` is direct int8 with the standby
+replicas (hosts standby<i>) and the peer of `--kill-stage` SIGKILLed once `--kill-at-step` steps
+are done, nobody slowed. Link bytes are every host pair's counter, peer-to-peer links included,
+as for GPipe; the trainer's share of them is reported apart (`trainer link B/tok`).
+
 and prints and writes (JSON) for each, over the steps after `--warmup`: tokens/s; bytes per token
 on the links (every host pair's htb counter, so Ethernet/IP/TCP headers, encryption and DHT
 traffic included) and, for swarm, the tensor payload the trainer counted; the CPU seconds all
@@ -54,7 +62,15 @@ from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
 
 GPIPE_PORT = 29500
 # gpipe / gpipe-kill: the baseline; faults: int8 swarm with a slowed and a killed peer; others: swarm with that codec
-RUNS = ("gpipe", "none", "fp16", "int8", "topk", "adaptive", "faults", "gpipe-kill")
+HUB_CODECS = ("none", "fp16", "int8", "int4", "topk", "adaptive")
+RUNS = (
+    "gpipe",
+    *HUB_CODECS,
+    "faults",
+    "gpipe-kill",
+    *(f"direct-{codec}" for codec in HUB_CODECS),
+    "direct-kill",
+)
 
 
 @dataclass
@@ -73,6 +89,7 @@ class RunResult:
     cpu_s_per_1k_tokens_by_kind: dict[str, float] = field(default_factory=dict)
     busiest_link: str | None = None  # the host pair (one direction) whose link was busiest after warm-up
     busiest_link_busy: float | None = None  # its bytes / its shaped rate, as a fraction of the timed steps' time
+    trainer_link_bytes_per_token: float | None = None  # of link_bytes_per_token, what the trainer's links carried
     notes: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     payload_by_codec: dict[str, dict[str, int]] = field(
@@ -208,6 +225,8 @@ def _fill_measured(
         kind: round(1000 * cpu_s / timed_tokens, 3) for kind, cpu_s in sorted(measured.cpu_s_by_kind.items())
     }
     result.link_bytes_per_token = sum(measured.link_bytes.values()) / timed_tokens
+    trainer_bytes = sum(n for (src, dst), n in measured.link_bytes.items() if "trainer" in (src, dst))
+    result.trainer_link_bytes_per_token = trainer_bytes / timed_tokens
     busy = {
         pair: nbytes * 8 / (net.topology.host_link(*pair).bandwidth_mbit * 1e6) / timed_s
         for pair, nbytes in measured.link_bytes.items()
@@ -345,11 +364,26 @@ def _read_json(path: str) -> dict | None:
 
 
 # --- swarm -------------------------------------------------------------------------------------------
-def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, faults: bool) -> RunResult:
-    name = "swarm faults" if faults else f"swarm {codec}"
+def run_swarm(
+    net: EmulatedNetwork,
+    s: Settings,
+    workdir: str,
+    *,
+    codec: str,
+    faults: bool,
+    routing: str = "hub",
+    kill_only: bool = False,
+) -> RunResult:
+    """A swarm run. `faults`: standby replicas, the slow stage's peer slowed and the kill stage's peer
+    SIGKILLed; `kill_only` (with `faults`): nobody slowed."""
+    if routing == "direct":
+        name = "direct kill" if faults else f"direct {codec}"
+    else:
+        name = "swarm faults" if faults else f"swarm {codec}"
     _say(
         f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
         + (f" + standby {s.standby_hosts}" if faults else "")
+        + f", {routing} routing"
     )
     report_path = os.path.join(workdir, f"{name.replace(' ', '-')}.json")
     swarm_dir = os.path.join(workdir, name.replace(" ", "-"))
@@ -370,7 +404,7 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
                 placements += sorted(s.standby_hosts.items())
             for stage, host in placements:
                 extra = ["--host-maddrs", net.maddr(host)]
-                if faults and host == s.stage_hosts[s.slow_stage]:
+                if faults and not kill_only and host == s.stage_hosts[s.slow_stage]:
                     extra += ["--fault-slowdown", str(s.slowdown)]
                 peers[host] = swarm.start_peer(stage, *extra, name=f"peer-{host}", prefix=net.exec_prefix(host))
             swarm.wait_online(list(peers.values()), timeout_s=180.0)
@@ -388,6 +422,8 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
                 str(s.batch_size // s.microbatch_size),
                 "--codec",
                 codec,
+                "--routing",
+                routing,
                 "--host-maddrs",
                 net.maddr(s.trainer_host),
                 "--report",
@@ -396,7 +432,8 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
             )
             meter = RunMeter(net, trainer.log_path, _step_marker(s.warmup, s.steps))
             if faults:
-                notes.append(f"peer of stage {s.slow_stage} ({s.stage_hosts[s.slow_stage]}) {s.slowdown:g}x slower")
+                if not kill_only:
+                    notes.append(f"peer of stage {s.slow_stage} ({s.stage_hosts[s.slow_stage]}) {s.slowdown:g}x slower")
                 marker = _step_marker(s.kill_at_step, s.steps)
                 if _wait_for_line(trainer.log_path, marker, trainer.popen, s.run_timeout_s):
                     peers[s.stage_hosts[s.kill_stage]].signal(signal.SIGKILL)
@@ -422,8 +459,8 @@ def run_swarm(net: EmulatedNetwork, s: Settings, workdir: str, *, codec: str, fa
     steps_done = report.get("steps", 0)
     step_seconds = [s.tokens_per_step / t for t in report.get("tokens_per_s_by_step", []) if t > 0]
     losses = report.get("losses", [])
-    if report.get("microbatches_lost"):
-        notes.append(f"{report['microbatches_lost']} microbatches lost")
+    if faults or report.get("microbatches_lost"):
+        notes.append(f"{report.get('microbatches_lost', 'unknown')} microbatches lost")
     if report.get("microbatches_retried"):
         notes.append(f"{report['microbatches_retried']} microbatches retried")
     result = RunResult(
@@ -467,8 +504,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
     _say(
-        "\nrun             steps  tokens/s  vs gpipe  link B/tok  payload B/tok  CPU s/1k tok  busiest link (busy)"
-        "         loss   notes"
+        "\nrun             steps  tokens/s  vs gpipe  link B/tok  trainer link B/tok  payload B/tok  CPU s/1k tok  "
+        "busiest link (busy)         loss   notes"
     )
     for r in results:
         ratio = (
@@ -477,7 +514,8 @@ def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
         busiest = f"{r.busiest_link} ({r.busiest_link_busy:.0%})" if r.busiest_link else "-"
         _say(
             f"{r.name:<15} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {_fmt(ratio, '>7.2f')}x "
-            f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
+            f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.trainer_link_bytes_per_token, '>18,.0f')}  "
+            f"{_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
             f"{_fmt(r.cpu_s_per_1k_tokens, '>12.2f')}  {busiest:<27} {_fmt(r.final_loss, '>5.3f')}  {'; '.join(r.notes)}"
         )
 
@@ -514,6 +552,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--probe-seconds", type=float, default=1.0)
     parser.add_argument("--run-timeout-s", type=float, default=420.0)
     parser.add_argument("--out", default="benchmarks/out/wan.json")
+    parser.add_argument("--kill-codec", default="int8", help="the codec of the direct-kill run")
     return parser.parse_args(argv)
 
 
@@ -552,8 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         kill_at_step=args.kill_at_step or args.steps // 2,
         run_timeout_s=args.run_timeout_s,
     )
-    if "faults" in runs and args.kill_stage not in standby:
-        print(f"wan: error: the faults run needs a host standby{args.kill_stage} in the topology", file=sys.stderr)
+    if ("faults" in runs or "direct-kill" in runs) and args.kill_stage not in standby:
+        print(f"wan: error: the kill runs need a host standby{args.kill_stage} in the topology", file=sys.stderr)
         return 2
     used = {"trainer", *stage_hosts, *standby.values()}
     topology = topology.with_hosts({h: r for h, r in topology.hosts.items() if h in used})
@@ -573,6 +612,14 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if run in ("gpipe", "gpipe-kill"):
                         results.append(run_gpipe(net, settings, workdir, kill=run == "gpipe-kill"))
+                    elif run.startswith("direct-"):
+                        kill = run == "direct-kill"
+                        codec = args.kill_codec if kill else run.removeprefix("direct-")
+                        results.append(
+                            run_swarm(
+                                net, settings, workdir, codec=codec, faults=kill, routing="direct", kill_only=kill
+                            )
+                        )
                     else:
                         results.append(
                             run_swarm(
@@ -582,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                 except LocalSwarmError as e:  # peers that never came online: record it, go on
                     results.append(
                         RunResult(
-                            name=f"swarm {run}",
+                            name=run.replace("-", " ") if run.startswith("direct-") else f"swarm {run}",
                             completed=False,
                             steps_done=0,
                             steps=settings.steps,

@@ -39,9 +39,18 @@ from collections.abc import Mapping
 from typing import Annotated, Literal, TypeVar
 
 import msgpack
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+)
 
-from wire.compression import TensorHeader
+from wire.compression import TensorHeader, known_codecs
 from wire.failures import ANSWERS, Failure
 
 RPC_FORWARD = "swarm.forward"
@@ -169,6 +178,19 @@ class ResponseHeader(BaseModel):
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
 
 
+def _codec_name(value: object) -> object:
+    if value not in known_codecs():
+        raise ValueError(f"unknown codec {value!r}; one of {', '.join(known_codecs())}")
+    return value
+
+
+def _codec_mode(value: object) -> object:
+    return value if value == ADAPTIVE else _codec_name(value)
+
+
+ADAPTIVE = "adaptive"  # a codec mode: each sender chooses per link
+CodecName = Annotated[str, AfterValidator(_codec_name)]
+CodecMode = Annotated[str, AfterValidator(_codec_mode)]
 PeerIdText = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID_CHARS)]
 Candidates = Annotated[list[PeerIdText], Field(min_length=1, max_length=MAX_CHAIN_CANDIDATES)]
 
@@ -196,6 +218,13 @@ class ChainRequest(BaseModel):
     trainer_id: PeerIdText
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
     forwarder_credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    # the run's codec, which every hop's sender applies (passed along the chain): a fixed codec, or
+    # "adaptive" (each sender chooses for its link, wire/compression/policy.py); top-k's fraction
+    codec: CodecMode = "none"
+    topk_fraction: float = Field(default=0.1, gt=0.0, le=1.0)
+    # how this peer encodes the 'grad_inputs' it answers: its caller's choice for their link
+    response_codec: CodecName = "none"
+    response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
 
 
 class ChainResponse(BaseModel):
@@ -214,6 +243,10 @@ class ChainResponse(BaseModel):
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
     failed_stage: int | None = Field(default=None, ge=0)
     failed_peers: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_CANDIDATES)
+    # seconds this peer computed (its forward and backward), and from the request's arrival to this
+    # answer (the stages after it included): what the caller subtracts to time its link
+    compute_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    handler_s: float = Field(default=0.0, ge=0.0, le=3600.0)
 
 
 class CommitRequest(BaseModel):

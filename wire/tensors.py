@@ -44,6 +44,15 @@ def check_decoded_bytes(headers: Iterable[TensorHeader], limit: int | None) -> N
         )
 
 
+def check_codec(codec: str, params: Mapping | None = None) -> None:
+    """Raise `ProtocolError` unless `codec` with `params` is a codec this side can encode with (a
+    codec a peer asked for, checked where its request enters, before any work is done)."""
+    try:
+        compression.get_codec(codec, **(params or {}))
+    except CodecError as e:
+        raise ProtocolError(str(e)) from None
+
+
 def encode_tensor(
     tensor: torch.Tensor,
     codec: str = "none",

@@ -9,6 +9,14 @@ and answers the loss, its `grad_inputs` (none on stage 0) and which peer served 
 stage runs the fused forward+backward that owns the loss. The route is the trainer's choice
 (swarm/trainer/chain_route.py): the handler only walks the candidates in order.
 
+Codecs per hop: the request carries the run's codec (`codec`, passed along) and the codec its
+caller wants the gradient in (`response_codec`). This peer encodes its outputs for the next replica
+and asks it for the gradient in what `HopCodecs` (peers/serving/hop_codecs.py, pure) chooses for
+that link, the run's fixed codec or the adaptive policy's choice from this peer's timing of its
+hops (each answer says how long the replica's handler took and how long it computed, so the link's
+share of the call is known). Top-k gradients keep their error-feedback residual here, with the
+sender, per caller. Integer tensors (tokens, targets) always travel as they are.
+
 Exactly once, and never applied twice. A replica accumulates one microbatch's gradients at most once
 per step: `StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids`) and answers
 a repeated backward without adding it again. A chain keeps the trainer's microbatch id on every hop
@@ -44,14 +52,16 @@ from dht.records import PeerState
 from models.stages import boundary_width
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
+from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
+from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
 from wire.bounded_streams import StreamLimits, iterate_bounded
-from wire.compression import EncodedTensor
+from wire.compression import CodecChoice, EncodedTensor
 from wire.failures import Failure
 from wire.messages import read_request, read_response, write_request, write_response
 from wire.protocol import MAX_CHAIN_STAGES, RPC_TRAIN_CHAIN, ChainRequest, ChainResponse, ProtocolError
 from wire.request_limits import InFlightBudgetError, RequestTooLargeError
-from wire.tensors import decoded_nbytes, encode_tensor
+from wire.tensors import check_codec, decoded_nbytes, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +91,8 @@ class ChainService:
         self.stages = stages
         self.credential = credential  # this peer's own run credential, shown to the next stage's peer
         self.p2p = None  # set when the host registers its RPCs
+        self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
+        self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
 
     async def rpc_train_chain(self, requests, context):
         stages, serving = self.stages, self.stages.serving
@@ -91,9 +103,11 @@ class ChainService:
         failed_as, samples = None, 0
         try:
             request = await read_request(requests, ChainRequest, max_decoded_bytes=stages.max_decoded_bytes)
+            arrived = time.perf_counter()
             header = request.header
             self._authorize(caller, header)
             self._check_route(header)
+            check_codec(header.response_codec, header.response_codec_params)
             runtime = serving.runtime
             outputs_nbytes = header.batch_size * runtime.config.seq_len * boundary_width(runtime.config) * 4
             if stages.decoded_budget is not None:  # held until answered: inputs, and outputs while waiting
@@ -106,13 +120,13 @@ class ChainService:
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
             tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
             if header.stage == header.num_stages - 1:
-                grad_inputs, loss = await self._on_compute(
+                (grad_inputs, loss), compute_s = await self._on_compute(
                     header,
                     lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
                 )
                 served_by, failed_over = [], []
             else:
-                outputs = await self._on_compute(
+                outputs, forward_s = await self._on_compute(
                     header, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
                 )
                 carried = encoded.get("inputs") if header.stage == 0 else encoded.get("tokens")
@@ -122,15 +136,24 @@ class ChainService:
                     encoded.get("targets"),
                     tokens=carried if runtime.config.subspace_rank > 0 else None,
                 )
-                grad_inputs, _ = await self._on_compute(
+                (grad_inputs, _), backward_s = await self._on_compute(
                     header,
                     lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
                 )
                 loss, served_by = answer.loss, list(answer.served_by)
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
+                compute_s = forward_s + backward_s
             samples = header.batch_size
-            outputs = [] if grad_inputs is None else [("grad_inputs", encode_tensor(grad_inputs, "none"))]
-            response = ChainResponse(loss=loss, served_by=[self.peer_id, *served_by], failed_over=failed_over)
+            outputs = (
+                [] if grad_inputs is None else [("grad_inputs", self._encode_gradient(grad_inputs, header, caller))]
+            )
+            response = ChainResponse(
+                loss=loss,
+                served_by=[self.peer_id, *served_by],
+                failed_over=failed_over,
+                compute_s=compute_s,
+                handler_s=time.perf_counter() - arrived,
+            )
             serving.requests_served += 1
         except ChainHopError as e:
             serving.requests_failed += 1
@@ -168,8 +191,14 @@ class ChainService:
                 samples=samples,
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
-        for message in write_response(response, outputs, stages.bytes):
-            yield message
+        messages = write_response(response, outputs, stages.bytes)
+        if outputs:  # a gradient back to the caller: in turn with the others on that link
+            messages = self.turns.in_turn(caller, messages)
+            async for message in messages:
+                yield message
+        else:
+            for message in messages:
+                yield message
 
     def refused(self, error, waited_s: float):
         """What a caller the admission guard refused is answered; counted as a failed request."""
@@ -212,8 +241,8 @@ class ChainService:
             )
 
     async def _on_compute(self, header: ChainRequest, compute):
-        """`compute(runtime)` on the compute thread, within the peer's request slots; WrongStageError
-        when the peer moved to another stage since the request arrived."""
+        """`compute(runtime)` on the compute thread, within the peer's request slots, and the seconds
+        it took there; WrongStageError when the peer moved to another stage since the request arrived."""
 
         def run():
             runtime: StageRuntime = self.stages.serving.runtime
@@ -222,8 +251,20 @@ class ChainService:
             return compute(runtime)
 
         async with self.stages.slots:
-            result, _, _ = await asyncio.get_running_loop().run_in_executor(self.stages.compute, timed, run)
-        return result
+            result, _, compute_s = await asyncio.get_running_loop().run_in_executor(self.stages.compute, timed, run)
+        return result, compute_s
+
+    def _encode_gradient(self, grad_inputs: torch.Tensor, header: ChainRequest, caller: str) -> EncodedTensor:
+        """'grad_inputs' in the codec the caller asked for; top-k keeps its residual here, the
+        gradient's sender, per caller (peers/serving/hop_codecs.py)."""
+        topk = header.response_codec == "topk"
+        return encode_tensor(
+            grad_inputs,
+            header.response_codec,
+            header.response_codec_params,
+            feedback=self.stages.serving.feedback if topk else None,
+            feedback_key=gradient_feedback_key(caller),
+        )
 
     async def _next_hop(
         self,
@@ -242,17 +283,16 @@ class ChainService:
             header.stage + 1,
             time.monotonic() + hop_timeout_s(header.timeout_s, header.stage, header.num_stages),
         )
-        sent = [("inputs", encode_tensor(outputs, "none"))]
-        if targets is not None:
-            sent.append(("targets", targets))
-        if tokens is not None:  # the token ids, which a subspace model's later stages need
-            sent.append(("tokens", tokens))
+        encodings: dict[tuple, EncodedTensor] = {}  # the outputs per codec choice, each made once
+        # what passes on as it came: the targets, and the token ids a subspace model's later stages need
+        carried = [(name, item) for name, item in (("targets", targets), ("tokens", tokens)) if item is not None]
         tried, reasons = [], []
         for peer_id in header.route[0]:
             timeout_s = deadline - time.monotonic()
             if timeout_s <= 0:
                 break
             tried.append(peer_id)
+            sent, response_codec = self._hop_tensors(header, peer_id, outputs, carried, encodings)
             request = ChainRequest(
                 model=header.model,
                 stage=next_stage,
@@ -264,7 +304,14 @@ class ChainService:
                 trainer_id=header.trainer_id,
                 credential=header.credential,
                 forwarder_credential=self.credential,
+                codec=header.codec,
+                topk_fraction=header.topk_fraction,
+                response_codec=response_codec.codec,
+                response_codec_params=response_codec.params,
             )
+            for _, item in sent:
+                self.stages.bytes.record_sent(item)
+            started = time.perf_counter()
             try:
                 answer = await asyncio.wait_for(self._call(peer_id, request, sent), timeout=timeout_s)
             except TimeoutError:
@@ -291,6 +338,15 @@ class ChainService:
             except (ProtocolError, BadRequestError) as e:
                 reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
                 continue
+            self.codecs.observe(
+                peer_id,
+                next_stage,
+                nbytes=sum(item.nbytes for _, item in sent) + sum(item.nbytes for item in answer.encoded().values()),
+                elapsed_s=time.perf_counter() - started,
+                handler_s=response.handler_s,
+                compute_s=response.compute_s,
+                batch_size=header.batch_size,
+            )
             return response, grad, tried[:-1]
         raise ChainHopError(
             next_stage,
@@ -298,13 +354,37 @@ class ChainService:
             f"stage {next_stage}: no candidate of the route answered ({'; '.join(reasons) or 'no time left'})",
         )
 
+    def _hop_tensors(
+        self,
+        header: ChainRequest,
+        peer_id: str,
+        outputs: torch.Tensor,
+        carried: list[tuple[str, EncodedTensor]],
+        encodings: dict[tuple, EncodedTensor],
+    ) -> tuple[list[tuple[str, EncodedTensor]], CodecChoice]:
+        """What goes to `peer_id`: the outputs in the codec chosen for that link (top-k activations
+        without error feedback, as under hub routing), the `carried` tensors as they came; and the
+        codec that replica answers the gradient with."""
+        stage, numel = header.stage + 1, outputs.numel()
+
+        def choose(is_gradient: bool) -> CodecChoice:
+            return self.codecs.choose(
+                header.codec, header.topk_fraction, peer_id, stage, numel, header.batch_size, is_gradient=is_gradient
+            )
+
+        choice = choose(False)
+        key = (choice.codec, tuple(sorted(choice.params.items())))
+        if key not in encodings:
+            encodings[key] = encode_tensor(outputs, choice.codec, choice.params)
+        return [("inputs", encodings[key]), *carried], choose(True)
+
     async def _call(self, peer_id: str, request: ChainRequest, tensors: list[tuple[str, EncodedTensor]]):
         limits = StreamLimits(read_timeout_s=request.timeout_s + 5.0)
         stream = await iterate_bounded(
             self.p2p,
             PeerID.from_base58(peer_id),
             RPC_TRAIN_CHAIN,
-            write_request(request, tensors),
+            self.turns.in_turn(peer_id, write_request(request, tensors)),
             runtime_pb2.ExpertResponse,
             limits,
         )

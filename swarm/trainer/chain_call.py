@@ -84,6 +84,8 @@ class ChainCaller:
                     route=route[1:],
                     timeout_s=timeout_s,
                     trainer_id=self._trainer_id(),
+                    codec=caller.codecs.mode,
+                    topk_fraction=caller.codecs.topk_fraction,
                 )
                 wrong = check_served_by(route, result.served_by)
                 if wrong is not None:

@@ -176,11 +176,14 @@ class StageClient:
         timeout_s: float,
         trainer_id: str,
         stage: int = 0,
+        codec: str = "none",
+        topk_fraction: float = 0.1,
     ) -> ChainResult:
         """Direct routing: one microbatch's training pass, sent to `peer_id` (a stage-0 replica), which
         passes it on stage to stage along `route` (candidates for stages 1..S-1; `stage`: another first
         stage, which a peer refuses from anyone but a peer of the stage before). Raises
-        ChainCallError on failure (which stage, which of its replicas were tried)."""
+        ChainCallError on failure (which stage, which of its replicas were tried). `codec`: the run's
+        codec (or "adaptive"), which each peer applies to the hop it sends."""
         request = write_request(
             ChainRequest(
                 model=self.model,
@@ -192,6 +195,8 @@ class StageClient:
                 timeout_s=float(timeout_s),
                 trainer_id=trainer_id,
                 credential=self.credential,
+                codec=codec,
+                topk_fraction=topk_fraction,
             ),
             tensors,
         )

@@ -84,7 +84,7 @@ class ScheduleSettings:
         "hub",
         help="how activations travel: hub (every stage's call goes from and back to the trainer) or direct "
         "(the trainer sends a microbatch to a stage-0 replica, each peer sends its outputs straight to a "
-        "replica of the next stage and the gradients come back the same way; codec none only)",
+        "replica of the next stage and the gradients come back the same way; each hop's sender applies --codec)",
         choices=ROUTINGS,
     )
     stop_timeout_s: float = option(
@@ -194,7 +194,5 @@ class TrainerConfig:
             raise ConfigError(str(e)) from None
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")
-        if self.schedule.routing == "direct" and self.compression.codec != "none":
-            raise ConfigError("--routing direct sends every hop uncompressed for now: use --codec none with it")
         if self.schedule.routing == "direct" and self.verification.verify_fraction:
             raise ConfigError("--routing direct has no spot checks yet: use --verify-fraction 0 with it")

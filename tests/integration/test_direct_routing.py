@@ -1,5 +1,6 @@
 """Direct routing (`swarm train --routing direct`) with real processes on loopback: a peer refuses a
-chained call for a stage it does not serve, and a replica of either stage killed mid-run loses nothing.
+chained call for a stage it does not serve, a replica of either stage killed mid-run loses nothing,
+and each hop's sender applies the run's codec.
 (One step's exact update against one process: tests/integration/test_correctness.py.)"""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
 from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
-from tests.integration.test_replicas import assert_same_params, run_trainer, stage_params
+from tests.integration.test_replicas import assert_same_params, run_trainer, scrape, stage_params
 from tests.integration.test_run_authority import CONFIG, Run
 from wire.failures import Failure
 from wire.tensors import encode_tensor
@@ -170,3 +171,56 @@ def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm,
     for name, value in a.items():
         if not name.startswith("blocks."):
             torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+
+
+def _payload(metrics: dict, direction: str) -> dict[str, tuple[float, float]]:
+    """A peer's tensor payload by codec: (bytes on the wire, bytes uncompressed)."""
+    out = {}
+    for (name, labels), value in metrics.items():
+        for kind, index in (
+            (f"swarm_peer_{direction}_bytes_total", 0),
+            (f"swarm_peer_{direction}_uncompressed_bytes_total", 1),
+        ):
+            if name == kind:
+                codec = dict(labels)["codec"]
+                pair = list(out.get(codec, (0.0, 0.0)))
+                pair[index] = value
+                out[codec] = tuple(pair)
+    return out
+
+
+def test_each_hop_is_sent_in_the_runs_codec_by_its_sender(make_swarm, tmp_path):
+    """int8, then top-k (gradients with error feedback kept by the replica that answers): the peers
+    send their activations and gradients to each other in the run's codec, int8 at about a quarter of
+    the float32 bytes, and the runs train without losing a microbatch."""
+    swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0), swarm.start_peer(1)]
+    swarm.wait_online(peers)
+    before = [scrape(peer) for peer in peers]
+    for codec, fraction in (("int8", None), ("topk", "0.2")):
+        extra = ["--topk-fraction", fraction] if fraction else []
+        report = run_trainer(
+            swarm, tmp_path, "--steps", "2", "--batch-size", "8", "--microbatch-size", "2", "--routing", "direct",
+            "--codec", codec, *extra,
+        )  # fmt: skip
+        assert report["completed"] and report["microbatches_lost"] == 0
+        assert all(0 < loss < 20 for loss in report["losses"]), report["losses"]
+        after = [scrape(peer) for peer in peers]
+        first_sent, last_sent = _payload(after[0], "sent"), _payload(after[1], "sent")
+        first_received = _payload(after[0], "received")
+        old = _payload(before[0], "sent"), _payload(before[1], "sent")
+        # stage 0 sent its activations (and passed the int targets on, uncompressed: 'none');
+        # stage 1 answered every gradient: both only in the run's codec
+        for sent, earlier in ((first_sent, old[0]), (last_sent, old[1])):
+            wire, raw = (sent[codec][i] - earlier.get(codec, (0, 0))[i] for i in (0, 1))
+            assert raw > 0, (codec, sent)
+            if codec == "int8":
+                # 1 byte a value of 4, and a codebook per part, which the tiny model's small tensors make count
+                assert 0.25 <= wire / raw < 0.45, (wire, raw)
+            else:
+                assert wire / raw < 0.2 * 6 / 4 + 0.05, (wire, raw)  # 20% of the values at 6 bytes each
+        assert set(last_sent) <= {"int8", "topk"}, last_sent  # the last stage sends nothing else
+        assert first_received[codec][0] > 0
+        before = after
+    stop_together(peers)

@@ -94,8 +94,9 @@ def test_served_by_must_fit_the_route():
 def test_direct_routing_refuses_what_it_does_not_do_yet_in_one_line():
     assert from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct"}).schedule.routing == "direct"
     assert from_sources(TrainerConfig, env={}).schedule.routing == "hub"
-    with pytest.raises(ConfigError, match="use --codec none"):
-        from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_CODEC": "int8"})
+    for codec in ("int8", "topk", "adaptive"):  # each hop's sender applies the codec
+        config = from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_CODEC": codec})
+        assert config.compression.codec == codec
     with pytest.raises(ConfigError, match="no spot checks"):
         from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_VERIFY_FRACTION": "0.1"})
 

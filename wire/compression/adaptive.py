@@ -3,7 +3,7 @@
 FusionLLM compresses with top-k only on slow links, harder the slower the link; its exact rules
 are not public. Ours, for one tensor of ``tensor_nbytes`` bytes crossing a link with estimated
 bandwidth ``B``, given a target time ``T`` for putting it on the wire (the caller derives it from
-the compute the receiving stage spends on the same microbatch, see ``swarm.trainer.codec_policy``):
+the compute the receiving stage spends on the same microbatch, see ``wire.compression.policy``):
 
 1. the serialization time ``bytes(c) / B`` of codec ``c`` is what the link costs. The link's
    latency is not in it: no codec shortens it;
