@@ -33,7 +33,7 @@ from models.config import get_model_config  # noqa: E402
 from models.gpt import language_model_loss  # noqa: E402
 from models.stages import StageModule, build_stage  # noqa: E402
 from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
-from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, open_data  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,8 +98,8 @@ def run_rank(args: argparse.Namespace) -> int:
         stage = PipelineStage(module, args.rank, args.world_size, torch.device("cpu"), input_args=(example,))
         schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=language_model_loss)
         optimizer = OptimizerSettings(target_batch_size=args.batch_size).build(module.parameters())
-        sampler = MicrobatchSampler(
-            load_corpus(args.data),
+        sampler = MicrobatchSampler(  # the training split, as the swarm's trainer draws from
+            open_data(args.data, say=lambda line: None).train,
             seq_len=config.seq_len,
             batch_size=args.batch_size,
             microbatch_size=args.microbatch_size,
