@@ -240,6 +240,13 @@ class ReplicaSettings:
         "peers/replicas/delayed_sync.py and benchmarks/RESULTS.md)",
         choices=[0, 1],
     )
+    weight_prediction: str = option(
+        "last-update",
+        help="with --sync-delay 1: last-update = each step computes on the parameters plus the last update "
+        "applied (a guess at the parameters the exact schedule would use; weight prediction, as PipeMare and "
+        "SpecTrain); none = on the parameters one update old as they are (benchmarks/RESULTS.md measures both)",
+        choices=["last-update", "none"],
+    )
     robust_averaging: str = option(
         "clip",
         help="how a replica averages the part of the all-reduce it reduces, in groups of 3 or more: clip "

@@ -152,8 +152,7 @@ class StageRuntime:
         self.settings = optimizer
         self.optimizer = optimizer.build(self.module.parameters(), device)
         self.schedule = optimizer.schedule()
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        self._set_trainable()
         self.samples_accumulated = 0
         self.steps_skipped = 0  # optimizer steps skipped for non-finite gradients
         self.steps_done = 0  # also the parameter version: cached graphs from older versions are stale
@@ -165,6 +164,11 @@ class StageRuntime:
         self.throughput = ThroughputMeter()
         self.cache_hits = self.cache_misses = 0
         self.auto_step = True  # False when replicas step together on the trainer's commit (sync averaging)
+        # Weight prediction (sync averaging one step late): training forwards and backwards run on
+        # the parameters plus the last update applied, a guess at where the exact schedule would be.
+        # The parameters themselves (what is stepped, saved, sent and averaged) stay the real ones.
+        self.predict_weights = False
+        self.last_update: list[torch.Tensor] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -234,7 +238,7 @@ class StageRuntime:
         inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
         leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
         with torch.enable_grad(), devices.autocast(self.device, self.precision):
-            outputs = self.module(leaf, targets, tokens=tokens)
+            outputs = self._train_forward(leaf, targets, tokens)
         self.cache[microbatch_id] = _CachedForward(
             leaf,
             outputs,
@@ -319,7 +323,7 @@ class StageRuntime:
             self.cache_misses += 1
             leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
             with torch.enable_grad(), devices.autocast(self.device, self.precision):
-                outputs = self.module(leaf, targets, tokens=tokens)
+                outputs = self._train_forward(leaf, targets, tokens)
         wants_input_grad = leaf.dtype != torch.int64
         grad_targets = ([leaf] if wants_input_grad else []) + self.params
         grads = self._scaled_grads(outputs, grad_targets, grad_outputs)
@@ -419,12 +423,15 @@ class StageRuntime:
                 f"({self.samples_accumulated} samples dropped; {self.steps_skipped} steps skipped so far)"
             )
         else:
+            before = [p.detach().clone() for p in self.params] if self.predict_weights else None
             for param, grad in zip(self.params, mean_gradients):
                 param.grad = grad.clone()
             for group in self.optimizer.param_groups:  # the schedule follows the run's step (steps_done)
                 group["lr"] = self.schedule.rate(self.steps_done)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if before is not None:
+                self.last_update = [p.detach() - old for p, old in zip(self.params, before)]
         for grad_sum in self.grad_sums:
             grad_sum.zero_()
         self.samples_accumulated = 0
@@ -441,10 +448,28 @@ class StageRuntime:
             return 0
         count = add_adapters(self.module, rank, seed=self.seed, first_layer=self.module.spec.first_layer)
         self.module.to(self.device)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self._set_trainable()
         self.optimizer = self.settings.build(self.params, self.device)
-        self.grad_sums = [torch.zeros_like(p) for p in self.params]
         return count
+
+    def _set_trainable(self) -> None:
+        """The parameters that are optimized (every one, or the adapters), their names and gradient sums."""
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self.param_names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        self.last_update = None
+
+    def _train_forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, tokens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The stage's forward for training: on the parameters, or with weight prediction on the
+        parameters plus the last update (differentiable in the parameters: the gradient is the same
+        function of them, evaluated at the predicted point)."""
+        if not self.predict_weights or self.last_update is None:
+            return self.module(inputs, targets, tokens=tokens)
+        predicted = {name: p + update for name, p, update in zip(self.param_names, self.params, self.last_update)}
+        return torch.func.functional_call(self.module, predicted, (inputs, targets), {"tokens": tokens})
 
     # --- state -----------------------------------------------------------------------------------
     def export_state(self, model_name: str) -> bytes:
@@ -481,6 +506,7 @@ class StageRuntime:
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{source} does not fit this stage: {e}") from None
         self.steps_done = meta.steps_done
+        self.last_update = None  # the update that led to the loaded state is not known here
 
     def measure_throughput(self, batch_size: int = 4, repeats: int = 2) -> float:
         """A short start-up benchmark (forward + backward on random data, no update)."""

@@ -164,29 +164,40 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
             torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
 
 
-def delayed_reference(config, kind: str, lr: float, steps: int, delay: int):
+def delayed_reference(config, kind: str, lr: float, steps: int, delay: int, predict: bool = False):
     """One process over `steps` batches with the update of step t applied `delay` steps late (after
     step t + delay's forward and backward; the last ones after training, as the trainer's flush does):
-    the losses by step and the final parameters."""
+    the losses by step and the final parameters. `predict`: weight prediction, every forward and
+    backward on the parameters plus the last update applied (the peers' --weight-prediction)."""
     sampler = MicrobatchSampler(
         open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
     )
     model = build_full_model(config)
-    optimizer = OptimizerSettings(optimizer=kind, lr=lr).build(model.parameters())
-    losses, waiting = [], []
+    params = list(model.parameters())
+    optimizer = OptimizerSettings(optimizer=kind, lr=lr).build(params)
+    losses, waiting, last_update = [], [], None
 
     def apply(gradients) -> None:
-        for param, gradient in zip(model.parameters(), gradients):
+        nonlocal last_update
+        before = [p.detach().clone() for p in params]
+        for param, gradient in zip(params, gradients):
             param.grad = gradient
         optimizer.step()
+        last_update = [p.detach() - old for p, old in zip(params, before)]
 
     for step in range(steps):
         microbatches = sampler.batch(step)
         model.zero_grad(set_to_none=True)
-        loss = model(torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.targets for mb in microbatches]))
+        inputs = torch.cat([mb.inputs for mb in microbatches])
+        targets = torch.cat([mb.targets for mb in microbatches])
+        if predict and last_update is not None:
+            predicted = {n: p + u for (n, p), u in zip(model.named_parameters(), last_update)}
+            loss = torch.func.functional_call(model, predicted, (inputs, targets))
+        else:
+            loss = model(inputs, targets)
         loss.backward()
         losses.append(loss.item())
-        waiting.append([p.grad.clone() for p in model.parameters()])
+        waiting.append([p.grad.clone() for p in params])
         while len(waiting) > delay:
             apply(waiting.pop(0))
     for gradients in waiting:
@@ -194,14 +205,19 @@ def delayed_reference(config, kind: str, lr: float, steps: int, delay: int):
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
-def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm, tmp_path):
+@pytest.mark.parametrize("prediction", ["last-update", "none"])
+def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm, tmp_path, prediction):
     """`--sync-delay 1`: step t+1 computes on the parameters after update t-1, on every replica
     (stage 0 has two that average, stage 1 one alone), and the trainer's flush applies the last
     update. The swarm then equals a one-process run that applies each step's gradient one step
-    late, and differs from the exact schedule."""
-    steps, config = 2, get_model_config("tiny")
+    late, and differs from the exact schedule. With weight prediction (the default), every step
+    from the third on computes on the parameters plus the last update, as the reference does."""
+    # prediction shows from the third step on (the first update is applied after the second step)
+    steps, config = (3 if prediction == "last-update" else 2), get_model_config("tiny")
     swarm = make_swarm(
-        num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--sync-delay", "1"]
+        num_stages=2,
+        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--sync-delay", "1"]
+        + ["--weight-prediction", prediction],
     )
     swarm.start_bootstrap()
     peers = [
@@ -212,10 +228,13 @@ def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm,
         swarm, tmp_path, "--steps", str(steps), "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
     )
     stop_together(peers)
-    losses, reference = delayed_reference(config, "sgd", 0.5, steps, delay=1)
+    losses, reference = delayed_reference(config, "sgd", 0.5, steps, delay=1, predict=prediction == "last-update")
     exact_losses, exact = delayed_reference(config, "sgd", 0.5, steps, delay=0)
-    assert report["losses"] == pytest.approx(losses, abs=1e-5)
+    assert report["losses"] == pytest.approx(losses, abs=1e-5), report
     assert abs(losses[1] - exact_losses[1]) > 1e-3  # the delay shows: this test tells the schedules apart
+    if prediction == "last-update":  # ... and with prediction from without it
+        unpredicted, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1)
+        assert abs(losses[2] - unpredicted[2]) > 1e-3
     assert report["sync_round_retries"] == 0 and report["microbatches_lost"] == 0, report
     for stage, folder in [(0, "a"), (0, "b"), (1, "c")]:
         meta, state, _ = load_checkpoint(checkpoint_path(str(tmp_path / folder), "tiny", stage, 2))

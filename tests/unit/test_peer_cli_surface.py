@@ -24,6 +24,9 @@ PEER_FLAGS = {
     "--averaging-period-s",
     "--averaging-timeout-s",
     "--sync-delay",
+    "--weight-prediction",  # added deliberately: weight prediction with --sync-delay 1 (issue #22)
+    "--subspace-rank",  # added deliberately: subspace compression at stage boundaries (issue #27)
+    "--subspace-kind",
     "--averaging-matchmaking-s",
     "--robust-averaging",  # added deliberately: robust reduction of the replicas' all-reduce (issue #25)
     "--bad-request-burst",
@@ -174,6 +177,9 @@ PEER_VARIABLES = {
     "SWARM_STARTUP_TIMEOUT_S",
     "SWARM_STATUS_FILE",
     "SWARM_SYNC_DELAY",
+    "SWARM_WEIGHT_PREDICTION",
+    "SWARM_SUBSPACE_RANK",
+    "SWARM_SUBSPACE_KIND",
     "SWARM_AVERAGING_MATCHMAKING_S",
     "SWARM_TARGET_BATCH_SIZE",
     "SWARM_USE_AUTO_RELAY",

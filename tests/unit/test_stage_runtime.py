@@ -169,3 +169,28 @@ def test_a_subspace_stage_needs_the_token_ids_and_a_cached_backward_reuses_them(
     cached.forward("b", x, tokens=tokens)
     cached.backward("b", x, grad_outputs=grad, tokens=other_tokens)
     assert cached.cache_misses == 1
+
+
+def test_weight_prediction_computes_on_the_parameters_plus_the_last_update_and_keeps_them_real():
+    config = get_model_config("tiny")
+    stage = StageRuntime(config, 0, 1, optimizer=OptimizerSettings(optimizer="sgd", lr=0.5, target_batch_size=2))
+    stage.auto_step, stage.predict_weights = False, True
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=g) for _ in range(3)]
+    taken = []
+    for i, batch in enumerate(batches[:2]):
+        stage.backward(f"mb{i}", batch[:, :-1], targets=batch[:, 1:])
+        taken.append(stage.take_accumulated()[0])
+    before = {n: p.detach().clone() for n, p in stage.module.named_parameters()}
+    stage.apply_gradients(taken[0])  # one step late: step 0's update after step 1's backward
+    after = {n: p.detach().clone() for n, p in stage.module.named_parameters()}
+    _, loss = stage.backward("mb2", batches[2][:, :-1], targets=batches[2][:, 1:])
+    reference = build_full_model(config)
+    with torch.no_grad():
+        predicted = {n: 2 * after[n] - before[n] for n in after}
+        expected = torch.func.functional_call(reference, predicted, (batches[2][:, :-1], batches[2][:, 1:]))
+        unpredicted = torch.func.functional_call(reference, after, (batches[2][:, :-1], batches[2][:, 1:]))
+    assert loss == pytest.approx(expected.item(), abs=1e-6)
+    assert abs(loss - unpredicted.item()) > 1e-4  # the prediction shows
+    for name, value in stage.module.named_parameters():  # what is stepped, saved and sent: the real ones
+        torch.testing.assert_close(value.detach(), after[name], atol=0, rtol=0)
