@@ -12,8 +12,10 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
   throughput reference (replicas drift apart, so its loss is not the point);
 * `2x2 sync exact`: `--averaging sync --sync-delay 0`, every commit waits for the all-reduce and step;
 * `2x2 sync delayed`: `--averaging sync --sync-delay 1`, the commit answers at once and the update is
-  applied at the next one (peers/replicas/delayed_sync.py).
-With `--repeats N` the three 2x2 runs are repeated N times, alternating, so that a change in the
+  applied at the next one (peers/replicas/delayed_sync.py), each step computing on the parameters
+  plus the last update (weight prediction, the default with the delay);
+* `2x2 sync delayed unpredicted`: the same with `--weight-prediction none`.
+With `--repeats N` the 2x2 runs are repeated N times, alternating, so that a change in the
 machine's load hits each.
 
 tokens/s: the trainer's step times (its steps only: no start-up, no final flush), as in
@@ -38,7 +40,8 @@ from benchmarks.report_file import write_report  # noqa: E402
 LAYOUTS = {
     "2x2 none": (2, "none", ()),
     "2x2 sync exact": (2, "sync", ("--sync-delay", "0")),
-    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1")),
+    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1")),  # with weight prediction, its default
+    "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none")),
 }
 
 
