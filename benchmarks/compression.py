@@ -44,7 +44,7 @@ from benchmarks.compression_in_process import RunSpec, parse_row, run_table, tab
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
-from swarm.trainer.codec_policy import CODEC_MODES  # noqa: E402
+from wire.compression.policy import CODEC_MODES  # noqa: E402
 
 INT8_MAX_LOSS_INCREASE = 0.02  # goal: int8's final loss within 2% of the uncompressed one
 INT8_MIN_BYTE_REDUCTION = 3.5  # ... with at least 3.5x fewer bytes

@@ -17,8 +17,8 @@ from swarm.export.config import ExportConfig
 from swarm.export.run import run_export
 from swarm.generate import GenerateConfig, generate_text
 from swarm.local_swarm import LocalSwarm
-from swarm.trainer.codec_policy import CODEC_MODES
 from swarm.trainer.data import open_data
+from wire.compression.policy import CODEC_MODES
 
 
 @dataclasses.dataclass(kw_only=True)

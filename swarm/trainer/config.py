@@ -8,7 +8,7 @@ Sections, one per component that reads them:
 - `schedule`: steps and microbatches (swarm/trainer/schedule.py);
 - `discovery`: how it finds the stages' replicas (swarm/trainer/discovery.py);
 - `failover`: how long it retries and waits for a failing stage (swarm/trainer/stage_call.py);
-- `compression`: the codec on the wire (swarm/trainer/codec_policy.py);
+- `compression`: the codec on the wire (wire/compression/policy.py);
 - `verification`: spot checks of replicas' answers (swarm/trainer/spot_checks.py);
 - `reporting`: the JSON report, progress lines and the Prometheus endpoint.
 Each section validates its own fields.
@@ -26,7 +26,7 @@ from models.model_source import resolve_model
 from models.subspace_options import SubspaceSettings
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
-from swarm.trainer.codec_policy import CODEC_MODES
+from wire.compression.policy import CODEC_MODES
 
 
 @dataclasses.dataclass(kw_only=True)

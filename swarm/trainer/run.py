@@ -29,7 +29,6 @@ from models.stages import boundary_width
 from process.lifetime import remove_stale_temporaries, stop_events_in_loop
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
-from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import (
     CompressionSettings,
     DiscoverySettings,
@@ -44,6 +43,7 @@ from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
 from swarm.trainer.stage_call import StageCaller
+from wire.compression.policy import CodecPolicy
 
 
 class ResumeError(RuntimeError):

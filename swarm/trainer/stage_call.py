@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.trainer.client import PeerCallError, StageClient
-from swarm.trainer.codec_policy import CodecPolicy
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.contributions import ContributionLedger
 from swarm.trainer.discovery import SwarmView
@@ -46,6 +45,7 @@ from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
 from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
+from wire.compression.policy import CodecPolicy
 from wire.failures import Failure
 from wire.protocol import ResponseHeader
 from wire.tensors import encode_tensor

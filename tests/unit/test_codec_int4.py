@@ -248,7 +248,7 @@ def test_a_huge_header_with_tiny_parts_is_rejected_before_allocating():
 
 def test_the_trainer_offers_int4_as_a_fixed_codec():
     """`--codec int4` (swarm train, swarm demo) takes its choices from the registry."""
-    from swarm.trainer.codec_policy import CODEC_MODES, CodecPolicy
+    from wire.compression.policy import CODEC_MODES, CodecPolicy
 
     assert CODEC_MODES.index("int8") < CODEC_MODES.index("int4") < CODEC_MODES.index("topk")
     choice = CodecPolicy("int4").choose("peer", 1, numel=4096, batch_size=2, is_gradient=True)

@@ -248,7 +248,7 @@ def test_a_failing_second_replica_leaves_the_call_unverified():
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_the_check_asks_for_the_first_answers_codec_and_judges_with_its_tolerance(codec):
-    from swarm.trainer.codec_policy import CodecPolicy
+    from wire.compression.policy import CodecPolicy
 
     client = ScriptedReplicas(liars={"peer-liar"})
     caller = make_caller(client, ["peer-a", "peer-b", "peer-liar"])
