@@ -17,7 +17,15 @@ class ModelFolderError(ValueError):
 
 
 def to_hf_config(config: GPTConfig, *, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
-    """The `config.json` transformers reads for `config` (untied head, float32 weights)."""
+    """The `config.json` transformers reads for `config` (untied head, float32 weights). A
+    subspace-compressed config is refused: transformers has no such layer (fold a fixed subspace
+    into plain weights first, models/subspace.py `fold_fixed_subspace`, and export rank 0)."""
+    if config.subspace_rank:
+        raise ModelFolderError(
+            f"{config.name}: a {config.subspace_kind} subspace (rank {config.subspace_rank}) has no transformers "
+            "layout; fold a fixed subspace into plain weights (models.subspace.fold_fixed_subspace) and export "
+            "subspace_rank=0"
+        )
     common = {
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": False,  # the head is a tensor of its own (see the module docstring)

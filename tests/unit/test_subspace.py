@@ -193,3 +193,12 @@ def test_subspace_options_enter_the_fingerprint():
         model_fingerprint(with_subspace(config, 8, "learned")),
     }
     assert len(prints) == 4
+
+
+def test_a_subspace_config_has_no_transformers_config():
+    from models.hf_config import ModelFolderError, to_hf_config
+
+    config = get_model_config("tiny")
+    assert to_hf_config(with_subspace(config, 0))["n_embd"] == config.d_model
+    with pytest.raises(ModelFolderError, match="fold_fixed_subspace"):
+        to_hf_config(with_subspace(config, 8, "fixed"))
