@@ -104,6 +104,9 @@ TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
 # Added deliberately (issue #23): activations stage to stage instead of through the trainer; hub by default.
 TRAIN_FLAGS_ADDED |= {"--routing"}
 TRAIN_DEFAULTS_ADDED |= {"routing": "hub"}
+# Added deliberately (issue #27): subspace compression at stage boundaries; off by default.
+TRAIN_FLAGS_ADDED |= {"--subspace-rank", "--subspace-kind"}
+TRAIN_DEFAULTS_ADDED |= {"subspace_rank": 0, "subspace_kind": "fixed"}
 
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {
