@@ -280,15 +280,21 @@ class FaultyStageRuntime:
         self._earlier[(rpc, shape)] = answer
         return earlier
 
-    def forward(self, microbatch_id: str, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets)
+    def forward(
+        self,
+        microbatch_id: str,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets, tokens)
         if not self._garbage_now():
             return outputs
         kind = self._settings.fault_garbage
         if kind == "replay":
             return self._replayed("forward", outputs, tuple(inputs.shape))
         if kind == "stale":
-            return self._stale(inputs, targets)[0]
+            return self._stale(inputs, targets, tokens=tokens)[0]
         return self._garbled(outputs)
 
     def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
@@ -303,19 +309,20 @@ class FaultyStageRuntime:
             if inputs is None:  # served from the activation cache, which the real forward filled: honest
                 return grad_inputs, loss
             _, stale_grad, stale_loss = self._stale(
-                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True
+                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True, tokens=kwargs.get("tokens")
             )
             return stale_grad, stale_loss
         return self._garbled(grad_inputs), self._garbled(loss)
 
-    def _stale(self, inputs, targets=None, grad_outputs=None, *, grad: bool = False):
+    def _stale(self, inputs, targets=None, grad_outputs=None, *, grad: bool = False, tokens=None):
         """(outputs, input gradient, loss) of the weights frozen at start-up, as the runtime would
         send them."""
         runtime = self._runtime
         inputs, targets = inputs.to(runtime.device), None if targets is None else targets.to(runtime.device)
+        tokens = None if tokens is None else tokens.to(runtime.device)
         leaf = inputs if inputs.dtype == torch.int64 or not grad else inputs.detach().requires_grad_(True)
         with torch.enable_grad() if grad else torch.no_grad():
-            outputs = self._frozen(leaf, targets)
+            outputs = self._frozen(leaf, targets, tokens=tokens)
             loss = float(outputs.detach()) if runtime.is_last else None
             input_grad = None
             if grad and leaf.requires_grad:

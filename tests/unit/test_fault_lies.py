@@ -2,6 +2,7 @@
 the right shape and finite values, but not what its weights compute (peers/compute/faults.py)."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -152,3 +153,31 @@ def test_fault_averaging_accepts_only_its_lies():
     assert not FaultSettings(fault_averaging="scale").enabled  # the stage runtime is not wrapped for it
     with pytest.raises(ConfigError, match="--fault-averaging"):
         FaultSettings(fault_averaging="negate")
+
+
+@pytest.mark.parametrize("kind", ["scale", "stale"])
+def test_a_lying_stage_of_a_subspace_model_takes_the_token_ids_as_the_runtime_does(kind):
+    """The peer's RPC handlers pass `tokens` to whatever runtime they hold: a faulty one must take
+    them (and lie), not fail every call (the spot checks would then never see it answer)."""
+
+    config = dataclasses.replace(CONFIG, subspace_rank=8)
+    optimizer = OptimizerSettings(target_batch_size=BATCH, optimizer="sgd", lr=0.5)
+    honest = StageRuntime(config, 1, 3, optimizer=optimizer)
+    liar = FaultyStageRuntime(StageRuntime(config, 1, 3, optimizer=optimizer), FaultSettings(fault_garbage=kind))
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(BATCH, config.seq_len, 8, generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, config.seq_len), generator=generator)
+    if kind == "stale":  # the frozen weights answer: the real ones must have moved first
+        train_one_step_with_tokens(liar, inputs, tokens)
+        train_one_step_with_tokens(honest, inputs, tokens)
+    told = liar.forward("mb", inputs, None, tokens)
+    truth = honest.forward("mb", inputs, None, tokens)
+    assert told.shape == truth.shape and torch.isfinite(told).all()
+    assert relative_distance(told, truth) > 1e-3
+    grad, _ = liar.backward("mb", inputs, grad_outputs=torch.ones_like(truth), tokens=tokens)
+    assert grad is not None and grad.shape == inputs.shape
+
+
+def train_one_step_with_tokens(runtime, inputs: torch.Tensor, tokens: torch.Tensor) -> None:
+    outputs = runtime.forward("train", inputs, tokens=tokens)
+    runtime.backward("train", inputs, grad_outputs=torch.ones_like(outputs), tokens=tokens)
