@@ -13,7 +13,7 @@ COMPUTE_CPU_S = 0.02
 class _CpuBoundRuntime:
     """Stands in for a StageRuntime: every forward uses COMPUTE_CPU_S of this thread's CPU."""
 
-    def forward(self, microbatch_id, inputs, targets=None):
+    def forward(self, microbatch_id, inputs, targets=None, tokens=None):
         burn_cpu(COMPUTE_CPU_S)
         return inputs
 
@@ -49,7 +49,7 @@ def test_device_slowdown_does_not_multiply_time_spent_off_the_cpu():
     slowed further, where `sleep` triples the whole of it."""
 
     class _WaitingRuntime:
-        def forward(self, microbatch_id, inputs, targets=None):
+        def forward(self, microbatch_id, inputs, targets=None, tokens=None):
             started = time.perf_counter()
             burn_cpu(0.005)
             time.sleep(0.06)
