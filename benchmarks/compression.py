@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.compression_in_process import RunSpec, parse_row, run_table, table_lines  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
+from peers.compute.lr_schedule import DECAYS  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
 from wire.compression.policy import CODEC_MODES  # noqa: E402
 
@@ -161,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     in_process.add_argument("--tokens", type=int, default=2_000_000, help="training tokens per codec")
     in_process.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
     in_process.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of every stage")
+    in_process.add_argument(
+        "--lr-warmup-steps", type=int, default=0, help="linear learning-rate warmup steps, as the peers' --warmup-steps"
+    )
+    in_process.add_argument(
+        "--lr-decay",
+        default="constant",
+        choices=DECAYS,
+        help="after the warmup: constant, or a decay to a tenth of --lr over the remaining steps (the demo: cosine)",
+    )
+    in_process.add_argument("--progress-every", type=int, default=0, help="print the training loss every N steps")
     in_process.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     in_process.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -249,8 +260,11 @@ def main_in_process(args: argparse.Namespace, argv: list[str] | None) -> int:
         batch_size=args.batch_size,
         microbatch_size=args.microbatch_size,
         lr=args.lr,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay=args.lr_decay,
         seed=args.seed,
         eval_batches=args.eval_batches,
+        progress_every=args.progress_every,
         device=args.device,
     )
     if args.threads:

@@ -36,6 +36,7 @@ import torch
 
 from models.config import SUBSPACE_KINDS, get_model_config, with_subspace
 from models.stages import build_stage
+from peers.compute.lr_schedule import LearningRateSchedule
 from swarm.trainer.data import Microbatch, MicrobatchSampler, ValidationBatches, open_data
 from wire.compression import ErrorFeedback
 from wire.tensors import decode_tensors, encode_tensor
@@ -53,9 +54,12 @@ class RunSpec:
     batch_size: int = 32
     microbatch_size: int = 4
     lr: float = 1e-3
+    lr_warmup_steps: int = 0  # the peers' schedule (peers/compute/lr_schedule.py): linear warmup,
+    lr_decay: str = "constant"  # then constant or a cosine/linear decay to a tenth of lr over the rest
     seed: int = 0
     eval_batches: int = 8
     device: str = "cpu"
+    progress_every: int = 0  # print the mean training loss every N steps (0: only the row's line)
 
     @property
     def tokens_per_step(self) -> int:
@@ -64,6 +68,14 @@ class RunSpec:
     @property
     def steps(self) -> int:
         return max(1, math.ceil(self.tokens / self.tokens_per_step))
+
+    @property
+    def schedule(self) -> LearningRateSchedule:
+        """The rate at each step, as the peers apply it with --warmup-steps/--lr-decay."""
+        decay_steps = 0 if self.lr_decay == "constant" else max(self.steps - self.lr_warmup_steps, 1)
+        return LearningRateSchedule(
+            lr=self.lr, warmup_steps=self.lr_warmup_steps, decay=self.lr_decay, decay_steps=decay_steps
+        )
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,7 @@ def _forward(stages, mb: Microbatch, codec: str, params: dict, counter: WireCoun
     return stages[-1](x, mb.targets.to(device), tokens=tokens), links
 
 
-def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data) -> dict:
+def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data, say=print) -> dict:
     """Train a fresh split model with the row's codec on every boundary (and its subspace, if
     any); the row of the table. `codec` is a codec name (with `params`) or a `Row`."""
     row = codec if isinstance(codec, Row) else Row(codec=codec, params=dict(params or {}))
@@ -161,9 +173,12 @@ def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data) -> dic
         what="the training split",
     )
     counter, losses, started = WireCounter(), [], time.monotonic()
+    schedule = spec.schedule
     for step in range(spec.steps):
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
+            for group in optimizer.param_groups:
+                group["lr"] = schedule.rate(step)
         step_loss = 0.0
         for mb in sampler.batch(step):
             loss, links = _forward(stages, mb, codec, params, counter, device)
@@ -176,6 +191,12 @@ def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data) -> dic
         for optimizer in optimizers:
             optimizer.step()
         losses.append(step_loss)
+        if spec.progress_every and (step + 1) % spec.progress_every == 0:
+            recent = losses[-spec.progress_every :]
+            say(
+                f"  {row.label}: step {step + 1}/{spec.steps}, train loss {sum(recent) / len(recent):.4f}, "
+                f"{time.monotonic() - started:.0f} s"
+            )
     train_s = time.monotonic() - started
     for stage in stages:
         stage.eval()
@@ -234,7 +255,9 @@ def run_table(spec: RunSpec, codecs: list[tuple[str, dict] | Row], say=print) ->
     )
     rows = []
     for entry in codecs:
-        row = train_row(spec, entry if isinstance(entry, Row) else Row(codec=entry[0], params=entry[1]), None, data)
+        row = train_row(
+            spec, entry if isinstance(entry, Row) else Row(codec=entry[0], params=entry[1]), None, data, say=say
+        )
         rows.append(row)
         say(
             f"{row['label']:<16} act {row['activation_bytes_per_token']:>8,.1f} B/token  ids "
@@ -254,6 +277,8 @@ def run_table(spec: RunSpec, codecs: list[tuple[str, dict] | Row], say=print) ->
         "batch_size": spec.batch_size,
         "microbatch_size": spec.microbatch_size,
         "lr": spec.lr,
+        "lr_warmup_steps": spec.lr_warmup_steps,
+        "lr_decay": spec.lr_decay,
         "seed": spec.seed,
         "eval_batches": spec.eval_batches,
         "device": spec.device,

@@ -80,3 +80,14 @@ def test_subspace_rows_send_k_coefficients_and_the_token_ids(tmp_path):
         assert row["token_id_bytes_per_token"] == 1 * 2
         assert row["bytes_per_token"] == 2 * rank * 4 * 2 + 2
     assert rows["fp32"]["token_id_bytes_per_token"] == 0
+
+
+def test_rows_follow_the_peers_learning_rate_schedule():
+    from benchmarks.compression_in_process import RunSpec
+
+    spec = RunSpec(model="tiny", tokens=100 * 8 * 32, batch_size=8, lr=1e-3, lr_warmup_steps=10, lr_decay="cosine")
+    schedule = spec.schedule
+    assert spec.steps == 100 and schedule.decay_steps == 90
+    assert schedule.rate(0) == pytest.approx(1e-4) and schedule.rate(9) == pytest.approx(1e-3)
+    assert schedule.rate(99) == pytest.approx(1e-4, rel=0.01)  # a tenth of lr at the end, as the demo's
+    assert RunSpec(model="tiny").schedule.rate(0) == RunSpec(model="tiny").lr  # constant unless asked
