@@ -74,22 +74,32 @@ class ByteCounterCollector(Collector):
 class _CallbackCounters(Collector):
     """Counters whose totals live elsewhere (the stage runtime) and are read at scrape time."""
 
-    def __init__(self, read: Callable[[], tuple[int, int, int]]):
+    def __init__(self, read: Callable[[], tuple[int, int, int, int, int]]):
         self.read = read
 
-    def _families(self, values: tuple[int, int, int] | None) -> list[CounterMetricFamily]:
+    def _families(self, values: tuple[int, int, int, int, int] | None) -> list[CounterMetricFamily]:
         steps = CounterMetricFamily("swarm_peer_optimizer_steps", "Optimizer steps this peer applied to its stage")
         cache = CounterMetricFamily(
             "swarm_peer_activation_cache_lookups",
             "Backward requests that found their forward activations cached (hit) or recomputed them (miss)",
             labels=["result"],
         )
+        trained = CounterMetricFamily(
+            "swarm_peer_samples_accumulated", "Samples whose gradients this peer added to its stage's step"
+        )
+        repeats = CounterMetricFamily(
+            "swarm_peer_backward_repeats",
+            "Backwards of a microbatch already counted in the step (a retry after a lost answer): "
+            "answered, their gradients not added again",
+        )
         if values is not None:
-            steps_done, hits, misses = values
+            steps_done, hits, misses, samples_trained, backward_repeats = values
             steps.add_metric([], steps_done)
             cache.add_metric(["hit"], hits)
             cache.add_metric(["miss"], misses)
-        return [steps, cache]
+            trained.add_metric([], samples_trained)
+            repeats.add_metric([], backward_repeats)
+        return [steps, cache, trained, repeats]
 
     def collect(self) -> Iterable[CounterMetricFamily]:
         return self._families(self.read())
@@ -203,7 +213,7 @@ class PeerMetrics:
         *,
         in_flight: Callable[[], float],
         throughput: Callable[[], float],
-        runtime_counts: Callable[[], tuple[int, int, int]],
+        runtime_counts: Callable[[], tuple[int, int, int, int, int]],
     ) -> None:
         """Read these at scrape time: requests in flight, announced throughput, and
         (optimizer steps, activation cache hits, misses)."""

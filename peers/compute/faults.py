@@ -4,12 +4,15 @@ fails a fraction of its calls, or returns garbage while computing correctly insi
 only a spot check can catch: outputs scaled by 1 + `--fault-garbage-size`, outputs plus noise of that
 relative size, an earlier answer of the same shape replayed, or answers computed from the weights
 frozen at start-up while the real ones train. A replica can also lie to its groupmates in the
-averaging all-reduce (`--fault-averaging`): its contribution multiplied by 10 or negated. Only built
-when a `--fault-*` flag is set, so the normal code path never branches on it."""
+averaging all-reduce (`--fault-averaging`): its contribution multiplied by 10 or negated. And a peer
+can hold one call mid-hop (`--fault-hold forward|backward`): it has received the hop's tensors and
+does not answer, logging that it holds them, so a test can SIGKILL it at exactly that moment. Only
+built when a `--fault-*` flag is set, so the normal code path never branches on it."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -40,6 +43,13 @@ AVERAGING_LIES = {"none": 1.0, "scale": 10.0, "flip": -1.0}
 #   multiplied (with `sleep`, the same static swarm ran at 322 and 431 tok/s four minutes apart on the
 #   shared machine, and a layout with more peers computing at once paid for their contention `slowdown` times).
 SLOWDOWN_MODES = ("sleep", "busy", "device")
+# --fault-hold: where a call is held without an answer. forward: the inputs of a forward hop have
+# arrived (a forward call, or the last stage's fused forward+backward, which answers the forward hop);
+# backward: the gradient of a backward hop has arrived (a backward call on a stage before the last).
+HOLD_POINTS = ("none", "forward", "backward")
+HOLD_MESSAGE = "holding microbatch {microbatch_id} in its {point} (injected by --fault-hold)"
+
+logger = logging.getLogger(__name__)
 
 
 def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator | None = None):
@@ -116,6 +126,15 @@ class FaultSettings:
         "stays as an honest one's",
         choices=list(AVERAGING_LIES),
     )
+    fault_hold: str = option(
+        "none",
+        help="testing only: hold one call mid-hop without answering, for --fault-hold-s, and log it (forward: "
+        "with a forward hop's inputs received; backward: with a backward hop's gradient received), after "
+        "--fault-hold-after such calls were answered; a test kills the peer then",
+        choices=list(HOLD_POINTS),
+    )
+    fault_hold_after: int = option(0, help="testing only: --fault-hold's calls answered before the one held")
+    fault_hold_s: float = option(300.0, help="testing only: how long --fault-hold holds its call")
 
     @property
     def enabled(self) -> bool:
@@ -125,6 +144,7 @@ class FaultSettings:
             or self.fault_garbage != "none"
             or self.fault_claim_speedup != 1.0
             or self.fault_wrong_stage
+            or self.fault_hold != "none"
         )
 
     def __post_init__(self) -> None:
@@ -142,6 +162,10 @@ class FaultSettings:
             raise ConfigError("--fault-garbage-size must be a finite number >= 0")
         if self.fault_averaging not in AVERAGING_LIES:
             raise ConfigError(f"--fault-averaging must be one of {', '.join(AVERAGING_LIES)}")
+        if self.fault_hold not in HOLD_POINTS or self.fault_hold_after < 0 or not self.fault_hold_s >= 0:
+            raise ConfigError(
+                f"--fault-hold must be one of {', '.join(HOLD_POINTS)}, --fault-hold-after and --fault-hold-s >= 0"
+            )
 
 
 class RoundMissingSync(GradientSync):
@@ -229,6 +253,7 @@ class FaultyStageRuntime:
         self._frozen = (
             copy.deepcopy(runtime.module).requires_grad_(False) if settings.fault_garbage == "stale" else None
         )
+        self._hold_calls = 0  # calls at --fault-hold's point so far (one is held, once)
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -266,6 +291,16 @@ class FaultyStageRuntime:
             time.sleep(extra * elapsed_s)
         return result
 
+    def _hold_if_due(self, point: str, microbatch_id: str) -> None:
+        """At --fault-hold's point, after --fault-hold-after calls: say so, then hold this call (the
+        compute thread) for --fault-hold-s without answering."""
+        if self._settings.fault_hold != point:
+            return
+        self._hold_calls += 1
+        if self._hold_calls == self._settings.fault_hold_after + 1:
+            logger.warning(HOLD_MESSAGE.format(microbatch_id=microbatch_id, point=point))
+            time.sleep(self._settings.fault_hold_s)
+
     def _garbage_now(self) -> bool:
         return self._settings.fault_garbage != "none" and self._rng.random() < self._settings.fault_garbage_rate
 
@@ -287,6 +322,7 @@ class FaultyStageRuntime:
         targets: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        self._hold_if_due("forward", microbatch_id)
         outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets, tokens)
         if not self._garbage_now():
             return outputs
@@ -298,6 +334,7 @@ class FaultyStageRuntime:
         return self._garbled(outputs)
 
     def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
+        self._hold_if_due("forward" if self._runtime.is_last else "backward", microbatch_id)
         grad_inputs, loss = self._run(self._runtime.backward, microbatch_id, inputs, **kwargs)
         if not self._garbage_now():
             return grad_inputs, loss

@@ -26,6 +26,10 @@ from process.config import ConfigError, option
 
 logger = logging.getLogger(__name__)
 
+# Microbatch ids remembered from earlier steps, so that a late retry is never counted again: far more
+# than the microbatches of the few steps a lost answer can be late by (a step of the demo has 8-16).
+COUNTED_IDS_KEPT = 4096
+
 
 class BadRequestError(ValueError):
     """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
@@ -161,8 +165,15 @@ class StageRuntime:
         self.cache_size = activation_cache_size
         self.cache_budget_bytes = cache_budget_bytes  # None: bounded by entries only
         self.accumulated_ids: set[str] = set()  # microbatches already counted in the current step
+        # ...and in the steps before, as far back as COUNTED_IDS_KEPT ids: a retry that arrives after
+        # the step it was counted in (its first answer was lost, then this peer stepped) is not added
+        # to a later step either. Microbatch ids are unique in a run (trainer nonce, step, index).
+        self.counted_earlier: OrderedDict[str, None] = OrderedDict()
         self.throughput = ThroughputMeter()
         self.cache_hits = self.cache_misses = 0
+        # Since start-up: samples whose gradients were added, and backwards answered but not added
+        # again (a microbatch retried after its first answer was lost: a hop's failover, a re-drive).
+        self.samples_trained = self.backward_repeats = 0
         self.auto_step = True  # False when replicas step together on the trainer's commit (sync averaging)
         # Weight prediction (sync averaging one step late): training forwards and backwards run on
         # the parameters plus the last update applied, a guess at where the exact schedule would be.
@@ -328,12 +339,15 @@ class StageRuntime:
         grad_targets = ([leaf] if wants_input_grad else []) + self.params
         grads = self._scaled_grads(outputs, grad_targets, grad_outputs)
         input_grad = self._to_wire(grads[0]) if wants_input_grad else None
-        if microbatch_id not in self.accumulated_ids:  # a retried backward is answered but not counted twice
-            self.accumulated_ids.add(microbatch_id)
+        if microbatch_id not in self.accumulated_ids and microbatch_id not in self.counted_earlier:
+            self.accumulated_ids.add(microbatch_id)  # a retried backward is answered, never counted twice
             for grad_sum, grad in zip(self.grad_sums, grads[len(grad_targets) - len(self.params) :]):
                 if grad is not None:
                     grad_sum.add_(grad, alpha=batch_size)
             self.samples_accumulated += batch_size
+            self.samples_trained += batch_size
+        else:
+            self.backward_repeats += 1
         loss = float(outputs.detach()) if self.is_last else None
         self.throughput.observe(batch_size, time.perf_counter() - start)
         if self.auto_step and self.samples_accumulated >= self.settings.target_batch_size:
@@ -370,6 +384,15 @@ class StageRuntime:
         then picks the wire format)."""
         return tensor.detach().to("cpu", torch.float32)
 
+    def _close_accumulation(self) -> None:
+        """The step's microbatches are counted (applied, handed to a round, or dropped because the
+        replicas' update holds them): remember their ids among the earlier ones, start afresh."""
+        for microbatch_id in self.accumulated_ids:
+            self.counted_earlier[microbatch_id] = None
+        while len(self.counted_earlier) > COUNTED_IDS_KEPT:
+            self.counted_earlier.popitem(last=False)
+        self.accumulated_ids.clear()
+
     def step(self) -> None:
         """Apply the mean of the locally accumulated gradients."""
         n = max(self.samples_accumulated, 1)
@@ -378,7 +401,7 @@ class StageRuntime:
     def count_empty_step(self) -> None:
         """A step in which this replica saw no sample while its replicas stepped on theirs (periodic
         averaging by steps): the parameters stay, the step count advances with the others'."""
-        self.accumulated_ids.clear()
+        self._close_accumulation()
         self.cache.clear()
         self.steps_done += 1
 
@@ -388,7 +411,7 @@ class StageRuntime:
         for grad_sum in self.grad_sums:
             grad_sum.zero_()
         self.samples_accumulated = 0
-        self.accumulated_ids.clear()
+        self._close_accumulation()
         self.cache.clear()
 
     def local_mean_gradients(self) -> list[torch.Tensor]:
@@ -402,7 +425,7 @@ class StageRuntime:
         for grad_sum in self.grad_sums:
             grad_sum.zero_()
         self.samples_accumulated = 0
-        self.accumulated_ids.clear()
+        self._close_accumulation()
         return taken
 
     def add_accumulated(self, mean_gradients: list[torch.Tensor], samples: int) -> None:
@@ -435,7 +458,7 @@ class StageRuntime:
         for grad_sum in self.grad_sums:
             grad_sum.zero_()
         self.samples_accumulated = 0
-        self.accumulated_ids.clear()
+        self._close_accumulation()
         self.cache.clear()
         self.steps_done += 1
 

@@ -17,9 +17,11 @@ hops (each answer says how long the replica's handler took and how long it compu
 share of the call is known). Top-k gradients keep their error-feedback residual here, with the
 sender, per caller. Integer tensors (tokens, targets) always travel as they are.
 
-Exactly once, and never applied twice. A replica accumulates one microbatch's gradients at most once
-per step: `StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids`) and answers
-a repeated backward without adding it again. A chain keeps the trainer's microbatch id on every hop
+Exactly once, and never applied twice. A replica accumulates one microbatch's gradients at most once:
+`StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids` in this step,
+`counted_earlier` for the steps before, bounded) and answers a repeated backward without adding it
+again, also when the repeat arrives after the replica stepped (tests/integration/test_direct_routing.py
+kills a replica holding a microbatch mid-hop, forward and backward). A chain keeps the trainer's microbatch id on every hop
 and on every attempt (a hop's failover and the trainer's re-drive alike), so a replica that already
 ran the backward of a microbatch whose answer was then lost (the peer above it died, a timeout)
 answers the repeat without counting it twice. What a replica cannot know is that another replica

@@ -200,6 +200,8 @@ class PeerHost:
                 serving.runtime.steps_done,
                 serving.runtime.cache_hits,
                 serving.runtime.cache_misses,
+                serving.runtime.samples_trained,
+                serving.runtime.backward_repeats,
             ),
         )
         metrics.count_bytes(byte_counter.snapshot)

@@ -1,6 +1,7 @@
 """Direct routing (`swarm train --routing direct`) with real processes on loopback: a peer refuses a
-chained call for a stage it does not serve, a replica of either stage killed mid-run loses nothing,
-and each hop's sender applies the run's codec.
+chained call for a stage it does not serve, a stage-0 replica killed mid-run loses nothing, a
+replica killed while it holds a microbatch mid-hop (forward or backward) loses nothing and no
+gradient is added twice, and each hop's sender applies the run's codec.
 (One step's exact update against one process: tests/integration/test_correctness.py.)"""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
 from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
-from tests.integration.test_replicas import assert_same_params, run_trainer, scrape, stage_params
+from tests.integration.test_replicas import assert_same_params, averaging_sample, run_trainer, scrape, stage_params
 from tests.integration.test_run_authority import CONFIG, Run
 from wire.failures import Failure
 from wire.tensors import encode_tensor
@@ -70,10 +71,8 @@ def test_a_peer_refuses_a_chained_call_for_a_stage_it_does_not_serve(make_swarm)
     assert peer.alive
 
 
-# A stage-1 replica dies: the stage-0 peer that called it fails over to the route's alternate. A
-# stage-0 replica dies: the trainer drives its microbatches again, from the start, on a new route.
-@pytest.mark.parametrize("victim_stage", [1, 0])
-def test_sigkill_of_a_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path, victim_stage):
+# A stage-0 replica dies mid-run: the trainer drives its microbatches again, from the start, on a new route.
+def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path):
     # As tests/integration/test_failover.py's hub version: routing failover, not averaging.
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
     swarm.start_bootstrap()
@@ -86,7 +85,7 @@ def test_sigkill_of_a_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
     )
     wait_for(lambda: trainer_step(trainer) >= 4, 120, "the trainer to reach step 4")
-    peers[2 if victim_stage == 1 else 0].signal(signal.SIGKILL)
+    peers[0].signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
     assert report["completed"] and report["steps"] == steps
@@ -94,6 +93,42 @@ def test_sigkill_of_a_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_
     assert report["microbatches_lost"] == 0
     assert report["microbatches_retried"] > 0, "the kill should have forced a failover"
     assert report["backward_inputs_skipped"] == 0  # no call went through the trainer: every one was chained
+
+
+# A stage-1 replica of three stages is SIGKILLed at the moment it holds a microbatch (--fault-hold):
+# forward, with the stage-0 peer's activations received and not yet answered; backward, with the
+# stage-2 peer's gradient received, after stage 2 already added that microbatch's gradients. Stage 0
+# fails over to the other stage-1 replica, which sends the microbatch to stage 2 again: stage 2
+# answers it and, in the backward case, must not add it twice.
+@pytest.mark.parametrize("hold", ["forward", "backward"])
+def test_sigkill_of_a_replica_holding_a_microbatch_mid_hop_loses_nothing_and_adds_nothing_twice(
+    make_swarm, tmp_path, hold
+):
+    swarm = make_swarm(num_stages=3, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
+    swarm.start_bootstrap()
+    victim = swarm.start_peer(1, "--fault-hold", hold, "--fault-hold-after", "3")
+    first, other, last = swarm.start_peer(0), swarm.start_peer(1), swarm.start_peer(2)
+    swarm.wait_online([first, victim, other, last])
+    report_path = tmp_path / "report.json"
+    steps = 8
+    trainer = swarm.start_trainer(
+        *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "3"),
+        *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
+    )
+    wait_for(lambda: "injected by --fault-hold" in victim.log(), 180, f"the victim to hold a microbatch in {hold}")
+    victim.signal(signal.SIGKILL)
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["completed"] and report["steps"] == steps
+    assert report["microbatches_sent"] == steps * 4 and report["microbatches_lost"] == 0
+    assert report["microbatches_retried"] > 0, "the held microbatch should have failed over"
+    # The only replica of stages 0 and 2 added every sample of the run exactly once.
+    for peer in (first, last):
+        metrics = scrape(peer)
+        assert averaging_sample(metrics, "swarm_peer_samples_accumulated_total") == steps * 8, peer.name
+    if hold == "backward":  # stage 2 saw the held microbatch again, and answered without adding it
+        assert averaging_sample(scrape(last), "swarm_peer_backward_repeats_total") >= 1
+    stop_together([first, other, last])
 
 
 def test_a_run_with_an_authority_trains_through_chains_and_refuses_a_chain_from_an_outsider(make_swarm, tmp_path):

@@ -99,7 +99,9 @@ def test_peer_values_owned_elsewhere_are_read_at_scrape_time():
     m = PeerMetrics()
     state = {"in_flight": 0, "steps": 0}
     m.watch(
-        in_flight=lambda: state["in_flight"], throughput=lambda: 123.5, runtime_counts=lambda: (state["steps"], 7, 2)
+        in_flight=lambda: state["in_flight"],
+        throughput=lambda: 123.5,
+        runtime_counts=lambda: (state["steps"], 7, 2, 40, 1),
     )
     state.update(in_flight=3, steps=5)
     r = m.registry
@@ -108,6 +110,8 @@ def test_peer_values_owned_elsewhere_are_read_at_scrape_time():
     assert sample(r, "swarm_peer_optimizer_steps_total") == 5
     assert sample(r, "swarm_peer_activation_cache_lookups_total", result="hit") == 7
     assert sample(r, "swarm_peer_activation_cache_lookups_total", result="miss") == 2
+    assert sample(r, "swarm_peer_samples_accumulated_total") == 40
+    assert sample(r, "swarm_peer_backward_repeats_total") == 1
 
 
 def test_bytes_by_codec_come_from_the_byte_counter():

@@ -23,7 +23,7 @@ BUILTIN_SERIES = {"up"}  # written by Prometheus itself for every target
 def exported_series_names() -> set[str]:
     """Every series name the peer and the trainer can expose, by metric type."""
     peer, trainer = PeerMetrics(), TrainerMetrics()
-    peer.watch(in_flight=lambda: 0, throughput=lambda: 0.0, runtime_counts=lambda: (0, 0, 0))
+    peer.watch(in_flight=lambda: 0, throughput=lambda: 0.0, runtime_counts=lambda: (0, 0, 0, 0, 0))
     peer.count_bytes(ByteCounter().snapshot)
     trainer.count_bytes(ByteCounter().snapshot)
     names = set()

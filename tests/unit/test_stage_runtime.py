@@ -67,6 +67,7 @@ def test_activation_cache_is_used_and_retries_are_not_double_counted():
     assert stage.cache_hits == 1
     stage.backward("a", x, grad_outputs=grad)  # a retry of the same microbatch
     assert stage.cache_misses == 1 and stage.samples_accumulated == 2
+    assert (stage.samples_trained, stage.backward_repeats) == (2, 1)  # the repeat is counted as one
 
 
 def test_backward_without_inputs_uses_the_cached_forward_and_equals_a_backward_with_inputs():
@@ -194,3 +195,21 @@ def test_weight_prediction_computes_on_the_parameters_plus_the_last_update_and_k
     assert abs(loss - unpredicted.item()) > 1e-4  # the prediction shows
     for name, value in stage.module.named_parameters():  # what is stepped, saved and sent: the real ones
         torch.testing.assert_close(value.detach(), after[name], atol=0, rtol=0)
+
+
+def test_a_retry_that_arrives_after_the_step_it_was_counted_in_is_not_added_to_the_next():
+    """Its first answer was lost, then this peer stepped (with --averaging none it steps by itself
+    at --target-batch-size): the retry is answered, its gradients are not added to the new step."""
+    config = get_model_config("tiny")
+    stage = StageRuntime(config, 1, 3, optimizer=OptimizerSettings(target_batch_size=4))
+    x = torch.randn(2, config.seq_len, config.d_model)
+    grad = torch.randn(2, config.seq_len, config.d_model)
+    for microbatch_id in ("a", "b"):
+        stage.backward(microbatch_id, x, grad_outputs=grad)
+    assert stage.steps_done == 1 and stage.samples_accumulated == 0  # stepped at 4 samples
+    grad_inputs, _ = stage.backward("a", x, grad_outputs=grad)  # the late retry
+    assert grad_inputs is not None and grad_inputs.shape == x.shape
+    assert stage.samples_accumulated == 0 and stage.backward_repeats == 1
+    assert all(not grad_sum.any() for grad_sum in stage.grad_sums)
+    stage.backward("c", x, grad_outputs=grad)  # a new microbatch is counted as usual
+    assert stage.samples_accumulated == 2 and stage.samples_trained == 6
