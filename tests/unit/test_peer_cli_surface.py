@@ -35,6 +35,9 @@ PEER_FLAGS = {
     "--checkpoint-period-s",
     "--device",
     "--fault-averaging",  # added deliberately: a replica lying in the all-reduce (issue #25)
+    "--fault-hold",  # added deliberately: hold one call mid-hop, for the kill tests (issue #23)
+    "--fault-hold-after",
+    "--fault-hold-s",
     "--fault-claim-speedup",  # added deliberately: a replica lying about its speed (issue #30)
     "--fault-fail-rate",
     "--fault-garbage",
@@ -123,6 +126,9 @@ PEER_VARIABLES = {
     "SWARM_CHECKPOINT_PERIOD_S",
     "SWARM_DEVICE",
     "SWARM_FAULT_AVERAGING",  # added deliberately (issue #25)
+    "SWARM_FAULT_HOLD",  # added deliberately (issue #23)
+    "SWARM_FAULT_HOLD_AFTER",
+    "SWARM_FAULT_HOLD_S",
     "SWARM_FAULT_FAIL_RATE",
     "SWARM_FAULT_CLAIM_SPEEDUP",
     "SWARM_FAULT_GARBAGE",
