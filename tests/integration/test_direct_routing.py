@@ -99,14 +99,15 @@ def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swa
 # forward, with the stage-0 peer's activations received and not yet answered; backward, with the
 # stage-2 peer's gradient received, after stage 2 already added that microbatch's gradients. Stage 0
 # fails over to the other stage-1 replica, which sends the microbatch to stage 2 again: stage 2
-# answers it and, in the backward case, must not add it twice.
-@pytest.mark.parametrize("hold", ["forward", "backward"])
-def test_sigkill_of_a_replica_holding_a_microbatch_mid_hop_loses_nothing_and_adds_nothing_twice(
+# answers it and, in the backward case, must not add it twice. "hang": the replica holds a forward
+# and is never killed; the stage-0 peer's hop times out within the chain's adaptive budget instead.
+@pytest.mark.parametrize("hold", ["forward", "backward", "hang"])
+def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and_adds_nothing_twice(
     make_swarm, tmp_path, hold
 ):
     swarm = make_swarm(num_stages=3, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
     swarm.start_bootstrap()
-    victim = swarm.start_peer(1, "--fault-hold", hold, "--fault-hold-after", "3")
+    victim = swarm.start_peer(1, "--fault-hold", "forward" if hold == "hang" else hold, "--fault-hold-after", "3")
     first, other, last = swarm.start_peer(0), swarm.start_peer(1), swarm.start_peer(2)
     swarm.wait_online([first, victim, other, last])
     report_path = tmp_path / "report.json"
@@ -115,8 +116,9 @@ def test_sigkill_of_a_replica_holding_a_microbatch_mid_hop_loses_nothing_and_add
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "3"),
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
     )
-    wait_for(lambda: "injected by --fault-hold" in victim.log(), 180, f"the victim to hold a microbatch in {hold}")
-    victim.signal(signal.SIGKILL)
+    wait_for(lambda: "injected by --fault-hold" in victim.log(), 180, f"the victim to hold a microbatch ({hold})")
+    if hold != "hang":
+        victim.signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
     assert report["completed"] and report["steps"] == steps
@@ -128,6 +130,7 @@ def test_sigkill_of_a_replica_holding_a_microbatch_mid_hop_loses_nothing_and_add
         assert averaging_sample(metrics, "swarm_peer_samples_accumulated_total") == steps * 8, peer.name
     if hold == "backward":  # stage 2 saw the held microbatch again, and answered without adding it
         assert averaging_sample(scrape(last), "swarm_peer_backward_repeats_total") >= 1
+    victim.signal(signal.SIGKILL)  # a hung one would wait out the polite stop
     stop_together([first, other, last])
 
 
