@@ -275,6 +275,11 @@ class CommitRequest(BaseModel):
     # sync averaging with a one-step delay (`--sync-delay 1`): the run's steps are over; apply the
     # update still in flight and start no new round (replicas without a delay answer at once)
     flush: bool = False
+    # gradient clipping by the global norm (the trainer's --clip-grad-norm), in two phases: "prepare"
+    # averages like a plain commit but does not step, answering the averaged gradient's squared norm;
+    # "apply" steps on the prepared gradient times `clip_scale` (the same for every stage)
+    clip_phase: Literal["prepare", "apply"] | None = None
+    clip_scale: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
 
 
 class CommitResponse(BaseModel):
@@ -288,6 +293,8 @@ class CommitResponse(BaseModel):
     # sync averaging with a one-step delay: this commit's round runs in the background and is applied
     # at the next commit; `stepped`/`averaged` above then tell the outcome of the previous step's round
     pending: bool = False
+    # a "prepare" commit that this replica averaged and holds: the averaged gradient's squared norm
+    grad_norm_sq: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     error: str | None = Field(default=None, max_length=4096)
 
 

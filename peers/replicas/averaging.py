@@ -53,10 +53,11 @@ tensors halfway through an averaging round.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import hivemind
 import torch
@@ -95,6 +96,7 @@ class AveragingOutcome:
     stepped: bool  # sync and periodic by steps: the replica took an optimizer step on this commit
     outer_stepped: bool = False  # periodic: an outer (DiLoCo) step followed the round
     pending: bool = False  # sync with a one-step delay: this commit's round is in flight (applied at the next)
+    grad_norm_sq: float | None = None  # clipping's "prepare": the held mean gradient's squared norm
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,7 @@ class GradientSync(ReplicaAveraging):
         self.runtime = runtime
         runtime.auto_step = False
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
+        self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
         super().__init__(
             dht,
             self.buffers,
@@ -322,6 +325,14 @@ class GradientSync(ReplicaAveraging):
 
     def average_and_step(self, group_size: int, samples: Mapping[str, int] | None) -> AveragingOutcome:
         """The exact barrier: all-reduce what this replica accumulated with the group, then step."""
+        outcome = self.average_gradients(group_size, samples)
+        if outcome.stepped:
+            self.runtime.apply_gradients(self.averaged_gradients())
+        return outcome
+
+    def average_gradients(self, group_size: int, samples: Mapping[str, int] | None) -> AveragingOutcome:
+        """All-reduce what this replica accumulated with the group; the averager's buffers then hold
+        the mean gradient. The outcome's `stepped` says whether to step on it (the caller steps)."""
         local_samples = self.runtime.samples_accumulated
         caps = dict(samples) if samples else None
         with self.averager.get_tensors() as buffers:
@@ -344,8 +355,35 @@ class GradientSync(ReplicaAveraging):
         if not (round_has_samples(gathered) if gathered else local_samples > 0):
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
         total = samples_in_round(gathered, caps) if gathered else local_samples
-        self.runtime.apply_gradients(self.averaged_gradients())
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
+
+    def prepare(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
+        """Clipping by the global norm, first phase: average as `commit` does, but hold the mean
+        gradient instead of stepping. The outcome says `stepped=False`; its `grad_norm_sq` is the held
+        gradient's squared norm (None when there is nothing to step on, or it is not finite: the
+        step then skips, as `apply_gradients` skips non-finite gradients)."""
+        if not self._first_commit_of(step_id):
+            return self._repeated(step_id)
+        outcome = self.average_gradients(group_size, samples)
+        self.prepared = outcome if outcome.stepped else None
+        if self.prepared is None:
+            return self._remember(step_id, outcome)
+        norm_sq = float(sum(g.double().pow(2).sum() for g in self.averaged_gradients()))
+        return self._remember(
+            step_id, replace(outcome, stepped=False, grad_norm_sq=norm_sq if math.isfinite(norm_sq) else None)
+        )
+
+    def apply_prepared(self, step_id: str, scale: float) -> AveragingOutcome:
+        """Clipping's second phase: step on the gradient `prepare` holds, times `scale` (the trainer's
+        min(1, max_norm / global norm), the same for every stage). Nothing held (this replica's round
+        failed, or it had nothing to step on): no step, as after a plain commit."""
+        if not self._first_commit_of(step_id):
+            return self._repeated(step_id)
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return self._remember(step_id, AveragingOutcome(False, 1, 0, stepped=False))
+        self.runtime.apply_gradients([gradient * scale for gradient in self.averaged_gradients()])
+        return self._remember(step_id, prepared)
 
     def averaged_gradients(self) -> list[torch.Tensor]:
         """A copy of the averager's buffers: after a round, the group's mean gradients."""

@@ -91,7 +91,17 @@ class ReplicaSyncService:
                 return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
-            if isinstance(averaging, DelayedGradientSync):
+            exact_sync = isinstance(averaging, GradientSync) and not isinstance(averaging, DelayedGradientSync)
+            if commit.clip_phase is not None and exact_sync:  # clipping by the global norm, in two phases
+                call = (
+                    partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples)
+                    if commit.clip_phase == "prepare"
+                    else partial(averaging.apply_prepared, commit.step_id, commit.clip_scale or 1.0)
+                )
+                outcome = await asyncio.get_running_loop().run_in_executor(self.compute, call)
+            elif commit.clip_phase == "apply":  # a replica that does not clip stepped on "prepare" (a plain commit)
+                outcome = None
+            elif isinstance(averaging, DelayedGradientSync):
                 loop = asyncio.get_running_loop()
                 # the round in flight ends in the averager's process: wait for it here, not on the compute thread
                 await loop.run_in_executor(None, averaging.wait_in_flight)
@@ -128,6 +138,7 @@ class ReplicaSyncService:
                     samples=outcome.samples,
                     steps_done=serving.runtime.steps_done,
                     pending=outcome.pending,
+                    grad_norm_sq=outcome.grad_norm_sq,
                 )
             )
         except ProtocolError as e:

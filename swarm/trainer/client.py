@@ -252,6 +252,8 @@ class StageClient:
         catch_up_to: int | None = None,
         catch_up_drops_gradients: bool = True,
         flush: bool = False,
+        clip_phase: str | None = None,
+        clip_scale: float | None = None,
     ) -> CommitResponse:
         """Sync averaging: tell one replica the step is over (`samples`: what each replica of the
         stage served in it, which caps its weight in the round). Raises PeerCallError on failure."""
@@ -268,6 +270,8 @@ class StageClient:
                 catch_up_to=catch_up_to,
                 catch_up_drops_gradients=catch_up_drops_gradients,
                 flush=flush,
+                clip_phase=clip_phase,
+                clip_scale=clip_scale,
             )
         )
         try:

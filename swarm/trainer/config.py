@@ -91,10 +91,18 @@ class ScheduleSettings:
         30.0,
         help="on SIGTERM or Ctrl-C, wait this long for the step in flight before stopping (a second signal: at once)",
     )
+    clip_grad_norm: float = option(
+        0.0,
+        help="clip each step's gradient to this norm over every stage together, as one process's "
+        "clip_grad_norm_ would (0 = off). Sync replicas average, report their gradient's norm and step "
+        "once the trainer sends the scale: one more round trip a step; replicas of other modes do not clip",
+    )
 
     def __post_init__(self) -> None:
         if self.stop_timeout_s < 0:
             raise ConfigError("--stop-timeout-s must be at least 0")
+        if not 0.0 <= self.clip_grad_norm < float("inf"):
+            raise ConfigError("--clip-grad-norm must be a finite number >= 0 (0 = off)")
         if self.steps < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:
             raise ConfigError("steps, batch_size, microbatch_size and max_in_flight must be at least 1")
         if self.batch_size % self.microbatch_size:
@@ -194,5 +202,10 @@ class TrainerConfig:
             raise ConfigError(str(e)) from None
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")
+        if self.schedule.clip_grad_norm and self.corpus.shard[1] > 1:
+            raise ConfigError(
+                "--clip-grad-norm is not supported with several trainers (--data-shard I/N, N > 1) yet: "
+                "each would clip the shared step on its own"
+            )
         if self.schedule.routing == "direct" and self.verification.verify_fraction:
             raise ConfigError("--routing direct has no spot checks yet: use --verify-fraction 0 with it")

@@ -78,6 +78,7 @@ class TrainingReport:
     wire_bytes_per_token: float = 0.0
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
+    grad_norms: list[float] = field(default_factory=list)  # --clip-grad-norm: each step's global norm, unclipped
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
     final_eval_loss: float | None = None
@@ -180,6 +181,7 @@ async def train(
             seed=config.corpus.seed,
             max_in_flight=batches.max_in_flight,
             routing=batches.routing,
+            clip_grad_norm=batches.clip_grad_norm,
             data_source=f"data {data.folder}",
             metrics=metrics,
             say=say,
@@ -190,6 +192,7 @@ async def train(
         progress.close()
         report.stopped_early = True
         return report
+    schedule.grad_norms = list(report.grad_norms)  # a resumed run's norms go on
     view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
         model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
@@ -357,6 +360,7 @@ async def connect(
     max_in_flight: int,
     data_source: str,
     routing: str = "hub",
+    clip_grad_norm: float = 0.0,
     metrics: TrainerMetrics,
     say=print,
     access: RunAccess | None = None,
@@ -398,6 +402,7 @@ async def connect(
         run_id=secrets.token_hex(4),
         routing=routing,
         send_tokens=model_config.subspace_rank > 0,
+        clip_grad_norm=clip_grad_norm,
     )
     codecs.warm_up()
     metrics.count_bytes(client.bytes.snapshot)
@@ -428,6 +433,7 @@ def _fill_report(
     report.sync_round_retries = microbatches.round_retries
     report.backward_inputs_skipped = calls.backward_inputs_skipped
     report.backward_inputs_resent = calls.backward_inputs_resent
+    report.grad_norms = [round(norm, 6) for norm in schedule.grad_norms]
     report.failures_by_kind = dict(calls.failures_by_kind)
     report.calls_by_peer = dict(calls.calls_by_peer)
     report.calls_verified = calls.calls_verified

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,23 @@ def round_failed(answers: dict[str, CommitResponse]) -> bool:
     with a one-step delay that started a new round (`pending`) carry a failed round's gradients into
     it themselves: nothing to commit again."""
     return len(answers) > 1 and not any(a.stepped or a.averaged or a.pending for a in answers.values())
+
+
+def global_grad_norm(prepared: dict[int, dict[str, CommitResponse]]) -> float:
+    """The step's gradient norm over every stage, from the replicas' answers to clipping's
+    "prepare": each stage's replicas hold the same averaged gradient, so each stage counts once (its
+    largest answer); a stage with nothing prepared (its round failed, or it had no sample) counts 0."""
+    total = 0.0
+    for answers in prepared.values():
+        norms = [a.grad_norm_sq for a in answers.values() if a.grad_norm_sq is not None]
+        total += max(norms, default=0.0)
+    return math.sqrt(total)
+
+
+def clip_scale(norm: float, max_norm: float) -> float:
+    """What every stage's gradient is multiplied by: min(1, max_norm / norm), as
+    torch.nn.utils.clip_grad_norm_ computes it (1e-6 keeps a zero norm finite)."""
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 @dataclass(frozen=True)
@@ -95,9 +113,19 @@ class ScheduleCounters:
 
 class StepSchedule:
     def __init__(
-        self, caller: StageCaller, *, max_in_flight: int, run_id: str, routing: str = "hub", send_tokens: bool = False
+        self,
+        caller: StageCaller,
+        *,
+        max_in_flight: int,
+        run_id: str,
+        routing: str = "hub",
+        send_tokens: bool = False,
+        clip_grad_norm: float = 0.0,
     ):
         self.caller, self.run_id = caller, run_id
+        # > 0: each step's gradient is clipped to this global norm over every stage (two-phase commit)
+        self.clip_grad_norm = clip_grad_norm
+        self.grad_norms: list[float] = []  # with clipping: each step's global gradient norm, before clipping
         # a subspace model's later stages rebuild the residual stream from the token ids: send them along
         self.send_tokens = send_tokens
         # direct routing: each microbatch is one chained call through the stages (chain_call.py)
@@ -281,10 +309,14 @@ class StepSchedule:
                 [r.peer_id for r in records if r.averaging == mode], self.view.averaging_members(stage)
             )
         ]
-        sync_answers = await self._commit(step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush)
+        clip = "prepare" if self.clip_grad_norm > 0 and not flush else None
+        sync_answers = await self._commit(
+            step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush, clip_phase=clip
+        )
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
-        await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
+        if clip is None:  # with clipping nobody has stepped yet: the repair follows the second phase
+            await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
         if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
             return
 
@@ -306,14 +338,36 @@ class StepSchedule:
                     f"committing again ({attempt}/{ROUND_RETRIES})"
                 )
             again = [(stage, "sync", [p for p in averaging[stage] if p in sync_answers[stage]]) for stage in failed]
-            sync_answers.update(await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s))
-            await self._repair_missed_rounds(f"{step_id}:again{attempt}", averaging, sync_answers, timeout_s)
+            sync_answers.update(
+                await self._commit(f"{step_id}:again{attempt}", again, served, timeout_s, clip_phase=clip)
+            )
+            if clip is None:
+                await self._repair_missed_rounds(f"{step_id}:again{attempt}", averaging, sync_answers, timeout_s)
         else:
             for stage in failed_stages():
                 logger.warning(
                     f"stage {stage}: no averaging round after {ROUND_RETRIES} retries; the step's gradients "
                     f"carry over to the next commit"
                 )
+        if clip is not None:
+            sync_groups = [(stage, "sync", group) for stage, mode, group in groups if mode == "sync" and group]
+            applied = await self._apply_clipped(f"{step_id}:apply", sync_groups, sync_answers, timeout_s)
+            await self._repair_missed_rounds(f"{step_id}:apply", averaging, applied, timeout_s)
+
+    async def _apply_clipped(
+        self,
+        step_id: str,
+        sync_groups: list[tuple[int, str, list[str]]],
+        prepared: dict[int, dict[str, CommitResponse]],
+        timeout_s: float,
+    ) -> dict[int, dict[str, CommitResponse]]:
+        """Clipping's second phase: every sync replica steps on the gradient it prepared, scaled by
+        min(1, --clip-grad-norm / the global norm over every stage's prepared gradient)."""
+        norm = global_grad_norm(prepared)
+        self.grad_norms.append(norm)
+        return await self._commit(
+            step_id, sync_groups, {}, timeout_s, clip_phase="apply", clip_scale=clip_scale(norm, self.clip_grad_norm)
+        )
 
     async def _commit(
         self,
@@ -323,9 +377,12 @@ class StepSchedule:
         timeout_s: float,
         *,
         flush: bool = False,
+        clip_phase: str | None = None,
+        clip_scale: float | None = None,
     ) -> dict[int, dict[str, CommitResponse]]:
         """Commit `step_id` on every replica of `groups` ((stage, mode, peer ids)); the sync replicas'
-        answers by stage and peer id. A replica whose commit fails is banned."""
+        answers by stage and peer id. A replica whose commit fails is banned. `clip_phase`/`clip_scale`:
+        clipping's phase, for the sync replicas (the others get a plain commit on "prepare")."""
         calls = [
             (
                 stage,
@@ -342,6 +399,8 @@ class StepSchedule:
                         {p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" and not flush else None
                     ),
                     flush=flush,
+                    clip_phase=clip_phase if mode == "sync" else None,
+                    clip_scale=clip_scale if mode == "sync" else None,
                 ),
             )
             for stage, mode, group in groups

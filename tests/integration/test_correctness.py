@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 BATCH, MICROBATCH = 8, 2
 
 
-def reference_update(config, kind: str, lr: float, boundaries=None):
+def _first_batch_loss(config, boundaries=None):
+    """A fresh one-process model (the peers' initialisation) and its loss on the swarm's first batch."""
     sampler = MicrobatchSampler(
         open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
     )
@@ -28,11 +29,26 @@ def reference_update(config, kind: str, lr: float, boundaries=None):
     inputs = torch.cat([mb.inputs for mb in microbatches])
     targets = torch.cat([mb.targets for mb in microbatches])
     model = build_full_model(config, boundaries=boundaries)
+    return model, model(inputs, targets)
+
+
+def reference_update(config, kind: str, lr: float, boundaries=None, clip_grad_norm: float | None = None):
+    """One process's first step on the swarm's first batch: (loss, parameters by global name); with
+    `clip_grad_norm`, the gradient is clipped to that global norm before the step."""
+    model, loss = _first_batch_loss(config, boundaries)
     optimizer = OptimizerSettings(optimizer=kind, lr=lr).build(model.parameters())
-    loss = model(inputs, targets)
     loss.backward()
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     optimizer.step()
     return loss.item(), dict(model.named_parameters())
+
+
+def reference_grad_norm(config, boundaries=None) -> float:
+    """The global norm of one process's gradient on the swarm's first batch."""
+    model, loss = _first_batch_loss(config, boundaries)
+    loss.backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
 
 
 # cache_size 0: every backward sent without inputs (to the peer that served the forward) misses

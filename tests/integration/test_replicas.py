@@ -22,7 +22,7 @@ from process.lifetime import die_with_parent
 from swarm.trainer.data import MicrobatchSampler, open_data
 from tests.integration.polling import wait_for
 from tests.integration.processes import stop_together
-from tests.integration.test_correctness import BATCH, MICROBATCH, reference_update
+from tests.integration.test_correctness import BATCH, MICROBATCH, reference_grad_norm, reference_update
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,36 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
         for direction in ("sent", "received"):
             sent = averaging_sample(metrics, "swarm_peer_averaging_bytes_total", mode="sync", direction=direction)
             assert min_bytes_per_value * values <= sent <= max_bytes_per_value * values, (direction, sent, values)
+
+
+def test_sync_replicas_clip_the_global_gradient_norm_as_one_process_does(make_swarm, tmp_path):
+    """--clip-grad-norm: every stage's replicas average and report their gradient's norm, the trainer
+    scales all of them by max_norm / the global norm, and they step: one process's clip_grad_norm_
+    and step, on two replicas of stage 0 and one of stage 1."""
+    config = get_model_config("tiny")
+    norm = reference_grad_norm(config)
+    max_norm = norm / 4  # clipping is active: the step differs from the unclipped one
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [
+        swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / d)) for stage, d in [(0, "a"), (0, "b"), (1, "c")]
+    ]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
+        "--clip-grad-norm", str(max_norm),
+    )  # fmt: skip
+    stop_together(peers)
+    assert report["grad_norms"] == [pytest.approx(norm, rel=1e-4)], report
+    _, clipped = reference_update(config, "sgd", 0.5, clip_grad_norm=max_norm)
+    _, unclipped = reference_update(config, "sgd", 0.5)
+    a, b, c = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), stage_params(tmp_path / "c", 1)
+    assert_same_params(a, b, atol=1e-6)
+    # stage 0's local names are global (its blocks come first); stage 1's blocks are renumbered
+    compared = [*a.items(), *((name, value) for name, value in c.items() if not name.startswith("blocks."))]
+    for name, value in compared:
+        torch.testing.assert_close(value, clipped[name].detach(), atol=1e-5, rtol=0, msg=name)
+    assert max((clipped[n] - unclipped[n]).abs().max().item() for n, _ in compared) > 1e-3  # the clip shows
 
 
 def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):

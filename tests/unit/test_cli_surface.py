@@ -104,6 +104,9 @@ TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
 # Added deliberately (issue #23): activations stage to stage instead of through the trainer; hub by default.
 TRAIN_FLAGS_ADDED |= {"--routing"}
 TRAIN_DEFAULTS_ADDED |= {"routing": "hub"}
+# Added deliberately (issue #22): gradient clipping by the global norm over every stage; off by default.
+TRAIN_FLAGS_ADDED |= {"--clip-grad-norm"}
+TRAIN_DEFAULTS_ADDED |= {"clip_grad_norm": 0.0}
 # Added deliberately (issue #27): subspace compression at stage boundaries; off by default.
 TRAIN_FLAGS_ADDED |= {"--subspace-rank", "--subspace-kind"}
 TRAIN_DEFAULTS_ADDED |= {"subspace_rank": 0, "subspace_kind": "fixed"}
