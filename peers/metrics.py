@@ -216,7 +216,7 @@ class PeerMetrics:
         runtime_counts: Callable[[], tuple[int, int, int, int, int]],
     ) -> None:
         """Read these at scrape time: requests in flight, announced throughput, and
-        (optimizer steps, activation cache hits, misses)."""
+        (optimizer steps, activation cache hits, misses, samples accumulated, backward repeats)."""
         self.in_flight.set_function(in_flight)
         self.throughput.set_function(throughput)
         self.registry.register(_CallbackCounters(runtime_counts))

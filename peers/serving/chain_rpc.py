@@ -21,8 +21,8 @@ Exactly once, and never applied twice. A replica accumulates one microbatch's gr
 `StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids` in this step,
 `counted_earlier` for the steps before, bounded) and answers a repeated backward without adding it
 again, also when the repeat arrives after the replica stepped (tests/integration/test_direct_routing.py
-kills a replica holding a microbatch mid-hop, forward and backward). A chain keeps the trainer's microbatch id on every hop
-and on every attempt (a hop's failover and the trainer's re-drive alike), so a replica that already
+kills a replica holding a microbatch mid-hop, forward and backward). A chain keeps the trainer's
+microbatch id on every hop and on every attempt (a hop's failover and the trainer's re-drive alike), so a replica that already
 ran the backward of a microbatch whose answer was then lost (the peer above it died, a timeout)
 answers the repeat without counting it twice. What a replica cannot know is that another replica
 of its stage served the same microbatch in an attempt that failed further up: then both hold its
