@@ -53,6 +53,9 @@ class DemoConfig:
         choices=["sync", "periodic", "none"],
     )
     export: str | None = option(None, help="at the end, export the trained model to this folder and print a sample")
+    clip_grad_norm: float = option(
+        1.0, help="clip each step's gradient to this norm over every stage (0 = off; with --averaging sync)"
+    )
     subspace: SubspaceSettings = section(SubspaceSettings, help="what crosses between stages: K coefficients per token")
 
     def __post_init__(self) -> None:
@@ -61,6 +64,8 @@ class DemoConfig:
             lora_rank(self.trainable)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if not 0.0 <= self.clip_grad_norm < float("inf"):
+            raise ConfigError("--clip-grad-norm must be a finite number >= 0 (0 = off)")
         if self.stages < 1 or self.peers < self.stages:
             raise ConfigError(f"need at least one peer per stage: --peers {self.peers} --stages {self.stages}")
         if self.export is not None and os.path.exists(self.export):  # refused now, not after training
@@ -155,6 +160,8 @@ def _run_swarm(config: DemoConfig) -> int:
             "--stop-timeout-s",  # stopped, a local demo waits briefly for the step in flight, not 30 s
             "5",
         ]
+        if config.averaging == "sync":  # only sync replicas clip (they step on the trainer's commit)
+            args += ["--clip-grad-norm", str(config.clip_grad_norm)]
         args += [
             "--data",
             data.folder,

@@ -309,7 +309,8 @@ class StepSchedule:
                 [r.peer_id for r in records if r.averaging == mode], self.view.averaging_members(stage)
             )
         ]
-        clip = "prepare" if self.clip_grad_norm > 0 and not flush else None
+        sync_groups = [(stage, mode, group) for stage, mode, group in groups if mode == "sync" and group]
+        clip = "prepare" if self.clip_grad_norm > 0 and sync_groups and not flush else None
         sync_answers = await self._commit(
             step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush, clip_phase=clip
         )
@@ -350,7 +351,6 @@ class StepSchedule:
                     f"carry over to the next commit"
                 )
         if clip is not None:
-            sync_groups = [(stage, "sync", group) for stage, mode, group in groups if mode == "sync" and group]
             applied = await self._apply_clipped(f"{step_id}:apply", sync_groups, sync_answers, timeout_s)
             await self._repair_missed_rounds(f"{step_id}:apply", averaging, applied, timeout_s)
 
