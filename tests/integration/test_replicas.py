@@ -168,10 +168,14 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
 
 
-def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm, tmp_path):
+@pytest.mark.parametrize("clipped", [False, True])
+def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm, tmp_path, clipped):
     """Both replicas take their first round as failed: neither steps and their gradients stay. The
     trainer sees that no replica of the stage stepped and commits again; the second round applies
-    the step, so even the run's last step is not lost and both equal the one-process update."""
+    the step, so even the run's last step is not lost and both equal the one-process update. With
+    --clip-grad-norm the failed round is clipping's "prepare", prepared again before the step."""
+    config = get_model_config("tiny")
+    max_norm = reference_grad_norm(config) / 4 if clipped else None
     swarm = make_swarm(
         num_stages=2,
         peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--fault-miss-sync-round", "1"],
@@ -179,8 +183,9 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
     swarm.start_bootstrap()
     peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / d)) for d in "ab"] + [swarm.start_peer(1)]
     swarm.wait_online(peers)
+    clip_args = ["--clip-grad-norm", str(max_norm)] if clipped else []
     report = run_trainer(
-        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH), *clip_args
     )
     for peer in peers:
         peer.stop()
@@ -188,7 +193,7 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
     assert report["sync_round_retries"] == 1 and report["replica_catch_ups"] == 0, report
     a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
     assert_same_params(a, b, atol=1e-6)
-    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
+    _, reference = reference_update(config, "sgd", 0.5, clip_grad_norm=max_norm)
     for name, value in a.items():
         if not name.startswith("blocks."):
             torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
