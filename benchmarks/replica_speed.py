@@ -14,7 +14,9 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
 * `2x2 sync delayed`: `--averaging sync --sync-delay 1`, the commit answers at once and the update is
   applied at the next one (peers/replicas/delayed_sync.py), each step computing on the parameters
   plus the last update (weight prediction, the default with the delay);
-* `2x2 sync delayed unpredicted`: the same with `--weight-prediction none`.
+* `2x2 sync delayed unpredicted`: the same with `--weight-prediction none`;
+* `2x2 sync exact clipped`: exact sync with the trainer's `--clip-grad-norm 1.0`, whose commit has
+  two phases (the replicas average and answer their gradient's norm, then step on the scale).
 With `--repeats N` the 2x2 runs are repeated N times, alternating, so that a change in the
 machine's load hits each.
 
@@ -37,11 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.replicas import run  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 
-LAYOUTS = {
-    "2x2 none": (2, "none", ()),
-    "2x2 sync exact": (2, "sync", ("--sync-delay", "0")),
-    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1")),  # with weight prediction, its default
-    "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none")),
+LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
+    "2x2 none": (2, "none", (), ()),
+    "2x2 sync exact": (2, "sync", ("--sync-delay", "0"), ()),
+    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1"), ()),  # with weight prediction, its default
+    "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none"), ()),
+    "2x2 sync exact clipped": (2, "sync", ("--sync-delay", "0"), ("--clip-grad-norm", "1.0")),
 }
 
 
@@ -80,8 +83,9 @@ def main() -> None:
     matchmaking = () if args.matchmaking_s is None else ("--averaging-matchmaking-s", str(args.matchmaking_s))
     runs = []
     for repeat in range(args.repeats):
-        for name, (replicas, averaging, extra) in layouts.items():
-            result = run(name, args, replicas, averaging, extra + (matchmaking if averaging == "sync" else ()))
+        for name, (replicas, averaging, extra, trainer_extra) in layouts.items():
+            peer_extra = extra + (matchmaking if averaging == "sync" else ())
+            result = run(name, args, replicas, averaging, peer_extra, trainer_extra)
             result.update(repeat=repeat, load_after=load())
             runs.append(result)
     load_after = load()

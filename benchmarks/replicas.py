@@ -100,7 +100,14 @@ def averaging_bytes_sent(log: str) -> float | None:
     )
 
 
-def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[str, ...] = ()) -> dict:
+def run(
+    name: str,
+    args,
+    replicas: int,
+    averaging: str,
+    extra_peer_args: tuple[str, ...] = (),
+    extra_trainer_args: tuple[str, ...] = (),
+) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-replicas-")
     report_path = os.path.join(workdir, "report.json")
     target = args.batch_size // replicas if averaging in ("periodic", "none") else args.batch_size
@@ -142,6 +149,7 @@ def run(name: str, args, replicas: int, averaging: str, extra_peer_args: tuple[s
             report_path,
             "--log-every",
             "10",
+            *extra_trainer_args,
         )
         if trainer.popen.wait(timeout=args.run_timeout_s) != 0:
             raise RuntimeError(f"{name}: the trainer failed:\n{trainer.log()[-3000:]}")
