@@ -8,7 +8,8 @@ through the wire's own code: `wire.tensors.encode_tensor` (with error feedback f
 gradients, as the trainer and the peers use it) and `wire.tensors.decode_tensors`, forward (the
 activations) and backward (the gradients of the activations); the bytes are the encoded payloads'
 (`EncodedTensor.nbytes`: parts' buffers, headers and framing excluded). Every row trains on the same
-batches (`MicrobatchSampler`, same seed), from the same initial weights, for the same tokens.
+batches (`MicrobatchSampler`, same seed), from the same initial weights, for the same tokens, with
+the same learning-rate schedule (`--lr-warmup-steps`, `--lr-decay`: the peers' own).
 
 What it counts differs from the live swarm's byte counter on purpose: a boundary tensor is counted
 once, as it would cross one direct link between stages. In a live swarm it goes stage -> trainer ->
@@ -17,8 +18,8 @@ next stage and is counted on both legs (sent and received), and the token ids an
 Subspace rows (`fixed:K`, `learned:K`, optionally `+codec`, e.g. `fixed:16+int8`): the model is
 built with `GPTConfig.subspace_rank` K of that kind (models/subspace.py), so a boundary tensor is
 the (B, T, K) coefficients, encoded with the row's codec; the token ids the next stage needs cross
-too, as the wire sends them (`encode_tensor(ids)`: int64, lossless, 8 bytes per token per
-boundary), counted forward in `token_id_bytes_per_token` and in the total. Gradients back are K
+too, as the wire sends them (`encode_tensor(ids)`: lossless, in the narrowest integer type that
+holds their range, 1 byte per token per boundary for a 256-token vocabulary), counted forward in `token_id_bytes_per_token` and in the total. Gradients back are K
 per token. The fp32 row is the plain model (no subspace), the reference of every ratio.
 
 Validation: the loss on the same validation batches (`ValidationBatches`, the trainer's), once with
