@@ -6,8 +6,11 @@ relative size, an earlier answer of the same shape replayed, or answers computed
 frozen at start-up while the real ones train. A replica can also lie to its groupmates in the
 averaging all-reduce (`--fault-averaging`): its contribution multiplied by 10 or negated. And a peer
 can hold one call mid-hop (`--fault-hold forward|backward`): it has received the hop's tensors and
-does not answer, logging that it holds them, so a test can SIGKILL it at exactly that moment. Only
-built when a `--fault-*` flag is set, so the normal code path never branches on it."""
+does not answer, logging that it holds them, so a test can SIGKILL it at exactly that moment. Or it
+can lose one answer on the way back (`--fault-lose-answer N`): the Nth backward call is computed and
+added to the gradients, then its stream fails instead of answering, as when a connection drops after
+the work was done. Only built when a `--fault-*` flag is set, so the normal code path never branches
+on it."""
 
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ SLOWDOWN_MODES = ("sleep", "busy", "device")
 # backward: the gradient of a backward hop has arrived (a backward call on a stage before the last).
 HOLD_POINTS = ("none", "forward", "backward")
 HOLD_MESSAGE = "holding microbatch {microbatch_id} in its {point} (injected by --fault-hold)"
+LOST_ANSWER_MESSAGE = "lost the answer to backward call {call} after adding it (injected by --fault-lose-answer)"
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,10 @@ def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator 
 
 class InjectedFault(RuntimeError):
     """A failure injected on purpose (`--fault-fail-rate`)."""
+
+
+class InjectedLostAnswer(ConnectionError):
+    """The stream of a call fails after the call was computed (`--fault-lose-answer`): not an answer."""
 
 
 class InjectedWrongStageError(ProtocolError):
@@ -135,6 +143,11 @@ class FaultSettings:
     )
     fault_hold_after: int = option(0, help="testing only: --fault-hold's calls answered before the one held")
     fault_hold_s: float = option(300.0, help="testing only: how long --fault-hold holds its call")
+    fault_lose_answer: int = option(
+        0,
+        help="testing only: compute the Nth backward call and add its gradients, then fail its stream "
+        "instead of answering (an answer lost on the way back)",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -145,6 +158,7 @@ class FaultSettings:
             or self.fault_claim_speedup != 1.0
             or self.fault_wrong_stage
             or self.fault_hold != "none"
+            or self.fault_lose_answer > 0
         )
 
     def __post_init__(self) -> None:
@@ -166,6 +180,8 @@ class FaultSettings:
             raise ConfigError(
                 f"--fault-hold must be one of {', '.join(HOLD_POINTS)}, --fault-hold-after and --fault-hold-s >= 0"
             )
+        if self.fault_lose_answer < 0:
+            raise ConfigError("--fault-lose-answer must be >= 0 (0: off)")
 
 
 class RoundMissingSync(GradientSync):
@@ -254,6 +270,7 @@ class FaultyStageRuntime:
             copy.deepcopy(runtime.module).requires_grad_(False) if settings.fault_garbage == "stale" else None
         )
         self._hold_calls = 0  # calls at --fault-hold's point so far (one is held, once)
+        self._backward_calls = 0  # backward calls computed so far (--fault-lose-answer loses one answer)
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -290,6 +307,17 @@ class FaultyStageRuntime:
         else:
             time.sleep(extra * elapsed_s)
         return result
+
+    def answer_lost(self, rpc: str) -> bool:
+        """Whether the answer to this call, just computed, is lost on the way back (--fault-lose-answer):
+        the caller then fails the call's stream instead of answering."""
+        if rpc != "backward" or self._settings.fault_lose_answer == 0:
+            return False
+        self._backward_calls += 1
+        if self._backward_calls != self._settings.fault_lose_answer:
+            return False
+        logger.warning(LOST_ANSWER_MESSAGE.format(call=self._backward_calls))
+        return True
 
     def _hold_if_due(self, point: str, microbatch_id: str) -> None:
         """At --fault-hold's point, after --fault-hold-after calls: say so, then hold this call (the

@@ -26,8 +26,8 @@ microbatch id on every hop and on every attempt (a hop's failover and the traine
 ran the backward of a microbatch whose answer was then lost (the peer above it died, a timeout)
 answers the repeat without counting it twice. What a replica cannot know is that another replica
 of its stage served the same microbatch in an attempt that failed further up: then both hold its
-gradients, exactly as when a hub-routed backward times out on one replica and is retried on
-another. The trainer counts the samples each replica served from the one chain answer that
+gradients. (Hub routing avoids that case by asking a backward lost in transit of the same replica
+once more before any other, `RetryBudget.ask_again`; a chain is re-driven on a new route.) The trainer counts the samples each replica served from the one chain answer that
 succeeded (`served_by`), and the sync round caps each replica's weight at that count, so the orphan
 attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
 chain answers.

@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 import torch
 
 from dht.records import PeerState
-from peers.compute.faults import FaultyStageRuntime, InjectedWrongStageError
+from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer, InjectedWrongStageError
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
@@ -83,7 +83,7 @@ class StageRpcService:
         received = time.perf_counter()
         serving.in_flight += 1
         decoded = None
-        failed_as, queue_s, compute_s, samples = None, None, None, 0
+        failed_as, queue_s, compute_s, samples, lost = None, None, None, 0, False
         try:
             # The guard cuts `requests` off past --max-request-mb (RequestTooLargeError, after reading the rest).
             # ...and its header past --max-decoded-mb (DecodedTooLargeError, before the parts are read).
@@ -117,6 +117,7 @@ class StageRpcService:
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
+                lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
             response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
             serving.requests_served += 1
             if serving.requests_served == 1 and serving.announced_online_at is not None:
@@ -178,6 +179,8 @@ class StageRpcService:
                 compute_s=compute_s,
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
+        if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
+            raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--fault-lose-answer)")
         for message in write_response(response, encoded_outputs, self.bytes):
             yield message
 

@@ -3,7 +3,8 @@
 - ``TimeoutPolicy``: how long to wait for a call, from the latencies observed so far.
 - ``BanList``: how long to avoid a peer after a failure, with exponential backoff.
 - ``RetryBudget``: how many times one microbatch may fail at a stage before the trainer gives up
-  loudly, raising an error that says what happened and what to do.
+  loudly, raising an error that says what happened and what to do; and whether a failed backward is
+  asked of the same replica once more before another (``ask_again``).
 
 No I/O, no asyncio, time only from an injected clock. The intended loop, per microbatch and stage::
 
@@ -34,6 +35,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from swarm.trainer.routing import Task
+from wire.failures import Failure
+
+# Failures where the call may have been computed and only its answer lost: no answer in time, or a
+# stream that broke. A refusal or a malformed answer says the peer did not (or should not) count it.
+IN_TRANSIT = frozenset({Failure.TIMEOUT, Failure.TRANSPORT})
 
 
 class RoutingError(RuntimeError):
@@ -256,6 +262,7 @@ class RetryBudget:
         self.stage = stage
         self.max_retries = max_retries
         self._failures: list[tuple[str, str]] = []
+        self._asked_again: set[str] = set()
 
     def record_failure(self, peer_id: str, reason: str) -> None:
         """Count a failed attempt; raises RetriesExhaustedError once the budget is spent."""
@@ -271,6 +278,20 @@ class RetryBudget:
     def failed_peers(self) -> set[str]:
         """Peers that already failed this microbatch (to exclude from the next choice)."""
         return {peer_id for peer_id, _ in self._failures}
+
+    def ask_again(self, peer_id: str, task: Task, kind: Failure) -> bool:
+        """Whether the failure just recorded is retried on the same replica, once, before any other.
+
+        Only a backward that failed in transit (``IN_TRANSIT``): that replica may have added the
+        microbatch's gradients before its answer was lost. Another replica would add them again, and
+        the step would hold them twice: a sync round's weight caps bound each replica's share, but
+        cannot take out what is already in its sum. The same replica answers a repeat without adding
+        it again (it keeps the ids it counted), so asking it first keeps the microbatch counted once.
+        If it fails once more it is most likely gone, and what it added is gone with it."""
+        if task != "backward" or kind not in IN_TRANSIT or peer_id in self._asked_again or not self.attempts_left:
+            return False
+        self._asked_again.add(peer_id)
+        return True
 
 
 class ProtocolViolations:

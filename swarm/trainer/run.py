@@ -78,6 +78,7 @@ class TrainingReport:
     wire_bytes_per_token: float = 0.0
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
+    backward_asked_again: int = 0  # backwards lost in transit, asked of the same replica once more first
     grad_norms: list[float] = field(default_factory=list)  # --clip-grad-norm: each step's global norm, unclipped
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
@@ -433,6 +434,7 @@ def _fill_report(
     report.sync_round_retries = microbatches.round_retries
     report.backward_inputs_skipped = calls.backward_inputs_skipped
     report.backward_inputs_resent = calls.backward_inputs_resent
+    report.backward_asked_again = calls.backward_asked_again
     report.grad_norms = [round(norm, 6) for norm in schedule.grad_norms]
     report.failures_by_kind = dict(calls.failures_by_kind)
     report.calls_by_peer = dict(calls.calls_by_peer)

@@ -73,6 +73,7 @@ class CallCounters:
     calls_by_peer: dict[str, int] = field(default_factory=dict)
     backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
+    backward_asked_again: int = 0  # backwards that failed in transit, asked of the same replica once more
     calls_verified: int = 0  # forward calls sent to a second replica too (spot checks)
     verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
     verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
@@ -167,16 +168,20 @@ class StageCaller:
         numel_out = batch_size * self.seq_len * self.d_model
         scheduler, bans, newcomers = self.view.schedulers[stage], self.view.bans, self.view.newcomers[stage]
         budget = RetryBudget(stage, max_retries=self.max_retries)
-        waited_since = None
+        waited_since, again = None, None  # again: the replica a failed backward is asked of once more
         while True:
-            exclude = bans.banned() | budget.failed_peers() | self.view.violations.banned(stage)
-            exclude |= newcomers.excluded(set(scheduler.keys_s()) - exclude)
-            peer_id = scheduler.choose(
-                rpc,
-                batch_size,
-                exclude=exclude | self.not_allowed_by.keys(),
-                cached_on=cached_on if rpc == "backward" else None,
-            )
+            asking_again = again is not None
+            if asking_again:
+                peer_id, again = again, None
+            else:
+                exclude = bans.banned() | budget.failed_peers() | self.view.violations.banned(stage)
+                exclude |= newcomers.excluded(set(scheduler.keys_s()) - exclude)
+                peer_id = scheduler.choose(
+                    rpc,
+                    batch_size,
+                    exclude=exclude | self.not_allowed_by.keys(),
+                    cached_on=cached_on if rpc == "backward" else None,
+                )
             if peer_id is None and self.not_allowed_by:  # no retry lets us into a private swarm
                 raise NotAllowedError(stage, self._my_peer_id(), list(self.not_allowed_by.values()))
             if peer_id is None:
@@ -189,7 +194,13 @@ class StageCaller:
             timeout_s = self.timeouts.timeout_s(stage, rpc)
             started = time.perf_counter()
             # the peer that served the forward cached its inputs (and token ids): not sent again
-            skip_inputs = rpc == "backward" and peer_id == cached_on and any(n == "inputs" for n, _ in tensors)
+            # (not when asked again: the failed call took them out of the cache)
+            skip_inputs = (
+                rpc == "backward"
+                and peer_id == cached_on
+                and not asking_again
+                and any(n == "inputs" for n, _ in tensors)
+            )
             try:
                 response_codec = self.codecs.choose(
                     peer_id, stage, numel_out, batch_size, is_gradient=rpc == "backward"
@@ -246,6 +257,11 @@ class StageCaller:
                     waited_since = time.monotonic()
                     await self._wait_for_replica(stage, waited_since, budget)
                     budget = RetryBudget(stage, max_retries=self.max_retries)
+                    continue
+                if budget.ask_again(peer_id, rpc, e.kind):  # it may hold this backward already: not twice
+                    logger.info(f"stage {stage}: asking {peer_id[-8:]} again first (it may have added this backward)")
+                    again = peer_id
+                    self.counters.backward_asked_again += 1
                 continue
             done = time.perf_counter()
             service_s = self.service.finished(peer_id, started, done)
@@ -421,7 +437,7 @@ class StageCaller:
         self.metrics.bans.labels(stage=str(stage)).inc()
         # Failover is routine (a stream reset, a peer that left): the retry is counted in the report and
         # the metrics; only a microbatch that runs out of retries is worth a warning (RetriesExhaustedError).
-        logger.info(f"stage {stage}: {error}; retrying on another replica")
+        logger.info(f"stage {stage}: {error}; retrying")
 
     def _my_peer_id(self) -> str:
         p2p = getattr(self.client, "p2p", None)

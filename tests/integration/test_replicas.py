@@ -199,6 +199,39 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
             torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
 
 
+def test_a_backward_whose_answer_was_lost_is_asked_again_of_the_same_replica(make_swarm, tmp_path):
+    """Each stage-0 replica adds its first backward, then loses the answer on the way back (its stream
+    fails: --fault-lose-answer). Retried on the other replica, both would hold that microbatch's
+    gradients, and the averaged step would count it twice (the round's weight caps cannot take out
+    what is already summed). The trainer asks the same replica again first; it answers the repeat
+    without adding it, and the step is still one process's step."""
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / d), "--fault-lose-answer", "1") for d in "ab"]
+    peers.append(swarm.start_peer(1))
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
+    )
+    replica_metrics = [scrape(peer) for peer in peers[:2]]
+    stop_together(peers)
+    lost = [peer for peer in peers[:2] if "lost the answer to backward call 1" in peer.log()]
+    assert lost, "neither stage-0 replica served a backward"
+    assert report["backward_asked_again"] == len(lost), report
+    assert report["microbatches_lost"] == 0, report
+    for peer, metrics in zip(peers[:2], replica_metrics):
+        repeats = averaging_sample(metrics, "swarm_peer_backward_repeats_total")
+        assert repeats == (1 if peer in lost else 0), (peer.name, repeats)
+    accumulated = sum(averaging_sample(m, "swarm_peer_samples_accumulated_total") for m in replica_metrics)
+    assert accumulated == BATCH, accumulated  # every microbatch added once, on one replica
+    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
+    assert_same_params(a, b, atol=1e-6)
+    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
+    for name, value in a.items():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+
+
 def delayed_reference(config, kind: str, lr: float, steps: int, delay: int, predict: bool = False):
     """One process over `steps` batches with the update of step t applied `delay` steps late (after
     step t + delay's forward and backward; the last ones after training, as the trainer's flush does):

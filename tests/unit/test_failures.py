@@ -11,6 +11,7 @@ from swarm.trainer.failures import (
     TimeoutPolicy,
 )
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
+from wire.failures import Failure
 
 
 class FakeClock:
@@ -186,6 +187,39 @@ def test_stage_unavailable_error_says_what_to_do():
     assert isinstance(error, RoutingError)
     assert error.stage == 1 and error.reason == "all 3 replicas are banned"
     assert "stage 1" in str(error) and "Start a peer serving stage 1" in str(error)
+
+
+@pytest.mark.parametrize("kind", [Failure.TIMEOUT, Failure.TRANSPORT])
+def test_a_backward_lost_in_transit_is_asked_again_of_the_same_replica_once(kind):
+    budget = RetryBudget(stage=0, max_retries=3)
+    budget.record_failure("peer-a", "lost")
+    assert budget.ask_again("peer-a", "backward", kind)
+    budget.record_failure("peer-a", "lost again")
+    assert not budget.ask_again("peer-a", "backward", kind)  # twice: most likely gone, go elsewhere
+    budget.record_failure("peer-b", "lost")
+    assert budget.ask_again("peer-b", "backward", kind)  # once per replica
+
+
+@pytest.mark.parametrize(
+    ("task", "kind"),
+    [
+        ("forward", Failure.TIMEOUT),  # a forward adds nothing: any replica will do
+        ("backward", Failure.INTERNAL),  # an answer: the peer failed it and did not count it
+        ("backward", Failure.GARBAGE),
+        ("backward", Failure.WRONG_STAGE),
+    ],
+)
+def test_other_failures_go_to_another_replica(task, kind):
+    budget = RetryBudget(stage=0, max_retries=3)
+    budget.record_failure("peer-a", "failed")
+    assert not budget.ask_again("peer-a", task, kind)
+
+
+def test_no_ask_again_once_the_budget_is_spent():
+    budget = RetryBudget(stage=0, max_retries=0)
+    with pytest.raises(RetriesExhaustedError):
+        budget.record_failure("peer-a", "lost")
+    assert not budget.ask_again("peer-a", "backward", Failure.TIMEOUT)
 
 
 def test_retry_budget_rejects_negative_retries():

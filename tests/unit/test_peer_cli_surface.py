@@ -38,6 +38,7 @@ PEER_FLAGS = {
     "--fault-hold",  # added deliberately: hold one call mid-hop, for the kill tests (issue #23)
     "--fault-hold-after",
     "--fault-hold-s",
+    "--fault-lose-answer",  # added deliberately: an answer lost after the work was done (the orphan backward)
     "--fault-claim-speedup",  # added deliberately: a replica lying about its speed (issue #30)
     "--fault-fail-rate",
     "--fault-garbage",
@@ -129,6 +130,7 @@ PEER_VARIABLES = {
     "SWARM_FAULT_HOLD",  # added deliberately (issue #23)
     "SWARM_FAULT_HOLD_AFTER",
     "SWARM_FAULT_HOLD_S",
+    "SWARM_FAULT_LOSE_ANSWER",  # added deliberately
     "SWARM_FAULT_FAIL_RATE",
     "SWARM_FAULT_CLAIM_SPEEDUP",
     "SWARM_FAULT_GARBAGE",
