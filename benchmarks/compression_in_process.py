@@ -87,10 +87,17 @@ class Row:
     params: dict = field(default_factory=dict)
     subspace_rank: int = 0
     subspace_kind: str = "fixed"
+    gradient_codec: str | None = None  # the gradients' codec when it differs from the activations'
+
+    @property
+    def backward_codec(self) -> str:
+        return self.codec if self.gradient_codec is None else self.gradient_codec
 
     @property
     def label(self) -> str:
         codec = FP32_LABEL if self.codec == "none" else self.codec
+        if self.gradient_codec is not None:
+            codec = f"{codec}/{FP32_LABEL if self.gradient_codec == 'none' else self.gradient_codec}"
         if not self.subspace_rank:
             return codec
         base = f"{self.subspace_kind}:{self.subspace_rank}"
@@ -98,20 +105,27 @@ class Row:
 
 
 def parse_row(name: str, codecs: tuple[str, ...], params: dict | None = None) -> Row:
-    """`fp32`, a codec, `fixed:K` / `learned:K`, or `fixed:K+codec`; ValueError otherwise."""
+    """`fp32`, a codec, `fixed:K` / `learned:K`, or `fixed:K+codec`; the codec may be `ACT/GRAD`,
+    one for the activations and another for the gradients (`int4/fp32`: what each direction's
+    codec costs alone); ValueError otherwise."""
     subspace, plus, codec = name.partition("+")
     if not plus and ":" not in name:
         subspace, codec = "", name
+    codec, slash, gradient_codec = codec.partition("/")
     codec = "none" if codec in ("", FP32_LABEL) else codec
-    if codec not in codecs:
-        raise ValueError(f"{name!r}: unknown codec {codec!r}; choose from fp32, {', '.join(codecs)}")
+    gradient_codec = ("none" if gradient_codec == FP32_LABEL else gradient_codec) if slash else None
+    for each in (codec, gradient_codec):
+        if each is not None and each not in codecs:
+            raise ValueError(f"{name!r}: unknown codec {each!r}; choose from fp32, {', '.join(codecs)}")
     rank, kind = 0, "fixed"
     if subspace:
         kind, _, rank_text = subspace.partition(":")
         if kind not in SUBSPACE_KINDS or not rank_text.isdigit() or int(rank_text) < 1:
             raise ValueError(f"{name!r}: a subspace row is KIND:K[+codec], KIND one of {', '.join(SUBSPACE_KINDS)}")
         rank = int(rank_text)
-    return Row(codec=codec, params=dict(params or {}), subspace_rank=rank, subspace_kind=kind)
+    return Row(
+        codec=codec, params=dict(params or {}), subspace_rank=rank, subspace_kind=kind, gradient_codec=gradient_codec
+    )
 
 
 @dataclass
@@ -186,7 +200,9 @@ def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data, say=pr
             (loss * mb.size / spec.batch_size).backward()  # the last stage, down to its input
             for boundary in reversed(range(len(links))):
                 out, received = links[boundary]
-                grad = cross_boundary(received.grad, codec, params, counter, boundary=boundary, is_gradient=True)
+                grad = cross_boundary(
+                    received.grad, row.backward_codec, params, counter, boundary=boundary, is_gradient=True
+                )
                 out.backward(grad)
             step_loss += loss.item() * mb.size / spec.batch_size
         for optimizer in optimizers:
@@ -216,6 +232,7 @@ def train_row(spec: RunSpec, codec: str | Row, params: dict | None, data, say=pr
     total = counter.activation_bytes + counter.gradient_bytes + counter.token_id_bytes
     return {
         "codec": codec,
+        "gradient_codec": row.backward_codec,
         "label": row.label,
         "params": params,
         "subspace_rank": row.subspace_rank,

@@ -60,7 +60,12 @@ def test_row_names_parse_into_codec_and_subspace():
     assert parse_row("fixed:16", codecs) == Row(subspace_rank=16, subspace_kind="fixed")
     assert parse_row("learned:64+int4", codecs) == Row(codec="int4", subspace_rank=64, subspace_kind="learned")
     assert parse_row("learned:64+int4", codecs).label == "learned:64+int4"
-    for bad in ("topk", "fixed:0", "pca:8", "fixed:8+zip"):
+    # one codec each way: activations / gradients
+    assert parse_row("int4/fp32", codecs) == Row(codec="int4", gradient_codec="none")
+    assert parse_row("fp32/int4", codecs).backward_codec == "int4" and parse_row("fp32/int4", codecs).codec == "none"
+    assert parse_row("fixed:16+int8/int4", codecs).label == "fixed:16+int8/int4"
+    assert parse_row("int8", codecs).backward_codec == "int8"
+    for bad in ("topk", "fixed:0", "pca:8", "fixed:8+zip", "int4/zip", "zip/int4"):
         with pytest.raises(ValueError):
             parse_row(bad, codecs)
 
