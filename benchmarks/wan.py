@@ -24,6 +24,10 @@ replicas (hosts standby<i>) and the peer of `--kill-stage` SIGKILLed once `--kil
 are done, nobody slowed. Link bytes are every host pair's counter, peer-to-peer links included,
 as for GPipe; the trainer's share of them is reported apart (`trainer link B/tok`).
 
+A swarm run may serve a subspace model (issue #27): `direct-int4+fixed:32` is direct int4 where
+every peer and the trainer run with `--subspace-rank 32 --subspace-kind fixed`, so only the 32
+coefficients per token (in int4) and the token ids cross between stages.
+
 and prints and writes (JSON) for each, over the steps after `--warmup`: tokens/s; bytes per token
 on the links (every host pair's htb counter, so Ethernet/IP/TCP headers, encryption and DHT
 traffic included) and, for swarm, the tensor payload the trainer counted; the CPU seconds all
@@ -267,6 +271,16 @@ def _step_marker(step: int, steps: int) -> str:
 
 
 # --- the baseline ------------------------------------------------------------------------------------
+def _known_run(run: str) -> bool:
+    """A run of RUNS, or a swarm run of a codec with a subspace model (`direct-int4+fixed:32`)."""
+    base, plus, subspace = run.partition("+")
+    if not plus:
+        return run in RUNS
+    kind, _, rank = subspace.partition(":")
+    swarm_run = base in RUNS and base not in ("gpipe", "gpipe-kill", "faults", "direct-kill")
+    return swarm_run and kind in ("fixed", "learned") and rank.isdigit() and int(rank) > 0
+
+
 def run_gpipe(net: EmulatedNetwork, s: Settings, workdir: str, *, kill: bool) -> RunResult:
     name = "gpipe kill" if kill else "gpipe"
     _say(f"\n== {name}: ScheduleGPipe over gloo, ranks on {s.stage_hosts}")
@@ -373,20 +387,27 @@ def run_swarm(
     faults: bool,
     routing: str = "hub",
     kill_only: bool = False,
+    subspace: str = "",
 ) -> RunResult:
     """A swarm run. `faults`: standby replicas, the slow stage's peer slowed and the kill stage's peer
-    SIGKILLed; `kill_only` (with `faults`): nobody slowed."""
+    SIGKILLed; `kill_only` (with `faults`): nobody slowed. `subspace` ("fixed:32"): a subspace model,
+    its K coefficients per token in `codec` on the wire."""
     if routing == "direct":
         name = "direct kill" if faults else f"direct {codec}"
     else:
         name = "swarm faults" if faults else f"swarm {codec}"
+    subspace_args = []
+    if subspace:
+        kind, _, rank = subspace.partition(":")
+        subspace_args = ["--subspace-rank", rank, "--subspace-kind", kind]
+        name += f"+{subspace}"
     _say(
         f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
         + (f" + standby {s.standby_hosts}" if faults else "")
         + f", {routing} routing"
     )
-    report_path = os.path.join(workdir, f"{name.replace(' ', '-')}.json")
-    swarm_dir = os.path.join(workdir, name.replace(" ", "-"))
+    report_path = os.path.join(workdir, f"{name.replace(' ', '-').replace(':', '')}.json")
+    swarm_dir = os.path.join(workdir, name.replace(" ", "-").replace(":", ""))
     notes: list[str] = []
     started, meter, measured = time.monotonic(), None, None
     try:
@@ -394,7 +415,7 @@ def run_swarm(
             model=s.model,
             num_stages=len(s.stage_hosts),
             workdir=swarm_dir,
-            peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1"],
+            peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1", *subspace_args],
         ) as swarm:
             trainer_prefix = net.exec_prefix(s.trainer_host)
             swarm.start_bootstrap(60.0, "--host-maddrs", net.maddr(s.trainer_host), prefix=trainer_prefix)
@@ -428,6 +449,7 @@ def run_swarm(
                 net.maddr(s.trainer_host),
                 "--report",
                 report_path,
+                *subspace_args,
                 prefix=trainer_prefix,
             )
             meter = RunMeter(net, trainer.log_path, _step_marker(s.warmup, s.steps))
@@ -571,9 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wan: error: {e}", file=sys.stderr)
         return 2
     runs = args.runs.split(",")
-    unknown = set(runs) - set(RUNS)
+    unknown = {run for run in runs if not _known_run(run)}
     if unknown:
-        print(f"wan: error: unknown runs {sorted(unknown)}", file=sys.stderr)
+        print(
+            f"wan: error: unknown runs {sorted(unknown)} (a swarm run may add a subspace model: direct-int4+fixed:32)",
+            file=sys.stderr,
+        )
         return 2
     standby = {i: f"standby{i}" for i in (args.slow_stage, args.kill_stage) if f"standby{i}" in topology.hosts}
     settings = Settings(
@@ -614,16 +639,30 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(run_gpipe(net, settings, workdir, kill=run == "gpipe-kill"))
                     elif run.startswith("direct-"):
                         kill = run == "direct-kill"
-                        codec = args.kill_codec if kill else run.removeprefix("direct-")
+                        base, _, subspace = run.partition("+")
+                        codec = args.kill_codec if kill else base.removeprefix("direct-")
                         results.append(
                             run_swarm(
-                                net, settings, workdir, codec=codec, faults=kill, routing="direct", kill_only=kill
+                                net,
+                                settings,
+                                workdir,
+                                codec=codec,
+                                faults=kill,
+                                routing="direct",
+                                kill_only=kill,
+                                subspace=subspace,
                             )
                         )
                     else:
+                        base, _, subspace = run.partition("+")
                         results.append(
                             run_swarm(
-                                net, settings, workdir, codec="int8" if run == "faults" else run, faults=run == "faults"
+                                net,
+                                settings,
+                                workdir,
+                                codec="int8" if base == "faults" else base,
+                                faults=base == "faults",
+                                subspace=subspace,
                             )
                         )
                 except LocalSwarmError as e:  # peers that never came online: record it, go on
