@@ -107,7 +107,12 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
 ):
     swarm = make_swarm(num_stages=3, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
     swarm.start_bootstrap()
-    victim = swarm.start_peer(1, "--fault-hold", "forward" if hold == "hang" else hold, "--fault-hold-after", "3")
+    # hang: held after 6 forwards, when the trainer's chain timeout is learned from 5 answered chains
+    # (not its 60 s initial value, which the run would otherwise wait out)
+    held_after = "6" if hold == "hang" else "3"
+    victim = swarm.start_peer(
+        1, "--fault-hold", "forward" if hold == "hang" else hold, "--fault-hold-after", held_after
+    )
     first, other, last = swarm.start_peer(0), swarm.start_peer(1), swarm.start_peer(2)
     swarm.wait_online([first, victim, other, last])
     report_path = tmp_path / "report.json"
