@@ -222,6 +222,8 @@ class ChainRequest(BaseModel):
     # "adaptive" (each sender chooses for its link, wire/compression/policy.py); top-k's fraction
     codec: CodecMode = "none"
     topk_fraction: float = Field(default=0.1, gt=0.0, le=1.0)
+    # with "adaptive": the validation-loss cost its choices may add (wire/compression/policy.py); None: no budget
+    loss_budget: float | None = Field(default=None, ge=0.0, le=1.0)
     # how this peer encodes the 'grad_inputs' it answers: its caller's choice for their link
     response_codec: CodecName = "none"
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)

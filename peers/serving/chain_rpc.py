@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import torch
@@ -308,6 +309,7 @@ class ChainService:
                 forwarder_credential=self.credential,
                 codec=header.codec,
                 topk_fraction=header.topk_fraction,
+                loss_budget=header.loss_budget,
                 response_codec=response_codec.codec,
                 response_codec_params=response_codec.params,
             )
@@ -371,7 +373,14 @@ class ChainService:
 
         def choose(is_gradient: bool) -> CodecChoice:
             return self.codecs.choose(
-                header.codec, header.topk_fraction, peer_id, stage, numel, header.batch_size, is_gradient=is_gradient
+                header.codec,
+                header.topk_fraction,
+                peer_id,
+                stage,
+                numel,
+                header.batch_size,
+                is_gradient=is_gradient,
+                loss_budget=math.inf if header.loss_budget is None else header.loss_budget,
             )
 
         choice = choose(False)

@@ -19,6 +19,8 @@ Pure: no I/O, no asyncio.
 
 from __future__ import annotations
 
+import math
+
 from wire.compression import CodecChoice
 from wire.compression.policy import CodecPolicy, fixed_choice
 from wire.protocol import ADAPTIVE
@@ -47,12 +49,13 @@ class HopCodecs:
         batch_size: int,
         *,
         is_gradient: bool,
+        loss_budget: float = math.inf,
     ) -> CodecChoice:
         """The codec of one tensor on the hop to `peer_id` (a replica of `stage`): the run's fixed
-        codec, or with `adaptive` the policy's choice for that link."""
+        codec, or with `adaptive` the policy's choice for that link, within the run's loss budget."""
         if mode != ADAPTIVE:
             return fixed_choice(mode, topk_fraction)
-        return self.adaptive.choose(peer_id, stage, numel, batch_size, is_gradient=is_gradient)
+        return self.adaptive.choose(peer_id, stage, numel, batch_size, is_gradient=is_gradient, loss_budget=loss_budget)
 
     def observe(
         self,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class ChainCaller:
                     trainer_id=self._trainer_id(),
                     codec=caller.codecs.mode,
                     topk_fraction=caller.codecs.topk_fraction,
+                    loss_budget=None if math.isinf(caller.codecs.loss_budget) else caller.codecs.loss_budget,
                 )
                 wrong = check_served_by(route, result.served_by)
                 if wrong is not None:

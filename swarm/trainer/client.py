@@ -178,12 +178,14 @@ class StageClient:
         stage: int = 0,
         codec: str = "none",
         topk_fraction: float = 0.1,
+        loss_budget: float | None = None,
     ) -> ChainResult:
         """Direct routing: one microbatch's training pass, sent to `peer_id` (a stage-0 replica), which
         passes it on stage to stage along `route` (candidates for stages 1..S-1; `stage`: another first
         stage, which a peer refuses from anyone but a peer of the stage before). Raises
         ChainCallError on failure (which stage, which of its replicas were tried). `codec`: the run's
-        codec (or "adaptive"), which each peer applies to the hop it sends."""
+        codec (or "adaptive"), which each peer applies to the hop it sends; `loss_budget`: what its
+        adaptive choices may cost (None: no budget)."""
         request = write_request(
             ChainRequest(
                 model=self.model,
@@ -197,6 +199,7 @@ class StageClient:
                 credential=self.credential,
                 codec=codec,
                 topk_fraction=topk_fraction,
+                loss_budget=loss_budget,
             ),
             tensors,
         )

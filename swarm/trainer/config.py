@@ -17,6 +17,7 @@ Each section validates its own fields.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from dht.authority import RunAccessConfig
@@ -132,10 +133,20 @@ class CompressionSettings:
         choices=CODEC_MODES,
     )
     topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")
+    codec_loss_budget: float = option(
+        0.02,
+        help="with --codec adaptive: the validation-loss cost (0.02: 2%% worse at equal tokens) the chosen "
+        "codecs may add, from their measured costs on activations and gradients; a slow link then costs "
+        "time instead (inf: no budget, top-k on the slowest links)",
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ConfigError("topk_fraction must lie in (0, 1]")
+        if not (
+            self.codec_loss_budget >= 0.0 and (self.codec_loss_budget <= 1.0 or math.isinf(self.codec_loss_budget))
+        ):
+            raise ConfigError("--codec-loss-budget must be a fraction within [0, 1], or inf for none")
 
 
 @dataclasses.dataclass(kw_only=True)

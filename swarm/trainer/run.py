@@ -385,7 +385,9 @@ async def connect(
         model_hash=model_hash(model_config),
         authority=access.authority if access is not None else None,
     )
-    codecs = CodecPolicy(compression.codec, topk_fraction=compression.topk_fraction)
+    codecs = CodecPolicy(
+        compression.codec, topk_fraction=compression.topk_fraction, loss_budget=compression.codec_loss_budget
+    )
     caller = StageCaller(
         view,
         client,

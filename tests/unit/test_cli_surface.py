@@ -110,6 +110,9 @@ TRAIN_DEFAULTS_ADDED |= {"clip_grad_norm": 0.0}
 # Added deliberately (issue #27): subspace compression at stage boundaries; off by default.
 TRAIN_FLAGS_ADDED |= {"--subspace-rank", "--subspace-kind"}
 TRAIN_DEFAULTS_ADDED |= {"subspace_rank": 0, "subspace_kind": "fixed"}
+# Added deliberately (issue #27): what --codec adaptive may cost in validation loss; only adaptive reads it.
+TRAIN_FLAGS_ADDED |= {"--codec-loss-budget"}
+TRAIN_DEFAULTS_ADDED |= {"codec_loss_budget": 0.02}
 
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {

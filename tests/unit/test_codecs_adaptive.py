@@ -11,8 +11,10 @@ from wire.compression import LinkBandwidthMeter, LinkEstimate, choose_codec, enc
 from wire.compression.adaptive import (
     MIN_TOPK_FRACTION_ACTIVATION,
     MIN_TOPK_FRACTION_GRADIENT,
+    codecs_within,
     estimated_nbytes,
 )
+from wire.compression.policy import CodecPolicy
 
 MB = 1_000_000
 ACTIVATION_BYTES = 16 * 128 * 256 * 4  # a (B=16, T=128, d=256) float32 activation: 2 MiB
@@ -237,3 +239,79 @@ def test_meter_feeds_choose_codec():
     for _ in range(20):
         meter.record_transfer("slow", ACTIVATION_BYTES, ACTIVATION_BYTES / (0.25 * MB))  # 2 Mbit/s
     assert choose_codec(meter.estimate("slow"), ACTIVATION_BYTES, 0.2, is_gradient=False).codec == "topk"
+
+
+# The loss budget: only codecs whose measured loss cost fits (synthetic costs here; the measured
+# table is checked for what the trainer's default budget allows).
+COSTS = {
+    "activations": {"none": 0.0, "int8": 0.001, "int4": 0.03},
+    "gradients": {"none": 0.0, "int8": 0.001, "int4": 0.005},
+}
+
+
+def test_a_budget_allows_the_codecs_whose_costs_add_up_within_it():
+    assert codecs_within(0.0, COSTS) == {"activations": {"none"}, "gradients": {"none"}}
+    assert codecs_within(0.002, COSTS) == {"activations": {"none", "int8"}, "gradients": {"none", "int8"}}
+    # 1%: int4 fits on the gradients (0.5%) beside int8 on the activations, not on both
+    assert codecs_within(0.01, COSTS) == {"activations": {"none", "int8"}, "gradients": {"none", "int8", "int4"}}
+    # 3.1%: int4 on either side alone sends as few bytes; the cheaper split wins (0.6% against 3.1%)
+    assert codecs_within(0.031, COSTS) == {"activations": {"none", "int8"}, "gradients": {"none", "int8", "int4"}}
+    assert codecs_within(0.05, COSTS)["activations"] == {"none", "int8", "int4"}
+    with pytest.raises(ValueError):
+        codecs_within(-0.01, COSTS)
+
+
+def test_a_codec_without_a_measured_cost_is_never_allowed():
+    allowed = codecs_within(1.0)  # the measured table: top-k has no entry
+    assert "topk" not in allowed["activations"] | allowed["gradients"]
+    assert {"none", "int8", "int4"} <= allowed["activations"] & allowed["gradients"]
+
+
+def test_the_default_budget_allows_int4_activations_and_int8_gradients():
+    """2% (the trainer's default) on the measured costs: int4 on the activations (+0.9%) fits beside
+    int8 on the gradients; int4 on the gradients (+3.2%) does not, not even alone."""
+    allowed = codecs_within(0.02)
+    assert allowed == {"activations": {"none", "fp16", "int8", "int4"}, "gradients": {"none", "fp16", "int8"}}
+    assert codecs_within(0.005) == {"activations": {"none", "fp16", "int8"}, "gradients": {"none", "fp16", "int8"}}
+
+
+def test_more_budget_never_sends_more_bytes():
+    sent = []
+    for budget in (0.0, 0.0001, 0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 1.0):
+        allowed = codecs_within(budget)
+        sent.append(sum(min(estimated_nbytes(c, 4096, 4) for c in codecs) for codecs in allowed.values()))
+    assert sent == sorted(sent, reverse=True)
+
+
+def test_under_a_budget_a_slow_link_keeps_the_strongest_allowed_codec_and_takes_longer():
+    slow, target = link(0.25 * MB, 0.05), 0.2  # unbudgeted: top-k (see above)
+    choice = choose_codec(slow, ACTIVATION_BYTES, target, is_gradient=True, allowed=frozenset({"none", "int8"}))
+    assert choice.codec == "int8" and choice.estimated_transfer_s > 4 * target
+    with_int4 = choose_codec(
+        slow, ACTIVATION_BYTES, target, is_gradient=True, allowed=frozenset({"none", "int8", "int4"})
+    )
+    assert with_int4.codec == "int4"
+    # a fast link chooses as without a budget
+    fast = link(1000 * MB)
+    assert (
+        choose_codec(fast, ACTIVATION_BYTES, 10.0, is_gradient=False, allowed=frozenset({"none", "int8"})).codec
+        == "none"
+    )
+    assert (
+        choose_codec(fast, ACTIVATION_BYTES, 10.0, is_gradient=False, allowed=frozenset({"none", "fp16"})).codec
+        == "fp16"
+    )
+
+
+def test_the_policy_applies_its_budget_and_a_call_may_carry_another():
+    def on_a_slow_link(policy: CodecPolicy, **kwargs) -> str:
+        policy.observe("peer", 1, nbytes=1_000_000, transfer_s=4.0, compute_s=0.1, batch_size=4)  # 0.25 MB/s
+        return policy.choose("peer", 1, ACTIVATION_BYTES // 4, 4, is_gradient=True, **kwargs).codec
+
+    assert on_a_slow_link(CodecPolicy("adaptive")) == "topk"  # no budget (inf): as before
+    assert on_a_slow_link(CodecPolicy("adaptive", loss_budget=0.0)) == "none"
+    assert on_a_slow_link(CodecPolicy("adaptive", loss_budget=0.001)) == "int8"
+    assert on_a_slow_link(CodecPolicy("adaptive"), loss_budget=0.0) == "none"  # a chained call's budget
+    assert CodecPolicy("int4", loss_budget=0.0).choose("peer", 1, 4096, 4, is_gradient=True).codec == "int4"
+    with pytest.raises(ValueError):
+        CodecPolicy("adaptive", loss_budget=-1.0)

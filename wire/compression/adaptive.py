@@ -32,6 +32,12 @@ the compute the receiving stage spends on the same microbatch, see ``wire.compre
 
 The rule is monotone: more bandwidth or a longer target never yields a choice that sends fewer
 bytes (a more compressed codec that wins at some bandwidth also wins at every lower one). :class:`LinkBandwidthMeter` turns measured transfers into ``LinkEstimate``s.
+
+A loss budget bounds what the rule may choose (``allowed`` in ``choose_codec``, from
+``codecs_within``): only codecs whose measured validation-loss cost (``MEASURED_LOSS_COSTS``, for
+activations and gradients apart) fits the budget are candidates, and where none of them fits the
+link's target the most compressed of them is used anyway: the link then costs time, never loss.
+Codecs without a measurement (top-k) are never chosen under a budget.
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ MIN_TOPK_FRACTION_ACTIVATION = 0.05
 # ratio to the same conditions: 13.5 ns.
 CODEC_CPU_S_PER_VALUE = {"none": 0.8e-9, "fp16": 1.2e-9, "int8": 18.8e-9, "int4": 13.5e-9}
 DEFAULT_TOPK_SLACK = 4.0  # int8 may take up to this many times the target before top-k replaces it
+# Validation loss at equal tokens, relative to float32 (0.01 = 1% worse), of a codec on every boundary's
+# activations (forward) or gradients (backward) alone: `small` in 4 stages, 2,002,944 training tokens,
+# seed 0, the demo's learning-rate schedule (benchmarks/RESULTS.md, "The table at 2M tokens" and
+# "Each direction's codec alone"). int4: 1.9913 (activations) and 2.0370 (gradients) against fp32's
+# 1.9729; on both, 2.0487 (+3.84%). int8 was measured on both directions at once (+0.02%), and each
+# direction is given all of it. fp16 was not run: its rounding (2^-11 relative) is ~50x finer than
+# int8's, whose cost it is given. top-k is not here (not measured at 2M tokens; at 10% it cost +32%
+# on `tiny`'s activations): under a budget it is never chosen. One seed: differences under ~0.5% are
+# within what a second seed moved fp32 on `tiny` (0.6%).
+MEASURED_LOSS_COSTS: dict[str, dict[str, float]] = {
+    "activations": {"none": 0.0, "fp16": 0.0002, "int8": 0.0002, "int4": 0.0093},
+    "gradients": {"none": 0.0, "fp16": 0.0002, "int8": 0.0002, "int4": 0.0325},
+}
+# Payload bytes per float32 value, to rank what a budget allows (int8: about 1, plus a code table per tensor).
+_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.53125}
 _TOPK_VALUE_BYTES = 2  # float16 / bfloat16
 
 
@@ -105,6 +126,38 @@ def estimated_nbytes(codec: str, numel: int, bytes_per_element: int, fraction: f
     raise ValueError(f"no size estimate for codec {codec!r}")
 
 
+def codecs_within(
+    loss_budget: float, costs: dict[str, dict[str, float]] = MEASURED_LOSS_COSTS
+) -> dict[str, frozenset[str]]:
+    """The codecs the activations and the gradients may use (``{"activations": ..., "gradients":
+    ...}``) so that their measured costs, added, stay within ``loss_budget`` (a fraction of the
+    validation loss). Of every split of the budget between the two directions, the one whose most
+    compressed allowed codecs send the fewest bytes; ties go to the smaller cost. "none" is always
+    allowed; a codec without a measured cost never is."""
+    if not (math.isfinite(loss_budget) and loss_budget >= 0):
+        raise ValueError(f"loss_budget must be a finite fraction >= 0, got {loss_budget}")
+
+    def allowed(direction: str, threshold: float) -> frozenset[str]:
+        return frozenset({"none"} | {c for c, cost in costs[direction].items() if max(cost, 0.0) <= threshold})
+
+    best = None  # ((bytes per value of the two strongest codecs, cost), allowed sets)
+    for act_threshold in {0.0, *(max(c, 0.0) for c in costs["activations"].values())}:
+        for grad_threshold in {0.0, *(max(c, 0.0) for c in costs["gradients"].values())}:
+            if act_threshold + grad_threshold > loss_budget + 1e-12:
+                continue
+            sets = {
+                "activations": allowed("activations", act_threshold),
+                "gradients": allowed("gradients", grad_threshold),
+            }
+            score = (
+                sum(min(_BYTES_PER_VALUE[c] for c in codecs) for codecs in sets.values()),
+                act_threshold + grad_threshold,
+            )
+            if best is None or score < best[0]:
+                best = (score, sets)
+    return best[1]
+
+
 def choose_codec(
     link: LinkEstimate,
     tensor_nbytes: int,
@@ -114,6 +167,7 @@ def choose_codec(
     bytes_per_element: int = 4,
     min_fraction: float | None = None,
     topk_slack: float = DEFAULT_TOPK_SLACK,
+    allowed: frozenset[str] | None = None,
 ) -> CodecChoice:
     """The near-lossless codec that moves the tensor fastest within ``topk_slack * target_transfer_s``
     of serialization, else int4 if it fits that, else top-k (see the module doc).
@@ -121,6 +175,8 @@ def choose_codec(
     ``tensor_nbytes`` is the uncompressed size of a floating tensor with ``bytes_per_element``
     bytes per value (4 for float32). ``min_fraction`` overrides the role's top-k floor;
     ``topk_slack`` is how many times the target int8 may take before top-k is used instead.
+    ``allowed``: the only codecs to choose from (a loss budget's, ``codecs_within``); where none
+    of them fits, the one sending the fewest bytes.
     """
     if bytes_per_element not in (2, 4, 8):
         raise ValueError(f"bytes_per_element must be 2, 4 or 8 (a floating dtype), got {bytes_per_element}")
@@ -139,7 +195,10 @@ def choose_codec(
     bandwidth = link.bandwidth_bytes_per_s
     budget_bytes = topk_slack * target_transfer_s * bandwidth
     best = None  # (estimated seconds, codec, bytes); ties keep the less lossy codec, tried first
-    for codec in ["none", "fp16", "int8"] if bytes_per_element > 2 else ["none", "int8"]:
+    near_lossless = ["none", "fp16", "int8"] if bytes_per_element > 2 else ["none", "int8"]
+    for codec in near_lossless:
+        if allowed is not None and codec not in allowed:
+            continue
         nbytes = estimated_nbytes(codec, numel, bytes_per_element)
         seconds = CODEC_CPU_S_PER_VALUE[codec] * numel + nbytes / bandwidth
         if nbytes <= budget_bytes and (best is None or seconds < best[0]):
@@ -148,8 +207,15 @@ def choose_codec(
         _, codec, nbytes = best
         return CodecChoice(codec, {}, nbytes, link.transfer_s(nbytes))
     nbytes = estimated_nbytes("int4", numel, bytes_per_element)
-    if nbytes <= budget_bytes:
+    if nbytes <= budget_bytes and (allowed is None or "int4" in allowed):
         return CodecChoice("int4", {}, nbytes, link.transfer_s(nbytes))
+    if allowed is not None and "topk" not in allowed:  # the budget allows nothing smaller: time, not loss
+        fewest = min(
+            (c for c in [*near_lossless, "int4"] if c in allowed),
+            key=lambda c: estimated_nbytes(c, numel, bytes_per_element),
+        )
+        nbytes = estimated_nbytes(fewest, numel, bytes_per_element)
+        return CodecChoice(fewest, {}, nbytes, link.transfer_s(nbytes))
 
     value_and_index_bytes = _TOPK_VALUE_BYTES + index_dtype_for(numel).itemsize
     fitting_fraction = math.floor(budget_bytes / value_and_index_bytes) / numel  # numel > 0 here
