@@ -37,6 +37,17 @@ def assert_same_params(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
 
 
+def assert_stage0_replicas_took_one_process_step(tmp_path, clip_grad_norm: float | None = None) -> None:
+    """The two stage-0 replicas (checkpoints in tmp_path/a and /b) agree, and hold one process's
+    first SGD step (lr 0.5) on the swarm's first batch (optionally clipped), outside the blocks."""
+    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
+    assert_same_params(a, b, atol=1e-6)
+    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5, clip_grad_norm=clip_grad_norm)
+    for name, value in a.items():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0, msg=name)
+
+
 def run_trainer(swarm, tmp_path, *args, timeout=300):
     report_path = tmp_path / "report.json"
     trainer = swarm.start_trainer("--num-stages", "2", "--report", str(report_path), *args)
@@ -191,12 +202,7 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
         peer.stop()
     assert all("taking averaging round 1 as failed" in peer.log() for peer in peers[:2])
     assert report["sync_round_retries"] == 1 and report["replica_catch_ups"] == 0, report
-    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
-    assert_same_params(a, b, atol=1e-6)
-    _, reference = reference_update(config, "sgd", 0.5, clip_grad_norm=max_norm)
-    for name, value in a.items():
-        if not name.startswith("blocks."):
-            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+    assert_stage0_replicas_took_one_process_step(tmp_path, clip_grad_norm=max_norm)
 
 
 def test_a_backward_whose_answer_was_lost_is_asked_again_of_the_same_replica(make_swarm, tmp_path):
@@ -224,12 +230,7 @@ def test_a_backward_whose_answer_was_lost_is_asked_again_of_the_same_replica(mak
         assert repeats == (1 if peer in lost else 0), (peer.name, repeats)
     accumulated = sum(averaging_sample(m, "swarm_peer_samples_accumulated_total") for m in replica_metrics)
     assert accumulated == BATCH, accumulated  # every microbatch added once, on one replica
-    a, b = stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0)
-    assert_same_params(a, b, atol=1e-6)
-    _, reference = reference_update(get_model_config("tiny"), "sgd", 0.5)
-    for name, value in a.items():
-        if not name.startswith("blocks."):
-            torch.testing.assert_close(value, reference[name].detach(), atol=1e-5, rtol=0)
+    assert_stage0_replicas_took_one_process_step(tmp_path)
 
 
 def delayed_reference(config, kind: str, lr: float, steps: int, delay: int, predict: bool = False):
