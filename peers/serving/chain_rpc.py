@@ -26,9 +26,12 @@ microbatch id on every hop and on every attempt (a hop's failover and the traine
 ran the backward of a microbatch whose answer was then lost (the peer above it died, a timeout)
 answers the repeat without counting it twice. What a replica cannot know is that another replica
 of its stage served the same microbatch in an attempt that failed further up: then both hold its
-gradients. (Hub routing avoids that case by asking a backward lost in transit of the same replica
-once more before any other, `RetryBudget.ask_again`; a chain is re-driven on a new route.) The trainer counts the samples each replica served from the one chain answer that
-succeeded (`served_by`), and the sync round caps each replica's weight at that count, so the orphan
+gradients. So a call whose stream broke (the answer may be lost after the work was done) is made
+again to the same replica before any other: by a hop to the same candidate, by the trainer along the
+same route (`swarm.trainer.chain_call`), as hub routing asks a backward lost in transit of the same
+replica (`RetryBudget.ask_again`). A timeout is not asked again (the chain below may be hung), and
+an orphan is then still possible. The trainer counts the samples each replica served from the one
+chain answer that succeeded (`served_by`), and the sync round caps each replica's weight at that count, so the orphan
 attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
 chain answers.
 
@@ -53,6 +56,7 @@ from hivemind.proto import runtime_pb2
 
 from dht.records import PeerState
 from models.stages import boundary_width
+from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
@@ -103,7 +107,7 @@ class ChainService:
         received = time.perf_counter()
         serving.in_flight += 1
         held = None
-        failed_as, samples = None, 0
+        failed_as, samples, lost = None, 0, False
         try:
             request = await read_request(requests, ChainRequest, max_decoded_bytes=stages.max_decoded_bytes)
             arrived = time.perf_counter()
@@ -158,6 +162,8 @@ class ChainService:
                 handler_s=time.perf_counter() - arrived,
             )
             serving.requests_served += 1
+            if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
+                lost = runtime.answer_lost("backward")
         except ChainHopError as e:
             serving.requests_failed += 1
             failed_as = Failure.INTERNAL
@@ -194,6 +200,8 @@ class ChainService:
                 samples=samples,
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
+        if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
+            raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
         messages = write_response(response, outputs, stages.bytes)
         if outputs:  # a gradient back to the caller: in turn with the others on that link
             messages = self.turns.in_turn(caller, messages)
@@ -289,12 +297,14 @@ class ChainService:
         encodings: dict[tuple, EncodedTensor] = {}  # the outputs per codec choice, each made once
         # what passes on as it came: the targets, and the token ids a subspace model's later stages need
         carried = [(name, item) for name, item in (("targets", targets), ("tokens", tokens)) if item is not None]
-        tried, reasons = [], []
-        for peer_id in header.route[0]:
+        tried, reasons, candidates, asked_again = [], [], list(header.route[0]), set()
+        while candidates:
+            peer_id = candidates.pop(0)
             timeout_s = deadline - time.monotonic()
             if timeout_s <= 0:
                 break
-            tried.append(peer_id)
+            if peer_id not in tried:
+                tried.append(peer_id)
             sent, response_codec = self._hop_tensors(header, peer_id, outputs, carried, encodings)
             request = ChainRequest(
                 model=header.model,
@@ -323,6 +333,9 @@ class ChainService:
                 continue
             except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
                 reasons.append(f"{peer_id[-8:]}: {type(e).__name__}: {e}")
+                if peer_id not in asked_again:  # the stream broke: its stages may hold this microbatch already,
+                    asked_again.add(peer_id)  # and only they answer a repeat without adding it: ask it first
+                    candidates.insert(0, peer_id)
                 continue
             response = answer.header
             if response.error is not None:
@@ -351,7 +364,7 @@ class ChainService:
                 compute_s=response.compute_s,
                 batch_size=header.batch_size,
             )
-            return response, grad, tried[:-1]
+            return response, grad, [p for p in tried if p != peer_id]
         raise ChainHopError(
             next_stage,
             tried,

@@ -9,6 +9,9 @@ for that stage. When the chain fails beyond those (or the stage-0 replica does),
 failed are banned and the microbatch is re-driven from the start on a new route, with the same
 microbatch id: a replica that already ran that microbatch's backward in a failed attempt answers a
 repeat without accumulating it twice (the argument, and its limits, are in chain_rpc.py's docstring).
+A call whose stream broke is re-driven once along the same route first (`charge_route`): its
+replicas may have added the microbatch before the answer was lost, and only they can answer it
+without adding it again.
 After `max_retries` failed attempts it waits for the swarm as hub routing does, refreshing the view,
 and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
 
@@ -24,7 +27,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from swarm.trainer.chain_route import check_served_by, choose_route, settle_route
+from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, settle_route
 from swarm.trainer.client import ChainCallError, PeerCallError
 from swarm.trainer.data import Microbatch
 from swarm.trainer.failures import NotAllowedError, StageUnavailableError, refused_as_not_allowed
@@ -57,14 +60,20 @@ class ChainCaller:
         tensors = [("inputs", encode_tensor(mb.inputs, "none")), ("targets", encode_tensor(mb.targets, "none"))]
         failed: set[str] = set()  # replicas that failed this microbatch: not named again (until we wait)
         attempts, waited_since = 0, None
+        # A route whose first call's stream broke is driven once more as it was: its replicas may hold
+        # this microbatch's gradients already, and only they answer the repeat without adding it.
+        again, asked_again = None, set()
         while True:
-            exclude = view.bans.banned() | failed | caller.not_allowed_by.keys()
-            route = choose_route(
-                view.schedulers,
-                mb.size,
-                [exclude | view.violations.banned(stage) for stage in range(view.num_stages)],
-                alternates=self.alternates,
-            )
+            route = None if again is None else charge_route(view.schedulers, again, mb.size)
+            again = None
+            if route is None:
+                exclude = view.bans.banned() | failed | caller.not_allowed_by.keys()
+                route = choose_route(
+                    view.schedulers,
+                    mb.size,
+                    [exclude | view.violations.banned(stage) for stage in range(view.num_stages)],
+                    alternates=self.alternates,
+                )
             if route is None or attempts > caller.max_retries:
                 if route is None and caller.not_allowed_by:
                     raise NotAllowedError(0, self._trainer_id(), list(caller.not_allowed_by.values()))
@@ -96,6 +105,11 @@ class ChainCaller:
                 settle_route(view.schedulers, route, mb.size, [])
                 attempts += 1
                 self._note_failure(e, route, failures, time.perf_counter() - started)
+                if e.kind == Failure.TRANSPORT and getattr(e, "stage", 0) == 0 and route[0][0] not in asked_again:
+                    asked_again.add(route[0][0])
+                    again = route
+                    caller.counters.backward_asked_again += 1
+                    continue
                 failed |= set(getattr(e, "failed_peers", [e.peer_id]))
                 continue
             elapsed = time.perf_counter() - started

@@ -52,6 +52,20 @@ def choose_route(
     return route
 
 
+def charge_route(
+    schedulers: Sequence[ReplicaScheduler], route: Sequence[Sequence[str]], batch_size: int
+) -> list[list[str]] | None:
+    """`route` once more, charged as `choose_route` charges a route it chooses (the first replica
+    of each stage); None, charging nobody, when a first replica it names is no longer known."""
+    if len(route) != len(schedulers) or any(
+        not candidates or candidates[0] not in scheduler.keys_s() for scheduler, candidates in zip(schedulers, route)
+    ):
+        return None
+    for scheduler, candidates in zip(schedulers, route):
+        scheduler.choose(CHAIN_TASK, batch_size, exclude=set(scheduler.keys_s()) - {candidates[0]})
+    return [list(candidates) for candidates in route]
+
+
 def settle_route(
     schedulers: Sequence[ReplicaScheduler], route: Sequence[Sequence[str]], batch_size: int, served_by: Sequence[str]
 ) -> None:

@@ -78,7 +78,9 @@ class TrainingReport:
     wire_bytes_per_token: float = 0.0
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
-    backward_asked_again: int = 0  # backwards lost in transit, asked of the same replica once more first
+    backward_asked_again: int = (
+        0  # backwards (hub) or chains (direct) lost in transit, asked again of the same replicas first
+    )
     grad_norms: list[float] = field(default_factory=list)  # --clip-grad-norm: each step's global norm, unclipped
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation

@@ -73,7 +73,7 @@ class CallCounters:
     calls_by_peer: dict[str, int] = field(default_factory=dict)
     backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
-    backward_asked_again: int = 0  # backwards that failed in transit, asked of the same replica once more
+    backward_asked_again: int = 0  # backwards (chains) that failed in transit, asked of the same replica(s) once more
     calls_verified: int = 0  # forward calls sent to a second replica too (spot checks)
     verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
     verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not

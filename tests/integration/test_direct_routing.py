@@ -195,15 +195,19 @@ def test_a_run_with_an_authority_trains_through_chains_and_refuses_a_chain_from_
     assert first.alive and last.alive
 
 
-def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm, tmp_path):
+@pytest.mark.parametrize("lose_answer", [False, True], ids=["", "answers-lost"])
+def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm, tmp_path, lose_answer):
     """Two stage-0 replicas each serve part of the batch through chains; the trainer counts what each
     served from the chains' `served_by`, which caps each one's weight in the sync round: counted
-    wrong, the averaged step would not be the one-process step."""
+    wrong, the averaged step would not be the one-process step. answers-lost: each stage-0 replica
+    adds its first chain's gradients and then its stream breaks (--fault-lose-answer); the trainer
+    drives that chain again along the same route, whose replicas answer without adding it twice."""
     swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
     swarm.start_bootstrap()
+    fault = ["--fault-lose-answer", "1"] if lose_answer else []
     peers = [
-        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
-        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b")),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"), *fault),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"), *fault),
         swarm.start_peer(1, "--checkpoint-dir", str(tmp_path / "c")),
     ]
     swarm.wait_online(peers)
@@ -211,8 +215,13 @@ def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm,
         swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
         "--routing", "direct",
     )  # fmt: skip
+    metrics = [scrape(peer) for peer in peers]
     stop_together(peers)
     assert report["microbatches_lost"] == 0
+    lost = [peer for peer in peers[:2] if "lost the answer to backward call 1" in peer.log()]
+    assert report["backward_asked_again"] == len(lost) and (lost or not lose_answer), report
+    for stage_metrics in (metrics[:2], metrics[2:]):  # every microbatch added once on each stage
+        assert sum(averaging_sample(m, "swarm_peer_samples_accumulated_total") for m in stage_metrics) == BATCH
     assert_stage0_replicas_took_one_process_step(tmp_path)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from peers.serving.chain_rpc import hop_timeout_s
 from process.config import ConfigError, from_sources
-from swarm.trainer.chain_route import check_served_by, choose_route, settle_route
+from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, settle_route
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 
@@ -81,6 +81,20 @@ def test_settling_a_served_route_frees_the_charge_and_a_failed_one_keeps_the_tim
     charged = stages[0].keys_s()[route[0][0]]
     settle_route(stages, route, 4, [])  # failed at once: the charge is given back
     assert stages[0].keys_s()[route[0][0]] < charged
+
+
+def test_a_route_driven_again_charges_its_first_replicas_as_when_chosen():
+    stages = schedulers({"a0": 1.0, "a1": 1.0}, {"b0": 1.0, "b1": 1.0})
+    route = choose_route(stages, 4, [set(), set()], alternates=1)
+    settle_route(stages, route, 4, [])  # its first call's stream broke
+    before = [s.keys_s() for s in stages]
+    assert charge_route(stages, route, 4) == route  # the same replicas, even where another is less busy now
+    for stage, candidates in enumerate(route):
+        assert stages[stage].keys_s()[candidates[0]] > before[stage][candidates[0]]
+        assert all(stages[stage].keys_s()[p] == before[stage][p] for p in candidates[1:])
+    gone = [[route[0][0]], ["b9"]]  # a first replica no longer known: no route, nobody charged
+    keys = [s.keys_s() for s in stages]
+    assert charge_route(stages, gone, 4) is None and [s.keys_s() for s in stages] == keys
 
 
 def test_served_by_must_fit_the_route():
