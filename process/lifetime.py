@@ -133,12 +133,15 @@ def bind_children_to_parent() -> None:
 def die_with_parent(sig: int = PARENT_DEATH_SIGNAL) -> Callable[[], None] | None:
     """A `preexec_fn` for `subprocess.Popen` that binds the child to this process (None off the
     main thread, where the signal would follow the calling thread, not the process). A role of ours
-    takes the default, SIGHUP, as "the swarm is going down: keep what matters, stop now"."""
+    takes the default, SIGHUP, as "the swarm is going down: keep what matters, stop now". The child
+    starts with the signal's default action: an ignored signal survives exec, and under `nohup`
+    SIGHUP is ignored, so a bound child would otherwise outlive its parent."""
     if threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
 
     def preexec() -> None:
+        signal.signal(sig, signal.SIG_DFL)
         set_parent_death_signal(sig)
         if os.getppid() != parent:
             os._exit(1)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from process.lifetime import ShutdownSignals, die_with_parent, process_tree, remove_stale_temporaries
 
 
@@ -36,11 +38,15 @@ def test_process_tree_lists_children_and_grandchildren():
         child.wait()
 
 
-def test_a_child_bound_to_its_parent_dies_with_it_after_sigkill():
+@pytest.mark.parametrize("nohup", [False, True], ids=["", "under-nohup"])
+def test_a_child_bound_to_its_parent_dies_with_it_after_sigkill(nohup):
     # A middle process starts a bound grandchild, prints its pid and is killed; the grandchild must follow.
+    # under-nohup: the middle ignores SIGHUP, as everything started by nohup does, and an ignored
+    # signal would pass on to the grandchild through fork and exec.
     code = (
-        "import subprocess, sys, time\n"
-        "from process.lifetime import die_with_parent\n"
+        "import signal, subprocess, sys, time\n"
+        + ("signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" if nohup else "")
+        + "from process.lifetime import die_with_parent\n"
         "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent())\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
