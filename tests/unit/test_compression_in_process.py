@@ -9,6 +9,8 @@ import math
 import pytest
 
 from benchmarks.compression import main
+from benchmarks.compression_rows import main as rows_main
+from benchmarks.compression_rows import parse_rows
 from models.config import get_model_config
 from wire.compression.int4 import int4_nbytes
 
@@ -96,3 +98,30 @@ def test_rows_follow_the_peers_learning_rate_schedule():
     assert schedule.rate(0) == pytest.approx(1e-4) and schedule.rate(9) == pytest.approx(1e-3)
     assert schedule.rate(99) == pytest.approx(1e-4, rel=0.01)  # a tenth of lr at the end, as the demo's
     assert RunSpec(model="tiny").schedule.rate(0) == RunSpec(model="tiny").lr  # constant unless asked
+
+
+def test_row_list_takes_an_optional_seed_per_row():
+    assert parse_rows("fp32,int8@1, fixed:16+int4/int8@2", default_seed=7) == [
+        ("fp32", 7),
+        ("int8", 1),
+        ("fixed:16+int4/int8", 2),
+    ]
+    for bad in ("fp32,,int8", "int8@", "int8@x"):
+        with pytest.raises(ValueError):
+            parse_rows(bad, default_seed=0)
+
+
+@pytest.mark.slow
+def test_rows_side_by_side_merge_into_one_table_and_name_the_row_that_failed(tmp_path):
+    out = tmp_path / "rows.json"
+    argv = ["--jobs", "3", "--rows", "fp32,fp32@1,nosuchcodec", "--out", str(out), "--"]
+    argv += ["--model", "tiny", "--stages", "2", "--tokens", "64", "--batch-size", "2", "--microbatch-size", "1"]
+    argv += ["--eval-batches", "1", "--threads", "1"]
+    assert rows_main(argv) == 1  # one row failed; the others are kept
+    report = json.loads(out.read_text())
+    assert report["missing"] == ["nosuchcodec@0"] and report["seeds"] == [0, 1]
+    rows = {row["label"]: row for row in report["results"]}
+    assert set(rows) == {"fp32", "fp32@1"} and (rows["fp32"]["seed"], rows["fp32@1"]["seed"]) == (0, 1)
+    assert rows["fp32"]["val_loss_ratio_to_fp32"] == 1.0  # every ratio is to the first seed's fp32
+    assert rows["fp32@1"]["val_loss_ratio_to_fp32"] == rows["fp32@1"]["val_loss"] / rows["fp32"]["val_loss"]
+    assert rows["fp32"]["train_losses"] != rows["fp32@1"]["train_losses"]  # the seed reached the row
