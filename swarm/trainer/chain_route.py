@@ -62,7 +62,7 @@ def charge_route(
     ):
         return None
     for scheduler, candidates in zip(schedulers, route):
-        scheduler.choose(CHAIN_TASK, batch_size, exclude=set(scheduler.keys_s()) - {candidates[0]})
+        scheduler.charge(candidates[0], CHAIN_TASK, batch_size)
     return [list(candidates) for candidates in route]
 
 

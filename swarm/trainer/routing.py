@@ -171,11 +171,23 @@ class ReplicaScheduler:
                 peer_id = cached_on
         if task == "backward" and peer_id == cached_on:
             task, cost = "backward_cached", self._task_costs["backward_cached"]
-        replica = self._replicas[peer_id]
+        self.charge(peer_id, task, samples)
+        return peer_id
+
+    def charge(self, peer_id: str, task: Task, samples: int) -> bool:
+        """Charge `peer_id` this task without choosing: a call made again to the same replica (a
+        backward whose answer was lost) is charged like any call, so its report settles its own
+        charge and not another pending task of the peer. False, charging nobody, when the peer is
+        no longer known."""
+        cost = self._task_cost(task)
+        _check_samples(samples)
+        replica = self._replicas.get(peer_id)
+        if replica is None:
+            return False
         charge_s = samples * cost * replica.seconds_per_sample
         replica.key_s += charge_s
         replica.pending.append(_PendingTask(task, samples, charge_s, self._clock()))
-        return peer_id
+        return True
 
     def report_success(self, peer_id: str, task: Task, samples: int, elapsed_s: float) -> None:
         """Fold a measured call into the peer's throughput EMA.

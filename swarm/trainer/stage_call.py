@@ -170,10 +170,12 @@ class StageCaller:
         budget = RetryBudget(stage, max_retries=self.max_retries)
         waited_since, again = None, None  # again: the replica a failed backward is asked of once more
         while True:
-            asking_again = again is not None
+            # asked again: charged like any call, so its answer settles its own charge
+            asking_again = again is not None and scheduler.charge(again, rpc, batch_size)
             if asking_again:
                 peer_id, again = again, None
             else:
+                again = None
                 exclude = bans.banned() | budget.failed_peers() | self.view.violations.banned(stage)
                 exclude |= newcomers.excluded(set(scheduler.keys_s()) - exclude)
                 peer_id = scheduler.choose(

@@ -232,6 +232,22 @@ def test_timed_out_failure_keeps_the_time_the_peer_was_tied_up():
     assert scheduler.keys_s()["a"] == pytest.approx(4.0)
 
 
+def test_a_call_made_again_to_the_same_replica_settles_its_own_charge():
+    clock = FakeClock()
+    scheduler = make_scheduler({"a": 1.0, "b": 1.0}, clock=clock)
+    assert scheduler.choose("backward", 4, exclude={"b"}) == "a"  # microbatch 1: its answer is lost
+    assert scheduler.choose("backward", 4, exclude={"b"}) == "a"  # microbatch 2, still pending
+    scheduler.report_failure("a")
+    assert scheduler.charge("a", "backward", 4)  # microbatch 1 asked of a again
+    scheduler.report_success("a", "backward", 4, 0.0)
+    # microbatch 2's charge is still pending: its failure settles it (an uncharged repeat would
+    # have settled it early, and this failure would find nothing to settle)
+    keys = scheduler.keys_s()["a"]
+    scheduler.report_failure("a")
+    assert scheduler.keys_s()["a"] == pytest.approx(keys - 4 * 2.5)
+    assert not scheduler.charge("gone", "backward", 4) and "gone" not in scheduler.keys_s()
+
+
 def test_failure_does_not_change_throughput():
     scheduler = make_scheduler({"a": 3.0})
     scheduler.choose("forward", 1)
