@@ -30,7 +30,7 @@ from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
 from peers.compute import devices  # noqa: E402
 from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
 from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
 
 
@@ -188,15 +188,24 @@ def main() -> int:
             )
             if run is swarm_run:
                 kwargs["max_in_flight"] = args.max_in_flight
-            results.append(run(args.model, device, optimizer, args.precision, **kwargs))
+            try:
+                results.append(run(args.model, device, optimizer, args.precision, **kwargs))
+            except (LocalSwarmError, RuntimeError, OSError) as e:  # the other layouts still run and are kept
+                layout = f"{'swarm 2 stages' if run is swarm_run else 'plain pytorch'}, {optimizer}"
+                results.append({"layout": layout, "error": str(e)})
+                print(f"{layout:<40} failed: {e}", flush=True)
+                continue
             print(f"{results[-1]['layout']:<40} {results[-1]['tokens_per_s']:>10,.0f} tokens/s", flush=True)
-    for r in results:
-        plain = next(p for p in results if p["layout"] == f"plain pytorch, {r['layout'].rsplit(', ', 1)[1]}")
-        r["ratio_to_plain_same_optimizer"] = r["tokens_per_s"] / plain["tokens_per_s"]
+    measured = [r for r in results if "error" not in r]
+    for r in measured:
+        optimizer = r["layout"].rsplit(", ", 1)[1]
+        plain = next((p for p in measured if p["layout"] == f"plain pytorch, {optimizer}"), None)
+        r["ratio_to_plain_same_optimizer"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
     print("\nlayout                                     tokens/s   ratio   final loss")
-    for r in results:
+    for r in measured:
+        ratio = r["ratio_to_plain_same_optimizer"]
         print(
-            f"{r['layout']:<40} {r['tokens_per_s']:>10,.0f}   {r['ratio_to_plain_same_optimizer']:.2f}    "
+            f"{r['layout']:<40} {r['tokens_per_s']:>10,.0f}   {'-' if ratio is None else f'{ratio:.2f}':>5}    "
             f"{r['final_loss']:.3f}"
         )
     out = {
@@ -213,7 +222,7 @@ def main() -> int:
         "results": results,
     }
     write_report(args.out, out)
-    return 0
+    return 1 if len(measured) < len(results) else 0
 
 
 if __name__ == "__main__":

@@ -123,7 +123,9 @@ class LocalSwarm:
             if not process.alive:
                 raise LocalSwarmError(f"the bootstrap node exited:\n{process.log()[-2000:]}")
             if time.monotonic() > deadline:
-                raise LocalSwarmError(f"the bootstrap node did not start within {timeout_s} s")
+                raise LocalSwarmError(
+                    f"the bootstrap node did not start within {timeout_s} s; its log ends:\n{process.log()[-2000:]}"
+                )
             time.sleep(0.1)
         with open(maddrs_file) as f:
             self.initial_peers = [line.strip() for line in f if line.strip()]
