@@ -22,6 +22,20 @@ EXIT_USAGE = 2
 PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose"})
 PROCESS_VARIABLES = frozenset({"SWARM_VERBOSE"})
 QUIET_LIBRARIES = ("bitsandbytes",)  # warn about optional kernels we never use; shown at SWARM_LOGLEVEL=INFO/DEBUG
+# Library warnings that say nothing a user can act on; shown at SWARM_LOGLEVEL=INFO/DEBUG. asyncio's
+# line comes when a stream's bytes are still being written after its connection was lost: a caller
+# that stopped while a peer was answering it (the answer is dropped either way, and the peer's own
+# call ends in an error it handles).
+QUIET_MESSAGES = {"asyncio": frozenset({"socket.send() raised exception."})}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, messages: frozenset[str]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.messages
 
 
 def _configure_logging() -> None:
@@ -31,6 +45,8 @@ def _configure_logging() -> None:
     if logging.getLogger().getEffectiveLevel() >= logging.WARNING:
         for name in QUIET_LIBRARIES:
             logging.getLogger(name).setLevel(logging.ERROR)
+        for name, messages in QUIET_MESSAGES.items():
+            logging.getLogger(name).addFilter(_DropMessages(messages))
 
 
 def verbose(args: argparse.Namespace) -> bool:

@@ -62,3 +62,17 @@ def test_a_short_demo_logs_no_traceback_and_no_warning(tmp_path, ending):
         if name.startswith("peer-"):
             assert re.search(r"^peer Qm\w+ starting: tiny, stage \d of 2", text, re.MULTILINE), text
     assert re.search(r"^trainer Qm\w+ starting: tiny", logs["trainer.log"], re.MULTILINE), logs["trainer.log"]
+
+
+@pytest.mark.parametrize("level, shown", [(None, False), ("INFO", True)])
+def test_a_library_line_a_user_cannot_act_on_is_shown_only_when_asked_for(level, shown):
+    """asyncio's "socket.send() raised exception." (a caller that went away mid-answer) once ended a
+    healthy demo's peer log; other asyncio warnings still show."""
+    script = (
+        "import logging; from swarm.cli import _configure_logging; _configure_logging(); "
+        "log = logging.getLogger('asyncio'); log.warning('socket.send() raised exception.'); log.warning('other')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SWARM_LOGLEVEL"} | ({"SWARM_LOGLEVEL": level} if level else {})
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert ("socket.send() raised exception." in result.stderr) == shown and "other" in result.stderr
