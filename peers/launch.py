@@ -33,7 +33,6 @@ from peers.serving.host import PeerHost
 from process.config import ConfigError
 from process.lifetime import remove_stale_temporaries, stop_events_in_loop
 from process.metrics_http import advertised_metrics_addr, serve_metrics
-from wire import compression
 
 
 def run_peer(config: PeerConfig) -> None:
@@ -139,7 +138,8 @@ def run_peer(config: PeerConfig) -> None:
         built = builder.build(stage)
         if config.faults.enabled:
             print(f"fault injection on: {config.faults}", flush=True)
-        compression.BlockwiseInt8Codec.warm_up()  # bitsandbytes loads its kernels on first use (~1-2 s)
+        # bitsandbytes (int8) is not loaded here: it costs ~2 s of CPU at start, and most runs never
+        # ask a peer for int8. The first int8 call pays it once, well inside a call's first timeout.
         runtime, averaging = built.runtime, built.averaging
         asyncio.run(
             _serve_until_signalled(
