@@ -96,7 +96,9 @@ class ScheduleSettings:
         0.0,
         help="clip each step's gradient to this norm over every stage together, as one process's "
         "clip_grad_norm_ would (0 = off). Sync replicas average, report their gradient's norm and step "
-        "once the trainer sends the scale: one more round trip a step; replicas of other modes do not clip",
+        "once the trainer sends the scale: one more round trip a step; replicas of other modes do not clip. "
+        "Several trainers of one run compute the same scale from the same answers (a replica answers a "
+        "step's repeated commit with its first answer), and a replica steps on the first scale it gets",
     )
 
     def __post_init__(self) -> None:
@@ -213,10 +215,5 @@ class TrainerConfig:
             raise ConfigError(str(e)) from None
         if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError("num_stages must be at least 1")
-        if self.schedule.clip_grad_norm and self.corpus.shard[1] > 1:
-            raise ConfigError(
-                "--clip-grad-norm is not supported with several trainers (--data-shard I/N, N > 1) yet: "
-                "each would clip the shared step on its own"
-            )
         if self.schedule.routing == "direct" and self.verification.verify_fraction:
             raise ConfigError("--routing direct has no spot checks yet: use --verify-fraction 0 with it")

@@ -12,6 +12,8 @@ import signal
 
 import pytest
 
+from models.config import get_model_config
+from models.stages import build_stage
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from tests.integration.polling import wait_for
 from tests.integration.processes import stop_together
@@ -62,3 +64,47 @@ def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(m
         assert_same_params(
             stage_params(tmp_path / f"s{stage}a", stage), stage_params(tmp_path / f"s{stage}b", stage), 1e-6
         )
+
+
+def test_two_trainers_clip_the_shared_step_by_one_global_norm(make_swarm, tmp_path):
+    """Clipping with several trainers: each trainer computes the scale from the replicas' answers to
+    the step's "prepare", which every replica gives alike to every trainer (a repeated commit gets
+    the first answer), so both find the same norm; a replica steps once, on the first scale it gets."""
+    steps, clip = 6, 0.05  # a norm far below the gradient's: every step is clipped
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [
+        swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / f"s{stage}{replica}"))
+        for stage in (0, 1)
+        for replica in "ab"
+    ]
+    swarm.wait_online(peers)
+    common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--steps", str(steps)]
+    common += ["--clip-grad-norm", str(clip)]
+    trainers = [
+        swarm.start_trainer(*common, "--data-shard", f"{i}/2", "--report", str(tmp_path / f"t{i}.json"), name=f"t{i}")
+        for i in range(2)
+    ]
+    for trainer in trainers:
+        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    stop_together(peers)
+    reports = [json.loads((tmp_path / f"t{i}.json").read_text()) for i in range(2)]
+    assert all(r["steps"] == steps and r["microbatches_lost"] == 0 for r in reports), reports
+    norms = [r["grad_norms"] for r in reports]
+    shared = min(len(n) for n in norms)  # a trainer that joined a step late commits from there on
+    assert shared >= steps // 2 and norms[0][-shared:] == norms[1][-shared:], norms
+    assert all(norm > clip for n in norms for norm in n), norms
+    moved_sq = 0.0
+    for stage in (0, 1):
+        steps_done = [
+            load_checkpoint(checkpoint_path(str(tmp_path / f"s{stage}{r}"), "tiny", stage, 2))[0].steps_done
+            for r in "ab"
+        ]
+        assert steps_done == [steps, steps], (stage, steps_done)
+        trained = stage_params(tmp_path / f"s{stage}a", stage)
+        assert_same_params(trained, stage_params(tmp_path / f"s{stage}b", stage), 1e-6)
+        initial = build_stage(get_model_config("tiny"), stage, 2).state_dict()
+        moved_sq += sum(float((trained[name] - initial[name]).double().pow(2).sum()) for name in trained)
+    # SGD at lr 0.5 moves the whole model by at most 0.5 x clip a step when every step is clipped
+    # (unclipped, the first step alone would move it by 0.5 x norms[0][0])
+    assert moved_sq**0.5 <= steps * 0.5 * clip * 1.001, (moved_sq**0.5, norms)
