@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 STEPS = 12  # the run's global steps: enough for the victim to start and send in some before the survivor ends
 
 
-def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.1", "--averaging", "sync"])
+def start_2x2_sync_swarm(make_swarm, tmp_path, lr: float):
+    """Two stages of two SGD replicas each, averaging in sync; replica r of stage s checkpoints to tmp_path/s{s}{r}."""
+    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", str(lr), "--averaging", "sync"])
     swarm.start_bootstrap()
     peers = [
         swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / f"s{stage}{replica}"))
@@ -33,6 +34,11 @@ def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(m
         for replica in "ab"
     ]
     swarm.wait_online(peers)
+    return swarm, peers
+
+
+def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(make_swarm, tmp_path):
+    swarm, peers = start_2x2_sync_swarm(make_swarm, tmp_path, lr=0.1)
     common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--log-every", "1"]
     survivor_report = tmp_path / "survivor.json"
     survivor = swarm.start_trainer(
@@ -71,14 +77,7 @@ def test_two_trainers_clip_the_shared_step_by_one_global_norm(make_swarm, tmp_pa
     the step's "prepare", which every replica gives alike to every trainer (a repeated commit gets
     the first answer), so both find the same norm; a replica steps once, on the first scale it gets."""
     steps, clip = 6, 0.05  # a norm far below the gradient's: every step is clipped
-    swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
-    swarm.start_bootstrap()
-    peers = [
-        swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / f"s{stage}{replica}"))
-        for stage in (0, 1)
-        for replica in "ab"
-    ]
-    swarm.wait_online(peers)
+    swarm, peers = start_2x2_sync_swarm(make_swarm, tmp_path, lr=0.5)
     common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--steps", str(steps)]
     common += ["--clip-grad-norm", str(clip)]
     trainers = [
