@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/out/compression_rows.json", help="the merged JSON report")
     args = parser.parse_args(own)
     try:
-        rows = parse_rows(args.rows, _seed_among(passed))
+        seed = _seed_among(passed)
+    except ValueError:
+        parser.exit(2, "compression_rows: error: the --seed after -- must be an integer\n")
+    try:
+        rows = parse_rows(args.rows, seed)
     except ValueError as e:
         parser.exit(2, f"compression_rows: error: --rows {e}\n")
     if "--in-process" in passed or "--codecs" in passed or "--out" in passed:

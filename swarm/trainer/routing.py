@@ -170,7 +170,7 @@ class ReplicaScheduler:
             if finish_there_s <= finish_least_busy_s:
                 peer_id = cached_on
         if task == "backward" and peer_id == cached_on:
-            task, cost = "backward_cached", self._task_costs["backward_cached"]
+            task = "backward_cached"
         self.charge(peer_id, task, samples)
         return peer_id
 
