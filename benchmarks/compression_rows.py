@@ -47,23 +47,11 @@ def parse_rows(text: str, default_seed: int) -> list[tuple[str, int]]:
     return rows
 
 
-def _seed_among(passed: list[str]) -> int:
-    for i, arg in enumerate(passed):
-        if arg == "--seed" and i + 1 < len(passed):
-            return int(passed[i + 1])
-        if arg.startswith("--seed="):
-            return int(arg.split("=", 1)[1])
-    return 0
-
-
 def _run_row(name: str, seed: int, passed: list[str], out: str, timeout_s: float, lock: threading.Lock) -> int:
-    """One row in its own process; its output lines prefixed with the row, as they come."""
+    """One row in its own process (`passed`: the arguments for every row, without --seed); its output
+    lines prefixed with the row, as they come."""
     tag = f"[{name}@{seed}]"
-    args = list(passed)
-    if "--seed" in args:  # this row's seed replaces the one passed to all
-        del args[args.index("--seed") : args.index("--seed") + 2]
-    args = [arg for arg in args if not arg.startswith("--seed=")]
-    command = [sys.executable, SCRIPT, "--in-process", *args, "--codecs", name, "--seed", str(seed), "--out", out]
+    command = [sys.executable, SCRIPT, "--in-process", *passed, "--codecs", name, "--seed", str(seed), "--out", out]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
@@ -85,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row-timeout-s", type=float, default=3600.0, help="a row still running after this is killed")
     parser.add_argument("--out", default="benchmarks/out/compression_rows.json", help="the merged JSON report")
     args = parser.parse_args(own)
+    # the --seed passed to all is the rows' default; each row's process gets its own
+    seeds = argparse.ArgumentParser(prog="compression_rows: the arguments after --", add_help=False)
+    seeds.add_argument("--seed", type=int, default=0)
+    seed, passed = seeds.parse_known_args(passed)
     try:
-        seed = _seed_among(passed)
-    except ValueError:
-        parser.exit(2, "compression_rows: error: the --seed after -- must be an integer\n")
-    try:
-        rows = parse_rows(args.rows, seed)
+        rows = parse_rows(args.rows, seed.seed)
     except ValueError as e:
         parser.exit(2, f"compression_rows: error: --rows {e}\n")
     if "--in-process" in passed or "--codecs" in passed or "--out" in passed:

@@ -70,7 +70,7 @@ def plain_pytorch(
     _sync(device)
     elapsed = time.perf_counter() - started
     result = {
-        "layout": f"plain pytorch, {optimizer}",
+        "layout": layout_name(plain_pytorch, device, optimizer),
         "tokens_per_s": steps * batch_size * config.seq_len / elapsed,
         "final_loss": sum(losses[-3:]) / len(losses[-3:]),
     }
@@ -137,11 +137,18 @@ def swarm_run(
     tokens = batch_size * config.seq_len
     seconds = sum(tokens / rate for rate in timed)
     return {
-        "layout": f"swarm 2 stages on one {device.type}, {optimizer}",
+        "layout": layout_name(swarm_run, device, optimizer),
         "tokens_per_s": len(timed) * tokens / seconds,
         "final_loss": report["final_loss"],
         "microbatches_lost": report["microbatches_lost"],
     }
+
+
+def layout_name(run, device: torch.device, optimizer: str) -> str:
+    """The name of `run`'s row (plain_pytorch or swarm_run) in the table and the JSON."""
+    return (
+        f"plain pytorch, {optimizer}" if run is plain_pytorch else f"swarm 2 stages on one {device.type}, {optimizer}"
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -191,7 +198,7 @@ def main() -> int:
             try:
                 results.append(run(args.model, device, optimizer, args.precision, **kwargs))
             except (LocalSwarmError, RuntimeError, OSError) as e:  # the other layouts still run and are kept
-                layout = f"{'swarm 2 stages' if run is swarm_run else 'plain pytorch'}, {optimizer}"
+                layout = layout_name(run, device, optimizer)
                 results.append({"layout": layout, "error": str(e)})
                 print(f"{layout:<40} failed: {e}", flush=True)
                 continue
@@ -199,7 +206,7 @@ def main() -> int:
     measured = [r for r in results if "error" not in r]
     for r in measured:
         optimizer = r["layout"].rsplit(", ", 1)[1]
-        plain = next((p for p in measured if p["layout"] == f"plain pytorch, {optimizer}"), None)
+        plain = next((p for p in measured if p["layout"] == layout_name(plain_pytorch, device, optimizer)), None)
         r["ratio_to_plain_same_optimizer"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
     print("\nlayout                                     tokens/s   ratio   final loss")
     for r in measured:
