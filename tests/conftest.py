@@ -18,10 +18,29 @@ from swarm.local_swarm import LocalSwarm
 _ALL_SWARMS: list[LocalSwarm] = []
 
 
+LOG_TAIL_CHARS = 4000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails shows the end of every log its swarms' processes wrote (a CI run keeps
+    nothing else of them): why a peer or the trainer did not do what the test waited for."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for swarm in getattr(item, "swarms", ()):
+        for process in swarm.processes:
+            tail = process.log()[-LOG_TAIL_CHARS:]
+            state = "running" if process.alive else f"exited {process.popen.returncode}"
+            report.sections.append((f"log of {process.name} ({state}), last {LOG_TAIL_CHARS} chars", tail))
+
+
 @pytest.fixture
-def make_swarm(tmp_path):
+def make_swarm(tmp_path, request):
     """Factory: make_swarm(model="tiny", num_stages=2, peer_args=[...]) -> LocalSwarm (stopped after the test)."""
     created: list[LocalSwarm] = []
+    request.node.swarms = created
 
     def factory(**kwargs) -> LocalSwarm:
         kwargs.setdefault("model", "tiny")

@@ -531,16 +531,22 @@ class StageRuntime:
         self.steps_done = meta.steps_done
         self.last_update = None  # the update that led to the loaded state is not known here
 
-    def measure_throughput(self, batch_size: int = 4, repeats: int = 2) -> float:
-        """A short start-up benchmark (forward + backward on random data, no update)."""
+    def measure_throughput(self, batch_size: int = 4, repeats: int = 5, budget_s: float = 1.0) -> float:
+        """A short start-up benchmark (forward + backward on random data, no update): one untimed
+        pass (its one-time costs are not the stage's speed), then the fastest of up to `repeats`
+        passes, at least two, within about `budget_s`. On a loaded machine any one pass may lose its
+        core for a while; one slow estimate would send this replica almost no work, and so leave it
+        without the observations that correct the estimate."""
         shape, dtype = self.module.expected_input(batch_size)
         inputs = torch.randint(0, self.config.vocab_size, shape) if dtype == torch.int64 else torch.randn(shape)
         ids = (batch_size, self.config.seq_len)
         targets = torch.randint(0, self.config.vocab_size, ids) if self.is_last else None
         tokens = torch.randint(0, self.config.vocab_size, ids) if self.module.needs_tokens else None
         inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
-        best = float("inf")
-        for _ in range(repeats):
+        best, deadline = float("inf"), None
+        for attempt in range(repeats + 1):
+            if deadline is not None and attempt > 2 and time.perf_counter() > deadline:
+                break
             start = time.perf_counter()
             leaf = inputs if dtype == torch.int64 else inputs.clone().requires_grad_(True)
             with torch.enable_grad(), devices.autocast(self.device, self.precision):
@@ -548,7 +554,10 @@ class StageRuntime:
             torch.autograd.backward(out, None if self.is_last else torch.ones_like(out))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - start)
+            if attempt == 0:  # the warm-up pass
+                deadline = time.perf_counter() + budget_s
+            else:
+                best = min(best, time.perf_counter() - start)
         self.module.zero_grad(set_to_none=True)
         self.throughput = ThroughputMeter(initial=batch_size / best)
         return self.throughput.value

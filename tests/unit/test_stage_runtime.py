@@ -1,6 +1,7 @@
 """The stage runtime alone (no network): split compute equals whole-model compute."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -213,3 +214,21 @@ def test_a_retry_that_arrives_after_the_step_it_was_counted_in_is_not_added_to_t
     assert all(not grad_sum.any() for grad_sum in stage.grad_sums)
     stage.backward("c", x, grad_outputs=grad)  # a new microbatch is counted as usual
     assert stage.samples_accumulated == 2 and stage.samples_trained == 6
+
+
+def test_the_start_up_benchmark_leaves_out_a_slow_first_pass_and_one_slow_timed_pass(monkeypatch):
+    """A peer's first pass pays one-time costs, and on a loaded machine any pass may lose its core:
+    neither may become the speed it announces (a replica announced 9x too slow got no work at all)."""
+    stage = StageRuntime(get_model_config("tiny"), 0, 2, optimizer=OptimizerSettings(target_batch_size=100))
+    forward, calls = stage.module.forward, []
+
+    def stalled_twice(*args, **kwargs):
+        calls.append(None)
+        if len(calls) in (1, 2):  # the warm-up pass, then the first timed pass
+            time.sleep(0.3)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(stage.module, "forward", stalled_twice)
+    samples_per_s = stage.measure_throughput(batch_size=4)
+    assert len(calls) >= 3 and samples_per_s > 4 / 0.3
+    assert all(p.grad is None for p in stage.module.parameters())  # a benchmark, not a step
