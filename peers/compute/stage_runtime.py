@@ -98,16 +98,21 @@ def _same_tokens(cached: torch.Tensor | None, given: torch.Tensor | None) -> boo
 
 
 class ThroughputMeter:
-    """EMA of samples per second of compute, with a measured seed value."""
+    """Samples per second of compute: the mean of the first observations (a measured seed value
+    counts as one), then an EMA of weight `alpha`. An EMA from the seed alone would take dozens of
+    calls to correct a start-up benchmark that was off by several times, and the trainer, which
+    weighs replicas by this value, sends a replica it underrates too few calls to correct it."""
 
     def __init__(self, alpha: float = 0.1, initial: float = 0.0):
         self.alpha, self.value = alpha, initial
+        self.observations = 1 if initial > 0 else 0
 
     def observe(self, samples: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        rate = samples / seconds
-        self.value = rate if self.value <= 0 else (1 - self.alpha) * self.value + self.alpha * rate
+        self.observations += 1
+        weight = max(self.alpha, 1.0 / self.observations)
+        self.value = (1 - weight) * self.value + weight * samples / seconds
 
 
 class LossScale:

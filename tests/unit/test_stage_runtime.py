@@ -9,7 +9,13 @@ import torch
 from models.config import get_model_config
 from models.init_weights import global_name
 from models.stages import StageSplitError, build_full_model, split_layers
-from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, OptimizerSettings, StageRuntime
+from peers.compute.stage_runtime import (
+    ActivationCacheMissError,
+    BadRequestError,
+    OptimizerSettings,
+    StageRuntime,
+    ThroughputMeter,
+)
 
 
 def reference_step(config, tokens, targets, settings, microbatch):
@@ -232,3 +238,18 @@ def test_the_start_up_benchmark_leaves_out_a_slow_first_pass_and_one_slow_timed_
     samples_per_s = stage.measure_throughput(batch_size=4)
     assert len(calls) >= 3 and samples_per_s > 4 / 0.3
     assert all(p.grad is None for p in stage.module.parameters())  # a benchmark, not a step
+
+
+def test_served_calls_correct_a_wrong_start_up_speed_within_a_few_calls():
+    meter = ThroughputMeter(initial=400.0)  # the benchmark lost its core: the stage serves 3,400/s
+    meter.observe(34, 0.01)
+    assert meter.value == pytest.approx(1900.0)  # the seed is one observation of two
+    for _ in range(8):
+        meter.observe(34, 0.01)
+    assert meter.value == pytest.approx(3100.0)  # the mean of ten; an EMA of 0.1 would be near 2,200
+    for _ in range(200):
+        meter.observe(17, 0.01)
+    assert meter.value == pytest.approx(1700.0, rel=1e-6)  # then an EMA that follows the present
+    unseeded = ThroughputMeter()
+    unseeded.observe(5, 1.0)
+    assert (unseeded.value, unseeded.observations) == (5.0, 1)
