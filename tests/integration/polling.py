@@ -11,13 +11,21 @@ import re
 import time
 
 
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
-    """Return condition()'s first truthy value; fail the test after timeout_s seconds."""
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2, *, while_running=()):
+    """Return condition()'s first truthy value; fail the test after timeout_s seconds, or as soon as
+    a process of `while_running` (what the condition needs alive) has exited without it holding."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
+        gone = [process for process in while_running if not process.alive]
+        if gone:
+            value = condition()  # it may have exited right after the condition came to hold
+            if value:
+                return value
+            exits = ", ".join(f"{process.name} (exit {process.popen.returncode})" for process in gone)
+            raise AssertionError(f"{exits} exited while waiting for {what}")
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 

@@ -89,7 +89,7 @@ def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swa
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
     )
-    wait_for(lambda: trainer_step(trainer) >= 4, 120, "the trainer to reach step 4")
+    wait_for(lambda: trainer_step(trainer) >= 4, 120, "the trainer to reach step 4", while_running=[trainer])
     peers[0].signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())
@@ -126,7 +126,12 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "3"),
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
     )
-    wait_for(lambda: "injected by --fault-hold" in victim.log(), 180, f"the victim to hold a microbatch ({hold})")
+    wait_for(
+        lambda: "injected by --fault-hold" in victim.log(),
+        180,
+        f"the victim to hold a microbatch ({hold})",
+        while_running=[trainer, victim],
+    )
     if hold != "hang":
         victim.signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]

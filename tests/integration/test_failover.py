@@ -42,7 +42,7 @@ def test_sigkill_of_a_replica_loses_nothing(make_swarm, tmp_path):
         "--report",
         str(report_path),
     )
-    wait_for(lambda: trainer_step(trainer) >= 8, 120, "the trainer to reach step 8")
+    wait_for(lambda: trainer_step(trainer) >= 8, 120, "the trainer to reach step 8", while_running=[trainer])
     victim = peers[2]
     victim.signal(signal.SIGKILL)
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
@@ -135,13 +135,14 @@ def test_a_peer_that_joins_mid_run_is_served_requests_without_a_long_ban(make_sw
         "--refresh-period-s",
         str(refresh_s),
     )
-    wait_for(lambda: trainer_step(trainer) >= 3, 120, "the trainer to start")
+    wait_for(lambda: trainer_step(trainer) >= 3, 120, "the trainer to start", while_running=[trainer])
     newcomer = swarm.start_peer(1)
     swarm.wait_online([newcomer])
     served = wait_for(
         lambda: re.search(r"first request served ([\d.]+) s after the online record was stored", newcomer.log()),
         60,
         "the new peer to serve a request",
+        while_running=[trainer, newcomer],
     )
     delay_s = float(served.group(1))
     print(f"joined peer's first request {delay_s:.2f} s after its online record (bound {5 * refresh_s:.1f} s)")
