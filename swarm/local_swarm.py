@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
@@ -23,7 +24,7 @@ class LocalSwarmError(RuntimeError):
 @dataclass
 class ManagedProcess:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen  # or what a `launcher` returns: the same pid, poll, wait, returncode, send_signal
     log_path: str
     terminated: bool = False  # SIGTERM sent: a second one would stop it at once, skipping its orderly stop
 
@@ -86,6 +87,10 @@ class LocalSwarm:
     env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
+    # launcher(args, env, log_path): starts `swarm.cli` with args another way than a new interpreter
+    # (the tests fork a process that has imported the project, tests/integration/fork_server.py);
+    # processes started under a `prefix` (a network namespace, a profiler) always get their own
+    launcher: Callable[[list[str], dict[str, str], str], subprocess.Popen] | None = None
 
     def __post_init__(self) -> None:
         if self.workdir is None:
@@ -97,6 +102,10 @@ class LocalSwarm:
         """prefix: a command that runs the rest (e.g. `ip netns exec NS` to start it in a namespace)."""
         log_path = os.path.join(self.workdir, f"{name}.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.launcher is not None and not prefix:
+            process = ManagedProcess(name, self.launcher(args, env, log_path), log_path)
+            self.processes.append(process)
+            return process
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "swarm.cli", *args],
