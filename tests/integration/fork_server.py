@@ -21,6 +21,7 @@ import atexit
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -78,9 +79,11 @@ class ForkServer:
             text=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
-        line = popen.stdout.readline().strip()  # after the imports
+        ready, _, _ = select.select([popen.stdout], [], [], timeout_s)  # it answers after its imports
+        line = popen.stdout.readline().strip() if ready else f"(nothing within {timeout_s} s)"
         if line != READY:
             popen.kill()
+            popen.wait()
             raise RuntimeError(f"the fork server did not start: {line!r}")
         return cls(popen, socket_path)
 
