@@ -57,6 +57,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, replace
 
 import hivemind
@@ -86,6 +87,10 @@ COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "fp16": Float16Compression,
     "int8": BlockwiseQuantization,
 }
+
+
+class AveragingClosed(RuntimeError):
+    """A round asked of an averager that is shutting down."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +134,23 @@ def wire_bytes_per_value(compression: CompressionBase, tensors: Sequence[torch.T
     return total / max(sum(t.numel() for t in tensors), 1)
 
 
+def cancel_round(control: StepControl) -> None:
+    """Cancel a round unless it is over; hivemind's `StepControl.cancel` fails when called twice (a
+    round the peer's shutdown cancelled, then the thread that waited on it)."""
+    if control.done():
+        return
+    try:
+        control.cancel()
+    except InvalidStateError:  # cancelled by another thread in between
+        pass
+
+
 class ReplicaAveraging:
     """What both modes share: a DecentralizedAverager over some tensors, rounds of all-reduce with
     a timeout, and the count of rounds, failures and bytes (reported through `on_round`)."""
 
     mode = ""
+    closing = False  # set by `shutdown`: no round begins, and rounds cut short are not failures to warn of
 
     def __init__(
         self,
@@ -186,6 +203,9 @@ class ReplicaAveraging:
             self.averager.wait_until_ready()
         self.rounds = self.failed_rounds = 0
         self.bytes_sent = self.bytes_received = 0
+        # rounds begun and not yet finished: `shutdown` cancels them, so that a thread waiting in
+        # one (the compute thread, a commit's RPC handler) returns at once instead of at its timeout
+        self.open_rounds: set[StepControl] = set()
 
     @property
     def bytes_averaged(self) -> int:
@@ -201,8 +221,10 @@ class ReplicaAveraging:
     ) -> StepControl:
         """Start looking for a group of `group_size` replicas in the background (the averager's own
         process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`."""
+        if self.closing:
+            raise AveragingClosed("the peer is stopping")
         self.averager.target_group_size = group_size
-        return self.averager.step(
+        control = self.averager.step(
             weight=weight,
             gather=weight,
             timeout=self.timeout_s,
@@ -211,6 +233,18 @@ class ReplicaAveraging:
             require_trigger=wait_for_trigger,
             wait=False,
         )
+        self.open_rounds.add(control)
+        return control
+
+    def try_begin_round(self, group_size: int, weight: float, **kwargs) -> StepControl | None:
+        """`begin_round`, or None (a failed round, counted) if it cannot start; the peer goes on."""
+        try:
+            return self.begin_round(group_size, weight, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a round that cannot start is a failed round
+            if not self.closing:
+                logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
+            self.record_failure()
+            return None
 
     def finish_round(self, control: StepControl) -> dict | None:
         """Let the all-reduce run, wait for it and count it: the gathered data of the group, or
@@ -223,9 +257,14 @@ class ReplicaAveraging:
             if gathered is None:
                 logger.warning("Averaging round failed: no group formed")
         except Exception as e:  # a failed round must not take the peer down; replicas re-converge later
-            logger.warning(f"Averaging round failed: {type(e).__name__}: {e}")
-            control.cancel()
+            if self.closing:
+                logger.info("Averaging round cancelled: the peer is stopping")
+            else:
+                logger.warning(f"Averaging round failed: {type(e).__name__}: {e}")
+            cancel_round(control)
             gathered = None
+        finally:
+            self.open_rounds.discard(control)
         if gathered is None:
             self.record_failure()
             return None
@@ -261,13 +300,8 @@ class ReplicaAveraging:
 
     def _all_reduce(self, group_size: int, weight: float) -> dict | None:
         """One round, from matchmaking to the averaged tensors, all on the calling thread."""
-        try:
-            control = self.begin_round(group_size, weight)
-        except Exception as e:
-            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
-            self.record_failure()
-            return None
-        return self.finish_round(control)
+        control = self.try_begin_round(group_size, weight)
+        return None if control is None else self.finish_round(control)
 
     def set_members(self, members: Collection[str]) -> None:
         if self.members_only:
@@ -277,7 +311,17 @@ class ReplicaAveraging:
         if self.on_round is not None:
             self.on_round(averaging_round)
 
+    def close(self) -> None:
+        """The peer is stopping: begin no more rounds and cancel those still open, so that a thread
+        waiting in one (the compute thread, a commit's handler) returns at once, its round failed,
+        instead of at the round's timeout. Any thread may call it, more than once."""
+        self.closing = True
+        for control in list(self.open_rounds):
+            cancel_round(control)
+        self.open_rounds.clear()
+
     def shutdown(self) -> None:
+        self.close()
         self.averager.shutdown()
 
 
@@ -343,7 +387,7 @@ class GradientSync(ReplicaAveraging):
             self.averager.set_weight_caps(caps)
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
             gathered = self._all_reduce(group_size, weight=max(float(local_samples), MIN_WEIGHT))
-            if gathered is None:
+            if gathered is None and not self.closing:
                 # Stepping on local gradients would part this replica from the others for good (sync
                 # mode never averages parameters). Skipping keeps them equal: the gradients stay
                 # accumulated and the next commit averages them with the next step's.
@@ -351,6 +395,7 @@ class GradientSync(ReplicaAveraging):
                     f"stage {self.runtime.stage}: no averaging round with the other replicas; "
                     f"not stepping, the gradients carry over to the next commit"
                 )
+            if gathered is None:
                 return AveragingOutcome(False, 1, 0, stepped=False)
         if not (round_has_samples(gathered) if gathered else local_samples > 0):
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
@@ -481,12 +526,7 @@ class ParameterAveraging(ReplicaAveraging):
         cannot start."""
         if group_size < 2:
             return None
-        try:
-            return self.begin_round(group_size, weight=1.0, scheduled_time=scheduled_time, wait_for_trigger=True)
-        except Exception as e:
-            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
-            self.record_failure()
-            return None
+        return self.try_begin_round(group_size, weight=1.0, scheduled_time=scheduled_time, wait_for_trigger=True)
 
     @staticmethod
     def group_ready(control: StepControl) -> bool:
@@ -515,5 +555,6 @@ class ParameterAveraging(ReplicaAveraging):
 
     def abandon(self, control: StepControl) -> None:
         """No group in time (or the peer is stopping): cancel the round and count it as failed."""
-        control.cancel()
+        cancel_round(control)
+        self.open_rounds.discard(control)
         self.record_failure()

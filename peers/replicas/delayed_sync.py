@@ -112,13 +112,8 @@ class DelayedGradientSync(GradientSync):
         with self.averager.get_tensors() as buffers:
             for buffer, mean in zip(buffers, gradients):
                 buffer.copy_(mean)
-        control = None
-        try:
-            self.averager.set_weight_caps(caps)
-            control = self.begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
-        except Exception as e:  # noqa: BLE001 - a round that cannot start is a failed round, the peer goes on
-            logger.warning(f"Averaging round could not start: {type(e).__name__}: {e}")
-            self.record_failure()
+        self.averager.set_weight_caps(caps)
+        control = self.try_begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
         self.in_flight = InFlightRound(control, gradients, samples, caps, alone=False)
 
     def finish_in_flight(self) -> AveragingOutcome:
@@ -134,18 +129,14 @@ class DelayedGradientSync(GradientSync):
             return AveragingOutcome(False, 1, in_flight.samples, stepped=True)
         gathered = None if in_flight.control is None else self.finish_round(in_flight.control)
         if gathered is None:
-            logger.warning(
-                f"stage {self.runtime.stage}: the previous step's averaging round failed; not stepping, "
-                f"its gradients carry over to the next round"
-            )
+            if not self.closing:
+                logger.warning(
+                    f"stage {self.runtime.stage}: the previous step's averaging round failed; not stepping, "
+                    f"its gradients carry over to the next round"
+                )
             self.runtime.add_accumulated(in_flight.gradients, in_flight.samples)
             return AveragingOutcome(False, 1, 0, stepped=False)
         if not round_has_samples(gathered):
             return AveragingOutcome(True, len(gathered), 0, stepped=False)
         self.runtime.apply_gradients(self.averaged_gradients())
         return AveragingOutcome(True, len(gathered), samples_in_round(gathered, in_flight.caps), stepped=True)
-
-    def shutdown(self) -> None:
-        if self.in_flight is not None and self.in_flight.control is not None:
-            self.in_flight.control.cancel()
-        super().shutdown()

@@ -318,6 +318,8 @@ class PeerHost:
         serving = self.serving
         if rebalancer is not None:  # a move under way finishes first, so that offline is the last word
             await self._unless_alone(rebalancer)
+        if serving.averaging is not None:  # a round under way would hold the checkpoint up to its timeout
+            serving.averaging.close()
         if reachability is not None:
             reachability.cancel()
             await asyncio.gather(reachability, return_exceptions=True)
