@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.replicas import run  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
+from swarm.demo import lr_schedule_args  # noqa: E402
 
 LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 none": (2, "none", (), ()),
@@ -52,6 +53,12 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def picked(name: str, words: list[str]) -> bool:
+    """Whether `--only words` picks the layout `name`: a word that is a layout's full name picks that
+    layout alone; any other word picks every layout whose name contains it."""
+    return any(w == name or (w not in LAYOUTS and w in name) for w in words)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
@@ -60,13 +67,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--schedule",
+        choices=("constant", "demo"),
+        default="constant",
+        help="the peers' learning rate: constant --lr, or the demo's (warmup a tenth of --steps, then cosine)",
+    )
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each 2x2 layout, alternating")
     parser.add_argument(
         "--matchmaking-s", type=float, default=None, help="the sync runs' --averaging-matchmaking-s (peer default 0.5)"
     )
     parser.add_argument(
-        "--only", nargs="*", help="run only the 2x2 layouts whose names contain one of these words (1 replica always)"
+        "--only",
+        nargs="*",
+        help="run only these 2x2 layouts: a layout's full name picks it alone, another word every layout whose "
+        "name contains it (1 replica always)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default="benchmarks/out/replica_speed.json")
@@ -75,16 +91,17 @@ def main() -> None:
     if args.batch_size % (2 * args.microbatch_size):
         parser.error("--batch-size must be a multiple of 2 x --microbatch-size (two replicas share each batch)")
 
+    schedule = tuple(lr_schedule_args(args.steps, None)) if args.schedule == "demo" else ()
     load_before = load()
     print(f"machine load (1/5/15 min) before: {load_before}", flush=True)
-    reference = run("1 replica", args, 1, "none")
+    reference = run("1 replica", args, 1, "none", schedule)
     reference["load_after"] = load()
-    layouts = {n: layout for n, layout in LAYOUTS.items() if not args.only or any(w in n for w in args.only)}
+    layouts = {n: layout for n, layout in LAYOUTS.items() if not args.only or picked(n, args.only)}
     matchmaking = () if args.matchmaking_s is None else ("--averaging-matchmaking-s", str(args.matchmaking_s))
     runs = []
     for repeat in range(args.repeats):
         for name, (replicas, averaging, extra, trainer_extra) in layouts.items():
-            peer_extra = extra + (matchmaking if averaging == "sync" else ())
+            peer_extra = schedule + extra + (matchmaking if averaging == "sync" else ())
             result = run(name, args, replicas, averaging, peer_extra, trainer_extra)
             result.update(repeat=repeat, load_after=load())
             runs.append(result)
