@@ -103,19 +103,18 @@ class LocalSwarm:
         log_path = os.path.join(self.workdir, f"{name}.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         if self.launcher is not None and not prefix:
-            process = ManagedProcess(name, self.launcher(args, env, log_path), log_path)
-            self.processes.append(process)
-            return process
-        with open(log_path, "w") as log:
-            popen = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "swarm.cli", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),  # stops, keeping what matters, when we die, however we die
-            )
+            popen = self.launcher(args, env, log_path)
+        else:
+            with open(log_path, "w") as log:
+                popen = subprocess.Popen(
+                    [*prefix, sys.executable, "-m", "swarm.cli", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),  # stops, keeping what matters, when we die, however we die
+                )
         process = ManagedProcess(name, popen, log_path)
         self.processes.append(process)
         return process
