@@ -22,6 +22,11 @@ steps, the predicted one under 1% (benchmarks/RESULTS.md). The trainer's last co
 round in flight: the trainer then sends a flush (`CommitRequest.flush`), which finishes and applies
 it and starts nothing (if that round failed, the flush averages its gradients again, at once).
 
+With clipping by the global norm (the trainer's `--clip-grad-norm`) the commit has two phases, as
+in exact mode: `prepare` ends the round in flight and holds its update, answering the update's
+squared norm; `apply_prepared` applies it scaled by the trainer's factor, before the next step's
+first forward. The norm and the clip are those of the update applied, one step late like it.
+
 A round that fails puts its gradients back into the accumulation: they join the next step's round
 (no replica steps on them alone, so the replicas stay equal). One that fails on one side only
 shows in the answers as it does in exact mode (one replica stepped after averaging, another did not),
@@ -37,6 +42,7 @@ apart from the others (exact mode has neither gap).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -69,6 +75,7 @@ class DelayedGradientSync(GradientSync):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.in_flight: InFlightRound | None = None
+        self.held: tuple[AveragingOutcome, list[torch.Tensor]] | None = None  # clipping: an update prepared
 
     def wait_in_flight(self, timeout_s: float | None = None) -> None:
         """Block until the round in flight (if any) is over; touches no tensor, so call it on any
@@ -91,21 +98,66 @@ class DelayedGradientSync(GradientSync):
         then the trainer's repair loads the partner's state)."""
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
+        outcome, update = self.next_update(group_size, samples, flush=flush)
+        if update is not None:
+            self.runtime.apply_gradients(update)
+        return outcome
+
+    def prepare(
+        self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None, *, flush: bool = False
+    ) -> AveragingOutcome:
+        """Clipping by the global norm with the delay, first phase: `commit`, except that the update
+        of the previous step is held instead of applied. The answer says `stepped=False` and carries
+        the held update's squared norm (None when there is none, or it is not finite); every stage's
+        replicas answer for the same step, one step late, so the trainer's global norm is that
+        step's. `apply_prepared` then applies it, scaled, before the next step computes."""
+        if not self._first_commit_of(step_id):
+            return self._repeated(step_id)
+        outcome, update = self.next_update(group_size, samples, flush=flush)
+        self.held = (outcome, update) if update is not None else None
+        norm_sq = None if update is None else float(sum(g.double().pow(2).sum() for g in update))
+        return self._remember(
+            step_id,
+            replace(
+                outcome, stepped=False, grad_norm_sq=norm_sq if norm_sq is not None and math.isfinite(norm_sq) else None
+            ),
+        )
+
+    def apply_prepared(self, step_id: str, scale: float) -> AveragingOutcome:
+        """Clipping's second phase: apply the update `prepare` holds, times `scale`."""
+        if not self._first_commit_of(step_id):
+            return self._repeated(step_id)
+        held, self.held = self.held, None
+        if held is None:
+            return self._remember(
+                step_id, AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
+            )
+        outcome, update = held
+        self.runtime.apply_gradients([gradient * scale for gradient in update])
+        return self._remember(step_id, outcome)
+
+    def next_update(
+        self, group_size: int, samples: Mapping[str, int] | None, *, flush: bool
+    ) -> tuple[AveragingOutcome, list[torch.Tensor] | None]:
+        """The heart of a commit: end the round in flight, then start this step's (none with `flush`).
+        Returns the outcome to answer and the update to apply (the previous step's mean gradients;
+        None if there is none), which the caller applies, at once or scaled by clipping."""
         gradients, local_samples = self.runtime.take_accumulated()
-        outcome = self.finish_in_flight()
+        outcome, update = self.finish_in_flight()
         if flush:
             self.runtime.add_accumulated(gradients, local_samples)  # none, after the trainer's last commit
             if outcome.stepped or self.runtime.samples_accumulated == 0:
-                return outcome
+                return outcome, update
             # the last round failed (its gradients are back in the accumulation): average them now, exactly
-            return self.average_and_step(group_size, samples)
+            outcome = self.average_gradients(group_size, samples)
+            return outcome, (self.averaged_gradients() if outcome.stepped else None)
         self.start_round(gradients, local_samples, group_size, dict(samples) if samples else None)
-        return replace(outcome, pending=True)
+        return replace(outcome, pending=True), update
 
     def start_round(
         self, gradients: list[torch.Tensor], samples: int, group_size: int, caps: dict[str, int] | None
     ) -> None:
-        """Average `gradients` with the group in the averager's process; `finish_in_flight` applies them."""
+        """Average `gradients` with the group in the averager's process; the next commit applies them."""
         if group_size < 2:
             self.in_flight = InFlightRound(None, gradients, samples, caps, alone=True)
             return
@@ -116,17 +168,16 @@ class DelayedGradientSync(GradientSync):
         control = self.try_begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
         self.in_flight = InFlightRound(control, gradients, samples, caps, alone=False)
 
-    def finish_in_flight(self) -> AveragingOutcome:
-        """Wait for the round in flight, if any, and step on its mean gradients; a failed round's
-        gradients go back into the accumulation. Writes the parameters: call on the compute thread."""
+    def finish_in_flight(self) -> tuple[AveragingOutcome, list[torch.Tensor] | None]:
+        """Wait for the round in flight, if any: its outcome, and the mean gradients to step on (None:
+        no step). A failed round's gradients go back into the accumulation. Call on the compute thread."""
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is None:
-            return AveragingOutcome(False, 1, 0, stepped=False)
+            return AveragingOutcome(False, 1, 0, stepped=False), None
         if in_flight.alone:
             if in_flight.samples == 0:
-                return AveragingOutcome(False, 1, 0, stepped=False)
-            self.runtime.apply_gradients(in_flight.gradients)
-            return AveragingOutcome(False, 1, in_flight.samples, stepped=True)
+                return AveragingOutcome(False, 1, 0, stepped=False), None
+            return AveragingOutcome(False, 1, in_flight.samples, stepped=True), in_flight.gradients
         gathered = None if in_flight.control is None else self.finish_round(in_flight.control)
         if gathered is None:
             if not self.closing:
@@ -135,8 +186,8 @@ class DelayedGradientSync(GradientSync):
                     f"its gradients carry over to the next round"
                 )
             self.runtime.add_accumulated(in_flight.gradients, in_flight.samples)
-            return AveragingOutcome(False, 1, 0, stepped=False)
+            return AveragingOutcome(False, 1, 0, stepped=False), None
         if not round_has_samples(gathered):
-            return AveragingOutcome(True, len(gathered), 0, stepped=False)
-        self.runtime.apply_gradients(self.averaged_gradients())
-        return AveragingOutcome(True, len(gathered), samples_in_round(gathered, in_flight.caps), stepped=True)
+            return AveragingOutcome(True, len(gathered), 0, stepped=False), None
+        outcome = AveragingOutcome(True, len(gathered), samples_in_round(gathered, in_flight.caps), stepped=True)
+        return outcome, self.averaged_gradients()

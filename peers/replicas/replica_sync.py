@@ -91,19 +91,23 @@ class ReplicaSyncService:
                 return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
-            exact_sync = isinstance(averaging, GradientSync) and not isinstance(averaging, DelayedGradientSync)
-            if commit.clip_phase is not None and exact_sync:  # clipping by the global norm, in two phases
-                call = (
-                    partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples)
-                    if commit.clip_phase == "prepare"
-                    else partial(averaging.apply_prepared, commit.step_id, commit.clip_scale or 1.0)
-                )
-                outcome = await asyncio.get_running_loop().run_in_executor(self.compute, call)
+            loop = asyncio.get_running_loop()
+            delayed = isinstance(averaging, DelayedGradientSync)
+            if commit.flush and not delayed:  # only a delayed update has anything to flush
+                outcome = None
+            elif commit.clip_phase is not None and isinstance(averaging, GradientSync):
+                # clipping by the global norm, in two phases (with a delay: of the update applied)
+                if commit.clip_phase == "prepare":
+                    if delayed:  # the round in flight ends in the averager's process: wait off the compute thread
+                        await loop.run_in_executor(None, averaging.wait_in_flight)
+                    flush = {"flush": commit.flush} if delayed else {}
+                    call = partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples, **flush)
+                else:
+                    call = partial(averaging.apply_prepared, commit.step_id, commit.clip_scale or 1.0)
+                outcome = await loop.run_in_executor(self.compute, call)
             elif commit.clip_phase == "apply":  # a replica that does not clip stepped on "prepare" (a plain commit)
                 outcome = None
-            elif isinstance(averaging, DelayedGradientSync):
-                loop = asyncio.get_running_loop()
-                # the round in flight ends in the averager's process: wait for it here, not on the compute thread
+            elif delayed:
                 await loop.run_in_executor(None, averaging.wait_in_flight)
                 outcome = await loop.run_in_executor(
                     self.compute,
@@ -112,18 +116,14 @@ class ReplicaSyncService:
                     commit.group_size,
                     commit.samples,
                 )
-            elif commit.flush:  # only a delayed update has anything to flush
-                outcome = None
             elif isinstance(averaging, GradientSync):
-                outcome = await asyncio.get_running_loop().run_in_executor(
+                outcome = await loop.run_in_executor(
                     self.compute, averaging.commit, commit.step_id, commit.group_size, commit.samples
                 )
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
                 group_size = await self.periodic_group_size() if averaging.round_due_after_next_step() else 1
-                outcome = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, averaging.commit, commit.step_id, group_size
-                )
+                outcome = await loop.run_in_executor(self.compute, averaging.commit, commit.step_id, group_size)
                 if outcome.averaged:
                     self._print_round(outcome)
             else:  # no averaging, or periodic by time: replicas step on their own, nothing to do

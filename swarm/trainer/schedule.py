@@ -52,6 +52,11 @@ def global_grad_norm(prepared: dict[int, dict[str, CommitResponse]]) -> float:
     return math.sqrt(total)
 
 
+def anything_prepared(prepared: dict[int, dict[str, CommitResponse]]) -> bool:
+    """Whether some replica answered clipping's "prepare" with a gradient to step on."""
+    return any(a.grad_norm_sq is not None for answers in prepared.values() for a in answers.values())
+
+
 def clip_scale(norm: float, max_norm: float) -> float:
     """What every stage's gradient is multiplied by: min(1, max_norm / norm), as
     torch.nn.utils.clip_grad_norm_ computes it (1e-6 keeps a zero norm finite)."""
@@ -125,7 +130,9 @@ class StepSchedule:
         self.caller, self.run_id = caller, run_id
         # > 0: each step's gradient is clipped to this global norm over every stage (two-phase commit)
         self.clip_grad_norm = clip_grad_norm
-        self.grad_norms: list[float] = []  # with clipping: each step's global gradient norm, before clipping
+        # with clipping: each update's global gradient norm, before clipping (with --sync-delay 1 the
+        # update applied at a commit is the previous step's)
+        self.grad_norms: list[float] = []
         # a subspace model's later stages rebuild the residual stream from the token ids: send them along
         self.send_tokens = send_tokens
         # direct routing: each microbatch is one chained call through the stages (chain_call.py)
@@ -310,7 +317,8 @@ class StepSchedule:
             )
         ]
         sync_groups = [(stage, mode, group) for stage, mode, group in groups if mode == "sync" and group]
-        clip = "prepare" if self.clip_grad_norm > 0 and sync_groups and not flush else None
+        # with a one-step delay the flush applies the last update: clipped like every other one
+        clip = "prepare" if self.clip_grad_norm > 0 and sync_groups else None
         sync_answers = await self._commit(
             step_id, [g for g in groups if g[2]], served, timeout_s, flush=flush, clip_phase=clip
         )
@@ -319,6 +327,9 @@ class StepSchedule:
         if clip is None:  # with clipping nobody has stepped yet: the repair follows the second phase
             await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
         if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
+            if clip is not None and anything_prepared(sync_answers):
+                applied = await self._apply_clipped(f"{step_id}:apply", sync_groups, sync_answers, timeout_s)
+                await self._repair_missed_rounds(f"{step_id}:apply", averaging, applied, timeout_s)
             return
 
         def failed_stages() -> list[int]:
@@ -364,7 +375,8 @@ class StepSchedule:
         """Clipping's second phase: every sync replica steps on the gradient it prepared, scaled by
         min(1, --clip-grad-norm / the global norm over every stage's prepared gradient)."""
         norm = global_grad_norm(prepared)
-        self.grad_norms.append(norm)
+        if anything_prepared(prepared):  # with a delay, the first step's commit holds no update yet
+            self.grad_norms.append(norm)
         return await self._commit(
             step_id, sync_groups, {}, timeout_s, clip_phase="apply", clip_scale=clip_scale(norm, self.clip_grad_norm)
         )

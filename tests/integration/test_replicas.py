@@ -233,11 +233,14 @@ def test_a_backward_whose_answer_was_lost_is_asked_again_of_the_same_replica(mak
     assert_stage0_replicas_took_one_process_step(tmp_path)
 
 
-def delayed_reference(config, kind: str, lr: float, steps: int, delay: int, predict: bool = False):
+def delayed_reference(
+    config, kind: str, lr: float, steps: int, delay: int, predict: bool = False, clip_grad_norm: float | None = None
+):
     """One process over `steps` batches with the update of step t applied `delay` steps late (after
     step t + delay's forward and backward; the last ones after training, as the trainer's flush does):
     the losses by step and the final parameters. `predict`: weight prediction, every forward and
-    backward on the parameters plus the last update applied (the peers' --weight-prediction)."""
+    backward on the parameters plus the last update applied (the peers' --weight-prediction).
+    `clip_grad_norm`: each update's gradient clipped to that global norm when it is applied."""
     sampler = MicrobatchSampler(
         open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
     )
@@ -251,6 +254,8 @@ def delayed_reference(config, kind: str, lr: float, steps: int, delay: int, pred
         before = [p.detach().clone() for p in params]
         for param, gradient in zip(params, gradients):
             param.grad = gradient
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         optimizer.step()
         last_update = [p.detach() - old for p, old in zip(params, before)]
 
@@ -274,15 +279,20 @@ def delayed_reference(config, kind: str, lr: float, steps: int, delay: int, pred
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("prediction", ["last-update", "none"])
-def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm, tmp_path, prediction):
+@pytest.mark.parametrize(
+    "prediction, clipped", [("last-update", False), ("none", False), ("last-update", True)], ids=lambda v: str(v)
+)
+def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm, tmp_path, prediction, clipped):
     """`--sync-delay 1`: step t+1 computes on the parameters after update t-1, on every replica
     (stage 0 has two that average, stage 1 one alone), and the trainer's flush applies the last
     update. The swarm then equals a one-process run that applies each step's gradient one step
     late, and differs from the exact schedule. With weight prediction (the default), every step
-    from the third on computes on the parameters plus the last update, as the reference does."""
+    from the third on computes on the parameters plus the last update, as the reference does.
+    With --clip-grad-norm every update, the flush's too, is clipped to the global norm over both
+    stages as it is applied, one step late."""
     # prediction shows from the third step on (the first update is applied after the second step)
     steps, config = (3 if prediction == "last-update" else 2), get_model_config("tiny")
+    max_norm = reference_grad_norm(config) / 4 if clipped else None
     swarm = make_swarm(
         num_stages=2,
         peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--sync-delay", "1"]
@@ -293,17 +303,25 @@ def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm,
         swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / d)) for stage, d in [(0, "a"), (0, "b"), (1, "c")]
     ]
     swarm.wait_online(peers)
+    clip_args = ["--clip-grad-norm", str(max_norm)] if clipped else []
     report = run_trainer(
-        swarm, tmp_path, "--steps", str(steps), "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)
+        swarm,
+        tmp_path,
+        *("--steps", str(steps), "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH), *clip_args),
     )
     stop_together(peers)
-    losses, reference = delayed_reference(config, "sgd", 0.5, steps, delay=1, predict=prediction == "last-update")
-    exact_losses, exact = delayed_reference(config, "sgd", 0.5, steps, delay=0)
+    predict = prediction == "last-update"
+    losses, reference = delayed_reference(config, "sgd", 0.5, steps, delay=1, predict=predict, clip_grad_norm=max_norm)
+    exact_losses, exact = delayed_reference(config, "sgd", 0.5, steps, delay=0, clip_grad_norm=max_norm)
     assert report["losses"] == pytest.approx(losses, abs=1e-5), report
     assert abs(losses[1] - exact_losses[1]) > 1e-3  # the delay shows: this test tells the schedules apart
-    if prediction == "last-update":  # ... and with prediction from without it
-        unpredicted, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1)
+    if predict:  # ... and with prediction from without it
+        unpredicted, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1, clip_grad_norm=max_norm)
         assert abs(losses[2] - unpredicted[2]) > 1e-3
+    if clipped:  # ... and the clip shows; one norm per update applied (the flush's included)
+        unclipped, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1, predict=predict)
+        assert abs(losses[2] - unclipped[2]) > 1e-3
+        assert len(report["grad_norms"]) == steps and report["grad_norms"][0] == pytest.approx(4 * max_norm, rel=1e-4)
     assert report["sync_round_retries"] == 0 and report["microbatches_lost"] == 0, report
     for stage, folder in [(0, "a"), (0, "b"), (1, "c")]:
         meta, state, _ = load_checkpoint(checkpoint_path(str(tmp_path / folder), "tiny", stage, 2))

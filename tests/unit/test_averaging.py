@@ -149,6 +149,7 @@ class _ControlledDelayed(DelayedGradientSync):
 
     def __init__(self, runtime: StageRuntime, round_result):
         self.runtime, self.committed, self.round_result, self.in_flight = runtime, set(), round_result, None
+        self.outcomes, self.held = collections.OrderedDict(), None
         runtime.auto_step = False
         self.averager = self
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
@@ -218,3 +219,30 @@ def test_a_lone_delayed_replica_steps_one_commit_late_too():
     sync = _ControlledDelayed(runtime, round_result=lambda weight: pytest.fail("a lone replica has no round"))
     assert sync.commit("run:0", group_size=1).stepped is False and runtime.steps_done == 0
     assert sync.commit("run:1", group_size=1).stepped and runtime.steps_done == 1
+
+
+def test_a_delayed_clipped_commit_holds_the_previous_update_and_applies_it_scaled():
+    """Clipping with the delay: "prepare" ends the round in flight and holds its update (answering
+    its squared norm), "apply" steps on it times the trainer's scale; the flush clips the last one."""
+    runtime = _runtime_with_gradients()
+    initial = [p.detach().clone() for p in runtime.params]
+    first = [g.clone() for g in runtime.local_mean_gradients()]
+    sync = _ControlledDelayed(runtime, round_result=lambda weight: {"self": weight, "other": 2.0})
+    prepared = sync.prepare("run:0", group_size=2)
+    assert prepared.pending and not prepared.stepped and prepared.grad_norm_sq is None  # no update yet
+    assert sync.apply_prepared("run:0:apply", 1.0).stepped is False and runtime.steps_done == 0
+    _accumulate(runtime, "mb1", seed=1)
+    second = [g.clone() for g in runtime.local_mean_gradients()]
+    prepared = sync.prepare("run:1", group_size=2)
+    assert prepared.pending and not prepared.stepped and runtime.steps_done == 0  # held, not applied
+    assert prepared.grad_norm_sq == pytest.approx(float(sum(g.double().pow(2).sum() for g in first)), rel=1e-6)
+    assert sync.prepare("run:1", group_size=2) == prepared  # a retry gets the same answer
+    applied = sync.apply_prepared("run:1:apply", 0.25)
+    assert applied.stepped and runtime.steps_done == 1
+    for param, before, gradient in zip(runtime.params, initial, first):  # SGD at lr 0.1 on a quarter of it
+        torch.testing.assert_close(param.detach(), before - 0.1 * 0.25 * gradient, atol=1e-6, rtol=0)
+    assert sync.apply_prepared("run:1:apply", 0.25) == applied and runtime.steps_done == 1  # a retry
+    flushed = sync.prepare("run:flush", group_size=2, flush=True)
+    assert not flushed.pending and sync.in_flight is None
+    assert flushed.grad_norm_sq == pytest.approx(float(sum(g.double().pow(2).sum() for g in second)), rel=1e-6)
+    assert sync.apply_prepared("run:flush:apply", 1.0).stepped and runtime.steps_done == 2
