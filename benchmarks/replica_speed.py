@@ -29,6 +29,7 @@ on a shared machine the figures are only as steady as that load.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -51,6 +52,20 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
 
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+SAME_RUN = ("model", "stages", "steps", "batch_size", "microbatch_size", "lr", "schedule", "eval_samples")
+
+
+def earlier_reference(path: str, args) -> dict:
+    """The 1-replica run of an earlier output, if it trained what this invocation trains."""
+    with open(path) as f:
+        earlier = json.load(f)
+    different = [k for k in SAME_RUN if earlier["args"].get(k) != getattr(args, k)]
+    if different:
+        raise SystemExit(f"--reference-from {path}: a different run ({', '.join(different)} differ)")
+    print(f"--- 1 replica: from {path}", flush=True)
+    return earlier["reference"]
 
 
 def picked(name: str, words: list[str]) -> bool:
@@ -84,6 +99,11 @@ def main() -> None:
         help="run only these 2x2 layouts: a layout's full name picks it alone, another word every layout whose "
         "name contains it (1 replica always)",
     )
+    parser.add_argument(
+        "--reference-from",
+        help="take the 1-replica run from this earlier output (the same model, steps, batch and schedule) "
+        "instead of running it again",
+    )
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default="benchmarks/out/replica_speed.json")
     args = parser.parse_args()
@@ -94,8 +114,11 @@ def main() -> None:
     schedule = tuple(lr_schedule_args(args.steps, None)) if args.schedule == "demo" else ()
     load_before = load()
     print(f"machine load (1/5/15 min) before: {load_before}", flush=True)
-    reference = run("1 replica", args, 1, "none", schedule)
-    reference["load_after"] = load()
+    if args.reference_from:
+        reference = earlier_reference(args.reference_from, args)
+    else:
+        reference = run("1 replica", args, 1, "none", schedule)
+        reference["load_after"] = load()
     layouts = {n: layout for n, layout in LAYOUTS.items() if not args.only or picked(n, args.only)}
     matchmaking = () if args.matchmaking_s is None else ("--averaging-matchmaking-s", str(args.matchmaking_s))
     runs = []

@@ -6,7 +6,10 @@ for two replicas of one stage on loopback, without a trainer.
 Two `GradientSync` averagers (each with its own DHT node, as two peers) of stage 0 of 2 start a
 round together (`begin_round(..., wait_for_trigger=True)`, as a commit does, but held before the
 all-reduce); the time until both have a group is matchmaking, the time from the trigger until both
-have the averaged tensors is the all-reduce. The machine's load is recorded before and after.
+have the averaged tensors is the all-reduce. The CPU time of this process and all its children
+(the DHT nodes, their p2pd daemons and the averagers' processes) is summed over each phase: on a
+machine whose cores the training already fills, that, not the wall time, is what a round takes
+from the compute. The machine's load is recorded before and after.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import hivemind
+import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,17 +33,30 @@ from peers.compute.stage_runtime import StageRuntime  # noqa: E402
 from peers.replicas.averaging import GradientSync, ParameterAveraging  # noqa: E402
 
 
-def one_round(replicas: list[GradientSync], pool: ThreadPoolExecutor) -> tuple[float, float]:
-    start = time.perf_counter()
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every process under it, so far."""
+    total = 0.0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def one_round(replicas: list[GradientSync], pool: ThreadPoolExecutor) -> tuple[float, float, float, float]:
+    """Wall seconds of matchmaking and of the all-reduce, then the CPU seconds of each."""
+    start, cpu_start = time.perf_counter(), cpu_s()
     controls = [r.begin_round(len(replicas), weight=1.0, wait_for_trigger=True) for r in replicas]
     while not all(ParameterAveraging.group_ready(c) for c in controls):
         time.sleep(0.002)
-    matched = time.perf_counter()
+    matched, cpu_matched = time.perf_counter(), cpu_s()
     results = list(pool.map(lambda rc: rc[0].finish_round(rc[1]), zip(replicas, controls)))
-    done = time.perf_counter()
+    done, cpu_done = time.perf_counter(), cpu_s()
     if any(r is None for r in results):
         raise RuntimeError("a round failed")
-    return matched - start, done - matched
+    return matched - start, done - matched, cpu_matched - cpu_start, cpu_done - cpu_matched
 
 
 def main() -> None:
@@ -68,17 +85,24 @@ def main() -> None:
             r.shutdown()
         for dht in dhts:
             dht.shutdown()
-    matchmaking, allreduce = [m for m, _ in rounds], [a for _, a in rounds]
+    matchmaking, allreduce = [r[0] for r in rounds], [r[1] for r in rounds]
+    matchmaking_cpu, allreduce_cpu = [r[2] for r in rounds], [r[3] for r in rounds]
     summary = {
         "values": values,
         "matchmaking_s_median": statistics.median(matchmaking),
         "allreduce_s_median": statistics.median(allreduce),
+        "matchmaking_cpu_s_median": statistics.median(matchmaking_cpu),  # both replicas together
+        "allreduce_cpu_s_median": statistics.median(allreduce_cpu),
         "matchmaking_s": matchmaking,
         "allreduce_s": allreduce,
+        "matchmaking_cpu_s": matchmaking_cpu,
+        "allreduce_cpu_s": allreduce_cpu,
     }
     print(
         f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds: matchmaking median "
-        f"{summary['matchmaking_s_median']:.3f} s, all-reduce median {summary['allreduce_s_median']:.3f} s",
+        f"{summary['matchmaking_s_median']:.3f} s ({summary['matchmaking_cpu_s_median']:.3f} CPU s), all-reduce "
+        f"median {summary['allreduce_s_median']:.3f} s ({summary['allreduce_cpu_s_median']:.3f} CPU s, both "
+        f"replicas together)",
         flush=True,
     )
     write_report(
