@@ -31,6 +31,7 @@ from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from peers.compute.stage_runtime import StageRuntime  # noqa: E402
 from peers.replicas.averaging import GradientSync, ParameterAveraging  # noqa: E402
+from peers.replicas.averaging_members import named_group_id  # noqa: E402
 
 
 def cpu_s() -> float:
@@ -45,10 +46,17 @@ def cpu_s() -> float:
     return total
 
 
-def one_round(replicas: list[GradientSync], pool: ThreadPoolExecutor) -> tuple[float, float, float, float]:
-    """Wall seconds of matchmaking and of the all-reduce, then the CPU seconds of each."""
+def one_round(
+    replicas: list[GradientSync], pool: ThreadPoolExecutor, named: str | None = None
+) -> tuple[float, float, float, float]:
+    """Wall seconds of matchmaking and of the all-reduce, then the CPU seconds of each. `named`: a
+    step id, to form the group a commit of that step would name instead of matchmaking."""
+    group = None
+    if named is not None:
+        weights = {r.averager.peer_id.to_base58(): 1.0 for r in replicas}
+        group = (named_group_id(named, weights), weights)
     start, cpu_start = time.perf_counter(), cpu_s()
-    controls = [r.begin_round(len(replicas), weight=1.0, wait_for_trigger=True) for r in replicas]
+    controls = [r.begin_round(len(replicas), weight=1.0, wait_for_trigger=True, named=group) for r in replicas]
     while not all(ParameterAveraging.group_ready(c) for c in controls):
         time.sleep(0.002)
     matched, cpu_matched = time.perf_counter(), cpu_s()
@@ -66,6 +74,13 @@ def main() -> None:
     parser.add_argument(
         "--matchmaking-s", type=float, default=0.5, help="min_matchmaking_time (GradientSync's default)"
     )
+    parser.add_argument(
+        "--groups",
+        choices=("matchmaking", "trainer", "both"),
+        default="both",
+        help="how each round's group forms: hivemind's matchmaking, or named as a trainer's commit names it "
+        "(`--averaging-groups`); both: the two alternating",
+    )
     parser.add_argument("--out", default="benchmarks/out/sync_round_cost.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -77,34 +92,40 @@ def main() -> None:
     ]
     values = replicas[0].num_values
     try:
+        kinds = ["matchmaking", "trainer"] if args.groups == "both" else [args.groups]
+        rounds: dict[str, list] = {kind: [] for kind in kinds}
         with ThreadPoolExecutor(len(replicas)) as pool:
             one_round(replicas, pool)  # warm-up: first DHT lookups
-            rounds = [one_round(replicas, pool) for _ in range(args.rounds)]
+            for i in range(args.rounds):
+                for kind in kinds:
+                    rounds[kind].append(one_round(replicas, pool, named=f"step{i}" if kind == "trainer" else None))
     finally:
         for r in replicas:
             r.shutdown()
         for dht in dhts:
             dht.shutdown()
-    matchmaking, allreduce = [r[0] for r in rounds], [r[1] for r in rounds]
-    matchmaking_cpu, allreduce_cpu = [r[2] for r in rounds], [r[3] for r in rounds]
-    summary = {
-        "values": values,
-        "matchmaking_s_median": statistics.median(matchmaking),
-        "allreduce_s_median": statistics.median(allreduce),
-        "matchmaking_cpu_s_median": statistics.median(matchmaking_cpu),  # both replicas together
-        "allreduce_cpu_s_median": statistics.median(allreduce_cpu),
-        "matchmaking_s": matchmaking,
-        "allreduce_s": allreduce,
-        "matchmaking_cpu_s": matchmaking_cpu,
-        "allreduce_cpu_s": allreduce_cpu,
-    }
-    print(
-        f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds: matchmaking median "
-        f"{summary['matchmaking_s_median']:.3f} s ({summary['matchmaking_cpu_s_median']:.3f} CPU s), all-reduce "
-        f"median {summary['allreduce_s_median']:.3f} s ({summary['allreduce_cpu_s_median']:.3f} CPU s, both "
-        f"replicas together)",
-        flush=True,
-    )
+    summary: dict = {"values": values}
+    for kind, measured in rounds.items():
+        matchmaking, allreduce = [r[0] for r in measured], [r[1] for r in measured]
+        matchmaking_cpu, allreduce_cpu = [r[2] for r in measured], [r[3] for r in measured]
+        summary[kind] = {
+            "matchmaking_s_median": statistics.median(matchmaking),  # named: forming the group from the commit
+            "allreduce_s_median": statistics.median(allreduce),
+            "matchmaking_cpu_s_median": statistics.median(matchmaking_cpu),  # both replicas together
+            "allreduce_cpu_s_median": statistics.median(allreduce_cpu),
+            "matchmaking_s": matchmaking,
+            "allreduce_s": allreduce,
+            "matchmaking_cpu_s": matchmaking_cpu,
+            "allreduce_cpu_s": allreduce_cpu,
+        }
+        s = summary[kind]
+        print(
+            f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds, groups by {kind}: "
+            f"forming the group median {s['matchmaking_s_median']:.3f} s ({s['matchmaking_cpu_s_median']:.3f} CPU s), "
+            f"all-reduce median {s['allreduce_s_median']:.3f} s ({s['allreduce_cpu_s_median']:.3f} CPU s; CPU of "
+            f"both replicas together)",
+            flush=True,
+        )
     write_report(
         args.out,
         {

@@ -232,6 +232,13 @@ class ReplicaSettings:
         "and periodic by steps, 1.0 by time); a round takes about this long plus the all-reduce "
         "(benchmarks/RESULTS.md), too short and groups may not form on a loaded machine",
     )
+    averaging_groups: str = option(
+        "trainer",
+        help="sync mode: how a round's group forms: trainer (default: the group the trainer's commit names, "
+        "at once) or matchmaking (hivemind's, about --averaging-matchmaking-s a round; a commit without "
+        "its group, e.g. a flush, always uses it)",
+        choices=["trainer", "matchmaking"],
+    )
     sync_delay: int = option(
         0,
         help="sync mode: 0 = each commit waits for the replicas' all-reduce and step (exact, as one "

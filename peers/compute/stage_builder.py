@@ -127,6 +127,7 @@ class StageBuilder:
                 members=members,
                 **matchmaking,
                 robust=replicas.robust_averaging,
+                named_groups=replicas.averaging_groups == "trainer",
             )
         elif replicas.averaging == "periodic":
             lie = config.faults.fault_averaging

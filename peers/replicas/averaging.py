@@ -73,7 +73,7 @@ from hivemind.compression import (
 from hivemind.utils import get_dht_time
 
 from peers.compute.stage_runtime import StageRuntime
-from peers.replicas.averaging_members import MIN_WEIGHT, MemberAverager, capped_weight
+from peers.replicas.averaging_members import MIN_WEIGHT, MemberAverager, capped_weight, named_group_id
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterOptimizer, OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
@@ -218,11 +218,14 @@ class ReplicaAveraging:
         scheduled_time: float | None = None,
         *,
         wait_for_trigger: bool = False,
+        named: tuple[bytes, Mapping[str, float]] | None = None,
     ) -> StepControl:
         """Start looking for a group of `group_size` replicas in the background (the averager's own
-        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`."""
+        process). With `wait_for_trigger`, the all-reduce then waits for `finish_round`. `named`: the
+        group a commit named (its id, and the weight of each member), which skips matchmaking."""
         if self.closing:
             raise AveragingClosed("the peer is stopping")
+        self.averager.name_next_group(*(named or (None,)))
         self.averager.target_group_size = group_size
         control = self.averager.step(
             weight=weight,
@@ -298,9 +301,9 @@ class ReplicaAveraging:
         self.failed_rounds += 1
         self._report(AveragingRound(self.mode, ok=False, group_size=0, sent_bytes=0, received_bytes=0))
 
-    def _all_reduce(self, group_size: int, weight: float) -> dict | None:
-        """One round, from matchmaking to the averaged tensors, all on the calling thread."""
-        control = self.try_begin_round(group_size, weight)
+    def _all_reduce(self, group_size: int, weight: float, named=None) -> dict | None:
+        """One round, from matchmaking (unless `named`) to the averaged tensors, on the calling thread."""
+        control = self.try_begin_round(group_size, weight, named=named)
         return None if control is None else self.finish_round(control)
 
     def set_members(self, members: Collection[str]) -> None:
@@ -342,8 +345,12 @@ class GradientSync(ReplicaAveraging):
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
+        named_groups: bool = True,
     ):
+        """`named_groups`: a commit that names its group (the replicas and what each served) skips
+        hivemind's matchmaking (peers/replicas/averaging_members.py); False: matchmaking always."""
         self.runtime = runtime
+        self.named_groups = named_groups
         runtime.auto_step = False
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
         self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
@@ -365,18 +372,32 @@ class GradientSync(ReplicaAveraging):
         saw each replica serve in the step; no replica weighs more than its count in the round."""
         if not self._first_commit_of(step_id):
             return self._repeated(step_id)
-        return self._remember(step_id, self.average_and_step(group_size, samples))
+        return self._remember(step_id, self.average_and_step(group_size, samples, step_id))
 
-    def average_and_step(self, group_size: int, samples: Mapping[str, int] | None) -> AveragingOutcome:
+    def average_and_step(
+        self, group_size: int, samples: Mapping[str, int] | None, step_id: str | None = None
+    ) -> AveragingOutcome:
         """The exact barrier: all-reduce what this replica accumulated with the group, then step."""
-        outcome = self.average_gradients(group_size, samples)
+        outcome = self.average_gradients(group_size, samples, step_id)
         if outcome.stepped:
             self.runtime.apply_gradients(self.averaged_gradients())
         return outcome
 
-    def average_gradients(self, group_size: int, samples: Mapping[str, int] | None) -> AveragingOutcome:
+    def named_group(self, step_id: str | None, caps: Mapping[str, int] | None) -> tuple[bytes, dict] | None:
+        """The group a commit names: the replicas its `samples` list (this one among them), each
+        weighing what it served; None (matchmaking) without them, or with `named_groups` off."""
+        if not self.named_groups or step_id is None or not caps:
+            return None
+        if self.averager.peer_id.to_base58() not in caps:
+            return None
+        return named_group_id(step_id, caps), {p: max(float(n), MIN_WEIGHT) for p, n in caps.items()}
+
+    def average_gradients(
+        self, group_size: int, samples: Mapping[str, int] | None, step_id: str | None = None
+    ) -> AveragingOutcome:
         """All-reduce what this replica accumulated with the group; the averager's buffers then hold
-        the mean gradient. The outcome's `stepped` says whether to step on it (the caller steps)."""
+        the mean gradient. The outcome's `stepped` says whether to step on it (the caller steps).
+        `step_id`: the commit's, which with `samples` names the group (no matchmaking)."""
         local_samples = self.runtime.samples_accumulated
         caps = dict(samples) if samples else None
         with self.averager.get_tensors() as buffers:
@@ -386,7 +407,9 @@ class GradientSync(ReplicaAveraging):
         if group_size > 1:
             self.averager.set_weight_caps(caps)
             # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
-            gathered = self._all_reduce(group_size, weight=max(float(local_samples), MIN_WEIGHT))
+            gathered = self._all_reduce(
+                group_size, weight=max(float(local_samples), MIN_WEIGHT), named=self.named_group(step_id, caps)
+            )
             if gathered is None and not self.closing:
                 # Stepping on local gradients would part this replica from the others for good (sync
                 # mode never averages parameters). Skipping keeps them equal: the gradients stay
@@ -409,7 +432,7 @@ class GradientSync(ReplicaAveraging):
         step then skips, as `apply_gradients` skips non-finite gradients)."""
         if not self._first_commit_of(step_id):
             return self._repeated(step_id)
-        outcome = self.average_gradients(group_size, samples)
+        outcome = self.average_gradients(group_size, samples, step_id)
         self.prepared = outcome if outcome.stepped else None
         if self.prepared is None:
             return self._remember(step_id, outcome)

@@ -17,6 +17,12 @@ both applied in the averager's own process:
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
   instead, so no replica can outweigh what it did.
+- groups named by the trainer (`--averaging-groups trainer`, the default for sync): a sync commit
+  names its group (the replicas the trainer committed the step on, with what each served), so
+  the round skips hivemind's matchmaking, which took about 0.5 s and more CPU time than the
+  all-reduce itself on every step (benchmarks/RESULTS.md): every replica of the commit builds the
+  same group from it (`named_group_id`: the step and the peers), and a part that arrives before
+  this replica has begun the round waits for it instead of being turned away.
 - robust reduction (`--robust-averaging`, default clip): the part this replica reduces is not the
   plain weighted mean of what its groupmates sent but a robust mean of them
   (peers/replicas/robust_mean.py: a group of three or more bounds how far one liar moves it, and
@@ -29,6 +35,7 @@ Without a member list (no run authority), anyone may join, as with hivemind's ow
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -36,12 +43,13 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's A
 
 import hivemind
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
@@ -51,6 +59,14 @@ from peers.replicas.robust_mean import MIN_ROBUST_GROUP, robust_mean
 logger = logging.getLogger(__name__)
 
 MIN_WEIGHT = 1e-9  # weight 0 for every sender would divide by zero; a tiny one changes nothing
+NAMED_GROUP_MARK = b"swarm-named:"  # the start of a group id built from a commit, not by matchmaking
+
+
+def named_group_id(step_id: str, peer_ids: Collection[str]) -> bytes:
+    """The id of the group a commit names: the same on every replica the commit reaches, and a new
+    one for each step (and each retry of it, which has its own step id)."""
+    digest = hashlib.sha256("\n".join([step_id, *sorted(peer_ids)]).encode()).digest()[:16]
+    return NAMED_GROUP_MARK + digest
 
 
 def capped_weight(weight: float, cap: float | None) -> float:
@@ -145,6 +161,7 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         self._members = None if members is None else frozenset(members)
         self._robust = robust
         self._weight_caps: dict[str, float] | None = None
+        self._named_group: tuple[bytes, dict[str, float]] | None = None  # the next round's, if named
         super().__init__(*args, **kwargs)
 
     # --- set from the peer's process (through the averager's pipe, like hivemind's own setters) ---
@@ -154,6 +171,30 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
 
     def set_weight_caps(self, caps: Mapping[str, float] | None) -> None:
         self._outer_pipe.send(("_set_weight_caps", [], dict(caps=None if caps is None else dict(caps))))
+
+    def name_next_group(self, group_id: bytes | None, weights: Mapping[str, float] | None = None) -> None:
+        """The group of the next `step` (sent before it, through the same pipe, so it arrives first):
+        these peers (this one included) with these weights, instead of matchmaking; None: matchmaking."""
+        named = None if group_id is None else (group_id, dict(weights or {}))
+        self._outer_pipe.send(("_name_next_group", [], dict(named=named)))
+
+    async def _name_next_group(self, named: tuple[bytes, dict[str, float]] | None) -> None:
+        self._named_group = named
+
+    def _group_named(self, step, group_id: bytes, weights: dict[str, float]) -> GroupInfo:
+        """The group a commit named, as hivemind's matchmaking would have returned it: the peers in
+        one order every member computes alike, each with hivemind's gather data (this replica's own
+        as it declared it, the others' weight as the trainer counted it, all at the default bandwidth)."""
+        me = self.peer_id.to_base58()
+        peer_ids = sorted(set(weights) | {me})
+
+        def gathered(peer: str) -> bytes:
+            if peer == me:
+                return step.data_for_gather
+            user_data = self.serializer.dumps(float(weights[peer]))
+            return self.serializer.dumps([None, AveragingMode.NODE.value, user_data])
+
+        return GroupInfo(group_id, tuple(PeerID.from_base58(p) for p in peer_ids), tuple(map(gathered, peer_ids)))
 
     async def _set_members(self, members: frozenset[str]) -> None:
         self._members = members
@@ -187,6 +228,15 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             return await request_join(leader)
 
         matchmaking._request_join_group = request_join_members_only
+        look_for_group = matchmaking.look_for_group
+
+        async def look_for_named_group(step):
+            named, self._named_group = self._named_group, None
+            if named is None or self.mode != AveragingMode.NODE:
+                return await look_for_group(step)
+            return self._group_named(step, *named)
+
+        matchmaking.look_for_group = look_for_named_group
         self.__dict__["_member_matchmaking"] = matchmaking
 
     async def rpc_join_group(
@@ -205,7 +255,14 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         if not self._is_member(context):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_aggregate_part(stream, context):
+        request = await anext(stream)
+        if request.group_id.startswith(NAMED_GROUP_MARK):
+            # a groupmate of a named group may begin before this replica has: wait for our round to
+            # register it (hivemind would answer BAD_GROUP_ID, failing the sender's round)
+            deadline = time.monotonic() + (self._allreduce_timeout or 30.0)
+            while request.group_id not in self._running_groups and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
     async def rpc_download_state(

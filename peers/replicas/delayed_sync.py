@@ -98,7 +98,7 @@ class DelayedGradientSync(GradientSync):
         then the trainer's repair loads the partner's state)."""
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
-        outcome, update = self.next_update(group_size, samples, flush=flush)
+        outcome, update = self.next_update(step_id, group_size, samples, flush=flush)
         if update is not None:
             self.runtime.apply_gradients(update)
         return outcome
@@ -113,7 +113,7 @@ class DelayedGradientSync(GradientSync):
         step's. `apply_prepared` then applies it, scaled, before the next step computes."""
         if not self._first_commit_of(step_id):
             return self._repeated(step_id)
-        outcome, update = self.next_update(group_size, samples, flush=flush)
+        outcome, update = self.next_update(step_id, group_size, samples, flush=flush)
         self.held = (outcome, update) if update is not None else None
         norm_sq = None if update is None else float(sum(g.double().pow(2).sum() for g in update))
         return self._remember(
@@ -137,7 +137,7 @@ class DelayedGradientSync(GradientSync):
         return self._remember(step_id, outcome)
 
     def next_update(
-        self, group_size: int, samples: Mapping[str, int] | None, *, flush: bool
+        self, step_id: str, group_size: int, samples: Mapping[str, int] | None, *, flush: bool
     ) -> tuple[AveragingOutcome, list[torch.Tensor] | None]:
         """The heart of a commit: end the round in flight, then start this step's (none with `flush`).
         Returns the outcome to answer and the update to apply (the previous step's mean gradients;
@@ -149,13 +149,18 @@ class DelayedGradientSync(GradientSync):
             if outcome.stepped or self.runtime.samples_accumulated == 0:
                 return outcome, update
             # the last round failed (its gradients are back in the accumulation): average them now, exactly
-            outcome = self.average_gradients(group_size, samples)
+            outcome = self.average_gradients(group_size, samples, step_id)
             return outcome, (self.averaged_gradients() if outcome.stepped else None)
-        self.start_round(gradients, local_samples, group_size, dict(samples) if samples else None)
+        self.start_round(gradients, local_samples, group_size, dict(samples) if samples else None, step_id)
         return replace(outcome, pending=True), update
 
     def start_round(
-        self, gradients: list[torch.Tensor], samples: int, group_size: int, caps: dict[str, int] | None
+        self,
+        gradients: list[torch.Tensor],
+        samples: int,
+        group_size: int,
+        caps: dict[str, int] | None,
+        step_id: str | None = None,
     ) -> None:
         """Average `gradients` with the group in the averager's process; the next commit applies them."""
         if group_size < 2:
@@ -165,7 +170,9 @@ class DelayedGradientSync(GradientSync):
             for buffer, mean in zip(buffers, gradients):
                 buffer.copy_(mean)
         self.averager.set_weight_caps(caps)
-        control = self.try_begin_round(group_size, weight=max(float(samples), MIN_WEIGHT))
+        control = self.try_begin_round(
+            group_size, weight=max(float(samples), MIN_WEIGHT), named=self.named_group(step_id, caps)
+        )
         self.in_flight = InFlightRound(control, gradients, samples, caps, alone=False)
 
     def finish_in_flight(self) -> tuple[AveragingOutcome, list[torch.Tensor] | None]:

@@ -68,6 +68,7 @@ class _ControlledSync(GradientSync):
 
     def __init__(self, runtime: StageRuntime, round_result):
         self.runtime, self.committed, self.round_result = runtime, set(), round_result
+        self.named_groups = False
         self.outcomes = collections.OrderedDict()
         runtime.auto_step = False
         self.averager = self  # get_tensors() below stands in for the averager's shared buffers
@@ -77,7 +78,7 @@ class _ControlledSync(GradientSync):
     def get_tensors(self):
         yield self.buffers
 
-    def _all_reduce(self, group_size: int, weight: float):
+    def _all_reduce(self, group_size: int, weight: float, named=None):
         return self.round_result(weight)
 
     def set_weight_caps(self, caps):
@@ -116,7 +117,7 @@ class _ControlledPeriodic(ParameterAveraging):
         self.committed, self.round_result, self.rounds_tried = set(), round_result, []
         runtime.auto_step = False
 
-    def _all_reduce(self, group_size: int, weight: float):
+    def _all_reduce(self, group_size: int, weight: float, named=None):
         self.rounds_tried.append((self.runtime.steps_done, group_size))
         return self.round_result()
 
@@ -149,7 +150,7 @@ class _ControlledDelayed(DelayedGradientSync):
 
     def __init__(self, runtime: StageRuntime, round_result):
         self.runtime, self.committed, self.round_result, self.in_flight = runtime, set(), round_result, None
-        self.outcomes, self.held = collections.OrderedDict(), None
+        self.outcomes, self.held, self.named_groups = collections.OrderedDict(), None, False
         runtime.auto_step = False
         self.averager = self
         self.buffers = [torch.zeros_like(p) for p in runtime.params]

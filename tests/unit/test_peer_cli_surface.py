@@ -28,6 +28,7 @@ PEER_FLAGS = {
     "--subspace-rank",  # added deliberately: subspace compression at stage boundaries (issue #27)
     "--subspace-kind",
     "--averaging-matchmaking-s",
+    "--averaging-groups",  # added deliberately: rounds in the group the trainer's commit names (issue #22)
     "--robust-averaging",  # added deliberately: robust reduction of the replicas' all-reduce (issue #25)
     "--bad-request-burst",
     "--bad-request-refill-per-s",
@@ -189,6 +190,7 @@ PEER_VARIABLES = {
     "SWARM_SUBSPACE_RANK",
     "SWARM_SUBSPACE_KIND",
     "SWARM_AVERAGING_MATCHMAKING_S",
+    "SWARM_AVERAGING_GROUPS",
     "SWARM_TARGET_BATCH_SIZE",
     "SWARM_USE_AUTO_RELAY",
     "SWARM_USE_RELAY",
