@@ -1,0 +1,53 @@
+"""Sync rounds in the group a trainer's commit names (`--averaging-groups trainer`): two replicas of
+a stage, each a GradientSync with its own real hivemind DHT node and averager process, average
+their gradients without matchmaking, weighted by the commit's sample counts."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+
+from models.config import get_model_config
+from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
+from peers.replicas.averaging import GradientSync
+
+MATCHMAKING_S = 30.0  # a round by matchmaking could not end sooner than this: the named one must
+
+
+@pytest.fixture
+def replicas():
+    first = hivemind.DHT(start=True)
+    dhts = [first, hivemind.DHT(start=True, initial_peers=[str(a) for a in first.get_visible_maddrs()])]
+    syncs = []
+    for seed, dht in enumerate(dhts):
+        runtime = StageRuntime(get_model_config("tiny"), 0, 2, optimizer=OptimizerSettings(optimizer="sgd", lr=0.1))
+        generator = torch.Generator().manual_seed(seed)
+        samples = 2 + 2 * seed  # 2 and 4: unequal weights
+        inputs = torch.randint(0, 256, (samples, runtime.config.seq_len), generator=generator)
+        grad_outputs = torch.randn(samples, runtime.config.seq_len, runtime.config.d_model, generator=generator)
+        runtime.backward("mb0", inputs, grad_outputs=grad_outputs)
+        syncs.append(GradientSync(runtime, dht, "tiny", timeout_s=2 * MATCHMAKING_S, matchmaking_s=MATCHMAKING_S))
+    yield syncs
+    for sync in syncs:
+        sync.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+
+
+def test_two_replicas_average_in_the_group_the_commit_names_without_matchmaking(replicas):
+    means = [[g.clone() for g in r.runtime.local_mean_gradients()] for r in replicas]
+    weights = [r.runtime.samples_accumulated for r in replicas]
+    samples = {r.averager.peer_id.to_base58(): w for r, w in zip(replicas, weights)}
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(lambda r: r.average_gradients(2, samples, "run:0"), replicas))
+    assert time.monotonic() - started < MATCHMAKING_S / 2, "the round waited for matchmaking"
+    assert all(o.averaged and o.stepped and o.group_size == 2 and o.samples == sum(weights) for o in outcomes)
+    expected = [(weights[0] * a + weights[1] * b) / sum(weights) for a, b in zip(*means)]
+    for replica in replicas:
+        for averaged, mean in zip(replica.averaged_gradients(), expected):
+            torch.testing.assert_close(averaged, mean, atol=1e-6, rtol=0)
