@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 MIN_WEIGHT = 1e-9  # weight 0 for every sender would divide by zero; a tiny one changes nothing
 NAMED_GROUP_MARK = b"swarm-named:"  # the start of a group id built from a commit, not by matchmaking
+NAMED_GROUP_WAIT_S = 10.0  # how long a part of a named group waits for this replica to begin its round
 
 
 def named_group_id(step_id: str, peer_ids: Collection[str]) -> bytes:
@@ -257,11 +258,11 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             return
         request = await anext(stream)
         if request.group_id.startswith(NAMED_GROUP_MARK):
-            # a groupmate of a named group may begin before this replica has: wait for our round to
-            # register it (hivemind would answer BAD_GROUP_ID, failing the sender's round)
-            deadline = time.monotonic() + (self._allreduce_timeout or 30.0)
+            # a groupmate of a named group may begin before this replica has: wait a while for our
+            # round to register it (hivemind would answer BAD_GROUP_ID at once, failing the sender's)
+            deadline = time.monotonic() + min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S)
             while request.group_id not in self._running_groups and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.01)
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
