@@ -150,7 +150,7 @@ class ReplicaAveraging:
     a timeout, and the count of rounds, failures and bytes (reported through `on_round`)."""
 
     mode = ""
-    closing = False  # set by `shutdown`: no round begins, and rounds cut short are not failures to warn of
+    closing = False  # set by `close`: no round begins, and rounds cut short are not failures to warn of
 
     def __init__(
         self,

@@ -327,9 +327,12 @@ class StepSchedule:
         if clip is None:  # with clipping nobody has stepped yet: the repair follows the second phase
             await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
         if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
-            if clip is not None and anything_prepared(sync_answers):
-                applied = await self._apply_clipped(f"{step_id}:apply", sync_groups, sync_answers, timeout_s)
-                await self._repair_missed_rounds(f"{step_id}:apply", averaging, applied, timeout_s)
+            if clip is not None:  # the last update, held by "prepare": applied clipped, then the repair
+                repair_id, answers = step_id, sync_answers
+                if anything_prepared(sync_answers):
+                    repair_id = f"{step_id}:apply"
+                    answers = await self._apply_clipped(repair_id, sync_groups, sync_answers, timeout_s)
+                await self._repair_missed_rounds(repair_id, averaging, answers, timeout_s)
             return
 
         def failed_stages() -> list[int]:
