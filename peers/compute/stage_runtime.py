@@ -107,6 +107,15 @@ class ThroughputMeter:
         self.alpha, self.value = alpha, initial
         self.observations = 1 if initial > 0 else 0
 
+    def carried(self) -> ThroughputMeter:
+        """The meter a peer takes to the stage it moves to: the EMA it served goes on, its count of
+        observations with it. A fresh meter seeded with the value would average it with the first
+        calls there, one half each: a few calls slowed by the move would swing the value the plan
+        moved on, and the peer would move back."""
+        meter = ThroughputMeter(self.alpha, self.value)
+        meter.observations = self.observations
+        return meter
+
     def observe(self, samples: int, seconds: float) -> None:
         if seconds <= 0:
             return

@@ -37,7 +37,7 @@ from dht.announce import fetch_stage_records_async
 from dht.records import PeerRecord, PeerState
 from peers.compute.faults import FaultyStageRuntime
 from peers.compute.stage_builder import BuiltStage, StageBuilder
-from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
+from peers.compute.stage_runtime import StageRuntime
 from peers.config import PlacementSettings
 from peers.placement.rebalance import (
     ReplicaView,
@@ -184,7 +184,7 @@ class StageMoves:
         # Announce what this peer served, not the new stage's start-up benchmark: the plan assumed the
         # peer's throughput moves with it, and a benchmark taken in a quiet second (measured up to 4x
         # the served EMA) made peers move back and forth. Real requests correct the EMA from here.
-        _compute(built.runtime).throughput = ThroughputMeter(initial=_compute(serving.runtime).throughput.value)
+        _compute(built.runtime).throughput = _compute(serving.runtime).throughput.carried()
         await self._swap_stage(built)
         serving.moving_to = None
         serving.set_state(PeerState.ONLINE)

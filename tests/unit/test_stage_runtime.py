@@ -253,3 +253,14 @@ def test_served_calls_correct_a_wrong_start_up_speed_within_a_few_calls():
     unseeded = ThroughputMeter()
     unseeded.observe(5, 1.0)
     assert (unseeded.value, unseeded.observations) == (5.0, 1)
+
+
+def test_a_moved_peer_carries_its_served_ema_and_its_first_calls_there_do_not_swing_it():
+    served = ThroughputMeter(initial=400.0)
+    for _ in range(50):
+        served.observe(9, 0.01)  # 900/s served on the old stage
+    carried = served.carried()
+    assert (carried.value, carried.observations) == (served.value, served.observations)
+    carried.observe(4, 0.01)  # one call slowed by the move: 400/s
+    assert carried.value == pytest.approx(served.value - 0.1 * (served.value - 400.0))  # an EMA step, not a half
+    assert served.observations == 51  # the old stage's meter is left as it was
