@@ -345,7 +345,7 @@ class GradientSync(ReplicaAveraging):
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
-        named_groups: bool = True,
+        named_groups: bool = False,
     ):
         """`named_groups`: a commit that names its group (the replicas and what each served) skips
         hivemind's matchmaking (peers/replicas/averaging_members.py); False: matchmaking always."""

@@ -30,7 +30,11 @@ def replicas():
         inputs = torch.randint(0, 256, (samples, runtime.config.seq_len), generator=generator)
         grad_outputs = torch.randn(samples, runtime.config.seq_len, runtime.config.d_model, generator=generator)
         runtime.backward("mb0", inputs, grad_outputs=grad_outputs)
-        syncs.append(GradientSync(runtime, dht, "tiny", timeout_s=2 * MATCHMAKING_S, matchmaking_s=MATCHMAKING_S))
+        syncs.append(
+            GradientSync(
+                runtime, dht, "tiny", timeout_s=2 * MATCHMAKING_S, matchmaking_s=MATCHMAKING_S, named_groups=True
+            )
+        )
     yield syncs
     for sync in syncs:
         sync.shutdown()
