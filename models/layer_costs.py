@@ -11,7 +11,6 @@ Splitting works on this data, not on code: `split_costs` turns it into what
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from models.balanced_split import SplitCosts
+from process.atomic_files import write_atomically
 
 __all__ = ["ProfileError", "LayerKind", "LayerCost", "ModelProfile", "split_costs"]
 
@@ -160,14 +160,7 @@ class ModelProfile(BaseModel):
     def write(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Write atomically (a reader never sees half a file); `extra` adds top-level keys that
         readers of the profile ignore (e.g. a suggested split)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps({**self.to_dict(), **(extra or {})}, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomically(path, json.dumps({**self.to_dict(), **(extra or {})}, indent=1) + "\n")
 
 
 def _check_boundaries(boundaries: Sequence[int], n_layers: int) -> tuple[int, ...]:

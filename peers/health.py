@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dht.records import PeerRecord, PeerState
+from process.atomic_files import write_atomically
 from process.config import ConfigError, add_config_arguments, from_sources, option
 
 logger = logging.getLogger(__name__)
@@ -64,11 +64,8 @@ def write_status(
         written_at=now,
         fresh_until=now + ttl_s,
     )
-    tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            f.write(status.model_dump_json())
-        os.replace(tmp, path)
+        write_atomically(path, status.model_dump_json())
         return True
     except OSError as e:
         logger.warning(f"Could not write the status file {path!r}: {e}")

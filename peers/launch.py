@@ -30,8 +30,9 @@ from peers.metrics import PeerMetrics
 from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
 from peers.serving.host import PeerHost
+from process.atomic_files import remove_stale_temporaries
 from process.config import ConfigError
-from process.lifetime import remove_stale_temporaries, stop_events_in_loop
+from process.lifetime import stop_events_in_loop
 from process.metrics_http import advertised_metrics_addr, serve_metrics
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import glob
 import multiprocessing.util
 import os
 import signal
@@ -149,22 +148,6 @@ def die_with_parent(sig: int = PARENT_DEATH_SIGNAL) -> Callable[[], None] | None
     return preexec
 
 
-def remove_stale_temporaries(folder: str, pattern: str = "*.tmp.*") -> list[str]:
-    """Remove temporary files (`NAME.tmp.PID`) that a killed process left in `folder`, except those
-    of a process still running; returns the paths removed."""
-    removed = []
-    for path in glob.glob(os.path.join(glob.escape(folder), pattern)):
-        owner = path.rsplit(".tmp.", 1)[-1]
-        if owner.isdigit() and int(owner) != os.getpid() and _pid_alive(int(owner)):
-            continue
-        try:
-            os.remove(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
 def process_tree(pid: int) -> list[int]:
     """`pid` and every descendant of it now, parents first (from /proc; [pid] where there is none)."""
     children: dict[int, list[int]] = {}
@@ -203,14 +186,6 @@ def kill_leftovers(pids: list[tuple[int, int | None]]) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -285,3 +260,14 @@ def stop_events_in_loop(*, what: str, what_alone: str) -> tuple[asyncio.Event, a
 
 class StopRequested(Exception):
     """Raised in the main thread by a role whose orderly stop unwinds its own stack (the demo)."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

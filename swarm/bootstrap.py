@@ -7,8 +7,9 @@ import os
 import threading
 
 from dht.node import NetworkConfig, start_dht
+from process.atomic_files import remove_stale_temporaries, write_atomically
 from process.config import option
-from process.lifetime import ShutdownSignals, remove_stale_temporaries
+from process.lifetime import ShutdownSignals
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -19,13 +20,6 @@ class BootstrapConfig(NetworkConfig):
         help="models whose DHT keys this node guards: it stores only signed records there, within "
         "caps (peers and trainers guard their own model's keys in any case)",
     )
-
-
-def write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def run_bootstrap(config: BootstrapConfig) -> int:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.netem.topology import Topology
+from process.lifetime import pid_alive
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAMESPACE_PATTERN = re.compile(r"^swn(\d+)[-.]")
@@ -125,16 +126,6 @@ def missing_requirements() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_namespaces() -> list[str]:
     out = run_command(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in out.splitlines() if line.strip()]
@@ -164,7 +155,7 @@ def cleanup_stale() -> list[str]:
     removed = []
     for namespace in list_namespaces():
         match = NAMESPACE_PATTERN.match(namespace)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             delete_namespace(namespace)
             removed.append(namespace)
     return removed

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from process.atomic_files import write_atomically
+
 MAGIC = b"SWRMCKP1"
 
 
@@ -59,20 +61,7 @@ def deserialize_state(data: bytes, source: str = "state") -> tuple[CheckpointMet
 
 
 def save_checkpoint(path: str, meta: CheckpointMeta, module_state: dict, optimizer_state: dict) -> None:
-    data = serialize_state(meta, module_state, optimizer_state)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_atomically(path, serialize_state(meta, module_state, optimizer_state), durable=True)
 
 
 def load_checkpoint(path: str) -> tuple[CheckpointMeta, dict, dict]:

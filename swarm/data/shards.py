@@ -19,6 +19,7 @@ import os
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from process.atomic_files import write_atomically
 from swarm.data.sources import CorpusError
 
 FORMAT = "swarm-tokens"
@@ -104,13 +105,7 @@ def read_meta(folder: str) -> DataMeta:
 
 def write_meta(folder: str, meta: DataMeta) -> None:
     """Atomically, and last: a reader sees the whole meta.json or none."""
-    path = os.path.join(folder, META)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(meta.model_dump(mode="json"), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(os.path.join(folder, META), json.dumps(meta.model_dump(mode="json"), indent=2), durable=True)
 
 
 class ShardWriter:

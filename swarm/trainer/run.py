@@ -26,7 +26,8 @@ from dht.signing import identity_of
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
 from models.stages import boundary_width
-from process.lifetime import remove_stale_temporaries, stop_events_in_loop
+from process.atomic_files import remove_stale_temporaries, write_atomically
+from process.lifetime import stop_events_in_loop
 from process.metrics_http import serve_metrics
 from swarm.trainer.client import StageClient
 from swarm.trainer.config import (
@@ -112,16 +113,7 @@ class TrainingReport:
 
     def write(self, path: str) -> None:
         """Write atomically: a reader never sees half a report."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(asdict(self), f, indent=2)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        write_atomically(path, json.dumps(asdict(self), indent=2))
 
 
 async def train(

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from process.lifetime import ShutdownSignals, die_with_parent, process_tree, remove_stale_temporaries
+from process.atomic_files import remove_stale_temporaries
+from process.lifetime import ShutdownSignals, die_with_parent, process_tree
 
 
 def test_stale_temporaries_are_removed_but_not_a_running_process_s(tmp_path):

@@ -99,8 +99,9 @@ def test_the_status_file_comes_from_the_environment_like_every_peer_option(tmp_p
 
 
 def test_an_unwritable_status_file_does_not_raise(tmp_path):
+    (tmp_path / "a-file").write_text("")  # a folder that cannot be made: a file has its name
     assert not write_status(
-        str(tmp_path / "no" / "such" / "dir" / "status.json"),
+        str(tmp_path / "a-file" / "status.json"),
         record(),
         announced=True,
         ttl_s=15.0,
