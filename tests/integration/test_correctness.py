@@ -128,7 +128,13 @@ def test_one_step_through_the_swarm_matches_one_process(
     backwards_with_cache = (BATCH // MICROBATCH) * (num_stages - 1)  # the last stage's fused call needs its inputs
     if routing == "direct":  # no backward call from the trainer at all: one chained call per microbatch
         assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (0, 0)
-        assert report["microbatches_retried"] == 0
+        # A call that broke in transit or timed out under load is driven again (once seen in CI, on 2
+        # busy cores): the sums above still match one process. Any other failure is a bug.
+        transient = {"transport", "timeout"}
+        assert report["microbatches_retried"] == 0 or set(report["failures_by_kind"]) <= transient, (
+            report,
+            trainer.log(),
+        )
     elif cache_size:
         assert (report["backward_inputs_skipped"], report["backward_inputs_resent"]) == (backwards_with_cache, 0)
     else:

@@ -367,11 +367,12 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
             )
             assert rounds == [("1", "2"), ("2", "4")], peer.log()[-2000:]
     else:
+        # A round after training; with an outer step, also a second round in all, since the first
+        # only sets the anchor (under load, training can end before the first round has run).
         rounds_after_training = [len(re.findall("averaged parameters", p.log())) for p in replicas]
+        needed = [max(n + 1, 2 if outer else 1) for n in rounds_after_training]
         wait_for(
-            lambda: all(
-                len(re.findall("averaged parameters", p.log())) > n for p, n in zip(replicas, rounds_after_training)
-            ),
+            lambda: all(len(re.findall("averaged parameters", p.log())) >= n for p, n in zip(replicas, needed)),
             30,
             "an averaging round after training",
         )
