@@ -21,7 +21,10 @@ def replica_views(
 
     A peer that moved has a record at its old stage (``offline``, or an older one not yet expired)
     and one at its new stage: the serving one wins, then the one that expires last. ``me``, the
-    caller's own state, replaces whatever the DHT says about it (its local view is authoritative).
+    caller's own state, replaces whatever the DHT says about its stage and state (its local view is
+    authoritative there), but not its throughput where the DHT holds its record at that stage: every
+    other peer plans with that announced value, and two peers that each planned with their own live
+    value and the other's announced one could each find itself the plan's mover (a herd of two).
     """
     chosen: dict[str, PeerRecord] = {}
     for record in records:
@@ -33,6 +36,9 @@ def replica_views(
             chosen[record.peer_id] = record
     views = {peer_id: ReplicaView(peer_id, r.stage, r.throughput, r.state.value) for peer_id, r in chosen.items()}
     if me is not None:
+        announced = views.get(me.peer_id)
+        if announced is not None and announced.stage == me.stage:
+            me = ReplicaView(me.peer_id, me.stage, announced.throughput, me.state)
         views[me.peer_id] = me
     return [views[peer_id] for peer_id in sorted(views)]
 

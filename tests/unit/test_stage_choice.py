@@ -4,7 +4,7 @@ import pytest
 
 from dht.records import PeerRecord, PeerState
 from peers.config import AUTO_STAGE, PeerConfig
-from peers.placement.rebalance import ReplicaView, decide_move
+from peers.placement.rebalance import ReplicaView, decide_move, plan_rebalance
 from peers.placement.stage_choice import choose_stage, choose_standby_stage, replica_views
 from process.config import ConfigError, from_sources
 
@@ -49,6 +49,23 @@ def test_of_two_serving_records_the_later_one_wins_and_my_own_view_beats_the_dht
     assert [(v.peer_id, v.stage) for v in replica_views(records, 2)] == [("a", 1), ("b", 0)]
     me = ReplicaView("b", 1, 7.0, "online")
     assert replica_views(records, 2, me=me)[1] == me
+
+
+def test_my_own_throughput_is_the_one_i_announced_so_every_peer_plans_with_the_same_snapshot():
+    """Two stage-0 peers of a 3:1 swarm whose live throughputs each fall below the other's announced
+    one: planning with its own live value, each would find itself the slower one and both would move."""
+    records = [record("a", 0, throughput=10.0), record("b", 0, throughput=10.5), record("c", 0), record("d", 1)]
+    mine = [ReplicaView("a", 0, 10.4, "online"), ReplicaView("b", 0, 9.9, "online")]
+    live = [[v for v in replica_views(records, 2) if v.peer_id != me.peer_id] + [me] for me in mine]
+    assert [[m.peer_id for m in plan_rebalance(v, 2).moves] for v in live] == [["a"], ["b"]]  # the herd
+    plans = []
+    for me in mine:
+        views = replica_views(records, 2, me=me)
+        assert next(v for v in views if v.peer_id == me.peer_id).throughput == (10.0 if me.peer_id == "a" else 10.5)
+        plans.append([(m.peer_id, m.to_stage) for m in plan_rebalance(views, 2).moves])
+    assert plans == [[("a", 1)], [("a", 1)]]
+    joining = ReplicaView("a", 1, 10.4, "joining")  # a move: a record at another stage does not apply
+    assert replica_views(records, 2, me=joining)[0] == joining
 
 
 def test_standby_and_other_splits_are_not_serving_replicas():
