@@ -35,6 +35,7 @@ Without a member list (no run authority), anyone may join, as with hivemind's ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -163,6 +164,8 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         self._robust = robust
         self._weight_caps: dict[str, float] | None = None
         self._named_group: tuple[bytes, dict[str, float]] | None = None  # the next round's, if named
+        # parts of a named group that came before this replica began its round, waiting for it
+        self._early_parts: dict[bytes, list[asyncio.Future]] = {}
         super().__init__(*args, **kwargs)
 
     # --- set from the peer's process (through the averager's pipe, like hivemind's own setters) ---
@@ -257,14 +260,38 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         request = await anext(stream)
-        if request.group_id.startswith(NAMED_GROUP_MARK):
+        if request.group_id.startswith(NAMED_GROUP_MARK) and request.group_id not in self._running_groups:
             # a groupmate of a named group may begin before this replica has: wait a while for our
             # round to register it (hivemind would answer BAD_GROUP_ID at once, failing the sender's)
-            deadline = time.monotonic() + min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S)
-            while request.group_id not in self._running_groups and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await self._wait_for_group(
+                request.group_id, min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S)
+            )
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    async def _wait_for_group(self, group_id: bytes, timeout_s: float) -> None:
+        """Until this replica registers `group_id` (`_register_allreduce_group`), or `timeout_s`."""
+        registered = asyncio.get_running_loop().create_future()
+        waiting = self._early_parts.setdefault(group_id, [])
+        waiting.append(registered)
+        try:
+            await asyncio.wait_for(registered, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            if registered in waiting:
+                waiting.remove(registered)
+            if not waiting and self._early_parts.get(group_id) is waiting:
+                del self._early_parts[group_id]
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo):
+        """hivemind's, which also wakes the parts of this group that came early (`_wait_for_group`)."""
+        with super()._register_allreduce_group(group_info):
+            for registered in self._early_parts.pop(group_info.group_id, []):
+                if not registered.done():
+                    registered.set_result(None)
+            yield
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
