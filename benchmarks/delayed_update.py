@@ -42,7 +42,15 @@ def validation_loss(model, validation: ValidationBatches) -> float:
     return sum(losses) / len(losses)
 
 
-def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list[int], predict: bool = False) -> dict:
+def train(
+    args,
+    data,
+    settings: OptimizerSettings,
+    delay: int,
+    checkpoints: list[int],
+    predict: bool = False,
+    delay_from: int = 0,
+) -> dict:
     """`args.steps` steps; the gradient of step t is applied `delay` steps late (the k-th update
     applied uses the rate of step k, as a stage's own step count does). At each checkpoint (a number
     of batches trained: equal tokens) the validation loss of the model with what still waits applied,
@@ -50,7 +58,11 @@ def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list
 
     `predict` (weight prediction, after PipeMare/SpecTrain): forwards and backwards run on the
     parameters plus the last update applied (a guess at the parameters the exact schedule would
-    use, one update further), while the optimizer steps the real ones."""
+    use, one update further), while the optimizer steps the real ones.
+
+    `delay_from`: steps before it are exact (their update applied before the next forward); the
+    delay begins with that step's gradient (as ZeRO-Offload's delayed parameter update does, after
+    the first steps, where the parameters move most)."""
     config = dataclasses.replace(get_model_config(args.model), vocab_size=data.vocab_size)
     torch.manual_seed(0)
     model = build_full_model(config)
@@ -64,7 +76,7 @@ def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list
     last = [torch.zeros_like(p) for p in params]  # the last update applied
 
     @torch.no_grad()
-    def apply(gradients) -> None:
+    def apply(gradients, next_step: int) -> None:
         for group in optimizer.param_groups:
             group["lr"] = schedule.rate(applied[0])
         for param, base, gradient in zip(params, real, gradients):
@@ -74,7 +86,7 @@ def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list
         for param, base, update in zip(params, real, last):
             update.copy_(param - base)
             base.copy_(param)
-            if predict:
+            if predict and next_step >= delay_from:
                 param.add_(update)
         applied[0] += 1
 
@@ -85,12 +97,12 @@ def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list
         loss.backward()
         losses.append(loss.item())
         waiting.append([p.grad.clone() for p in params])
-        while len(waiting) > delay:
-            apply(waiting.pop(0))
+        while len(waiting) > (delay if step >= delay_from else 0):
+            apply(waiting.pop(0), step + 1)
         if step + 1 in checkpoints:  # as the trainer's flush at the end of a run: what waits is applied
             saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), applied[0], real, last))
             for gradients in waiting:
-                apply(gradients)
+                apply(gradients, step + 1)
             with torch.no_grad():
                 for param, base in zip(params, real):
                     param.copy_(base)  # validated on the real parameters, not a prediction
@@ -103,6 +115,7 @@ def train(args, data, settings: OptimizerSettings, delay: int, checkpoints: list
     return {
         "delay": delay,
         "predict": predict,
+        "delay_from": delay_from,
         "val_loss_at": val,
         "final_train_loss": round(sum(losses[-5:]) / 5, 4),
         "losses": [round(x, 4) for x in losses],
@@ -117,22 +130,47 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--delay-from",
+        type=int,
+        default=None,
+        help="also a row that is exact before this step and one step late (predicted) from it (default: no such row)",
+    )
+    parser.add_argument("--schedules", default="constant,demo_schedule", help="which of constant, demo_schedule")
+    parser.add_argument("--rows", default="exact,late,late_predicted", help="which rows (exact is the reference)")
+    parser.add_argument(
+        "--tokenizer",
+        default="bpe:4096",
+        help="of the bundled Shakespeare corpus; `bytes` is what `swarm train` and benchmarks/replica_speed.py use",
+    )
+    parser.add_argument(
+        "--late-beta1", type=float, default=None, help="AdamW's beta1 for the late rows only (default: 0.9, as exact)"
+    )
     parser.add_argument("--out", default="delayed_update.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoints = sorted({int(c) for c in args.checkpoints.split(",") if int(c) <= args.steps} | {args.steps})
-    data = open_data(None, tokenizer="bpe:4096")
+    data = open_data(None, tokenizer=args.tokenizer)
     report = {"args": vars(args), "load_before": os.getloadavg(), "rows": {}}
-    rows = (("exact", 0, False), ("late", 1, False), ("late_predicted", 1, True))
+    rows = [("exact", 0, False, 0), ("late", 1, False, 0), ("late_predicted", 1, True, 0)]
+    if args.delay_from is not None:
+        rows.append((f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from))
+    wanted = {"exact", *args.rows.split(",")} | ({rows[-1][0]} if args.delay_from is not None else set())
+    rows = [row for row in rows if row[0] in wanted]
     for name, scheduled in (("constant", False), ("demo_schedule", True)):
+        if name not in args.schedules.split(","):
+            continue
         settings = schedule_settings(args.steps, scheduled)
-        for label, delay, predict in rows:
-            row = train(args, data, settings, delay, checkpoints, predict)
+        for label, delay, predict, delay_from in rows:
+            if delay and args.late_beta1 is not None:
+                settings = dataclasses.replace(settings)
+                object.__setattr__(settings, "betas", (args.late_beta1, settings.betas[1]))  # not an init field
+            row = train(args, data, settings, delay, checkpoints, predict, delay_from)
             report["rows"][f"{name}/{label}"] = row
             print(f"{name} {label}: val {row['val_loss_at']} ({row['seconds']} s)", flush=True)
         exact = report["rows"][f"{name}/exact"]["val_loss_at"]
-        for label, _, _ in rows[1:]:
+        for label, *_ in rows[1:]:
             other = report["rows"][f"{name}/{label}"]["val_loss_at"]
             gaps = {c: round(other[c] / exact[c] - 1, 4) for c in checkpoints}
             report[f"{name}/{label}_gap"] = gaps
