@@ -35,6 +35,15 @@ Rules, in one place:
   per-move margin would freeze a large swarm. Being stateless, the rule keeps the swarm within
   ``min_gain`` of what a rebalance can reach, not at it; see benchmarks/RESULTS_simulate.md for
   the measured trade-off between ``min_gain``, moves and throughput.
+- **Settling after a move** (``peers_settling``): a peer that sees another peer move (serving
+  at another stage than at its last look) with a material share of its new stage (at least
+  ``min_gain`` of the stage's throughput) does not plan for ``SETTLE_PERIODS`` check periods
+  after it last saw one. A move changes what the replicas measure: the mover downloads state from
+  a replica of its new stage, the stages' averaging groups change size, and the throughputs
+  announced right then (each an EMA of served requests) can swing by 2x on a busy machine,
+  enough for a second peer to plan a move that the settled swarm undoes (seen in
+  tests/integration/test_rebalance.py). In a large swarm one peer is a sliver of its stage, so
+  the many moves there hold nobody back. Checks after a lost replica do not wait.
 - **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
   them act on the same snapshot in the first place.
 - **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
@@ -60,6 +69,7 @@ from peers.placement.stage_assignment import optimal_bottleneck
 
 __all__ = [
     "SERVING_STATES",
+    "SETTLE_PERIODS",
     "STATES",
     "MoveDecision",
     "PlannedMove",
@@ -71,6 +81,7 @@ __all__ = [
     "decision_in_plan",
     "loss_check_delay_s",
     "next_check_delay_s",
+    "peers_settling",
     "optimal_bottleneck",
     "plan_rebalance",
     "should_standby_take_over",
@@ -79,6 +90,7 @@ __all__ = [
 ]
 
 STATES = ("joining", "online", "offline")
+SETTLE_PERIODS = 2.0  # check periods a peer waits after it last saw another peer move
 SERVING_STATES = frozenset({"joining", "online"})
 
 
@@ -327,6 +339,28 @@ def stages_that_lost_replicas(
             if later is None or (later.state not in SERVING_STATES and later.stage == r.stage):
                 lost.add(r.stage)
     return tuple(sorted(lost))
+
+
+def peers_settling(
+    previous: Sequence[ReplicaView] | None, current: Sequence[ReplicaView], num_stages: int, *, share: float
+) -> tuple[str, ...]:
+    """Peers (sorted) that moved between two looks at the swarm (serving in both, at different
+    stages; an arrival is not a move) and carry at least `share` of their new stage's serving
+    throughput in ``current``."""
+    before = {r.peer_id: r for r in previous or ()}
+    totals = stage_throughputs(current, num_stages)
+    moved = set()
+    for r in current:
+        earlier = before.get(r.peer_id)
+        if (
+            earlier is not None
+            and r.state in SERVING_STATES
+            and earlier.state in SERVING_STATES
+            and earlier.stage != r.stage
+            and r.throughput >= share * totals[r.stage]
+        ):
+            moved.add(r.peer_id)
+    return tuple(sorted(moved))
 
 
 def loss_check_delay_s(max_delay_s: float, rng: random.Random) -> float:

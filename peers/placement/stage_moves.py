@@ -7,8 +7,8 @@ functions of peers/placement/rebalance.py over the views of peers/placement/stag
 module only fetches, waits and swaps.
 
 A move, in order:
-1. announce `offline` at the old stage (trainers stop routing there at their next refresh) and
-   `joining` at the new one (other peers' plans count us there, so no second peer rushes in);
+1. announce `joining` at the new stage (other peers' plans count us there, so no second peer
+   rushes in), then `offline` at the old one (trainers stop routing there at their next refresh);
 2. build the new stage's runtime off the compute thread while the old one keeps serving the
    requests still arriving; keep serving the old stage until no request has been in flight for a
    second (trainers have re-read the DHT), 10 s at most; then download the new stage's state from a
@@ -40,11 +40,13 @@ from peers.compute.stage_builder import BuiltStage, StageBuilder
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PlacementSettings
 from peers.placement.rebalance import (
+    SETTLE_PERIODS,
     ReplicaView,
     choose_standby_target,
     decide_move,
     loss_check_delay_s,
     next_check_delay_s,
+    peers_settling,
     should_standby_take_over,
     stages_that_lost_replicas,
 )
@@ -109,11 +111,14 @@ class StageMoves:
         rng = random.Random(zlib.crc32(self.peer_id.encode()))  # peers started together check at different times
         next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
         watch_s, seen = settings.rebalance_loss_watch_s, None  # seen: the swarm at our last look
+        settle_s = SETTLE_PERIODS * settings.rebalance_period_s
+        last_move_seen, movers = None, ()  # when a move was last seen (ours included), and whose
         while not stop.is_set():
             wake_at = next_check_at if watch_s <= 0 else min(next_check_at, time.monotonic() + watch_s)
             if await _stopped_within(stop, wake_at - time.monotonic()):
                 return
             num_stages = self.serving.runtime.num_stages
+            after_loss = False
             if time.monotonic() >= next_check_at:
                 next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
             else:  # a look between periodic checks: check soon if a stage lost a replica since the last one
@@ -124,9 +129,13 @@ class StageMoves:
                 except ValueError as e:
                     logger.warning(f"Rebalancing look skipped: {e}")
                     continue
+                moved = peers_settling(seen, views, num_stages, share=settings.rebalance_min_gain)
+                if moved:
+                    last_move_seen, movers = time.monotonic(), moved
                 seen = views
                 if not lost:
                     continue
+                after_loss = True
                 logger.info(f"stage(s) {list(lost)} lost a replica: checking whether to move")
                 if await _stopped_within(stop, loss_check_delay_s(settings.rebalance_loss_delay_s, rng)):
                     return
@@ -144,6 +153,19 @@ class StageMoves:
                 continue
             try:
                 views = await self.swarm_views()
+                others = [v for v in views if v.peer_id != self.peer_id]
+                moved = peers_settling(seen, others, num_stages, share=settings.rebalance_min_gain)
+                seen = others
+                if moved:
+                    last_move_seen, movers = time.monotonic(), moved
+                if not after_loss and last_move_seen is not None and time.monotonic() - last_move_seen < settle_s:
+                    names = ", ".join("this peer" if p == self.peer_id else p[-8:] for p in movers)
+                    print(
+                        f"rebalancing: no move, because the swarm is settling after a move ({names}; "
+                        f"{time.monotonic() - last_move_seen:.0f} s ago, waiting {settle_s:.0f} s)",
+                        flush=True,
+                    )
+                    continue
                 decision = decide_move(self.peer_id, views, num_stages, min_gain=settings.rebalance_min_gain)
             except ValueError as e:  # a malformed snapshot: skip this check, never crash the peer
                 logger.warning(f"Rebalancing check skipped: {e}")
@@ -156,6 +178,7 @@ class StageMoves:
                     flush=True,
                 )
                 await self.move_to_stage(decision.to_stage, p2p)
+                last_move_seen, movers = time.monotonic(), (self.peer_id,)  # our own move settles too
             else:
                 print(f"rebalancing: no move, because {decision.reason}", flush=True)
 
@@ -165,8 +188,11 @@ class StageMoves:
         old_stage, started = serving.runtime.stage, time.monotonic()
         serving.moving_to = stage
         serving.set_state(PeerState.JOINING)
-        await self.announcer.announce(stage=old_stage, state=PeerState.OFFLINE)
+        # joining at the new stage first: between the two stores a reader then sees us at both stages
+        # (the newer record, joining, wins), never at neither, which reads as a lost replica and
+        # made a second peer of the old stage move too
         await self.announcer.announce()
+        await self.announcer.announce(stage=old_stage, state=PeerState.OFFLINE)
         if self.checkpointer is not None:
             await self.checkpointer.save_now()
         try:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from dht.records import PeerState
 from peers.config import PlacementSettings
-from peers.placement.rebalance import ReplicaView
+from peers.placement.rebalance import ReplicaView, peers_settling
 from peers.placement.stage_moves import StageMoves
 
 
@@ -74,3 +74,44 @@ def test_without_the_watch_the_peer_waits_for_its_period():
     peer = ScriptedPeer(loss_watch_s=0.0)
     asyncio.run(run_for(peer, 0.5))
     assert peer.moved_to == [] and peer.looks == 0
+
+
+class MovedPeer(ScriptedPeer):
+    """2:2 at our first look; from the second on, q2 serves stage 0 (it moved) and q1's announced
+    throughput dips, so that the plan would send us to stage 1 at once."""
+
+    async def swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
+        self.looks += 1
+        others = [online("p1", 0), online("q1", 1), online("q2", 1)]
+        if self.looks >= 2:
+            others = [online("p1", 0), ReplicaView("q1", 1, 0.5, "online"), online("q2", 0)]
+        self.decided_at = time.monotonic()
+        return others + ([online(self.peer_id, self.serving.runtime.stage)] if include_self else [])
+
+
+def test_after_another_peer_moves_the_peer_waits_for_the_swarm_to_settle(capsys):
+    peer = MovedPeer(loss_watch_s=0.0)
+    peer.settings = PlacementSettings(rebalance_period_s=0.2, rebalance_loss_watch_s=0.0, rebalance_min_gain=0.2)
+    started = time.monotonic()
+    asyncio.run(run_for(peer, 5.0))
+    out = capsys.readouterr().out
+    assert peer.moved_to == [1], out
+    assert "because the swarm is settling after a move (q2" in out, out
+    # the move was seen at the second look; the peer moved 2 periods (0.4 s) after it, not before
+    assert peer.looks >= 3 and peer.decided_at - started >= 0.2 + 0.4, out
+
+
+def test_peers_settling_names_peers_serving_another_stage_with_a_material_share_of_it():
+    before = [online("a", 0), online("b", 0), online("c", 1), ReplicaView("d", 1, 1.0, "offline"), online("f", 1)]
+    after = [
+        online("a", 0),
+        ReplicaView("b", 1, 1.0, "joining"),  # moved, still joining: a third of stage 1
+        online("c", 1),
+        online("d", 0),  # was not serving: an arrival, not a move
+        ReplicaView("e", 0, 1.0, "joining"),  # a newcomer
+        online("f", 1),
+    ]
+    assert peers_settling(before, after, 2, share=0.2) == ("b",)
+    assert peers_settling(before, after, 2, share=0.4) == ()  # 1 of stage 1's 3 samples/s
+    assert peers_settling(None, after, 2, share=0.2) == ()
+    assert peers_settling(after, after, 2, share=0.2) == ()
