@@ -93,6 +93,13 @@ class AveragingClosed(RuntimeError):
     """A round asked of an averager that is shutting down."""
 
 
+class AveragerDidNotStart(RuntimeError):
+    """hivemind's averager process did not become ready (its DHT process gone, most often)."""
+
+
+AVERAGER_START_TIMEOUT_S = 60.0  # for hivemind's averager process to become ready (about a second)
+
+
 @dataclass(frozen=True)
 class AveragingOutcome:
     averaged: bool  # whether an all-reduce with other replicas took place
@@ -180,6 +187,8 @@ class ReplicaAveraging:
         codec = COMPRESSIONS[compression]()
         self.num_values = sum(t.numel() for t in tensors)
         self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
+        if not dht.is_alive():  # hivemind's averager would wait for its answers forever
+            raise AveragerDidNotStart(f"the averager of {prefix!r} cannot start: the DHT process is not running")
         self.averager = MemberAverager(
             tensors,
             dht,
@@ -194,13 +203,22 @@ class ReplicaAveraging:
             allreduce_timeout=timeout_s,
         )
         self.members_only = members is not None
-        if threading.current_thread() is threading.main_thread():
-            self.averager.run_in_background(await_ready=True)
-        else:
-            # hivemind's run_in_background sets a SIGINT handler, which only the main thread may do: a
-            # peer that moves builds its next stage (and this averager) on a worker thread.
-            self.averager.start()
-            self.averager.wait_until_ready()
+        try:
+            if threading.current_thread() is threading.main_thread():
+                self.averager.run_in_background(await_ready=True, timeout=AVERAGER_START_TIMEOUT_S)
+            else:
+                # hivemind's run_in_background sets a SIGINT handler, which only the main thread may do: a
+                # peer that moves builds its next stage (and this averager) on a worker thread.
+                self.averager.start()
+                self.averager.wait_until_ready(timeout=AVERAGER_START_TIMEOUT_S)
+        except TimeoutError:  # without a timeout this waited forever (seen when the DHT process had died)
+            if self.averager.is_alive():
+                self.averager.terminate()
+            state = "running" if dht.is_alive() else "not running"
+            raise AveragerDidNotStart(
+                f"the averager of {prefix!r} did not start within {AVERAGER_START_TIMEOUT_S:.0f} s "
+                f"(the DHT process is {state})"
+            ) from None
         self.rounds = self.failed_rounds = 0
         self.bytes_sent = self.bytes_received = 0
         # rounds begun and not yet finished: `shutdown` cancels them, so that a thread waiting in

@@ -11,14 +11,15 @@ import pytest
 
 from models.config import get_model_config
 from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
+from peers.replicas import averaging
 from peers.replicas.averaging import GradientSync
 from peers.replicas.delayed_sync import DelayedGradientSync
 
 TIMEOUT_S = 60.0  # the round's timeout: far longer than the test may wait
 
 
-@pytest.fixture(scope="module")
-def dht():
+@pytest.fixture
+def dht():  # one per test: hivemind's DHT process died, now and then, receiving the pipe of a second averager
     dht = hivemind.DHT(start=True)
     yield dht
     dht.shutdown()
@@ -62,3 +63,13 @@ def test_a_commit_waiting_for_a_partner_returns_as_soon_as_the_averaging_shuts_d
     if kind is GradientSync:
         assert result["value"].stepped is False and sync.runtime.steps_done == 0
     assert sync.open_rounds == set()
+
+
+def test_an_averager_whose_dht_is_gone_fails_in_one_line_instead_of_waiting_forever():
+    dht = hivemind.DHT(start=True)
+    dht.kill()  # died (as seen: a pipe it was sent broke), not shut down: its pipe stays open and silent
+    dht.join()
+    started = time.monotonic()
+    with pytest.raises(averaging.AveragerDidNotStart, match="the DHT process is not running"):
+        GradientSync(_runtime(), dht, "tiny", timeout_s=TIMEOUT_S)
+    assert time.monotonic() - started < 30.0
