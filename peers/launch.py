@@ -23,7 +23,7 @@ from models.hf_format import weight_files
 from models.model_source import model_hash, resolve_model
 from models.stages import stage_spec
 from peers.compute import memory_budget
-from peers.compute.devices import DeviceError, check_optimizer, describe_device, resolve_device
+from peers.compute.devices import check_optimizer, describe_device, resolve_device
 from peers.compute.stage_builder import StageBuilder, check_stage_memory
 from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics
@@ -63,11 +63,6 @@ def run_peer(config: PeerConfig) -> None:
             "warning: --averaging none: replicas of this stage will train separate, diverging copies "
             "(no one model at the end); leave out --averaging (sync) unless this is an experiment",
             flush=True,
-        )
-    if device.type != "cpu" and config.replicas.averaging != "none":
-        raise DeviceError(
-            f"--averaging {config.replicas.averaging} is only supported with --device cpu so far (hivemind's "
-            f"averager works on CPU tensors); use --averaging none on a GPU"
         )
     available, source = _memory_available(config, device)
     config = _resolve_num_layers(config, model_config, available, device)

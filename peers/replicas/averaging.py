@@ -46,6 +46,11 @@ Traffic is counted per round (`AveragingRound`, exported as Prometheus counters)
 n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
 codec's serialized size measured on its own tensors at start-up.
 
+Devices: hivemind's averager all-reduces CPU tensors. The gradients' buffers are CPU tensors in
+either mode of a peer on any device (`averaged_gradients` hands them back on the stage's device);
+in `periodic` mode a CPU peer's averager works in the parameters' own memory, and a peer on a GPU
+averages CPU copies taken just before each all-reduce and written back after it.
+
 Every method here runs on the peer's compute thread, so no forward or backward ever sees
 tensors halfway through an averaging round.
 """
@@ -370,7 +375,8 @@ class GradientSync(ReplicaAveraging):
         self.runtime = runtime
         self.named_groups = named_groups
         runtime.auto_step = False
-        self.buffers = [torch.zeros_like(p) for p in runtime.params]
+        # on the CPU whatever the stage's device: hivemind's averager all-reduces CPU tensors
+        self.buffers = [torch.zeros_like(p, device="cpu") for p in runtime.params]
         self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
         super().__init__(
             dht,
@@ -472,9 +478,9 @@ class GradientSync(ReplicaAveraging):
         return self._remember(step_id, prepared)
 
     def averaged_gradients(self) -> list[torch.Tensor]:
-        """A copy of the averager's buffers: after a round, the group's mean gradients."""
+        """A copy of the averager's buffers on the stage's device: after a round, the group's mean gradients."""
         with self.averager.get_tensors() as buffers:
-            return [buffer.clone() for buffer in buffers]
+            return [buffer.to(self.runtime.device, copy=True) for buffer in buffers]
 
 
 def round_has_samples(gathered: Mapping) -> bool:
@@ -511,8 +517,12 @@ class ParameterAveraging(ReplicaAveraging):
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
+        through_cpu_copies: bool | None = None,
     ):
+        """`through_cpu_copies`: average CPU copies of the parameters, taken before each all-reduce and
+        written back after it; None: when the stage is not on the CPU (hivemind averages CPU tensors)."""
         self.runtime, self.rounds_schedule = runtime, schedule
+        self.through_cpu_copies = runtime.device.type != "cpu" if through_cpu_copies is None else through_cpu_copies
         self.outer = OuterOptimizer(outer) if outer is not None else None
         if schedule.by_steps:
             runtime.auto_step = False  # one local step per trainer commit, so replicas count steps together
@@ -520,9 +530,10 @@ class ParameterAveraging(ReplicaAveraging):
             # by steps, the replicas arrive together (the trainer commits to all at once), as in sync mode
             matchmaking_s = 0.5 if schedule.by_steps else 1.0
         # .data: the same memory as the parameters, without autograd (the averager writes in place)
+        params = [p.data for p in runtime.params]
         super().__init__(
             dht,
-            [p.data for p in runtime.params],
+            [p.to("cpu", copy=True) for p in params] if self.through_cpu_copies else params,
             averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
             timeout_s=timeout_s,
             matchmaking_s=matchmaking_s,
@@ -555,6 +566,7 @@ class ParameterAveraging(ReplicaAveraging):
             self.runtime.count_empty_step()
         if not self.rounds_schedule.due_after_step(self.runtime.steps_done) or group_size < 2:
             return AveragingOutcome(False, 1, samples, stepped=True)
+        self._copy_parameters_in()
         gathered = self._all_reduce(group_size, weight=1.0)
         outer_stepped = self._after_round(gathered)
         return AveragingOutcome(
@@ -576,6 +588,7 @@ class ParameterAveraging(ReplicaAveraging):
 
     def average(self, control: StepControl) -> AveragingOutcome:
         """Run the all-reduce of a scheduled round (on the compute thread: it writes the parameters)."""
+        self._copy_parameters_in()
         gathered = self.finish_round(control)
         outer_stepped = self._after_round(gathered)
         return AveragingOutcome(
@@ -588,11 +601,22 @@ class ParameterAveraging(ReplicaAveraging):
         if gathered is None:
             return False
         stepped = False
-        if self.outer is not None:
-            with self.averager.get_tensors() as params:  # the parameters' own memory
-                stepped = self.outer.apply(params)
+        if self.outer is not None or self.through_cpu_copies:
+            with self.averager.get_tensors() as averaged:  # the parameters' own memory, or their CPU copies
+                if self.outer is not None:
+                    stepped = self.outer.apply(averaged)
+                if self.through_cpu_copies:
+                    for param, value in zip(self.runtime.params, averaged):
+                        param.data.copy_(value)
         self.runtime.cache.clear()
         return stepped
+
+    def _copy_parameters_in(self) -> None:
+        """Through CPU copies: the parameters as they are now, for the all-reduce about to run."""
+        if self.through_cpu_copies:
+            with self.averager.get_tensors() as copies:
+                for copy, param in zip(copies, self.runtime.params):
+                    copy.copy_(param.data)
 
     def abandon(self, control: StepControl) -> None:
         """No group in time (or the peer is stopping): cancel the round and count it as failed."""

@@ -115,6 +115,7 @@ class _ControlledPeriodic(ParameterAveraging):
     def __init__(self, runtime: StageRuntime, every_steps: int, round_result):
         self.runtime, self.rounds_schedule, self.outer = runtime, AveragingSchedule(every_steps=every_steps), None
         self.committed, self.round_result, self.rounds_tried = set(), round_result, []
+        self.through_cpu_copies = False
         runtime.auto_step = False
 
     def _all_reduce(self, group_size: int, weight: float, named=None):
