@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import torch
+from tokenizers import Tokenizer, models
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,8 +31,36 @@ from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
 from peers.compute import devices  # noqa: E402
 from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
+from swarm.data.prepare import PrepareConfig, prepare  # noqa: E402
+from swarm.data.tokenizer import byte_tokenizer  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
-from swarm.trainer.data import MicrobatchSampler, load_corpus  # noqa: E402
+from swarm.trainer.data import MicrobatchSampler, load_corpus, shakespeare_files  # noqa: E402
+
+BYTES = 256
+
+
+def padded_byte_tokenizer(vocab_size: int) -> Tokenizer:
+    """The byte tokenizer (token id = the byte's value) with `vocab_size` entries: ids from 256 on
+    are placeholders that no text encodes to."""
+    tokenizer = byte_tokenizer()
+    vocab = tokenizer.get_vocab()
+    vocab.update({f"<unused{i}>": i for i in range(BYTES, vocab_size)})
+    tokenizer.model = models.BPE(vocab=vocab, merges=[])
+    return tokenizer
+
+
+def byte_data(vocab_size: int, workdir: str) -> list[str]:
+    """The trainer's `--data` for a model of `vocab_size` tokens: the corpus's bytes, what the plain
+    process trains on. The trainer refuses data whose vocabulary is not the swarm's, so for a larger
+    vocabulary (GPT-2's 50257) the corpus is prepared with the byte tokenizer padded to that size:
+    ids 0-255 are the bytes, the other ids are never produced."""
+    if vocab_size == BYTES:
+        return []  # the trainer's default data: the corpus's bytes
+    path = os.path.join(workdir, "tokenizer.json")
+    padded_byte_tokenizer(vocab_size).save(path)
+    out = os.path.join(workdir, "data")
+    prepare(PrepareConfig(inputs=shakespeare_files(), out=out, tokenizer=path), say=lambda line: None)
+    return ["--data", out]
 
 
 def plain_pytorch(
@@ -128,6 +157,7 @@ def swarm_run(
             "2",
             "--report",
             report_path,
+            *byte_data(config.vocab_size, workdir),
         )
         if trainer.popen.wait(timeout=3600) != 0:
             raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
