@@ -18,12 +18,11 @@ def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: boo
     state that must survive a power cut: checkpoints, a corpus's meta). Creates the folder."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(
-            tmp, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes) else {"encoding": "utf-8"})
-        ) as f:
-            f.write(data)
+        with open(tmp, "wb") as f:
+            f.write(payload)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
