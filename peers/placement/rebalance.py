@@ -72,6 +72,7 @@ __all__ = [
     "SETTLE_PERIODS",
     "STATES",
     "MoveDecision",
+    "SettleWatch",
     "PlannedMove",
     "RebalancePlan",
     "ReplicaView",
@@ -361,6 +362,35 @@ def peers_settling(
         ):
             moved.add(r.peer_id)
     return tuple(sorted(moved))
+
+
+@dataclass
+class SettleWatch:
+    """The settle rule's memory for one peer: the swarm at its last look (``seen``) and the last
+    material move it saw (its own included), so that it plans no move for ``settle_s`` after one."""
+
+    settle_s: float
+    share: float
+    seen: list[ReplicaView] | None = None
+    last_move_at: float | None = None
+    movers: tuple[str, ...] = ()
+
+    def look(self, views: Sequence[ReplicaView], num_stages: int, now: float) -> None:
+        """Compare ``views`` with the last look: a material move restarts the settle time."""
+        moved = peers_settling(self.seen, views, num_stages, share=self.share)
+        if moved:
+            self.last_move_at, self.movers = now, moved
+        self.seen = list(views)
+
+    def moved(self, peer_id: str, now: float) -> None:
+        """This peer just moved: the swarm settles after its own move too."""
+        self.last_move_at, self.movers = now, (peer_id,)
+
+    def settling_since(self, now: float) -> float | None:
+        """Seconds since the last move while the swarm is still settling; None once it has settled."""
+        if self.last_move_at is None or now - self.last_move_at >= self.settle_s:
+            return None
+        return now - self.last_move_at
 
 
 def loss_check_delay_s(max_delay_s: float, rng: random.Random) -> float:

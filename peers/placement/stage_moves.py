@@ -42,11 +42,11 @@ from peers.config import PlacementSettings
 from peers.placement.rebalance import (
     SETTLE_PERIODS,
     ReplicaView,
+    SettleWatch,
     choose_standby_target,
     decide_move,
     loss_check_delay_s,
     next_check_delay_s,
-    peers_settling,
     should_standby_take_over,
     stages_that_lost_replicas,
 )
@@ -110,9 +110,8 @@ class StageMoves:
         settings = self.settings
         rng = random.Random(zlib.crc32(self.peer_id.encode()))  # peers started together check at different times
         next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
-        watch_s, seen = settings.rebalance_loss_watch_s, None  # seen: the swarm at our last look
-        settle_s = SETTLE_PERIODS * settings.rebalance_period_s
-        last_move_seen, movers = None, ()  # when a move was last seen (ours included), and whose
+        watch_s = settings.rebalance_loss_watch_s
+        settle = SettleWatch(SETTLE_PERIODS * settings.rebalance_period_s, share=settings.rebalance_min_gain)
         while not stop.is_set():
             wake_at = next_check_at if watch_s <= 0 else min(next_check_at, time.monotonic() + watch_s)
             if await _stopped_within(stop, wake_at - time.monotonic()):
@@ -125,14 +124,11 @@ class StageMoves:
                 # (a DHT lookup that timed out reads as an empty stage: at worst one needless check)
                 try:
                     views = await self.swarm_views(include_self=False)
-                    lost = () if seen is None else stages_that_lost_replicas(seen, views, num_stages)
+                    lost = () if settle.seen is None else stages_that_lost_replicas(settle.seen, views, num_stages)
                 except ValueError as e:
                     logger.warning(f"Rebalancing look skipped: {e}")
                     continue
-                moved = peers_settling(seen, views, num_stages, share=settings.rebalance_min_gain)
-                if moved:
-                    last_move_seen, movers = time.monotonic(), moved
-                seen = views
+                settle.look(views, num_stages, time.monotonic())
                 if not lost:
                     continue
                 after_loss = True
@@ -153,16 +149,13 @@ class StageMoves:
                 continue
             try:
                 views = await self.swarm_views()
-                others = [v for v in views if v.peer_id != self.peer_id]
-                moved = peers_settling(seen, others, num_stages, share=settings.rebalance_min_gain)
-                seen = others
-                if moved:
-                    last_move_seen, movers = time.monotonic(), moved
-                if not after_loss and last_move_seen is not None and time.monotonic() - last_move_seen < settle_s:
-                    names = ", ".join("this peer" if p == self.peer_id else p[-8:] for p in movers)
+                settle.look([v for v in views if v.peer_id != self.peer_id], num_stages, time.monotonic())
+                since = settle.settling_since(time.monotonic())
+                if not after_loss and since is not None:
+                    names = ", ".join("this peer" if p == self.peer_id else p[-8:] for p in settle.movers)
                     print(
                         f"rebalancing: no move, because the swarm is settling after a move ({names}; "
-                        f"{time.monotonic() - last_move_seen:.0f} s ago, waiting {settle_s:.0f} s)",
+                        f"{since:.0f} s ago, waiting {settle.settle_s:.0f} s)",
                         flush=True,
                     )
                     continue
@@ -178,7 +171,7 @@ class StageMoves:
                     flush=True,
                 )
                 await self.move_to_stage(decision.to_stage, p2p)
-                last_move_seen, movers = time.monotonic(), (self.peer_id,)  # our own move settles too
+                settle.moved(self.peer_id, time.monotonic())  # our own move settles too
             else:
                 print(f"rebalancing: no move, because {decision.reason}", flush=True)
 

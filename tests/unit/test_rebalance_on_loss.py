@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from dht.records import PeerState
 from peers.config import PlacementSettings
-from peers.placement.rebalance import ReplicaView, peers_settling
+from peers.placement.rebalance import ReplicaView, SettleWatch, peers_settling
 from peers.placement.stage_moves import StageMoves
 
 
@@ -115,3 +115,18 @@ def test_peers_settling_names_peers_serving_another_stage_with_a_material_share_
     assert peers_settling(before, after, 2, share=0.4) == ()  # 1 of stage 1's 3 samples/s
     assert peers_settling(None, after, 2, share=0.2) == ()
     assert peers_settling(after, after, 2, share=0.2) == ()
+
+
+def test_settle_watch_holds_for_settle_s_after_a_move_it_saw_or_made():
+    watch = SettleWatch(settle_s=10.0, share=0.2)
+    before = [online("a", 0), online("b", 0), online("c", 1)]
+    watch.look(before, 2, now=0.0)  # the first look: nothing to compare with
+    assert watch.settling_since(0.0) is None
+    watch.look([online("a", 0), online("b", 1), online("c", 1)], 2, now=5.0)
+    assert watch.movers == ("b",)
+    assert watch.settling_since(12.0) == 7.0
+    assert watch.settling_since(15.0) is None  # settled
+    watch.look([online("a", 0), online("b", 1), online("c", 1)], 2, now=20.0)  # no move since
+    assert watch.settling_since(20.0) is None
+    watch.moved("me", now=21.0)
+    assert watch.movers == ("me",) and watch.settling_since(30.0) == 9.0
