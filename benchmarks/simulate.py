@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks.report_file import write_report  # noqa: E402
 from peers.placement.rebalance import (  # noqa: E402
+    SETTLE_PERIODS,
     RebalancePlan,
     ReplicaView,
     choose_initial_stage,
@@ -84,6 +85,7 @@ from peers.placement.rebalance import (  # noqa: E402
     loss_check_delay_s,
     next_check_delay_s,
     optimal_bottleneck,
+    peers_settling,
     plan_rebalance,
     should_standby_take_over,
     stages_that_lost_replicas,
@@ -124,6 +126,11 @@ class SimulationConfig:
     False: periodic checks only, the policy of the rows before commit f460ac0)."""
     loss_check_max_delay_s: float = 10.0
     """The peer's ``--rebalance-loss-delay-s``."""
+    settle_periods: float = SETTLE_PERIODS
+    """The peer's settle rule (``SettleWatch``): no periodic check plans a move for ``settle_periods``
+    x ``check_period_s`` after a view showed a material move (``peers_settling``) by another peer, or
+    after the peer's own move; checks after a lost replica do not wait. 0: no settling (the policy
+    of the rows before session 13)."""
     min_gain: float = 0.01
     sample_period_s: float = 60.0
     standby_fraction: float = 0.0
@@ -156,6 +163,8 @@ class SimulationConfig:
                 raise ValueError(f"{name} must be > 0")
         if not self.loss_check_max_delay_s >= 0:
             raise ValueError("loss_check_max_delay_s must be >= 0")
+        if not self.settle_periods >= 0:
+            raise ValueError("settle_periods must be >= 0")
         if self.join_scale < 0:
             raise ValueError("join_scale must be >= 0")
         if not 0 <= self.preempt_fraction <= 1:
@@ -291,7 +300,18 @@ def replay(
     view_records: dict[str, ReplicaView] = {r.peer_id: r for r in view}
     view_plan: RebalancePlan | None = None  # plan_rebalance(view), computed at most once per view
     pending_loss_checks: set[int] = set()
-    loss_checks = 0
+    loss_checks = settling_checks = 0
+    settle_s = config.settle_periods * config.check_period_s
+    moves_seen: list[tuple[float, tuple[str, ...]]] = []  # (view time, peers_settling of that view)
+    own_move_at: dict[int, float] = {}
+
+    def settling(i: int, now_s: float) -> bool:
+        """Whether peer ``i``'s settle rule holds a periodic check back (as ``SettleWatch`` does)."""
+        if own_move_at.get(i, -math.inf) > now_s - settle_s:
+            return True
+        me = trace[i].peer_id
+        return any(t > now_s - settle_s and movers != (me,) for t, movers in moves_seen)
+
     schedule(config.view_period_s, "view")
     schedule(0.0, "sample")
 
@@ -327,6 +347,12 @@ def replay(
             view_records, view_plan = {r.peer_id: r for r in view}, None
             view_version += 1
             schedule(now_s + config.view_period_s, "view")
+            if policy == "rebalance" and settle_s > 0:
+                moved = peers_settling(previous_view, view, config.stages, share=config.min_gain)
+                if moved:
+                    moves_seen.append((now_s, moved))
+                while moves_seen and moves_seen[0][0] <= now_s - settle_s:
+                    moves_seen.pop(0)
             if (
                 policy == "rebalance"
                 and config.check_on_loss
@@ -403,7 +429,10 @@ def replay(
             if peer is None:
                 continue
             delay_s = next_check_delay_s(config.check_period_s, check_rng) if kind == "check" else 0.0
-            if peer.record.state == "online":
+            if peer.record.state == "online" and kind == "check" and settle_s > 0 and settling(i, now_s):
+                checks += 1
+                settling_checks += 1
+            elif peer.record.state == "online":
                 checks += 1
                 loss_checks += kind == "loss_check"
                 if view_records.get(peer.life.peer_id) == peer.record:  # the view holds its current record
@@ -421,6 +450,7 @@ def replay(
                     peer.record = ReplicaView(peer.life.peer_id, peer.stage, peer.life.throughput, "joining")
                     schedule(peer.online_at_s, "online", i)
                     delay_s += config.transfer_s
+                    own_move_at[i] = now_s + config.transfer_s  # the peer settles from when its move ends
             if kind == "check":
                 schedule(now_s + delay_s, "check", i)
     peer_hours = sum(min(life.depart_s, config.duration_s) - life.arrive_s for life in trace) / 3600
@@ -429,6 +459,7 @@ def replay(
         "moves": moves,
         "checks": checks,
         "loss_checks": loss_checks,
+        "settling_checks": settling_checks,
         "moves_per_peer_hour": moves / peer_hours,
         "standby_peers": sum(is_standby),
         "standby_take_overs": take_overs,
@@ -512,6 +543,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--loss-check-max-delay-s", type=float, default=defaults.loss_check_max_delay_s)
     parser.add_argument(
+        "--settle-periods",
+        type=float,
+        default=defaults.settle_periods,
+        help="the peer's settle rule: check periods without a planned move after a move was seen (0: off)",
+    )
+    parser.add_argument(
         "--standby-fraction",
         type=float,
         default=defaults.standby_fraction,
@@ -542,6 +579,7 @@ def main(argv: list[str] | None = None) -> None:
         join_scale=args.join_scale,
         check_on_loss=args.check_on_loss,
         loss_check_max_delay_s=args.loss_check_max_delay_s,
+        settle_periods=args.settle_periods,
         standby_fraction=args.standby_fraction,
         standby_take_over_fraction=args.standby_take_over_fraction,
         standby_instant_take_over=args.standby_instant_take_over,

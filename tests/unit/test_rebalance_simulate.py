@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.simulate import PeerLife, SimulationConfig, replay, simulate
+from benchmarks.simulate import PeerLife, SimulationConfig, generate_trace, replay, simulate
 
 
 def simulated_twice_identically(config: SimulationConfig) -> dict:
@@ -138,3 +138,14 @@ def test_the_breakdown_accounts_for_the_whole_gap_to_the_optimum():
         )
         < 1e-9
     )
+
+
+def test_the_settle_rule_holds_periodic_checks_back_only_when_it_is_on():
+    base = dict(seed=3, peers=24, stages=4, duration_s=3600.0, join_scale=0.0, check_period_s=60.0)
+    settling = SimulationConfig(**base)
+    free = SimulationConfig(**base, settle_periods=0.0)
+    trace = generate_trace(settling)
+    assert trace == generate_trace(free)  # the same churn
+    held, unheld = replay(trace, settling, "rebalance"), replay(trace, free, "rebalance")
+    assert held["settling_checks"] > 0 and unheld["settling_checks"] == 0
+    assert held["moves"] < unheld["moves"]  # in a small swarm each mover is a material share of its stage
