@@ -87,6 +87,7 @@ from peers.placement.rebalance import (  # noqa: E402
     optimal_bottleneck,
     peers_settling,
     plan_rebalance,
+    settle_share,
     should_standby_take_over,
     stages_that_lost_replicas,
 )
@@ -128,7 +129,7 @@ class SimulationConfig:
     """The peer's ``--rebalance-loss-delay-s``."""
     settle_periods: float = SETTLE_PERIODS
     """The peer's settle rule (``SettleWatch``): no periodic check plans a move for ``settle_periods``
-    x ``check_period_s`` after a view showed a material move (``peers_settling``) by another peer, or
+    x ``check_period_s`` after a view showed a material move (``peers_settling`` at ``settle_share``) by another peer, or
     after the peer's own move; checks after a lost replica do not wait. 0: no settling (the policy
     of the rows before session 13)."""
     min_gain: float = 0.01
@@ -348,7 +349,7 @@ def replay(
             view_version += 1
             schedule(now_s + config.view_period_s, "view")
             if policy == "rebalance" and settle_s > 0:
-                moved = peers_settling(previous_view, view, config.stages, share=config.min_gain)
+                moved = peers_settling(previous_view, view, config.stages, share=settle_share(config.min_gain))
                 if moved:
                     moves_seen.append((now_s, moved))
                 while moves_seen and moves_seen[0][0] <= now_s - settle_s:

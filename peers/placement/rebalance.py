@@ -35,15 +35,18 @@ Rules, in one place:
   per-move margin would freeze a large swarm. Being stateless, the rule keeps the swarm within
   ``min_gain`` of what a rebalance can reach, not at it; see benchmarks/RESULTS_simulate.md for
   the measured trade-off between ``min_gain``, moves and throughput.
-- **Settling after a move** (``peers_settling``): a peer that sees another peer move (serving
-  at another stage than at its last look) with a material share of its new stage (at least
-  ``min_gain`` of the stage's throughput) does not plan for ``SETTLE_PERIODS`` check periods
-  after it last saw one. A move changes what the replicas measure: the mover downloads state from
-  a replica of its new stage, the stages' averaging groups change size, and the throughputs
-  announced right then (each an EMA of served requests) can swing by 2x on a busy machine,
-  enough for a second peer to plan a move that the settled swarm undoes (seen in
-  tests/integration/test_rebalance.py). In a large swarm one peer is a sliver of its stage, so
-  the many moves there hold nobody back. Checks after a lost replica do not wait.
+- **Settling after a move** (``peers_settling``, ``SettleWatch``): a peer that sees another peer
+  move (serving at another stage than at its last look) with a material share of its new stage
+  (at least ``settle_share(min_gain)`` = max(``min_gain``, ``SETTLE_SHARE``) of the stage's
+  throughput), or that moved itself, does not plan for ``SETTLE_PERIODS`` check periods after
+  it. A move changes what the replicas measure: the mover downloads state from a replica of its
+  new stage, the stages' averaging groups change size, and the throughputs announced right then
+  (each an EMA of served requests) can swing by 2x on a busy machine, enough for a second peer
+  to plan a move that the settled swarm undoes (seen in tests/integration/test_rebalance.py,
+  where a mover is a quarter of its stage). In a large swarm one peer is a sliver of its stage:
+  with ``min_gain`` (1%) as the share, some mover was always that large, and the rule held back
+  every periodic check of a simulated 1,000-peer swarm (benchmarks/RESULTS.md, "The settle rule
+  in the simulation"); at 10% it holds back few there. Checks after a lost replica do not wait.
 - **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
   them act on the same snapshot in the first place.
 - **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
@@ -70,6 +73,7 @@ from peers.placement.stage_assignment import optimal_bottleneck
 __all__ = [
     "SERVING_STATES",
     "SETTLE_PERIODS",
+    "SETTLE_SHARE",
     "STATES",
     "MoveDecision",
     "SettleWatch",
@@ -83,6 +87,7 @@ __all__ = [
     "loss_check_delay_s",
     "next_check_delay_s",
     "peers_settling",
+    "settle_share",
     "optimal_bottleneck",
     "plan_rebalance",
     "should_standby_take_over",
@@ -92,6 +97,7 @@ __all__ = [
 
 STATES = ("joining", "online", "offline")
 SETTLE_PERIODS = 2.0  # check periods a peer waits after it last saw another peer move
+SETTLE_SHARE = 0.1  # the least share of its new stage that makes a mover's move one to settle after
 SERVING_STATES = frozenset({"joining", "online"})
 
 
@@ -362,6 +368,11 @@ def peers_settling(
         ):
             moved.add(r.peer_id)
     return tuple(sorted(moved))
+
+
+def settle_share(min_gain: float) -> float:
+    """The share of its new stage from which a peer's move makes the others settle."""
+    return max(min_gain, SETTLE_SHARE)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from peers.placement.rebalance import (
     decide_move,
     loss_check_delay_s,
     next_check_delay_s,
+    settle_share,
     should_standby_take_over,
     stages_that_lost_replicas,
 )
@@ -111,7 +112,9 @@ class StageMoves:
         rng = random.Random(zlib.crc32(self.peer_id.encode()))  # peers started together check at different times
         next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
         watch_s = settings.rebalance_loss_watch_s
-        settle = SettleWatch(SETTLE_PERIODS * settings.rebalance_period_s, share=settings.rebalance_min_gain)
+        settle = SettleWatch(
+            SETTLE_PERIODS * settings.rebalance_period_s, share=settle_share(settings.rebalance_min_gain)
+        )
         while not stop.is_set():
             wake_at = next_check_at if watch_s <= 0 else min(next_check_at, time.monotonic() + watch_s)
             if await _stopped_within(stop, wake_at - time.monotonic()):

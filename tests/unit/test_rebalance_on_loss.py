@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from dht.records import PeerState
 from peers.config import PlacementSettings
-from peers.placement.rebalance import ReplicaView, SettleWatch, peers_settling
+from peers.placement.rebalance import SETTLE_SHARE, ReplicaView, SettleWatch, peers_settling, settle_share
 from peers.placement.stage_moves import StageMoves
 
 
@@ -130,3 +130,8 @@ def test_settle_watch_holds_for_settle_s_after_a_move_it_saw_or_made():
     assert watch.settling_since(20.0) is None
     watch.moved("me", now=21.0)
     assert watch.movers == ("me",) and watch.settling_since(30.0) == 9.0
+
+
+def test_a_move_makes_others_settle_from_a_tenth_of_its_stage_or_the_min_gain_if_larger():
+    assert settle_share(0.01) == SETTLE_SHARE == 0.1  # a 1% mover in a large swarm holds nobody back
+    assert settle_share(0.2) == 0.2  # the peer's default --rebalance-min-gain
