@@ -46,9 +46,9 @@ Traffic is counted per round (`AveragingRound`, exported as Prometheus counters)
 n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
 codec's serialized size measured on its own tensors at start-up.
 
-Devices: hivemind's averager all-reduces CPU tensors. The gradients' buffers are CPU tensors in
-either mode of a peer on any device (`averaged_gradients` hands them back on the stage's device);
-in `periodic` mode a CPU peer's averager works in the parameters' own memory, and a peer on a GPU
+Devices: hivemind's averager all-reduces CPU tensors. In `sync` mode the gradients' buffers are
+CPU tensors on any device (`averaged_gradients` hands the mean back on the stage's device); in
+`periodic` mode a CPU peer's averager works in the parameters' own memory, and a peer on a GPU
 averages CPU copies taken just before each all-reduce and written back after it.
 
 Every method here runs on the peer's compute thread, so no forward or backward ever sees
