@@ -1,6 +1,8 @@
 """Tokens/s of a 124M-shape GPT on one GPU: a 2-stage swarm (two peer processes sharing the GPU,
 the trainer and the wire on loopback) next to one plain PyTorch process on the same GPU, each with
-AdamW and with bitsandbytes' 8-bit AdamW. Issue #12.
+AdamW and with bitsandbytes' 8-bit AdamW. Issue #12. Also each layout's peak GPU memory: the
+plain process's allocator peak, and each peer's (`swarm_peer_device_memory_peak_bytes`, read from
+its metrics endpoint at the end of the run).
 
     python benchmarks/gpu.py --out benchmarks/out/gpu.json
 
@@ -17,11 +19,14 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -161,6 +166,7 @@ def swarm_run(
         )
         if trainer.popen.wait(timeout=3600) != 0:
             raise RuntimeError(f"trainer failed:\n{trainer.log()[-3000:]}")
+        peaks = [peer_gauge(peer.log(), "swarm_peer_device_memory_peak_bytes") for peer in peers]
     with open(report_path) as f:
         report = json.load(f)
     timed = report["tokens_per_s_by_step"][warmup:]
@@ -171,7 +177,23 @@ def swarm_run(
         "tokens_per_s": len(timed) * tokens / seconds,
         "final_loss": report["final_loss"],
         "microbatches_lost": report["microbatches_lost"],
+        # each peer's peak GPU memory, from its metrics endpoint (None: not read)
+        "peers_peak_gpu_memory_gib": [None if b is None else b / 2**30 for b in peaks],
     }
+
+
+def peer_gauge(log: str, name: str) -> float | None:
+    """A gauge from the metrics endpoint a peer's log names (None if it cannot be read)."""
+    match = re.search(r"metrics on (http://\S+/metrics)", log)
+    if not match:
+        return None
+    try:
+        with urllib.request.urlopen(match.group(1), timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    return values[0] if values else None
 
 
 def layout_name(run, device: torch.device, optimizer: str) -> str:
@@ -238,12 +260,14 @@ def main() -> int:
         optimizer = r["layout"].rsplit(", ", 1)[1]
         plain = next((p for p in measured if p["layout"] == layout_name(plain_pytorch, device, optimizer)), None)
         r["ratio_to_plain_same_optimizer"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
-    print("\nlayout                                     tokens/s   ratio   final loss")
+    print("\nlayout                                     tokens/s   ratio   final loss   peak GPU memory (GiB)")
     for r in measured:
         ratio = r["ratio_to_plain_same_optimizer"]
+        peaks = r.get("peers_peak_gpu_memory_gib", [r.get("peak_gpu_memory_gib")])
+        memory = " + ".join("?" if p is None else f"{p:.2f}" for p in peaks)
         print(
             f"{r['layout']:<40} {r['tokens_per_s']:>10,.0f}   {'-' if ratio is None else f'{ratio:.2f}':>5}    "
-            f"{r['final_loss']:.3f}"
+            f"{r['final_loss']:>10.3f}   {memory}"
         )
     out = {
         "benchmark": "gpu",

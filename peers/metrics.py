@@ -172,6 +172,11 @@ class PeerMetrics:
             "Measured compute throughput the peer announces (EMA)",
             registry=r,
         )
+        self.device_memory_peak = Gauge(
+            "swarm_peer_device_memory_peak_bytes",
+            "Peak GPU memory this peer's tensors took (0 on a CPU peer: see process_resident_memory_bytes)",
+            registry=r,
+        )
         self.announcements = Counter(
             "swarm_peer_announcements_total", "DHT announcements of this peer's record", ["result"], registry=r
         )
@@ -214,11 +219,14 @@ class PeerMetrics:
         in_flight: Callable[[], float],
         throughput: Callable[[], float],
         runtime_counts: Callable[[], tuple[int, int, int, int, int]],
+        device_memory_peak: Callable[[], float] = lambda: 0.0,
     ) -> None:
-        """Read these at scrape time: requests in flight, announced throughput, and
-        (optimizer steps, activation cache hits, misses, samples accumulated, backward repeats)."""
+        """Read these at scrape time: requests in flight, announced throughput,
+        (optimizer steps, activation cache hits, misses, samples accumulated, backward repeats), and the
+        compute device's peak memory."""
         self.in_flight.set_function(in_flight)
         self.throughput.set_function(throughput)
+        self.device_memory_peak.set_function(device_memory_peak)
         self.registry.register(_CallbackCounters(runtime_counts))
 
     def count_bytes(self, snapshot: Callable[[], dict]) -> None:

@@ -188,6 +188,17 @@ PANELS = [
         unit="s",
         w=12,
     ),
+    panel(
+        "Memory per process",
+        "timeseries",
+        [
+            target("process_resident_memory_bytes", "{{instance}} resident"),
+            target("swarm_peer_device_memory_peak_bytes > 0", "{{instance}} GPU peak"),
+        ],
+        description="Each scraped process's resident memory, and the most GPU memory a GPU peer's tensors took.",
+        unit="bytes",
+        w=24,
+    ),
     row("Network"),
     panel(
         "Bytes/s by codec",

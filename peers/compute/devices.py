@@ -55,6 +55,12 @@ def describe_device(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} compute thread(s))"
 
 
+def peak_memory_bytes(device: torch.device) -> float:
+    """The most memory this process's tensors took on `device` so far (a GPU: torch's allocator's
+    peak); 0 on the CPU, whose memory the process's resident size already shows."""
+    return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
+
+
 def check_precision(device: torch.device, precision: str) -> None:
     if precision not in PRECISIONS:
         raise DeviceError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")

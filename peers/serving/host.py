@@ -40,6 +40,7 @@ from dht.reachability import (
     verdict,
 )
 from dht.records import PeerState, SplitRecord
+from peers.compute import devices
 from peers.compute.stage_builder import StageBuilder
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
@@ -203,6 +204,7 @@ class PeerHost:
                 serving.runtime.samples_trained,
                 serving.runtime.backward_repeats,
             ),
+            device_memory_peak=lambda: devices.peak_memory_bytes(serving.runtime.device),
         )
         metrics.count_bytes(byte_counter.snapshot)
         metrics.set_serving(stage=runtime.stage, num_stages=runtime.num_stages, version=software_version())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.config import get_model_config
-from peers.compute.devices import DeviceError, build_optimizer, resolve_device
+from peers.compute.devices import DeviceError, build_optimizer, peak_memory_bytes, resolve_device
 from peers.compute.stage_runtime import LossScale, OptimizerSettings, StageRuntime
 
 
@@ -128,3 +128,7 @@ def test_unknown_optimizer_is_a_clear_error():
             weight_decay=0.0,
             device=torch.device("cpu"),
         )
+
+
+def test_a_cpu_peer_reports_no_gpu_memory():
+    assert peak_memory_bytes(torch.device("cpu")) == 0.0

@@ -112,6 +112,12 @@ def test_peer_values_owned_elsewhere_are_read_at_scrape_time():
     assert sample(r, "swarm_peer_activation_cache_lookups_total", result="miss") == 2
     assert sample(r, "swarm_peer_samples_accumulated_total") == 40
     assert sample(r, "swarm_peer_backward_repeats_total") == 1
+    assert sample(r, "swarm_peer_device_memory_peak_bytes") == 0  # not given: a CPU peer's
+    gpu = PeerMetrics()
+    gpu.watch(
+        in_flight=lambda: 0, throughput=lambda: 0.0, runtime_counts=lambda: (0,) * 5, device_memory_peak=lambda: 2.5e9
+    )
+    assert sample(gpu.registry, "swarm_peer_device_memory_peak_bytes") == 2.5e9
 
 
 def test_bytes_by_codec_come_from_the_byte_counter():
