@@ -37,6 +37,9 @@ class PeerRecord(BaseModel):
     expires_at: float = Field(description="DHT time after which the record is stale")
     metrics_addr: str | None = Field(default=None, max_length=256)
     averaging: str = Field(default="none", max_length=16, description="none, sync or periodic")
+    precision: str = Field(
+        default="", pattern="^(|fp32|bf16|fp16)$", description="what the peer computes in ('' = not stated: fp32)"
+    )
     vocab_size: int = Field(default=0, ge=0, description="the model's vocabulary size (0: not stated)")
     model_hash: str = Field(
         default="", max_length=64, description="models.identity.model_fingerprint of the served model ('' = not stated)"

@@ -60,6 +60,7 @@ class Announcer:
             version=software_version(),
             expires_at=get_dht_time() + self.settings.record_ttl_s,
             averaging=self.averaging_mode,
+            precision=serving.runtime.precision,
             metrics_addr=self.metrics_addr,
             model_hash=model_fingerprint(serving.runtime.config),
             vocab_size=serving.runtime.config.vocab_size,

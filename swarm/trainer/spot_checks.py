@@ -27,9 +27,9 @@ top-k's bound is 1 (it drops the rest of the tensor), which makes every answer p
 `--codec topk` spot checks catch nothing plausible. Replicas that average periodically (not in
 sync), or not at all, hold other parameters, and so do replicas outside a run's averaging group:
 a check only asks replicas that average in sync in the first one's group (`comparable_replicas`,
-from their records), and verifies nothing on stages without two of them. The tolerance knows
-nothing of the peers' precision: replicas computing in fp16/bf16 autocast (`--precision`) differ
-by more than 1e-3 and would be banned; use spot checks with float32 peers.
+from their records), and verifies nothing on stages without two of them. Replicas computing in
+fp16/bf16 autocast (`--precision`, announced in their records) differ by more than 1e-3, so they
+are not checked at all (the tolerance is for float32): spot checks need float32 peers.
 
 What a check does not catch: a liar that lies only when it is not checked cannot know which calls
 are checked (a checked call is an ordinary forward, with the same microbatch id), but it can lie on
@@ -64,13 +64,28 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if difference == 0.0 else difference / scale if scale > 0.0 else float("inf")
 
 
-def comparable_replicas(first: str, averaging: Mapping[str, str], members: Set[str] | None = None) -> set[str]:
+FLOAT32 = ("", "fp32")  # a record's precision that the tolerance is for ('': not stated, as older peers)
+
+
+def comparable_replicas(
+    first: str,
+    averaging: Mapping[str, str],
+    members: Set[str] | None = None,
+    precision: Mapping[str, str] | None = None,
+) -> set[str]:
     """The replicas whose answers must equal `first`'s: those that average with it in sync
     (`averaging`: replica -> its record's averaging mode), in its group (`members`: a run's
-    credentialed replicas, who average only among themselves; None: no run authority)."""
-    if averaging.get(first) != "sync" or (members is not None and first not in members):
+    credentialed replicas, who average only among themselves; None: no run authority), all
+    computing in float32 (`precision`: replica -> its record's precision; None: all float32)."""
+
+    def float32(peer: str) -> bool:
+        return precision is None or precision.get(peer, "") in FLOAT32
+
+    if averaging.get(first) != "sync" or (members is not None and first not in members) or not float32(first):
         return set()
-    return {p for p, mode in averaging.items() if mode == "sync" and (members is None or p in members)} - {first}
+    return {
+        p for p, mode in averaging.items() if mode == "sync" and (members is None or p in members) and float32(p)
+    } - {first}
 
 
 class CallSampler:

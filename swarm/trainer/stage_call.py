@@ -334,7 +334,8 @@ class StageCaller:
         an extra, not a call the pipeline needs)."""
         scheduler = self.view.schedulers[stage]
         averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
-        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage))
+        precision = {r.peer_id: r.precision for r in self.view.records[stage]}
+        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage), precision)
         exclude = self.view.bans.banned() | self.view.violations.banned(stage) | avoid | self.not_allowed_by.keys()
         exclude |= set(scheduler.keys_s()) - comparable
         exclude |= self.view.newcomers[stage].excluded(set(scheduler.keys_s()) - exclude)

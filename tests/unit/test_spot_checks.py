@@ -118,7 +118,7 @@ class ScriptedReplicas:
         return CallResult(decoded, {"outputs": encoded}, ResponseHeader(compute_s=0.01), 100)
 
 
-def serve(view: SwarmView, stage: int, peers, averaging: str = "sync") -> None:
+def serve(view: SwarmView, stage: int, peers, averaging: str = "sync", precision: str = "") -> None:
     """`peers` serve `stage` (their records, and the stage's scheduler)."""
     view.records[stage] = [
         PeerRecord(
@@ -130,13 +130,14 @@ def serve(view: SwarmView, stage: int, peers, averaging: str = "sync") -> None:
             throughput=10.0,
             expires_at=1e12,
             averaging=averaging,
+            precision=precision,
         )
         for p in peers
     ]
     view.schedulers[stage].update_replicas([ReplicaInfo(p, 10.0) for p in peers])
 
 
-def make_caller(client, peers, verify_fraction=1.0, averaging="sync") -> StageCaller:
+def make_caller(client, peers, verify_fraction=1.0, averaging="sync", precision="") -> StageCaller:
     view = SwarmView(None, model="tiny", num_stages=2)
     caller = StageCaller(
         view,
@@ -147,7 +148,7 @@ def make_caller(client, peers, verify_fraction=1.0, averaging="sync") -> StageCa
         verify_fraction=verify_fraction,
     )
     for stage in range(2):
-        serve(view, stage, peers, averaging)
+        serve(view, stage, peers, averaging, precision)
     return caller
 
 
@@ -228,6 +229,23 @@ def test_replicas_that_do_not_average_in_sync_are_not_compared(averaging):
     caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging)
     answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
     assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_replicas_computing_in_half_precision_are_not_compared(precision):
+    """Autocast answers differ by more than the float32 tolerance: a check would ban an honest replica."""
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller = make_caller(client, ["peer-a", "peer-liar"], precision=precision)
+    answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
+    assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
+
+
+def test_comparable_replicas_compute_in_float32():
+    averaging = {"a": "sync", "b": "sync", "c": "sync", "d": "sync"}
+    precision = {"a": "fp32", "b": "", "c": "bf16", "d": "fp16"}  # '': an older peer's record (float32)
+    assert comparable_replicas("a", averaging, precision=precision) == {"b"}
+    assert comparable_replicas("b", averaging, precision=precision) == {"a"}
+    assert comparable_replicas("c", averaging, precision=precision) == set()
 
 
 def test_comparable_replicas_average_in_sync_in_the_same_group():
