@@ -19,18 +19,16 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.peer_metrics import scrape_peer  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
@@ -184,15 +182,7 @@ def swarm_run(
 
 def peer_gauge(log: str, name: str) -> float | None:
     """A gauge from the metrics endpoint a peer's log names (None if it cannot be read)."""
-    match = re.search(r"metrics on (http://\S+/metrics)", log)
-    if not match:
-        return None
-    try:
-        with urllib.request.urlopen(match.group(1), timeout=10) as response:
-            text = response.read().decode()
-    except OSError:
-        return None
-    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    values = [s.value for s in scrape_peer(log) or () if s.name == name]
     return values[0] if values else None
 
 

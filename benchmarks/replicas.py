@@ -38,13 +38,12 @@ import re
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.peer_metrics import scrape_peer  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_stage  # noqa: E402
@@ -84,19 +83,11 @@ def averaging_rounds(log: str) -> int:
 
 def averaging_bytes_sent(log: str) -> float | None:
     """What a peer's Prometheus endpoint says it sent for averaging (None if it cannot be read)."""
-    match = re.search(r"metrics on (http://\S+/metrics)", log)
-    if not match:
-        return None
-    try:
-        with urllib.request.urlopen(match.group(1), timeout=10) as response:
-            text = response.read().decode()
-    except OSError:
+    samples = scrape_peer(log)
+    if samples is None:
         return None
     return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "swarm_peer_averaging_bytes_total" and s.labels.get("direction") == "sent"
+        s.value for s in samples if s.name == "swarm_peer_averaging_bytes_total" and s.labels.get("direction") == "sent"
     )
 
 

@@ -222,20 +222,14 @@ def test_two_replicas_that_disagree_ban_nobody_and_a_lone_one_is_not_verified():
     assert kept is answer and alone.counters.calls_verified == 0 and alone.counters.verify_calls == 0
 
 
-@pytest.mark.parametrize("averaging", ["periodic", "none"])
-def test_replicas_that_do_not_average_in_sync_are_not_compared(averaging):
-    """Their parameters differ between rounds (or always): a difference would ban an honest replica."""
+@pytest.mark.parametrize(
+    ("averaging", "precision"), [("periodic", ""), ("none", ""), ("sync", "bf16"), ("sync", "fp16")]
+)
+def test_replicas_whose_answers_may_differ_are_not_compared(averaging, precision):
+    """Replicas that do not average in sync hold other parameters (between rounds, or always), and
+    autocast answers differ beyond the float32 tolerance: a check would ban an honest replica."""
     client = ScriptedReplicas(liars={"peer-liar"})
-    caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging)
-    answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
-    assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_replicas_computing_in_half_precision_are_not_compared(precision):
-    """Autocast answers differ by more than the float32 tolerance: a check would ban an honest replica."""
-    client = ScriptedReplicas(liars={"peer-liar"})
-    caller = make_caller(client, ["peer-a", "peer-liar"], precision=precision)
+    caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging, precision=precision)
     answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
     assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
 
