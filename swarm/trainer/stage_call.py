@@ -43,7 +43,7 @@ from swarm.trainer.failures import (
 )
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
-from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance
+from swarm.trainer.spot_checks import FLOAT32, CallSampler, comparable_replicas, judge, tolerance
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.compression.policy import CodecPolicy
 from wire.failures import Failure
@@ -126,6 +126,7 @@ class StageCaller:
         self.contributions = ContributionLedger()  # what each peer served, failed, and how checks judged it
         self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
         self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
+        self.unchecked_precision: set[str] = set()  # replicas in half precision, told once as never checked
         self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
@@ -335,6 +336,13 @@ class StageCaller:
         scheduler = self.view.schedulers[stage]
         averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
         precision = {r.peer_id: r.precision for r in self.view.records[stage]}
+        mine = precision.get(asked.peer_id, "")
+        if mine not in FLOAT32 and asked.peer_id not in self.unchecked_precision:
+            self.unchecked_precision.add(asked.peer_id)
+            logger.warning(
+                f"stage {stage}: replica {asked.peer_id[-8:]} computes in {mine}: its answers are not spot-checked "
+                f"(the tolerance is for float32 peers)"
+            )
         comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage), precision)
         exclude = self.view.bans.banned() | self.view.violations.banned(stage) | avoid | self.not_allowed_by.keys()
         exclude |= set(scheduler.keys_s()) - comparable

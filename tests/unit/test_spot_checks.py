@@ -4,6 +4,7 @@ against scripted replicas, one of which lies plausibly. No network, no DHT."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -232,6 +233,16 @@ def test_replicas_whose_answers_may_differ_are_not_compared(averaging, precision
     caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging, precision=precision)
     answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
     assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
+
+
+def test_a_replica_in_half_precision_is_named_once_as_never_checked(caplog):
+    client = ScriptedReplicas(liars=set())
+    caller = make_caller(client, ["peer-a", "peer-b"], precision="bf16")
+    with caplog.at_level(logging.WARNING):
+        forward_then_verify(caller, order=("peer-a", "peer-b"))
+        forward_then_verify(caller, order=("peer-a", "peer-b"))
+    told = [r.getMessage() for r in caplog.records if "not spot-checked" in r.getMessage()]
+    assert len(told) == 1 and "computes in bf16" in told[0], told
 
 
 def test_comparable_replicas_compute_in_float32():
