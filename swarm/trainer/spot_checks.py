@@ -64,7 +64,9 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if difference == 0.0 else difference / scale if scale > 0.0 else float("inf")
 
 
-FLOAT32 = ("", "fp32")  # a record's precision that the tolerance is for ('': not stated, as older peers)
+def computes_in_float32(precision: str) -> bool:
+    """Whether a record's precision is what the tolerance is for ('': not stated, as older peers)."""
+    return precision in ("", "fp32")
 
 
 def comparable_replicas(
@@ -79,7 +81,7 @@ def comparable_replicas(
     computing in float32 (`precision`: replica -> its record's precision; None: all float32)."""
 
     def float32(peer: str) -> bool:
-        return precision is None or precision.get(peer, "") in FLOAT32
+        return precision is None or computes_in_float32(precision.get(peer, ""))
 
     if averaging.get(first) != "sync" or (members is not None and first not in members) or not float32(first):
         return set()

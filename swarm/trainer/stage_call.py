@@ -43,7 +43,7 @@ from swarm.trainer.failures import (
 )
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
-from swarm.trainer.spot_checks import FLOAT32, CallSampler, comparable_replicas, judge, tolerance
+from swarm.trainer.spot_checks import CallSampler, comparable_replicas, computes_in_float32, judge, tolerance
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.compression.policy import CodecPolicy
 from wire.failures import Failure
@@ -337,7 +337,7 @@ class StageCaller:
         averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
         precision = {r.peer_id: r.precision for r in self.view.records[stage]}
         mine = precision.get(asked.peer_id, "")
-        if mine not in FLOAT32 and asked.peer_id not in self.unchecked_precision:
+        if not computes_in_float32(mine) and asked.peer_id not in self.unchecked_precision:
             self.unchecked_precision.add(asked.peer_id)
             logger.warning(
                 f"stage {stage}: replica {asked.peer_id[-8:]} computes in {mine}: its answers are not spot-checked "
