@@ -30,6 +30,7 @@ from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
 from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
+from peers.compute.weight_prediction import trial_update  # noqa: E402
 from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data  # noqa: E402
 
 
@@ -42,6 +43,25 @@ def validation_loss(model, validation: ValidationBatches) -> float:
     return sum(losses) / len(losses)
 
 
+def local_step_gradients(model, params, real, local_steps, microbatches, replicas: int):
+    """One step with `local-step` prediction: each replica's share of the microbatches on the real
+    parameters plus its predicted update (none before the first). Returns the batch's mean loss and
+    each replica's mean gradients."""
+    share = -(-len(microbatches) // replicas)
+    losses, gradients = [], []
+    for index in range(replicas):
+        mine = microbatches[index * share : (index + 1) * share]
+        with torch.no_grad():
+            for i, (param, base) in enumerate(zip(params, real)):
+                param.copy_(base + local_steps[index][i] if local_steps else base)
+        model.zero_grad(set_to_none=True)
+        loss = model(torch.cat([mb.inputs for mb in mine]), torch.cat([mb.targets for mb in mine]))
+        loss.backward()
+        losses.append(loss.item())
+        gradients.append([p.grad.clone() for p in params])
+    return sum(losses) / len(losses), gradients
+
+
 def train(
     args,
     data,
@@ -50,6 +70,8 @@ def train(
     checkpoints: list[int],
     predict: bool = False,
     delay_from: int = 0,
+    local_replicas: int = 0,
+    blend: bool = False,
 ) -> dict:
     """`args.steps` steps; the gradient of step t is applied `delay` steps late (the k-th update
     applied uses the rate of step k, as a stage's own step count does). At each checkpoint (a number
@@ -62,7 +84,15 @@ def train(
 
     `delay_from`: steps before it are exact (their update applied before the next forward); the
     delay begins with that step's gradient (as ZeRO-Offload's delayed parameter update does, after
-    the first steps, where the parameters move most)."""
+    the first steps, where the parameters move most).
+
+    `local_replicas` R (weight prediction `local-step`, with `delay`): the batch's microbatches are
+    split among R replicas in order, and each replica computes its share on the real parameters plus
+    the update the optimizer would make from its own share's mean gradient of the step before (what
+    a replica holds while its group averages); the optimizer steps the real parameters with the
+    whole batch's mean, as the group's average. R=1 is the exact schedule computed one step late.
+    `blend`: each replica predicts from its share's gradient times 1/R plus the last averaged
+    gradient times 1 - 1/R (the others' shares guessed as the last mean) instead of its share's."""
     config = dataclasses.replace(get_model_config(args.model), vocab_size=data.vocab_size)
     torch.manual_seed(0)
     model = build_full_model(config)
@@ -74,6 +104,7 @@ def train(
     losses, waiting, applied, val, started = [], [], [0], {}, time.perf_counter()
     real = [p.detach().clone() for p in params]  # what the optimizer steps; `params` may hold a prediction
     last = [torch.zeros_like(p) for p in params]  # the last update applied
+    local_steps: list[list[torch.Tensor]] = []  # local-step prediction: each replica's predicted update
 
     @torch.no_grad()
     def apply(gradients, next_step: int) -> None:
@@ -92,15 +123,40 @@ def train(
 
     for step in range(args.steps):
         microbatches = sampler.batch(step)
-        model.zero_grad(set_to_none=True)
-        loss = model(torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.targets for mb in microbatches]))
-        loss.backward()
-        losses.append(loss.item())
-        waiting.append([p.grad.clone() for p in params])
+        if local_replicas and delay:
+            loss_value, local_gradients = local_step_gradients(
+                model, params, real, local_steps, microbatches, local_replicas
+            )
+            losses.append(loss_value)
+            waiting.append([sum(g) / len(g) for g in zip(*local_gradients)])
+        else:
+            model.zero_grad(set_to_none=True)
+            loss = model(torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.targets for mb in microbatches]))
+            loss.backward()
+            losses.append(loss.item())
+            waiting.append([p.grad.clone() for p in params])
+        applied_now = None
         while len(waiting) > (delay if step >= delay_from else 0):
-            apply(waiting.pop(0), step + 1)
+            applied_now = waiting.pop(0)
+            apply(applied_now, step + 1)
+        if local_replicas and delay:
+            if blend and applied_now is not None:
+                local_gradients = [
+                    [
+                        mine / local_replicas + mean * (1 - 1 / local_replicas)
+                        for mine, mean in zip(gradients, applied_now)
+                    ]
+                    for gradients in local_gradients
+                ]
+            with torch.no_grad():
+                for param, base in zip(params, real):
+                    param.copy_(base)
+            local_steps = [
+                trial_update(optimizer, params, gradients, schedule.rate(applied[0])) for gradients in local_gradients
+            ]
         if step + 1 in checkpoints:  # as the trainer's flush at the end of a run: what waits is applied
             saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), applied[0], real, last))
+            saved_params = [p.detach().clone() for p in params]
             for gradients in waiting:
                 apply(gradients, step + 1)
             with torch.no_grad():
@@ -112,10 +168,15 @@ def train(
             applied[0] = saved[2]
             for mine, kept in zip(real + last, saved[3] + saved[4]):
                 mine.copy_(kept)
+            with torch.no_grad():
+                for param, kept in zip(params, saved_params):
+                    param.copy_(kept)
     return {
         "delay": delay,
         "predict": predict,
         "delay_from": delay_from,
+        "local_replicas": local_replicas,
+        "blend": blend,
         "val_loss_at": val,
         "final_train_loss": round(sum(losses[-5:]) / 5, 4),
         "losses": [round(x, 4) for x in losses],
@@ -137,7 +198,9 @@ def main() -> None:
         help="also a row that is exact before this step and one step late (predicted) from it (default: no such row)",
     )
     parser.add_argument("--schedules", default="constant,demo_schedule", help="which of constant, demo_schedule")
-    parser.add_argument("--rows", default="exact,late,late_predicted", help="which rows (exact is the reference)")
+    parser.add_argument(
+        "--rows", default="exact,late,late_predicted,late_local_step", help="which rows (exact is the reference)"
+    )
     parser.add_argument(
         "--tokenizer",
         default="bpe:4096",
@@ -146,6 +209,12 @@ def main() -> None:
     parser.add_argument(
         "--late-beta1", type=float, default=None, help="AdamW's beta1 for the late rows only (default: 0.9, as exact)"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="late_local_step: replicas per stage sharing each batch (each predicts from its own share)",
+    )
     parser.add_argument("--out", default="delayed_update.json")
     args = parser.parse_args()
     if args.threads:
@@ -153,20 +222,22 @@ def main() -> None:
     checkpoints = sorted({int(c) for c in args.checkpoints.split(",") if int(c) <= args.steps} | {args.steps})
     data = open_data(None, tokenizer=args.tokenizer)
     report = {"args": vars(args), "load_before": os.getloadavg(), "rows": {}}
-    rows = [("exact", 0, False, 0), ("late", 1, False, 0), ("late_predicted", 1, True, 0)]
+    rows = [("exact", 0, False, 0, 0, False), ("late", 1, False, 0, 0, False), ("late_predicted", 1, True, 0, 0, False)]
+    rows.append(("late_local_step", 1, False, 0, args.replicas, False))
+    rows.append(("late_local_blend", 1, False, 0, args.replicas, True))
     if args.delay_from is not None:
-        rows.append((f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from))
+        rows.append((f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from, 0, False))
     wanted = {"exact", *args.rows.split(",")} | ({rows[-1][0]} if args.delay_from is not None else set())
     rows = [row for row in rows if row[0] in wanted]
     for name, scheduled in (("constant", False), ("demo_schedule", True)):
         if name not in args.schedules.split(","):
             continue
         settings = schedule_settings(args.steps, scheduled)
-        for label, delay, predict, delay_from in rows:
+        for label, delay, predict, delay_from, local_replicas, blend in rows:
             if delay and args.late_beta1 is not None:
                 settings = dataclasses.replace(settings)
                 object.__setattr__(settings, "betas", (args.late_beta1, settings.betas[1]))  # not an init field
-            row = train(args, data, settings, delay, checkpoints, predict, delay_from)
+            row = train(args, data, settings, delay, checkpoints, predict, delay_from, local_replicas, blend)
             report["rows"][f"{name}/{label}"] = row
             print(f"{name} {label}: val {row['val_loss_at']} ({row['seconds']} s)", flush=True)
         exact = report["rows"][f"{name}/exact"]["val_loss_at"]

@@ -15,6 +15,8 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
   applied at the next one (peers/replicas/delayed_sync.py), each step computing on the parameters
   plus the last update (weight prediction, the default with the delay);
 * `2x2 sync delayed unpredicted`: the same with `--weight-prediction none`;
+* `2x2 sync delayed local-step`: the same with `--weight-prediction local-step` (each step on the
+  parameters plus the update the replica's own gradients of the step in flight make);
 * `2x2 sync exact clipped`: exact sync with the trainer's `--clip-grad-norm 1.0`, whose commit has
   two phases (the replicas average and answer their gradient's norm, then step on the scale);
 * `... matchmaking`, `... trainer groups`: the same with each round's group formed by hivemind's
@@ -48,6 +50,7 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 sync exact": (2, "sync", ("--sync-delay", "0"), ()),
     "2x2 sync delayed": (2, "sync", ("--sync-delay", "1"), ()),  # with weight prediction, its default
     "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none"), ()),
+    "2x2 sync delayed local-step": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "local-step"), ()),
     "2x2 sync exact clipped": (2, "sync", ("--sync-delay", "0"), ("--clip-grad-norm", "1.0")),
     # the rounds' groups by hivemind's matchmaking (the peers' default) or named by the trainer's commit
     "2x2 sync exact matchmaking": (2, "sync", ("--sync-delay", "0", "--averaging-groups", "matchmaking"), ()),

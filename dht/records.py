@@ -40,6 +40,11 @@ class PeerRecord(BaseModel):
     precision: str = Field(
         default="", pattern="^(|fp32|bf16|fp16)$", description="what the peer computes in ('' = not stated: fp32)"
     )
+    weight_prediction: str = Field(
+        default="",
+        pattern="^(|none|last-update|local-step)$",
+        description="where a one-step-late sync replica computes ('' = not stated: on its parameters)",
+    )
     vocab_size: int = Field(default=0, ge=0, description="the model's vocabulary size (0: not stated)")
     model_hash: str = Field(
         default="", max_length=64, description="models.identity.model_fingerprint of the served model ('' = not stated)"

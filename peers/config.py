@@ -36,6 +36,7 @@ from models.subspace_options import SubspaceSettings
 from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
 from peers.compute.faults import FaultSettings
 from peers.compute.stage_runtime import OptimizerSettings
+from peers.compute.weight_prediction import WEIGHT_PREDICTIONS
 from peers.placement.link_probe import ProbeSettings
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_step import OuterSettings
@@ -250,10 +251,12 @@ class ReplicaSettings:
     )
     weight_prediction: str = option(
         "last-update",
-        help="with --sync-delay 1: last-update = each step computes on the parameters plus the last update "
-        "applied (a guess at the parameters the exact schedule would use; weight prediction, as PipeMare and "
-        "SpecTrain); none = on the parameters one update old as they are (benchmarks/RESULTS.md measures both)",
-        choices=["last-update", "none"],
+        help="with --sync-delay 1, where each step computes (the optimizer always steps the real parameters): "
+        "last-update = on the parameters plus the last update applied (as PipeMare and SpecTrain); local-step "
+        "= plus the update this replica's own gradients of the step in flight would make (alone in its stage, "
+        "the exact schedule; replicas then compute on parameters a little apart, so spot checks skip them); "
+        "none = on the parameters one update old (peers/compute/weight_prediction.py; benchmarks/RESULTS.md)",
+        choices=list(WEIGHT_PREDICTIONS),
     )
     robust_averaging: str = option(
         "clip",

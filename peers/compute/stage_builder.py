@@ -110,7 +110,7 @@ class StageBuilder:
         if replicas.averaging == "sync":
             miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
-            runtime.predict_weights = bool(replicas.sync_delay) and replicas.weight_prediction == "last-update"
+            runtime.weight_prediction = replicas.weight_prediction if replicas.sync_delay else "none"
             if miss_round:  # the fault's round taken as failed, in either mode
                 faulty = type(f"RoundMissing{sync_class.__name__}", (RoundMissingSync, sync_class), {})
                 sync_class = partial(faulty, miss_round=miss_round)

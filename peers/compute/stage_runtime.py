@@ -22,6 +22,7 @@ from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
+from peers.compute.weight_prediction import trial_update
 from process.config import ConfigError, option
 
 logger = logging.getLogger(__name__)
@@ -189,11 +190,12 @@ class StageRuntime:
         # again (a microbatch retried after its first answer was lost: a hop's failover, a re-drive).
         self.samples_trained = self.backward_repeats = 0
         self.auto_step = True  # False when replicas step together on the trainer's commit (sync averaging)
-        # Weight prediction (sync averaging one step late): training forwards and backwards run on
-        # the parameters plus the last update applied, a guess at where the exact schedule would be.
-        # The parameters themselves (what is stepped, saved, sent and averaged) stay the real ones.
-        self.predict_weights = False
-        self.last_update: list[torch.Tensor] | None = None
+        # Weight prediction (sync averaging one step late; peers/compute/weight_prediction.py):
+        # training forwards and backwards run on the parameters plus `predicted_update`, a guess at
+        # where the exact schedule would be. The parameters themselves (what is stepped, saved, sent
+        # and averaged) stay the real ones.
+        self.weight_prediction = "none"  # or last-update, local-step
+        self.predicted_update: list[torch.Tensor] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -460,7 +462,7 @@ class StageRuntime:
                 f"({self.samples_accumulated} samples dropped; {self.steps_skipped} steps skipped so far)"
             )
         else:
-            before = [p.detach().clone() for p in self.params] if self.predict_weights else None
+            before = [p.detach().clone() for p in self.params] if self.weight_prediction == "last-update" else None
             for param, grad in zip(self.params, mean_gradients):
                 param.grad = grad.clone()
             for group in self.optimizer.param_groups:  # the schedule follows the run's step (steps_done)
@@ -468,13 +470,25 @@ class StageRuntime:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if before is not None:
-                self.last_update = [p.detach() - old for p, old in zip(self.params, before)]
+                self.predicted_update = [p.detach() - old for p, old in zip(self.params, before)]
         for grad_sum in self.grad_sums:
             grad_sum.zero_()
         self.samples_accumulated = 0
         self._close_accumulation()
         self.cache.clear()
         self.steps_done += 1
+
+    def predict_local_step(self, local_gradients: list[torch.Tensor] | None) -> None:
+        """Weight prediction `local-step`: the next training forwards run on the parameters plus the
+        update the optimizer would make from `local_gradients` (this replica's mean gradients of the
+        step whose averaged update comes next; None: nothing comes, compute on the parameters)."""
+        if self.weight_prediction != "local-step":
+            return
+        self.predicted_update = (
+            None
+            if local_gradients is None
+            else trial_update(self.optimizer, self.params, local_gradients, self.schedule.rate(self.steps_done))
+        )
 
     def use_adapters(self) -> int:
         """With `trainable` lora:R: add the adapters (models/lora.py) after the base weights are
@@ -495,17 +509,17 @@ class StageRuntime:
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
-        self.last_update = None
+        self.predicted_update = None
 
     def _train_forward(
         self, inputs: torch.Tensor, targets: torch.Tensor | None, tokens: torch.Tensor | None
     ) -> torch.Tensor:
         """The stage's forward for training: on the parameters, or with weight prediction on the
-        parameters plus the last update (differentiable in the parameters: the gradient is the same
-        function of them, evaluated at the predicted point)."""
-        if not self.predict_weights or self.last_update is None:
+        parameters plus the predicted update (differentiable in the parameters: the gradient is the
+        same function of them, evaluated at the predicted point)."""
+        if self.predicted_update is None:
             return self.module(inputs, targets, tokens=tokens)
-        predicted = {name: p + update for name, p, update in zip(self.param_names, self.params, self.last_update)}
+        predicted = {name: p + update for name, p, update in zip(self.param_names, self.params, self.predicted_update)}
         return torch.func.functional_call(self.module, predicted, (inputs, targets), {"tokens": tokens})
 
     # --- state -----------------------------------------------------------------------------------
@@ -543,7 +557,7 @@ class StageRuntime:
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{source} does not fit this stage: {e}") from None
         self.steps_done = meta.steps_done
-        self.last_update = None  # the update that led to the loaded state is not known here
+        self.predicted_update = None  # the update that led to the loaded state is not known here
 
     def measure_throughput(self, batch_size: int = 4, repeats: int = 5, budget_s: float = 1.0) -> float:
         """A short start-up benchmark (forward + backward on random data, no update): one untimed

@@ -15,10 +15,11 @@ So step t+1's forwards and backwards run on the parameters after update t-1: eve
 applied exactly one step late, on every replica alike (a deterministic schedule, not a race), and a
 one-process run with the same delay computes the same parameters (tests/integration/test_replicas.py).
 A replica alone in its stage delays its own step the same way.
-With weight prediction (`--weight-prediction last-update`, the default) step t+1 computes instead
-on the parameters plus the last update applied, a guess at the parameters the exact schedule would
-use (StageRuntime._train_forward): a plain one-step delay costs 3-4% of validation loss after 500+
-steps, the predicted one under 1% (benchmarks/RESULTS.md). The trainer's last commit leaves one
+With weight prediction (`--weight-prediction`, peers/compute/weight_prediction.py) step t+1
+computes instead on the parameters plus a guess at the update they lack (StageRuntime._train_forward):
+the last update applied (`last-update`), or the update the optimizer would make from this replica's
+own gradients of step t, which it holds while the group averages them (`local-step`; alone in its
+stage, that is the exact schedule). benchmarks/RESULTS.md measures each against the exact schedule. The trainer's last commit leaves one
 round in flight: the trainer then sends a flush (`CommitRequest.flush`), which finishes and applies
 it and starts nothing (if that round failed, the flush averages its gradients again, at once).
 
@@ -101,6 +102,7 @@ class DelayedGradientSync(GradientSync):
         outcome, update = self.next_update(step_id, group_size, samples, flush=flush)
         if update is not None:
             self.runtime.apply_gradients(update)
+        self.predict_next_update()
         return outcome
 
     def prepare(
@@ -129,12 +131,20 @@ class DelayedGradientSync(GradientSync):
             return self._repeated(step_id)
         held, self.held = self.held, None
         if held is None:
+            self.predict_next_update()
             return self._remember(
                 step_id, AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
             )
         outcome, update = held
         self.runtime.apply_gradients([gradient * scale for gradient in update])
+        self.predict_next_update()
         return self._remember(step_id, outcome)
+
+    def predict_next_update(self) -> None:
+        """Weight prediction `local-step`: the next step computes on the parameters plus the update
+        this replica's own gradients of the round in flight would make (none: no round in flight)."""
+        in_flight = self.in_flight
+        self.runtime.predict_local_step(None if in_flight is None or not in_flight.samples else in_flight.gradients)
 
     def next_update(
         self, step_id: str, group_size: int, samples: Mapping[str, int] | None, *, flush: bool

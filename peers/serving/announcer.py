@@ -61,6 +61,7 @@ class Announcer:
             expires_at=get_dht_time() + self.settings.record_ttl_s,
             averaging=self.averaging_mode,
             precision=serving.runtime.precision,
+            weight_prediction=serving.runtime.weight_prediction,
             metrics_addr=self.metrics_addr,
             model_hash=model_fingerprint(serving.runtime.config),
             vocab_size=serving.runtime.config.vocab_size,

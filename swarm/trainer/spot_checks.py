@@ -29,7 +29,10 @@ sync), or not at all, hold other parameters, and so do replicas outside a run's 
 a check only asks replicas that average in sync in the first one's group (`comparable_replicas`,
 from their records), and verifies nothing on stages without two of them. Replicas computing in
 fp16/bf16 autocast (`--precision`, announced in their records) differ by more than 1e-3, so they
-are not checked at all (the tolerance is for float32): spot checks need float32 peers.
+are not checked at all (the tolerance is for float32): spot checks need float32 peers. Nor are
+replicas one step late with `--weight-prediction local-step` (also in their records): each computes
+a step on the parameters plus the update its own gradients make, so honest replicas answer apart
+(`unchecked_because`).
 
 What a check does not catch: a liar that lies only when it is not checked cannot know which calls
 are checked (a checked call is an ordinary forward, with the same microbatch id), but it can lie on
@@ -69,24 +72,35 @@ def computes_in_float32(precision: str) -> bool:
     return precision in ("", "fp32")
 
 
+def unchecked_because(precision: str = "", weight_prediction: str = "") -> str | None:
+    """Why a replica's answers cannot be held to another's within the tolerance, from its record
+    (None: they can): half precision, or each step computed on parameters predicted from its own
+    gradients (`--weight-prediction local-step`: honest replicas then answer a little apart)."""
+    if not computes_in_float32(precision):
+        return f"computes in {precision} (the tolerance is for float32 peers)"
+    if weight_prediction == "local-step":
+        return "computes each step on parameters predicted from its own gradients (--weight-prediction local-step)"
+    return None
+
+
 def comparable_replicas(
     first: str,
     averaging: Mapping[str, str],
     members: Set[str] | None = None,
-    precision: Mapping[str, str] | None = None,
+    unchecked: Mapping[str, str | None] | None = None,
 ) -> set[str]:
     """The replicas whose answers must equal `first`'s: those that average with it in sync
     (`averaging`: replica -> its record's averaging mode), in its group (`members`: a run's
-    credentialed replicas, who average only among themselves; None: no run authority), all
-    computing in float32 (`precision`: replica -> its record's precision; None: all float32)."""
+    credentialed replicas, who average only among themselves; None: no run authority), none of
+    them unchecked (`unchecked`: replica -> `unchecked_because` its record; None: all checkable)."""
 
-    def float32(peer: str) -> bool:
-        return precision is None or computes_in_float32(precision.get(peer, ""))
+    def checkable(peer: str) -> bool:
+        return unchecked is None or unchecked.get(peer) is None
 
-    if averaging.get(first) != "sync" or (members is not None and first not in members) or not float32(first):
+    if averaging.get(first) != "sync" or (members is not None and first not in members) or not checkable(first):
         return set()
     return {
-        p for p, mode in averaging.items() if mode == "sync" and (members is None or p in members) and float32(p)
+        p for p, mode in averaging.items() if mode == "sync" and (members is None or p in members) and checkable(p)
     } - {first}
 
 

@@ -43,7 +43,7 @@ from swarm.trainer.failures import (
 )
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.service_clock import ServiceClock
-from swarm.trainer.spot_checks import CallSampler, comparable_replicas, computes_in_float32, judge, tolerance
+from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance, unchecked_because
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.compression.policy import CodecPolicy
 from wire.failures import Failure
@@ -126,7 +126,7 @@ class StageCaller:
         self.contributions = ContributionLedger()  # what each peer served, failed, and how checks judged it
         self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
         self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
-        self.unchecked_precision: set[str] = set()  # replicas in half precision, told once as never checked
+        self.told_unchecked: set[str] = set()  # replicas whose answers cannot be compared, told once
         self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
@@ -335,15 +335,12 @@ class StageCaller:
         an extra, not a call the pipeline needs)."""
         scheduler = self.view.schedulers[stage]
         averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
-        precision = {r.peer_id: r.precision for r in self.view.records[stage]}
-        mine = precision.get(asked.peer_id, "")
-        if not computes_in_float32(mine) and asked.peer_id not in self.unchecked_precision:
-            self.unchecked_precision.add(asked.peer_id)
-            logger.warning(
-                f"stage {stage}: replica {asked.peer_id[-8:]} computes in {mine}: its answers are not spot-checked "
-                f"(the tolerance is for float32 peers)"
-            )
-        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage), precision)
+        unchecked = {r.peer_id: unchecked_because(r.precision, r.weight_prediction) for r in self.view.records[stage]}
+        reason = unchecked.get(asked.peer_id)
+        if reason is not None and asked.peer_id not in self.told_unchecked:
+            self.told_unchecked.add(asked.peer_id)
+            logger.warning(f"stage {stage}: replica {asked.peer_id[-8:]} {reason}: its answers are not spot-checked")
+        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage), unchecked)
         exclude = self.view.bans.banned() | self.view.violations.banned(stage) | avoid | self.not_allowed_by.keys()
         exclude |= set(scheduler.keys_s()) - comparable
         exclude |= self.view.newcomers[stage].excluded(set(scheduler.keys_s()) - exclude)

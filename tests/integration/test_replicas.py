@@ -334,6 +334,39 @@ def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm,
     assert max((exact[n] - reference[n]).abs().max().item() for n in reference) > 1e-3
 
 
+def test_local_step_prediction_alone_in_each_stage_equals_the_exact_schedule(make_swarm, tmp_path):
+    """`--sync-delay 1 --weight-prediction local-step` with one replica per stage: each step
+    computes on the parameters plus the update its own gradients of the step in flight make, which
+    alone in a stage is the update itself. The swarm, overlapped, then equals one process on the
+    exact schedule (not the one-step-late one), and the trainer's flush leaves the same parameters."""
+    steps, config = 3, get_model_config("tiny")
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--sync-delay", "1"]
+        + ["--weight-prediction", "local-step"],
+    )
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / d)) for stage, d in [(0, "a"), (1, "b")]]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, *("--steps", str(steps), "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH))
+    )
+    stop_together(peers)
+    exact_losses, exact = delayed_reference(config, "sgd", 0.5, steps, delay=0)
+    late_losses, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1)
+    assert report["losses"] == pytest.approx(exact_losses, abs=1e-5), report
+    assert abs(late_losses[1] - exact_losses[1]) > 1e-3  # the delay would show: the prediction undoes it
+    assert report["microbatches_lost"] == 0, report
+    for stage, folder in [(0, "a"), (1, "b")]:
+        meta, state, _ = load_checkpoint(checkpoint_path(str(tmp_path / folder), "tiny", stage, 2))
+        assert meta.steps_done == steps
+        offset = stage_spec(config, stage, 2).first_layer
+        for name, value in state.items():
+            if name.startswith("blocks."):
+                name = f"blocks.{int(name.split('.')[1]) + offset}." + name.split(".", 2)[2]
+            torch.testing.assert_close(value, exact[name], atol=1e-5, rtol=0, msg=name)
+
+
 PERIOD = ["--averaging-period-s", "3"]
 OUTER = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]
 

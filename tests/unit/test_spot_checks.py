@@ -16,7 +16,14 @@ from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.routing import ReplicaInfo
 from swarm.trainer.schedule import StepSchedule
-from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, relative_difference, tolerance
+from swarm.trainer.spot_checks import (
+    CallSampler,
+    comparable_replicas,
+    judge,
+    relative_difference,
+    tolerance,
+    unchecked_because,
+)
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.compression import RELATIVE_ERROR_BOUNDS, decode, encode
 from wire.protocol import ResponseHeader
@@ -119,7 +126,9 @@ class ScriptedReplicas:
         return CallResult(decoded, {"outputs": encoded}, ResponseHeader(compute_s=0.01), 100)
 
 
-def serve(view: SwarmView, stage: int, peers, averaging: str = "sync", precision: str = "") -> None:
+def serve(
+    view: SwarmView, stage: int, peers, averaging: str = "sync", precision: str = "", weight_prediction: str = ""
+) -> None:
     """`peers` serve `stage` (their records, and the stage's scheduler)."""
     view.records[stage] = [
         PeerRecord(
@@ -132,13 +141,16 @@ def serve(view: SwarmView, stage: int, peers, averaging: str = "sync", precision
             expires_at=1e12,
             averaging=averaging,
             precision=precision,
+            weight_prediction=weight_prediction,
         )
         for p in peers
     ]
     view.schedulers[stage].update_replicas([ReplicaInfo(p, 10.0) for p in peers])
 
 
-def make_caller(client, peers, verify_fraction=1.0, averaging="sync", precision="") -> StageCaller:
+def make_caller(
+    client, peers, verify_fraction=1.0, averaging="sync", precision="", weight_prediction=""
+) -> StageCaller:
     view = SwarmView(None, model="tiny", num_stages=2)
     caller = StageCaller(
         view,
@@ -149,7 +161,7 @@ def make_caller(client, peers, verify_fraction=1.0, averaging="sync", precision=
         verify_fraction=verify_fraction,
     )
     for stage in range(2):
-        serve(view, stage, peers, averaging, precision)
+        serve(view, stage, peers, averaging, precision, weight_prediction)
     return caller
 
 
@@ -224,13 +236,18 @@ def test_two_replicas_that_disagree_ban_nobody_and_a_lone_one_is_not_verified():
 
 
 @pytest.mark.parametrize(
-    ("averaging", "precision"), [("periodic", ""), ("none", ""), ("sync", "bf16"), ("sync", "fp16")]
+    ("averaging", "precision", "prediction"),
+    [("periodic", "", ""), ("none", "", ""), ("sync", "bf16", ""), ("sync", "fp16", ""), ("sync", "", "local-step")],
 )
-def test_replicas_whose_answers_may_differ_are_not_compared(averaging, precision):
-    """Replicas that do not average in sync hold other parameters (between rounds, or always), and
-    autocast answers differ beyond the float32 tolerance: a check would ban an honest replica."""
+def test_replicas_whose_answers_may_differ_are_not_compared(averaging, precision, prediction):
+    """Replicas that do not average in sync hold other parameters (between rounds, or always),
+    autocast answers differ beyond the float32 tolerance, and replicas predicting their next
+    parameters from their own gradients compute on different ones: a check would ban an honest
+    replica."""
     client = ScriptedReplicas(liars={"peer-liar"})
-    caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging, precision=precision)
+    caller = make_caller(
+        client, ["peer-a", "peer-liar"], averaging=averaging, precision=precision, weight_prediction=prediction
+    )
     answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
     assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
 
@@ -245,12 +262,22 @@ def test_a_replica_in_half_precision_is_named_once_as_never_checked(caplog):
     assert len(told) == 1 and "computes in bf16" in told[0], told
 
 
-def test_comparable_replicas_compute_in_float32():
-    averaging = {"a": "sync", "b": "sync", "c": "sync", "d": "sync"}
-    precision = {"a": "fp32", "b": "", "c": "bf16", "d": "fp16"}  # '': an older peer's record (float32)
-    assert comparable_replicas("a", averaging, precision=precision) == {"b"}
-    assert comparable_replicas("b", averaging, precision=precision) == {"a"}
-    assert comparable_replicas("c", averaging, precision=precision) == set()
+def test_comparable_replicas_compute_in_float32_on_their_parameters():
+    averaging = {"a": "sync", "b": "sync", "c": "sync", "d": "sync", "e": "sync", "f": "sync"}
+    records = {  # '': an older peer's record (float32, no prediction)
+        "a": ("fp32", "last-update"),
+        "b": ("", ""),
+        "c": ("bf16", ""),
+        "d": ("fp16", ""),
+        "e": ("fp32", "local-step"),
+        "f": ("fp32", "none"),
+    }
+    unchecked = {peer: unchecked_because(*record) for peer, record in records.items()}
+    assert comparable_replicas("a", averaging, unchecked=unchecked) == {"b", "f"}
+    assert comparable_replicas("b", averaging, unchecked=unchecked) == {"a", "f"}
+    assert comparable_replicas("c", averaging, unchecked=unchecked) == set()
+    assert comparable_replicas("e", averaging, unchecked=unchecked) == set()
+    assert "bf16" in unchecked["c"] and "local-step" in unchecked["e"]
 
 
 def test_comparable_replicas_average_in_sync_in_the_same_group():

@@ -182,7 +182,7 @@ def test_a_subspace_stage_needs_the_token_ids_and_a_cached_backward_reuses_them(
 def test_weight_prediction_computes_on_the_parameters_plus_the_last_update_and_keeps_them_real():
     config = get_model_config("tiny")
     stage = StageRuntime(config, 0, 1, optimizer=OptimizerSettings(optimizer="sgd", lr=0.5, target_batch_size=2))
-    stage.auto_step, stage.predict_weights = False, True
+    stage.auto_step, stage.weight_prediction = False, "last-update"
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=g) for _ in range(3)]
     taken = []
@@ -202,6 +202,45 @@ def test_weight_prediction_computes_on_the_parameters_plus_the_last_update_and_k
     assert abs(loss - unpredicted.item()) > 1e-4  # the prediction shows
     for name, value in stage.module.named_parameters():  # what is stepped, saved and sent: the real ones
         torch.testing.assert_close(value.detach(), after[name], atol=0, rtol=0)
+
+
+def test_local_step_prediction_alone_computes_where_the_exact_schedule_would():
+    """A replica alone in its stage, one step late with `local-step`: step 2 runs on the parameters
+    plus the update its own step-1 gradients make, which is where the exact schedule computes it."""
+    config = get_model_config("tiny")
+    # SGD: AdamW would turn the float noise of gradients that are zero in theory (attention's key
+    # bias) into full-size steps, so parameters of two exact computations part by ~lr there
+    settings = OptimizerSettings(optimizer="sgd", lr=0.5, target_batch_size=2)
+    stage = StageRuntime(config, 0, 1, optimizer=settings)
+    stage.auto_step, stage.weight_prediction = False, "local-step"
+    exact, late = StageRuntime(config, 0, 1, optimizer=settings), StageRuntime(config, 0, 1, optimizer=settings)
+    exact.auto_step = late.auto_step = False
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=g) for _ in range(3)]
+    pending = late_pending = None
+    for i, batch in enumerate(batches):
+        _, loss = stage.backward(f"mb{i}", batch[:, :-1], targets=batch[:, 1:])
+        _, expected = exact.backward(f"mb{i}", batch[:, :-1], targets=batch[:, 1:])
+        _, unpredicted = late.backward(f"mb{i}", batch[:, :-1], targets=batch[:, 1:])
+        assert loss == pytest.approx(expected, abs=1e-5)
+        if i == 2:
+            assert abs(unpredicted - expected) > 1e-4  # one step late without a prediction: elsewhere
+        exact.apply_gradients(exact.local_mean_gradients())
+        taken, _ = stage.take_accumulated()
+        if pending is not None:
+            stage.apply_gradients(pending)  # one step late
+        stage.predict_local_step(taken)
+        pending = taken
+        late_taken, _ = late.take_accumulated()
+        if late_pending is not None:
+            late.apply_gradients(late_pending)
+        late_pending = late_taken
+    assert stage.steps_done == 2 and exact.steps_done == 3
+    stage.apply_gradients(pending)  # the flush: what waits applied, no prediction left
+    stage.predict_local_step(None)
+    assert stage.predicted_update is None
+    for (name, value), reference in zip(stage.module.named_parameters(), exact.module.parameters()):
+        torch.testing.assert_close(value.detach(), reference.detach(), atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_a_retry_that_arrives_after_the_step_it_was_counted_in_is_not_added_to_the_next():

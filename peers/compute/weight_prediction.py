@@ -1,0 +1,69 @@
+"""Weight prediction for sync averaging one step late (`--sync-delay 1`): where to compute a step.
+
+One step late, step t+1's forwards and backwards would run on the parameters after update t-1,
+one update behind the exact schedule. A prediction adds a guess at the missing update:
+
+- `last-update`: the last update applied (after PipeMare and SpecTrain). Cheap, but on `small` at
+  the demo's peak rate it still ends ~10% above the exact schedule's loss (benchmarks/RESULTS.md).
+- `local-step`: the update the optimizer would make from this replica's own mean gradient of step
+  t, which it holds while the group averages it. That is the missing update itself, computed from
+  this replica's share of the batch instead of the whole: alone in its stage, a replica computes
+  exactly on the exact schedule's parameters; with others, only the gap between its local and
+  the group's mean gradient remains, damped by the optimizer's momentum.
+
+Either way the prediction is only where the gradient is evaluated: the optimizer steps the real
+parameters with the group's averaged gradient, so replicas stay identical.
+
+`trial_update` is the optimizer's step without its side effects: it works for any optimizer in
+torch.optim's mould (state per parameter, `lr` in the param groups), at the cost of one step and a
+copy of the state of the parameters it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+WEIGHT_PREDICTIONS = ("none", "last-update", "local-step")
+
+
+def _copied(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+@torch.no_grad()
+def trial_update(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    gradients: Sequence[torch.Tensor],
+    rate: float,
+) -> list[torch.Tensor]:
+    """The update (new minus old) one `optimizer.step()` at learning rate `rate` would make to
+    `params` from `gradients`, with the parameters, their gradients, the optimizer's state and its
+    learning rates left as they were."""
+    saved_state = {
+        id(p): {key: _copied(value) for key, value in optimizer.state[p].items()} if p in optimizer.state else None
+        for p in params
+    }
+    saved_grads = [p.grad for p in params]
+    saved_rates = [group["lr"] for group in optimizer.param_groups]
+    before = [p.detach().clone() for p in params]
+    try:
+        for param, gradient in zip(params, gradients):
+            param.grad = gradient.to(param.dtype).clone()
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        optimizer.step()
+        return [p.detach() - old for p, old in zip(params, before)]
+    finally:
+        for param, old, grad in zip(params, before, saved_grads):
+            param.copy_(old)
+            param.grad = grad
+            state = saved_state[id(param)]
+            if state is None:
+                optimizer.state.pop(param, None)
+            else:
+                optimizer.state[param] = state
+        for group, old_rate in zip(optimizer.param_groups, saved_rates):
+            group["lr"] = old_rate
