@@ -228,6 +228,9 @@ class StageMoves:
                 await self._withdraw_claim(claim)
                 return None
             claims = await fetch_move_claims_async(self.dht, self.model, timeout_s=CLAIM_TIMEOUT_S)
+            if stop.is_set():  # stopped while reading: the peer's shutdown waits for this loop
+                await self._withdraw_claim(claim)
+                return None
             if claims is None:
                 why_not = "the move claims could not be read back from the DHT"
             else:

@@ -3,11 +3,16 @@ which peers whose snapshots each named themselves the mover agree on who moves."
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dht.records import MoveClaim, parse_move_claims
+from dht.records import MoveClaim, PeerState, parse_move_claims
+from peers.config import PlacementSettings
+from peers.placement import stage_moves
 from peers.placement.rebalance import ClaimView, ReplicaView, claim_verdict, decide_move
 from peers.placement.stage_choice import claim_view
 
@@ -178,76 +183,86 @@ def test_the_movers_never_exceed_any_movers_plan_and_no_stage_both_gives_and_rec
         assert first in moving
 
 
+class ClaimStore:
+    """The DHT's move claims, in memory: what the peer loop stores and reads back."""
+
+    def __init__(self, monkeypatch, *, wait_s: float, on_fetch=None) -> None:
+        self.claims: dict[str, MoveClaim] = {}
+        self.published: list[MoveClaim] = []
+        self.on_fetch = on_fetch
+        monkeypatch.setattr(stage_moves, "publish_move_claim_async", self.publish)
+        monkeypatch.setattr(stage_moves, "fetch_move_claims_async", self.fetch)
+        monkeypatch.setattr(stage_moves, "MOVE_CLAIM_WAIT_S", wait_s)
+
+    async def publish(self, dht, claim, *, timeout_s):
+        self.claims[claim.peer_id] = claim
+        self.published.append(claim)
+        return True
+
+    async def fetch(self, dht, model, *, timeout_s):
+        if self.on_fetch is not None:
+            self.on_fetch()
+        return list(self.claims.values())
+
+    def withdrawn(self) -> set[str]:
+        return {claim.peer_id for claim in self.published if not claim.active}
+
+
+class HerdPeer(stage_moves.StageMoves):
+    """A stage-0 peer of a 3:1 swarm whose every snapshot names itself the one mover (it sees
+    itself slower than the others: throughputs swing between announcements)."""
+
+    def __init__(self, peer_id: str, other: str) -> None:
+        serving = SimpleNamespace(
+            state=PeerState.ONLINE,
+            requests_served=100,
+            runtime=SimpleNamespace(stage=0, num_stages=2, throughput=SimpleNamespace(value=0.5)),
+        )
+        settings = PlacementSettings(rebalance_period_s=0.2, rebalance_loss_watch_s=0.0, rebalance_min_gain=0.2)
+        super().__init__(
+            serving, None, None, settings, peer_id=peer_id, model="tiny", builder=None, announcer=None, replicas=None
+        )
+        self.other, self.moved_to, self.stop = other, [], asyncio.Event()
+
+    async def swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
+        others = [ReplicaView(self.other, 0, 1.0, "online"), ReplicaView("p1", 0, 1.0, "online")]
+        others.append(ReplicaView("q1", 1, 1.0, "online"))
+        return others + ([ReplicaView(self.peer_id, 0, 0.5, "online")] if include_self else [])
+
+    async def move_to_stage(self, stage: int, p2p) -> None:
+        self.moved_to.append(stage)
+        self.stop.set()  # (these scripted snapshots would not show the move)
+
+
+def run_peers(peers: list[HerdPeer], seconds: float) -> None:
+    async def run(peer):
+        try:
+            await asyncio.wait_for(peer.rebalance_forever(None, peer.stop), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    async def scenario():
+        await asyncio.gather(*(run(peer) for peer in peers))
+
+    asyncio.run(scenario())
+
+
 def test_two_peers_that_each_plan_the_one_move_claim_it_and_only_one_moves(monkeypatch, capsys):
     """The peer loop (StageMoves.rebalance_forever) of two stage-0 peers, each of whose snapshots
     names itself the one mover, over an in-memory claim store: one moves, the other does not."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from dht.records import PeerState
-    from peers.config import PlacementSettings
-    from peers.placement import stage_moves
-
-    store: dict[str, MoveClaim] = {}
-    published: list[MoveClaim] = []
-
-    async def publish(dht, claim, *, timeout_s):
-        store[claim.peer_id] = claim
-        published.append(claim)
-        return True
-
-    async def fetch(dht, model, *, timeout_s):
-        return list(store.values())
-
-    monkeypatch.setattr(stage_moves, "publish_move_claim_async", publish)
-    monkeypatch.setattr(stage_moves, "fetch_move_claims_async", fetch)
-    monkeypatch.setattr(stage_moves, "MOVE_CLAIM_WAIT_S", 0.5)  # longer than the spread of their first checks
-
-    class HerdPeer(stage_moves.StageMoves):
-        def __init__(self, peer_id: str, other: str) -> None:
-            serving = SimpleNamespace(
-                state=PeerState.ONLINE,
-                requests_served=100,
-                runtime=SimpleNamespace(stage=0, num_stages=2, throughput=SimpleNamespace(value=0.5)),
-            )
-            settings = PlacementSettings(rebalance_period_s=0.2, rebalance_loss_watch_s=0.0, rebalance_min_gain=0.2)
-            super().__init__(
-                serving,
-                None,
-                None,
-                settings,
-                peer_id=peer_id,
-                model="tiny",
-                builder=None,
-                announcer=None,
-                replicas=None,
-            )
-            self.other, self.moved_to, self.stop = other, [], asyncio.Event()
-
-        async def swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
-            # each sees itself slower than the other (throughputs swing between announcements)
-            others = [ReplicaView(self.other, 0, 1.0, "online"), ReplicaView("p1", 0, 1.0, "online")]
-            others.append(ReplicaView("q1", 1, 1.0, "online"))
-            return others + ([ReplicaView(self.peer_id, 0, 0.5, "online")] if include_self else [])
-
-        async def move_to_stage(self, stage: int, p2p) -> None:
-            self.moved_to.append(stage)
-            self.stop.set()  # (these scripted snapshots would not show the move)
-
-    async def scenario(peers):
-        async def run(peer):
-            try:
-                await asyncio.wait_for(peer.rebalance_forever(None, peer.stop), timeout=2.0)
-            except TimeoutError:
-                pass
-
-        await asyncio.gather(*(run(peer) for peer in peers))
-
+    store = ClaimStore(monkeypatch, wait_s=0.5)  # longer than the spread of their first checks
     peers = [HerdPeer("a-peer", "b-peer"), HerdPeer("b-peer", "a-peer")]
-    asyncio.run(scenario(peers))
+    run_peers(peers, 2.0)
     out = capsys.readouterr().out
     assert sorted(len(peer.moved_to) for peer in peers) == [0, 1], out
     assert out.count("rebalancing: moving from stage 0 to stage 1") == 1, out
     assert "rebalancing: no move from stage 0 to stage 1, because peer(s)" in out, out
-    withdrawn = {claim.peer_id for claim in published if not claim.active}
-    assert withdrawn == {next(peer for peer in peers if not peer.moved_to).peer_id}  # the winner's claim lapses
+    loser = next(peer for peer in peers if not peer.moved_to)
+    assert store.withdrawn() == {loser.peer_id}  # the winner's claim lapses on its own
+
+
+def test_a_peer_stopped_while_it_reads_the_claims_back_withdraws_its_claim_and_does_not_move(monkeypatch):
+    peer = HerdPeer("a-peer", "b-peer")
+    store = ClaimStore(monkeypatch, wait_s=0.05, on_fetch=peer.stop.set)
+    run_peers([peer], 2.0)
+    assert peer.moved_to == [] and store.withdrawn() == {"a-peer"}
