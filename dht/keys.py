@@ -49,6 +49,12 @@ def progress_key(model: str) -> str:
     return f"swarm/{model}/progress"
 
 
+def moves_key(model: str) -> str:
+    """The key under which peers of a model claim a rebalancing move before making it (subkey:
+    `peer_subkey`; dht/move_claims.py), so that two peers that each planned to move agree on one."""
+    return f"swarm/{model}/moves"
+
+
 def plan_key(model: str) -> str:
     """The key under which `swarm plan --publish` stores placement plans (subkey: the planner's
     peer id; the newest unexpired plan is the current one)."""

@@ -2,7 +2,7 @@
 
 hivemind calls a node's record validators when another node asks it to store a record and when a
 node it asked returns one (a dictionary that holds one refused entry is dropped whole). On the keys
-of the models a node knows (`protected_keys`: every stage key, the split, links, plan and progress keys),
+of the models a node knows (`protected_keys`: every stage key, the split, links, move-claim, plan and progress keys),
 `SwarmRecordValidator` refuses
 - a plain value (it would replace the whole dictionary of subkeys, hiding every peer under it);
 - a subkey that is not `<peer id>[owner:<RSA key>]` with the key hashing to that peer id (unsigned
@@ -29,7 +29,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from dht.keys import links_key, parse_peer_subkey, plan_key, progress_key, split_key, stage_key
+from dht.keys import links_key, moves_key, parse_peer_subkey, plan_key, progress_key, split_key, stage_key
 from dht.signing import peer_id_of
 
 MAX_PROTECTED_STAGES = 1024  # stage keys guarded per model (a PlanRecord allows as many stages)
@@ -37,6 +37,7 @@ CLOCK_SKEW_S = 60.0  # how far ahead of ours another node's clock may run
 MAX_RECORD_TTL_S = 3600.0  # stage, split and link records are renewed every few seconds to minutes
 MAX_PLAN_TTL_S = 7 * 86400.0  # `swarm plan --plan-ttl-s` (default an hour)
 MAX_PROGRESS_TTL_S = 600.0  # a trainer renews its progress record every step
+MAX_MOVE_CLAIM_TTL_S = 3600.0  # a move claim lives a few rebalancing periods (peers/placement/rebalance.py)
 _REGULAR_VALUE = MSGPackSerializer.dumps(None)  # hivemind's subkey tag of a value without subkeys
 
 
@@ -44,7 +45,7 @@ _REGULAR_VALUE = MSGPackSerializer.dumps(None)  # hivemind's subkey tag of a val
 class KeyRules:
     """What one protected key accepts."""
 
-    kind: str  # "stage", "split", "links", "plan" or "progress"
+    kind: str  # "stage", "split", "links", "moves", "plan" or "progress"
     max_subkeys: int
     max_value_bytes: int
     max_ttl_s: float
@@ -71,6 +72,9 @@ def protected_keys(
     links = KeyRules(
         "links", max_subkeys=512, max_value_bytes=64 << 10, max_ttl_s=MAX_RECORD_TTL_S, allowed_signers=peers
     )
+    moves = KeyRules(
+        "moves", max_subkeys=256, max_value_bytes=4 << 10, max_ttl_s=MAX_MOVE_CLAIM_TTL_S, allowed_signers=peers
+    )
     plan = KeyRules(
         "plan", max_subkeys=64, max_value_bytes=128 << 10, max_ttl_s=MAX_PLAN_TTL_S, allowed_signers=planners
     )
@@ -82,6 +86,7 @@ def protected_keys(
             rules[_key_id(stage_key(model, s))] = stage
         rules[_key_id(split_key(model))] = split
         rules[_key_id(links_key(model))] = links
+        rules[_key_id(moves_key(model))] = moves
         rules[_key_id(plan_key(model))] = plan
         rules[_key_id(progress_key(model))] = progress
     return rules

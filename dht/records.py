@@ -1,4 +1,4 @@
-"""The typed record each peer announces on the DHT, validated where it is read."""
+"""The typed records peers state on the DHT (announcements, the split, move claims), validated where read."""
 
 from __future__ import annotations
 
@@ -134,3 +134,49 @@ def parse_split_records(entries: dict[Any, Any], *, model: str) -> list[SplitRec
     """Parse every subkey of a model's split key; skip (with a warning) what is malformed, names
     another model, or whose subkey does not match the peer id inside."""
     return parse_entries(entries, SplitRecord.from_wire, misfiled_under(model), kind="split record", where=model)
+
+
+class MoveClaim(BaseModel):
+    """A peer's claim to make one move of a rebalancing plan (peers/placement/stage_moves.py):
+    stated on the DHT before the move, so that peers whose snapshots each named themselves the
+    mover agree on who moves (the rule is `peers.placement.rebalance.claim_verdict`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=128)
+    num_stages: int = Field(ge=2, le=1024)
+    from_stage: int = Field(ge=0)
+    to_stage: int = Field(ge=0)
+    moves_from: int = Field(ge=1, le=1 << 20, description="moves out of from_stage in the claimant's plan")
+    moves_to: int = Field(ge=1, le=1 << 20, description="moves into to_stage in the claimant's plan")
+    since: float = Field(allow_inf_nan=False, description="DHT time of the claim: the earlier claim wins a race")
+    active: bool = Field(default=True, description="False once withdrawn (lost the race, or stopped before moving)")
+    expires_at: float = Field(allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _stages_are_two_of_the_split(self) -> MoveClaim:
+        if self.from_stage == self.to_stage:
+            raise ValueError(f"a move from stage {self.from_stage} to itself")
+        if max(self.from_stage, self.to_stage) >= self.num_stages:
+            raise ValueError(f"stages {self.from_stage} -> {self.to_stage} are not both of {self.num_stages} stages")
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_wire(cls, value: Any) -> MoveClaim:
+        """Parse a DHT value; raises `ValueError` for anything malformed."""
+        if not isinstance(value, dict):
+            raise ValueError(f"a move claim must be a mapping, got {type(value).__name__}")
+        try:
+            return cls.model_validate(value)
+        except ValidationError as e:
+            raise ValueError(f"malformed move claim: {e.errors()[0]['msg']}") from None
+
+
+def parse_move_claims(entries: dict[Any, Any], *, model: str) -> list[MoveClaim]:
+    """Parse every subkey of a model's move-claims key; skip (with a warning) what is malformed,
+    names another model, or whose subkey does not match the peer id inside."""
+    return parse_entries(entries, MoveClaim.from_wire, misfiled_under(model), kind="move claim", where=model)

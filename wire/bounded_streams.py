@@ -129,6 +129,15 @@ async def serve_bounded(
                     await P2P.send_protobuf(answer, writer)
             except (ConnectionError, asyncio.IncompleteReadError):
                 return  # the caller went away
+            except asyncio.CancelledError:
+                # Only the event loop's shutdown cancels this (the peer stopping while a caller's stream
+                # is open, e.g. a handler waiting to send to a caller that stopped reading). The stream
+                # just ends, as when the caller goes away. Not re-raised on purpose: this coroutine is
+                # the whole task of hivemind's per-stream server callback (ControlClient._handler), and
+                # under Python 3.11 that task ending cancelled makes asyncio log an ERROR with a
+                # traceback (its done-callback calls `task.exception()`, which raises; CPython
+                # gh-113538, fixed in 3.12): seen at the end of a demo's Ctrl-C.
+                return
             except Exception as e:
                 logger.debug(f"{name}: {type(e).__name__}: {e}")
                 with suppress(Exception):

@@ -164,7 +164,11 @@ async def measure_link(p2p: P2P, peer_id: str, settings: ProbeSettings) -> LinkM
             rtt_ms=rtt_s * 1e3, bandwidth_gbps=2 * size * 8 / transfer_s / 1e9, measured_at=get_dht_time()
         )
 
-    return await asyncio.wait_for(measure(), timeout=settings.timeout_s)
+    # Not `wait_for`, which (Python 3.11) runs `measure` as a task of its own: a probe cancelled in the
+    # instant its stream closed (both peers stopping) ends in the stream's error, not cancelled, and
+    # that task's error, read by nobody, was logged as an ERROR ("Task exception was never retrieved").
+    async with asyncio.timeout(settings.timeout_s):
+        return await measure()
 
 
 # --- choosing whom to probe (pure) ----------------------------------------------------------------

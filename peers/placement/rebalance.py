@@ -23,6 +23,26 @@ Rules, in one place:
   plan, so peers reading the same snapshot move as one coordinated set, never as a herd; peers
   reading a later snapshot see earlier movers as ``joining`` at their new stage and plan
   around them.
+- **Claims before moves** (``claim_verdict``). Snapshots taken seconds apart, before either move
+  is visible, can each name another peer as the mover: throughputs are re-announced every few
+  seconds and swing, so in tests/integration/test_rebalance.py two of three stage-0 peers each
+  found itself the mover (their throughputs had swung from 912 to 1,651 and from 704 to 1,060
+  samples/s), both moved, and one moved back. So a peer the plan names first claims its move on
+  the DHT (a ``MoveClaim``: from, to, and how many moves its plan makes out of ``from`` and into
+  ``to``), waits ``MOVE_CLAIM_WAIT_S``, reads the claims back and moves only if its claim wins;
+  a loser withdraws its claim and plans again at its next check, from a fresh snapshot. Claims
+  are ordered by ``(since, peer_id)``; a claim loses to an earlier live one that moves the other
+  way through one of its stages, and wins only while fewer earlier claims leave its source stage
+  than every one of those claims' plans (and its own) moves out of it, and likewise for the
+  claims entering its target stage. Both stages count: a plan that needs one move out of stage
+  0 gets one mover even when two snapshots named different peers, two plans that each fill stage
+  2 from a different stage still fill it once, and a plan of N moves out of (into) a stage lets
+  its first N claimants go. Every peer that reads the same claims reaches the same verdicts;
+  the claim wait is twice the longest store a claimant accepts, so that of two racing claims the
+  later one's reader always sees the earlier one (claimants' clocks must agree to well within the
+  wait, as for the split's claims). A claim lives a few check periods (``move_claim_ttl_s``); a
+  winner's claim is never withdrawn: a peer whose snapshot predates the winner's move may claim
+  the same move while it is under way, and must find the winner's claim ahead of its own.
 - **Safety of any partial plan.** Donors are ranked and limited by their *online* throughput
   (joining replicas do not serve yet), a stage that has received never donates and vice versa,
   and the plan is cut after the last move that raised the bottleneck. So every donor's online
@@ -77,6 +97,12 @@ __all__ = [
     "STATES",
     "MoveDecision",
     "SettleWatch",
+    "ClaimVerdict",
+    "ClaimView",
+    "MOVE_CLAIM_PERIODS",
+    "MOVE_CLAIM_WAIT_S",
+    "claim_verdict",
+    "move_claim_ttl_s",
     "PlannedMove",
     "RebalancePlan",
     "ReplicaView",
@@ -99,6 +125,8 @@ STATES = ("joining", "online", "offline")
 SETTLE_PERIODS = 2.0  # check periods a peer waits after it last saw another peer move
 SETTLE_SHARE = 0.1  # the least share of its new stage that makes a mover's move one to settle after
 SERVING_STATES = frozenset({"joining", "online"})
+MOVE_CLAIM_WAIT_S = 3.0  # from storing a move claim to reading the claims back: twice the longest store accepted
+MOVE_CLAIM_PERIODS = 3.0  # check periods a move claim lives, besides a few claim waits (``move_claim_ttl_s``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +154,10 @@ class MoveDecision:
     new_bottleneck: float
     """Bottleneck once the snapshot's coordinated plan has landed (== current if no plan)."""
     reason: str
+    moves_from: int = 0
+    """If ``move``: how many moves the plan makes out of ``from_stage`` (this one included)."""
+    moves_to: int = 0
+    """If ``move``: how many moves the plan makes into ``to_stage`` (this one included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +332,8 @@ def decision_in_plan(me: ReplicaView, plan: RebalancePlan) -> MoveDecision:
             plan.current_bottleneck,
             plan.planned_bottleneck,
             f"planned: {plan.reason}",
+            moves_from=sum(m.from_stage == mine.from_stage for m in plan.moves),
+            moves_to=sum(m.to_stage == mine.to_stage for m in plan.moves),
         )
     if me.state != "online":
         reason = f"{me.state} peers do not move"
@@ -308,6 +342,81 @@ def decision_in_plan(me: ReplicaView, plan: RebalancePlan) -> MoveDecision:
     else:
         reason = plan.reason
     return MoveDecision(False, me.stage, None, plan.current_bottleneck, plan.planned_bottleneck, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimView:
+    """A peer's claim to make one move of its plan, as the claim rule sees it (a `MoveClaim` record
+    of dht/records.py, or the caller's own claim)."""
+
+    peer_id: str
+    from_stage: int
+    to_stage: int
+    moves_from: int
+    """Moves out of ``from_stage`` in the claimant's plan (this one included)."""
+    moves_to: int
+    """Moves into ``to_stage`` in the claimant's plan (this one included)."""
+    since: float
+    """DHT time of the claim: earlier claims go first (ties: lower ``peer_id``)."""
+    expires_at: float
+    active: bool = True
+    """False once withdrawn (its peer lost the race, or stopped before moving)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimVerdict:
+    wins: bool
+    reason: str
+
+
+def _claim_order(claim: ClaimView) -> tuple[float, str]:
+    return claim.since, claim.peer_id
+
+
+def move_claim_ttl_s(period_s: float) -> float:
+    """How long a move claim lives: ``MOVE_CLAIM_PERIODS`` check periods and three claim waits. A
+    winner's claim must outlive the reads of peers that snapshot the swarm before its move became
+    visible (about two claim waits after the claim), whatever the period."""
+    return MOVE_CLAIM_PERIODS * period_s + 3 * MOVE_CLAIM_WAIT_S
+
+
+def claim_verdict(mine: ClaimView, claims: Sequence[ClaimView], now: float) -> ClaimVerdict:
+    """May the peer that claimed ``mine`` make its move, given the claims read back from the DHT
+    (``claims``; its own, if there, is ignored)? See "Claims before moves" in the module docstring.
+
+    Only live claims ahead of ``mine`` count (active, unexpired, earlier by ``(since, peer_id)``).
+    It loses to one of them that moves the other way through one of its stages (a stage gives or
+    receives, never both); and it wins only while fewer claims ahead leave its stage than every
+    plan among them and its own allows out of it (``moves_from``), and likewise for the claims
+    entering its target (``moves_to``). Every claimant that sees the same claims reaches the same
+    verdicts, and the winners out of (into) a stage are never more than any winner's plan makes."""
+    ahead = sorted(
+        (
+            c
+            for c in claims
+            if c.peer_id != mine.peer_id and c.active and c.expires_at > now and _claim_order(c) < _claim_order(mine)
+        ),
+        key=_claim_order,
+    )
+    for claim in ahead:
+        if claim.to_stage == mine.from_stage or claim.from_stage == mine.to_stage:
+            return ClaimVerdict(
+                False,
+                f"peer {claim.peer_id[-8:]} claimed a move from stage {claim.from_stage} to stage {claim.to_stage} "
+                "first (a stage gives or receives peers, never both)",
+            )
+    for claims_ahead, planned, what in (
+        ([c for c in ahead if c.from_stage == mine.from_stage], "moves_from", f"out of stage {mine.from_stage}"),
+        ([c for c in ahead if c.to_stage == mine.to_stage], "moves_to", f"into stage {mine.to_stage}"),
+    ):
+        allowed = min(getattr(c, planned) for c in (*claims_ahead, mine))
+        if len(claims_ahead) >= allowed:
+            names = ", ".join(c.peer_id[-8:] for c in claims_ahead)
+            return ClaimVerdict(
+                False,
+                f"peer(s) {names} claimed {len(claims_ahead)} move(s) {what} first, and the plans allow {allowed}",
+            )
+    return ClaimVerdict(True, f"no earlier claim takes this move's place ({len(ahead)} earlier claim(s) live)")
 
 
 def choose_initial_stage(replicas: Sequence[ReplicaView], num_stages: int, my_throughput: float) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dht.records import PeerRecord, PeerState
-from peers.placement.rebalance import ReplicaView, choose_initial_stage, choose_standby_target
+from dht.records import MoveClaim, PeerRecord, PeerState
+from peers.placement.rebalance import ClaimView, ReplicaView, choose_initial_stage, choose_standby_target
 
-__all__ = ["choose_stage", "choose_standby_stage", "replica_views"]
+__all__ = ["choose_stage", "choose_standby_stage", "claim_view", "replica_views"]
 
 
 def replica_views(
@@ -41,6 +41,20 @@ def replica_views(
             me = ReplicaView(me.peer_id, me.stage, announced.throughput, me.state)
         views[me.peer_id] = me
     return [views[peer_id] for peer_id in sorted(views)]
+
+
+def claim_view(claim: MoveClaim) -> ClaimView:
+    """A move claim as the claim rule (``peers.placement.rebalance.claim_verdict``) sees it."""
+    return ClaimView(
+        claim.peer_id,
+        claim.from_stage,
+        claim.to_stage,
+        claim.moves_from,
+        claim.moves_to,
+        claim.since,
+        claim.expires_at,
+        claim.active,
+    )
 
 
 def choose_stage(

@@ -7,6 +7,10 @@ functions of peers/placement/rebalance.py over the views of peers/placement/stag
 module only fetches, waits and swaps.
 
 A move, in order:
+0. claim it on the DHT (dht/move_claims.py), wait `MOVE_CLAIM_WAIT_S`, read the claims back and go
+   on only if the claim rule (`claim_verdict`, peers/placement/rebalance.py) lets this peer move:
+   two peers whose snapshots each named themselves the mover then agree on one (a loser withdraws
+   its claim and plans again at its next check; the winner's claim lapses on its own);
 1. announce `joining` at the new stage (other peers' plans count us there, so no second peer
    rushes in), then `offline` at the old one (trainers stop routing there at their next refresh);
 2. build the new stage's runtime off the compute thread while the old one keeps serving the
@@ -32,26 +36,33 @@ import zlib
 from concurrent.futures import Executor
 
 import hivemind
+from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records_async
-from dht.records import PeerRecord, PeerState
+from dht.move_claims import fetch_move_claims_async, publish_move_claim_async
+from dht.record_policy import MAX_MOVE_CLAIM_TTL_S
+from dht.records import MoveClaim, PeerRecord, PeerState
 from peers.compute.faults import FaultyStageRuntime
 from peers.compute.stage_builder import BuiltStage, StageBuilder
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PlacementSettings
 from peers.placement.rebalance import (
+    MOVE_CLAIM_WAIT_S,
     SETTLE_PERIODS,
+    MoveDecision,
     ReplicaView,
     SettleWatch,
     choose_standby_target,
+    claim_verdict,
     decide_move,
     loss_check_delay_s,
+    move_claim_ttl_s,
     next_check_delay_s,
     settle_share,
     should_standby_take_over,
     stages_that_lost_replicas,
 )
-from peers.placement.stage_choice import replica_views
+from peers.placement.stage_choice import claim_view, replica_views
 from peers.placement.standby_copy import announced_steps, copy_refresh_due, fallback_warning
 from peers.replicas.replica_sync import ReplicaSyncService
 from peers.serving.announcer import Announcer
@@ -64,6 +75,8 @@ logger = logging.getLogger(__name__)
 MIN_REQUESTS_BEFORE_MOVING = 20
 """Requests served before a peer considers moving: its throughput EMA (alpha 0.1) is then mostly
 served work (0.9**20 = 12% start-up benchmark left)."""
+CLAIM_TIMEOUT_S = 5.0
+"""Longest wait for one DHT write or read of move claims."""
 
 
 def _compute(runtime) -> StageRuntime:
@@ -166,17 +179,78 @@ class StageMoves:
             except ValueError as e:  # a malformed snapshot: skip this check, never crash the peer
                 logger.warning(f"Rebalancing check skipped: {e}")
                 continue
-            if decision.move:
-                print(
-                    f"rebalancing: moving from stage {decision.from_stage} to stage {decision.to_stage} "
-                    f"(bottleneck {decision.current_bottleneck:.1f} -> {decision.new_bottleneck:.1f} samples/s; "
-                    f"{decision.reason})",
-                    flush=True,
-                )
-                await self.move_to_stage(decision.to_stage, p2p)
-                settle.moved(self.peer_id, time.monotonic())  # our own move settles too
-            else:
+            if not decision.move:
                 print(f"rebalancing: no move, because {decision.reason}", flush=True)
+                continue
+            won = await self._claim_move(decision, stop)
+            if won is None:
+                continue
+            print(
+                f"rebalancing: moving from stage {decision.from_stage} to stage {decision.to_stage} "
+                f"(bottleneck {decision.current_bottleneck:.1f} -> {decision.new_bottleneck:.1f} samples/s; "
+                f"{decision.reason}; claim: {won})",
+                flush=True,
+            )
+            await self.move_to_stage(decision.to_stage, p2p)
+            settle.moved(self.peer_id, time.monotonic())  # our own move settles too
+            # The claim is left to lapse, not withdrawn: a peer whose snapshot was taken before this
+            # move became visible may claim the same move while it is under way, and must lose.
+
+    async def _claim_move(self, decision: MoveDecision, stop: asyncio.Event) -> str | None:
+        """Claim the planned move on the DHT, wait, read the claims back and apply the claim rule
+        (``claim_verdict``; see the module docstring). Returns why this peer may move; otherwise
+        None, having printed why not and withdrawn the claim."""
+        now = get_dht_time()
+        ttl_s = min(move_claim_ttl_s(self.settings.rebalance_period_s), MAX_MOVE_CLAIM_TTL_S)
+        claim = MoveClaim(
+            peer_id=self.peer_id,
+            model=self.model,
+            num_stages=self.serving.runtime.num_stages,
+            from_stage=decision.from_stage,
+            to_stage=decision.to_stage,
+            moves_from=decision.moves_from,
+            moves_to=decision.moves_to,
+            since=now,
+            expires_at=now + ttl_s,
+        )
+        started = time.monotonic()
+        stored = await publish_move_claim_async(self.dht, claim, timeout_s=CLAIM_TIMEOUT_S)
+        store_s = time.monotonic() - started
+        why_not = None
+        if not stored:
+            why_not = "this peer could not claim the move on the DHT"
+        elif store_s > MOVE_CLAIM_WAIT_S / 2:
+            # A claim stored later than half the wait might be missed by a peer that claimed after it
+            # and read back before it landed: both could then take themselves for the winner.
+            why_not = f"claiming the move on the DHT took {store_s:.1f} s (at most {MOVE_CLAIM_WAIT_S / 2:.1f} s)"
+        else:
+            if await _stopped_within(stop, MOVE_CLAIM_WAIT_S):
+                await self._withdraw_claim(claim)
+                return None
+            claims = await fetch_move_claims_async(self.dht, self.model, timeout_s=CLAIM_TIMEOUT_S)
+            if stop.is_set():  # stopped while reading: the peer's shutdown waits for this loop
+                await self._withdraw_claim(claim)
+                return None
+            if claims is None:
+                why_not = "the move claims could not be read back from the DHT"
+            else:
+                verdict = claim_verdict(claim_view(claim), [claim_view(c) for c in claims], get_dht_time())
+                if verdict.wins:
+                    return verdict.reason
+                why_not = verdict.reason
+        print(
+            f"rebalancing: no move from stage {decision.from_stage} to stage {decision.to_stage}, because {why_not}",
+            flush=True,
+        )
+        if stored:
+            await self._withdraw_claim(claim)
+        return None
+
+    async def _withdraw_claim(self, claim: MoveClaim) -> None:
+        """Mark the claim of a move this peer does not make withdrawn on the DHT (with a later expiry:
+        a DHT node keeps the later-expiring value of a subkey). If that fails, it lapses by itself."""
+        withdrawn = claim.model_copy(update={"active": False, "expires_at": claim.expires_at + 1.0})
+        await publish_move_claim_async(self.dht, withdrawn, timeout_s=CLAIM_TIMEOUT_S)
 
     async def move_to_stage(self, stage: int, p2p) -> None:
         """Serve `stage` instead of the current one (see the module docstring for the steps)."""

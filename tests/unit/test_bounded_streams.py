@@ -133,3 +133,48 @@ def test_a_busy_peer_refuses_a_request_its_decoded_budget_cannot_hold_without_pe
     assert host.guard.penalties.limited() == [] and host.guard.penalties._bucket(FRIEND).tokens == 10
     assert budget.total == budget.total_bytes - 1000  # the refused request holds nothing
     waiting.close()
+
+
+def test_a_handler_cut_off_by_the_loop_shutting_down_ends_its_stream_without_an_error_logged(tmp_path):
+    """Ctrl-C on a demo once left a peer's log ending in an asyncio ERROR with a traceback: the
+    handler of a stream whose caller had stopped reading was waiting to send when the event loop
+    shut down and cancelled it, and Python 3.11's stream server callback, calling `task.exception()`
+    on that cancelled task, raised (CPython gh-113538, fixed in 3.12). The handler treats the
+    cancellation as the stream's end, as when the caller goes away."""
+    from types import SimpleNamespace
+
+    from wire.bounded_streams import serve_bounded
+
+    registered = {}
+
+    async def add_binary_stream_handler(name, handle):
+        registered[name] = handle
+
+    p2p = SimpleNamespace(peer_id="me", add_binary_stream_handler=add_binary_stream_handler)
+
+    async def endless_answers(request, context):
+        while True:  # a caller that never reads fills the socket's buffers: the handler waits to send
+            yield runtime_pb2.ExpertResponse(metadata=b"x" * (1 << 20))
+
+    reported = []
+    sending = asyncio.Event()
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        await serve_bounded(p2p, "rpc", endless_answers, runtime_pb2.ExpertRequest, StreamLimits(), stream_input=False)
+        handle = registered["rpc"]
+
+        async def connected(reader, writer):  # as hivemind's ControlClient._handler dispatches a stream
+            sending.set()
+            await handle(SimpleNamespace(peer_id="caller"), reader, writer)
+
+        server = await asyncio.start_unix_server(connected, path=str(tmp_path / "p2p.sock"))
+        _, writer = await asyncio.open_unix_connection(str(tmp_path / "p2p.sock"))
+        writer.write(framed(runtime_pb2.ExpertRequest(uid="a")) + end_of_stream())
+        await sending.wait()
+        await asyncio.sleep(0.2)  # the handler is now blocked sending to a caller that does not read
+        server.close()
+        # returning leaves the handler to asyncio.run's shutdown, which cancels it
+
+    asyncio.run(main())
+    assert reported == []

@@ -68,6 +68,42 @@ def test_measure_link_gives_up_at_its_time_limit(monkeypatch) -> None:
         asyncio.run(measure_link(None, "PEER", ProbeSettings(timeout_s=0.05)))
 
 
+def test_a_probe_whose_stream_closes_as_it_is_cancelled_leaves_no_unretrieved_error(monkeypatch) -> None:
+    """At a demo's Ctrl-C a stage-0 peer's log once ended in asyncio's ERROR "Task exception was never
+    retrieved" (StreamClosedError): its prober was cancelled just as the probed peer, stopping too,
+    closed the stream, so the echo ended in that error rather than cancelled. Under `wait_for` the
+    probe ran as a task of its own whose error nobody read; the error now reaches the round."""
+    import gc
+
+    from wire.protocol import StreamClosedError
+
+    echoing = asyncio.Event()
+
+    async def echo_closed_under_cancel(p2p, peer_id, payload_bytes):
+        echoing.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:  # the stream closed in the same instant: the read fails instead
+            raise StreamClosedError("empty stream: closed before any message") from None
+        return 0.0
+
+    monkeypatch.setattr(link_probe, "echo", echo_closed_under_cancel)
+    reported = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        probing = asyncio.create_task(measure_link(None, "PEER", ProbeSettings(timeout_s=30.0)))
+        await echoing.wait()
+        probing.cancel()  # the prober stopping
+        result = (await asyncio.gather(probing, return_exceptions=True))[0]
+        gc.collect()  # an unretrieved task exception is reported when the task is collected
+        await asyncio.sleep(0)
+        return result
+
+    result = asyncio.run(scenario())
+    assert isinstance(result, (StreamClosedError, asyncio.CancelledError)) and reported == []
+
+
 def test_probe_targets_never_measured_first_then_oldest_and_bounded() -> None:
     measured = {"A": 50.0, "B": 10.0, "C": 30.0}
     chosen = choose_probe_targets(["A", "B", "C", "D", "E"], measured, limit=4, rng=random.Random(0))

@@ -52,6 +52,9 @@ class ScriptedPeer(StageMoves):
         self.moved_to.append(stage)
         self.stop.set()
 
+    async def _claim_move(self, decision, stop) -> str:  # no DHT here: every claim wins
+        return "scripted"
+
 
 async def run_for(peer: ScriptedPeer, seconds: float) -> float:
     peer.stop = asyncio.Event()
