@@ -12,11 +12,11 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
   throughput reference (replicas drift apart, so its loss is not the point);
 * `2x2 sync exact`: `--averaging sync --sync-delay 0`, every commit waits for the all-reduce and step;
 * `2x2 sync delayed`: `--averaging sync --sync-delay 1`, the commit answers at once and the update is
-  applied at the next one (peers/replicas/delayed_sync.py), each step computing on the parameters
-  plus the last update (weight prediction, the default with the delay);
-* `2x2 sync delayed unpredicted`: the same with `--weight-prediction none`;
-* `2x2 sync delayed local-step`: the same with `--weight-prediction local-step` (each step on the
-  parameters plus the update the replica's own gradients of the step in flight make);
+  applied at the next one (peers/replicas/delayed_sync.py), each step computing where the peers'
+  default weight prediction puts it (`local-step` since session 15, `last-update` before);
+* `2x2 sync delayed local-step`, `... last-update`, `... unpredicted`: the same with
+  `--weight-prediction local-step` (on the parameters plus the update the replica's own gradients
+  of the step in flight make), `last-update` (plus the last update applied) or `none`;
 * `2x2 sync exact clipped`: exact sync with the trainer's `--clip-grad-norm 1.0`, whose commit has
   two phases (the replicas average and answer their gradient's norm, then step on the scale);
 * `... matchmaking`, `... trainer groups`: the same with each round's group formed by hivemind's
@@ -48,7 +48,8 @@ from swarm.demo import lr_schedule_args  # noqa: E402
 LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 none": (2, "none", (), ()),
     "2x2 sync exact": (2, "sync", ("--sync-delay", "0"), ()),
-    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1"), ()),  # with weight prediction, its default
+    "2x2 sync delayed": (2, "sync", ("--sync-delay", "1"), ()),  # with the default weight prediction
+    "2x2 sync delayed last-update": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "last-update"), ()),
     "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none"), ()),
     "2x2 sync delayed local-step": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "local-step"), ()),
     "2x2 sync exact clipped": (2, "sync", ("--sync-delay", "0"), ("--clip-grad-norm", "1.0")),

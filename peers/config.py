@@ -250,12 +250,13 @@ class ReplicaSettings:
         choices=[0, 1],
     )
     weight_prediction: str = option(
-        "last-update",
+        "local-step",
         help="with --sync-delay 1, where each step computes (the optimizer always steps the real parameters): "
-        "last-update = on the parameters plus the last update applied (as PipeMare and SpecTrain); local-step "
-        "= plus the update this replica's own gradients of the step in flight would make (alone in its stage, "
-        "the exact schedule; replicas then compute on parameters a little apart, so spot checks skip them); "
-        "none = on the parameters one update old (peers/compute/weight_prediction.py; benchmarks/RESULTS.md)",
+        "local-step = on the parameters plus the update this replica's own gradients of the step in flight "
+        "make (alone in its stage, the exact schedule; replicas then compute on parameters a little apart, so "
+        "the trainer's spot checks skip them); last-update = plus the last update applied (as PipeMare and "
+        "SpecTrain); none = on the parameters one update old (peers/compute/weight_prediction.py; "
+        "benchmarks/RESULTS.md measures each)",
         choices=list(WEIGHT_PREDICTIONS),
     )
     robust_averaging: str = option(

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-WEIGHT_PREDICTIONS = ("none", "last-update", "local-step")
+WEIGHT_PREDICTIONS = ("local-step", "last-update", "none")
 
 
 def _copied(value):

@@ -286,8 +286,9 @@ def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm,
     """`--sync-delay 1`: step t+1 computes on the parameters after update t-1, on every replica
     (stage 0 has two that average, stage 1 one alone), and the trainer's flush applies the last
     update. The swarm then equals a one-process run that applies each step's gradient one step
-    late, and differs from the exact schedule. With weight prediction (the default), every step
-    from the third on computes on the parameters plus the last update, as the reference does.
+    late, and differs from the exact schedule. With weight prediction `last-update`, every step
+    from the third on computes on the parameters plus the last update, as the reference does (the
+    default, `local-step`, is tested alone in each stage below).
     With --clip-grad-norm every update, the flush's too, is clipped to the global norm over both
     stages as it is applied, one step late."""
     # prediction shows from the third step on (the first update is applied after the second step)
