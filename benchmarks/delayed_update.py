@@ -20,6 +20,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -41,6 +42,37 @@ def validation_loss(model, validation: ValidationBatches) -> float:
             for batch in validation.batches()
         ]
     return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def linear_adamw_update(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    gradients: Sequence[torch.Tensor],
+    rate: float,
+) -> list[torch.Tensor]:
+    """Row `late_local_linear` (measured worse; not a peer option): AdamW's next update with its
+    second moment held where it is, linear in `gradients`, so that the mean of the replicas'
+    predictions is the prediction of their mean gradient. Falls back to
+    `trial_update` for another optimizer, a parameter without state yet (the first step), or
+    AdamW's amsgrad / maximize."""
+    if type(optimizer) is not torch.optim.AdamW or any(
+        group.get("amsgrad") or group.get("maximize") for group in optimizer.param_groups
+    ):
+        return trial_update(optimizer, params, gradients, rate)
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    states = [optimizer.state.get(p) for p in params]
+    if any(not state or float(state["step"]) < 1 for state in states):
+        return trial_update(optimizer, params, gradients, rate)
+    updates = []
+    for param, gradient, state in zip(params, gradients, states):
+        group = group_of[id(param)]
+        beta1, beta2 = group["betas"]
+        step = float(state["step"])
+        first = (beta1 * state["exp_avg"] + (1 - beta1) * gradient) / (1 - beta1 ** (step + 1))
+        second = state["exp_avg_sq"] / (1 - beta2**step)
+        updates.append(-rate * group["weight_decay"] * param.detach() - rate * first / (second.sqrt() + group["eps"]))
+    return updates
 
 
 def local_step_gradients(model, params, real, local_steps, microbatches, replicas: int):
@@ -72,6 +104,7 @@ def train(
     delay_from: int = 0,
     local_replicas: int = 0,
     blend: bool = False,
+    linear: bool = False,
 ) -> dict:
     """`args.steps` steps; the gradient of step t is applied `delay` steps late (the k-th update
     applied uses the rate of step k, as a stage's own step count does). At each checkpoint (a number
@@ -151,8 +184,9 @@ def train(
             with torch.no_grad():
                 for param, base in zip(params, real):
                     param.copy_(base)
+            predict_update = linear_adamw_update if linear else trial_update
             local_steps = [
-                trial_update(optimizer, params, gradients, schedule.rate(applied[0])) for gradients in local_gradients
+                predict_update(optimizer, params, gradients, schedule.rate(applied[0])) for gradients in local_gradients
             ]
         if step + 1 in checkpoints:  # as the trainer's flush at the end of a run: what waits is applied
             saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), applied[0], real, last))
@@ -177,6 +211,7 @@ def train(
         "delay_from": delay_from,
         "local_replicas": local_replicas,
         "blend": blend,
+        "linear": linear,
         "val_loss_at": val,
         "final_train_loss": round(sum(losses[-5:]) / 5, 4),
         "losses": [round(x, 4) for x in losses],
@@ -222,22 +257,27 @@ def main() -> None:
     checkpoints = sorted({int(c) for c in args.checkpoints.split(",") if int(c) <= args.steps} | {args.steps})
     data = open_data(None, tokenizer=args.tokenizer)
     report = {"args": vars(args), "load_before": os.getloadavg(), "rows": {}}
-    rows = [("exact", 0, False, 0, 0, False), ("late", 1, False, 0, 0, False), ("late_predicted", 1, True, 0, 0, False)]
-    rows.append(("late_local_step", 1, False, 0, args.replicas, False))
-    rows.append(("late_local_blend", 1, False, 0, args.replicas, True))
+    rows = [
+        ("exact", 0, False, 0, 0, False, False),
+        ("late", 1, False, 0, 0, False, False),
+        ("late_predicted", 1, True, 0, 0, False, False),
+        ("late_local_step", 1, False, 0, args.replicas, False, False),
+        ("late_local_blend", 1, False, 0, args.replicas, True, False),
+        ("late_local_linear", 1, False, 0, args.replicas, False, True),
+    ]
     if args.delay_from is not None:
-        rows.append((f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from, 0, False))
+        rows.append((f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from, 0, False, False))
     wanted = {"exact", *args.rows.split(",")} | ({rows[-1][0]} if args.delay_from is not None else set())
     rows = [row for row in rows if row[0] in wanted]
     for name, scheduled in (("constant", False), ("demo_schedule", True)):
         if name not in args.schedules.split(","):
             continue
         settings = schedule_settings(args.steps, scheduled)
-        for label, delay, predict, delay_from, local_replicas, blend in rows:
+        for label, delay, predict, delay_from, local_replicas, blend, linear in rows:
             if delay and args.late_beta1 is not None:
                 settings = dataclasses.replace(settings)
                 object.__setattr__(settings, "betas", (args.late_beta1, settings.betas[1]))  # not an init field
-            row = train(args, data, settings, delay, checkpoints, predict, delay_from, local_replicas, blend)
+            row = train(args, data, settings, delay, checkpoints, predict, delay_from, local_replicas, blend, linear)
             report["rows"][f"{name}/{label}"] = row
             print(f"{name} {label}: val {row['val_loss_at']} ({row['seconds']} s)", flush=True)
         exact = report["rows"][f"{name}/exact"]["val_loss_at"]

@@ -4,12 +4,14 @@ One step late, step t+1's forwards and backwards would run on the parameters aft
 one update behind the exact schedule. A prediction adds a guess at the missing update:
 
 - `last-update`: the last update applied (after PipeMare and SpecTrain). Cheap, but on `small` at
-  the demo's peak rate it still ends ~10% above the exact schedule's loss (benchmarks/RESULTS.md).
+  the demo's peak rate it still ends ~10% above the exact schedule's loss.
 - `local-step`: the update the optimizer would make from this replica's own mean gradient of step
   t, which it holds while the group averages it. That is the missing update itself, computed from
   this replica's share of the batch instead of the whole: alone in its stage, a replica computes
-  exactly on the exact schedule's parameters; with others, only the gap between its local and
-  the group's mean gradient remains, damped by the optimizer's momentum.
+  exactly on the exact schedule's parameters; with others, what remains is that the replicas'
+  predicted updates do not average to the update of their mean gradient (AdamW is not linear in
+  the gradient): on `small`, 2.0-2.6% above the exact schedule's loss, against ~10% for
+  `last-update` (benchmarks/RESULTS.md, "Predicting from the replica's own gradients").
 
 Either way the prediction is only where the gradient is evaluated: the optimizer steps the real
 parameters with the group's averaged gradient, so replicas stay identical.

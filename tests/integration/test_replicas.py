@@ -279,6 +279,19 @@ def delayed_reference(
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
+def assert_checkpoints_equal(tmp_path, config, stage_folders, steps: int, reference: dict) -> None:
+    """Each (stage, folder)'s exit checkpoint holds `steps` steps and the parameters of `reference`
+    (a whole model's, by name) to 1e-5."""
+    for stage, folder in stage_folders:
+        meta, state, _ = load_checkpoint(checkpoint_path(str(tmp_path / folder), "tiny", stage, 2))
+        assert meta.steps_done == steps
+        offset = stage_spec(config, stage, 2).first_layer
+        for name, value in state.items():
+            if name.startswith("blocks."):
+                name = f"blocks.{int(name.split('.')[1]) + offset}." + name.split(".", 2)[2]
+            torch.testing.assert_close(value, reference[name], atol=1e-5, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize(
     "prediction, clipped", [("last-update", False), ("none", False), ("last-update", True)], ids=lambda v: str(v)
 )
@@ -324,14 +337,7 @@ def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm,
         assert abs(losses[2] - unclipped[2]) > 1e-3
         assert len(report["grad_norms"]) == steps and report["grad_norms"][0] == pytest.approx(4 * max_norm, rel=1e-4)
     assert report["sync_round_retries"] == 0 and report["microbatches_lost"] == 0, report
-    for stage, folder in [(0, "a"), (0, "b"), (1, "c")]:
-        meta, state, _ = load_checkpoint(checkpoint_path(str(tmp_path / folder), "tiny", stage, 2))
-        assert meta.steps_done == steps
-        offset = stage_spec(config, stage, 2).first_layer
-        for name, value in state.items():
-            if name.startswith("blocks."):
-                name = f"blocks.{int(name.split('.')[1]) + offset}." + name.split(".", 2)[2]
-            torch.testing.assert_close(value, reference[name], atol=1e-5, rtol=0, msg=name)
+    assert_checkpoints_equal(tmp_path, config, [(0, "a"), (0, "b"), (1, "c")], steps, reference)
     assert max((exact[n] - reference[n]).abs().max().item() for n in reference) > 1e-3
 
 
@@ -358,14 +364,7 @@ def test_local_step_prediction_alone_in_each_stage_equals_the_exact_schedule(mak
     assert report["losses"] == pytest.approx(exact_losses, abs=1e-5), report
     assert abs(late_losses[1] - exact_losses[1]) > 1e-3  # the delay would show: the prediction undoes it
     assert report["microbatches_lost"] == 0, report
-    for stage, folder in [(0, "a"), (1, "b")]:
-        meta, state, _ = load_checkpoint(checkpoint_path(str(tmp_path / folder), "tiny", stage, 2))
-        assert meta.steps_done == steps
-        offset = stage_spec(config, stage, 2).first_layer
-        for name, value in state.items():
-            if name.startswith("blocks."):
-                name = f"blocks.{int(name.split('.')[1]) + offset}." + name.split(".", 2)[2]
-            torch.testing.assert_close(value, exact[name], atol=1e-5, rtol=0, msg=name)
+    assert_checkpoints_equal(tmp_path, config, [(0, "a"), (1, "b")], steps, exact)
 
 
 PERIOD = ["--averaging-period-s", "3"]
