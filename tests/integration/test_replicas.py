@@ -201,7 +201,12 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
     for peer in peers:
         peer.stop()
     assert all("taking averaging round 1 as failed" in peer.log() for peer in peers[:2])
-    assert report["sync_round_retries"] == 1 and report["replica_catch_ups"] == 0, report
+    assert report["sync_round_retries"] == 1, report
+    # On a loaded machine the retried round itself can fail on one side only (seen once in CI: one
+    # replica lost the tail of its partner's answer stream): the replica that stepped is copied to
+    # the other (a catch-up), and the end state must still be the one-process step.
+    failed_again = any("Averaging round failed" in peer.log() for peer in peers[:2])
+    assert report["replica_catch_ups"] == (1 if failed_again else 0), report
     assert_stage0_replicas_took_one_process_step(tmp_path, clip_grad_norm=max_norm)
 
 
