@@ -87,10 +87,13 @@ class ForkServer:
             raise RuntimeError(f"the fork server did not start: {line!r}")
         return cls(popen, socket_path)
 
-    def launch(self, args: list[str], env: dict[str, str], log_path: str) -> ForkedProcess:
-        """Start `swarm.cli` with `args` (what follows `python -m swarm.cli`) in a forked child."""
+    def launch(
+        self, args: list[str], env: dict[str, str], log_path: str, stderr_path: str | None = None
+    ) -> ForkedProcess:
+        """Start `swarm.cli` with `args` (what follows `python -m swarm.cli`) in a forked child,
+        its output in `log_path` (its standard error apart in `stderr_path`, if given)."""
         status_path = f"{log_path}.{uuid.uuid4().hex[:8]}.exit"  # a log's name is reused by a later process
-        request = {"args": args, "env": env, "log": log_path, "status": status_path}
+        request = {"args": args, "env": env, "log": log_path, "err": stderr_path, "status": status_path}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(30)
             conn.connect(self.socket_path)
@@ -121,11 +124,12 @@ def _child(request: dict, started: int) -> None:
         os.environ.update(request["env"])
         null = os.open(os.devnull, os.O_RDONLY)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if request.get("err") else log
         os.dup2(null, 0)
         os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(null)
-        os.close(log)
+        os.dup2(err, 2)
+        for fd in {null, log, err}:
+            os.close(fd)
         # unbuffered text, as PYTHONUNBUFFERED gives a process that starts with it
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
@@ -158,7 +162,11 @@ def serve(socket_path: str) -> None:
     import torch._dynamo  # noqa: F401  (torch's optimizers import it on first use)
 
     import peers.launch  # noqa: F401
+    import swarm.data.prepare  # noqa: F401
+    import swarm.evaluate  # noqa: F401
     import swarm.export.run  # noqa: F401
+    import swarm.generate  # noqa: F401
+    import swarm.status  # noqa: F401
     import swarm.trainer.run  # noqa: F401
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

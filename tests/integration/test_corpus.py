@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -39,13 +37,7 @@ def write_corpus(root) -> list[str]:
     return [str(root / "texts"), str(root / "docs.jsonl"), str(root / "more.jsonl.gz")]
 
 
-def swarm_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=300, check=False
-    )
-
-
-def test_a_prepared_corpus_trains_through_the_swarm_and_its_validation_loss_falls(make_swarm, tmp_path):
+def test_a_prepared_corpus_trains_through_the_swarm_and_its_validation_loss_falls(make_swarm, tmp_path, swarm_cli):
     inputs = write_corpus(tmp_path)
     data = tmp_path / "data"
     prepared = swarm_cli("data", "prepare", *inputs, "--out", str(data), "--tokenizer", f"bpe:{VOCAB}")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,15 +27,13 @@ pytestmark = pytest.mark.slow
 VOCAB, BATCH, MICROBATCH, EVAL_BATCHES = 512, 8, 4, 2
 
 
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
+def data(tmp_path_factory, swarm_cli) -> str:
     """A BPE-prepared corpus (`swarm data prepare`), shared by the tests of this module."""
     root = tmp_path_factory.mktemp("corpus")
-    prepared = cli("data", "prepare", *write_corpus(root), "--out", str(root / "data"), "--tokenizer", f"bpe:{VOCAB}")
+    prepared = swarm_cli(
+        "data", "prepare", *write_corpus(root), "--out", str(root / "data"), "--tokenizer", f"bpe:{VOCAB}"
+    )
     assert prepared.returncode == 0, prepared.stderr
     return str(root / "data")
 
@@ -62,10 +58,10 @@ def train(swarm, data: str, steps: int) -> None:
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
 
 
-def swarm_eval(swarm, data: str, tmp_path) -> float:
+def swarm_eval(swarm_cli, swarm, data: str, tmp_path) -> float:
     """`swarm eval`: the validation loss of what the swarm holds now (forward only)."""
     out = tmp_path / "eval.json"
-    result = cli(
+    result = swarm_cli(
         "eval", "--initial-peers", *swarm.initial_peers, "--model", swarm.model, "--data", data,
         "--batches", str(EVAL_BATCHES), "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
         "--json-out", str(out),
@@ -74,8 +70,8 @@ def swarm_eval(swarm, data: str, tmp_path) -> float:
     return json.loads(out.read_text())["eval_loss"]
 
 
-def export_live(swarm, data: str, out) -> str:
-    result = cli(
+def export_live(swarm_cli, swarm, data: str, out) -> str:
+    result = swarm_cli(
         "export", "--initial-peers", *swarm.initial_peers, "--model", swarm.model, "--data", data, "--out", str(out)
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -102,16 +98,16 @@ def tensors(folder) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_a_trained_swarm_exports_one_model_that_transformers_loads(make_swarm, tmp_path, data):
+def test_a_trained_swarm_exports_one_model_that_transformers_loads(make_swarm, tmp_path, data, swarm_cli):
     swarm, peers, dirs = start_swarm(make_swarm, "tiny", 2, tmp_path)
     train(swarm, data, 3)
 
     live = tmp_path / "live"
-    printed = export_live(swarm, data, live)
+    printed = export_live(swarm_cli, swarm, data, live)
     assert "disagree" not in printed and "after 3 steps" in printed and f"vocabulary {VOCAB}" in printed, printed
     torch_loss, hf_loss, ours, theirs = losses_of_folder(live, data)
     assert torch.allclose(ours, theirs, atol=1e-5)
-    swarm_loss = swarm_eval(swarm, data, tmp_path)
+    swarm_loss = swarm_eval(swarm_cli, swarm, data, tmp_path)
     assert torch_loss == pytest.approx(swarm_loss, abs=1e-4) and hf_loss == pytest.approx(swarm_loss, abs=1e-4)
     text = "ba de fi, go hu."
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(live))
@@ -124,32 +120,32 @@ def test_a_trained_swarm_exports_one_model_that_transformers_loads(make_swarm, t
         a, b = (load_checkpoint(checkpoint_path(str(dirs[s, r]), "tiny", s, 2))[1] for r in range(2))
         assert all(torch.allclose(a[n], b[n], atol=1e-6, rtol=0) for n in a), s
     offline = tmp_path / "offline"
-    result = cli("export", "--checkpoint-dir", *map(str, dirs.values()), "--model", "tiny", "--out", str(offline))
+    result = swarm_cli("export", "--checkpoint-dir", *map(str, dirs.values()), "--model", "tiny", "--out", str(offline))
     assert result.returncode == 0, result.stderr
     live_tensors, offline_tensors = tensors(live), tensors(offline)
     assert live_tensors.keys() == offline_tensors.keys()
     assert all(torch.equal(live_tensors[n], offline_tensors[n]) for n in live_tensors)
 
-    refused = cli("export", "--checkpoint-dir", str(dirs[0, 0]), "--model", "tiny", "--out", str(offline))
+    refused = swarm_cli("export", "--checkpoint-dir", str(dirs[0, 0]), "--model", "tiny", "--out", str(offline))
     assert refused.returncode == 2 and "already exists" in refused.stderr and "Traceback" not in refused.stderr
-    generated = cli("generate", "--model-dir", str(live), "--prompt", "ba de", "--max-new-tokens", "20")
+    generated = swarm_cli("generate", "--model-dir", str(live), "--prompt", "ba de", "--max-new-tokens", "20")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("ba de") and len(generated.stdout.strip()) > len("ba de")
 
 
-def test_a_llama_swarm_exports_what_llama_for_causal_lm_computes(make_swarm, tmp_path, data):
+def test_a_llama_swarm_exports_what_llama_for_causal_lm_computes(make_swarm, tmp_path, data, swarm_cli):
     swarm, _, _ = start_swarm(make_swarm, "llama-tiny", 1, tmp_path)
     train(swarm, data, 2)
     folder = tmp_path / "llama"
-    export_live(swarm, data, folder)
+    export_live(swarm_cli, swarm, data, folder)
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     torch_loss, hf_loss, ours, theirs = losses_of_folder(folder, data)
     assert torch.allclose(ours, theirs, atol=1e-5)
-    swarm_loss = swarm_eval(swarm, data, tmp_path)
+    swarm_loss = swarm_eval(swarm_cli, swarm, data, tmp_path)
     assert torch_loss == pytest.approx(swarm_loss, abs=1e-4) and hf_loss == pytest.approx(swarm_loss, abs=1e-4)
 
 
-def test_a_missing_stage_is_named_and_disagreeing_replicas_are_reported(make_swarm, tmp_path):
+def test_a_missing_stage_is_named_and_disagreeing_replicas_are_reported(make_swarm, tmp_path, swarm_cli):
     """Two replicas of stage 0 that do not average (--averaging none) and no stage 1: the export
     waits, then names stage 1; once stage 1 is served and training made the replicas diverge, it
     exports the most-trained replica of stage 0 and says that they disagree."""
@@ -168,7 +164,7 @@ def test_a_missing_stage_is_named_and_disagreeing_replicas_are_reported(make_swa
         "--out",
         str(out),
     ]
-    result = cli(*export, "--wait-s", "3")
+    result = swarm_cli(*export, "--wait-s", "3")
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert re.search(r"stage 1 of tiny has no live replica \(waited \d+ s\)", line), line
@@ -177,7 +173,7 @@ def test_a_missing_stage_is_named_and_disagreeing_replicas_are_reported(make_swa
     swarm.wait_online([swarm.start_peer(1)])
     trainer = swarm.start_trainer("--num-stages", "2", "--steps", "2", "--batch-size", "8", "--microbatch-size", "2")
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
-    result = cli(*export)
+    result = swarm_cli(*export)
     assert result.returncode == 0, result.stderr
     assert "warning: stage 0: its replicas disagree" in result.stdout, result.stdout
     assert "exporting the most-trained one" in result.stdout and out.is_dir()

@@ -22,12 +22,6 @@ pytestmark = pytest.mark.slow
 VOCAB, SEQ, BATCH, MICROBATCH = 256, 16, 4, 2  # the default corpus is bytes: the model must have their 256
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True, timeout=180, check=False
-    )
-
-
 def transformers_loss(model) -> float:
     sampler = MicrobatchSampler(open_data(None).train, seq_len=SEQ, batch_size=BATCH, microbatch_size=MICROBATCH)
     microbatches = sampler.batch(0)
@@ -59,7 +53,7 @@ def train_one_step(swarm, folder, report_path, name="trainer", steps: int = 1):
 
 
 @pytest.mark.parametrize("kind", ["gpt2-tied", "llama", "llama-gqa-tied"])
-def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp_path, kind):
+def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp_path, kind, swarm_cli):
     folder = str(tmp_path / "model")
     reference = make_hf_folder(folder, kind, vocab=VOCAB, seq_len=SEQ)
     swarm = make_swarm(
@@ -81,13 +75,13 @@ def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp
 
     # Fine-tuned for 3 steps: the export reloads in transformers and computes what the swarm evaluates.
     exported = tmp_path / "exported"
-    result = cli(
+    result = swarm_cli(
         "export", "--initial-peers", *swarm.initial_peers, "--model", "hf-test", "--model-dir", folder,
         "--out", str(exported),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     evaluated = tmp_path / "eval.json"
-    result = cli(
+    result = swarm_cli(
         "eval", "--initial-peers", *swarm.initial_peers, "--model", "hf-test", "--model-dir", folder,
         "--batches", "2", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH), "--json-out", str(evaluated),
     )  # fmt: skip

@@ -5,8 +5,6 @@ state-affecting call and cannot join the replicas' averaging."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import hivemind
 import pytest
@@ -129,7 +127,7 @@ async def _join_averaging(p2p, peer_id: str):
     return codes, state
 
 
-def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(make_swarm, tmp_path):
+def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(make_swarm, tmp_path, swarm_cli):
     run = Run(tmp_path, private=True)
     swarm = make_swarm(num_stages=2)
     swarm.start_bootstrap()
@@ -174,11 +172,9 @@ def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(m
     codes, state = refused["averaging"]
     assert codes == [averaging_pb2.PROTOCOL_VIOLATION] and state == []
     # The run's trainer identity (its process has exited) exports the model from the live peers.
-    export = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "export", "--initial-peers", *swarm.initial_peers, "--model", "tiny",
-         "--out", str(tmp_path / "exported"), *trainer_args[:2], "--run", str(tmp_path / "run"),
-         "--credential", str(tmp_path / "trainer.cred")],
-        capture_output=True, text=True, timeout=180,
+    export = swarm_cli(
+        "export", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--out", str(tmp_path / "exported"),
+        *trainer_args[:2], "--run", str(tmp_path / "run"), "--credential", str(tmp_path / "trainer.cred"),
     )  # fmt: skip
     assert export.returncode == 0, export.stderr[-3000:]
     assert (tmp_path / "exported" / "config.json").is_file()
