@@ -63,7 +63,8 @@ def swarm_cli(fork_server, tmp_path_factory):
     calls = itertools.count()
 
     def run(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        out, err = logs / f"{next(calls)}.out", logs / f"{next(calls)}.err"
+        call = next(calls)
+        out, err = logs / f"{call}.out", logs / f"{call}.err"
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         process = fork_server.launch(list(args), environment, str(out), stderr_path=str(err))
         try:

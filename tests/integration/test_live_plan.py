@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -23,8 +22,6 @@ from swarm.planner.topology import load_topology
 
 pytestmark = pytest.mark.slow
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
-
 
 def peer_id_of(process) -> str:
     match = re.search(r"peer (\S+) online", process.log())
@@ -32,28 +29,13 @@ def peer_id_of(process) -> str:
     return match.group(1)
 
 
-def run_plan(swarm, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarm.cli",
-            "plan",
-            "--from-dht",
-            "--initial-peers",
-            *swarm.initial_peers,
-            "--model",
-            "tiny",
-            *args,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+def run_plan(swarm_cli, swarm, *args: str) -> subprocess.CompletedProcess:
+    return swarm_cli(
+        "plan", "--from-dht", "--initial-peers", *swarm.initial_peers, "--model", "tiny", *args, timeout=120
     )
 
 
-def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, tmp_path):
+def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, tmp_path, swarm_cli):
     swarm = make_swarm(num_stages=2, peer_args=["--link-probe-period-s", "1", "--metrics-port", "-1"])
     swarm.start_bootstrap()
     processes = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
@@ -78,7 +60,15 @@ def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, t
 
         out, topology_file = tmp_path / "plan.json", tmp_path / "measured.json"
         completed = run_plan(
-            swarm, "--out", str(out), "--publish", "--time-limit-s", "5", "--save-topology", str(topology_file)
+            swarm_cli,
+            swarm,
+            "--out",
+            str(out),
+            "--publish",
+            "--time-limit-s",
+            "5",
+            "--save-topology",
+            str(topology_file),
         )
         assert completed.returncode == 0, completed.stderr[-3000:]
         assert "6 of 6 pairs measured" in completed.stdout and "0 estimated" in completed.stdout
@@ -101,7 +91,7 @@ def test_peers_measure_links_and_plan_from_dht_places_exactly_them(make_swarm, t
         dht.shutdown()
 
     # A model nobody serves: a one-line error, no traceback.
-    completed = run_plan(swarm, "--model", "small")
+    completed = run_plan(swarm_cli, swarm, "--model", "small")
     assert completed.returncode == 2
     assert "no peer of small has published link records" in completed.stderr
     assert "Traceback" not in completed.stderr

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -24,42 +22,28 @@ REBALANCING = [
 ]
 
 
-def stage_records(swarm, num_stages: int = 2) -> dict[str, list[dict]]:
+def stage_records(swarm_cli, swarm, num_stages: int = 2) -> dict[str, list[dict]]:
     """What the DHT says, through the same `swarm status` a user runs: the records of each stage."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarm.cli",
-            "status",
-            "--initial-peers",
-            *swarm.initial_peers,
-            "--model",
-            swarm.model,
-            "--num-stages",
-            str(num_stages),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = swarm_cli(
+        "status", "--initial-peers", *swarm.initial_peers, "--model", swarm.model,
+        "--num-stages", str(num_stages), "--json", timeout=60,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)["stages"]
 
 
-def online_per_stage(swarm, num_stages: int = 2) -> list[int]:
-    stages = stage_records(swarm, num_stages)
+def online_per_stage(swarm_cli, swarm, num_stages: int = 2) -> list[int]:
+    stages = stage_records(swarm_cli, swarm, num_stages)
     return [sum(r["state"] == "online" for r in stages[str(s)]) for s in range(num_stages)]
 
 
-def announced_steps(swarm, peer_id: str) -> int | None:
+def announced_steps(swarm_cli, swarm, peer_id: str) -> int | None:
     """The steps `peer_id`'s online record announces (None while it has none)."""
-    records = [r for rs in stage_records(swarm).values() for r in rs]
+    records = [r for rs in stage_records(swarm_cli, swarm).values() for r in rs]
     return next((r["steps_done"] for r in records if r["peer_id"] == peer_id and r["state"] == "online"), None)
 
 
-def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swarm, tmp_path):
+def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swarm, tmp_path, swarm_cli):
     """2:2 is the layout the peers should reach as long as a stage-1 peer's throughput is between about
     half and 1.7x a stage-0 peer's (in the tiny model the two stages cost about the same; a run's log
     showed 770 samples/s on stage 1 against 655 per stage-0 peer at the time of the move)."""
@@ -90,7 +74,7 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
         "a stage-0 peer to move to stage 1",
     )
     assert trainer.alive, trainer.log()[-3000:]
-    wait_for(lambda: online_per_stage(swarm) == [2, 2], 20, "the DHT to show 2 online peers on each stage")
+    wait_for(lambda: online_per_stage(swarm_cli, swarm) == [2, 2], 20, "the DHT to show 2 online peers on each stage")
 
     def replicas_seen() -> list[tuple[str, str]]:
         return re.findall(r"replicas \[(\d+), (\d+)\]", trainer.log())
@@ -109,13 +93,13 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
     # One coordinated move, no herd and no moving back.
     assert len(moved) == 1 and sum(len(re.findall("rebalancing: moving", p.log())) for p in peers) == 1
     # 2:2 on the DHT at the end, read until a renewal that lapsed for a moment (as above) is back
-    wait_for(lambda: online_per_stage(swarm) == [2, 2], 10, "the DHT to still show 2:2 at the end")
+    wait_for(lambda: online_per_stage(swarm_cli, swarm) == [2, 2], 10, "the DHT to still show 2:2 at the end")
     assert re.search(r"loaded stage 1 state from replica \w+ \(([1-9]\d*) steps done\)", moved[0].log()), moved[
         0
     ].log()[-2000:]
 
 
-def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm, tmp_path):
+def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm, tmp_path, swarm_cli):
     """The standby keeps its copy as fresh as the stage's replica announces, so the stage's training
     outlives its last replica; the takeover from that copy says how old it is."""
     swarm = make_swarm(num_stages=2, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--announce-period-s", "1"])
@@ -141,7 +125,9 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
     first = swarm.start_trainer("--steps", "6", *train, name="trainer-1")
     assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
     replica = re.search(r"peer (\w+) online", peers[2].log()).group(1)
-    trained = wait_for(lambda: announced_steps(swarm, replica), 30, "stage 1's replica to announce its steps")
+    trained = wait_for(
+        lambda: announced_steps(swarm_cli, swarm, replica), 30, "stage 1's replica to announce its steps"
+    )
     assert trained > 0, trained
     wait_for(
         lambda: f"loaded stage 1 state from replica {replica[-8:]} ({trained} steps done)" in standby.log(),
@@ -160,5 +146,7 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
     assert report["steps"] == 4 and report["microbatches_lost"] == 0
     standby_id = re.search(r"peer (\w+) online", standby.log()).group(1)
     wait_for(
-        lambda: announced_steps(swarm, standby_id) == trained + 4, 20, f"the standby to announce {trained + 4} steps"
+        lambda: announced_steps(swarm_cli, swarm, standby_id) == trained + 4,
+        20,
+        f"the standby to announce {trained + 4} steps",
     )
