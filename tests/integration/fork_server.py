@@ -32,6 +32,8 @@ import time
 import traceback
 import uuid
 
+from hivemind.utils.mpfuture import MPFuture
+
 import swarm.cli
 from process.lifetime import die_with_parent, set_parent_death_signal
 
@@ -120,6 +122,11 @@ def _child(request: dict, started: int) -> None:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as the interpreter sets them at its start
             signal.signal(sig, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # hivemind's MPFuture locks are process-shared semaphores made at import: forked children
+        # would share the server's with every other swarm process of the session, and one killed
+        # while holding one (a SIGKILLed peer's DHT sending an update) would block all the others'
+        # updates for good. A process started afresh has its own; so does each child.
+        MPFuture.reset_backend()
         os.environ.clear()
         os.environ.update(request["env"])
         null = os.open(os.devnull, os.O_RDONLY)

@@ -8,6 +8,7 @@ import time
 
 import hivemind
 import pytest
+from hivemind.utils.mpfuture import MPFuture
 
 from models.config import get_model_config
 from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
@@ -69,6 +70,10 @@ def test_an_averager_whose_dht_is_gone_fails_in_one_line_instead_of_waiting_fore
     dht = hivemind.DHT(start=True)
     dht.kill()  # died (as seen: a pipe it was sent broke), not shut down: its pipe stays open and silent
     dht.join()
+    # Killed just after it answered "ready", it may have died holding hivemind's MPFuture update lock,
+    # a semaphore every process forked from this one shares: the next DHT this test session forks
+    # then waits on it forever (seen in CI: two tests hung 300 s each). New locks for what follows.
+    MPFuture.reset_backend()
     started = time.monotonic()
     with pytest.raises(averaging.AveragerDidNotStart, match="the DHT process is not running"):
         GradientSync(_runtime(), dht, "tiny", timeout_s=TIMEOUT_S)
