@@ -13,7 +13,11 @@ both applied in the averager's own process:
 - whole rounds only: hivemind's all-reduce that loses a partner's averaged part keeps the local
   values of that part and reports success (a replica half-averaged: in sync mode its parameters
   part from its partners' for good); here such a round fails, so that the trainer's repair
-  (sync) or the next round (periodic) brings the replicas back together.
+  (sync) or the next round (periodic) brings the replicas back together. Likewise a reducer that
+  lost a sender midway answers the parts it would average without it with an error, so the round
+  fails on every side instead of passing a partial average as a whole one
+  (`reduce_whole_parts_only`); and a sender keeps its stream open until it has every averaged
+  part, so that the reducer's closing stream cannot cut off the last of them (`_exchange_with`).
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
   instead, so no replica can outweigh what it did.
@@ -47,10 +51,11 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, Av
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, anext, as_aiter, azip
+from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, anext, as_aiter, azip
 
 from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
@@ -131,9 +136,35 @@ class RobustPartReducer(TensorPartReducer):
         return reduced.value
 
 
+def reduce_whole_parts_only(reducer: TensorPartReducer, caps: list[float] | None = None) -> None:
+    """Make `reducer` average each sender's part with its weight capped (`caps`, by sender index;
+    None: as declared), and fail every part averaged without a sender that stopped midway.
+
+    hivemind's reducer drops a sender whose stream broke (it bans it) and averages the rest of its
+    parts over the others: the groupmates then step on an average that left a replica's gradient
+    out of some parts, and report success. Here the reducer answers such a part with an error
+    instead, to this replica and to every groupmate, so the round fails everywhere (the trainer
+    then commits the step again) rather than passing a partial average as a whole one."""
+    accumulate = reducer.accumulate_part
+
+    async def whole(sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
+        if caps is not None:
+            weight = capped_weight(weight, caps[sender_index])
+        averaged = await accumulate(sender_index, part_index, tensor_part, weight=weight)
+        left_out = sum(after <= part_index for after in reducer.sender_failed_after)
+        if left_out:
+            raise AllreduceException(
+                f"part {part_index} was averaged without {left_out} groupmate(s) that stopped sending midway"
+            )
+        return averaged
+
+    reducer.accumulate_part = whole
+
+
 class _CappedRunner(AllReduceRunner):
-    """An all-reduce whose reducer averages each sender's part with its weight capped, robustly
-    unless `robust` is "none"."""
+    """hivemind's all-reduce, whose reducer averages each sender's part with its weight capped,
+    robustly unless `robust` is "none", and whole parts only; whose senders hold their stream open
+    until every averaged part is back."""
 
     def __init__(self, *args, weight_caps: Mapping[str, float] | None = None, robust: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
@@ -141,17 +172,75 @@ class _CappedRunner(AllReduceRunner):
             replaced = self.tensor_part_reducer
             replaced.finished.set()  # unused: its finalization would warn that it received no parts
             self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, method=robust)
-        if weight_caps is None:
-            return
-        caps = [weight_caps.get(peer.to_base58(), 0.0) for peer in self.sender_peer_ids]
-        accumulate = self.tensor_part_reducer.accumulate_part
+        caps = None if weight_caps is None else [weight_caps.get(p.to_base58(), 0.0) for p in self.sender_peer_ids]
+        reduce_whole_parts_only(self.tensor_part_reducer, caps)
 
-        async def capped(sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
-            return await accumulate(
-                sender_index, part_index, tensor_part, weight=capped_weight(weight, caps[sender_index])
-            )
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        """Send this replica's part for `peer_id` to reduce and read back the averaged part: hivemind's
+        exchange, except that the request stream stays open until every averaged part has arrived.
 
-        self.tensor_part_reducer.accumulate_part = capped
+        hivemind ends its request stream as soon as the last part is sent, so the partner's handler
+        returns, and its stream closes, right after it has written its last answer. Over p2pd that
+        close raced the answer's tail: under load the tail was lost ("sent 10 parts, but we expected
+        11"), and a round that one replica completed failed on the other (seen in CI; the trainer
+        then repaired it with a state download). Here the partner cannot close before this replica
+        has read all it expects. A sender in client mode, whose results the reducer holds back until
+        it has sent everything, keeps hivemind's exchange. Why a part was lost is logged as a
+        warning (hivemind logs it at debug level; the round then fails, `_run_allreduce_inplace_`)."""
+        try:
+            if peer_id == self.peer_id:
+                await self._reduce_own_part()
+            elif self.should_delay_results(self.peer_id):
+                await super()._communicate_with_peer(peer_id)
+            else:
+                await self._exchange_with(peer_id)
+        except Exception as e:
+            logger.warning(f"All-reduce: the averaged part from {peer_id} was lost: {type(e).__name__}: {e}")
+            raise
+
+    async def _reduce_own_part(self) -> None:
+        """hivemind's reduction of the part this replica holds, which does not expect to fail: a part
+        averaged without a groupmate (`reduce_whole_parts_only`) fails it, and the parts left are
+        marked failed, so that the round ends (failed) instead of waiting for them until its timeout."""
+        try:
+            await super()._communicate_with_peer(self.peer_id)
+        except Exception:
+            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(self.peer_id))
+            raise
+
+    async def _exchange_with(self, peer_id: PeerID) -> None:
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        received_all = asyncio.Event()
+
+        async def parts_then_wait():
+            async for message in self._generate_input_for_peer(peer_index):
+                yield message
+            await received_all.wait()  # the end of the stream, only once every answer is here
+
+        def deserialize(message: averaging_pb2.AveragingData):
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            return deserialize_torch_tensor(message.tensor_part)
+
+        received = 0
+        try:
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(parts_then_wait())
+            answers = aiter_with_timeout(stream, self.reducer_timeout)
+            async for delta in amap_in_executor(deserialize, answers, max_prefetch=self.tensor_part_container.prefetch):
+                if received >= expected:
+                    raise AllreduceException(f"peer {peer_id} sent more than the {expected} parts expected")
+                self.tensor_part_container.register_processed_part(peer_index, received, delta)
+                received += 1
+                if received == expected:
+                    received_all.set()
+            if received != expected:
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+        finally:
+            received_all.set()
 
 
 class MemberAverager(hivemind.averaging.DecentralizedAverager):

@@ -173,7 +173,10 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     )
     stop_together(peers)
     assert "taking averaging round 2 as failed" in peers[1].log()
-    assert report["replica_catch_ups"] == 1, report
+    if not any("Averaging round failed" in p.log() for p in peers[:2]):
+        assert report["replica_catch_ups"] == 1, report
+    # else a round also failed for real (under load), on one side (one more catch-up) or on both
+    # (neither stepped: the step is committed again); the end state below must hold all the same
     metas = [load_checkpoint(checkpoint_path(str(tmp_path / d), "tiny", 0, 2))[0] for d in "ab"]
     assert [m.steps_done for m in metas] == [3, 3]
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)

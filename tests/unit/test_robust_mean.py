@@ -1,6 +1,7 @@
 """The robust reduction of the replicas' all-reduce (peers/replicas/robust_mean.py): honest parts give
 the plain weighted mean, one liar among 3..5 (or two among 5) moves the result at most the documented
-bound, a pair has no defence; and hivemind's reducer, with `RobustPartReducer`, reduces that way."""
+bound, a pair has no defence; and hivemind's reducer, with `RobustPartReducer`, reduces that way, caps
+weights and fails a part averaged without a sender that stopped midway."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import asyncio
 
 import pytest
 import torch
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 
-from peers.replicas.averaging_members import RobustPartReducer
+from peers.replicas.averaging_members import RobustPartReducer, reduce_whole_parts_only
 from peers.replicas.robust_mean import (
     centered_clip,
     clip_factor,
@@ -207,3 +209,35 @@ def test_hiveminds_reducer_with_the_robust_accumulator_reduces_each_part_robustl
             torch.testing.assert_close(sender_results[part], expected, atol=0, rtol=0)
     assert reducer.parts_reduced == 2
     assert reducer.parts_clipped == (2 if method == "clip" else 0)
+
+
+@pytest.mark.parametrize("robust", [False, True])
+def test_a_part_averaged_without_a_sender_that_stopped_midway_fails_for_every_sender(robust):
+    """Three senders, two parts; sender 2's stream breaks after its first part (hivemind bans it).
+    Part 0 had everyone: the (capped) mean. hivemind would average part 1 over senders 0 and 1 and
+    call it success; here both get an error for it, so the round fails on every side."""
+    shapes = (torch.Size([2]), torch.Size([2]))
+
+    async def run():
+        reducer = RobustPartReducer(shapes, 3, method="clip") if robust else TensorPartReducer(shapes, 3)
+        reduce_whole_parts_only(reducer, caps=[1.0, 1.0, 1.0])
+        first = await asyncio.gather(
+            *(
+                reducer.accumulate_part(i, 0, torch.full((2,), float(i)), weight=1e9 if i == 2 else 1.0)
+                for i in range(3)
+            )
+        )
+        reducer.on_sender_failed(2)  # what hivemind's handler does when the stream breaks
+        second = await asyncio.gather(
+            *(reducer.accumulate_part(i, 1, torch.ones(2)) for i in range(2)), return_exceptions=True
+        )
+        reducer.finalize()
+        return first, second
+
+    first, second = asyncio.run(run())
+    for averaged in first:  # sender 2 declared a weight of 1e9; its cap is 1: the plain mean
+        torch.testing.assert_close(averaged, torch.full((2,), 1.0))
+    assert len(second) == 2
+    for failed in second:
+        assert isinstance(failed, AllreduceException), failed
+        assert "without 1 groupmate(s) that stopped sending midway" in str(failed)
