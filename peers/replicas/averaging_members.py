@@ -18,6 +18,10 @@ both applied in the averager's own process:
   fails on every side instead of passing a partial average as a whole one
   (`reduce_whole_parts_only`); and a sender keeps its stream open until it has every averaged
   part, so that the reducer's closing stream cannot cut off the last of them (`_exchange_with`).
+  A round fails fast too: a replica answers the parts of a round it refused or has ended with an
+  error at once (`_end`), and a sender whose exchange with a groupmate failed stops waiting for
+  that groupmate's parts; hivemind has no message for either, so the others waited out the
+  round's timeout (30 s).
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
   instead, so no replica can outweigh what it did.
@@ -43,6 +47,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's AsyncIterator in RPC hints
 
@@ -67,6 +72,7 @@ logger = logging.getLogger(__name__)
 MIN_WEIGHT = 1e-9  # weight 0 for every sender would divide by zero; a tiny one changes nothing
 NAMED_GROUP_MARK = b"swarm-named:"  # the start of a group id built from a commit, not by matchmaking
 NAMED_GROUP_WAIT_S = 10.0  # how long a part of a named group waits for this replica to begin its round
+ENDED_GROUPS_KEPT = 64  # the latest rounds over here, whose late parts are answered with an error at once
 
 
 def named_group_id(step_id: str, peer_ids: Collection[str]) -> bytes:
@@ -195,8 +201,17 @@ class _CappedRunner(AllReduceRunner):
             else:
                 await self._exchange_with(peer_id)
         except Exception as e:
-            logger.warning(f"All-reduce: the averaged part from {peer_id} was lost: {type(e).__name__}: {e}")
-            raise
+            # registered as failed (its parts keep their local values and `_run_allreduce_inplace_`
+            # fails the round); raised, hivemind's run() would only log it at debug level
+            whose = "this replica's own part" if peer_id == self.peer_id else f"the averaged part from {peer_id}"
+            logger.warning(f"All-reduce: {whose} was lost: {type(e).__name__}: {e}")
+
+    async def _handle_missing_senders(self):
+        """hivemind's bans the senders that have not begun within `sender_timeout`; without one (ours)
+        it waited for every sender forever and banned nobody, and run() waited on it at its end, so a
+        round in which a groupmate never sent (it failed first) never finished its run()."""
+        if self.sender_timeout is not None:
+            await super()._handle_missing_senders()
 
     async def _reduce_own_part(self) -> None:
         """hivemind's reduction of the part this replica holds, which does not expect to fail: a part
@@ -236,6 +251,14 @@ class _CappedRunner(AllReduceRunner):
                     received_all.set()
             if received != expected:
                 raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+        except Exception:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            if peer_id in self.sender_peer_ids:
+                # its parts will most likely not come either, and this round has failed here anyway:
+                # end it now (the parts this replica reduces then fail, `reduce_whole_parts_only`)
+                # instead of waiting for them until the round's timeout
+                await self._ban_sender(peer_id)
+            raise
         except BaseException:
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
@@ -255,6 +278,8 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         self._named_group: tuple[bytes, dict[str, float]] | None = None  # the next round's, if named
         # parts of a named group that came before this replica began its round, waiting for it
         self._early_parts: dict[bytes, list[asyncio.Future]] = {}
+        # the latest rounds over here, or refused (`_end`): their parts are answered with an error
+        self._ended_groups: deque[bytes] = deque(maxlen=ENDED_GROUPS_KEPT)
         super().__init__(*args, **kwargs)
 
     # --- set from the peer's process (through the averager's pipe, like hivemind's own setters) ---
@@ -345,18 +370,29 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        request = await anext(stream)
+        group_id = request.group_id
+        named = group_id.startswith(NAMED_GROUP_MARK)
+        if not named and not self._is_member(context):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if named and group_id not in self._running_groups and group_id not in self._ended_groups:
+            # a groupmate of a named group may begin before this replica has: wait a while for our
+            # round to register it (hivemind would answer BAD_GROUP_ID at once, failing the sender's).
+            # The member list is checked after: it is refreshed as the round begins, so a replica
+            # that joined since is known by then (checked first, it failed their first round).
+            await self._wait_for_group(group_id, min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S))
         if not self._is_member(context):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        request = await anext(stream)
-        if request.group_id.startswith(NAMED_GROUP_MARK) and request.group_id not in self._running_groups:
-            # a groupmate of a named group may begin before this replica has: wait a while for our
-            # round to register it (hivemind would answer BAD_GROUP_ID at once, failing the sender's)
-            await self._wait_for_group(
-                request.group_id, min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S)
-            )
-        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
-            yield message
+        if group_id in self._ended_groups:  # refused, failed or done: nothing will reduce this part
+            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+            return
+        try:
+            async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+                yield message
+        except AllreduceException:  # the round it waited for was refused meanwhile (`_end`)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
 
     async def _wait_for_group(self, group_id: bytes, timeout_s: float) -> None:
         """Until this replica registers `group_id` (`_register_allreduce_group`), or `timeout_s`."""
@@ -375,12 +411,16 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo):
-        """hivemind's, which also wakes the parts of this group that came early (`_wait_for_group`)."""
-        with super()._register_allreduce_group(group_info):
-            for registered in self._early_parts.pop(group_info.group_id, []):
-                if not registered.done():
-                    registered.set_result(None)
-            yield
+        """hivemind's, which also wakes the parts of this group that came early (`_wait_for_group`),
+        and answers those that come after the round with an error at once (`_end`)."""
+        try:
+            with super()._register_allreduce_group(group_info):
+                for registered in self._early_parts.pop(group_info.group_id, []):
+                    if not registered.done():
+                        registered.set_result(None)
+                yield
+        finally:
+            self._end(group_info.group_id)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -390,10 +430,26 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    def _end(self, group_id: bytes) -> None:
+        """The round of `group_id` is over here, or will not run (refused): its groupmates' parts,
+        those waiting for it and those still to come, are answered with an error at once. hivemind
+        has no message for it: they waited for this replica's parts until their round's timeout
+        (30 s), or `NAMED_GROUP_WAIT_S` for the round to begin."""
+        if group_id not in self._ended_groups:
+            self._ended_groups.append(group_id)
+        for waiting in self._early_parts.pop(group_id, []):
+            if not waiting.done():
+                waiting.set_result(None)
+        registered = self._running_groups.get(group_id)
+        if registered is not None and not registered.done():
+            registered.set_exception(AllreduceException("this replica abandoned the round"))
+            registered.exception()  # retrieved here: a handler that awaits it later gets it too
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         if self._members is not None:
             outsiders = [p for p in group_info.peer_ids if p != self.peer_id and p.to_base58() not in self._members]
             if outsiders:
+                self._end(group_info.group_id)
                 raise MatchmakingException(f"the group holds {len(outsiders)} peer(s) without a credential of this run")
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
