@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks.report_file import write_report  # noqa: E402
 from peers.placement.rebalance import (  # noqa: E402
+    RETURN_PERIODS,
     SETTLE_PERIODS,
     RebalancePlan,
     ReplicaView,
@@ -132,6 +133,11 @@ class SimulationConfig:
     x ``check_period_s`` after a view showed a material move (``peers_settling`` at ``settle_share``) by another peer, or
     after the peer's own move; checks after a lost replica do not wait. 0: no settling (the policy
     of the rows before session 13)."""
+    return_periods: float = RETURN_PERIODS
+    """The peer's no-quick-return rule (``SettleWatch.return_barred_s``): a periodic check makes no
+    move from stage b to a within ``return_periods`` x ``check_period_s`` of a material move from a
+    to b that a view showed, or of the peer's own move from a to b (a check after a lost replica
+    may). 0: no bar (the policy of the rows before session 18)."""
     min_gain: float = 0.01
     sample_period_s: float = 60.0
     standby_fraction: float = 0.0
@@ -166,6 +172,8 @@ class SimulationConfig:
             raise ValueError("loss_check_max_delay_s must be >= 0")
         if not self.settle_periods >= 0:
             raise ValueError("settle_periods must be >= 0")
+        if not self.return_periods >= 0:
+            raise ValueError("return_periods must be >= 0")
         if self.join_scale < 0:
             raise ValueError("join_scale must be >= 0")
         if not 0 <= self.preempt_fraction <= 1:
@@ -305,6 +313,16 @@ def replay(
     settle_s = config.settle_periods * config.check_period_s
     moves_seen: list[tuple[float, tuple[str, ...]]] = []  # (view time, peers_settling of that view)
     own_move_at: dict[int, float] = {}
+    return_s = config.return_periods * config.check_period_s
+    moves_made: dict[tuple[int, int], float] = {}  # (from, to) -> when a view last showed a material move
+    own_moves: dict[int, tuple[int, int]] = {}  # peer -> (from, to) of its last move, settled from own_move_at
+    returns_barred = 0
+
+    def undoes_a_move(i: int, from_stage: int, to_stage: int, now_s: float) -> bool:
+        """Whether peer ``i``'s no-quick-return rule bars a move (as ``SettleWatch.return_barred_s``)."""
+        if moves_made.get((to_stage, from_stage), -math.inf) > now_s - return_s:
+            return True
+        return own_moves.get(i) == (to_stage, from_stage) and own_move_at[i] > now_s - return_s
 
     def settling(i: int, now_s: float) -> bool:
         """Whether peer ``i``'s settle rule holds a periodic check back (as ``SettleWatch`` does)."""
@@ -348,10 +366,13 @@ def replay(
             view_records, view_plan = {r.peer_id: r for r in view}, None
             view_version += 1
             schedule(now_s + config.view_period_s, "view")
-            if policy == "rebalance" and settle_s > 0:
+            if policy == "rebalance" and (settle_s > 0 or return_s > 0):
                 moved = peers_settling(previous_view, view, config.stages, share=settle_share(config.min_gain))
                 if moved:
                     moves_seen.append((now_s, moved))
+                    before = {r.peer_id: r.stage for r in previous_view}
+                    for peer_id in moved:
+                        moves_made[before[peer_id], view_records[peer_id].stage] = now_s
                 while moves_seen and moves_seen[0][0] <= now_s - settle_s:
                     moves_seen.pop(0)
             if (
@@ -444,13 +465,20 @@ def replay(
                     decision = decide_move(
                         peer.life.peer_id, _with_own_record(view, peer.record), config.stages, min_gain=config.min_gain
                     )
-                if decision.move:
+                if (
+                    decision.move
+                    and kind == "check"
+                    and undoes_a_move(i, decision.from_stage, decision.to_stage, now_s)
+                ):
+                    returns_barred += 1
+                elif decision.move:
                     moves += 1
                     peer.stage = decision.to_stage
                     peer.online_at_s = now_s + config.transfer_s
                     peer.record = ReplicaView(peer.life.peer_id, peer.stage, peer.life.throughput, "joining")
                     schedule(peer.online_at_s, "online", i)
                     delay_s += config.transfer_s
+                    own_moves[i] = (decision.from_stage, decision.to_stage)
                     own_move_at[i] = now_s + config.transfer_s  # the peer settles from when its move ends
             if kind == "check":
                 schedule(now_s + delay_s, "check", i)
@@ -461,6 +489,7 @@ def replay(
         "checks": checks,
         "loss_checks": loss_checks,
         "settling_checks": settling_checks,
+        "returns_barred": returns_barred,
         "moves_per_peer_hour": moves / peer_hours,
         "standby_peers": sum(is_standby),
         "standby_take_overs": take_overs,
@@ -550,6 +579,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the peer's settle rule: check periods without a planned move after a move was seen (0: off)",
     )
     parser.add_argument(
+        "--return-periods",
+        type=float,
+        default=defaults.return_periods,
+        help="the peer's no-quick-return rule: check periods without a move that undoes a material move (0: off)",
+    )
+    parser.add_argument(
         "--standby-fraction",
         type=float,
         default=defaults.standby_fraction,
@@ -581,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
         check_on_loss=args.check_on_loss,
         loss_check_max_delay_s=args.loss_check_max_delay_s,
         settle_periods=args.settle_periods,
+        return_periods=args.return_periods,
         standby_fraction=args.standby_fraction,
         standby_take_over_fraction=args.standby_take_over_fraction,
         standby_instant_take_over=args.standby_instant_take_over,

@@ -319,7 +319,8 @@ class PlacementSettings:
         0.0,
         help="check about this often (randomised in [0.5, 1.5] x) whether moving to "
         "another stage raises the swarm's bottleneck, and move if so (0 = never move); "
-        "no move for 2 periods after another peer's move of a material share of a stage is seen",
+        "no move for 2 periods after another peer's move of a material share of a stage is seen, "
+        "and no move back to the stage a peer left for 10 periods (unless a stage lost a replica)",
     )
     rebalance_loss_watch_s: float = option(
         5.0,

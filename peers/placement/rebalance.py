@@ -67,6 +67,15 @@ Rules, in one place:
   with ``min_gain`` (1%) as the share, some mover was always that large, and the rule held back
   every periodic check of a simulated 1,000-peer swarm (benchmarks/RESULTS.md, "The settle rule
   in the simulation"); at 10% it holds back few there. Checks after a lost replica do not wait.
+- **No quick return** (``SettleWatch.return_barred_s``): after a peer made or saw a material move
+  from stage a to stage b, it makes no move from b to a for ``RETURN_PERIODS`` check periods,
+  unless a stage lost a replica. The plan that made the move was right for the throughputs it
+  read; a plan that undoes it soon after reads throughputs measured over a few seconds of the new
+  layout, and replicas of one stage on a busy machine announce throughputs up to 2.7x apart. In
+  tests/integration/test_rebalance.py the mover went 0 -> 1 on a +62% plan and, 20 s later (the
+  settle time was 6 s), back 1 -> 0 on a +36% plan in which it was the slower of stage 1's two
+  replicas (either of them could have been). A reverse move that real throughputs call for still
+  happens, some periods later.
 - **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
   them act on the same snapshot in the first place.
 - **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
@@ -85,13 +94,14 @@ import bisect
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from peers.placement.stage_assignment import optimal_bottleneck
 
 __all__ = [
     "SERVING_STATES",
+    "RETURN_PERIODS",
     "SETTLE_PERIODS",
     "SETTLE_SHARE",
     "STATES",
@@ -124,6 +134,7 @@ __all__ = [
 STATES = ("joining", "online", "offline")
 SETTLE_PERIODS = 2.0  # check periods a peer waits after it last saw another peer move
 SETTLE_SHARE = 0.1  # the least share of its new stage that makes a mover's move one to settle after
+RETURN_PERIODS = 10.0  # check periods without a move that undoes a material move (``SettleWatch.return_barred_s``)
 SERVING_STATES = frozenset({"joining", "online"})
 MOVE_CLAIM_WAIT_S = 3.0  # from storing a move claim to reading the claims back: twice the longest store accepted
 MOVE_CLAIM_PERIODS = 3.0  # check periods a move claim lives, besides a few claim waits (``move_claim_ttl_s``)
@@ -487,24 +498,43 @@ def settle_share(min_gain: float) -> float:
 @dataclass
 class SettleWatch:
     """The settle rule's memory for one peer: the swarm at its last look (``seen``) and the last
-    material move it saw (its own included), so that it plans no move for ``settle_s`` after one."""
+    material move it saw (its own included), so that it plans no move for ``settle_s`` after one;
+    and when it last saw a material move between each pair of stages, so that it makes no move the
+    other way for ``return_s`` (``return_barred_s``)."""
 
     settle_s: float
     share: float
+    return_s: float = 0.0
     seen: list[ReplicaView] | None = None
     last_move_at: float | None = None
     movers: tuple[str, ...] = ()
+    moves_seen: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(from stage, to stage) -> when a material move between them was last seen or made."""
 
     def look(self, views: Sequence[ReplicaView], num_stages: int, now: float) -> None:
         """Compare ``views`` with the last look: a material move restarts the settle time."""
         moved = peers_settling(self.seen, views, num_stages, share=self.share)
         if moved:
+            before = {r.peer_id: r.stage for r in self.seen or ()}
+            after = {r.peer_id: r.stage for r in views}
             self.last_move_at, self.movers = now, moved
+            for peer_id in moved:
+                self.moves_seen[before[peer_id], after[peer_id]] = now
         self.seen = list(views)
 
-    def moved(self, peer_id: str, now: float) -> None:
-        """This peer just moved: the swarm settles after its own move too."""
+    def moved(self, peer_id: str, now: float, from_stage: int | None = None, to_stage: int | None = None) -> None:
+        """This peer just moved (from ``from_stage`` to ``to_stage``): the swarm settles after its own move too."""
         self.last_move_at, self.movers = now, (peer_id,)
+        if from_stage is not None and to_stage is not None:
+            self.moves_seen[from_stage, to_stage] = now
+
+    def return_barred_s(self, from_stage: int, to_stage: int, now: float) -> float | None:
+        """Seconds since a material move from ``to_stage`` to ``from_stage`` while a move back, from
+        ``from_stage`` to ``to_stage``, is still barred; None if it is not."""
+        since = self.moves_seen.get((to_stage, from_stage))
+        if since is None or now - since >= self.return_s:
+            return None
+        return now - since
 
     def settling_since(self, now: float) -> float | None:
         """Seconds since the last move while the swarm is still settling; None once it has settled."""

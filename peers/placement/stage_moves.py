@@ -48,6 +48,7 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.config import PlacementSettings
 from peers.placement.rebalance import (
     MOVE_CLAIM_WAIT_S,
+    RETURN_PERIODS,
     SETTLE_PERIODS,
     MoveDecision,
     ReplicaView,
@@ -126,7 +127,9 @@ class StageMoves:
         next_check_at = time.monotonic() + next_check_delay_s(settings.rebalance_period_s, rng)
         watch_s = settings.rebalance_loss_watch_s
         settle = SettleWatch(
-            SETTLE_PERIODS * settings.rebalance_period_s, share=settle_share(settings.rebalance_min_gain)
+            SETTLE_PERIODS * settings.rebalance_period_s,
+            share=settle_share(settings.rebalance_min_gain),
+            return_s=RETURN_PERIODS * settings.rebalance_period_s,
         )
         while not stop.is_set():
             wake_at = next_check_at if watch_s <= 0 else min(next_check_at, time.monotonic() + watch_s)
@@ -182,6 +185,15 @@ class StageMoves:
             if not decision.move:
                 print(f"rebalancing: no move, because {decision.reason}", flush=True)
                 continue
+            since = settle.return_barred_s(decision.from_stage, decision.to_stage, time.monotonic())
+            if not after_loss and since is not None:
+                print(
+                    f"rebalancing: no move from stage {decision.from_stage} to stage {decision.to_stage}, because "
+                    f"a move the other way was made {since:.0f} s ago (undoing one waits {settle.return_s:.0f} s: "
+                    "the throughputs of a new layout are measured over seconds only)",
+                    flush=True,
+                )
+                continue
             won = await self._claim_move(decision, stop)
             if won is None:
                 continue
@@ -192,7 +204,9 @@ class StageMoves:
                 flush=True,
             )
             await self.move_to_stage(decision.to_stage, p2p)
-            settle.moved(self.peer_id, time.monotonic())  # our own move settles too
+            settle.moved(
+                self.peer_id, time.monotonic(), decision.from_stage, decision.to_stage
+            )  # our own move settles too
             # The claim is left to lapse, not withdrawn: a peer whose snapshot was taken before this
             # move became visible may claim the same move while it is under way, and must lose.
 

@@ -13,13 +13,7 @@ from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
-# Groups by matchmaking, not the default trainer-named ones: with those, the 3:1 test's mover moved
-# back in 3 of 5 runs of this file (0 of 3 alone), its served throughput swinging with the faster
-# steps of four peers and a trainer on two cores (README, "Replicas"; benchmarks/RESULTS.md).
-REBALANCING = [
-    *("--rebalance-period-s", "3", "--rebalance-min-gain", "0.2", "--announce-period-s", "1"),
-    *("--averaging-groups", "matchmaking"),
-]
+REBALANCING = ["--rebalance-period-s", "3", "--rebalance-min-gain", "0.2", "--announce-period-s", "1"]
 
 
 def stage_records(swarm_cli, swarm, num_stages: int = 2) -> dict[str, list[dict]]:

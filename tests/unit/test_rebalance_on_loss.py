@@ -135,6 +135,22 @@ def test_settle_watch_holds_for_settle_s_after_a_move_it_saw_or_made():
     assert watch.movers == ("me",) and watch.settling_since(30.0) == 9.0
 
 
+def test_a_move_that_undoes_a_move_made_or_seen_is_barred_for_return_s():
+    watch = SettleWatch(settle_s=10.0, share=0.2, return_s=30.0)
+    assert watch.return_barred_s(1, 0, now=0.0) is None  # no move yet
+    watch.moved("me", now=100.0, from_stage=0, to_stage=1)
+    assert watch.return_barred_s(1, 0, now=120.0) == 20.0  # back where it came from: barred
+    assert watch.return_barred_s(1, 2, now=120.0) is None  # elsewhere: only the settle rule
+    assert watch.return_barred_s(0, 1, now=120.0) is None  # the same way again: not a return
+    assert watch.return_barred_s(1, 0, now=130.0) is None  # a return real throughputs call for, later
+    # Another peer's material move, seen between two looks, bars its reverse for this peer too
+    watch.look([online("a", 0), online("b", 0), online("c", 1), online("d", 2)], 3, now=200.0)
+    watch.look([online("a", 0), online("b", 2), online("c", 1), online("d", 2)], 3, now=205.0)
+    assert watch.movers == ("b",)
+    assert watch.return_barred_s(2, 0, now=210.0) == 5.0 and watch.return_barred_s(0, 2, now=210.0) is None
+    assert SettleWatch(settle_s=10.0, share=0.2).return_barred_s(1, 0, now=0.0) is None  # return_s 0: off
+
+
 def test_a_move_makes_others_settle_from_a_tenth_of_its_stage_or_the_min_gain_if_larger():
     assert settle_share(0.01) == SETTLE_SHARE == 0.1  # a 1% mover in a large swarm holds nobody back
     assert settle_share(0.2) == 0.2  # the peer's default --rebalance-min-gain

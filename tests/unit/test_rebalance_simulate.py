@@ -141,7 +141,7 @@ def test_the_breakdown_accounts_for_the_whole_gap_to_the_optimum():
 
 
 def test_the_settle_rule_holds_periodic_checks_back_only_when_it_is_on():
-    base = dict(seed=3, peers=24, stages=4, duration_s=3600.0, join_scale=0.0, check_period_s=60.0)
+    base = dict(seed=3, peers=24, stages=4, duration_s=3600.0, join_scale=0.0, check_period_s=60.0, return_periods=0.0)
     settling = SimulationConfig(**base)
     free = SimulationConfig(**base, settle_periods=0.0)
     trace = generate_trace(settling)
@@ -149,3 +149,12 @@ def test_the_settle_rule_holds_periodic_checks_back_only_when_it_is_on():
     held, unheld = replay(trace, settling, "rebalance"), replay(trace, free, "rebalance")
     assert held["settling_checks"] > 0 and unheld["settling_checks"] == 0
     assert held["moves"] < unheld["moves"]  # in a small swarm each mover is a material share of its stage
+
+
+def test_the_no_return_rule_bars_moves_that_undo_recent_ones_only_when_it_is_on():
+    base = dict(seed=0, peers=24, stages=4, duration_s=3600.0, join_scale=1.0, check_period_s=60.0, settle_periods=0.0)
+    barring, free = SimulationConfig(**base), SimulationConfig(**base, return_periods=0.0)
+    trace = generate_trace(barring)
+    held, unheld = replay(trace, barring, "rebalance"), replay(trace, free, "rebalance")
+    assert held["returns_barred"] > 0 and unheld["returns_barred"] == 0
+    assert held["moves"] < unheld["moves"]
