@@ -2,6 +2,10 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --cost-steps 20 --out benchmarks/out/lies.json
 
+`--routing hub direct` runs every row under each routing in turn (direct: the microbatch goes peer to
+peer, and a check asks the checked replica's neighbours what crossed its hops, after the chain
+answered: peers/serving/hop_records.py).
+
 Every swarm is a fresh `tiny` one on loopback with main's defaults (sync averaging): two honest
 replicas of stage 0 and one of stage 1; the trainer trains `--steps` steps of 8 samples
 (microbatches of 2) with the same seed and measures the validation loss after the last step.
@@ -59,7 +63,7 @@ def train(
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
         *("--refresh-period-s", "2", "--seed", SEED, "--report", report_path),
         *("--eval-every", str(steps if evaluate else 0), "--eval-batches", str(args.eval_batches)),
-        *("--verify-fraction", str(verify_fraction)),
+        *("--verify-fraction", str(verify_fraction), "--routing", args.routing),
         name=f"trainer-{name}",
     )
     try:
@@ -85,6 +89,7 @@ def train(
         "calls_verified": report.get("calls_verified"),
         "verify_mismatches": report.get("verify_mismatches"),
         "verify_calls": report.get("verify_calls"),
+        "verify_records_missing": report.get("verify_records_missing"),
         "verify_largest_agreeing_difference": report.get("verify_largest_agreeing_difference"),
         "banned_peers": report.get("banned_peers", {}),
         "contributions": report.get("contributions", {}),
@@ -100,7 +105,7 @@ def honest_swarm(local: LocalSwarm) -> list[ManagedProcess]:
 
 
 def clean_runs(args, root: str) -> list[dict]:
-    workdir = os.path.join(root, "clean")
+    workdir = os.path.join(root, f"clean-{args.routing}")
     os.makedirs(workdir)
     runs = []
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
@@ -116,7 +121,7 @@ def clean_runs(args, root: str) -> list[dict]:
 
 
 def lying_run(mode: str, args, root: str) -> dict:
-    workdir = os.path.join(root, mode)
+    workdir = os.path.join(root, f"{mode}-{args.routing}")
     os.makedirs(workdir)
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
         honest = honest_swarm(local)
@@ -171,19 +176,24 @@ def main() -> int:
     parser.add_argument("--cost-steps", type=int, default=20, help="steps of each throughput run")
     parser.add_argument("--cost-fractions", type=float, nargs="*", default=[0.05, 0.2])
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per trainer")
+    parser.add_argument("--routing", nargs="+", default=["hub"], choices=("hub", "direct"), dest="routings")
     parser.add_argument("--out", default="benchmarks/out/lies.json")
     args = parser.parse_args()
     load_before, started = os.getloadavg(), time.monotonic()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="swarm-lies-") as root:
-        runs = clean_runs(args, root)
-        for mode in args.modes:
-            try:
-                runs.append(lying_run(mode, args, root))
-            except Exception as e:  # a swarm that could not start: say so, go on with the next mode
-                runs.append(
-                    {"run": f"liar {mode}", "mode": mode, "finished": False, "error": f"{type(e).__name__}: {e}"}
-                )
-    judge(runs)
+        for routing in args.routings:
+            args.routing = routing
+            group = clean_runs(args, root)
+            for mode in args.modes:
+                try:
+                    group.append(lying_run(mode, args, root))
+                except Exception as e:  # a swarm that could not start: say so, go on with the next mode
+                    group.append(
+                        {"run": f"liar {mode}", "mode": mode, "finished": False, "error": f"{type(e).__name__}: {e}"}
+                    )
+            judge(group)
+            runs += [{"routing": routing, **run} for run in group]
     write_report(
         args.out,
         {

@@ -35,6 +35,7 @@ from wire.protocol import (
     ChainRequest,
     CommitRequest,
     Header,
+    HopRecordRequest,
     ProbeRequest,
     ProtocolError,
     RequestHeader,
@@ -47,7 +48,13 @@ from wire.protocol import (
 from wire.request_limits import check_request_bytes
 from wire.tensors import check_decoded_bytes, decode_tensors, group_parts
 
-_UIDS = {ChainRequest: "train_chain", CommitRequest: "commit", StateRequest: "state", ProbeRequest: "probe"}
+_UIDS = {
+    ChainRequest: "train_chain",
+    CommitRequest: "commit",
+    StateRequest: "state",
+    ProbeRequest: "probe",
+    HopRecordRequest: "hop_record",
+}
 
 
 def _uid(header: BaseModel) -> str:

@@ -11,6 +11,8 @@ The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.Expert
     RPC_PROBE                  stream -> stream  ProbeRequest + payload -> ProbeResponse + the payload
     RPC_TRAIN_CHAIN            stream -> stream  ChainRequest + tensors -> ChainResponse + tensors
                                                  (direct routing; a peer calls the next stage's peer)
+    RPC_HOP_RECORD             unary  -> stream  HopRecordRequest -> ResponseHeader + one tensor
+                                                 (direct routing's spot checks: what crossed a hop)
 
 A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
 `tensors` field of that message and the ones after it, in the order the header's `tensors` list
@@ -59,6 +61,7 @@ RPC_COMMIT = "swarm.commit"  # sync averaging: the trainer finished a step; repl
 RPC_STATE = "swarm.state"  # a joining replica downloads this stage's parameters and optimizer state
 RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (peers/placement/link_probe.py)
 RPC_TRAIN_CHAIN = "swarm.train_chain"  # direct routing: forward on, backward back, stage to stage
+RPC_HOP_RECORD = "swarm.hop_record"  # direct routing's spot checks: what a peer received or sent in a chain
 
 MAX_HEADER_BYTES = 64 << 10  # one encoded header
 MAX_TENSORS = 4  # tensors in one request or response
@@ -249,6 +252,22 @@ class ChainResponse(BaseModel):
     # answer (the stages after it included): what the caller subtracts to time its link
     compute_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     handler_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+
+
+class HopRecordRequest(BaseModel):
+    """A trainer asks a peer what crossed one of its chain's hops for microbatch `microbatch_id`:
+    the activations it `received` from the stage before, or `sent` to the stage after, as they
+    crossed the wire (peers/serving/hop_records.py). Answered with a `ResponseHeader` and that
+    tensor, named "inputs" or "outputs", or an error; only to the trainer that drove the chain."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    microbatch_id: str = Field(min_length=1, max_length=128)
+    side: Literal["received", "sent"]
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 
 
 class CommitRequest(BaseModel):

@@ -35,6 +35,11 @@ chain answer that succeeded (`served_by`), and the sync round caps each replica'
 attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
 chain answers.
 
+Spot checks: a peer keeps what it received from the stage before and what it sent to the replica
+of the next stage that answered (`HopRecords`, peers/serving/hop_records.py), and `rpc_hop_record`
+hands a record to the trainer that drove the chain, which checks a stage's replica from what its
+neighbours say crossed (swarm/trainer/chain_call.py, `ChainCaller.audit`).
+
 Security: a chained call is refused (WRONG_STAGE) unless it names the model, the number of stages and
 the stage this peer serves. In a run with an authority, the trainer's credential rides along every
 hop: a call straight from the trainer needs the trainer's credential bound to the caller; a call
@@ -60,13 +65,22 @@ from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
+from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.compression import CodecChoice, EncodedTensor
 from wire.failures import Failure
-from wire.messages import read_request, read_response, write_request, write_response
-from wire.protocol import MAX_CHAIN_STAGES, RPC_TRAIN_CHAIN, ChainRequest, ChainResponse, ProtocolError
+from wire.messages import read_request, read_response, read_unary, write_request, write_response
+from wire.protocol import (
+    MAX_CHAIN_STAGES,
+    RPC_TRAIN_CHAIN,
+    ChainRequest,
+    ChainResponse,
+    HopRecordRequest,
+    ProtocolError,
+    ResponseHeader,
+)
 from wire.request_limits import InFlightBudgetError, RequestTooLargeError
 from wire.tensors import check_codec, decoded_nbytes, encode_tensor
 
@@ -100,6 +114,7 @@ class ChainService:
         self.p2p = None  # set when the host registers its RPCs
         self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
         self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
+        self.records = HopRecords()  # what crossed this peer's hops, for the trainer's spot checks
 
     async def rpc_train_chain(self, requests, context):
         stages, serving = self.stages, self.stages.serving
@@ -125,6 +140,8 @@ class ChainService:
             inputs = tensors.get("inputs")
             if inputs is None or inputs.shape[:1] != (header.batch_size,):
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
+            if header.stage > 0:  # the stage before's outputs as they crossed (stage 0's: the trainer's tokens)
+                self.records.keep(header.microbatch_id, "received", header.trainer_id, encoded["inputs"])
             tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
             if header.stage == header.num_stages - 1:
                 (grad_inputs, loss), compute_s = await self._on_compute(
@@ -210,6 +227,37 @@ class ChainService:
         else:
             for message in messages:
                 yield message
+
+    async def rpc_hop_record(self, request: runtime_pb2.ExpertRequest, context):
+        """What crossed one of this peer's hops for a microbatch (peers/serving/hop_records.py): only
+        to the trainer that drove the chain, only for the stage this peer serves."""
+        caller = caller_id(context)
+        try:
+            wanted = read_unary(request, HopRecordRequest)
+            self.stages.guard.authorize(caller, wanted.credential, "train")
+            self.stages.check_route(wanted)
+            tensor = self.records.find(wanted.microbatch_id, wanted.side, caller)
+            if tensor is None:
+                raise ProtocolError(
+                    f"no record of what this peer {wanted.side} for {wanted.microbatch_id} in a chain you drove "
+                    f"(it keeps the last {self.records.max_bytes >> 20} MiB)"
+                )
+            header = ResponseHeader()
+            outputs = [("inputs" if wanted.side == "received" else "outputs", tensor)]
+        except (ProtocolError, NotAuthorizedError) as e:
+            header, outputs = (
+                ResponseHeader(
+                    error=str(e)[:4000],
+                    error_kind=Failure.WRONG_STAGE if isinstance(e, WrongStageError) else Failure.BAD_REQUEST,
+                ),
+                [],
+            )
+        for message in write_response(header, outputs, self.stages.bytes):
+            yield message
+
+    @staticmethod
+    def refused_record(error, waited_s: float):
+        return write_response(ResponseHeader(error=str(error)[:4000], error_kind=Failure.BAD_REQUEST))
 
     def refused(self, error, waited_s: float):
         """What a caller the admission guard refused is answered; counted as a failed request."""
@@ -355,6 +403,7 @@ class ChainService:
             except (ProtocolError, BadRequestError) as e:
                 reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
                 continue
+            self.records.keep(header.microbatch_id, "sent", header.trainer_id, dict(sent)["inputs"])
             self.codecs.observe(
                 peer_id,
                 next_stage,

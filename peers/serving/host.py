@@ -60,7 +60,15 @@ from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
 from wire import compression
 from wire.bounded_streams import StreamLimits
-from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE, RPC_TRAIN_CHAIN
+from wire.protocol import (
+    RPC_BACKWARD,
+    RPC_COMMIT,
+    RPC_FORWARD,
+    RPC_HOP_RECORD,
+    RPC_PROBE,
+    RPC_STATE,
+    RPC_TRAIN_CHAIN,
+)
 from wire.request_limits import InFlightBytes, PenaltyBox
 
 
@@ -236,6 +244,13 @@ class PeerHost:
                 self.chains.rpc_train_chain,
                 self.chains.refused,
                 stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
+            Rpc(
+                RPC_HOP_RECORD,
+                self.chains.rpc_hop_record,
+                self.chains.refused_record,
                 stream_output=True,
                 carries_credential=True,
             ),

@@ -191,7 +191,7 @@ class StageRpcService:
             tensor, header.response_codec, header.response_codec_params, feedback=feedback, feedback_key=name
         )
 
-    def check_route(self, header: RequestHeader | ChainRequest) -> None:
+    def check_route(self, header: RequestHeader | ChainRequest | HopRecordRequest) -> None:
         """Refuse a request for another model, split or stage than this peer serves (WrongStageError
         when only the stage differs: a stale route)."""
         runtime = self.serving.runtime

@@ -31,9 +31,11 @@ from swarm.trainer.chain_route import charge_route, check_served_by, choose_rout
 from swarm.trainer.client import ChainCallError, PeerCallError
 from swarm.trainer.data import Microbatch
 from swarm.trainer.failures import NotAllowedError, StageUnavailableError, refused_as_not_allowed
-from swarm.trainer.stage_call import StageCaller
+from swarm.trainer.stage_call import StageAnswer, StageCaller, answer_bytes_limit
+from wire.compression import CodecError, relative_error_bound
 from wire.failures import Failure
-from wire.tensors import encode_tensor
+from wire.protocol import ProtocolError, ResponseHeader
+from wire.tensors import decode_tensors, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,55 @@ class ChainCaller:
                 caller.counters.calls_by_peer[key] = caller.counters.calls_by_peer.get(key, 0) + 1
                 caller.contributions.answered(peer_id, stage, "backward", mb.size)
             return ChainAnswer(result.loss, result.served_by)
+
+    async def audit(
+        self, stage: int, microbatch_id: str, mb: Microbatch, served_by: list[str], *, send_tokens: bool
+    ) -> None:
+        """Spot-check the replica that served `stage` (not the last) in a chain that answered. Its
+        inputs as the replica before it sent them (stage 0: this trainer's tokens) and its outputs as
+        the replica after it received them (peers/serving/hop_records.py: its neighbours tell, not the
+        replica) make the forward call a hub spot check makes, and `StageCaller.verify` asks a second
+        replica of the stage for it, and a third on a mismatch. The chain's gradients are applied by
+        then: a replica in the minority is banned for the run, so a lie costs the microbatches it
+        served before it was caught (a hub check replaces the lying answer first). A record that
+        cannot be fetched (evicted, the neighbour gone) leaves the chain unchecked, counted."""
+        caller = self.caller
+        limit = answer_bytes_limit(mb.size * caller.seq_len * caller.d_model)
+        timeout_s = caller.timeouts.timeout_s(stage, "forward")
+        try:
+            if stage == 0:
+                inputs = encode_tensor(mb.inputs, "none")  # what the chain's first call carried
+            else:
+                inputs = await self.client.hop_record(
+                    served_by[stage - 1],
+                    stage=stage - 1,
+                    microbatch_id=microbatch_id,
+                    side="sent",
+                    timeout_s=timeout_s,
+                    max_answer_bytes=limit,
+                )
+            outputs = await self.client.hop_record(
+                served_by[stage + 1],
+                stage=stage + 1,
+                microbatch_id=microbatch_id,
+                side="received",
+                timeout_s=timeout_s,
+                max_answer_bytes=limit,
+            )
+            codec = outputs.header.codec
+            relative_error_bound(codec)  # a codec with no known error bound cannot be held to a tolerance
+            decoded = decode_tensors({"outputs": outputs}, max_bytes=limit)["outputs"]
+        except (PeerCallError, ProtocolError, CodecError) as e:
+            caller.counters.verify_records_missing += 1
+            logger.info(f"stage {stage}: {microbatch_id} not spot-checked: no record of its hop ({e})")
+            return
+        request = [("inputs", inputs)]
+        if send_tokens and stage > 0:
+            request.append(("tokens", encode_tensor(mb.inputs, "none")))
+        answer = StageAnswer(
+            {"outputs": decoded}, ResponseHeader(), served_by[stage], {"outputs": outputs}, (codec, ()), tuple(request)
+        )
+        await caller.verify(stage, microbatch_id, mb.size, answer)
 
     def _note_failure(self, error: PeerCallError, route: list[list[str]], failures: list[str], took_s: float) -> None:
         caller = self.caller

@@ -24,11 +24,13 @@ from wire.protocol import (
     RPC_BACKWARD,
     RPC_COMMIT,
     RPC_FORWARD,
+    RPC_HOP_RECORD,
     RPC_TRAIN_CHAIN,
     ChainRequest,
     ChainResponse,
     CommitRequest,
     CommitResponse,
+    HopRecordRequest,
     ProtocolError,
     RequestHeader,
     ResponseHeader,
@@ -136,20 +138,7 @@ class StageClient:
             tensors,
         )
         name = RPC_FORWARD if rpc == "forward" else RPC_BACKWARD
-        try:
-            answer = await asyncio.wait_for(
-                self._exchange(peer_id, name, request, max_answer_bytes, timeout_s), timeout=timeout_s
-            )
-        except TimeoutError:
-            raise PeerCallError(
-                peer_id, Failure.TIMEOUT, f"{rpc} on stage {stage} took over {timeout_s:.1f} s"
-            ) from None
-        except StreamClosedError as e:  # the connection dropped: not an answer, so not garbage
-            raise PeerCallError(peer_id, Failure.TRANSPORT, str(e)) from None
-        except ProtocolError as e:
-            raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
-        except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
-            raise PeerCallError(peer_id, Failure.TRANSPORT, f"{type(e).__name__}: {e}") from None
+        answer = await self._answer(peer_id, name, request, max_answer_bytes, timeout_s, f"{rpc} on stage {stage}")
         response = answer.header
         if response.error is not None:
             raise PeerCallError(peer_id, caller_failure(response.error_kind), response.error)
@@ -164,6 +153,36 @@ class StageClient:
             self.bytes.record_received(item)
         moved = sum(item.nbytes for _, item in tensors) + sum(item.nbytes for item in encoded.values())
         return CallResult(outputs, encoded, response, moved)
+
+    async def hop_record(
+        self, peer_id: str, *, stage: int, microbatch_id: str, side: str, timeout_s: float, max_answer_bytes: int
+    ) -> EncodedTensor:
+        """Direct routing's spot checks: what `peer_id`, serving `stage`, `side` ("received" or
+        "sent") for `microbatch_id` in a chain this trainer drove, as it crossed the wire
+        (peers/serving/hop_records.py); checked to decode within `max_answer_bytes`. Raises PeerCallError."""
+        header = HopRecordRequest(
+            model=self.model,
+            stage=stage,
+            num_stages=self.num_stages,
+            microbatch_id=microbatch_id,
+            side=side,
+            credential=self.credential,
+        )
+        answer = await self._answer(
+            peer_id, RPC_HOP_RECORD, write_request(header), max_answer_bytes, timeout_s, f"the {side} record"
+        )
+        if answer.header.error is not None:
+            raise PeerCallError(peer_id, caller_failure(answer.header.error_kind), answer.header.error)
+        name = "inputs" if side == "received" else "outputs"
+        try:
+            tensor = answer.encoded().get(name)
+            if tensor is None:
+                raise ProtocolError(f"the answer carries no {name!r}")
+            decode_tensors({name: tensor}, max_bytes=max_answer_bytes)
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
+        self.bytes.record_received(tensor)
+        return tensor
 
     async def train_chain(
         self,
@@ -296,6 +315,29 @@ class StageClient:
         if response.error:
             raise PeerCallError(peer_id, Failure.REFUSED, response.error)
         return response
+
+    async def _answer(
+        self,
+        peer_id: str,
+        name: str,
+        request: AsyncIterator[runtime_pb2.ExpertRequest],
+        max_answer_bytes: int | None,
+        timeout_s: float,
+        what: str,
+    ) -> Received[ResponseHeader]:
+        """`_exchange` within `timeout_s`, its failures as PeerCallError (`what`: the call, for the message)."""
+        try:
+            return await asyncio.wait_for(
+                self._exchange(peer_id, name, request, max_answer_bytes, timeout_s), timeout=timeout_s
+            )
+        except TimeoutError:
+            raise PeerCallError(peer_id, Failure.TIMEOUT, f"{what} took over {timeout_s:.1f} s") from None
+        except StreamClosedError as e:  # the connection dropped: not an answer, so not garbage
+            raise PeerCallError(peer_id, Failure.TRANSPORT, str(e)) from None
+        except ProtocolError as e:
+            raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
+        except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
+            raise PeerCallError(peer_id, Failure.TRANSPORT, f"{type(e).__name__}: {e}") from None
 
     async def _exchange(
         self,

@@ -91,6 +91,7 @@ class TrainingReport:
     calls_verified: int = 0  # forward calls also answered by a second replica
     verify_mismatches: int = 0  # ... whose two answers differed beyond the codec's error
     verify_calls: int = 0  # extra calls made for the checks (second and third replicas)
+    verify_records_missing: int = 0  # chains picked for a check whose hop records could not be had (direct routing)
     verify_largest_agreeing_difference: float = 0.0  # relative; the margin left below the tolerance
     banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> reason, banned for the run
     # peer id -> what it did for this trainer: samples_served, calls_answered, calls_failed,
@@ -437,6 +438,7 @@ def _fill_report(
     report.calls_verified = calls.calls_verified
     report.verify_mismatches = calls.verify_mismatches
     report.verify_calls = calls.verify_calls
+    report.verify_records_missing = calls.verify_records_missing
     report.verify_largest_agreeing_difference = calls.verify_largest_agreeing_difference
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
     report.banned_peers = {**report.banned_peers, **calls.banned_peers}

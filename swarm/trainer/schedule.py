@@ -5,8 +5,9 @@ at once: each goes forward through stages 0..S-2, takes a fused forward+backward
 (which owns the loss), and goes backward through S-2..0, every call through `StageCaller`
 (swarm/trainer/stage_call.py, which fails over); a fraction of the forward calls is spot-checked
 on a second replica (`StageCaller.verify`). With `--routing direct` a microbatch is instead one
-chained call that the peers pass on stage to stage (`ChainCaller`, swarm/trainer/chain_call.py;
-no spot checks there yet). Nothing is dropped: a microbatch either finishes
+chained call that the peers pass on stage to stage (`ChainCaller`, swarm/trainer/chain_call.py),
+and a chain that answered has each stage's forward spot-checked in the same fraction, from what the
+stage's neighbours say crossed its hops (`ChainCaller.audit`). Nothing is dropped: a microbatch either finishes
 or the run stops with the error that stopped it. Then the step is committed on the replicas that
 average (sync, or periodic every K steps), so that they step together.
 """
@@ -190,6 +191,9 @@ class StepSchedule:
         answer = await self.chains.run(microbatch_id, mb, failures)
         for stage, peer_id in enumerate(answer.served_by):
             self._count_served(stage, peer_id, mb.size)
+        for stage in range(self.num_stages - 1):  # --verify-fraction: each stage's forward, as under hub routing
+            if self.caller.spot_checks.pick():
+                await self.chains.audit(stage, microbatch_id, mb, answer.served_by, send_tokens=self.send_tokens)
         self._finished(failures)
         return answer.loss
 

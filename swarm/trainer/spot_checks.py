@@ -34,6 +34,11 @@ replicas one step late with `--weight-prediction local-step` (also in their reco
 a step on the parameters plus the update its own gradients make, so honest replicas answer apart
 (`unchecked_because`).
 
+Under direct routing the trainer never holds a stage's inputs or outputs: a chain that answered
+is checked afterwards, its stage's inputs and outputs as the stage's neighbours in the chain say they
+crossed (peers/serving/hop_records.py, swarm/trainer/chain_call.py `ChainCaller.audit`), with the
+same decisions as here; the lie has been applied to its microbatch by then.
+
 What a check does not catch: a liar that lies only when it is not checked cannot know which calls
 are checked (a checked call is an ordinary forward, with the same microbatch id), but it can lie on
 backward calls, which are never checked, or collude with the replica asked to verify it.

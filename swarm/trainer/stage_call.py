@@ -77,6 +77,7 @@ class CallCounters:
     calls_verified: int = 0  # forward calls sent to a second replica too (spot checks)
     verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
     verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
+    verify_records_missing: int = 0  # chains (direct routing) picked for a check whose hop records could not be had
     banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why it was banned for the run
     verify_largest_agreeing_difference: float = 0.0  # the tolerance's margin: the most two agreeing answers differed
 

@@ -20,19 +20,26 @@ def peer_id(process) -> str:
     return match.group(1)
 
 
-def test_a_replica_scaling_its_outputs_is_banned_by_spot_checks(make_swarm, tmp_path):
-    swarm = make_swarm(num_stages=2, peer_args=PEER_ARGS)
+def train_beside_a_scaling_liar(make_swarm, tmp_path, honest_stages: list[int], liar_stage: int, *trainer_args):
+    """A swarm of `honest_stages` peers and one replica of `liar_stage` that scales its outputs by
+    1.05, and a 4-step run with half the calls spot-checked: the honest peers, the liar, the report."""
+    num_stages = max(honest_stages) + 1
+    swarm = make_swarm(num_stages=num_stages, peer_args=PEER_ARGS)
     swarm.start_bootstrap()
-    honest = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1)]
-    liar = swarm.start_peer(0, "--fault-garbage", "scale", "--fault-garbage-rate", "1.0", "--no-load-state")
+    honest = [swarm.start_peer(stage) for stage in honest_stages]
+    liar = swarm.start_peer(liar_stage, "--fault-garbage", "scale", "--fault-garbage-rate", "1.0", "--no-load-state")
     swarm.wait_online([*honest, liar])
     report_path = tmp_path / "report.json"
     trainer = swarm.start_trainer(
-        *("--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
-        *("--refresh-period-s", "1", "--verify-fraction", "0.5", "--report", str(report_path)),
+        *("--steps", "4", "--batch-size", "8", "--microbatch-size", "2", "--num-stages", str(num_stages)),
+        *("--refresh-period-s", "1", "--verify-fraction", "0.5", "--report", str(report_path), *trainer_args),
     )
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
-    report = json.loads(report_path.read_text())
+    return honest, liar, json.loads(report_path.read_text())
+
+
+def test_a_replica_scaling_its_outputs_is_banned_by_spot_checks(make_swarm, tmp_path):
+    honest, liar, report = train_beside_a_scaling_liar(make_swarm, tmp_path, [0, 0, 1], 0)
 
     assert report["completed"] and report["microbatches_lost"] == 0
     assert list(report["banned_peers"]) == [peer_id(liar)], report["banned_peers"]
@@ -84,3 +91,22 @@ def test_each_other_plausible_lie_is_banned_with_nothing_lost(make_swarm, tmp_pa
         assert list(report["banned_peers"]) == [peer_id(liar)], (mode, report["banned_peers"])
         assert report["contributions"][peer_id(liar)]["mismatches"] >= 1, mode
         liar.stop()
+
+
+def test_direct_routing_checks_a_middle_stage_from_what_its_neighbours_kept_and_bans_the_liar(make_swarm, tmp_path):
+    """Under --routing direct the trainer never sees stage 1's inputs or outputs: it asks the stage-0
+    replica what it sent and the stage-2 replica what it received (never the checked replica), and a
+    second replica of stage 1, a third on a mismatch, recomputes the stage from them."""
+    honest, liar, report = train_beside_a_scaling_liar(make_swarm, tmp_path, [0, 1, 1, 2], 1, "--routing", "direct")
+
+    assert report["completed"] and report["microbatches_lost"] == 0
+    assert list(report["banned_peers"]) == [peer_id(liar)], report["banned_peers"]
+    assert "stage 1" in report["banned_peers"][peer_id(liar)] and "differed" in report["banned_peers"][peer_id(liar)]
+    assert report["calls_verified"] >= 1 and report["verify_mismatches"] >= 1
+    assert report["verify_records_missing"] == 0  # every picked chain's hops were still on record
+    contributions = report["contributions"]
+    for process in honest:
+        assert contributions[peer_id(process)]["banned"] is None, contributions[peer_id(process)]
+    for process in (honest[0], honest[3]):  # alone on their stages: nothing to compare them with
+        assert contributions[peer_id(process)]["calls_verified"] == 0
+    assert liar.alive  # banned, not crashed

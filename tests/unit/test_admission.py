@@ -1,5 +1,6 @@
 """Every RPC the peer host registers passes its one admission guard: the allow list, the penalty box
-and the size limit refuse a caller of forward, backward, commit, state, probe and dial-back alike,
+and the size limit refuse a caller of forward, backward, train_chain, hop_record, commit, state, probe
+and dial-back alike,
 each with that RPC's own error answer. No network: the host registers on a fake p2p, and the
 handlers are called with fake contexts."""
 
@@ -9,6 +10,7 @@ import asyncio
 from types import SimpleNamespace
 
 import msgpack
+import torch
 from hivemind.proto import runtime_pb2
 
 from dht.node import NetworkConfig
@@ -17,12 +19,34 @@ from peers.config import PeerConfig, ServingLimits
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.host import PeerHost
-from wire.protocol import RPC_BACKWARD, RPC_COMMIT, RPC_FORWARD, RPC_PROBE, RPC_STATE, RPC_TRAIN_CHAIN
+from wire.failures import Failure
+from wire.messages import read_response, unary_request
+from wire.protocol import (
+    RPC_BACKWARD,
+    RPC_COMMIT,
+    RPC_FORWARD,
+    RPC_HOP_RECORD,
+    RPC_PROBE,
+    RPC_STATE,
+    RPC_TRAIN_CHAIN,
+    HopRecordRequest,
+    ResponseHeader,
+)
 from wire.request_limits import PenaltyBox
+from wire.tensors import decode_tensors, encode_tensor
 
 FRIEND = "QmXeJ1gN6Vft1PyTUwGYGtLrLKHg7WXDXpsLdhKJwfmLXs"
 STRANGER = "12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qjj7eSry19gAMGyHS"
-EVERY_RPC = {RPC_FORWARD, RPC_BACKWARD, RPC_TRAIN_CHAIN, RPC_COMMIT, RPC_STATE, RPC_PROBE, RPC_REACHABILITY}
+EVERY_RPC = {
+    RPC_FORWARD,
+    RPC_BACKWARD,
+    RPC_TRAIN_CHAIN,
+    RPC_HOP_RECORD,
+    RPC_COMMIT,
+    RPC_STATE,
+    RPC_PROBE,
+    RPC_REACHABILITY,
+}
 
 
 class FakeRuntime:
@@ -169,3 +193,26 @@ def test_the_guard_answers_with_the_rpc_own_refusal():
     answers, stream = asyncio.run(run())
     assert [a.metadata for a in answers] == [b"the request carries more than 10 bytes (--max-request-mb)"]
     assert stream.read == 2
+
+
+def test_a_hop_record_goes_only_to_the_trainer_that_drove_the_chain_and_only_for_this_stage():
+    host, p2p = registered_host()
+    handler = p2p.handlers[RPC_HOP_RECORD][0]
+    sent = encode_tensor(torch.arange(6.0).reshape(2, 3), "none")
+    host.chains.records.keep("run:0:1", "sent", FRIEND, sent)
+    host.chains.records.keep("run:0:2", "sent", "another-trainer", sent)
+
+    def ask(microbatch_id: str, stage: int = 0):
+        wanted = HopRecordRequest(model="tiny", stage=stage, num_stages=2, microbatch_id=microbatch_id, side="sent")
+
+        async def run():
+            return await read_response(handler(unary_request(wanted), context(FRIEND)), ResponseHeader)
+
+        return asyncio.run(run())
+
+    answer = ask("run:0:1")
+    assert answer.header.error is None
+    assert torch.equal(decode_tensors(answer.encoded())["outputs"], torch.arange(6.0).reshape(2, 3))
+    assert "no record" in ask("run:0:2").header.error  # another trainer's chain: nothing to tell
+    refused = ask("run:0:1", stage=1)
+    assert refused.header.error_kind == Failure.WRONG_STAGE
