@@ -123,6 +123,11 @@ class ServingLimits:
         help="refuse a request that takes longer than this to arrive; each of its messages may take at most "
         "30 s (or this, if less)",
     )
+    hop_record_mb: float = option(
+        64.0,
+        help="direct routing: MiB of the last chains' hop tensors (what this peer received and sent) kept for "
+        "the spot checks of the trainers that ask for them (peers/serving/hop_records.py); 0 = keep none",
+    )
     bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
     bad_request_refill_per_s: float = option(
         0.2,
@@ -133,6 +138,8 @@ class ServingLimits:
     def __post_init__(self) -> None:
         _positive(self, "max_request_mb", "max_decoded_mb", "max_in_flight_mb", "request_deadline_s")
         _positive(self, "bad_request_refill_per_s")
+        if not self.hop_record_mb >= 0:
+            raise ConfigError(f"--hop-record-mb must be >= 0, got {self.hop_record_mb:g}")
         if self.max_in_flight_mb < self.max_request_mb + 1:
             raise ConfigError(
                 f"--max-in-flight-mb ({self.max_in_flight_mb:g}) must hold a request of --max-request-mb "

@@ -230,6 +230,8 @@ class ChainRequest(BaseModel):
     # how this peer encodes the 'grad_inputs' it answers: its caller's choice for their link
     response_codec: CodecName = "none"
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
+    # the trainer spot-checks some of its chains: keep what crosses each hop (peers/serving/hop_records.py)
+    keep_records: bool = False
 
 
 class ChainResponse(BaseModel):

@@ -35,8 +35,9 @@ chain answer that succeeded (`served_by`), and the sync round caps each replica'
 attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
 chain answers.
 
-Spot checks: a peer keeps what it received from the stage before and what it sent to the replica
-of the next stage that answered (`HopRecords`, peers/serving/hop_records.py), and `rpc_hop_record`
+Spot checks: in a chain whose trainer spot-checks (`keep_records`), a peer keeps what it received
+from the stage before and what it sent to the replica of the next stage that answered (`HopRecords`,
+peers/serving/hop_records.py, within `--hop-record-mb`), and `rpc_hop_record`
 hands a record to the trainer that drove the chain, which checks a stage's replica from what its
 neighbours say crossed (swarm/trainer/chain_call.py, `ChainCaller.audit`).
 
@@ -65,7 +66,7 @@ from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
-from peers.serving.hop_records import HopRecords
+from peers.serving.hop_records import DEFAULT_RECORD_BYTES, HopRecords
 from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
 from wire.bounded_streams import StreamLimits, iterate_bounded
@@ -108,13 +109,15 @@ class ChainService:
     """Serves RPC_TRAIN_CHAIN for the stage a `StageRpcService` serves (the same runtime, compute
     thread, admission guard, budgets and counters)."""
 
-    def __init__(self, stages: StageRpcService, *, credential: str | None = None):
+    def __init__(
+        self, stages: StageRpcService, *, credential: str | None = None, record_bytes: int = DEFAULT_RECORD_BYTES
+    ):
         self.stages = stages
         self.credential = credential  # this peer's own run credential, shown to the next stage's peer
         self.p2p = None  # set when the host registers its RPCs
         self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
         self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
-        self.records = HopRecords()  # what crossed this peer's hops, for the trainer's spot checks
+        self.records = HopRecords(record_bytes)  # what crossed this peer's hops, for the trainer's spot checks
 
     async def rpc_train_chain(self, requests, context):
         stages, serving = self.stages, self.stages.serving
@@ -140,7 +143,7 @@ class ChainService:
             inputs = tensors.get("inputs")
             if inputs is None or inputs.shape[:1] != (header.batch_size,):
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
-            if header.stage > 0:  # the stage before's outputs as they crossed (stage 0's: the trainer's tokens)
+            if header.keep_records and header.stage > 0:  # the stage before's outputs as they crossed
                 self.records.keep(header.microbatch_id, "received", header.trainer_id, encoded["inputs"])
             tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
             if header.stage == header.num_stages - 1:
@@ -370,6 +373,7 @@ class ChainService:
                 loss_budget=header.loss_budget,
                 response_codec=response_codec.codec,
                 response_codec_params=response_codec.params,
+                keep_records=header.keep_records,
             )
             for _, item in sent:
                 self.stages.bytes.record_sent(item)
@@ -403,7 +407,8 @@ class ChainService:
             except (ProtocolError, BadRequestError) as e:
                 reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
                 continue
-            self.records.keep(header.microbatch_id, "sent", header.trainer_id, dict(sent)["inputs"])
+            if header.keep_records:
+                self.records.keep(header.microbatch_id, "sent", header.trainer_id, dict(sent)["inputs"])
             self.codecs.observe(
                 peer_id,
                 next_stage,

@@ -12,8 +12,10 @@ microbatch from another when it answers (the trainer asks after the chain has an
 cannot make its neighbours report other tensors than the ones that crossed. Neighbours that
 collude with it are not caught, as a checker that colludes is not under hub routing.
 
-Records are kept in arrival order within `max_bytes` (the oldest dropped first) and handed only
-to the trainer that drove the chain: other callers learn nothing of a run's activations.
+Peers keep records only of chains whose trainer spot-checks (the chain request's `keep_records`:
+it says the run checks some chains, not which), in arrival order within `max_bytes` (`--hop-record-mb`;
+the oldest dropped first), and hand them only to the trainer that drove the chain: other callers
+learn nothing of a run's activations.
 """
 
 from __future__ import annotations

@@ -134,7 +134,9 @@ class PeerHost:
                 request_deadline_s=float(1 << 30),  # no deadline: they are read already
             ),
         )
-        self.chains = ChainService(self.stage_rpc, credential=credential)  # direct routing: stage to stage
+        self.chains = ChainService(  # direct routing: stage to stage
+            self.stage_rpc, credential=credential, record_bytes=int(limits.hop_record_mb * (1 << 20))
+        )
         # a run with an authority: the replicas this one averages with are those holding a peer credential
         self.members = (
             AveragingMembers(

@@ -25,7 +25,7 @@ from peers.serving.serving_state import ServingState
 from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
-from wire.protocol import ChainRequest, ProtocolError, RequestHeader, ResponseHeader
+from wire.protocol import ChainRequest, HopRecordRequest, ProtocolError, RequestHeader, ResponseHeader
 from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLargeError
 from wire.tensors import decoded_nbytes, encode_tensor
 

@@ -99,6 +99,7 @@ class ChainCaller:
                     codec=caller.codecs.mode,
                     topk_fraction=caller.codecs.topk_fraction,
                     loss_budget=None if math.isinf(caller.codecs.loss_budget) else caller.codecs.loss_budget,
+                    keep_records=caller.spot_checks.fraction > 0.0,
                 )
                 wrong = check_served_by(route, result.served_by)
                 if wrong is not None:

@@ -198,13 +198,15 @@ class StageClient:
         codec: str = "none",
         topk_fraction: float = 0.1,
         loss_budget: float | None = None,
+        keep_records: bool = False,
     ) -> ChainResult:
         """Direct routing: one microbatch's training pass, sent to `peer_id` (a stage-0 replica), which
         passes it on stage to stage along `route` (candidates for stages 1..S-1; `stage`: another first
         stage, which a peer refuses from anyone but a peer of the stage before). Raises
         ChainCallError on failure (which stage, which of its replicas were tried). `codec`: the run's
         codec (or "adaptive"), which each peer applies to the hop it sends; `loss_budget`: what its
-        adaptive choices may cost (None: no budget)."""
+        adaptive choices may cost (None: no budget); `keep_records`: the peers keep what crosses each hop for
+        this trainer's spot checks."""
         request = write_request(
             ChainRequest(
                 model=self.model,
@@ -219,6 +221,7 @@ class StageClient:
                 codec=codec,
                 topk_fraction=topk_fraction,
                 loss_budget=loss_budget,
+                keep_records=keep_records,
             ),
             tensors,
         )
