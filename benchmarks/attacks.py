@@ -2,6 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/attacks.py --steps 40 --fakes 4 --out benchmarks/out/attacks.json
 
+`--routing direct` trains through chains instead (every run of the invocation, the clean one too), with
+`--hub-timing-fraction F` of the microbatches sent through the trainer to time the replicas.
+
 Every run starts a fresh `tiny` swarm on loopback with main's defaults (sync averaging) in an open run
 made like `swarm run create` (dht/authority.py): one peer of stage 0 and `--replicas` of stage 1, each
 with a peer credential for its stage, and a trainer with a trainer credential. Then the attack's
@@ -150,6 +153,7 @@ def one_run(name: str, args, workdir: str) -> dict:
         trainer = local.start_trainer(
             *("--steps", str(args.steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2"),
             *("--refresh-period-s", "2", "--seed", "3", "--report", report_path),
+            *("--routing", args.routing, "--hub-timing-fraction", str(args.hub_timing_fraction)),
             *run.args("trainer", "trainer"),
         )
         trainer_rss = 0.0
@@ -183,6 +187,7 @@ def one_run(name: str, args, workdir: str) -> dict:
         "peak_trainer_rss_mb": round(trainer_rss, 1),
         "failures_by_kind": report.get("failures_by_kind", {}),
         "calls_by_peer": report.get("calls_by_peer", {}),
+        "microbatches_hub_timed": report.get("microbatches_hub_timed"),
         "attackers": stats,
     }
 
@@ -213,6 +218,8 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=2, help="honest replicas of stage 1 (they average)")
     parser.add_argument("--pause-s", type=float, default=0.2, help="attack clients' pause between rounds")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    parser.add_argument("--routing", default="hub", choices=("hub", "direct"), help="the trainer's --routing")
+    parser.add_argument("--hub-timing-fraction", type=float, default=0.0, help="the trainer's, with --routing direct")
     parser.add_argument("--out", default="benchmarks/out/attacks.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -236,6 +243,8 @@ def main() -> int:
             "fakes": args.fakes,
             "replicas": args.replicas,
             "pause_s": args.pause_s,
+            "routing": args.routing,
+            "hub_timing_fraction": args.hub_timing_fraction,
             "cpus": os.cpu_count(),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),

@@ -10,7 +10,9 @@ failed for this microbatch, refused us) are never named. The peers only walk the
 
 `settle_route` hands each preferred replica's charge back once the chain answered: settled without
 a speed measurement (the trainer times the whole chain, not each stage), or as a failure where the
-stage was served by an alternate or the chain failed.
+stage was served by an alternate or the chain failed. The schedulers' speeds come from the
+replicas' announcements, and from the microbatches `--hub-timing-fraction` sends through the
+trainer, whose calls it times stage by stage (swarm/trainer/schedule.py).
 
 Pure: no I/O, no asyncio.
 """

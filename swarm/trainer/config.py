@@ -88,6 +88,13 @@ class ScheduleSettings:
         "replica of the next stage and the gradients come back the same way; each hop's sender applies --codec)",
         choices=ROUTINGS,
     )
+    hub_timing_fraction: float = option(
+        0.0,
+        help="with --routing direct: route this fraction of microbatches (drawn with --seed) through the "
+        "trainer, as hub routing does, so that the trainer times every stage's replicas on its own clock and "
+        "chooses chains' replicas by those times; 0: by the throughputs the replicas announce alone, "
+        "which a replica can overstate to draw more chains",
+    )
     stop_timeout_s: float = option(
         30.0,
         help="on SIGTERM or Ctrl-C, wait this long for the step in flight before stopping (a second signal: at once)",
@@ -104,6 +111,8 @@ class ScheduleSettings:
     def __post_init__(self) -> None:
         if self.stop_timeout_s < 0:
             raise ConfigError("--stop-timeout-s must be at least 0")
+        if not 0.0 <= self.hub_timing_fraction <= 1.0:
+            raise ConfigError("--hub-timing-fraction must lie in [0, 1]")
         if not 0.0 <= self.clip_grad_norm < float("inf"):
             raise ConfigError("--clip-grad-norm must be a finite number >= 0 (0 = off)")
         if self.steps < 1 or self.batch_size < 1 or self.microbatch_size < 1 or self.max_in_flight < 1:

@@ -65,6 +65,9 @@ class TrainingReport:
     microbatches_sent: int = 0
     microbatches_retried: int = 0
     microbatches_lost: int = 0
+    microbatches_hub_timed: int = (
+        0  # direct routing: sent through the trainer to time the replicas (--hub-timing-fraction)
+    )
     calls_retried: int = 0
     replica_catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
     sync_round_retries: int = 0  # stages committed again because their averaging round failed on every replica
@@ -177,6 +180,7 @@ async def train(
             seed=config.corpus.seed,
             max_in_flight=batches.max_in_flight,
             routing=batches.routing,
+            hub_timing_fraction=batches.hub_timing_fraction,
             clip_grad_norm=batches.clip_grad_norm,
             data_source=f"data {data.folder}",
             metrics=metrics,
@@ -356,6 +360,7 @@ async def connect(
     max_in_flight: int,
     data_source: str,
     routing: str = "hub",
+    hub_timing_fraction: float = 0.0,
     clip_grad_norm: float = 0.0,
     metrics: TrainerMetrics,
     say=print,
@@ -401,6 +406,8 @@ async def connect(
         routing=routing,
         send_tokens=model_config.subspace_rank > 0,
         clip_grad_norm=clip_grad_norm,
+        hub_timing_fraction=hub_timing_fraction,
+        seed=seed,
     )
     codecs.warm_up()
     metrics.count_bytes(client.bytes.snapshot)
@@ -425,6 +432,7 @@ def _fill_report(
     report.tokens_per_s = timed_tokens / report.train_time_s if report.train_time_s > 0 else 0.0
     report.microbatches_sent = microbatches.microbatches_sent
     report.microbatches_retried = microbatches.microbatches_retried
+    report.microbatches_hub_timed = microbatches.microbatches_hub_timed
     report.microbatches_lost = microbatches.microbatches_sent - microbatches.microbatches_done
     report.calls_retried = calls.calls_retried
     report.replica_catch_ups = microbatches.catch_ups

@@ -27,6 +27,7 @@ from swarm.trainer.discovery import SwarmView
 from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
 from swarm.trainer.global_step import step_id as global_step_id
 from swarm.trainer.metrics import TrainerMetrics
+from swarm.trainer.spot_checks import CallSampler
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.protocol import CommitResponse
 
@@ -111,6 +112,7 @@ class ScheduleCounters:
     microbatches_sent: int = 0
     microbatches_done: int = 0
     microbatches_retried: int = 0  # microbatches that needed at least one retry
+    microbatches_hub_timed: int = 0  # direct routing: microbatches sent through the trainer (--hub-timing-fraction)
     commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)
     averaged_commits: int = 0  # ... of which averaged with other replicas
     catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
@@ -127,6 +129,8 @@ class StepSchedule:
         routing: str = "hub",
         send_tokens: bool = False,
         clip_grad_norm: float = 0.0,
+        hub_timing_fraction: float = 0.0,
+        seed: int = 0,
     ):
         self.caller, self.run_id = caller, run_id
         # > 0: each step's gradient is clipped to this global norm over every stage (two-phase commit)
@@ -138,6 +142,8 @@ class StepSchedule:
         self.send_tokens = send_tokens
         # direct routing: each microbatch is one chained call through the stages (chain_call.py)
         self.chains = ChainCaller(caller) if routing == "direct" else None
+        # ... except this fraction, sent through the trainer so that it times each stage's replicas itself
+        self.hub_timed = CallSampler(hub_timing_fraction, seed=seed, purpose="hub-timing")
         self.view: SwarmView = caller.view
         self.client: StageClient = caller.client
         self.num_stages = self.view.num_stages
@@ -157,7 +163,9 @@ class StepSchedule:
             self.counters.microbatches_sent += 1
             failures: list[str] = []
             if self.chains is not None:
-                return await self._chained(microbatch_id, mb, failures)
+                if not self.hub_timed.pick():
+                    return await self._chained(microbatch_id, mb, failures)
+                self.counters.microbatches_hub_timed += 1  # --hub-timing-fraction: timed stage by stage below
             call = self.caller.call
             # Per stage: its inputs (their encodings are reused by its backward) and the peer that
             # served its forward (and cached it, so that the backward need not resend the inputs).

@@ -110,14 +110,15 @@ def comparable_replicas(
 
 
 class CallSampler:
-    """Which forward calls to verify: each with probability `fraction`, from a seeded RNG, so the
-    same run verifies the same calls (in the order the pipeline asks)."""
+    """Which forward calls to verify (or, with another `purpose`, which microbatches to pick for it):
+    each with probability `fraction`, from an RNG seeded by the run's seed and the purpose, so the
+    same run picks the same calls (in the order the pipeline asks), each purpose its own."""
 
-    def __init__(self, fraction: float, *, seed: int = 0):
+    def __init__(self, fraction: float, *, seed: int = 0, purpose: str = "spot-checks"):
         if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"the fraction of calls to verify must lie in [0, 1], got {fraction}")
+            raise ValueError(f"the fraction of calls to pick for {purpose} must lie in [0, 1], got {fraction}")
         self.fraction = fraction
-        self._rng = random.Random(f"spot-checks:{seed}")
+        self._rng = random.Random(f"{purpose}:{seed}")
 
     def pick(self) -> bool:
         return self.fraction > 0.0 and self._rng.random() < self.fraction

@@ -200,16 +200,20 @@ def test_a_run_with_an_authority_trains_through_chains_and_refuses_a_chain_from_
     assert first.alive and last.alive
 
 
-@pytest.mark.parametrize("lose_answer", [False, True], ids=["", "answers-lost"])
-def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm, tmp_path, lose_answer):
+@pytest.mark.parametrize("variant", ["", "answers-lost", "hub-timed"])
+def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm, tmp_path, variant):
     """Two stage-0 replicas each serve part of the batch through chains; the trainer counts what each
     served from the chains' `served_by`, which caps each one's weight in the sync round: counted
     wrong, the averaged step would not be the one-process step. answers-lost: each stage-0 replica
     adds its first chain's gradients and then its stream breaks (--fault-lose-answer); the trainer
-    drives that chain again along the same route, whose replicas answer without adding it twice."""
+    drives that chain again along the same route, whose replicas answer without adding it twice.
+    hub-timed: half the microbatches go through the trainer (--hub-timing-fraction 0.5), the rest
+    through chains, in one step."""
     swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
     swarm.start_bootstrap()
+    lose_answer = variant == "answers-lost"
     fault = ["--fault-lose-answer", "1"] if lose_answer else []
+    timing = ["--hub-timing-fraction", "0.5"] if variant == "hub-timed" else []
     peers = [
         swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"), *fault),
         swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"), *fault),
@@ -218,11 +222,13 @@ def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm,
     swarm.wait_online(peers)
     report = run_trainer(
         swarm, tmp_path, "--steps", "1", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH),
-        "--routing", "direct",
+        "--routing", "direct", *timing,
     )  # fmt: skip
     metrics = [scrape(peer) for peer in peers]
     stop_together(peers)
     assert report["microbatches_lost"] == 0
+    hub_timed = report["microbatches_hub_timed"]
+    assert (0 < hub_timed < BATCH // MICROBATCH) if timing else (hub_timed == 0), report
     lost = [peer for peer in peers[:2] if "lost the answer to backward call 1" in peer.log()]
     assert report["backward_asked_again"] == len(lost) and (lost or not lose_answer), report
     for stage_metrics in (metrics[:2], metrics[2:]):  # every microbatch added once on each stage

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from peers.serving.chain_rpc import hop_timeout_s
-from process.config import from_sources
+from process.config import ConfigError, from_sources
 from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, settle_route
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
@@ -113,6 +113,10 @@ def test_direct_routing_takes_every_codec_and_spot_checks():
         assert config.compression.codec == codec
     config = from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_VERIFY_FRACTION": "0.1"})
     assert config.verification.verify_fraction == 0.1  # checked from what the hops' neighbours kept
+    config = from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_HUB_TIMING_FRACTION": "0.05"})
+    assert config.schedule.hub_timing_fraction == 0.05
+    with pytest.raises(ConfigError, match="hub-timing-fraction"):
+        from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_HUB_TIMING_FRACTION": "2"})
 
 
 def test_each_hop_leaves_its_own_stage_a_share_of_the_time():

@@ -104,6 +104,9 @@ TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
 # Added deliberately (issue #23): activations stage to stage instead of through the trainer; hub by default.
 TRAIN_FLAGS_ADDED |= {"--routing"}
 TRAIN_DEFAULTS_ADDED |= {"routing": "hub"}
+# Added deliberately (issue #23): direct routing's replicas timed on the trainer's clock; off by default.
+TRAIN_FLAGS_ADDED |= {"--hub-timing-fraction"}
+TRAIN_DEFAULTS_ADDED |= {"hub_timing_fraction": 0.0}
 # Added deliberately (issue #22): gradient clipping by the global norm over every stage; off by default.
 TRAIN_FLAGS_ADDED |= {"--clip-grad-norm"}
 TRAIN_DEFAULTS_ADDED |= {"clip_grad_norm": 0.0}

@@ -73,6 +73,10 @@ def test_the_sampler_picks_about_its_fraction_the_same_way_for_the_same_seed():
     assert all(CallSampler(1.0).pick() for _ in range(100))
     with pytest.raises(ValueError):
         CallSampler(1.5)
+    # each purpose draws its own picks from the same seed: the microbatches timed through the trainer
+    # (--hub-timing-fraction) are not the calls spot-checked
+    timing = CallSampler(0.2, seed=7, purpose="hub-timing")
+    assert [timing.pick() for _ in range(2000)] != picks
 
 
 def test_two_agreeing_answers_are_agreed_and_their_difference_kept():
