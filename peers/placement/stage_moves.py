@@ -204,9 +204,8 @@ class StageMoves:
                 flush=True,
             )
             await self.move_to_stage(decision.to_stage, p2p)
-            settle.moved(
-                self.peer_id, time.monotonic(), decision.from_stage, decision.to_stage
-            )  # our own move settles too
+            # our own move settles too, and bars its reverse
+            settle.moved(self.peer_id, time.monotonic(), decision.from_stage, decision.to_stage)
             # The claim is left to lapse, not withdrawn: a peer whose snapshot was taken before this
             # move became visible may claim the same move while it is under way, and must lose.
 

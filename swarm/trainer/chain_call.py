@@ -17,6 +17,8 @@ and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
 
 The answer names the replica that served each stage (`served_by`): the schedule counts each one's
 samples from it, for the sync round's weight caps, exactly as from hub routing's backward answers.
+`ChainCaller.audit` spot-checks a stage of a chain that answered, from what the stage's neighbours
+say crossed its hops (peers/serving/hop_records.py).
 """
 
 from __future__ import annotations
