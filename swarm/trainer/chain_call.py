@@ -145,34 +145,18 @@ class ChainCaller:
         served before it was caught (a hub check replaces the lying answer first). A record that
         cannot be fetched (evicted, the neighbour gone) leaves the chain unchecked, counted."""
         caller = self.caller
-        limit = answer_bytes_limit(mb.size * caller.seq_len * caller.d_model)
-        timeout_s = caller.timeouts.timeout_s(stage, "forward")
         try:
             if stage == 0:
                 inputs = encode_tensor(mb.inputs, "none")  # what the chain's first call carried
             else:
-                inputs = await self.client.hop_record(
-                    served_by[stage - 1],
-                    stage=stage - 1,
-                    microbatch_id=microbatch_id,
-                    side="sent",
-                    timeout_s=timeout_s,
-                    max_answer_bytes=limit,
-                )
-            outputs = await self.client.hop_record(
-                served_by[stage + 1],
-                stage=stage + 1,
-                microbatch_id=microbatch_id,
-                side="received",
-                timeout_s=timeout_s,
-                max_answer_bytes=limit,
-            )
+                inputs = await self._hop_record(served_by[stage - 1], stage - 1, microbatch_id, "sent", mb.size)
+            outputs = await self._hop_record(served_by[stage + 1], stage + 1, microbatch_id, "received", mb.size)
             codec = outputs.header.codec
             relative_error_bound(codec)  # a codec with no known error bound cannot be held to a tolerance
-            decoded = decode_tensors({"outputs": outputs}, max_bytes=limit)["outputs"]
+            decoded = decode_tensors({"outputs": outputs}, max_bytes=self._record_limit(mb.size))["outputs"]
         except (PeerCallError, ProtocolError, CodecError) as e:
             caller.counters.verify_records_missing += 1
-            logger.info(f"stage {stage}: {microbatch_id} not spot-checked: no record of its hop ({e})")
+            logger.warning(f"stage {stage}: {microbatch_id} not spot-checked: no record of its hop ({e})")
             return
         request = [("inputs", inputs)]
         if send_tokens and stage > 0:
@@ -181,6 +165,26 @@ class ChainCaller:
             {"outputs": decoded}, ResponseHeader(), served_by[stage], {"outputs": outputs}, (codec, ()), tuple(request)
         )
         await caller.verify(stage, microbatch_id, mb.size, answer)
+
+    def _record_limit(self, batch_size: int) -> int:
+        return answer_bytes_limit(batch_size * self.caller.seq_len * self.caller.d_model)
+
+    async def _hop_record(self, peer_id: str, stage: int, microbatch_id: str, side: str, batch_size: int):
+        """`StageClient.hop_record`, asked once more when the stream broke or its answer came short (lost
+        in transit: p2pd may reset a stream whose handler has returned before its last message is read)."""
+        for attempt in range(2):
+            try:
+                return await self.client.hop_record(
+                    peer_id,
+                    stage=stage,
+                    microbatch_id=microbatch_id,
+                    side=side,
+                    timeout_s=self.caller.timeouts.timeout_s(stage, "forward"),
+                    max_answer_bytes=self._record_limit(batch_size),
+                )
+            except PeerCallError as e:
+                if e.kind not in (Failure.TRANSPORT, Failure.GARBAGE) or attempt == 1:
+                    raise
 
     def _note_failure(self, error: PeerCallError, route: list[list[str]], failures: list[str], took_s: float) -> None:
         caller = self.caller
