@@ -33,6 +33,7 @@ import logging
 import random
 import time
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import Executor
 
 import hivemind
@@ -203,7 +204,8 @@ class StageMoves:
                 f"{decision.reason}; claim: {won})",
                 flush=True,
             )
-            await self.move_to_stage(decision.to_stage, p2p)
+            seen = [v.peer_id for v in views if v.stage == decision.to_stage and v.state == PeerState.ONLINE.value]
+            await self.move_to_stage(decision.to_stage, p2p, seen_replicas=seen)
             # our own move settles too, and bars its reverse
             settle.moved(self.peer_id, time.monotonic(), decision.from_stage, decision.to_stage)
             # The claim is left to lapse, not withdrawn: a peer whose snapshot was taken before this
@@ -265,8 +267,10 @@ class StageMoves:
         withdrawn = claim.model_copy(update={"active": False, "expires_at": claim.expires_at + 1.0})
         await publish_move_claim_async(self.dht, withdrawn, timeout_s=CLAIM_TIMEOUT_S)
 
-    async def move_to_stage(self, stage: int, p2p) -> None:
-        """Serve `stage` instead of the current one (see the module docstring for the steps)."""
+    async def move_to_stage(self, stage: int, p2p, seen_replicas: Iterable[str] = ()) -> None:
+        """Serve `stage` instead of the current one (see the module docstring for the steps).
+        `seen_replicas`: the peers the move's plan saw online at `stage`, asked for its state even if
+        their records lapsed meanwhile."""
         serving = self.serving
         old_stage, started = serving.runtime.stage, time.monotonic()
         serving.moving_to = stage
@@ -289,7 +293,12 @@ class StageMoves:
         drained_s = await self._drain_old_stage()
         # The state last, right before the swap: the new stage's replicas keep stepping while we drain
         # (up to 10 s), and a copy taken before that would be served several of their steps out of date.
-        await self.replicas.load_state_from_replica(p2p, built.runtime)
+        if not await self.replicas.load_state_from_replica(p2p, built.runtime, seen_replicas):
+            print(
+                f"stage {stage}: no replica's state loaded; serving it from "
+                f"{built.runtime.steps_done} steps done (a checkpoint's, or initial weights at 0)",
+                flush=True,
+            )
         # Announce what this peer served, not the new stage's start-up benchmark: the plan assumed the
         # peer's throughput moves with it, and a benchmark taken in a quiet second (measured up to 4x
         # the served EMA) made peers move back and forth. Real requests correct the EMA from here.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from functools import partial
 
@@ -209,24 +209,29 @@ class ReplicaSyncService:
             f"({runtime.steps_done} steps done)"
         )
 
-    async def load_state_from_replica(self, p2p, runtime=None) -> bool:
+    async def load_state_from_replica(self, p2p, runtime=None, seen_replicas: Iterable[str] = ()) -> bool:
         """Before going online: copy the stage's current state from a live replica, if there is one.
         `runtime`: load into this one instead of the served one (a move or a standby refresh).
-        Returns whether a replica's state was loaded."""
+        `seen_replicas`: peers a moment ago seen online at that stage (the snapshot a move was planned
+        on); each is asked too, after the replicas the DHT shows now, as its record may have lapsed for
+        a moment on a loaded machine (then a mover found none and served its new stage from initial
+        weights). Returns whether a replica's state was loaded."""
         runtime = runtime or self.serving.runtime
         records = [
             r
             for r in await fetch_stage_records_async(self.dht, self.model, runtime.stage)
             if r.state == PeerState.ONLINE and r.peer_id != self.peer_id and r.num_stages == runtime.num_stages
         ]
+        sources = [r.peer_id for r in sorted(records, key=lambda r: r.load)]
+        sources += [p for p in dict.fromkeys(seen_replicas) if p not in sources and p != self.peer_id]
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
         )
-        for record in sorted(records, key=lambda r: r.load):
+        for source in sources:
             try:
                 downloaded = await download_state(
                     p2p,
-                    record.peer_id,
+                    source,
                     request,
                     timeout_s=self.averaging_timeout_s * 4,
                     max_bytes=state_bytes_bound(runtime),
@@ -234,7 +239,7 @@ class ReplicaSyncService:
                 # Compared with the runtime that receives the state (a move's new stage, not the one served so far).
                 if downloaded[0].steps_done < runtime.steps_done:  # e.g. a replica that served little or nothing
                     print(
-                        f"replica {record.peer_id[-8:]} has done {downloaded[0].steps_done} steps, fewer than our "
+                        f"replica {source[-8:]} has done {downloaded[0].steps_done} steps, fewer than our "
                         f"{runtime.steps_done}; not loading its state",
                         flush=True,
                     )
@@ -244,19 +249,18 @@ class ReplicaSyncService:
                     runtime.import_state,
                     downloaded,
                     self.model,
-                    f"state from replica {record.peer_id[-8:]}",
+                    f"state from replica {source[-8:]}",
                 )
                 print(
-                    f"loaded stage {runtime.stage} state from replica {record.peer_id[-8:]} "
-                    f"({runtime.steps_done} steps done)",
+                    f"loaded stage {runtime.stage} state from replica {source[-8:]} ({runtime.steps_done} steps done)",
                     flush=True,
                 )
                 return True
             except (TimeoutError, CheckpointError, ProtocolError, OSError) as e:
-                logger.warning(f"Could not load state from {record.peer_id[-8:]}: {e}; trying another replica")
+                logger.warning(f"Could not load state from {source[-8:]}: {e}; trying another replica")
             except Exception as e:  # the replica may vanish mid-transfer in many ways
-                logger.warning(f"Could not load state from {record.peer_id[-8:]}: {type(e).__name__}: {e}")
-        if records:
+                logger.warning(f"Could not load state from {source[-8:]}: {type(e).__name__}: {e}")
+        if sources:
             print(f"no replica of stage {runtime.stage} could send its state; starting from what we have", flush=True)
         return False
 

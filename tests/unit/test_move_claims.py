@@ -229,7 +229,7 @@ class HerdPeer(stage_moves.StageMoves):
         others.append(ReplicaView("q1", 1, 1.0, "online"))
         return others + ([ReplicaView(self.peer_id, 0, 0.5, "online")] if include_self else [])
 
-    async def move_to_stage(self, stage: int, p2p) -> None:
+    async def move_to_stage(self, stage: int, p2p, seen_replicas=()) -> None:
         self.moved_to.append(stage)
         self.stop.set()  # (these scripted snapshots would not show the move)
 

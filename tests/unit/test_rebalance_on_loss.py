@@ -48,7 +48,7 @@ class ScriptedPeer(StageMoves):
             self.others = [r for r in self.others if r.peer_id != "q2"]
         return self.others + ([online(self.peer_id, self.serving.runtime.stage)] if include_self else [])
 
-    async def move_to_stage(self, stage: int, p2p) -> None:
+    async def move_to_stage(self, stage: int, p2p, seen_replicas=()) -> None:
         self.moved_to.append(stage)
         self.stop.set()
 

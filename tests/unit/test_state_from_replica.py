@@ -61,3 +61,33 @@ def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monke
         restored = FakeRuntime(stage=1, steps_done=7)
         assert not asyncio.run(replicas.load_state_from_replica(None, restored))
         assert restored.steps_done == 7 and restored.imported is None
+
+
+def test_a_mover_asks_the_replica_its_plan_saw_when_that_replicas_record_lapsed(monkeypatch):
+    """On a loaded machine a record renewed every second can lapse for a moment: the DHT then shows the
+    stage no replica, and a mover that asked only the DHT served the stage from its initial weights
+    (main's clean CI, stop 40). The replicas the move's plan saw are asked too, after the DHT's."""
+    asked = []
+
+    async def no_records(dht, model, stage):
+        return []
+
+    async def download(p2p, peer_id, request, *, timeout_s, max_bytes):
+        asked.append(peer_id)
+        if peer_id == "gone":
+            raise TimeoutError("no answer")
+        return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=5), {}, {}
+
+    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", no_records)
+    monkeypatch.setattr(replica_sync, "download_state", download)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=9))
+        replicas = ReplicaSyncService(
+            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0
+        )
+        new_stage = FakeRuntime(stage=1, steps_done=0)
+        assert not asyncio.run(replicas.load_state_from_replica(None, FakeRuntime(stage=1, steps_done=0)))
+        assert asked == []  # nothing seen, nothing on the DHT: nothing to ask
+        seen = ["mover", "gone", "stage1-replica", "gone"]
+        assert asyncio.run(replicas.load_state_from_replica(None, new_stage, seen_replicas=seen))
+        assert asked == ["gone", "stage1-replica"] and new_stage.steps_done == 5
