@@ -156,10 +156,10 @@ class StageClient:
 
     async def hop_record(
         self, peer_id: str, *, stage: int, microbatch_id: str, side: str, timeout_s: float, max_answer_bytes: int
-    ) -> EncodedTensor:
+    ) -> tuple[EncodedTensor, torch.Tensor]:
         """Direct routing's spot checks: what `peer_id`, serving `stage`, `side` ("received" or
         "sent") for `microbatch_id` in a chain this trainer drove, as it crossed the wire
-        (peers/serving/hop_records.py); checked to decode within `max_answer_bytes`. Raises PeerCallError."""
+        (peers/serving/hop_records.py), and decoded (within `max_answer_bytes`). Raises PeerCallError."""
         header = HopRecordRequest(
             model=self.model,
             stage=stage,
@@ -178,11 +178,11 @@ class StageClient:
             tensor = answer.encoded().get(name)
             if tensor is None:
                 raise ProtocolError(f"the answer carries no {name!r}")
-            decode_tensors({name: tensor}, max_bytes=max_answer_bytes)
+            decoded = decode_tensors({name: tensor}, max_bytes=max_answer_bytes)[name]
         except ProtocolError as e:
             raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
         self.bytes.record_received(tensor)
-        return tensor
+        return tensor, decoded
 
     async def train_chain(
         self,
