@@ -46,6 +46,7 @@ from swarm.trainer.client import StageClient  # noqa: E402
 from tests.integration.test_dht_floods import JUNK_SUBKEYS, _store_junk  # noqa: E402
 from tests.integration.test_request_bounds import _aiter, send_one_huge_message, topk_bomb_request  # noqa: E402
 from tests.integration.test_run_authority import _call, _commit  # noqa: E402
+from wire.bounded_streams import StreamLimits, iterate_bounded  # noqa: E402
 from wire.messages import read_response  # noqa: E402
 from wire.protocol import RPC_BACKWARD, ResponseHeader  # noqa: E402
 
@@ -79,8 +80,13 @@ async def one_round(kind: str, p2p, client, args, counts: Counter, state: dict) 
             counts[f"averaging: {text}"] += 1
     elif kind == "size_bomb":
         for peer_id in args.stage1:
-            stream = await p2p.iterate_protobuf_handler(
-                PeerID.from_base58(peer_id), RPC_BACKWARD, _aiter(topk_bomb_request(config)), _response_type()
+            stream = await iterate_bounded(
+                p2p,
+                PeerID.from_base58(peer_id),
+                RPC_BACKWARD,
+                _aiter(topk_bomb_request(config)),
+                _response_type(),
+                StreamLimits(),
             )
             error = (await read_response(stream, ResponseHeader)).header.error
             counts[f"topk bomb: {'refused: ' + error[:70] if error else 'NOT refused'}"] += 1

@@ -12,8 +12,16 @@ iterator into the handler, which answers them as it answers any bad request.
     serve_bounded(p2p, name, handler, request_type, limits, stream_input=...)   a peer's RPC
     await iterate_bounded(p2p, peer_id, name, requests, response_type, limits)  calling one
 
-On the wire this is exactly hivemind's framing (a marker byte, an 8-byte big-endian length, the
-protobuf), so either side may be plain hivemind.
+On the wire this is hivemind's framing (a marker byte, an 8-byte big-endian length, the protobuf),
+with one addition: a handler ends its answers with hivemind's end marker (an empty error), as a
+caller ends its requests, and then waits for the caller to close the stream before closing its
+own side. A handler that closed first could lose the tail of its answer without any error: when
+the handler's end of a libp2p stream closes, its p2pd resets the stream, and the caller's p2pd
+drops what it had received but not yet handed to the caller (measured with two real daemons: one
+3-message answer in ~500 came back a message short, `benchmarks/stream_tail.py`). The caller reads
+up to the marker and closes first, so nothing is in flight when the handler closes. A plain hivemind
+caller reads the marker as an error with an empty message; a caller of this module's earlier
+versions (which read until the stream closed) reads it as the end.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ class StreamDeadlineError(ProtocolError):
 @dataclass(frozen=True)
 class StreamLimits:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    read_timeout_s: float = 30.0  # for each message; a whole request is bounded by the byte budget's deadline
+    read_timeout_s: float = 30.0  # for each message, and for the caller's close after the answer (see above)
 
 
 async def receive_message(reader: asyncio.StreamReader, message_type: type, limits: StreamLimits) -> Any | None:
@@ -111,10 +119,20 @@ async def serve_bounded(
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
+        broke_limits = []  # a caller that broke the limits is not waited for: its stream just closes
+
+        async def requests() -> AsyncIterator:
+            try:
+                async for message in _messages(reader, request_type, limits):
+                    yield message
+            except ProtocolError:
+                broke_limits.append(True)
+                raise
+
         with closing(writer):
             try:
                 if stream_input:
-                    answers = handler(_messages(reader, request_type, limits), context)
+                    answers = handler(requests(), context)
                 else:
                     request = await receive_message(reader, request_type, limits)
                     if request is None:
@@ -127,6 +145,9 @@ async def serve_bounded(
                     answers = _single(answers)
                 async for answer in answers:
                     await P2P.send_protobuf(answer, writer)
+                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+                if not broke_limits:
+                    await _until_caller_closes(reader, limits.read_timeout_s)
             except (ConnectionError, asyncio.IncompleteReadError):
                 return  # the caller went away
             except asyncio.CancelledError:
@@ -142,8 +163,19 @@ async def serve_bounded(
                 logger.debug(f"{name}: {type(e).__name__}: {e}")
                 with suppress(Exception):
                     await P2P.send_protobuf(RPCError(message=str(e)[:1000]), writer)
+                    if not broke_limits and not isinstance(e, ProtocolError):
+                        await _until_caller_closes(reader, limits.read_timeout_s)
 
     await p2p.add_binary_stream_handler(name, handle)
+
+
+async def _until_caller_closes(reader: asyncio.StreamReader, timeout_s: float) -> None:
+    """Wait (at most `timeout_s`) for the caller to close the stream, discarding whatever it still
+    sends: the answer is then all delivered, and closing this side loses none of it."""
+    with suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(timeout_s):
+            while await reader.read(1 << 16):
+                pass
 
 
 async def _single(answer: Awaitable) -> AsyncIterator:
@@ -154,7 +186,8 @@ async def iterate_bounded(
     p2p: P2P, peer_id: PeerID, name: str, requests: AsyncIterator, response_type: type, limits: StreamLimits
 ) -> AsyncIterator:
     """Call a streamed RPC as hivemind's `iterate_protobuf_handler` does; its answers are read
-    within `limits` (a reply larger than the limit is refused before it is buffered)."""
+    within `limits` (a reply larger than the limit is refused before it is buffered), up to the
+    handler's end marker (or the stream's end), and this side closes the stream first."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
 
     async def send() -> None:

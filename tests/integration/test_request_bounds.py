@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
 from swarm.trainer.client import PeerCallError, StageClient
+from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.failures import Failure
 from wire.messages import request_messages
 from wire.protocol import RPC_BACKWARD, RPC_FORWARD, RequestHeader
@@ -101,8 +102,13 @@ def test_a_peer_refuses_huge_messages_stalled_streams_and_size_bombs_with_bounde
         await send_one_huge_message(p2p, PeerID.from_base58(peer_id))
         closed_after_s = await stall_mid_message(p2p, PeerID.from_base58(peer_id))
         assert closed_after_s < 3 * READ_DEADLINE_S, closed_after_s
-        stream = await p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer_id), RPC_BACKWARD, _aiter(topk_bomb_request(config)), runtime_pb2.ExpertResponse
+        stream = await iterate_bounded(
+            p2p,
+            PeerID.from_base58(peer_id),
+            RPC_BACKWARD,
+            _aiter(topk_bomb_request(config)),
+            runtime_pb2.ExpertResponse,
+            StreamLimits(),
         )
         answers = [message async for message in stream]
         assert b"decode to" in answers[0].metadata, answers[0].metadata[:300]

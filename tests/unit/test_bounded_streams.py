@@ -178,3 +178,59 @@ def test_a_handler_cut_off_by_the_loop_shutting_down_ends_its_stream_without_an_
 
     asyncio.run(main())
     assert reported == []
+
+
+def test_a_handler_ends_its_answer_with_the_marker_and_lets_the_caller_close_first(tmp_path):
+    """A handler that closed its end right after answering could lose the answer's tail with no error
+    (its p2pd resets the stream; benchmarks/stream_tail.py measured 3 answers in 2,400 a message
+    short). It ends the answer with the end marker and closes only once the caller has closed (or
+    after the read deadline); a caller that broke the limits is not waited for."""
+    from types import SimpleNamespace
+
+    from wire.bounded_streams import serve_bounded
+
+    registered = {}
+
+    async def add_binary_stream_handler(name, handle):
+        registered[name] = handle
+
+    p2p = SimpleNamespace(peer_id="me", add_binary_stream_handler=add_binary_stream_handler)
+
+    async def two_answers(requests, context):
+        async for _ in requests:
+            pass
+        for uid in ("a", "b"):
+            yield runtime_pb2.ExpertResponse(metadata=uid.encode())
+
+    async def main():
+        limits = StreamLimits(read_timeout_s=3.0)
+        await serve_bounded(p2p, "rpc", two_answers, runtime_pb2.ExpertRequest, limits, stream_input=True)
+        handled = []
+
+        async def connected(reader, writer):
+            task = asyncio.current_task()
+            handled.append(task)
+            await registered["rpc"](SimpleNamespace(peer_id="caller"), reader, writer)
+
+        server = await asyncio.start_unix_server(connected, path=str(tmp_path / "p2p.sock"))
+        async with server:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "p2p.sock"))
+            writer.write(framed(runtime_pb2.ExpertRequest(uid="q")) + end_of_stream())
+            answers = [await receive_message(reader, runtime_pb2.ExpertResponse, limits) for _ in range(3)]
+            assert [a.metadata if a else None for a in answers] == [b"a", b"b", None]  # None: the marker
+            await asyncio.sleep(0.3)
+            assert not handled[0].done()  # the handler holds its end open for the caller to close first
+            writer.close()
+            await asyncio.wait_for(handled[0], timeout=5.0)  # and then ends at once
+
+            # A caller that stalls mid-message gets its error and the stream closes at the deadline.
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "p2p.sock"))
+            writer.write(framed(runtime_pb2.ExpertRequest(metadata=b"x" * 100))[:50])
+            started = asyncio.get_running_loop().time()
+            while await asyncio.wait_for(reader.read(1 << 16), timeout=15.0):
+                pass
+            closed_after = asyncio.get_running_loop().time() - started
+            writer.close()
+            assert closed_after < 5.5, closed_after  # one read deadline (3 s), not a second one for the close
+
+    asyncio.run(main())
