@@ -181,7 +181,7 @@ class ChainService:
                 compute_s=compute_s,
                 handler_s=time.perf_counter() - arrived,
             )
-            serving.requests_served += 1
+            serving.served_one()
             if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
                 lost = runtime.answer_lost("backward")
         except ChainHopError as e:

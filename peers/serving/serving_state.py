@@ -13,6 +13,7 @@ never on half of each.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from dht.records import PeerState
 from peers.compute.faults import FaultyStageRuntime
@@ -38,6 +39,17 @@ class ServingState:
     announced_online_at: float | None = None  # when the first `online` record was stored
     # Top-k residuals of the gradients this peer sends back: they belong to the served stage's tensors.
     feedback: compression.ErrorFeedback = dataclasses.field(default_factory=compression.ErrorFeedback)
+
+    def served_one(self) -> None:
+        """Count a request served (either RPC: a stage call or a chain's hop); the first one also says
+        how long after the peer went online it came."""
+        self.requests_served += 1
+        if self.requests_served == 1 and self.announced_online_at is not None:
+            print(
+                f"first request served {time.monotonic() - self.announced_online_at:.2f} s after the "
+                f"online record was stored",
+                flush=True,
+            )
 
     def set_state(self, state: PeerState) -> None:
         self.state = state

@@ -119,13 +119,7 @@ class StageRpcService:
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
                 lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
             response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
-            serving.requests_served += 1
-            if serving.requests_served == 1 and serving.announced_online_at is not None:
-                print(
-                    f"first request served {time.monotonic() - serving.announced_online_at:.2f} s after the "
-                    f"online record was stored",
-                    flush=True,
-                )
+            serving.served_one()
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
             kind = Failure.CACHE_MISS
             logger.debug(f"{rpc}: {e}")
