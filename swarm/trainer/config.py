@@ -82,10 +82,11 @@ class ScheduleSettings:
     microbatch_size: int = option(4, help="samples per microbatch sent through the pipeline")
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
     routing: str = option(
-        "hub",
-        help="how activations travel: hub (every stage's call goes from and back to the trainer) or direct "
-        "(the trainer sends a microbatch to a stage-0 replica, each peer sends its outputs straight to a "
-        "replica of the next stage and the gradients come back the same way; each hop's sender applies --codec)",
+        "direct",
+        help="how activations travel: direct (the trainer sends a microbatch to a stage-0 replica, each peer "
+        "sends its outputs straight to a replica of the next stage and the gradients come back the same way; "
+        "each hop's sender applies --codec) or hub (every stage's call goes from and back to the trainer: "
+        "twice the link bytes, but a spot-checked lie is caught before its microbatch is applied)",
         choices=ROUTINGS,
     )
     hub_timing_fraction: float = option(

@@ -34,16 +34,18 @@ def peer_key(process) -> str:
     return match.group(1)[-8:]
 
 
-def train(swarm, report_path) -> dict:
-    return finish(swarm.start_trainer(*TRAIN_ARGS, "--report", str(report_path)), report_path)
-
-
 def finish(trainer, report_path) -> dict:
     assert trainer.popen.wait(timeout=400) == 0, trainer.log()[-3000:]
     return json.loads(report_path.read_text())
 
 
-def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffected(make_swarm, tmp_path):
+@pytest.mark.parametrize("routing", ["hub", "direct"])
+def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffected(make_swarm, tmp_path, routing):
+    """hub: the trainer sees each garbage answer itself and bans the peer everywhere, for long. direct:
+    the peer before the garbage replica sees it and fails over to the route's next candidate; the
+    trainer learns only that the hop failed over (a peer's word about another peer, which a liar
+    could use against an honest one), so the replica is routed around for a short ban, as after any
+    failed call, and tried again after it."""
     # Two swarms side by side: the clean run trains while the dirty swarm's garbage peers start.
     clean = make_swarm(num_stages=2, peer_args=PEER_ARGS)
     dirty = make_swarm(num_stages=2, peer_args=PEER_ARGS)
@@ -52,7 +54,7 @@ def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffect
     peers = [clean.start_peer(0), clean.start_peer(1)]
     good = [dirty.start_peer(0), dirty.start_peer(1)]
     clean.wait_online(peers)
-    clean_trainer = clean.start_trainer(*TRAIN_ARGS, "--report", str(tmp_path / "clean.json"))
+    clean_trainer = clean.start_trainer(*TRAIN_ARGS, "--routing", routing, "--report", str(tmp_path / "clean.json"))
     dirty.wait_online(good)
     # Started after the good ones, so they load the same initial state; every answer is garbage.
     nan_peer = dirty.start_peer(1, "--fault-garbage", "nan", "--no-load-state")
@@ -60,10 +62,16 @@ def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffect
     clean_report = finish(clean_trainer, tmp_path / "clean.json")
     clean.stop()
     dirty.wait_online([nan_peer, shape_peer])
-    report = train(dirty, tmp_path / "dirty.json")
+    report = finish(
+        dirty.start_trainer(*TRAIN_ARGS, "--routing", routing, "--report", str(tmp_path / "dirty.json")),
+        tmp_path / "dirty.json",
+    )
 
     assert report["completed"] and report["microbatches_lost"] == 0
-    assert report["failures_by_kind"].get("garbage", 0) >= 2, report["failures_by_kind"]
+    if routing == "hub":
+        assert report["failures_by_kind"].get("garbage", 0) >= 2, report["failures_by_kind"]
+    else:  # each garbage replica was tried (new replicas are tried soon) and failed over from
+        assert report["calls_retried"] >= 2, report
     for bad in (nan_peer, shape_peer):
         assert report["calls_by_peer"].get(peer_key(bad), 0) == 0, report["calls_by_peer"]
         assert bad.alive  # the trainer bans it; nobody crashes

@@ -106,8 +106,8 @@ def test_served_by_must_fit_the_route():
 
 
 def test_direct_routing_takes_every_codec_and_spot_checks():
-    assert from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct"}).schedule.routing == "direct"
-    assert from_sources(TrainerConfig, env={}).schedule.routing == "hub"
+    assert from_sources(TrainerConfig, env={"SWARM_ROUTING": "hub"}).schedule.routing == "hub"
+    assert from_sources(TrainerConfig, env={}).schedule.routing == "direct"  # the default since session 19
     for codec in ("int8", "topk", "adaptive"):  # each hop's sender applies the codec
         config = from_sources(TrainerConfig, env={"SWARM_ROUTING": "direct", "SWARM_CODEC": codec})
         assert config.compression.codec == codec

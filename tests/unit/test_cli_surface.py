@@ -101,9 +101,10 @@ TRAIN_DEFAULTS_ADDED |= {"verify_fraction": 0.0}
 # Added deliberately (issue #22): trainers on one run read disjoint parts of the data.
 TRAIN_FLAGS_ADDED |= {"--data-shard"}
 TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
-# Added deliberately (issue #23): activations stage to stage instead of through the trainer; hub by default.
+# Added deliberately (issue #23): activations stage to stage instead of through the trainer; direct by
+# default since session 19 (measured better than hub: benchmarks/RESULTS.md, "Direct routing on world4").
 TRAIN_FLAGS_ADDED |= {"--routing"}
-TRAIN_DEFAULTS_ADDED |= {"routing": "hub"}
+TRAIN_DEFAULTS_ADDED |= {"routing": "direct"}
 # Added deliberately (issue #23): direct routing's replicas timed on the trainer's clock; off by default.
 TRAIN_FLAGS_ADDED |= {"--hub-timing-fraction"}
 TRAIN_DEFAULTS_ADDED |= {"hub_timing_fraction": 0.0}
