@@ -35,6 +35,19 @@ def replica(peer_id: str, stage: int) -> PeerRecord:
     )
 
 
+def load_into(runtime: FakeRuntime, records, download, monkeypatch, **kwargs) -> bool:
+    """A mover that served 9 steps of stage 0 loads `runtime` from a replica, the DHT and the state
+    transfer replaced by `records` and `download`."""
+    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
+    monkeypatch.setattr(replica_sync, "download_state", download)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=9))
+        replicas = ReplicaSyncService(
+            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0
+        )
+        return asyncio.run(replicas.load_state_from_replica(None, runtime, **kwargs))
+
+
 def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monkeypatch):
     """The replica's steps are compared with the runtime that receives them (the new stage's, fresh), not
     with the stage the peer served so far: a peer that had done 9 steps on stage 0 and moves to stage 1,
@@ -47,20 +60,13 @@ def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monke
         assert max_bytes == 4 * (4 + 2) * 4 + (64 << 20)
         return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=4), {}, {}
 
-    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
-    monkeypatch.setattr(replica_sync, "download_state", download)
-    with ThreadPoolExecutor(max_workers=1) as executor:
-        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=9))
-        replicas = ReplicaSyncService(
-            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0
-        )
-        new_stage = FakeRuntime(stage=1, steps_done=0)
-        loaded = asyncio.run(replicas.load_state_from_replica(None, new_stage))
-        assert loaded and new_stage.steps_done == 4 and new_stage.imported is not None
-        # A runtime that already holds more steps than the replica (a restored checkpoint) keeps its own.
-        restored = FakeRuntime(stage=1, steps_done=7)
-        assert not asyncio.run(replicas.load_state_from_replica(None, restored))
-        assert restored.steps_done == 7 and restored.imported is None
+    new_stage = FakeRuntime(stage=1, steps_done=0)
+    assert load_into(new_stage, records, download, monkeypatch)
+    assert new_stage.steps_done == 4 and new_stage.imported is not None
+    # A runtime that already holds more steps than the replica (a restored checkpoint) keeps its own.
+    restored = FakeRuntime(stage=1, steps_done=7)
+    assert not load_into(restored, records, download, monkeypatch)
+    assert restored.steps_done == 7 and restored.imported is None
 
 
 def test_a_mover_asks_the_replica_its_plan_saw_when_that_replicas_record_lapsed(monkeypatch):
@@ -78,16 +84,9 @@ def test_a_mover_asks_the_replica_its_plan_saw_when_that_replicas_record_lapsed(
             raise TimeoutError("no answer")
         return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=5), {}, {}
 
-    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", no_records)
-    monkeypatch.setattr(replica_sync, "download_state", download)
-    with ThreadPoolExecutor(max_workers=1) as executor:
-        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=9))
-        replicas = ReplicaSyncService(
-            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0
-        )
-        new_stage = FakeRuntime(stage=1, steps_done=0)
-        assert not asyncio.run(replicas.load_state_from_replica(None, FakeRuntime(stage=1, steps_done=0)))
-        assert asked == []  # nothing seen, nothing on the DHT: nothing to ask
-        seen = ["mover", "gone", "stage1-replica", "gone"]
-        assert asyncio.run(replicas.load_state_from_replica(None, new_stage, seen_replicas=seen))
-        assert asked == ["gone", "stage1-replica"] and new_stage.steps_done == 5
+    assert not load_into(FakeRuntime(stage=1, steps_done=0), no_records, download, monkeypatch)
+    assert asked == []  # nothing seen, nothing on the DHT: nothing to ask
+    new_stage = FakeRuntime(stage=1, steps_done=0)
+    seen = ["mover", "gone", "stage1-replica", "gone"]
+    assert load_into(new_stage, no_records, download, monkeypatch, seen_replicas=seen)
+    assert asked == ["gone", "stage1-replica"] and new_stage.steps_done == 5
