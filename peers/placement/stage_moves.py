@@ -365,7 +365,8 @@ class StageMoves:
                 tried_at, refreshed_at, stage_steps = None, None, 0
             announced = announced_steps(records, target, num_stages)  # None: no replica online now
             stage_steps = stage_steps if announced is None else announced
-            live = views is not None and any(v.stage == target and v.state == "online" for v in views)
+            seen = [v.peer_id for v in views or () if v.stage == target and v.state == PeerState.ONLINE.value]
+            live = bool(seen)
             since_attempt_s = None if tried_at is None else time.monotonic() - tried_at
             due = copy_refresh_due(
                 copy_steps=serving.runtime.steps_done,
@@ -376,7 +377,7 @@ class StageMoves:
             loaded = False
             if live and (due or take_over):  # taking over with a live replica left: get its latest state first
                 tried_at = time.monotonic()
-                if loaded := await self.replicas.load_state_from_replica(p2p):
+                if loaded := await self.replicas.load_state_from_replica(p2p, seen_replicas=seen):
                     refreshed_at = tried_at
             if take_over:
                 reason = "it fell behind" if live else "it has no online replica"
