@@ -39,7 +39,9 @@ def train_beside_a_scaling_liar(make_swarm, tmp_path, honest_stages: list[int], 
 
 
 def test_a_replica_scaling_its_outputs_is_banned_by_spot_checks(make_swarm, tmp_path):
-    honest, liar, report = train_beside_a_scaling_liar(make_swarm, tmp_path, [0, 0, 1], 0)
+    """Under hub routing, where the trainer makes every call and counts forwards and backwards apart
+    (direct routing's checks: test_direct_routing_checks_a_middle_stage_... below)."""
+    honest, liar, report = train_beside_a_scaling_liar(make_swarm, tmp_path, [0, 0, 1], 0, "--routing", "hub")
 
     assert report["completed"] and report["microbatches_lost"] == 0
     assert list(report["banned_peers"]) == [peer_id(liar)], report["banned_peers"]
