@@ -17,8 +17,8 @@ with one addition: a handler ends its answers with hivemind's end marker (an emp
 caller ends its requests, and then waits for the caller to close the stream before closing its
 own side. A handler that closed first could lose the tail of its answer without any error: when
 the handler's end of a libp2p stream closes, its p2pd resets the stream, and the caller's p2pd
-drops what it had received but not yet handed to the caller (measured with two real daemons: one
-3-message answer in ~500 came back a message short, `benchmarks/stream_tail.py`). The caller reads
+drops what it had received but not yet handed to the caller (measured with two real daemons: 3 of
+2,400 four-message answers came back a message short, `benchmarks/stream_tail.py`). The caller reads
 up to the marker and closes first, so nothing is in flight when the handler closes. A plain hivemind
 caller reads the marker as an error with an empty message; a caller of this module's earlier
 versions (which read until the stream closed) reads it as the end.

@@ -213,9 +213,9 @@ class ReplicaSyncService:
         """Before going online: copy the stage's current state from a live replica, if there is one.
         `runtime`: load into this one instead of the served one (a move or a standby refresh).
         `seen_replicas`: peers a moment ago seen online at that stage (the snapshot a move was planned
-        on, a standby's last look); each is asked too, after the replicas the DHT shows now, as its record may have lapsed for
-        a moment on a loaded machine (then a mover found none and served its new stage from initial
-        weights). Returns whether a replica's state was loaded."""
+        on, a standby's last look); each is asked too, after the replicas the DHT shows now, as its
+        record may have lapsed for a moment on a loaded machine (then a mover found none and served
+        its new stage from initial weights). Returns whether a replica's state was loaded."""
         runtime = runtime or self.serving.runtime
         records = [
             r
