@@ -124,7 +124,7 @@ class ServingLimits:
         "30 s (or this, if less)",
     )
     hop_record_mb: float = option(
-        64.0,
+        64.0,  # a `small` microbatch of 4 is 0.5 MiB of fp32 activations each way
         help="direct routing: MiB of the last chains' hop tensors (what this peer received and sent) kept for "
         "the spot checks of the trainers that ask for them (peers/serving/hop_records.py); 0 = keep none",
     )

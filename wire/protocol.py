@@ -234,6 +234,17 @@ class ChainRequest(BaseModel):
     keep_records: bool = False
 
 
+class HopFailover(BaseModel):
+    """A replica a chain's hop failed on before another candidate of its stage answered: which, at
+    which stage, and how (as a caller records it: timeout, transport, garbage, wrong_stage, ...)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    peer: PeerIdText
+    stage: int = Field(ge=0, lt=MAX_CHAIN_STAGES)
+    kind: Annotated[Failure, BeforeValidator(Failure)]  # ValueError for an unknown kind
+
+
 class ChainResponse(BaseModel):
     """A peer's answer to a ChainRequest: the loss and 'grad_inputs' (none on stage 0), with the peer
     that served each stage from the request's on and the replicas its hops failed over from; or `error`, the stage whose call failed
@@ -245,7 +256,7 @@ class ChainResponse(BaseModel):
     loss: float | None = None
     served_by: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
     # replicas a hop failed on before another candidate of their stage answered (the chain's failovers)
-    failed_over: list[PeerIdText] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    failed_over: list[HopFailover] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
     error: str | None = Field(default=None, max_length=4096)
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
     failed_stage: int | None = Field(default=None, ge=0)

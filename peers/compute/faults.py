@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.compute.stage_runtime import StageRuntime, ThroughputMeter
+from peers.compute.stage_runtime import StageRuntime, ThroughputMeter, WrongStageError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from process.config import ConfigError, option
-from wire.protocol import ProtocolError
 
 GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "replay", "stale")
 # Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
@@ -86,7 +85,7 @@ class InjectedLostAnswer(ConnectionError):
     """The stream of a call fails after the call was computed (`--fault-lose-answer`): not an answer."""
 
 
-class InjectedWrongStageError(ProtocolError):
+class InjectedWrongStageError(WrongStageError):
     """A "wrong stage" answer injected on purpose (`--fault-wrong-stage`): a fake record's peer."""
 
 

@@ -24,6 +24,7 @@ from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
 from peers.compute.weight_prediction import trial_update
 from process.config import ConfigError, option
+from wire.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ COUNTED_IDS_KEPT = 4096
 
 class BadRequestError(ValueError):
     """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
+
+
+class WrongStageError(ProtocolError):
+    """The request names a stage this peer does not serve (the trainer's view of the swarm is stale)."""
 
 
 class ActivationCacheMissError(BadRequestError):

@@ -63,21 +63,22 @@ from hivemind.proto import runtime_pb2
 from dht.records import PeerState
 from models.stages import boundary_width
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
-from peers.compute.stage_runtime import BadRequestError, StageRuntime
+from peers.compute.stage_runtime import BadRequestError, StageRuntime, WrongStageError
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
-from peers.serving.hop_records import DEFAULT_RECORD_BYTES, HopRecords
+from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
-from peers.serving.stage_rpc import StageRpcService, WrongStageError, timed
+from peers.serving.stage_rpc import StageRpcService, timed
 from wire.bounded_streams import StreamLimits, iterate_bounded
 from wire.compression import CodecChoice, EncodedTensor
-from wire.failures import Failure
+from wire.failures import Failure, caller_failure
 from wire.messages import read_request, read_response, read_unary, write_request, write_response
 from wire.protocol import (
     MAX_CHAIN_STAGES,
     RPC_TRAIN_CHAIN,
     ChainRequest,
     ChainResponse,
+    HopFailover,
     HopRecordRequest,
     ProtocolError,
     ResponseHeader,
@@ -91,11 +92,19 @@ OWN_SHARE_MIN = 0.1  # of a chained call's time, what a peer keeps for its own c
 
 
 class ChainHopError(Exception):
-    """The call to the next stage failed on every candidate the route names (or deeper down)."""
+    """The call to the next stage failed on every candidate the route names (or deeper down);
+    `failovers`: each candidate tried on the way, and how it failed."""
 
-    def __init__(self, stage: int, peers: list[str], message: str, kind: Failure = Failure.INTERNAL):
+    def __init__(
+        self,
+        stage: int,
+        peers: list[str],
+        message: str,
+        kind: Failure = Failure.INTERNAL,
+        failovers: list[HopFailover] | None = None,
+    ):
         super().__init__(message)
-        self.stage, self.peers, self.kind = stage, peers, kind
+        self.stage, self.peers, self.kind, self.failovers = stage, peers, kind, failovers or []
 
 
 def hop_timeout_s(budget_s: float, stage: int, num_stages: int) -> float:
@@ -109,9 +118,7 @@ class ChainService:
     """Serves RPC_TRAIN_CHAIN for the stage a `StageRpcService` serves (the same runtime, compute
     thread, admission guard, budgets and counters)."""
 
-    def __init__(
-        self, stages: StageRpcService, *, credential: str | None = None, record_bytes: int = DEFAULT_RECORD_BYTES
-    ):
+    def __init__(self, stages: StageRpcService, *, record_bytes: int, credential: str | None = None):
         self.stages = stages
         self.credential = credential  # this peer's own run credential, shown to the next stage's peer
         self.p2p = None  # set when the host registers its RPCs
@@ -189,7 +196,13 @@ class ChainService:
             failed_as = Failure.INTERNAL
             logger.info(f"train_chain: {e}")
             response, outputs = (
-                ChainResponse(error=str(e)[:4000], error_kind=e.kind, failed_stage=e.stage, failed_peers=e.peers[:8]),
+                ChainResponse(
+                    error=str(e)[:4000],
+                    error_kind=e.kind,
+                    failed_stage=e.stage,
+                    failed_peers=e.peers[:8],
+                    failed_over=e.failovers[:MAX_CHAIN_STAGES],
+                ),
                 [],
             )
         except InFlightBudgetError as e:  # busy, not the caller's fault: it retries elsewhere
@@ -335,9 +348,9 @@ class ChainService:
         targets: EncodedTensor | None,
         *,
         tokens: EncodedTensor | None = None,
-    ) -> tuple[ChainResponse, torch.Tensor, list[str]]:
+    ) -> tuple[ChainResponse, torch.Tensor, list[HopFailover]]:
         """Call the next stage's candidates in the route's order until one answers; its answer, the
-        gradient wrt this stage's outputs and the candidates that failed before it. ChainHopError when every candidate failed, or when a
+        gradient wrt this stage's outputs and the candidates that failed before it, each with how. ChainHopError when every candidate failed, or when a
         candidate answered that a stage after it failed (its own route is spent: the trainer re-drives)."""
         if self.p2p is None:
             raise ChainHopError(header.stage + 1, [], "this peer cannot call other peers yet")
@@ -349,6 +362,11 @@ class ChainService:
         # what passes on as it came: the targets, and the token ids a subspace model's later stages need
         carried = [(name, item) for name, item in (("targets", targets), ("tokens", tokens)) if item is not None]
         tried, reasons, candidates, asked_again = [], [], list(header.route[0]), set()
+        failed_as: dict[str, Failure] = {}  # how each candidate tried last failed
+
+        def failovers(but: str | None = None) -> list[HopFailover]:
+            return [HopFailover(peer=p, stage=next_stage, kind=failed_as[p]) for p in tried if p != but]
+
         while candidates:
             peer_id = candidates.pop(0)
             timeout_s = deadline - time.monotonic()
@@ -382,9 +400,11 @@ class ChainService:
                 answer = await asyncio.wait_for(self._call(peer_id, request, sent), timeout=timeout_s)
             except TimeoutError:
                 reasons.append(f"{peer_id[-8:]}: no answer within {timeout_s:.1f} s")
+                failed_as[peer_id] = Failure.TIMEOUT
                 continue
             except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
                 reasons.append(f"{peer_id[-8:]}: {type(e).__name__}: {e}")
+                failed_as[peer_id] = Failure.TRANSPORT
                 if peer_id not in asked_again:  # the stream broke: its stages may hold this microbatch already,
                     asked_again.add(peer_id)  # and only they answer a repeat without adding it: ask it first
                     candidates.insert(0, peer_id)
@@ -393,9 +413,14 @@ class ChainService:
             if response.error is not None:
                 if response.failed_stage is not None and response.failed_stage > next_stage:
                     raise ChainHopError(
-                        response.failed_stage, list(response.failed_peers), response.error, Failure.INTERNAL
+                        response.failed_stage,
+                        list(response.failed_peers),
+                        response.error,
+                        Failure.INTERNAL,
+                        [*failovers(but=peer_id), *response.failed_over],
                     )
                 reasons.append(f"{peer_id[-8:]}: {response.error}")
+                failed_as[peer_id] = caller_failure(response.error_kind)
                 continue
             try:
                 grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
@@ -406,6 +431,7 @@ class ChainService:
                     raise BadRequestError("the last stage answered no loss")
             except (ProtocolError, BadRequestError) as e:
                 reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
+                failed_as[peer_id] = Failure.GARBAGE
                 continue
             if header.keep_records:
                 self.records.keep(header.microbatch_id, "sent", header.trainer_id, dict(sent)["inputs"])
@@ -418,11 +444,12 @@ class ChainService:
                 compute_s=response.compute_s,
                 batch_size=header.batch_size,
             )
-            return response, grad, [p for p in tried if p != peer_id]
+            return response, grad, failovers(but=peer_id)
         raise ChainHopError(
             next_stage,
             tried,
             f"stage {next_stage}: no candidate of the route answered ({'; '.join(reasons) or 'no time left'})",
+            failovers=failovers(),
         )
 
     def _hop_tensors(

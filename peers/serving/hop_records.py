@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from wire.compression import EncodedTensor
 
 SIDES = ("received", "sent")
-DEFAULT_RECORD_BYTES = 64 << 20  # a `small` microbatch of 4 is 0.5 MiB of fp32 activations each way
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class HopRecord:
 class HopRecords:
     """The last chains' boundary tensors on this peer, by (microbatch id, side), within `max_bytes`."""
 
-    def __init__(self, max_bytes: int = DEFAULT_RECORD_BYTES):
+    def __init__(self, max_bytes: int):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes

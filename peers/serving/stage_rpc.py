@@ -17,8 +17,8 @@ from concurrent.futures import Executor
 import torch
 
 from dht.records import PeerState
-from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer, InjectedWrongStageError
-from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError
+from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
+from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, WrongStageError
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
 from peers.serving.serving_state import ServingState
@@ -30,10 +30,6 @@ from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLa
 from wire.tensors import decoded_nbytes, encode_tensor
 
 logger = logging.getLogger(__name__)
-
-
-class WrongStageError(ProtocolError):
-    """The request names a stage this peer does not serve (the trainer's view of the swarm is stale)."""
 
 
 class StageRpcService:
@@ -131,7 +127,7 @@ class StageRpcService:
             response, encoded_outputs = ResponseHeader(error=str(e), error_kind=Failure.INTERNAL), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             serving.requests_failed += 1
-            wrong_stage = isinstance(e, (WrongStageError, InjectedWrongStageError))
+            wrong_stage = isinstance(e, WrongStageError)
             kind = Failure.WRONG_STAGE if wrong_stage else Failure.BAD_REQUEST
             if not wrong_stage:  # a stale route is no offence
                 self.guard.penalize(caller)

@@ -122,10 +122,11 @@ class ChainCaller:
             caller.timeouts.observe(*CHAIN_TIMEOUT_KEY, elapsed)
             caller.metrics.observe_call(stage=0, rpc="train_chain", duration_s=elapsed)
             if result.failed_over:  # a hop failed over inside the chain: the microbatch was retried there
-                failures.append(f"the chain failed over from {sorted(p[-8:] for p in result.failed_over)}")
+                failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in result.failed_over)}")
                 caller.counters.calls_retried += len(result.failed_over)
-                for peer_id in result.failed_over:  # routed elsewhere for a while, as after any failed call
-                    view.bans.ban(peer_id)
+                for failover in result.failed_over:  # routed elsewhere for a while, as after any failed call
+                    self._count_failure(failover.kind, failover.stage)
+                    view.bans.ban(failover.peer)
             for stage, peer_id in enumerate(result.served_by):
                 view.bans.clear(peer_id)
                 key = peer_id[-8:]
@@ -188,10 +189,10 @@ class ChainCaller:
         caller = self.caller
         failures.append(str(error))
         caller.counters.calls_retried += 1
-        kind = error.kind.value
-        caller.counters.failures_by_kind[kind] = caller.counters.failures_by_kind.get(kind, 0) + 1
         stage = getattr(error, "stage", 0)
-        caller.metrics.observe_failure(stage=stage, rpc="train_chain", kind=kind)
+        hops = getattr(error, "failovers", [])  # a hop failed on every candidate: how each did
+        for kind, at in [(f.kind, f.stage) for f in hops] or [(error.kind, stage)]:
+            self._count_failure(kind, at)
         if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):
             caller.not_allowed_by[error.peer_id] = error.peer_id[-8:]
             return
@@ -202,6 +203,12 @@ class ChainCaller:
             else:
                 caller.view.bans.ban(peer_id, at_least_s=3.0 * took_s if peer_id == route[0][0] else 0.0)
         logger.info(f"{error}; driving the microbatch again on another route")
+
+    def _count_failure(self, kind: Failure, stage: int) -> None:
+        """One failed call, the trainer's own or a hop's inside a chain, in the report and metrics."""
+        counters = self.caller.counters
+        counters.failures_by_kind[kind.value] = counters.failures_by_kind.get(kind.value, 0) + 1
+        self.caller.metrics.observe_failure(stage=stage, rpc="train_chain", kind=kind.value)
 
     async def _wait(self, since: float) -> None:
         """No route can be formed (or this microbatch failed too often): refresh the view until one

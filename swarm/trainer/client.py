@@ -30,6 +30,7 @@ from wire.protocol import (
     ChainResponse,
     CommitRequest,
     CommitResponse,
+    HopFailover,
     HopRecordRequest,
     ProtocolError,
     RequestHeader,
@@ -55,18 +56,28 @@ class PeerCallError(RuntimeError):
 
 class ChainCallError(PeerCallError):
     """A chained call failed: `stage` is the stage whose call failed, `failed_peers` the replicas of
-    it that were tried (the one called, when the call to the first stage itself failed)."""
+    it that were tried (the one called, when the call to the first stage itself failed), `failovers`
+    each hop inside the chain that failed on the way, and how (as the peers before them said)."""
 
-    def __init__(self, peer_id: str, kind: Failure, message: str, *, stage: int, failed_peers: list[str]):
+    def __init__(
+        self,
+        peer_id: str,
+        kind: Failure,
+        message: str,
+        *,
+        stage: int,
+        failed_peers: list[str],
+        failovers: list[HopFailover] | None = None,
+    ):
         super().__init__(peer_id, kind, message)
-        self.stage, self.failed_peers = stage, failed_peers
+        self.stage, self.failed_peers, self.failovers = stage, failed_peers, failovers or []
 
 
 @dataclass(frozen=True)
 class ChainResult:
     loss: float
     served_by: list[str]  # the peer that served each stage
-    failed_over: list[str]  # replicas a hop failed on before another of their stage answered
+    failed_over: list[HopFailover]  # replicas a hop failed on before another of their stage answered, and how
     moved: int  # payload bytes, both ways
 
 
@@ -250,6 +261,7 @@ class StageClient:
                 f"stage {failed_stage}: {response.error}",
                 stage=failed_stage,
                 failed_peers=[peer_id] if own else list(response.failed_peers),
+                failovers=list(response.failed_over),
             )
         if response.loss is None or not math.isfinite(response.loss) or answer.parts:
             raise failed(Failure.GARBAGE, f"expected a finite loss and no tensor, got loss {response.loss}")

@@ -68,10 +68,9 @@ def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffect
     )
 
     assert report["completed"] and report["microbatches_lost"] == 0
-    if routing == "hub":
-        assert report["failures_by_kind"].get("garbage", 0) >= 2, report["failures_by_kind"]
-    else:  # each garbage replica was tried (new replicas are tried soon) and failed over from
-        assert report["calls_retried"] >= 2, report
+    # hub: the trainer read each garbage answer; direct: each garbage replica was tried (new replicas
+    # are tried soon) and the peer before it failed over, saying how
+    assert report["failures_by_kind"].get("garbage", 0) >= 2, report["failures_by_kind"]
     for bad in (nan_peer, shape_peer):
         assert report["calls_by_peer"].get(peer_key(bad), 0) == 0, report["calls_by_peer"]
         assert bad.alive  # the trainer bans it; nobody crashes

@@ -5,12 +5,19 @@ budgeted per caller and in all, and a request that trickles in is cut off at its
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from wire.bounded_streams import MessageTooLargeError, StreamDeadlineError, StreamLimits, receive_message
+from wire.bounded_streams import (
+    MessageTooLargeError,
+    StreamDeadlineError,
+    StreamLimits,
+    receive_message,
+    serve_bounded,
+)
 from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestDeadlineError, RequestTooLargeError
 
 
@@ -135,22 +142,24 @@ def test_a_busy_peer_refuses_a_request_its_decoded_budget_cannot_hold_without_pe
     waiting.close()
 
 
+def fake_p2p() -> tuple[SimpleNamespace, dict]:
+    """What `serve_bounded` needs of hivemind's P2P, and the handlers it registered by name; a test
+    calls one as hivemind's ControlClient dispatches a stream: `handle(info, reader, writer)`."""
+    registered = {}
+
+    async def add_binary_stream_handler(name, handle):
+        registered[name] = handle
+
+    return SimpleNamespace(peer_id="me", add_binary_stream_handler=add_binary_stream_handler), registered
+
+
 def test_a_handler_cut_off_by_the_loop_shutting_down_ends_its_stream_without_an_error_logged(tmp_path):
     """Ctrl-C on a demo once left a peer's log ending in an asyncio ERROR with a traceback: the
     handler of a stream whose caller had stopped reading was waiting to send when the event loop
     shut down and cancelled it, and Python 3.11's stream server callback, calling `task.exception()`
     on that cancelled task, raised (CPython gh-113538, fixed in 3.12). The handler treats the
     cancellation as the stream's end, as when the caller goes away."""
-    from types import SimpleNamespace
-
-    from wire.bounded_streams import serve_bounded
-
-    registered = {}
-
-    async def add_binary_stream_handler(name, handle):
-        registered[name] = handle
-
-    p2p = SimpleNamespace(peer_id="me", add_binary_stream_handler=add_binary_stream_handler)
+    p2p, registered = fake_p2p()
 
     async def endless_answers(request, context):
         while True:  # a caller that never reads fills the socket's buffers: the handler waits to send
@@ -185,16 +194,7 @@ def test_a_handler_ends_its_answer_with_the_marker_and_lets_the_caller_close_fir
     (its p2pd resets the stream; benchmarks/stream_tail.py measured 3 answers in 2,400 a message
     short). It ends the answer with the end marker and closes only once the caller has closed (or
     after the read deadline); a caller that broke the limits is not waited for."""
-    from types import SimpleNamespace
-
-    from wire.bounded_streams import serve_bounded
-
-    registered = {}
-
-    async def add_binary_stream_handler(name, handle):
-        registered[name] = handle
-
-    p2p = SimpleNamespace(peer_id="me", add_binary_stream_handler=add_binary_stream_handler)
+    p2p, registered = fake_p2p()
 
     async def two_answers(requests, context):
         async for _ in requests:

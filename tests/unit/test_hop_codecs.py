@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
-from wire.protocol import ChainRequest, ChainResponse, ProtocolError, decode_header, encode_header
+from wire.failures import Failure
+from wire.protocol import ChainRequest, ChainResponse, HopFailover, ProtocolError, decode_header, encode_header
 from wire.tensors import check_codec
 
 NUMEL = 4 * 128 * 256  # one small-model microbatch of activations
@@ -59,7 +61,7 @@ def test_a_chained_call_names_known_codecs_only():
     for bad in ({"codec": "zip"}, {"response_codec": "adaptive"}, {"topk_fraction": 0.0}, {"topk_fraction": 2.0}):
         raw = {**header.model_dump(mode="json"), **bad}
         with pytest.raises(ProtocolError):
-            decode_header(ChainRequest, __import__("msgpack").packb(raw))
+            decode_header(ChainRequest, msgpack.packb(raw))
     with pytest.raises(ProtocolError, match="fraction"):
         check_codec("topk", {"fraction": 3.0})
     with pytest.raises(ProtocolError, match="does not take"):
@@ -68,4 +70,16 @@ def test_a_chained_call_names_known_codecs_only():
     answer = ChainResponse(loss=1.0, served_by=["p"], compute_s=0.2, handler_s=0.5)
     assert decode_header(ChainResponse, encode_header(answer)) == answer
     with pytest.raises(ProtocolError):
-        decode_header(ChainResponse, __import__("msgpack").packb({**answer.model_dump(mode="json"), "handler_s": -1.0}))
+        decode_header(ChainResponse, msgpack.packb({**answer.model_dump(mode="json"), "handler_s": -1.0}))
+
+
+def test_a_chained_answer_says_how_each_failed_over_hop_failed():
+    """The trainer counts a hop's failover by its kind (failures_by_kind, metrics) as its own failed calls."""
+    failovers = [HopFailover(peer="a", stage=1, kind=Failure.GARBAGE), HopFailover(peer="b", stage=2, kind="timeout")]
+    answer = ChainResponse(loss=1.0, served_by=["p"], failed_over=failovers)
+    decoded = decode_header(ChainResponse, encode_header(answer))
+    assert decoded == answer and [f.kind for f in decoded.failed_over] == [Failure.GARBAGE, Failure.TIMEOUT]
+    raw = answer.model_dump(mode="json")
+    for bad in ({"peer": "a", "stage": 1, "kind": "exploded"}, {"peer": "a", "stage": -1, "kind": "timeout"}, "a"):
+        with pytest.raises(ProtocolError):
+            decode_header(ChainResponse, msgpack.packb({**raw, "failed_over": [bad]}))
