@@ -350,8 +350,9 @@ class ChainService:
         tokens: EncodedTensor | None = None,
     ) -> tuple[ChainResponse, torch.Tensor, list[HopFailover]]:
         """Call the next stage's candidates in the route's order until one answers; its answer, the
-        gradient wrt this stage's outputs and the candidates that failed before it, each with how. ChainHopError when every candidate failed, or when a
-        candidate answered that a stage after it failed (its own route is spent: the trainer re-drives)."""
+        gradient wrt this stage's outputs and the candidates that failed before it, each with how.
+        ChainHopError when every candidate failed, or when a candidate answered that a stage after it
+        failed (its own route is spent: the trainer re-drives)."""
         if self.p2p is None:
             raise ChainHopError(header.stage + 1, [], "this peer cannot call other peers yet")
         next_stage, deadline = (

@@ -1,0 +1,223 @@
+"""How fast one emulated WAN link carries a step's activations through p2pd, sent the ways a peer
+could send them, against the raw-TCP rate of the same link (issue #23: direct routing's links ran at
+about 80% of their shaped rate while the probe's TCP got 96%).
+
+Two hosts of a topology (`--src` and `--dst`, by default world4's stage0 -> stage1, Tokyo -> Oregon:
+96 ms, 17.4 Mbit/s), each in its own network namespace (`benchmarks.netem`); a real p2pd daemon in
+each (hivemind's P2P). The receiver reads every message of a stream and answers one small message.
+Each round sends `--messages` messages of `--bytes` (a `small` microbatch of 4 is 524,288 bytes of
+fp32 activations) in three ways, in an order that turns each round:
+
+  in turn     one stream per message, the streams written one at a time (`LinkTurns`: what direct
+              routing's peers do), all started at once
+  at once     one stream per message, all written at once
+  one stream  every message on one stream
+
+and reports, per way, the seconds from the first write to the last answer (one one-way delay
+after the last byte arrives), the payload rate, that rate against the shaped rate and against the
+raw-TCP probe's, and when the first message's answer came (what lets a pipeline's next hop start).
+
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/link_streams.py --rounds 3 --out benchmarks/out/link_streams.json
+
+Needs root (namespaces, tc, iptables); says so and exits otherwise. What it does not show: a link
+that also carries the other direction's traffic (gradients), as a pipeline's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hivemind.p2p import P2P, PeerID  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+
+from benchmarks.netem.network import REPO_ROOT, EmulatedNetwork, NetemError, missing_requirements  # noqa: E402
+from benchmarks.netem.probe import probe_link  # noqa: E402
+from benchmarks.netem.topology import load_topology  # noqa: E402
+from peers.serving.link_turns import LinkTurns  # noqa: E402
+from wire.bounded_streams import StreamLimits, iterate_bounded, serve_bounded  # noqa: E402
+
+RPC = "link_streams.sink"
+SERVER_PORT = 41000
+LIMITS = StreamLimits(read_timeout_s=120.0)
+WAYS = ("in turn", "at once", "one stream")
+
+
+# --- the two ends, each in its host's namespace -----------------------------------------------------
+async def serve(listen: str, maddrs_file: str) -> None:
+    server = await P2P.create(host_maddrs=[listen])
+
+    async def sink(requests, context):
+        count = 0
+        async for _ in requests:
+            count += 1
+        yield runtime_pb2.ExpertResponse(metadata=str(count).encode())
+
+    await serve_bounded(server, RPC, sink, runtime_pb2.ExpertRequest, LIMITS, stream_input=True)
+    maddrs = [str(m) for m in await server.get_visible_maddrs()]
+    Path(maddrs_file + ".tmp").write_text(json.dumps(maddrs))
+    os.replace(maddrs_file + ".tmp", maddrs_file)
+    await asyncio.Event().wait()  # until killed
+
+
+async def _call(client: P2P, server_id: PeerID, requests) -> float:
+    stream = await iterate_bounded(client, server_id, RPC, requests, runtime_pb2.ExpertResponse, LIMITS)
+    answers = [answer async for answer in stream]
+    if len(answers) != 1:
+        raise RuntimeError(f"expected one answer, got {len(answers)}")
+    return time.perf_counter()
+
+
+async def _send_one_way(way: str, client: P2P, server_id: PeerID, messages: int, nbytes: int) -> dict:
+    payload = bytes(nbytes)
+
+    async def some(count: int):
+        for _ in range(count):
+            yield runtime_pb2.ExpertRequest(metadata=payload)
+
+    started = time.perf_counter()
+    if way == "one stream":
+        ends = [await _call(client, server_id, some(messages))]
+    else:
+        turns = LinkTurns()
+        peer = server_id.to_base58()
+        calls = [
+            _call(client, server_id, turns.in_turn(peer, some(1)) if way == "in turn" else some(1))
+            for _ in range(messages)
+        ]
+        ends = await asyncio.gather(*calls)
+    return {"seconds": max(ends) - started, "first_answer_s": min(ends) - started}
+
+
+async def send(server_maddr: str, messages: int, nbytes: int, rounds: int) -> dict:
+    client = await P2P.create(initial_peers=[server_maddr])
+    server_id = PeerID.from_base58(server_maddr.rsplit("/p2p/", 1)[1])
+    try:
+        await _send_one_way("at once", client, server_id, 1, 1024)  # connect, and warm the connection up
+        results = {way: [] for way in WAYS}
+        for r in range(rounds):
+            for way in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
+                results[way].append(await _send_one_way(way, client, server_id, messages, nbytes))
+        return results
+    finally:
+        await client.shutdown()
+
+
+# --- the driver: builds the network, runs the two ends -----------------------------------------------
+def _host_command(net: EmulatedNetwork, host: str, *args: str) -> list[str]:
+    return [*net.exec_prefix(host), net.python, str(Path(__file__).resolve()), *args]
+
+
+def measure(args) -> dict:
+    topology = load_topology(args.topology)
+    topology = topology.with_hosts({"src": topology.region_of(args.src), "dst": topology.region_of(args.dst)})
+    link = topology.host_link("src", "dst")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    with EmulatedNetwork(topology) as net, tempfile.TemporaryDirectory() as tmp:  # `with` starts it
+        probe = probe_link(net, "src", "dst")
+        maddrs_file = os.path.join(tmp, "maddrs.json")
+        server = subprocess.Popen(
+            _host_command(
+                net, "dst", "--role", "server", "--listen", net.maddr("dst", SERVER_PORT), "--maddrs-file", maddrs_file
+            ),
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(maddrs_file):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise NetemError("the receiving p2pd did not start")
+                time.sleep(0.2)
+            maddr = next(m for m in json.loads(Path(maddrs_file).read_text()) if net.ip("dst") in m)
+            out_file = os.path.join(tmp, "client.json")
+            command = ["--role", "client", "--server", maddr, "--messages", str(args.messages)]
+            command += ["--bytes", str(args.bytes), "--rounds", str(args.rounds), "--client-out", out_file]
+            subprocess.run(_host_command(net, "src", *command), env=env, check=True, timeout=args.timeout_s)
+            rounds = json.loads(Path(out_file).read_text())
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+    total = args.messages * args.bytes
+    shaped = link.bytes_per_s
+    probed = probe.forward_mbit * 1e6 / 8.0
+    ways = {}
+    for way, runs in rounds.items():
+        seconds = statistics.median(run["seconds"] for run in runs)
+        ways[way] = {
+            "seconds": [round(run["seconds"], 3) for run in runs],
+            "median_s": round(seconds, 3),
+            "rate_mbit": round(total * 8 / seconds / 1e6, 2),
+            "of_shaped": round(total / seconds / shaped, 3),
+            "of_probe": round(total / seconds / probed, 3),
+            "first_answer_s": round(statistics.median(run["first_answer_s"] for run in runs), 3),
+        }
+    return {
+        "benchmark": "link_streams",
+        "command": " ".join(sys.argv),
+        "topology": topology.name,
+        "link": {"src": args.src, "dst": args.dst, "rtt_ms": link.rtt_ms, "bandwidth_mbit": link.bandwidth_mbit},
+        "probe": {"rtt_ms": round(probe.rtt_ms, 1), "forward_mbit": round(probe.forward_mbit, 2)},
+        "messages": args.messages,
+        "bytes": args.bytes,
+        "rounds": args.rounds,
+        "load_1min": os.getloadavg()[0],
+        "ways": ways,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", default=str(Path(REPO_ROOT) / "benchmarks/topologies/world4.json"))
+    parser.add_argument("--src", default="stage0", help="the sending host's place in the topology")
+    parser.add_argument("--dst", default="stage1", help="the receiving host's place in the topology")
+    parser.add_argument(
+        "--messages", type=int, default=8, help="messages a round sends each way (a step's microbatches)"
+    )
+    parser.add_argument("--bytes", type=int, default=524_288, help="bytes of each message")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="write the figures here as JSON")
+    parser.add_argument("--role", choices=("driver", "server", "client"), default="driver", help=argparse.SUPPRESS)
+    parser.add_argument("--listen", help=argparse.SUPPRESS)
+    parser.add_argument("--maddrs-file", help=argparse.SUPPRESS)
+    parser.add_argument("--server", help=argparse.SUPPRESS)
+    parser.add_argument("--client-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "server":
+        asyncio.run(serve(args.listen, args.maddrs_file))
+        return 0
+    if args.role == "client":
+        result = asyncio.run(send(args.server, args.messages, args.bytes, args.rounds))
+        Path(args.client_out).write_text(json.dumps(result))
+        return 0
+    reason = missing_requirements()
+    if reason:
+        print(f"link_streams: {reason}", file=sys.stderr)
+        return 2
+    result = measure(args)
+    print(f"{args.messages} x {args.bytes:,} bytes, {result['link']}; raw TCP probe {result['probe']}")
+    print(f"{'way':12s} {'median s':>9s} {'Mbit/s':>7s} {'of shaped':>9s} {'of probe':>9s} {'first answer s':>15s}")
+    for way, row in result["ways"].items():
+        print(
+            f"{way:12s} {row['median_s']:9.3f} {row['rate_mbit']:7.2f} {row['of_shaped']:9.2f} "
+            f"{row['of_probe']:9.2f} {row['first_answer_s']:15.3f}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
