@@ -8,10 +8,13 @@ each (hivemind's P2P). The receiver reads every message of a stream and answers 
 Each round sends `--messages` messages of `--bytes` (a `small` microbatch of 4 is 524,288 bytes of
 fp32 activations) in three ways, in an order that turns each round:
 
-  in turn     one stream per message, the streams written one at a time (`LinkTurns`: what direct
-              routing's peers do), all started at once
-  at once     one stream per message, all written at once
-  one stream  every message on one stream
+  in turn                one stream per message, the streams written one at a time (`LinkTurns`:
+                         what direct routing's peers do), all started at once
+  at once                one stream per message, all written at once
+  one stream             every message on one stream
+  in turn, parts         as "in turn", each message sent as 4 messages of a quarter
+  in turn, parts, early  as "in turn, parts", but a stream's turn ends before its last part is
+                         written (so the next stream's first parts follow it closely)
 
 and reports, per way, the seconds from the first write to the last answer (one one-way delay
 after the last byte arrives), the payload rate, that rate against the shaped rate and against the
@@ -51,7 +54,8 @@ from wire.bounded_streams import StreamLimits, iterate_bounded, serve_bounded  #
 RPC = "link_streams.sink"
 SERVER_PORT = 41000
 LIMITS = StreamLimits(read_timeout_s=120.0)
-WAYS = ("in turn", "at once", "one stream")
+WAYS = ("in turn", "at once", "one stream", "in turn, parts", "in turn, parts, early")
+PARTS = 4
 
 
 # --- the two ends, each in its host's namespace -----------------------------------------------------
@@ -81,23 +85,54 @@ async def _call(client: P2P, server_id: PeerID, requests) -> float:
 
 async def _send_one_way(way: str, client: P2P, server_id: PeerID, messages: int, nbytes: int) -> dict:
     payload = bytes(nbytes)
+    part = bytes(nbytes // PARTS)
 
     async def some(count: int):
         for _ in range(count):
             yield runtime_pb2.ExpertRequest(metadata=payload)
 
+    async def in_parts():
+        for _ in range(PARTS):
+            yield runtime_pb2.ExpertRequest(metadata=part)
+
     started = time.perf_counter()
+    turns, early, peer = LinkTurns(), asyncio.Lock(), server_id.to_base58()
     if way == "one stream":
         ends = [await _call(client, server_id, some(messages))]
+    elif way == "in turn, parts":
+        ends = await asyncio.gather(
+            *(_call(client, server_id, turns.in_turn(peer, in_parts())) for _ in range(messages))
+        )
+    elif way == "in turn, parts, early":
+        ends = await asyncio.gather(
+            *(_call(client, server_id, _early_turn(early, in_parts())) for _ in range(messages))
+        )
     else:
-        turns = LinkTurns()
-        peer = server_id.to_base58()
         calls = [
             _call(client, server_id, turns.in_turn(peer, some(1)) if way == "in turn" else some(1))
             for _ in range(messages)
         ]
         ends = await asyncio.gather(*calls)
     return {"seconds": max(ends) - started, "first_answer_s": min(ends) - started}
+
+
+async def _early_turn(lock: asyncio.Lock, messages):
+    """`LinkTurns.in_turn`, except that the turn ends before the last message is written."""
+    await lock.acquire()
+    held = True
+    try:
+        previous = None
+        async for message in messages:
+            if previous is not None:
+                yield previous
+            previous = message
+        lock.release()
+        held = False
+        if previous is not None:
+            yield previous
+    finally:
+        if held:
+            lock.release()
 
 
 async def send(server_maddr: str, messages: int, nbytes: int, rounds: int) -> dict:
@@ -208,10 +243,10 @@ def main() -> int:
         return 2
     result = measure(args)
     print(f"{args.messages} x {args.bytes:,} bytes, {result['link']}; raw TCP probe {result['probe']}")
-    print(f"{'way':12s} {'median s':>9s} {'Mbit/s':>7s} {'of shaped':>9s} {'of probe':>9s} {'first answer s':>15s}")
+    print(f"{'way':22s} {'median s':>9s} {'Mbit/s':>7s} {'of shaped':>9s} {'of probe':>9s} {'first answer s':>15s}")
     for way, row in result["ways"].items():
         print(
-            f"{way:12s} {row['median_s']:9.3f} {row['rate_mbit']:7.2f} {row['of_shaped']:9.2f} "
+            f"{way:22s} {row['median_s']:9.3f} {row['rate_mbit']:7.2f} {row['of_shaped']:9.2f} "
             f"{row['of_probe']:9.2f} {row['first_answer_s']:15.3f}"
         )
     if args.out:
