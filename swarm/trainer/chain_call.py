@@ -126,6 +126,7 @@ class ChainCaller:
                 caller.counters.calls_retried += len(result.failed_over)
                 for failover in result.failed_over:  # routed elsewhere for a while, as after any failed call
                     self._count_failure(failover.kind, failover.stage)
+                    caller.contributions.failed(failover.peer, failover.stage)
                     view.bans.ban(failover.peer)
             for stage, peer_id in enumerate(result.served_by):
                 view.bans.clear(peer_id)

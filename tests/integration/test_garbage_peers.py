@@ -71,8 +71,10 @@ def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffect
     # hub: the trainer read each garbage answer; direct: each garbage replica was tried (new replicas
     # are tried soon) and the peer before it failed over, saying how
     assert report["failures_by_kind"].get("garbage", 0) >= 2, report["failures_by_kind"]
+    failed_calls = {peer_id[-8:]: c["calls_failed"] for peer_id, c in report["contributions"].items()}
     for bad in (nan_peer, shape_peer):
         assert report["calls_by_peer"].get(peer_key(bad), 0) == 0, report["calls_by_peer"]
+        assert failed_calls.get(peer_key(bad), 0) >= 1, report["contributions"]  # as `swarm status` shows it
         assert bad.alive  # the trainer bans it; nobody crashes
     # The good replica computed every microbatch exactly once, as in the clean run: same losses, up
     # to the order in which concurrent microbatches were accumulated.
