@@ -29,7 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, settle_route
+from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, failovers_in_route, settle_route
 from swarm.trainer.client import ChainCallError, PeerCallError
 from swarm.trainer.data import Microbatch
 from swarm.trainer.failures import NotAllowedError, StageUnavailableError, refused_as_not_allowed
@@ -121,10 +121,11 @@ class ChainCaller:
             settle_route(view.schedulers, route, mb.size, result.served_by)
             caller.timeouts.observe(*CHAIN_TIMEOUT_KEY, elapsed)
             caller.metrics.observe_call(stage=0, rpc="train_chain", duration_s=elapsed)
-            if result.failed_over:  # a hop failed over inside the chain: the microbatch was retried there
-                failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in result.failed_over)}")
-                caller.counters.calls_retried += len(result.failed_over)
-                for failover in result.failed_over:  # routed elsewhere for a while, as after any failed call
+            failed_over = failovers_in_route(route, result.failed_over)
+            if failed_over:  # a hop failed over inside the chain: the microbatch was retried there
+                failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in failed_over)}")
+                caller.counters.calls_retried += len(failed_over)
+                for failover in failed_over:  # routed elsewhere for a while, as after any failed call
                     self._count_failure(failover.kind, failover.stage)
                     caller.contributions.failed(failover.peer, failover.stage)
                     view.bans.ban(failover.peer)
@@ -191,7 +192,7 @@ class ChainCaller:
         failures.append(str(error))
         caller.counters.calls_retried += 1
         stage = getattr(error, "stage", 0)
-        hops = getattr(error, "failovers", [])  # a hop failed on every candidate: how each did
+        hops = failovers_in_route(route, getattr(error, "failovers", []))  # how each failed hop failed
         for kind, at in [(f.kind, f.stage) for f in hops] or [(error.kind, stage)]:
             self._count_failure(kind, at)
         if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):

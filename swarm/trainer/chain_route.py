@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from swarm.trainer.routing import ReplicaScheduler
+from wire.protocol import HopFailover
 
 CHAIN_TASK = "backward"  # what a chain costs a replica: its forward, then the backward from its cached graph
 
@@ -79,6 +80,20 @@ def settle_route(
             scheduler.report_success(candidates[0], CHAIN_TASK, batch_size, 0.0)
         else:
             scheduler.report_failure(candidates[0])
+
+
+def failovers_in_route(route: Sequence[Sequence[str]], failovers: Sequence[HopFailover]) -> list[HopFailover]:
+    """The failovers a chain's answer reports that fit its route: a later stage's candidate the
+    route named for that stage (the trainer calls stage 0 itself), each peer and stage once. What
+    else a peer reports is not counted: it could fill the trainer's report and metrics with made-up
+    peers and stages."""
+    kept, seen = [], set()
+    for failover in failovers:
+        key = (failover.peer, failover.stage)
+        if 0 < failover.stage < len(route) and failover.peer in route[failover.stage] and key not in seen:
+            seen.add(key)
+            kept.append(failover)
+    return kept
 
 
 def check_served_by(route: Sequence[Sequence[str]], served_by: Sequence[str]) -> str | None:

@@ -7,9 +7,10 @@ import pytest
 
 from peers.serving.chain_rpc import hop_timeout_s
 from process.config import ConfigError, from_sources
-from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, settle_route
+from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, failovers_in_route, settle_route
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
+from wire.protocol import HopFailover
 
 
 class Clock:
@@ -103,6 +104,22 @@ def test_served_by_must_fit_the_route():
     assert "3 stages" in check_served_by(route, ["a0", "b1"])
     assert "first stage" in check_served_by(route, ["a1", "b1", "c0"])
     assert "did not name" in check_served_by(route, ["a0", "b9", "c0"])
+
+
+def test_only_failovers_the_route_named_are_counted():
+    """A peer reports which replicas its hops failed over from; what does not fit the route (a made-up
+    peer or stage, the trainer's own stage 0, a repeat) would only pad the trainer's report."""
+    route = [["a0"], ["b0", "b1"], ["c0", "c1"]]
+    reported = [
+        HopFailover(peer="b0", stage=1, kind="garbage"),
+        HopFailover(peer="c0", stage=2, kind="timeout"),
+        HopFailover(peer="c0", stage=2, kind="timeout"),  # the same again
+        HopFailover(peer="a0", stage=0, kind="transport"),  # stage 0 is the trainer's own call
+        HopFailover(peer="b9", stage=1, kind="garbage"),  # not a candidate of stage 1
+        HopFailover(peer="c1", stage=1, kind="garbage"),  # a candidate, of another stage
+        HopFailover(peer="c1", stage=7, kind="garbage"),  # no such stage
+    ]
+    assert [(f.peer, f.stage) for f in failovers_in_route(route, reported)] == [("b0", 1), ("c0", 2)]
 
 
 def test_direct_routing_takes_every_codec_and_spot_checks():
