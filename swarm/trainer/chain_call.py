@@ -195,6 +195,10 @@ class ChainCaller:
         hops = failovers_in_route(route, getattr(error, "failovers", []))  # how each failed hop failed
         for kind, at in [(f.kind, f.stage) for f in hops] or [(error.kind, stage)]:
             self._count_failure(kind, at)
+        for failover in hops:  # an earlier stage's hop failed over before the chain failed at `stage`
+            if failover.stage != stage:  # (`stage`'s replicas are the error's `failed_peers`, below)
+                caller.contributions.failed(failover.peer, failover.stage)
+                caller.view.bans.ban(failover.peer)
         if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):
             caller.not_allowed_by[error.peer_id] = error.peer_id[-8:]
             return
