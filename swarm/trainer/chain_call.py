@@ -17,6 +17,10 @@ and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
 
 The answer names the replica that served each stage (`served_by`): the schedule counts each one's
 samples from it, for the sync round's weight caps, exactly as from hub routing's backward answers.
+It also names the replicas its hops failed over from and how (`failed_over`, also on a chain that
+failed): each one the route named is counted as a failed call of that kind (`failures_by_kind`,
+the metrics, the replica's ledger entry) and routed around for a short ban only, a peer's word about
+another being no proof.
 `ChainCaller.audit` spot-checks a stage of a chain that answered, from what the stage's neighbours
 say crossed its hops (peers/serving/hop_records.py).
 """
