@@ -40,7 +40,7 @@ from swarm.trainer.failures import NotAllowedError, StageUnavailableError, refus
 from swarm.trainer.stage_call import StageAnswer, StageCaller, answer_bytes_limit
 from wire.compression import CodecError, relative_error_bound
 from wire.failures import Failure
-from wire.protocol import ResponseHeader
+from wire.protocol import HopFailover, ResponseHeader
 from wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,9 @@ class ChainCaller:
             if failed_over:  # a hop failed over inside the chain: the microbatch was retried there
                 failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in failed_over)}")
                 caller.counters.calls_retried += len(failed_over)
-                for failover in failed_over:  # routed elsewhere for a while, as after any failed call
+                for failover in failed_over:
                     self._count_failure(failover.kind, failover.stage)
-                    caller.contributions.failed(failover.peer, failover.stage)
-                    view.bans.ban(failover.peer)
+                    self._route_around(failover)
             for stage, peer_id in enumerate(result.served_by):
                 view.bans.clear(peer_id)
                 key = peer_id[-8:]
@@ -201,8 +200,7 @@ class ChainCaller:
             self._count_failure(kind, at)
         for failover in hops:  # an earlier stage's hop failed over before the chain failed at `stage`
             if failover.stage != stage:  # (`stage`'s replicas are the error's `failed_peers`, below)
-                caller.contributions.failed(failover.peer, failover.stage)
-                caller.view.bans.ban(failover.peer)
+                self._route_around(failover)
         if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):
             caller.not_allowed_by[error.peer_id] = error.peer_id[-8:]
             return
@@ -213,6 +211,12 @@ class ChainCaller:
             else:
                 caller.view.bans.ban(peer_id, at_least_s=3.0 * took_s if peer_id == route[0][0] else 0.0)
         logger.info(f"{error}; driving the microbatch again on another route")
+
+    def _route_around(self, failover: HopFailover) -> None:
+        """A replica a hop failed over from: a failed call in its ledger entry, and a short ban, as
+        after any failed call (a peer's word about another is no proof of more)."""
+        self.caller.contributions.failed(failover.peer, failover.stage)
+        self.view.bans.ban(failover.peer)
 
     def _count_failure(self, kind: Failure, stage: int) -> None:
         """One failed call, the trainer's own or a hop's inside a chain, in the report and metrics."""
