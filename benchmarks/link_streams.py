@@ -54,7 +54,8 @@ from wire.bounded_streams import StreamLimits, iterate_bounded, serve_bounded  #
 RPC = "link_streams.sink"
 SERVER_PORT = 41000
 LIMITS = StreamLimits(read_timeout_s=120.0)
-WAYS = ("in turn", "at once", "one stream", "in turn, parts", "in turn, parts, early")
+WAYS = ("in turn", "at once", "one stream", "in turn, parts", "in turn, parts, early", "warm stream")
+ECHO = "link_streams.echo"
 PARTS = 4
 
 
@@ -68,7 +69,12 @@ async def serve(listen: str, maddrs_file: str) -> None:
             count += 1
         yield runtime_pb2.ExpertResponse(metadata=str(count).encode())
 
+    async def echo(requests, context):
+        async for _ in requests:
+            yield runtime_pb2.ExpertResponse(metadata=b"1")
+
     await serve_bounded(server, RPC, sink, runtime_pb2.ExpertRequest, LIMITS, stream_input=True)
+    await serve_bounded(server, ECHO, echo, runtime_pb2.ExpertRequest, LIMITS, stream_input=True)
     maddrs = [str(m) for m in await server.get_visible_maddrs()]
     Path(maddrs_file + ".tmp").write_text(json.dumps(maddrs))
     os.replace(maddrs_file + ".tmp", maddrs_file)
@@ -83,7 +89,42 @@ async def _call(client: P2P, server_id: PeerID, requests) -> float:
     return time.perf_counter()
 
 
-async def _send_one_way(way: str, client: P2P, server_id: PeerID, messages: int, nbytes: int) -> dict:
+class WarmStream:
+    """One stream kept open for the whole run: every message goes on it, in order, and the receiver
+    answers each one on the same stream as it arrives (what a long-lived stream per link would do)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.answers: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    async def open(self, client: P2P, server_id: PeerID) -> None:
+        async def requests():
+            while (message := await self.queue.get()) is not None:
+                yield message
+
+        stream = await iterate_bounded(client, server_id, ECHO, requests(), runtime_pb2.ExpertResponse, LIMITS)
+
+        async def read() -> None:
+            async for _ in stream:
+                self.answers.put_nowait(time.perf_counter())
+
+        self.task = asyncio.create_task(read())
+
+    async def send(self, messages: int, payload: bytes) -> list[float]:
+        for _ in range(messages):
+            self.queue.put_nowait(runtime_pb2.ExpertRequest(metadata=payload))
+        return [await self.answers.get() for _ in range(messages)]
+
+    async def close(self) -> None:
+        self.queue.put_nowait(None)
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 60.0)
+
+
+async def _send_one_way(
+    way: str, client: P2P, server_id: PeerID, messages: int, nbytes: int, warm: WarmStream | None = None
+) -> dict:
     payload = bytes(nbytes)
     part = bytes(nbytes // PARTS)
 
@@ -97,7 +138,9 @@ async def _send_one_way(way: str, client: P2P, server_id: PeerID, messages: int,
 
     started = time.perf_counter()
     turns, early, peer = LinkTurns(), asyncio.Lock(), server_id.to_base58()
-    if way == "one stream":
+    if way == "warm stream":
+        ends = await warm.send(messages, payload)
+    elif way == "one stream":
         ends = [await _call(client, server_id, some(messages))]
     elif way == "in turn, parts":
         ends = await asyncio.gather(
@@ -140,10 +183,14 @@ async def send(server_maddr: str, messages: int, nbytes: int, rounds: int) -> di
     server_id = PeerID.from_base58(server_maddr.rsplit("/p2p/", 1)[1])
     try:
         await _send_one_way("at once", client, server_id, 1, 1024)  # connect, and warm the connection up
+        warm = WarmStream()
+        await warm.open(client, server_id)
+        await warm.send(2 * messages, bytes(nbytes))  # the stream's window grows as it carries data
         results = {way: [] for way in WAYS}
         for r in range(rounds):
             for way in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
-                results[way].append(await _send_one_way(way, client, server_id, messages, nbytes))
+                results[way].append(await _send_one_way(way, client, server_id, messages, nbytes, warm))
+        await warm.close()
         return results
     finally:
         await client.shutdown()

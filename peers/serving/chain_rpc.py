@@ -69,7 +69,7 @@ from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, timed
-from wire.bounded_streams import StreamLimits, iterate_bounded
+from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded
 from wire.compression import CodecChoice, EncodedTensor
 from wire.failures import Failure, caller_failure
 from wire.messages import read_request, read_response, read_unary, write_request, write_response
@@ -124,6 +124,7 @@ class ChainService:
         self.p2p = None  # set when the host registers its RPCs
         self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
         self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
+        self.streams = StreamPool()  # streams to the next stage's replicas, kept open from call to call
         self.records = HopRecords(record_bytes)  # what crossed this peer's hops, for the trainer's spot checks
 
     async def rpc_train_chain(self, requests, context):
@@ -493,6 +494,7 @@ class ChainService:
             self.turns.in_turn(peer_id, write_request(request, tensors)),
             runtime_pb2.ExpertResponse,
             limits,
+            pool=self.streams,
         )
         return await read_response(stream, ChainResponse, max_decoded_bytes=self.stages.max_decoded_bytes)
 

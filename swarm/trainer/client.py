@@ -16,7 +16,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from wire.bounded_streams import StreamLimits, iterate_bounded
+from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded
 from wire.compression import ByteCounter, CodecChoice, EncodedTensor
 from wire.failures import Failure, caller_failure
 from wire.messages import Received, read_response, read_unary, unary_request, write_request
@@ -87,6 +87,7 @@ class StageClient:
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
         self.credential = credential
         self.bytes = ByteCounter()
+        self.streams = StreamPool()  # streams to the peers, kept open from call to call
 
     async def call(
         self,
@@ -272,7 +273,13 @@ class StageClient:
 
     async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:
         stream = await iterate_bounded(
-            self.p2p, PeerID.from_base58(peer_id), RPC_TRAIN_CHAIN, request, runtime_pb2.ExpertResponse, limits
+            self.p2p,
+            PeerID.from_base58(peer_id),
+            RPC_TRAIN_CHAIN,
+            request,
+            runtime_pb2.ExpertResponse,
+            limits,
+            pool=self.streams,
         )
         return await read_response(stream, ChainResponse, max_decoded_bytes=0)
 
@@ -366,6 +373,6 @@ class StageClient:
         # (The first waits for the peer's compute: the call's own timeout, which fires first, bounds the reads.)
         limits = StreamLimits(read_timeout_s=timeout_s + 5.0)
         stream = await iterate_bounded(
-            self.p2p, PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse, limits
+            self.p2p, PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse, limits, pool=self.streams
         )
         return await read_response(stream, ResponseHeader, max_decoded_bytes=max_answer_bytes)

@@ -1,0 +1,142 @@
+"""A stream that carries one call after another (wire/bounded_streams.py): the handler serves the
+next call on the stream it answered, the caller's `StreamPool` keeps a stream only when its call
+ended cleanly, and either side gives an idle stream up. Both ends over real unix sockets, framed
+as hivemind frames them; the handler dispatched as hivemind's ControlClient dispatches a stream."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded, serve_bounded
+
+PEER = SimpleNamespace(to_base58=lambda: "other")
+LIMITS = StreamLimits(read_timeout_s=5.0, idle_timeout_s=5.0)
+
+
+class Loopback:
+    """What `serve_bounded` and `iterate_bounded` need of hivemind's P2P, over a unix socket:
+    each stream the caller opens is a connection, handed to the registered handler."""
+
+    def __init__(self, path: str):
+        self.path, self.peer_id, self.handlers, self.opened, self.served = path, "me", {}, 0, []
+
+    async def add_binary_stream_handler(self, name, handle):
+        self.handlers[name] = handle
+
+    async def start(self):
+        async def connected(reader, writer):
+            self.served.append(asyncio.current_task())
+            await self.handlers["rpc"](SimpleNamespace(peer_id="caller"), reader, writer)
+
+        return await asyncio.start_unix_server(connected, path=self.path)
+
+    async def call_binary_stream_handler(self, peer_id, name):
+        self.opened += 1
+        reader, writer = await asyncio.open_unix_connection(self.path)
+        return None, reader, writer
+
+
+async def echo_calls(requests, context):
+    """Answers each call with what it received, joined; 'fail' makes it raise."""
+    received = [message.uid async for message in requests]
+    if "fail" in received:
+        raise ValueError("asked to fail")
+    if "slow" in received:
+        await asyncio.sleep(10)
+    yield runtime_pb2.ExpertResponse(metadata=",".join(received).encode())
+
+
+async def call(p2p, pool, *uids: str) -> str:
+    async def requests():
+        for uid in uids:
+            yield runtime_pb2.ExpertRequest(uid=uid)
+
+    stream = await iterate_bounded(p2p, PEER, "rpc", requests(), runtime_pb2.ExpertResponse, LIMITS, pool=pool)
+    return ",".join([answer.metadata.decode() async for answer in stream])
+
+
+def run(tmp_path, scenario, limits: StreamLimits = LIMITS):
+    async def main():
+        p2p = Loopback(str(tmp_path / "p2p.sock"))
+        await serve_bounded(p2p, "rpc", echo_calls, runtime_pb2.ExpertRequest, limits, stream_input=True)
+        server = await p2p.start()
+        pool = StreamPool(max_idle_s=2.0)
+        try:
+            async with server:
+                await scenario(p2p, pool)
+        finally:
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_calls_in_turn_share_one_stream_and_the_handler_serves_each_as_its_own_call(tmp_path):
+    async def scenario(p2p, pool):
+        assert await call(p2p, pool, "a", "b") == "a,b"
+        assert await call(p2p, pool, "c") == "c"  # the second call's messages are its own
+        assert await call(p2p, pool, "d", "e", "f") == "d,e,f"
+        assert p2p.opened == 1 and pool.idle() == 1
+        assert len(p2p.served) == 1 and not p2p.served[0].done()  # one handler task, waiting for a next call
+        pool.close()  # the caller closes: the handler ends
+        await asyncio.wait_for(p2p.served[0], timeout=5.0)
+
+    run(tmp_path, scenario)
+
+
+def test_calls_at_once_each_get_a_stream_and_give_them_back(tmp_path):
+    async def scenario(p2p, pool):
+        answers = await asyncio.gather(*(call(p2p, pool, str(i)) for i in range(3)))
+        assert answers == ["0", "1", "2"] and p2p.opened == 3 and pool.idle() == 3
+        await asyncio.gather(*(call(p2p, pool, str(i)) for i in range(3)))
+        assert p2p.opened == 3
+
+    run(tmp_path, scenario)
+
+
+def test_a_call_that_failed_does_not_give_its_stream_back(tmp_path):
+    async def scenario(p2p, pool):
+        assert await call(p2p, pool, "a") == "a"
+        with pytest.raises(P2PHandlerError, match="asked to fail"):
+            await call(p2p, pool, "fail")
+        assert pool.idle() == 0  # the failed call's stream (the kept one) is closed
+        assert await call(p2p, pool, "b") == "b" and p2p.opened == 2
+
+    run(tmp_path, scenario)
+
+
+def test_a_call_cut_off_by_its_timeout_does_not_give_its_stream_back(tmp_path):
+    async def scenario(p2p, pool):
+        assert await call(p2p, pool, "a") == "a"
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(call(p2p, pool, "slow"), timeout=0.5)
+        assert pool.idle() == 0
+        assert await call(p2p, pool, "b") == "b" and p2p.opened == 2
+
+    run(tmp_path, scenario)
+
+
+def test_an_idle_stream_is_given_up_by_the_handler_and_then_not_used(tmp_path):
+    async def scenario(p2p, pool):
+        pool.max_idle_s = 60.0  # the caller would keep it: the handler's idle timeout ends it first
+        assert await call(p2p, pool, "a") == "a"
+        await asyncio.wait_for(p2p.served[0], timeout=5.0)  # idle_timeout_s=0.5
+        await asyncio.sleep(0.1)
+        assert await call(p2p, pool, "b") == "b" and p2p.opened == 2  # the closed stream was not taken
+
+    run(tmp_path, scenario, StreamLimits(read_timeout_s=5.0, idle_timeout_s=0.5))
+
+
+def test_the_pool_drops_streams_idle_past_its_limit_and_over_its_size(tmp_path):
+    async def scenario(p2p, pool):
+        pool.max_per_peer = 2
+        await asyncio.gather(*(call(p2p, pool, str(i)) for i in range(3)))
+        assert pool.idle() == 2  # the third one back was closed
+        pool.max_idle_s = 0.0
+        assert await call(p2p, pool, "x") == "x" and p2p.opened == 4  # the idle ones expired
+
+    run(tmp_path, scenario)
