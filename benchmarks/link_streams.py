@@ -6,7 +6,7 @@ Two hosts of a topology (`--src` and `--dst`, by default world4's stage0 -> stag
 96 ms, 17.4 Mbit/s), each in its own network namespace (`benchmarks.netem`); a real p2pd daemon in
 each (hivemind's P2P). The receiver reads every message of a stream and answers one small message.
 Each round sends `--messages` messages of `--bytes` (a `small` microbatch of 4 is 524,288 bytes of
-fp32 activations) in three ways, in an order that turns each round:
+fp32 activations) in six ways, in an order that turns each round:
 
   in turn                one stream per message, the streams written one at a time (`LinkTurns`:
                          what direct routing's peers do), all started at once
@@ -15,6 +15,9 @@ fp32 activations) in three ways, in an order that turns each round:
   in turn, parts         as "in turn", each message sent as 4 messages of a quarter
   in turn, parts, early  as "in turn, parts", but a stream's turn ends before its last part is
                          written (so the next stream's first parts follow it closely)
+  warm stream            every message on one stream kept open for the whole run (and warmed by
+                         two rounds' worth before the first), answered one by one as they arrive:
+                         what a kept stream (`wire.bounded_streams.StreamPool`) gives a peer
 
 and reports, per way, the seconds from the first write to the last answer (one one-way delay
 after the last byte arrives), the payload rate, that rate against the shaped rate and against the

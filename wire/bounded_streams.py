@@ -156,7 +156,7 @@ async def serve_bounded(
             while await serve_call(context, reader, writer, first):
                 try:  # the stream is free for the caller's next call, or its close
                     first = await _next(reader, request_type, limits, limits.idle_timeout_s)
-                except (ProtocolError, ConnectionError):
+                except (ProtocolError, ConnectionError, asyncio.CancelledError):  # cancelled: see serve_call
                     return
                 if first is None or first is _CLOSED:
                     return

@@ -140,3 +140,25 @@ def test_the_pool_drops_streams_idle_past_its_limit_and_over_its_size(tmp_path):
         assert await call(p2p, pool, "x") == "x" and p2p.opened == 4  # the idle ones expired
 
     run(tmp_path, scenario)
+
+
+def test_a_handler_waiting_for_a_next_call_ends_quietly_when_the_peer_stops(tmp_path):
+    """A kept stream's handler waits for the next call when the peer stops: the event loop's shutdown
+    cancels it, and it ends its stream without asyncio logging an error (Python 3.11 logs one for
+    a stream callback task that ends cancelled: see `serve_bounded`)."""
+    reported = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        p2p = Loopback(str(tmp_path / "p2p.sock"))
+        await serve_bounded(p2p, "rpc", echo_calls, runtime_pb2.ExpertRequest, LIMITS, stream_input=True)
+        server = await p2p.start()
+        pool = StreamPool()
+        assert await call(p2p, pool, "a") == "a" and pool.idle() == 1
+        await asyncio.sleep(0.1)
+        assert not p2p.served[0].done()  # waiting for the next call
+        server.close()
+        # returning leaves the handler to asyncio.run's shutdown, which cancels it
+
+    asyncio.run(main())
+    assert reported == []
