@@ -24,17 +24,19 @@ up to the marker and closes first, so nothing is in flight when the handler clos
 caller reads the marker as an error with an empty message; a caller of this module's earlier
 versions (which read until the stream closed) reads it as the end.
 
-A stream carries one call after another. A handler that read the whole request (up to the caller's
-end marker) and answered it waits, instead of for the close, up to `idle_timeout_s` for the next
-call's first message on the same stream, and serves it as a new call (the admission guard and
-limits apply to each call as to the first). A caller that closes after its answer, as every caller
-did before, ends the stream as before. `StreamPool` is the caller's side: it keeps a stream that
-ended its call cleanly and hands it to the next call to the same peer and RPC. What that buys is the
-transport's flow-control window: a fresh libp2p stream starts with a 256 KiB window (yamux), so a
-larger message waits a round trip for it to open, on every call; a stream that carried data has
-grown its window. Measured on an emulated 96 ms, 17 Mbit/s link: 8 messages of 512 KiB sent one at a
-time took 2.43 s on fresh streams and 2.19 s on one kept stream, the first answered after 0.50 s
-and 0.33 s (benchmarks/link_streams.py, "warm stream").
+A stream carries one call after another. A handler that answered a call reads what it left of the
+request (a refusal answers before reading it all) up to the caller's end marker, then waits,
+instead of for the close, up to `idle_timeout_s` for the next call's first message on the same
+stream, and serves it as a new call (the admission guard and limits apply to each call as to the
+first). A caller that closes after its answer, as every caller did before, ends the stream as
+before. `StreamPool` is the caller's side: it keeps a stream that ended its call cleanly and hands
+it to the next call to the same peer and RPC. What that buys is the start of each stream: a fresh
+libp2p stream is opened through p2pd and starts with yamux's 256 KiB flow-control window, so a
+larger message waits a round trip mid-transfer on every call. Measured on an emulated 96 ms,
+17 Mbit/s link, 8 messages of 512 KiB sent one at a time: 2.42 s on fresh streams, 2.26 s on one
+kept stream, the first answered after 0.52 s and 0.40 s (benchmarks/link_streams.py, "warm
+stream"; benchmarks/RESULTS.md, "Kept streams"). A peer that dies also breaks the streams kept to
+it at once, so its callers fail over without waiting for their timeouts.
 """
 
 from __future__ import annotations
@@ -194,10 +196,11 @@ async def serve_bounded(
             async for answer in answers:
                 await P2P.send_protobuf(answer, writer)
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
-            if ends == [True] and not broke_limits:
-                return True
-            if not broke_limits:
-                await _until_caller_closes(reader, limits.read_timeout_s)
+            if broke_limits:
+                return False
+            # A handler that answered before reading the whole request (a refusal): the rest is read
+            # and dropped up to the caller's end marker, so that the stream can carry the next call.
+            return ends == [True] or await _skip_to_end(reader, request_type, limits)
         except (ConnectionError, asyncio.IncompleteReadError):
             return False  # the caller went away
         except asyncio.CancelledError:
@@ -218,6 +221,19 @@ async def serve_bounded(
         return False
 
     await p2p.add_binary_stream_handler(name, handle)
+
+
+async def _skip_to_end(reader: asyncio.StreamReader, message_type: type, limits: StreamLimits) -> bool:
+    """Read and drop the caller's messages up to its end marker (True), within `read_timeout_s` in
+    all; False when the stream closed, broke the limits or took longer."""
+    try:
+        async with asyncio.timeout(limits.read_timeout_s):
+            while (message := await _next(reader, message_type, limits)) is not None:
+                if message is _CLOSED:
+                    return False
+            return True
+    except (TimeoutError, ProtocolError, ConnectionError):
+        return False
 
 
 async def _until_caller_closes(reader: asyncio.StreamReader, timeout_s: float) -> None:

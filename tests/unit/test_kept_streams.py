@@ -43,7 +43,11 @@ class Loopback:
 
 async def echo_calls(requests, context):
     """Answers each call with what it received, joined; 'fail' makes it raise."""
-    received = [message.uid async for message in requests]
+    received = []
+    async for message in requests:
+        received.append(message.uid)
+        if message.uid == "early":  # answers before the rest of the request, as a refusal does
+            break
     if "fail" in received:
         raise ValueError("asked to fail")
     if "slow" in received:
@@ -94,6 +98,18 @@ def test_calls_at_once_each_get_a_stream_and_give_them_back(tmp_path):
         assert answers == ["0", "1", "2"] and p2p.opened == 3 and pool.idle() == 3
         await asyncio.gather(*(call(p2p, pool, str(i)) for i in range(3)))
         assert p2p.opened == 3
+
+    run(tmp_path, scenario)
+
+
+def test_a_call_answered_before_its_request_was_read_leaves_the_stream_ready_for_the_next(tmp_path):
+    """A handler that answers early (a refusal) leaves the rest of the request unread: it is read and
+    dropped up to the caller's end marker, and the next call on the stream is served at once."""
+
+    async def scenario(p2p, pool):
+        assert await call(p2p, pool, "early", "x", "y") == "early"
+        assert await asyncio.wait_for(call(p2p, pool, "b"), timeout=2.0) == "b"
+        assert p2p.opened == 1
 
     run(tmp_path, scenario)
 
