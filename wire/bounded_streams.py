@@ -158,7 +158,7 @@ async def serve_bounded(
             while await serve_call(context, reader, writer, first):
                 try:  # the stream is free for the caller's next call, or its close
                     first = await _next(reader, request_type, limits, limits.idle_timeout_s)
-                except (ProtocolError, ConnectionError, asyncio.CancelledError):  # cancelled: see serve_call
+                except (ProtocolError, P2PHandlerError, ConnectionError, asyncio.CancelledError):  # see serve_call
                     return
                 if first is None or first is _CLOSED:
                     return
@@ -232,7 +232,7 @@ async def _skip_to_end(reader: asyncio.StreamReader, message_type: type, limits:
                 if message is _CLOSED:
                     return False
             return True
-    except (TimeoutError, ProtocolError, ConnectionError):
+    except (TimeoutError, ProtocolError, P2PHandlerError, ConnectionError):
         return False
 
 

@@ -9,8 +9,10 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded, serve_bounded
 
@@ -178,3 +180,15 @@ def test_a_handler_waiting_for_a_next_call_ends_quietly_when_the_peer_stops(tmp_
 
     asyncio.run(main())
     assert reported == []
+
+
+def test_an_error_from_the_caller_between_calls_ends_the_stream_without_an_exception(tmp_path):
+    async def scenario(p2p, pool):
+        assert await call(p2p, pool, "a") == "a"
+        _, _, writer = pool._idle[("other", "rpc")][-1]  # the kept stream, written to as a caller would
+        error = RPCError(message="caller gave up").SerializeToString()
+        writer.write(P2P.ERROR_MARKER + len(error).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + error)
+        await asyncio.wait_for(p2p.served[0], timeout=5.0)
+        assert p2p.served[0].exception() is None
+
+    run(tmp_path, scenario)
