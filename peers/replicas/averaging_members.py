@@ -19,7 +19,8 @@ both applied in the averager's own process:
   (`reduce_whole_parts_only`); and a sender keeps its stream open until it has every averaged
   part, so that the reducer's closing stream cannot cut off the last of them (`_exchange_with`).
   A round fails fast too: a replica answers the parts of a round it refused or has ended with an
-  error at once (`_end`), and a sender whose exchange with a groupmate failed stops waiting for
+  error at once (`_end`), and holds the stream open behind that answer until the sender ends it
+  (`_refuse`), and a sender whose exchange with a groupmate failed stops waiting for
   that groupmate's parts; hivemind has no message for either, so the others waited out the
   round's timeout (30 s).
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
@@ -73,6 +74,7 @@ MIN_WEIGHT = 1e-9  # weight 0 for every sender would divide by zero; a tiny one 
 NAMED_GROUP_MARK = b"swarm-named:"  # the start of a group id built from a commit, not by matchmaking
 NAMED_GROUP_WAIT_S = 10.0  # how long a part of a named group waits for this replica to begin its round
 ENDED_GROUPS_KEPT = 64  # the latest rounds over here, whose late parts are answered with an error at once
+REFUSAL_DRAIN_S = 5.0  # how long a refused part's stream is read, for its sender to take the answer first
 
 
 def named_group_id(step_id: str, peer_ids: Collection[str]) -> bytes:
@@ -266,6 +268,18 @@ class _CappedRunner(AllReduceRunner):
             received_all.set()
 
 
+async def _refuse(code: int, stream: AsyncIterator[averaging_pb2.AveragingData]):
+    """A part's error answer, then what the sender still sends read and dropped until it ends its
+    stream (at most `REFUSAL_DRAIN_S`). Returning at once closed the stream right behind the answer,
+    and over p2pd that close can drop an answer the sender had not read yet (wire/bounded_streams.py);
+    the sender then waited for its round's timeout (seen once in CI: test_named_groups, 60 s)."""
+    yield averaging_pb2.AveragingData(code=code)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REFUSAL_DRAIN_S):
+            async for _ in stream:
+                pass
+
+
 class MemberAverager(hivemind.averaging.DecentralizedAverager):
     """hivemind's averager with a member list, weight caps and a robust reduction (see the module's
     docstring). `robust`: one of peers/replicas/robust_mean.py's ROBUST_METHODS."""
@@ -374,7 +388,8 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         group_id = request.group_id
         named = group_id.startswith(NAMED_GROUP_MARK)
         if not named and not self._is_member(context):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            async for message in _refuse(averaging_pb2.PROTOCOL_VIOLATION, stream):
+                yield message
             return
         if named and group_id not in self._running_groups and group_id not in self._ended_groups:
             # a groupmate of a named group may begin before this replica has: wait a while for our
@@ -383,16 +398,19 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             # that joined since is known by then (checked first, it failed their first round).
             await self._wait_for_group(group_id, min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S))
         if not self._is_member(context):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            async for message in _refuse(averaging_pb2.PROTOCOL_VIOLATION, stream):
+                yield message
             return
         if group_id in self._ended_groups:  # refused, failed or done: nothing will reduce this part
-            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+            async for message in _refuse(averaging_pb2.CANCELLED, stream):
+                yield message
             return
         try:
             async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
                 yield message
         except AllreduceException:  # the round it waited for was refused meanwhile (`_end`)
-            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+            async for message in _refuse(averaging_pb2.CANCELLED, stream):
+                yield message
 
     async def _wait_for_group(self, group_id: bytes, timeout_s: float) -> None:
         """Until this replica registers `group_id` (`_register_allreduce_group`), or `timeout_s`."""

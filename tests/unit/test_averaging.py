@@ -3,15 +3,18 @@ periodic averaging by steps (a step on every commit, a round after every K-th, n
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 
 import pytest
 import torch
+from hivemind.proto import averaging_pb2
 
 from models.config import get_model_config
 from peers.compute.stage_runtime import OptimizerSettings, StageRuntime
 from peers.metrics import PeerMetrics
+from peers.replicas import averaging_members
 from peers.replicas.averaging import (
     COMPRESSIONS,
     AveragingRound,
@@ -248,3 +251,32 @@ def test_a_delayed_clipped_commit_holds_the_previous_update_and_applies_it_scale
     assert not flushed.pending and sync.in_flight is None
     assert flushed.grad_norm_sq == pytest.approx(float(sum(g.double().pow(2).sum() for g in second)), rel=1e-6)
     assert sync.apply_prepared("run:flush:apply", 1.0).stepped and runtime.steps_done == 2
+
+
+def test_a_refused_part_is_answered_first_and_its_stream_read_until_the_sender_ends_it():
+    """A refusal that returned at once closed the stream right behind its answer; over p2pd that can
+    drop the answer unread, and the sender waited for its round's timeout. The answer comes first,
+    then the sender's parts are read (and dropped) until it ends its stream, or for a bounded time."""
+
+    async def main():
+        events = []
+
+        async def parts(count: int, then_hang: bool = False):
+            for i in range(count):
+                events.append(f"read {i}")
+                yield averaging_pb2.AveragingData()
+            if then_hang:
+                await asyncio.sleep(3600)
+
+        async for message in averaging_members._refuse(averaging_pb2.CANCELLED, parts(3)):
+            events.append(averaging_pb2.MessageCode.Name(message.code))
+        assert events == ["CANCELLED", "read 0", "read 1", "read 2"]
+
+        averaging_members.REFUSAL_DRAIN_S, kept = 0.2, averaging_members.REFUSAL_DRAIN_S
+        try:
+            answers = [m.code async for m in averaging_members._refuse(averaging_pb2.CANCELLED, parts(1, True))]
+        finally:
+            averaging_members.REFUSAL_DRAIN_S = kept
+        assert answers == [averaging_pb2.CANCELLED]  # a sender that never ends its stream is not waited for
+
+    asyncio.run(asyncio.wait_for(main(), timeout=10))
