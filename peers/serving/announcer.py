@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import hivemind
 from hivemind.utils import get_dht_time
 
 from dht.announce import announce
+from dht.record_policy import MAX_RECORD_TTL_S
 from dht.records import PeerRecord, PeerState, SplitRecord
 from dht.split_agreement import publish_split_async
 from models.identity import model_fingerprint
@@ -24,6 +26,18 @@ from peers.metrics import PeerMetrics
 from peers.placement.split_claim import renewed
 from peers.serving.serving_state import ServingState
 from process.version import software_version
+
+RECENT_WRITES = 8  # how many of its last announcements' write times a peer's record lifetime follows
+
+
+def record_ttl_s(configured_s: float, period_s: float, slowest_write_s: float) -> float:
+    """How long an announced record lives. `configured_s` (three announcement periods) outlives two
+    missed renewals while the DHT writes quickly. A slow write stretches both ends: renewals start at
+    most max(period, slowest write) apart, and each lands up to one slowest write after it starts.
+    The record then lives three such intervals plus one write, so that a loaded machine, where a
+    write took 1-2.3 s against 1 s periods and 3 s records, does not make a live peer lapse."""
+    stretched = 3 * max(period_s, slowest_write_s) + slowest_write_s
+    return min(max(configured_s, stretched), MAX_RECORD_TTL_S)
 
 
 class Announcer:
@@ -45,6 +59,13 @@ class Announcer:
         self.serving, self.dht, self.settings = serving, dht, settings
         self.peer_id, self.model, self.averaging_mode = peer_id, model, averaging_mode
         self.metrics, self.metrics_addr, self.split = metrics, metrics_addr, split
+        self.write_seconds: deque[float] = deque(maxlen=RECENT_WRITES)  # the last announcements' writes
+
+    @property
+    def ttl_s(self) -> float:
+        """The lifetime of the record announced next (`record_ttl_s`)."""
+        slowest = max(self.write_seconds, default=0.0)
+        return record_ttl_s(self.settings.record_ttl_s, self.settings.announce_period_s, slowest)
 
     def record(self, *, stage: int | None = None, state: PeerState | None = None) -> PeerRecord:
         """This peer's record; `stage`/`state` override what it serves now (a move announces both)."""
@@ -58,7 +79,7 @@ class Announcer:
             throughput=float(serving.runtime.throughput.value),
             load=float(serving.in_flight),
             version=software_version(),
-            expires_at=get_dht_time() + self.settings.record_ttl_s,
+            expires_at=get_dht_time() + self.ttl_s,
             averaging=self.averaging_mode,
             precision=serving.runtime.precision,
             weight_prediction=serving.runtime.weight_prediction,
@@ -75,20 +96,26 @@ class Announcer:
         self, *, stage: int | None = None, state: PeerState | None = None, timeout_s: float = 10.0
     ) -> bool:
         """Store the record now; returns whether the DHT took it."""
-        return await announce(self.dht, self.record(stage=stage, state=state), timeout_s=timeout_s)
+        started = time.monotonic()
+        stored = await announce(self.dht, self.record(stage=stage, state=state), timeout_s=timeout_s)
+        self.write_seconds.append(time.monotonic() - started)
+        return stored
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Re-announce every `announce_period_s` until `stop`; renew the split claim alongside."""
+        """Re-announce every `announce_period_s`, from start to start (a slow write does not stretch
+        the period), until `stop`; renew the split claim alongside."""
+        next_s = time.monotonic()
         while not stop.is_set():
             stored = await self.announce()
             self.metrics.announcements.labels(result="ok" if stored else "failed").inc()
             if stored and self.serving.announced_online_at is None and self.serving.state == PeerState.ONLINE:
                 self.serving.announced_online_at = time.monotonic()
             if self.split is not None:
-                await publish_split_async(self.dht, renewed(self.split, active=True, ttl_s=self.settings.record_ttl_s))
+                await publish_split_async(self.dht, renewed(self.split, active=True, ttl_s=self.ttl_s))
             self.report_status(stored)
+            next_s = max(next_s + self.settings.announce_period_s, time.monotonic())
             try:
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.announce_period_s)
+                await asyncio.wait_for(stop.wait(), timeout=next_s - time.monotonic())
             except TimeoutError:
                 pass
 
@@ -110,7 +137,7 @@ class Announcer:
                 self.settings.status_file,
                 self.record(),
                 announced=announced,
-                ttl_s=self.settings.record_ttl_s,
+                ttl_s=self.ttl_s,
                 requests_served=self.serving.requests_served,
                 requests_failed=self.serving.requests_failed,
             )
