@@ -29,7 +29,7 @@ def test_slow_writes_stretch_the_lifetime_past_the_gap_between_two_renewals():
     ttl = record_ttl_s(3.0, 1.0, 2.3)
     assert ttl == pytest.approx(3 * 2.3 + 2.3)
     assert ttl > 2.3 + 2.3  # one renewal that starts late and lands late still finds the record alive
-    # a write slower than the period but quick against it: a third of a period late, no more
+    # a write quicker than the period: renewals start a period apart, and the record lives one write longer
     assert record_ttl_s(15.0, 5.0, 1.0) == pytest.approx(16.0)
 
 
