@@ -354,11 +354,12 @@ class PeerHost:
         if averager is not None:
             await self._unless_alone(averager)
         await self._unless_alone(self.announcer.release_split())
+        self.chains.streams.close()  # the next stage's handlers end now, not at their idle timeout
         if self.alone.is_set():
             print(
                 f"peer {self.peer_id} stopped after serving {serving.requests_served} requests, without announcing "
                 f"offline (the process that started it is gone; its record expires within "
-                f"{self.config.announcing.record_ttl_s:.0f} s)",
+                f"{self.announcer.ttl_s:.0f} s)",
                 flush=True,
             )
         else:
