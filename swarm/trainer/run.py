@@ -288,6 +288,7 @@ async def train(
     finally:
         progress.close()
         refresher.cancel()
+        schedule.client.streams.close()  # the peers' handlers of our kept streams end now, not when idle
         _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
     return report
 
