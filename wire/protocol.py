@@ -132,6 +132,12 @@ TensorHeaders = Annotated[
 ]
 
 
+def _failure_kind(value: object) -> Failure:
+    """A kind arrives as its string value. (A named function, not the Enum itself: pydantic reads a
+    validator's signature, and on Python 3.12 an Enum's is `(*values)`, which it refuses.)"""
+    return Failure(value)  # ValueError for an unknown kind
+
+
 def _answer_kind(value: object) -> object:
     """`error_kind` arrives as its string value; only the kinds a peer may answer are accepted."""
     if value is None:
@@ -242,7 +248,7 @@ class HopFailover(BaseModel):
 
     peer: PeerIdText
     stage: int = Field(ge=0, lt=MAX_CHAIN_STAGES)
-    kind: Annotated[Failure, BeforeValidator(Failure)]  # ValueError for an unknown kind
+    kind: Annotated[Failure, BeforeValidator(_failure_kind)]
 
 
 class ChainResponse(BaseModel):
