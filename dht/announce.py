@@ -3,36 +3,23 @@
 from __future__ import annotations
 
 import hivemind
-from hivemind.utils import get_dht_time
 
 from dht.keys import peer_subkey, stage_key
 from dht.records import PeerRecord, parse_records
 from dht.signing import allowed_peers_of, identity_of, owned_entries
-from dht.subkey_records import await_store, lookup, lookup_async
+from dht.subkey_records import await_store, lookup, lookup_async, restamping_store
 
 
 async def announce(dht: hivemind.DHT, record: PeerRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` under its stage key for as long as `record.expires_at` is ahead of now, signed
-    by this node's identity (so it must be this node's record). Returns whether it was stored.
-
-    Each attempt stamps the record's expiry afresh: DHT nodes refuse a record that has expired by
-    the time it reaches them, and on a loaded machine a write can take seconds (1-2.3 s measured
-    with 3 s records), so a retry of the first stamp would only be refused again."""
+    by this node's identity (so it must be this node's record). Returns whether it was stored. A
+    retried attempt is stamped afresh with the same lifetime (`restamping_store`)."""
     identity = identity_of(dht)
     if record.peer_id != identity.peer_id:
         raise ValueError(f"this node is {identity.peer_id} and can only announce its own record, not {record.peer_id}")
-    lifetime_s = record.expires_at - get_dht_time()
-
-    def store():
-        stamped = record.model_copy(update={"expires_at": get_dht_time() + lifetime_s})
-        return dht.store(
-            stage_key(record.model, record.stage),
-            subkey=peer_subkey(record.peer_id, identity.owner_marker),
-            value=stamped.to_wire(),
-            expiration_time=stamped.expires_at,
-            return_future=True,
-        )
-
+    store = restamping_store(
+        dht, stage_key(record.model, record.stage), peer_subkey(record.peer_id, identity.owner_marker), record
+    )
     return await await_store(
         store, timeout_s=timeout_s, what=f"Announcing {record.state.value} for stage {record.stage}"
     )

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dht.keys import links_key, peer_subkey
 from dht.record_policy import CLOCK_SKEW_S, MAX_RECORD_TTL_S
 from dht.signing import allowed_peers_of, identity_of, owned_entries
-from dht.subkey_records import await_store, lookup, lookup_async, misfiled_under, parse_entries
+from dht.subkey_records import await_store, lookup, lookup_async, misfiled_under, parse_entries, restamping_store
 
 MAX_LINKS_PER_RECORD = 256
 
@@ -104,16 +104,9 @@ def parse_link_records(entries: dict[Any, Any], *, model: str, now: float | None
 
 
 async def publish_links_async(dht: hivemind.DHT, record: LinkRecord, *, timeout_s: float = 10.0) -> bool:
-    """Store `record` until its `expires_at`. Returns whether it was stored."""
-
-    def store():
-        return dht.store(
-            links_key(record.model),
-            subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
-            value=record.to_wire(),
-            expiration_time=record.expires_at,
-            return_future=True,
-        )
+    """Store `record` for the lifetime its `expires_at` gives it. Returns whether it was stored."""
+    subkey = peer_subkey(record.peer_id, identity_of(dht).owner_marker)
+    store = restamping_store(dht, links_key(record.model), subkey, record)
 
     return await await_store(store, timeout_s=timeout_s, what=f"Publishing the links of {record.peer_id[-8:]}")
 

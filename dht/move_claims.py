@@ -15,23 +15,17 @@ from hivemind.utils import get_dht_time
 from dht.keys import moves_key, peer_subkey
 from dht.records import MoveClaim, parse_move_claims
 from dht.signing import allowed_peers_of, identity_of, owned_entries
-from dht.subkey_records import await_store, lookup_async
+from dht.subkey_records import await_store, lookup_async, restamping_store
 
 
 async def publish_move_claim_async(dht: hivemind.DHT, claim: MoveClaim, *, timeout_s: float = 5.0) -> bool:
-    """Store `claim` (or its withdrawal) until its `expires_at`. Returns whether it was stored."""
+    """Store `claim` (or its withdrawal) for the lifetime its `expires_at` gives it. Returns whether
+    it was stored."""
     identity = identity_of(dht)
     if claim.peer_id != identity.peer_id:
         raise ValueError(f"this node is {identity.peer_id} and can only state its own move claim, not {claim.peer_id}")
 
-    def store():
-        return dht.store(
-            moves_key(claim.model),
-            subkey=peer_subkey(claim.peer_id, identity.owner_marker),
-            value=claim.to_wire(),
-            expiration_time=claim.expires_at,
-            return_future=True,
-        )
+    store = restamping_store(dht, moves_key(claim.model), peer_subkey(claim.peer_id, identity.owner_marker), claim)
 
     what = f"Claiming the move from stage {claim.from_stage} to {claim.to_stage}"
     return await await_store(store, timeout_s=timeout_s, what=what)

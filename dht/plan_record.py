@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dht.keys import peer_subkey, plan_key
 from dht.record_policy import CLOCK_SKEW_S, MAX_PLAN_TTL_S
 from dht.signing import identity_of, owned_entries, plan_signers_of
-from dht.subkey_records import await_store, lookup, lookup_async, parse_entries, wait_store
+from dht.subkey_records import await_store, lookup, lookup_async, parse_entries, restamping_store, wait_store
 
 MAX_PLAN_PEERS = 1024
 
@@ -120,24 +120,18 @@ def current_plan(entries: dict[Any, Any], *, model: str, now: float) -> PlanReco
 
 
 def _store(dht: hivemind.DHT, plan: PlanRecord):
-    return dht.store(
-        plan_key(plan.model),
-        subkey=peer_subkey(plan.planner_id, identity_of(dht).owner_marker),
-        value=plan.to_wire(),
-        expiration_time=plan.expires_at,
-        return_future=True,
+    return restamping_store(
+        dht, plan_key(plan.model), peer_subkey(plan.planner_id, identity_of(dht).owner_marker), plan
     )
 
 
 def publish_plan(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `plan` (blocking). Returns whether it was stored."""
-    return wait_store(lambda: _store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
+    return wait_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
 
 
 async def publish_plan_async(dht: hivemind.DHT, plan: PlanRecord, *, timeout_s: float = 10.0) -> bool:
-    return await await_store(
-        lambda: _store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}"
-    )
+    return await await_store(_store(dht, plan), timeout_s=timeout_s, what=f"Publishing the plan of {plan.model}")
 
 
 def _current(dht: hivemind.DHT, entries: dict, model: str) -> PlanRecord | None:

@@ -15,7 +15,7 @@ import hivemind
 from dht.keys import peer_subkey, split_key
 from dht.records import SplitRecord, parse_split_records
 from dht.signing import allowed_peers_of, identity_of, owned_entries
-from dht.subkey_records import await_store, lookup, lookup_async, wait_store
+from dht.subkey_records import await_store, lookup, lookup_async, restamping_store, wait_store
 
 
 class SplitConflictError(RuntimeError):
@@ -91,13 +91,7 @@ def _store(dht: hivemind.DHT, record: SplitRecord):
     identity = identity_of(dht)
     if record.peer_id != identity.peer_id:
         raise ValueError(f"this node is {identity.peer_id} and can only state its own split, not {record.peer_id}")
-    return dht.store(
-        split_key(record.model),
-        subkey=peer_subkey(record.peer_id, identity.owner_marker),
-        value=record.to_wire(),
-        expiration_time=record.expires_at,
-        return_future=True,
-    )
+    return restamping_store(dht, split_key(record.model), peer_subkey(record.peer_id, identity.owner_marker), record)
 
 
 def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[SplitRecord]:
@@ -107,13 +101,11 @@ def _parse(dht: hivemind.DHT, entries: dict, model: str) -> list[SplitRecord]:
 
 def publish_split(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
     """Store `record` (blocking). Returns whether it was stored."""
-    return wait_store(lambda: _store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
+    return wait_store(_store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
 
 
 async def publish_split_async(dht: hivemind.DHT, record: SplitRecord, *, timeout_s: float = 10.0) -> bool:
-    return await await_store(
-        lambda: _store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}"
-    )
+    return await await_store(_store(dht, record), timeout_s=timeout_s, what=f"Stating the split of {record.model}")
 
 
 def fetch_split_records(dht: hivemind.DHT, model: str, *, timeout_s: float = 10.0) -> list[SplitRecord]:

@@ -1,7 +1,8 @@
 """Records kept one per peer under a shared DHT key (the subkey names the peer).
 
-Stage records, split records, link records and plans all live this way. What they share is here:
-storing and looking up with a timeout (a DHT that does not answer costs a warning and a default,
+Stage records, split records, link records, move claims, trainers' progress and plans all live
+this way. What they share is here: storing (each attempt stamped afresh) and looking up with a
+timeout (a DHT that does not answer costs a warning and a default,
 never a hung process), keeping the unexpired entries of a lookup, and parsing each entry into its
 typed record, skipping (with one warning each) what is malformed or names another peer, model or
 stage than where it is stored.
@@ -122,6 +123,25 @@ def wait_store(store: Callable[[], Any], *, timeout_s: float, what: str) -> bool
         if time.monotonic() + pause >= deadline:
             return False
         time.sleep(pause)
+
+
+def restamping_store(dht: hivemind.DHT, key: str, subkey: Any, record: Any) -> Callable[[], Any]:
+    """The `store` of await_store/wait_store that writes `record` (a record with `expires_at` and
+    `to_wire()`) under key/subkey, its expiry stamped afresh on each attempt with the lifetime it
+    has now. DHT nodes refuse a record that has expired by the time it reaches them, and on a loaded
+    machine a write can take seconds (1-2.3 s measured with 3 s records), so a retry of the first
+    stamp would only be refused again."""
+    from hivemind.utils import get_dht_time
+
+    lifetime_s = record.expires_at - get_dht_time()
+
+    def store():
+        stamped = record.model_copy(update={"expires_at": get_dht_time() + lifetime_s})
+        return dht.store(
+            key, subkey=subkey, value=stamped.to_wire(), expiration_time=stamped.expires_at, return_future=True
+        )
+
+    return store
 
 
 def lookup(dht: hivemind.DHT, key: str, *, timeout_s: float) -> dict[Any, Any]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dht.keys import peer_subkey, progress_key
 from dht.record_policy import CLOCK_SKEW_S, MAX_PROGRESS_TTL_S
 from dht.signing import identity_of, owned_entries
-from dht.subkey_records import await_store, lookup_async, misfiled_under, parse_entries
+from dht.subkey_records import await_store, lookup_async, misfiled_under, parse_entries, restamping_store
 
 MAX_SERVED_ENTRIES = 1024  # (stage, replica) pairs one record may name
 
@@ -99,16 +99,9 @@ def parse_progress_records(entries: dict[Any, Any], *, model: str, now: float) -
 
 
 async def publish_progress_async(dht: hivemind.DHT, record: TrainerProgress, *, timeout_s: float = 5.0) -> bool:
-    """Store `record` until its `expires_at`. Returns whether it was stored."""
-
-    def store():
-        return dht.store(
-            progress_key(record.model),
-            subkey=peer_subkey(record.peer_id, identity_of(dht).owner_marker),
-            value=record.to_wire(),
-            expiration_time=record.expires_at,
-            return_future=True,
-        )
+    """Store `record` for the lifetime its `expires_at` gives it. Returns whether it was stored."""
+    subkey = peer_subkey(record.peer_id, identity_of(dht).owner_marker)
+    store = restamping_store(dht, progress_key(record.model), subkey, record)
 
     return await await_store(store, timeout_s=timeout_s, what=f"Publishing the progress of step {record.step}")
 
