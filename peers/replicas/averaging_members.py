@@ -385,12 +385,22 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         request = await anext(stream)
-        group_id = request.group_id
+        refusal = await self._refusal_of(request.group_id, context)
+        if refusal is None:
+            try:
+                async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+                    yield message
+                return
+            except AllreduceException:  # the round it waited for was refused meanwhile (`_end`)
+                refusal = averaging_pb2.CANCELLED
+        async for message in _refuse(refusal, stream):
+            yield message
+
+    async def _refusal_of(self, group_id: bytes, context: P2PContext) -> int | None:
+        """The code a part of round `group_id` from the caller is refused with, or None to reduce it."""
         named = group_id.startswith(NAMED_GROUP_MARK)
         if not named and not self._is_member(context):
-            async for message in _refuse(averaging_pb2.PROTOCOL_VIOLATION, stream):
-                yield message
-            return
+            return averaging_pb2.PROTOCOL_VIOLATION
         if named and group_id not in self._running_groups and group_id not in self._ended_groups:
             # a groupmate of a named group may begin before this replica has: wait a while for our
             # round to register it (hivemind would answer BAD_GROUP_ID at once, failing the sender's).
@@ -398,19 +408,10 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             # that joined since is known by then (checked first, it failed their first round).
             await self._wait_for_group(group_id, min(self._allreduce_timeout or NAMED_GROUP_WAIT_S, NAMED_GROUP_WAIT_S))
         if not self._is_member(context):
-            async for message in _refuse(averaging_pb2.PROTOCOL_VIOLATION, stream):
-                yield message
-            return
+            return averaging_pb2.PROTOCOL_VIOLATION
         if group_id in self._ended_groups:  # refused, failed or done: nothing will reduce this part
-            async for message in _refuse(averaging_pb2.CANCELLED, stream):
-                yield message
-            return
-        try:
-            async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
-                yield message
-        except AllreduceException:  # the round it waited for was refused meanwhile (`_end`)
-            async for message in _refuse(averaging_pb2.CANCELLED, stream):
-                yield message
+            return averaging_pb2.CANCELLED
+        return None
 
     async def _wait_for_group(self, group_id: bytes, timeout_s: float) -> None:
         """Until this replica registers `group_id` (`_register_allreduce_group`), or `timeout_s`."""
