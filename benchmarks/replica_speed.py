@@ -21,7 +21,9 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
   two phases (the replicas average and answer their gradient's norm, then step on the scale);
 * `... matchmaking`, `... trainer groups`: the same with each round's group formed by hivemind's
   matchmaking or named by the trainer's commit (`--averaging-groups`; the peers' default is
-  `trainer` since session 16, `matchmaking` before).
+  `trainer` since session 16, `matchmaking` before);
+* `... fp16`: the same with the all-reduce's parts sent as fp16 (`--averaging-compression fp16`),
+  half the bytes of a round, the replicas then agreeing only to fp16's rounding.
 With `--repeats N` the 2x2 runs are repeated N times, alternating, so that a change in the
 machine's load hits each.
 
@@ -59,6 +61,9 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 sync delayed matchmaking": (2, "sync", ("--sync-delay", "1", "--averaging-groups", "matchmaking"), ()),
     "2x2 sync exact trainer groups": (2, "sync", ("--sync-delay", "0", "--averaging-groups", "trainer"), ()),
     "2x2 sync delayed trainer groups": (2, "sync", ("--sync-delay", "1", "--averaging-groups", "trainer"), ()),
+    # the all-reduce's parts sent as fp16 (`--averaging-compression fp16`): half the bytes of a round
+    "2x2 sync exact fp16": (2, "sync", ("--sync-delay", "0", "--averaging-compression", "fp16"), ()),
+    "2x2 sync delayed fp16": (2, "sync", ("--sync-delay", "1", "--averaging-compression", "fp16"), ()),
 }
 
 
