@@ -58,7 +58,7 @@ def swarm_cli(fork_server, tmp_path_factory):
     already, so about 2 s of CPU sooner than `python -m swarm.cli`), as `subprocess.run` with
     `capture_output=True, text=True` returns it. A call past `timeout` kills it and raises
     `subprocess.TimeoutExpired`. The tests of a first contact with the CLI (tests/integration/
-    test_bad_input.py) start `python -m swarm.cli` itself instead, import-time output included."""
+    test_bad_input.py) start one `python -m swarm.cli` of their own too, import-time output included."""
     logs = tmp_path_factory.mktemp("cli")
     calls = itertools.count()
 

@@ -143,7 +143,9 @@ def _child(request: dict, started: int) -> None:
         sys.argv = ["swarm", *request["args"]]
         try:
             swarm.cli.run()
-        except SystemExit as e:
+        except SystemExit as e:  # as the interpreter ends: a message is printed, and exits 1
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         threading._shutdown()  # as an interpreter's exit: join what is not a daemon thread,
         atexit._run_exitfuncs()  # then the exit handlers

@@ -1,4 +1,7 @@
-"""Bad input gets one clear line, never a traceback; a peer refuses a bad tensor and keeps serving."""
+"""Bad input gets one clear line, never a traceback; a peer refuses a bad tensor and keeps serving.
+
+The refusals run through the fork server (`swarm_cli`: the same `swarm.cli`, without 2 s of imports
+each); one first contact starts `python -m swarm.cli` itself, so that output at import is seen too."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ DEAD_BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFA18rYgnxD833hzMdmuKhUUEfH7Qj
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m swarm.cli ARGS` in a process of its own, imports and all: a user's first contact."""
     return subprocess.run(
         [sys.executable, "-m", "swarm.cli", *args],
         capture_output=True,
@@ -55,15 +59,21 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         (["status", "--model", "tiny"], ["no --initial-peers", "swarm dht"]),
     ],
 )
-def test_bad_arguments_give_one_line_errors(args, fragments):
-    assert_one_line_error(run_cli(*args), *fragments)
+def test_bad_arguments_give_one_line_errors(swarm_cli, args, fragments):
+    assert_one_line_error(swarm_cli(*args), *fragments)
+
+
+def test_a_first_contact_with_a_bad_argument_gives_one_line_error():
+    assert_one_line_error(
+        run_cli("peer", "--model", "tiny", "--stage", "5", "--num-stages", "2"), "stage 5 is out of range"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["peer", "train"])
-def test_unreachable_bootstrap_gives_one_line_error(role):
+def test_unreachable_bootstrap_gives_one_line_error(swarm_cli, role):
     extra = ["--stage", "0"] if role == "peer" else []
-    result = run_cli(role, "--model", "tiny", *extra, "--initial-peers", DEAD_BOOTSTRAP)
+    result = swarm_cli(role, "--model", "tiny", *extra, "--initial-peers", DEAD_BOOTSTRAP, timeout=120)
     assert_one_line_error(result, "could not reach any of the initial peers")
 
 

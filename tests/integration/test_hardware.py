@@ -13,7 +13,7 @@ import torch
 from models.config import get_model_config
 from models.init_weights import save_full_weights
 from models.stages import build_full_model
-from tests.integration.test_bad_input import assert_one_line_error, run_cli
+from tests.integration.test_bad_input import assert_one_line_error
 
 
 @pytest.mark.parametrize(
@@ -32,14 +32,14 @@ from tests.integration.test_bad_input import assert_one_line_error, run_cli
         (["peer", "--model", "tiny", "--stage", "0", "--num-layers", "many"], ["--num-layers 'many'"]),
     ],
 )
-def test_peers_refuse_what_cannot_work_in_one_line(args, fragments):
-    assert_one_line_error(run_cli(*args), *fragments)
+def test_peers_refuse_what_cannot_work_in_one_line(swarm_cli, args, fragments):
+    assert_one_line_error(swarm_cli(*args), *fragments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cuda_on_a_cpu_machine_is_refused():
+def test_cuda_on_a_cpu_machine_is_refused(swarm_cli):
     assert_one_line_error(
-        run_cli("peer", "--model", "tiny", "--stage", "0", "--device", "cuda"),
+        swarm_cli("peer", "--model", "tiny", "--stage", "0", "--device", "cuda"),
         "torch sees no CUDA GPU",
         "--device cpu or auto",
     )
