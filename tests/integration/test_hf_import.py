@@ -6,8 +6,6 @@ same name is refused in one line; a bad folder stops a peer in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -113,18 +111,13 @@ def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp
     assert "Traceback" not in trainer.log()
 
 
-def test_a_bad_folder_stops_a_peer_in_one_line(tmp_path):
+def test_a_bad_folder_stops_a_peer_in_one_line(tmp_path, swarm_cli):
     (tmp_path / "empty").mkdir()
     bad = {"config.json": {"model_type": "bert", "hidden_size": 32}}
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps(bad["config.json"]))
     for folder, expected in [("empty", "not a model folder"), ("bert", "model_type 'bert' is not supported")]:
-        result = subprocess.run(
-            [sys.executable, "-m", "swarm.cli", "peer", "--model-dir", str(tmp_path / folder), "--stage", "0"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = swarm_cli("peer", "--model-dir", str(tmp_path / folder), "--stage", "0", timeout=120)
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], result.stderr

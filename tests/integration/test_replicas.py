@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import urllib.request
 
 import pytest
@@ -18,7 +15,6 @@ from models.config import get_model_config
 from models.stages import build_full_model, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
-from process.lifetime import die_with_parent
 from swarm.trainer.data import MicrobatchSampler, open_data
 from tests.integration.polling import wait_for
 from tests.integration.processes import stop_together
@@ -474,52 +470,21 @@ def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
     assert_same_params(saved, stage_params(tmp_path / "a", 0), atol=0)
 
 
-def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path):
+def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path, swarm_cli):
     from peers.compute.stage_runtime import StageRuntime
 
     good = str(tmp_path / "good")
     StageRuntime(get_model_config("tiny"), 0, 2).save(good, "tiny")
     data = open(good, "rb").read()
-    # The three damaged checkpoints, each in a folder of its own, are tried by three peers at once.
-    runs = []
+    # Three damaged checkpoints, each in a folder of its own, each tried by a peer.
     for i, damaged in enumerate((data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]), b"not a checkpoint")):
         ckpt = tmp_path / f"ckpt{i}"
         ckpt.mkdir()
         with open(checkpoint_path(str(ckpt), "tiny", 0, 2), "wb") as f:
             f.write(damaged)
-        command = [
-            sys.executable,
-            "-m",
-            "swarm.cli",
-            "peer",
-            "--model",
-            "tiny",
-            "--stage",
-            "0",
-            "--checkpoint-dir",
-            str(ckpt),
-        ]
-        runs.append(
-            subprocess.Popen(
-                command,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-        )
-    try:
-        for run in runs:
-            _, stderr = run.communicate(timeout=120)
-            assert run.returncode == 2 and "Traceback" not in stderr, stderr
-            assert re.search(r"corrupted or truncated|not a swarm checkpoint", stderr), stderr
-    finally:
-        for run in runs:
-            if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
-                run.wait()
+        run = swarm_cli("peer", "--model", "tiny", "--stage", "0", "--checkpoint-dir", str(ckpt), timeout=120)
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert re.search(r"corrupted or truncated|not a swarm checkpoint", run.stderr), run.stderr
 
 
 def test_a_trainer_resumes_at_the_same_data_position(resumed_run):
