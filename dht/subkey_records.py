@@ -2,10 +2,10 @@
 
 Stage records, split records, link records, move claims, trainers' progress and plans all live
 this way. What they share is here: storing (each attempt stamped afresh) and looking up with a
-timeout (a DHT that does not answer costs a warning and a default,
-never a hung process), keeping the unexpired entries of a lookup, and parsing each entry into its
-typed record, skipping (with one warning each) what is malformed or names another peer, model or
-stage than where it is stored.
+timeout (a DHT that does not answer costs a warning and a default, never a hung process), keeping
+the unexpired entries of a lookup, and parsing each entry into its typed record, skipping (with
+one warning each) what is malformed or names another peer, model or stage than where it is
+stored.
 """
 
 from __future__ import annotations
