@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from peers.compute.stage_runtime import StageRuntime  # noqa: E402
-from peers.replicas.averaging import GradientSync, ParameterAveraging  # noqa: E402
+from peers.replicas.averaging import COMPRESSIONS, GradientSync, ParameterAveraging  # noqa: E402
 from peers.replicas.averaging_members import named_group_id  # noqa: E402
 
 
@@ -81,6 +81,9 @@ def main() -> None:
         help="how each round's group forms: hivemind's matchmaking, or named as a trainer's commit names it "
         "(`--averaging-groups`); both: the two alternating",
     )
+    parser.add_argument(
+        "--compression", choices=tuple(COMPRESSIONS), default="none", help="the rounds' --averaging-compression"
+    )
     parser.add_argument("--out", default="benchmarks/out/sync_round_cost.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -88,7 +91,10 @@ def main() -> None:
     first = hivemind.DHT(start=True)
     dhts = [first, hivemind.DHT(start=True, initial_peers=[str(a) for a in first.get_visible_maddrs()])]
     replicas = [
-        GradientSync(StageRuntime(config, 0, 2), dht, args.model, matchmaking_s=args.matchmaking_s) for dht in dhts
+        GradientSync(
+            StageRuntime(config, 0, 2), dht, args.model, matchmaking_s=args.matchmaking_s, compression=args.compression
+        )
+        for dht in dhts
     ]
     values = replicas[0].num_values
     try:
@@ -120,7 +126,8 @@ def main() -> None:
         }
         s = summary[kind]
         print(
-            f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds, groups by {kind}: "
+            f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds, groups by {kind}, "
+            f"compression {args.compression}: "
             f"forming the group median {s['matchmaking_s_median']:.3f} s ({s['matchmaking_cpu_s_median']:.3f} CPU s), "
             f"all-reduce median {s['allreduce_s_median']:.3f} s ({s['allreduce_cpu_s_median']:.3f} CPU s; CPU of "
             f"both replicas together)",
