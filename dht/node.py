@@ -100,14 +100,15 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False, models: Coll
     try:
         if not os.path.exists(identity_path):
             try:
-                new_identity_file(identity_path)
+                identity = new_identity_file(identity_path)
             except OSError as e:
                 raise BootstrapError(f"cannot write the identity file {identity_path!r}: {e.strerror}") from None
             kwargs["check_if_identity_free"] = False  # just made: nobody else can hold it
-        try:
-            identity = load_identity(identity_path)
-        except IdentityError as e:
-            raise BootstrapError(str(e)) from None
+        else:
+            try:
+                identity = load_identity(identity_path)
+            except IdentityError as e:
+                raise BootstrapError(str(e)) from None
         guard = SwarmRecordValidator(
             protected_keys(models, allowed_peers=network.allowed_peers, plan_signers=network.plan_signers),
             cap_subkeys=not client_mode,  # a client stores nothing for others

@@ -65,13 +65,20 @@ def peer_id_of(public_key: rsa.RSAPublicKey) -> str:
     return base58.b58encode(digest).decode()
 
 
-def new_identity_file(path: str) -> None:
-    """Write a fresh RSA libp2p identity (the format p2pd reads with -id), readable by its owner only."""
-    key = RSAPrivateKey()
-    data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+def new_identity_file(path: str) -> SigningIdentity:
+    """Write a fresh RSA libp2p identity (the format p2pd reads with -id), readable by its owner
+    only, and return it (the key just generated: no need to read it back)."""
+    inner = rsa.generate_private_key(public_exponent=65537, key_size=2048)  # as hivemind's RSAPrivateKey()
+    der = inner.private_bytes(
+        encoding=serialization.Encoding.DER,
+        format=serialization.PrivateFormat.TraditionalOpenSSL,
+        encryption_algorithm=serialization.NoEncryption(),
+    )
+    data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    return _identity_of(inner)
 
 
 def load_identity(path: str) -> SigningIdentity:
@@ -88,14 +95,18 @@ def load_identity(path: str) -> SigningIdentity:
             f"the identity in {path!r} is not an RSA key, and swarm signs its DHT records with "
             f"the node's RSA identity; remove the file to make a new one"
         )
-    try:
+    try:  # checked once here (an RSA key check costs about 50 ms of CPU), not again below
         inner = serialization.load_der_private_key(message.data, password=None)
     except ValueError:
         raise IdentityError(f"the RSA key in {path!r} is damaged") from None
     if not isinstance(inner, rsa.RSAPrivateKey):
         raise IdentityError(f"the identity in {path!r} is not an RSA key")
-    key = RSAPrivateKey.__new__(RSAPrivateKey)  # wrap the loaded key without generating a new one
-    key.__setstate__({"_private_key": message.data})
+    return _identity_of(inner)
+
+
+def _identity_of(inner: rsa.RSAPrivateKey) -> SigningIdentity:
+    key = RSAPrivateKey.__new__(RSAPrivateKey)  # hivemind's wrapper around this key, not a new one
+    key.__dict__["_private_key"] = inner  # what its own unpickling (__setstate__) sets
     return SigningIdentity(private_key=key, peer_id=peer_id_of(inner.public_key()))
 
 

@@ -18,6 +18,7 @@ session) dies or closes it, and its children die with it.
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import json
 import os
@@ -178,6 +179,9 @@ def serve(socket_path: str) -> None:
     import swarm.status  # noqa: F401
     import swarm.trainer.run  # noqa: F401
 
+    # What is imported now lives as long as every child: out of the collector's reach, so that a
+    # child's full collections neither walk it (about 0.2 s of CPU each) nor copy the pages they touch.
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)

@@ -160,12 +160,30 @@ def test_trainer_metrics_show_every_stage_and_count_calls_failures_retries():
     assert sample(r, "swarm_trainer_info", model="tiny", num_stages="3", codec="none") == 1
 
 
-def test_the_endpoint_serves_on_a_free_port_and_frees_it_on_close():
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "host, url_host",
+    [
+        ("127.0.0.1", "127.0.0.1"),
+        pytest.param(
+            "::1", "[::1]", marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+        ),
+    ],
+)
+def test_the_endpoint_serves_on_a_free_port_and_frees_it_on_close(host, url_host):
     m = PeerMetrics()
     m.observe_request(stage=0, rpc="forward", duration_s=0.01, samples=2)
-    endpoint = serve_metrics(m.registry, "127.0.0.1", 0)
+    endpoint = serve_metrics(m.registry, host, 0)
     try:
-        assert endpoint.port > 0 and endpoint.url == f"http://127.0.0.1:{endpoint.port}/metrics"
+        assert endpoint.port > 0 and endpoint.url == f"http://{url_host}:{endpoint.port}/metrics"
         text = urllib.request.urlopen(endpoint.url, timeout=5).read().decode()
         assert 'swarm_peer_requests_total{rpc="forward",stage="0"} 1.0' in text
         assert "_created" not in text

@@ -31,6 +31,18 @@ def test_the_identity_peer_id_is_the_one_libp2p_derives(identities):
         assert identity.peer_id.startswith("Qm")
 
 
+def test_a_new_identity_is_the_one_its_file_holds(tmp_path):
+    """`new_identity_file` returns the identity it wrote (no second read): the same peer id, and
+    what it signs verifies under the key read back from the file."""
+    path = str(tmp_path / "id.key")
+    made = new_identity_file(path)
+    read = load_identity(path)
+    assert made.peer_id == read.peer_id == PeerID.from_identity((tmp_path / "id.key").read_bytes()).to_base58()
+    assert made.owner_marker == read.owner_marker
+    signature = made.private_key.sign(b"record")
+    assert read.private_key.get_public_key().verify(b"record", signature)
+
+
 def test_readers_keep_only_entries_signed_by_the_named_peer(identities):
     (a, _), (b, _) = identities
     entries = {
