@@ -334,5 +334,17 @@ def run() -> None:
     sys.exit(code)
 
 
+def run_forked() -> None:
+    """`run()` in a child of a fork server (process/fork_server.py, as `swarm demo` and the tests
+    start their processes). hivemind's MPFuture locks are process-shared semaphores made at import:
+    forked children would share the server's with every other process it forks, and one killed while
+    holding one (a SIGKILLed peer's DHT sending an update) would block all the others' updates for
+    good. A process started afresh has its own; so does each child, from here."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+    run()
+
+
 if __name__ == "__main__":
     run()

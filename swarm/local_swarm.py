@@ -14,11 +14,31 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from process.fork_server import ForkServer
 from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
+
+# What a swarm's processes import, imported once by a fork server for all of them (torch's
+# optimizers import torch._dynamo on their first step).
+SWARM_MODULES = (
+    "torch._dynamo",
+    "peers.launch",
+    "swarm.data.prepare",
+    "swarm.evaluate",
+    "swarm.export.run",
+    "swarm.generate",
+    "swarm.status",
+    "swarm.trainer.run",
+)
 
 
 class LocalSwarmError(RuntimeError):
     pass
+
+
+def start_fork_server() -> ForkServer:
+    """A fork server for `swarm` processes (process/fork_server.py), importing as it starts: its
+    `launch` is a LocalSwarm's `launcher`. Close it once the swarm has stopped."""
+    return ForkServer.start(entry="swarm.cli:run_forked", preload=SWARM_MODULES)
 
 
 @dataclass
@@ -88,7 +108,7 @@ class LocalSwarm:
     processes: list[ManagedProcess] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
     # launcher(args, env, log_path): starts `swarm.cli` with args another way than a new interpreter
-    # (the tests fork a process that has imported the project, tests/integration/fork_server.py);
+    # (`start_fork_server().launch` forks a process that has imported the project);
     # processes started under a `prefix` (a network namespace, a profiler) always get their own
     launcher: Callable[[list[str], dict[str, str], str], subprocess.Popen] | None = None
 

@@ -3,7 +3,7 @@
 Every process a test starts runs in its own process group (with its DHT process and p2pd), and
 `LocalSwarm.stop` kills the group; a session finalizer sweeps any group a crashed test left. The
 swarms' processes are forked by one process that imported the project once
-(tests/integration/fork_server.py): the same `swarm.cli`, about 2 s of CPU sooner each.
+(process/fork_server.py): the same `swarm.cli`, about 2 s of CPU sooner each.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import tempfile
 
 import pytest
 
-from swarm.local_swarm import LocalSwarm
-from tests.integration.fork_server import ForkServer
+from swarm.local_swarm import LocalSwarm, start_fork_server
 
 _ALL_SWARMS: list[LocalSwarm] = []
 
@@ -44,12 +43,11 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session")
-def fork_server(tmp_path_factory):
+def fork_server():
     """One process that has imported the project, forking the swarms' processes (the
     `swarm.cli` they run is the same; their start is about 2 s of CPU shorter each)."""
-    server = ForkServer.start(str(tmp_path_factory.mktemp("fork-server")))
-    yield server
-    server.close()
+    with start_fork_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

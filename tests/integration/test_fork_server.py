@@ -1,4 +1,4 @@
-"""The tests' fork server (tests/integration/fork_server.py): what it starts behaves as a process
+"""The fork server (process/fork_server.py) of the tests and `swarm demo`: what it starts behaves as a process
 started with `python -m swarm.cli` does, as far as the tests look: its output, exit code, death by a
 signal, environment and session."""
 

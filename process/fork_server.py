@@ -1,41 +1,44 @@
-"""Start the tests' `swarm` processes by forking a process that has imported the project already.
+"""Start processes of one command by forking a server that has imported what they need once.
 
-A `python -m swarm.cli ...` process spends about 2 s of CPU importing torch, hivemind and the
-project before it does anything; an integration test starts four or so, and a suite run over 300.
-The server imports once, then forks a child for each process a test asks for: the same
-`swarm.cli` entry point, a real process with its own session, log, environment and exit code, and
-two peers online in about 1.3 s instead of 3.6 s. The importing process runs no torch op and holds
-one thread, so forking it is safe (forking pytest's own process, which has run torch's thread pools,
-would not be).
+A `swarm ...` process spends about 2 s of CPU importing torch, hivemind and the project before it
+does anything; `swarm demo` starts four or five of them, an integration test run over 300. The
+server imports once, then forks a child for each process asked for: the same entry point, a real
+process with its own session, log, environment and exit code, two peers online in about 1.3 s
+instead of 3.6 s. The server runs no torch op and holds one thread, so forking it is safe (forking
+a process that has run torch's or a tokenizer's thread pools would not be).
 
-    server = ForkServer.start(socket_dir)         # once per test session
+    server = ForkServer.start(entry="swarm.cli:run_forked", preload=[...])
     LocalSwarm(..., launcher=server.launch)       # each process the swarm starts
+    server.close()                                # after the processes have stopped
 
-Run as `python -m tests.integration.fork_server SOCKET`: it serves until its parent (the test
-session) dies or closes it, and its children die with it.
+The server runs as `python -m process.fork_server SOCKET ENTRY [MODULE...]`, in a session of its
+own (a Ctrl-C to its starter's terminal is the starter's to handle), until its starter closes it or
+dies; its children get SIGHUP when it dies. Naming the entry point and the modules to import
+keeps this module a leaf: it imports no project package.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import io
 import json
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Sequence
 
-from hivemind.utils.mpfuture import MPFuture
-
-import swarm.cli
 from process.lifetime import die_with_parent, set_parent_death_signal
 
 READY = "ready"
@@ -69,33 +72,47 @@ class ForkedProcess:
 
 
 class ForkServer:
-    def __init__(self, popen: subprocess.Popen, socket_path: str):
-        self.popen, self.socket_path = popen, socket_path
+    """A running fork server; `launch` starts a process (the first call waits for the server's
+    imports), `close` stops the server and removes its folder (with its processes' exit codes)."""
+
+    def __init__(self, popen: subprocess.Popen, folder: str, timeout_s: float):
+        self.popen, self.folder, self.timeout_s = popen, folder, timeout_s
+        self.socket_path = os.path.join(folder, "fork-server.sock")
+        self._ready = False
 
     @classmethod
-    def start(cls, socket_dir: str, timeout_s: float = 120.0) -> ForkServer:
-        socket_path = os.path.join(socket_dir, "fork-server.sock")
+    def start(cls, entry: str, preload: Sequence[str] = (), timeout_s: float = 120.0) -> ForkServer:
+        """Start the server, which imports the `preload` modules and `entry` ("module:function",
+        called with no argument in each child, `sys.argv` set to the child's arguments), and
+        return at once: its imports run while the caller goes on."""
+        folder = tempfile.mkdtemp(prefix="swarm-fork-")
         popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.fork_server", socket_path],
+            [sys.executable, "-m", "process.fork_server", os.path.join(folder, "fork-server.sock"), entry, *preload],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
+            start_new_session=True,  # a Ctrl-C at the terminal is its starter's to handle
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
-        ready, _, _ = select.select([popen.stdout], [], [], timeout_s)  # it answers after its imports
-        line = popen.stdout.readline().strip() if ready else f"(nothing within {timeout_s} s)"
+        return cls(popen, folder, timeout_s)
+
+    def wait_ready(self) -> None:
+        if self._ready:
+            return
+        ready, _, _ = select.select([self.popen.stdout], [], [], self.timeout_s)  # it answers after its imports
+        line = self.popen.stdout.readline().strip() if ready else f"(nothing within {self.timeout_s} s)"
         if line != READY:
-            popen.kill()
-            popen.wait()
+            self.close()
             raise RuntimeError(f"the fork server did not start: {line!r}")
-        return cls(popen, socket_path)
+        self._ready = True
 
     def launch(
         self, args: list[str], env: dict[str, str], log_path: str, stderr_path: str | None = None
     ) -> ForkedProcess:
-        """Start `swarm.cli` with `args` (what follows `python -m swarm.cli`) in a forked child,
-        its output in `log_path` (its standard error apart in `stderr_path`, if given)."""
-        status_path = f"{log_path}.{uuid.uuid4().hex[:8]}.exit"  # a log's name is reused by a later process
+        """Start the entry point with `args` in a forked child, its output in `log_path` (its
+        standard error apart in `stderr_path`, if given)."""
+        self.wait_ready()
+        status_path = os.path.join(self.folder, f"{uuid.uuid4().hex}.exit")
         request = {"args": args, "env": env, "log": log_path, "err": stderr_path, "status": status_path}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(30)
@@ -105,13 +122,22 @@ class ForkServer:
         return ForkedProcess(answer["pid"], args, status_path)
 
     def close(self) -> None:
-        self.popen.kill()  # its children get their parent-death signal
+        if self.popen.poll() is None:
+            self.popen.kill()  # its children get their parent-death signal
         self.popen.wait()
+        self.popen.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _child(request: dict, started: int) -> None:
-    """In the forked child: become the `swarm` process the request describes, then exit. Writes to
-    `started` once it leads a session of its own."""
+def _child(request: dict, started: int, entry: Callable[[], None]) -> None:
+    """In the forked child: become the process the request describes, run `entry`, then exit as
+    an interpreter does. Writes to `started` once it leads a session of its own."""
     code = 1
     try:
         os.setsid()
@@ -123,11 +149,6 @@ def _child(request: dict, started: int) -> None:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as the interpreter sets them at its start
             signal.signal(sig, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # hivemind's MPFuture locks are process-shared semaphores made at import: forked children
-        # would share the server's with every other swarm process of the session, and one killed
-        # while holding one (a SIGKILLed peer's DHT sending an update) would block all the others'
-        # updates for good. A process started afresh has its own; so does each child.
-        MPFuture.reset_backend()
         os.environ.clear()
         os.environ.update(request["env"])
         null = os.open(os.devnull, os.O_RDONLY)
@@ -141,9 +162,9 @@ def _child(request: dict, started: int) -> None:
         # unbuffered text, as PYTHONUNBUFFERED gives a process that starts with it
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-        sys.argv = ["swarm", *request["args"]]
+        sys.argv = [sys.argv[0], *request["args"]]
         try:
-            swarm.cli.run()
+            entry()
         except SystemExit as e:  # as the interpreter ends: a message is printed, and exits 1
             if e.code is not None and not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
@@ -167,18 +188,11 @@ def _write_status(path: str, code: int) -> None:
     os.replace(partial, path)
 
 
-def serve(socket_path: str) -> None:
-    # what every swarm process imports, so that no child imports it again
-    import torch._dynamo  # noqa: F401  (torch's optimizers import it on first use)
-
-    import peers.launch  # noqa: F401
-    import swarm.data.prepare  # noqa: F401
-    import swarm.evaluate  # noqa: F401
-    import swarm.export.run  # noqa: F401
-    import swarm.generate  # noqa: F401
-    import swarm.status  # noqa: F401
-    import swarm.trainer.run  # noqa: F401
-
+def serve(socket_path: str, entry: str, preload: Sequence[str]) -> None:
+    for module in preload:  # what the children import, so that none imports it again
+        importlib.import_module(module)
+    module, _, function = entry.partition(":")
+    run = getattr(importlib.import_module(module), function)
     # What is imported now lives as long as every child: out of the collector's reach, so that a
     # child's full collections neither walk it (about 0.2 s of CPU each) nor copy the pages they touch.
     gc.freeze()
@@ -199,7 +213,7 @@ def serve(socket_path: str) -> None:
                 if pid == 0:
                     listener.close()
                     os.close(started_r)
-                    _child(request, started_w)
+                    _child(request, started_w, run)
                 os.close(started_w)
                 os.read(started_r, 1)  # its own session first: a killpg right after the answer must reach it
                 os.close(started_r)
@@ -216,4 +230,4 @@ def serve(socket_path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2], sys.argv[3:])
