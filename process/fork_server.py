@@ -189,6 +189,13 @@ def _write_status(path: str, code: int) -> None:
 
 
 def serve(socket_path: str, entry: str, preload: Sequence[str]) -> None:
+    folder = os.path.dirname(socket_path)
+
+    def stop(signum, frame) -> None:  # its starter died (the parent-death signal): nobody else removes it
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(128 + signum)  # the children get their parent-death signal
+
+    signal.signal(signal.SIGTERM, stop)
     for module in preload:  # what the children import, so that none imports it again
         importlib.import_module(module)
     module, _, function = entry.partition(":")

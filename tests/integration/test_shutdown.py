@@ -199,6 +199,12 @@ def test_demo_ends_whole(tmp_path, sig):
     try:
         wait_for(lambda: trainer_step_in(log_path.read_text()) or demo.poll() is not None, 180, "the demo's first step")
         assert demo.poll() is None, log_path.read_text()
+        # the fork server of its processes (its folder holds the socket and their exit codes)
+        servers = [p for p in psutil.Process(demo.pid).children() if "process.fork_server" in p.cmdline()]
+        assert len(servers) == 1, [p.cmdline()[:4] for p in process_tree(demo.pid)]
+        command = servers[0].cmdline()
+        server_folder = os.path.dirname(command[command.index("process.fork_server") + 1])
+        assert os.path.isdir(server_folder)
         # bootstrap, peer and trainer, each with its DHT process and p2pd
         # Killed, the demo's children get the parent-death signal and stop without the DHT goodbyes.
         signal_main_and_wait(demo, sig, least=7)
@@ -208,6 +214,7 @@ def test_demo_ends_whole(tmp_path, sig):
             demo.wait()
     if sig == signal.SIGTERM:
         assert "all processes stopped" in log_path.read_text(), log_path.read_text()
+    assert not os.path.exists(server_folder), "the fork server's folder outlived the demo"
 
 
 def trainer_step_in(text: str) -> bool:
