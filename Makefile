@@ -29,8 +29,11 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The pure unit tests run on every core (pytest-xdist); the integration tests one at a time, since
+# each starts a swarm of processes that needs the whole machine.
 test: lint
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(BIN)/python -m pytest -q -ra -n auto tests/unit
+	$(BIN)/python -m pytest -q -ra --durations=25 tests/integration
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
