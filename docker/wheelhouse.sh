@@ -15,7 +15,9 @@
 #       carry the CUDA runtime, so the image needs only the host's driver), ignoring local pip config.
 #
 # PYTHON (default python3) must be a Python 3.11, the image's version. Reuses a wheelhouse made
-# from the same requirement list.
+# from the same requirement list: the one in the repository, else the last one made on this machine
+# (kept in SWARM_WHEELHOUSE_CACHE, default ~/.cache/swarm/wheelhouse; collecting ~330 MB anew takes
+# about 20 s even from pip's cache, and a fresh clone has none).
 set -euo pipefail
 
 variant="${1:-cpu}"
@@ -44,6 +46,13 @@ if [[ -f "$out/deps/requirements.txt" ]] && [[ "$(cat "$out/deps/requirements.tx
     exit 0
 fi
 rm -rf "$out"
+cache="${SWARM_WHEELHOUSE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/swarm/wheelhouse}/$variant"
+if [[ -f "$cache/deps/requirements.txt" ]] && [[ "$(cat "$cache/deps/requirements.txt")" == "$requirements" ]]; then
+    mkdir -p "$(dirname "$out")"
+    cp -al "$cache" "$out" 2>/dev/null || { rm -rf "$out"; cp -a "$cache" "$out"; }  # hard links where it can
+    echo "wheelhouse.sh: $out from $cache (same requirements)"
+    exit 0
+fi
 mkdir -p "$out/torch" "$out/deps"
 
 pip_args=(--disable-pip-version-check --quiet)
@@ -64,4 +73,11 @@ for wheel in "$out"/torch/*.whl; do
     rm -f "$out/deps/$(basename "$wheel")"
 done
 echo "$requirements" > "$out/deps/requirements.txt"
+# Kept for the next clone; swapped in whole, so a cache is never half-written.
+if mkdir -p "$(dirname "$cache")" 2>/dev/null; then
+    rm -rf "$cache.partial"
+    if { cp -al "$out" "$cache.partial" 2>/dev/null || { rm -rf "$cache.partial"; cp -a "$out" "$cache.partial"; }; }; then
+        rm -rf "$cache" && mv "$cache.partial" "$cache"
+    fi
+fi
 echo "wheelhouse.sh: $torch_wheel and $(ls "$out/deps" | grep -c '\.whl$') other wheels in $out ($(du -sh "$out" | cut -f1))"
