@@ -39,6 +39,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Sequence
 
+from process.atomic_files import write_atomically
 from process.lifetime import die_with_parent, set_parent_death_signal
 
 READY = "ready"
@@ -181,13 +182,6 @@ def _child(request: dict, started: int, entry: Callable[[], None]) -> None:
             os._exit(code)
 
 
-def _write_status(path: str, code: int) -> None:
-    partial = path + ".partial"
-    with open(partial, "w") as f:
-        f.write(str(code))
-    os.replace(partial, path)
-
-
 def serve(socket_path: str, entry: str, preload: Sequence[str]) -> None:
     folder = os.path.dirname(socket_path)
 
@@ -233,7 +227,7 @@ def serve(socket_path: str, entry: str, preload: Sequence[str]) -> None:
                 break
             if pid == 0:
                 break
-            _write_status(statuses.pop(pid), os.waitstatus_to_exitcode(status))
+            write_atomically(statuses.pop(pid), str(os.waitstatus_to_exitcode(status)))
 
 
 if __name__ == "__main__":
