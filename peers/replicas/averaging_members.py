@@ -294,6 +294,11 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         self._early_parts: dict[bytes, list[asyncio.Future]] = {}
         # the latest rounds over here, or refused (`_end`): their parts are answered with an error
         self._ended_groups: deque[bytes] = deque(maxlen=ENDED_GROUPS_KEPT)
+        # Off: hivemind's state sharing (`load_state_from_peers`), which nothing here uses (a replica
+        # catches up through the peer's own state download). With it on, the averager declares itself
+        # on the DHT again as soon as a round updates its tensors: DHT stores every round, which took
+        # more CPU than the all-reduce itself (benchmarks/RESULTS.md, "A round's DHT stores").
+        kwargs.setdefault("allow_state_sharing", False)
         super().__init__(*args, **kwargs)
 
     # --- set from the peer's process (through the averager's pipe, like hivemind's own setters) ---

@@ -75,6 +75,9 @@ def test_two_replicas_average_in_the_group_the_commit_names_without_matchmaking(
     for replica in replicas:
         for averaged, mean in zip(replica.averaged_gradients(), expected):
             torch.testing.assert_close(averaged, mean, atol=1e-6, rtol=1e-6)
+    # no averager declared itself a state donor on the DHT (hivemind re-declares after every round)
+    donors = replicas[0].averager.dht.get(f"{replicas[0].averager.prefix}.all_averagers", latest=True)
+    assert donors is None, donors
 
 
 def test_a_round_one_replica_refuses_fails_on_the_other_at_once_not_at_its_timeout():
