@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -99,7 +100,27 @@ def run(
     extra_peer_args: tuple[str, ...] = (),
     extra_trainer_args: tuple[str, ...] = (),
 ) -> dict:
+    """One layout's run in a fresh folder (logs, the trainer's report, the peers' checkpoints: about
+    100 MB for `small`), removed once the run's figures are read; kept, and named, if the run fails."""
     workdir = tempfile.mkdtemp(prefix="swarm-replicas-")
+    try:
+        result = _run_in(workdir, name, args, replicas, averaging, extra_peer_args, extra_trainer_args)
+    except BaseException:
+        print(f"{name}: its logs are kept in {workdir}", flush=True)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def _run_in(
+    workdir: str,
+    name: str,
+    args,
+    replicas: int,
+    averaging: str,
+    extra_peer_args: tuple[str, ...],
+    extra_trainer_args: tuple[str, ...],
+) -> dict:
     report_path = os.path.join(workdir, "report.json")
     target = args.batch_size // replicas if averaging in ("periodic", "none") else args.batch_size
     by_steps = "--averaging-every-steps" in extra_peer_args
