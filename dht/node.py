@@ -8,7 +8,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Collection
+from collections.abc import Awaitable, Collection
+from typing import TypeVar
 
 import base58
 import hivemind
@@ -19,6 +20,8 @@ from dht.signing import IdentityError, load_identity, new_identity_file, registe
 from process.config import ConfigError, option
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class BootstrapError(RuntimeError):
@@ -122,6 +125,18 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False, models: Coll
         raise BootstrapError(f"the p2p daemon runs as {dht.peer_id}, not as the identity {identity.peer_id}")
     register(dht, identity, allowed_peers=network.allowed_peers, plan_signers=network.plan_signers)
     return dht
+
+
+async def with_p2p_client(dht: hivemind.DHT, main: Awaitable[T]) -> T:
+    """Await `main`, a role's whole async main, with this process's client of the DHT node's p2pd
+    open (hivemind's `replicate_p2p`, which returns the same one to every later call in the process),
+    and close it after. hivemind never closes it: each process would leave its socket behind
+    (`/tmp/hivemind-p2pclient-*.sock`)."""
+    p2p = await dht.replicate_p2p()
+    try:
+        return await main
+    finally:
+        await p2p.shutdown()
 
 
 def _start(

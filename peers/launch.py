@@ -16,7 +16,7 @@ import torch
 from dht.announce import fetch_stage_records
 from dht.authority import load_run_access
 from dht.model_match import check_same_model, check_same_vocabulary
-from dht.node import start_dht
+from dht.node import start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import GPTConfig
 from models.hf_format import weight_files
@@ -190,7 +190,7 @@ async def _serve_until_signalled(host: PeerHost) -> None:
         what="saving the checkpoint, announcing offline, then stopping",
         what_alone="saving the checkpoint, then stopping without the DHT goodbyes",
     )
-    await host.serve(stop, alone)
+    await with_p2p_client(host.dht, host.serve(stop, alone))
 
 
 def _memory_available(config: PeerConfig, device: torch.device) -> tuple[int, str]:

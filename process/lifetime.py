@@ -177,16 +177,26 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def ends_by_itself(pid: int) -> bool:
+    """torch's shared-memory manager (hivemind shares tensors through files, which it keeps): it
+    exits about 2 s after its last client, removing its folder in /tmp (`torch-shm-dir-*`) then.
+    Killed, it leaves the folder behind."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "torch_shm_manag"  # the kernel keeps 15 characters of the name
+    except OSError:
+        return False
+
+
 def kill_leftovers(pids: list[tuple[int, int | None]]) -> None:
-    """SIGKILL each (pid, start time) still running as the same process."""
+    """SIGKILL each (pid, start time) still running as the same process, but for one that ends by
+    itself once its clients are gone (`ends_by_itself`)."""
     for pid, started in pids:
-        if started is not None and start_time(pid) == started:
+        if started is not None and start_time(pid) == started and not ends_by_itself(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-
-    return True
 
 
 class ShutdownSignals:

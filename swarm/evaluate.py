@@ -15,7 +15,7 @@ import hivemind
 import torch
 
 from dht.authority import RunAccessConfig
-from dht.node import NetworkConfig, start_dht
+from dht.node import NetworkConfig, start_dht, with_p2p_client
 from models.config import lora_rank
 from models.model_source import DEFAULT_MODEL, resolve_model
 from models.subspace_options import SubspaceSettings
@@ -96,7 +96,7 @@ def run_eval(config: EvalConfig, say=print) -> int:
     torch.set_num_threads(1)
     dht = start_dht(config.network, client_mode=True, models=[config.model])
     try:
-        result = asyncio.run(evaluate(config, dht, say))
+        result = asyncio.run(with_p2p_client(dht, evaluate(config, dht, say)))
     finally:
         dht.shutdown()
     say(

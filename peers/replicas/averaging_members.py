@@ -333,6 +333,15 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
 
         return GroupInfo(group_id, tuple(PeerID.from_base58(p) for p in peer_ids), tuple(map(gathered, peer_ids)))
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind's stop, then this process's client of p2pd closed. hivemind never closes it:
+        the averager's process then ends with its client socket (`/tmp/hivemind-p2pclient-*.sock`)
+        left behind, one per averager that ever ran."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            await self._p2p.shutdown()
+
     async def _set_members(self, members: frozenset[str]) -> None:
         self._members = members
 

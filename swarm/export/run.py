@@ -28,7 +28,7 @@ import time
 from dht.announce import fetch_stage_records_async
 from dht.authority import load_run_access
 from dht.model_match import check_same_model
-from dht.node import start_dht
+from dht.node import start_dht, with_p2p_client
 from models.config import GPTConfig
 from models.hf_format import TOKENIZER_FILE, write_model_folder
 from models.model_source import model_hash, resolve_model
@@ -180,7 +180,7 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
     else:
         dht = start_dht(config, client_mode=True, models=[config.model])
         try:
-            replicas, boundaries, records = asyncio.run(gather_live(dht, config, say))
+            replicas, boundaries, records = asyncio.run(with_p2p_client(dht, gather_live(dht, config, say)))
         finally:
             dht.shutdown()
     chosen, warnings = pick_stages(replicas, say)

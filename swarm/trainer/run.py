@@ -21,7 +21,7 @@ import hivemind
 import torch
 
 from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary, load_run_access
-from dht.node import start_dht
+from dht.node import start_dht, with_p2p_client
 from dht.signing import identity_of
 from models.config import GPTConfig
 from models.model_source import model_hash, resolve_model
@@ -490,7 +490,7 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
         f"(--verbose prints the whole configuration)"
     )
     try:
-        asyncio.run(_train_until_signalled(config, dht, report, say, metrics))
+        asyncio.run(with_p2p_client(dht, _train_until_signalled(config, dht, report, say, metrics)))
     finally:
         if reporting.report:  # first: what must outlive the trainer, before the DHT's stop (up to 3 s)
             report.write(reporting.report)

@@ -3,10 +3,12 @@ thread returns at once, not at the round's timeout (real hivemind DHT and averag
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import hivemind
+import psutil
 import pytest
 from hivemind.utils.mpfuture import MPFuture
 
@@ -78,3 +80,16 @@ def test_an_averager_whose_dht_is_gone_fails_in_one_line_instead_of_waiting_fore
     with pytest.raises(averaging.AveragerDidNotStart, match="the DHT process is not running"):
         GradientSync(_runtime(), dht, "tiny", timeout_s=TIMEOUT_S)
     assert time.monotonic() - started < 30.0
+
+
+def test_a_stopped_averager_leaves_no_socket_behind(dht):
+    """The averager's process opens its own client of p2pd; hivemind never closed it, so each
+    averager that ran left `/tmp/hivemind-p2pclient-*.sock` behind (peers/replicas/averaging_members.py)."""
+    sync = GradientSync(_runtime(), dht, "tiny", timeout_s=TIMEOUT_S)
+    try:
+        connections = psutil.Process(sync.averager.pid).net_connections(kind="unix")
+        sockets = [c.laddr for c in connections if "hivemind-p2pclient-" in c.laddr]
+        assert len(sockets) == 1, connections
+    finally:
+        sync.shutdown()
+    assert not os.path.exists(sockets[0])

@@ -45,6 +45,19 @@ def running(tree: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+def bound_sockets(tree: list[psutil.Process]) -> set[str]:
+    """The paths of the unix sockets the tree's processes listen on: p2pd's, each process's p2p
+    client's, torch's shared-memory manager's (in its folder). An orderly stop removes every one."""
+    paths = set()
+    for process in tree:
+        try:
+            connections = process.net_connections(kind="unix")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        paths.update(c.laddr for c in connections if c.laddr.startswith("/"))
+    return paths
+
+
 def signal_main_and_wait(
     popen: subprocess.Popen, sig: int, *, least: int, within_s: float = GONE_WITHIN_S
 ) -> list[psutil.Process]:
@@ -205,6 +218,8 @@ def test_demo_ends_whole(tmp_path, sig):
         command = servers[0].cmdline()
         server_folder = os.path.dirname(command[command.index("process.fork_server") + 1])
         assert os.path.isdir(server_folder)
+        sockets = bound_sockets(process_tree(demo.pid))
+        assert sum("hivemind-p2pclient-" in path for path in sockets) >= 2, sockets  # the peer's, the trainer's
         # bootstrap, peer and trainer, each with its DHT process and p2pd
         # Killed, the demo's children get the parent-death signal and stop without the DHT goodbyes.
         signal_main_and_wait(demo, sig, least=7)
@@ -215,6 +230,9 @@ def test_demo_ends_whole(tmp_path, sig):
     if sig == signal.SIGTERM:
         assert "all processes stopped" in log_path.read_text(), log_path.read_text()
     assert not os.path.exists(server_folder), "the fork server's folder outlived the demo"
+    # nothing left in /tmp: hivemind leaves each process's p2p client socket unless it is closed
+    # (dht/node.py, with_p2p_client), and a killed torch_shm_manager its folder (process/lifetime.py)
+    assert not [path for path in sockets if os.path.exists(path)], sockets
 
 
 def trainer_step_in(text: str) -> bool:
