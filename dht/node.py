@@ -8,8 +8,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Collection
-from typing import TypeVar
+from collections.abc import Collection, Coroutine
+from typing import Any, TypeVar
 
 import base58
 import hivemind
@@ -127,12 +127,16 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False, models: Coll
     return dht
 
 
-async def with_p2p_client(dht: hivemind.DHT, main: Awaitable[T]) -> T:
+async def with_p2p_client(dht: hivemind.DHT, main: Coroutine[Any, Any, T]) -> T:
     """Await `main`, a role's whole async main, with this process's client of the DHT node's p2pd
     open (hivemind's `replicate_p2p`, which returns the same one to every later call in the process),
     and close it after. hivemind never closes it: each process would leave its socket behind
     (`/tmp/hivemind-p2pclient-*.sock`)."""
-    p2p = await dht.replicate_p2p()
+    try:
+        p2p = await dht.replicate_p2p()
+    except BaseException:
+        main.close()  # never started: no "never awaited" warning on top of the error
+        raise
     try:
         return await main
     finally:
