@@ -200,6 +200,7 @@ class EmulatedNetwork:
             raise NetemError(f"subnet {subnet} is too small for {len(topology.hosts)} hosts")
         self.topology, self.subnet, self.prefix_len = topology, str(network), network.prefixlen
         self.proxy_port, self.mark, self.python = proxy_port, mark, python
+        self._own_workdir = workdir is None  # made here: removed by close(), with the proxies' logs
         self.workdir = workdir or tempfile.mkdtemp(prefix="netem-")
         run_id = f"swn{os.getpid()}"
         self.hub = f"{run_id}.hub"
@@ -264,6 +265,8 @@ class EmulatedNetwork:
             delete_namespace(namespace)
         self._created.clear()
         self.started = False
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def pids(self) -> list[int]:
         """Every process running inside the hosts' namespaces (the proxies included)."""
@@ -451,6 +454,7 @@ class EmulatedNetwork:
             for other in self.hosts.values()
             if other.name != host.name
         }
+        os.makedirs(self.workdir, exist_ok=True)  # again after a close() that removed it
         log_path = os.path.join(self.workdir, f"proxy-{host.name}.log")
         with open(log_path, "w") as log:
             proxy = subprocess.Popen(
