@@ -57,11 +57,12 @@ tensors halfway through an averaging round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, replace
 
@@ -375,12 +376,15 @@ class GradientSync(ReplicaAveraging):
         self.runtime = runtime
         self.named_groups = named_groups
         runtime.auto_step = False
-        # on the CPU whatever the stage's device: hivemind's averager all-reduces CPU tensors
-        self.buffers = [torch.zeros_like(p, device="cpu") for p in runtime.params]
+        # One flat buffer for all the stage's gradients, on the CPU whatever the stage's device
+        # (hivemind's averager all-reduces CPU tensors). hivemind sends every tensor it averages as
+        # parts of its own, so a buffer per parameter cost a message (and its framing, executor hops
+        # and reduction) for every bias and norm; one buffer goes in parts of hivemind's part size.
+        flat = torch.zeros(sum(p.numel() for p in runtime.params), dtype=common_dtype(runtime.params))
         self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
         super().__init__(
             dht,
-            self.buffers,
+            [flat],
             averager_prefix(model, runtime.stage, runtime.num_stages, "grad"),
             timeout_s=timeout_s,
             matchmaking_s=matchmaking_s,
@@ -389,6 +393,15 @@ class GradientSync(ReplicaAveraging):
             members=members,
             robust=robust,
         )
+        # made after hivemind moved the buffer to shared memory: each parameter's slice of it
+        with self.averager.get_tensors() as (flat,):
+            self.buffers = shaped_like(flat, runtime.params)
+
+    @contextlib.contextmanager
+    def held_buffers(self) -> Iterator[list[torch.Tensor]]:
+        """Each parameter's slice of the averager's buffer, while no all-reduce can touch it."""
+        with self.averager.get_tensors():
+            yield self.buffers
 
     def commit(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
         """Average with the other replicas (when there are any) and step. A repeated commit of the
@@ -424,7 +437,7 @@ class GradientSync(ReplicaAveraging):
         `step_id`: the commit's, which with `samples` names the group (no matchmaking)."""
         local_samples = self.runtime.samples_accumulated
         caps = dict(samples) if samples else None
-        with self.averager.get_tensors() as buffers:
+        with self.held_buffers() as buffers:
             for buffer, mean in zip(buffers, self.runtime.local_mean_gradients()):
                 buffer.copy_(mean)
         gathered = None
@@ -478,9 +491,24 @@ class GradientSync(ReplicaAveraging):
         return self._remember(step_id, prepared)
 
     def averaged_gradients(self) -> list[torch.Tensor]:
-        """A copy of the averager's buffers on the stage's device: after a round, the group's mean gradients."""
-        with self.averager.get_tensors() as buffers:
-            return [buffer.to(self.runtime.device, copy=True) for buffer in buffers]
+        """A copy of the averager's buffers on the stage's device (one transfer for all of them): after
+        a round, the group's mean gradients."""
+        with self.held_buffers() as buffers:
+            return shaped_like(torch.cat([b.reshape(-1) for b in buffers]).to(self.runtime.device), buffers)
+
+
+def common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The one dtype of `tensors`, or float32 where they mix (a flat buffer holds one)."""
+    dtypes = {t.dtype for t in tensors}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def shaped_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive slices of the 1-D `flat`, one shaped as each tensor of `like`, in order."""
+    sizes = [t.numel() for t in like]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"a buffer of {flat.numel()} values cannot hold tensors of {sum(sizes)}")
+    return [piece.view(t.shape) for piece, t in zip(flat.split(sizes), like)]
 
 
 def round_has_samples(gathered: Mapping) -> bool:

@@ -176,7 +176,7 @@ class DelayedGradientSync(GradientSync):
         if group_size < 2:
             self.in_flight = InFlightRound(None, gradients, samples, caps, alone=True)
             return
-        with self.averager.get_tensors() as buffers:
+        with self.held_buffers() as buffers:
             for buffer, mean in zip(buffers, gradients):
                 buffer.copy_(mean)
         self.averager.set_weight_caps(caps)

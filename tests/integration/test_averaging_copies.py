@@ -92,6 +92,12 @@ def test_gradient_buffers_are_cpu_copies_and_the_mean_comes_back_on_the_stage_de
     try:
         assert all(b.device.type == "cpu" for s in syncs for b in s.buffers)
         assert all(b.data_ptr() != p.data_ptr() for b, p in zip(syncs[0].buffers, runtimes[0].params))
+        for sync in syncs:  # one flat tensor for hivemind (a message per part, not per parameter)
+            with sync.averager.get_tensors() as averaged_tensors:
+                (flat,) = averaged_tensors
+                assert flat.numel() == sum(p.numel() for p in sync.runtime.params)
+                assert [b.shape for b in sync.buffers] == [p.shape for p in sync.runtime.params]
+                assert all(b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for b in sync.buffers)
         means = [[g.clone() for g in r.local_mean_gradients()] for r in runtimes]
         with ThreadPoolExecutor(2) as pool:
             outcomes = list(pool.map(lambda s: s.average_gradients(2, None), syncs))
@@ -99,7 +105,7 @@ def test_gradient_buffers_are_cpu_copies_and_the_mean_comes_back_on_the_stage_de
         for sync in syncs:
             averaged = sync.averaged_gradients()
             assert all(g.device == sync.runtime.device for g in averaged)
-            with sync.averager.get_tensors() as buffers:  # a copy: stepping on it leaves the buffers alone
+            with sync.held_buffers() as buffers:  # a copy: stepping on it leaves the buffers alone
                 assert all(g.data_ptr() != b.data_ptr() for g, b in zip(averaged, buffers))
             for got, a, b in zip(averaged, *means):
                 torch.testing.assert_close(got, (a + b) / 2, atol=1e-6, rtol=0)

@@ -21,6 +21,8 @@ from peers.replicas.averaging import (
     GradientSync,
     ParameterAveraging,
     allreduce_bytes_each_way,
+    common_dtype,
+    shaped_like,
     wire_bytes_per_value,
 )
 from peers.replicas.averaging_schedule import AveragingSchedule
@@ -39,6 +41,23 @@ def test_a_replica_alone_moves_nothing_and_a_pair_moves_its_whole_tensor_each_wa
 def test_the_codecs_serialized_size_per_value_is_measured(codec, low, high):
     tensors = [torch.randn(256, 256), torch.randn(1024)]
     assert low <= wire_bytes_per_value(COMPRESSIONS[codec](), tensors) <= high
+
+
+def test_a_flat_buffer_is_seen_as_one_view_per_parameter_in_order():
+    params = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 1, 2)]
+    flat = torch.zeros(sum(p.numel() for p in params))
+    views = shaped_like(flat, params)
+    assert [v.shape for v in views] == [p.shape for p in params]
+    for view, param in zip(views, params):
+        view.copy_(param)  # writes land in the flat buffer, in the parameters' order
+    torch.testing.assert_close(flat, torch.cat([p.reshape(-1) for p in params]))
+    with pytest.raises(ValueError, match="cannot hold"):
+        shaped_like(torch.zeros(20), params)
+
+
+def test_a_flat_buffer_takes_the_parameters_dtype_or_float32_where_they_mix():
+    assert common_dtype([torch.zeros(2, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)]) == torch.bfloat16
+    assert common_dtype([torch.zeros(2, dtype=torch.bfloat16), torch.zeros(3)]) == torch.float32
 
 
 def test_averaging_rounds_and_bytes_are_counted_per_mode():
