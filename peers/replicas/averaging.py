@@ -177,10 +177,12 @@ class ReplicaAveraging:
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
+        tensor_sizes: Sequence[int] | None = None,
     ):
         """`members`: the peers allowed in a round (peers/replicas/averaging_members.py), kept fresh
         with `set_members`; None: anyone (no run authority). `robust`: how the part this replica
-        reduces is averaged over its senders (peers/replicas/robust_mean.py)."""
+        reduces is averaged over its senders (peers/replicas/robust_mean.py). `tensor_sizes`: where
+        `tensors` is one flat buffer of several, their sizes (the robust reduction goes by them)."""
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
         if robust not in ROBUST_METHODS:
@@ -200,6 +202,7 @@ class ReplicaAveraging:
             dht,
             members=members,
             robust=robust,
+            tensor_sizes=tensor_sizes,
             start=False,
             prefix=prefix,
             min_matchmaking_time=matchmaking_s,
@@ -392,6 +395,7 @@ class GradientSync(ReplicaAveraging):
             on_round=on_round,
             members=members,
             robust=robust,
+            tensor_sizes=[p.numel() for p in runtime.params],
         )
         # made after hivemind moved the buffer to shared memory: each parameter's slice of it
         with self.averager.get_tensors() as (flat,):

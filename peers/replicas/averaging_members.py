@@ -49,7 +49,7 @@ import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's AsyncIterator in RPC hints
 
 import hivemind
@@ -66,7 +66,7 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor,
 from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
 from dht.records import PeerRecord
-from peers.replicas.robust_mean import MIN_ROBUST_GROUP, robust_mean
+from peers.replicas.robust_mean import MIN_ROBUST_GROUP, robust_mean, robust_mean_by_segment, segment_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +121,13 @@ class _SenderParts:
 class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer of this replica's parts, reducing each part robustly over its senders
     (`method`, peers/replicas/robust_mean.py) instead of summing them as they arrive, and counts
-    the parts where a sender was clipped. A part with fewer than three senders gets the plain mean."""
+    the parts where a sender was clipped. A part with fewer than three senders gets the plain mean.
+    `part_segments`: for each part, the lengths of its pieces that lie in different tensors of a flat
+    buffer, each reduced on its own (None: every part is reduced whole)."""
 
-    def __init__(self, part_shapes, num_senders: int, *, method: str):
+    def __init__(self, part_shapes, num_senders: int, *, method: str, part_segments: list[list[int]] | None = None):
         self.method = method
+        self.part_segments = part_segments
         self.parts_clipped = 0
         self.parts_reduced = 0
         super().__init__(part_shapes, num_senders)
@@ -138,7 +141,10 @@ class RobustPartReducer(TensorPartReducer):
         self.parts_reduced += 1
         if len(parts) < MIN_ROBUST_GROUP:
             return robust_mean(parts, weights, "none").value
-        reduced = robust_mean(parts, weights, self.method)
+        if self.part_segments is None:
+            reduced = robust_mean(parts, weights, self.method)
+        else:
+            reduced = robust_mean_by_segment(parts, weights, self.part_segments[self.current_part_index], self.method)
         if reduced.clipped:
             self.parts_clipped += 1
         return reduced.value
@@ -172,16 +178,38 @@ def reduce_whole_parts_only(reducer: TensorPartReducer, caps: list[float] | None
 class _CappedRunner(AllReduceRunner):
     """hivemind's all-reduce, whose reducer averages each sender's part with its weight capped,
     robustly unless `robust` is "none", and whole parts only; whose senders hold their stream open
-    until every averaged part is back."""
+    until every averaged part is back. `tensor_sizes`: the tensors that the one averaged tensor (a flat
+    buffer) holds, which the robust reduction reduces one by one."""
 
-    def __init__(self, *args, weight_caps: Mapping[str, float] | None = None, robust: str = "none", **kwargs):
+    def __init__(
+        self,
+        *args,
+        weight_caps: Mapping[str, float] | None = None,
+        robust: str = "none",
+        tensor_sizes: Sequence[int] | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         if robust != "none":
             replaced = self.tensor_part_reducer
             replaced.finished.set()  # unused: its finalization would warn that it received no parts
-            self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, method=robust)
+            self.tensor_part_reducer = RobustPartReducer(
+                replaced.part_shapes,
+                replaced.num_senders,
+                method=robust,
+                part_segments=None if tensor_sizes is None else self._segments_of_own_parts(tensor_sizes),
+            )
         caps = None if weight_caps is None else [weight_caps.get(p.to_base58(), 0.0) for p in self.sender_peer_ids]
         reduce_whole_parts_only(self.tensor_part_reducer, caps)
+
+    def _segments_of_own_parts(self, tensor_sizes: Sequence[int]) -> list[list[int]]:
+        """For each part this replica reduces, its pieces in each of `tensor_sizes` (a flat buffer's
+        tensors). hivemind cuts the buffer into parts that are views of it, so a part's offset in the
+        buffer is its storage offset."""
+        if len(self.tensor_part_container.local_tensors) != 1:
+            raise ValueError("tensor sizes describe one flat buffer; this round averages several tensors")
+        own = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        return [segment_lengths(part.storage_offset(), part.numel(), tensor_sizes) for part, _ in own]
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         """Send this replica's part for `peer_id` to reduce and read back the averaged part: hivemind's
@@ -284,10 +312,20 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
     """hivemind's averager with a member list, weight caps and a robust reduction (see the module's
     docstring). `robust`: one of peers/replicas/robust_mean.py's ROBUST_METHODS."""
 
-    def __init__(self, *args, members: Collection[str] | None = None, robust: str = "none", **kwargs):
+    def __init__(
+        self,
+        *args,
+        members: Collection[str] | None = None,
+        robust: str = "none",
+        tensor_sizes: Sequence[int] | None = None,
+        **kwargs,
+    ):
+        """`tensor_sizes`: where the one averaged tensor is a flat buffer of several, their sizes in
+        order; the robust reduction then reduces each tensor's values on their own."""
         # set first: with start=True, hivemind's __init__ forks the averager's process itself
         self._members = None if members is None else frozenset(members)
         self._robust = robust
+        self._tensor_sizes = None if tensor_sizes is None else tuple(tensor_sizes)
         self._weight_caps: dict[str, float] | None = None
         self._named_group: tuple[bytes, dict[str, float]] | None = None  # the next round's, if named
         # parts of a named group that came before this replica began its round, waiting for it
@@ -498,6 +536,7 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             weight_caps=self._weight_caps,
             robust=self._robust,
+            tensor_sizes=self._tensor_sizes,
             **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"

@@ -14,8 +14,10 @@ History for Byzantine Robust Optimization") from c. A sender's deviation is meas
 weight, z_i = sqrt(w_i) ||x_i - c|| (the mean of w_i samples has noise ~ 1 / sqrt(w_i), so honest
 replicas that served unequal shares of a step have alike z), and clipped to its own radius
 tau / sqrt(w_i), with tau = F x the (n - f)-th smallest z_i and F = clip_factor(d) = 2 + 8 / sqrt(d)
-for a part of d values (hivemind's parts are whole tensors up to 128 Ki values; a bias of 32 values
-needs the larger margin, its distances scatter more):
+for a part of d values (a part is one tensor, or up to 128 Ki values of it; a bias of 32 values needs
+the larger margin, its distances scatter more). Where hivemind's part of a flat buffer spans several
+tensors (sync averaging sends a stage's gradients as one buffer), each tensor's piece of it is
+reduced on its own (`robust_mean_by_segment`), so the bound below holds tensor by tensor:
 
     result = c + sum_i w_i * clip(x_i - c, tau / sqrt(w_i)) / W,   clip(v, r) = v * min(1, r / ||v||)
 
@@ -148,6 +150,37 @@ def trimmed_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> Red
     f = tolerated_liars(n)
     kept_values, kept_weights = values[f : n - f], w[f : n - f]
     return Reduced((kept_values * kept_weights).sum(dim=0) / kept_weights.sum(dim=0))
+
+
+def segment_lengths(offset: int, length: int, sizes: Sequence[int]) -> list[int]:
+    """The part [offset, offset + length) of a flat buffer that holds tensors of `sizes` in order, cut
+    where one tensor ends and the next begins: the lengths of its pieces, each within one tensor."""
+    if offset < 0 or length < 1 or offset + length > sum(sizes):
+        raise ValueError(f"values {offset}..{offset + length} are not within a buffer of {sum(sizes)}")
+    pieces, start, end = [], 0, offset + length
+    for size in sizes:
+        stop = start + size
+        if stop > offset and start < end:
+            pieces.append(min(stop, end) - max(start, offset))
+        start = stop
+    return pieces
+
+
+def robust_mean_by_segment(
+    parts: Sequence[torch.Tensor], weights: Sequence[float], segments: Sequence[int], method: str = "clip"
+) -> Reduced:
+    """`robust_mean` of each segment of the (1-D) parts on its own, put back together: a part that
+    spans several tensors of a flat buffer is reduced tensor by tensor (`segment_lengths`), so that a
+    lie in one small tensor is measured against that tensor's honest spread, not the whole part's.
+    `clipped`: the senders clipped in any segment; `radius`: the largest segment's."""
+    if len(segments) <= 1:
+        return robust_mean(parts, weights, method)
+    pieces = [part.reshape(-1).split(list(segments)) for part in parts]
+    reduced = [robust_mean([p[k] for p in pieces], weights, method) for k in range(len(segments))]
+    clipped = tuple(sorted({i for r in reduced for i in r.clipped}))
+    largest = max(range(len(segments)), key=lambda k: segments[k])
+    value = torch.cat([r.value for r in reduced]).view(parts[0].shape)
+    return Reduced(value, clipped, reduced[largest].radius)
 
 
 def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], method: str = "clip") -> Reduced:

@@ -17,6 +17,8 @@ from peers.replicas.robust_mean import (
     clip_factor,
     coordinate_median,
     robust_mean,
+    robust_mean_by_segment,
+    segment_lengths,
     tolerated_liars,
     trimmed_mean,
     weighted_mean,
@@ -241,3 +243,55 @@ def test_a_part_averaged_without_a_sender_that_stopped_midway_fails_for_every_se
     for failed in second:
         assert isinstance(failed, AllreduceException), failed
         assert "without 1 groupmate(s) that stopped sending midway" in str(failed)
+
+
+def test_a_part_of_a_flat_buffer_is_cut_where_its_tensors_meet():
+    sizes = [32, 1000, 32, 5000]  # a bias, a weight, a bias, a weight, one after another
+    assert segment_lengths(0, 32, sizes) == [32]
+    assert segment_lengths(0, 2000, sizes) == [32, 1000, 32, 936]
+    assert segment_lengths(40, 1000, sizes) == [992, 8]
+    assert segment_lengths(1064, 5000, sizes) == [5000]
+    with pytest.raises(ValueError, match="not within"):
+        segment_lengths(6000, 100, sizes)
+
+
+def test_a_lie_in_one_small_tensor_of_a_flat_part_is_clipped_by_that_tensors_spread():
+    """A flat buffer's part spans a 32-value bias and a 4,064-value weight. One liar of three shifts
+    every bias value by 8 and sends the weight honestly. Reduced whole, the part's large honest spread
+    hides the lie (nothing clipped) and the bias moves past the bound its own spread gives; reduced
+    tensor by tensor, the bias is clipped and stays within it. Ten draws."""
+    segments = segment_lengths(0, SIZE, [32, SIZE - 32])
+    weights = [1.0, 1.0, 1.0]
+    for seed in range(10):
+        honest = honest_parts(3, seed=seed)
+        lying = [*honest[:2], torch.cat([honest[2][:32] + 8.0, honest[2][32:]])]
+        honest_bias = [h[:32] for h in honest[:2]]  # H: the two honest senders
+        bound = (1 + clip_factor(32)) * (1 / 3) * honest_range(honest_bias)
+        honest_mean = weighted_mean(honest_bias, weights[:2])
+        whole = robust_mean(lying, weights, "clip")
+        by_tensor = robust_mean_by_segment(lying, weights, segments, "clip")
+        assert whole.clipped == () and by_tensor.clipped == (2,), seed
+        assert float((whole.value[:32] - honest_mean).norm()) > bound, seed
+        assert float((by_tensor.value[:32] - honest_mean).norm()) <= bound, seed
+        # honest senders alone: the plain mean, tensor by tensor as whole
+        torch.testing.assert_close(
+            robust_mean_by_segment(honest, weights, segments).value, weighted_mean(honest, weights)
+        )
+
+
+def test_hiveminds_reducer_reduces_a_flat_part_tensor_by_tensor():
+    """RobustPartReducer with `part_segments`: the part's pieces are reduced one by one."""
+    honest = honest_parts(3, seed=8)
+    parts = [*honest[:2], torch.cat([honest[2][:32] + 8.0, honest[2][32:]])]
+
+    async def run():
+        reducer = RobustPartReducer((torch.Size([SIZE]),), 3, method="clip", part_segments=[[32, SIZE - 32]])
+        results = await asyncio.gather(*(reducer.accumulate_part(i, 0, parts[i], weight=1.0) for i in range(3)))
+        reducer.finalize()
+        return reducer, results
+
+    reducer, results = asyncio.run(run())
+    expected = robust_mean_by_segment(parts, [1.0] * 3, [32, SIZE - 32]).value
+    for result in results:
+        torch.testing.assert_close(result, expected, atol=0, rtol=0)
+    assert reducer.parts_clipped == 1
