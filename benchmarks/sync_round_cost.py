@@ -3,8 +3,9 @@ for two replicas of one stage on loopback, without a trainer.
 
     .venv/bin/python benchmarks/sync_round_cost.py --model tiny --rounds 10 --out benchmarks/out/sync_round_cost.json
 
-Two `GradientSync` averagers (each with its own DHT node, as two peers) of stage 0 of 2 start a
-round together (`begin_round(..., wait_for_trigger=True)`, as a commit does, but held before the
+Two `GradientSync` averagers (each with its own DHT node, as two peers) of stage 0 of 2 (with
+`--averaging periodic`, two `ParameterAveraging` by steps, whose all-reduce includes copying the
+parameters into the averager's buffer and back) start a round together (`begin_round(..., wait_for_trigger=True)`, as a commit does, but held before the
 all-reduce); the time until both have a group is matchmaking, the time from the trigger until both
 have the averaged tensors is the all-reduce. The CPU time of this process and all its children
 (the DHT nodes, their p2pd daemons and the averagers' processes) is summed over each phase: on a
@@ -32,6 +33,7 @@ from models.config import get_model_config  # noqa: E402
 from peers.compute.stage_runtime import StageRuntime  # noqa: E402
 from peers.replicas.averaging import COMPRESSIONS, GradientSync, ParameterAveraging  # noqa: E402
 from peers.replicas.averaging_members import named_group_id  # noqa: E402
+from peers.replicas.averaging_schedule import AveragingSchedule  # noqa: E402
 
 
 def cpu_s() -> float:
@@ -47,7 +49,7 @@ def cpu_s() -> float:
 
 
 def one_round(
-    replicas: list[GradientSync], pool: ThreadPoolExecutor, named: str | None = None
+    replicas: list[GradientSync | ParameterAveraging], pool: ThreadPoolExecutor, named: str | None = None
 ) -> tuple[float, float, float, float]:
     """Wall seconds of matchmaking and of the all-reduce, then the CPU seconds of each. `named`: a
     step id, to form the group a commit of that step would name instead of matchmaking."""
@@ -60,11 +62,19 @@ def one_round(
     while not all(ParameterAveraging.group_ready(c) for c in controls):
         time.sleep(0.002)
     matched, cpu_matched = time.perf_counter(), cpu_s()
-    results = list(pool.map(lambda rc: rc[0].finish_round(rc[1]), zip(replicas, controls)))
+    results = list(pool.map(lambda rc: finish(*rc), zip(replicas, controls)))
     done, cpu_done = time.perf_counter(), cpu_s()
     if any(r is None for r in results):
         raise RuntimeError("a round failed")
     return matched - start, done - matched, cpu_matched - cpu_start, cpu_done - cpu_matched
+
+
+def finish(replica: GradientSync | ParameterAveraging, control) -> object:
+    """The all-reduce of a begun round, as each mode runs it: sync averages its gradient buffer;
+    periodic copies the parameters in, averages and writes them back (`average`)."""
+    if isinstance(replica, ParameterAveraging):
+        return replica.average(control).averaged or None
+    return replica.finish_round(control)
 
 
 def main() -> None:
@@ -84,18 +94,41 @@ def main() -> None:
     parser.add_argument(
         "--compression", choices=tuple(COMPRESSIONS), default="none", help="the rounds' --averaging-compression"
     )
+    parser.add_argument(
+        "--averaging",
+        choices=("sync", "periodic"),
+        default="sync",
+        help="what a round averages: sync, the gradients; periodic, the parameters (by steps)",
+    )
     parser.add_argument("--out", default="benchmarks/out/sync_round_cost.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
     config = get_model_config(args.model)
     first = hivemind.DHT(start=True)
     dhts = [first, hivemind.DHT(start=True, initial_peers=[str(a) for a in first.get_visible_maddrs()])]
-    replicas = [
-        GradientSync(
-            StageRuntime(config, 0, 2), dht, args.model, matchmaking_s=args.matchmaking_s, compression=args.compression
-        )
-        for dht in dhts
-    ]
+    if args.averaging == "sync":
+        replicas = [
+            GradientSync(
+                StageRuntime(config, 0, 2),
+                dht,
+                args.model,
+                matchmaking_s=args.matchmaking_s,
+                compression=args.compression,
+            )
+            for dht in dhts
+        ]
+    else:
+        replicas = [
+            ParameterAveraging(
+                StageRuntime(config, 0, 2),
+                dht,
+                args.model,
+                schedule=AveragingSchedule(every_steps=1),
+                matchmaking_s=args.matchmaking_s,
+                compression=args.compression,
+            )
+            for dht in dhts
+        ]
     values = replicas[0].num_values
     try:
         kinds = ["matchmaking", "trainer"] if args.groups == "both" else [args.groups]
@@ -126,7 +159,8 @@ def main() -> None:
         }
         s = summary[kind]
         print(
-            f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.rounds} rounds, groups by {kind}, "
+            f"{args.model} stage 0 of 2 ({values:,} values), 2 replicas, {args.averaging}, {args.rounds} rounds, "
+            f"groups by {kind}, "
             f"compression {args.compression}: "
             f"forming the group median {s['matchmaking_s_median']:.3f} s ({s['matchmaking_cpu_s_median']:.3f} CPU s), "
             f"all-reduce median {s['allreduce_s_median']:.3f} s ({s['allreduce_cpu_s_median']:.3f} CPU s; CPU of "

@@ -46,10 +46,11 @@ Traffic is counted per round (`AveragingRound`, exported as Prometheus counters)
 n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
 codec's serialized size measured on its own tensors at start-up.
 
-Devices: hivemind's averager all-reduces CPU tensors. In `sync` mode the gradients' buffers are
-CPU tensors on any device (`averaged_gradients` hands the mean back on the stage's device); in
-`periodic` mode a CPU peer's averager works in the parameters' own memory, and a peer on a GPU
-averages CPU copies taken just before each all-reduce and written back after it.
+Buffers: hivemind's averager all-reduces CPU tensors, and sends every tensor it averages as parts
+of its own (a message for every bias and norm). So each mode hands it one flat CPU buffer, on any
+device, with a view per parameter into it: in `sync` mode the gradients' (`averaged_gradients`
+hands the mean back on the stage's device), in `periodic` mode a copy of the parameters, taken just
+before each all-reduce and written back after it.
 
 Every method here runs on the peer's compute thread, so no forward or backward ever sees
 tensors halfway through an averaging round.
@@ -549,23 +550,21 @@ class ParameterAveraging(ReplicaAveraging):
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
-        through_cpu_copies: bool | None = None,
     ):
-        """`through_cpu_copies`: average CPU copies of the parameters, taken before each all-reduce and
-        written back after it; None: when the stage is not on the CPU (hivemind averages CPU tensors)."""
         self.runtime, self.rounds_schedule = runtime, schedule
-        self.through_cpu_copies = runtime.device.type != "cpu" if through_cpu_copies is None else through_cpu_copies
         self.outer = OuterOptimizer(outer) if outer is not None else None
         if schedule.by_steps:
             runtime.auto_step = False  # one local step per trainer commit, so replicas count steps together
         if matchmaking_s is None:
             # by steps, the replicas arrive together (the trainer commits to all at once), as in sync mode
             matchmaking_s = 0.5 if schedule.by_steps else 1.0
-        # .data: the same memory as the parameters, without autograd (the averager writes in place)
-        params = [p.data for p in runtime.params]
+        # A flat CPU copy of the parameters, as GradientSync's gradients (one message per part, not
+        # per parameter; hivemind averages CPU tensors): taken before each all-reduce and written back
+        # after it, on any device.
+        flat = torch.zeros(sum(p.numel() for p in runtime.params), dtype=common_dtype(runtime.params))
         super().__init__(
             dht,
-            [p.to("cpu", copy=True) for p in params] if self.through_cpu_copies else params,
+            [flat],
             averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
             timeout_s=timeout_s,
             matchmaking_s=matchmaking_s,
@@ -573,7 +572,10 @@ class ParameterAveraging(ReplicaAveraging):
             on_round=on_round,
             members=members,
             robust=robust,
+            tensor_sizes=[p.numel() for p in runtime.params],
         )
+        with self.averager.get_tensors() as (flat,):  # after hivemind moved it to shared memory
+            self.copies = shaped_like(flat, runtime.params)
 
     def next_round_time(self) -> float:
         """The next multiple of the period in DHT time: every replica picks the same moment."""
@@ -628,27 +630,26 @@ class ParameterAveraging(ReplicaAveraging):
         )
 
     def _after_round(self, gathered: dict | None) -> bool:
-        """After a successful round: the outer step (if configured; returns whether it stepped) and
-        dropping cached graphs, which hold activations of the parameters before the round."""
+        """After a successful round: the outer step (if configured; returns whether it stepped), the
+        averaged copies written into the parameters, and cached graphs dropped (they hold activations
+        of the parameters before the round)."""
         if gathered is None:
             return False
         stepped = False
-        if self.outer is not None or self.through_cpu_copies:
-            with self.averager.get_tensors() as averaged:  # the parameters' own memory, or their CPU copies
-                if self.outer is not None:
-                    stepped = self.outer.apply(averaged)
-                if self.through_cpu_copies:
-                    for param, value in zip(self.runtime.params, averaged):
-                        param.data.copy_(value)
+        with self.averager.get_tensors():
+            if self.outer is not None:
+                stepped = self.outer.apply(self.copies)
+            with torch.no_grad():
+                for param, value in zip(self.runtime.params, self.copies):
+                    param.copy_(value)
         self.runtime.cache.clear()
         return stepped
 
     def _copy_parameters_in(self) -> None:
-        """Through CPU copies: the parameters as they are now, for the all-reduce about to run."""
-        if self.through_cpu_copies:
-            with self.averager.get_tensors() as copies:
-                for copy, param in zip(copies, self.runtime.params):
-                    copy.copy_(param.data)
+        """The parameters as they are now, for the all-reduce about to run."""
+        with self.averager.get_tensors(), torch.no_grad():
+            for copy, param in zip(self.copies, self.runtime.params):
+                copy.copy_(param)
 
     def abandon(self, control: StepControl) -> None:
         """No group in time (or the peer is stopping): cancel the round and count it as failed."""

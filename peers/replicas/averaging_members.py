@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -56,8 +57,8 @@ import hivemind
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartReducer
+from hivemind.compression import CompressionInfo, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -82,6 +83,17 @@ def named_group_id(step_id: str, peer_ids: Collection[str]) -> bytes:
     one for each step (and each retry of it, which has its own step id)."""
     digest = hashlib.sha256("\n".join([step_id, *sorted(peer_ids)]).encode()).digest()[:16]
     return NAMED_GROUP_MARK + digest
+
+
+def part_size_for_group(num_values: int, group_size: int, bytes_per_value: float, part_size_bytes: int) -> int:
+    """hivemind's part size for a round over one buffer of `num_values`: at most `part_size_bytes`,
+    and small enough that the buffer makes at least two parts per member. hivemind gives each member
+    the parts that fall in its share; with parts as large as the whole buffer (`tiny`'s gradients,
+    34,624 values, are a quarter of one 512 KiB part) one member reduced everything and the other
+    nothing. The latter then never contacted the former, so a round it refused left the former
+    waiting for its parts until the round's timeout (tests/integration/test_named_groups.py)."""
+    most_values = max(1, num_values // (2 * max(group_size, 1)))
+    return max(1, min(part_size_bytes, math.floor(most_values * bytes_per_value)))
 
 
 def capped_weight(weight: float, cap: float | None) -> float:
@@ -525,8 +537,19 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        """hivemind's own (averager.py), with the capped runner."""
+        """hivemind's own (averager.py), with the capped runner, and parts small enough for every
+        member to reduce some of one flat buffer (`part_size_for_group`)."""
         group_id = group_info.group_id if group_id is None else group_id
+        if len(tensors) == 1:
+            (flat,) = tensors
+            infos = kwargs.get("tensor_infos") or (CompressionInfo.from_tensor(flat, key=0),)
+            codec = kwargs.get("compression") or NoCompression()
+            kwargs["part_size_bytes"] = part_size_for_group(
+                flat.numel(),
+                len(group_info.peer_ids),
+                flat.element_size() * codec.estimate_compression_ratio(infos[0]),
+                kwargs.get("part_size_bytes", DEFAULT_PART_SIZE_BYTES),
+            )
         runner = _CappedRunner(
             p2p=self._p2p,
             servicer_type=type(self),

@@ -1,8 +1,8 @@
-"""Averaging for a stage that is not on the CPU. hivemind's averager all-reduces CPU tensors, so a GPU
-peer averages CPU copies: its gradient buffers are CPU tensors (`GradientSync`, on every device) and
-its parameters are copied to the CPU before each periodic round and back after it
-(`ParameterAveraging(through_cpu_copies=True)`, the default off the CPU). CI has no GPU: these run the
-copy path on the CPU, two replicas each with its own real hivemind DHT node and averager process."""
+"""Averaging through CPU copies. hivemind's averager all-reduces CPU tensors, one message per part of
+each, so every peer hands it one flat CPU buffer: its gradients' (`GradientSync`) or a copy of its
+parameters, taken before each periodic round and written back after it (`ParameterAveraging`). The
+same path serves a stage on a GPU; CI has none, so these run it on the CPU, two replicas each with
+its own real hivemind DHT node and averager process."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def trained_runtime(seed: int) -> StageRuntime:
     return runtime
 
 
-def test_periodic_rounds_through_cpu_copies_write_the_mean_back_into_the_parameters(dhts):
+def test_periodic_rounds_through_a_flat_cpu_copy_write_the_mean_back_into_the_parameters(dhts):
     runtimes = [trained_runtime(seed) for seed in (0, 1)]
     for runtime in runtimes:
         runtime.step()  # the replicas' parameters now differ
@@ -60,13 +60,16 @@ def test_periodic_rounds_through_cpu_copies_write_the_mean_back_into_the_paramet
             schedule=AveragingSchedule(every_steps=1),
             timeout_s=30.0,
             matchmaking_s=MATCHMAKING_S,
-            through_cpu_copies=True,
         )
         for runtime, dht in zip(runtimes, dhts)
     ]
     try:
-        with averagings[0].averager.get_tensors() as copies:
-            assert all(c.data_ptr() != p.data_ptr() for c, p in zip(copies, runtimes[0].params))
+        with averagings[0].averager.get_tensors() as (flat,):  # one flat copy, a view per parameter
+            assert flat.numel() == sum(p.numel() for p in runtimes[0].params)
+            assert all(
+                c.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for c in averagings[0].copies
+            )
+            assert all(c.data_ptr() != p.data_ptr() for c, p in zip(averagings[0].copies, runtimes[0].params))
         for runtime in runtimes:  # after the copies were made: the round must average these values
             with torch.no_grad():
                 for param in runtime.params:

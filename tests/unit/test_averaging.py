@@ -9,6 +9,8 @@ import contextlib
 
 import pytest
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer
+from hivemind.compression import CompressionInfo
 from hivemind.proto import averaging_pb2
 
 from models.config import get_model_config
@@ -25,6 +27,7 @@ from peers.replicas.averaging import (
     shaped_like,
     wire_bytes_per_value,
 )
+from peers.replicas.averaging_members import part_size_for_group
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.delayed_sync import DelayedGradientSync
 
@@ -137,8 +140,13 @@ class _ControlledPeriodic(ParameterAveraging):
     def __init__(self, runtime: StageRuntime, every_steps: int, round_result):
         self.runtime, self.rounds_schedule, self.outer = runtime, AveragingSchedule(every_steps=every_steps), None
         self.committed, self.round_result, self.rounds_tried = set(), round_result, []
-        self.through_cpu_copies = False
         runtime.auto_step = False
+        self.averager = self  # get_tensors() below stands in for the averager's lock
+        self.copies = [torch.zeros_like(p) for p in runtime.params]
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        yield self.copies
 
     def _all_reduce(self, group_size: int, weight: float, named=None):
         self.rounds_tried.append((self.runtime.steps_done, group_size))
@@ -299,3 +307,22 @@ def test_a_refused_part_is_answered_first_and_its_stream_read_until_the_sender_e
         assert answers == [averaging_pb2.CANCELLED]  # a sender that never ends its stream is not waited for
 
     asyncio.run(asyncio.wait_for(main(), timeout=10))
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_every_member_reduces_a_part_of_a_short_flat_buffer(group_size, codec):
+    """hivemind's partitioner, on `tiny`'s flat gradient buffer (34,624 values: less than one part of
+    its default size): with the default one member gets every part and another none; with the part
+    size of `part_size_for_group`, every member reduces some."""
+    flat = torch.zeros(34_624)
+    compression = COMPRESSIONS[codec]()
+    fractions = [1.0] * group_size
+    default = TensorPartContainer([flat], fractions, compression=compression)
+    assert 0 in default.num_parts_by_peer
+    bytes_per_value = flat.element_size() * compression.estimate_compression_ratio(CompressionInfo.from_tensor(flat))
+    part_size = part_size_for_group(flat.numel(), group_size, bytes_per_value, DEFAULT_PART_SIZE_BYTES)
+    fitted = TensorPartContainer([flat], fractions, compression=compression, part_size_bytes=part_size)
+    assert min(fitted.num_parts_by_peer) >= 1, fitted.num_parts_by_peer
+    # a long buffer keeps hivemind's part size
+    assert part_size_for_group(2_467_584, 2, 4.0, DEFAULT_PART_SIZE_BYTES) == DEFAULT_PART_SIZE_BYTES
