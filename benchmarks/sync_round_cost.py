@@ -5,9 +5,10 @@ for two replicas of one stage on loopback, without a trainer.
 
 Two `GradientSync` averagers (each with its own DHT node, as two peers) of stage 0 of 2 (with
 `--averaging periodic`, two `ParameterAveraging` by steps, whose all-reduce includes copying the
-parameters into the averager's buffer and back) start a round together (`begin_round(..., wait_for_trigger=True)`, as a commit does, but held before the
-all-reduce); the time until both have a group is matchmaking, the time from the trigger until both
-have the averaged tensors is the all-reduce. The CPU time of this process and all its children
+parameters into the averager's buffer and back) start a round together
+(`begin_round(..., wait_for_trigger=True)`, as a commit does, but held before the all-reduce); the
+time until both have a group is matchmaking, the time from the trigger until both have the averaged
+tensors is the all-reduce. The CPU time of this process and all its children
 (the DHT nodes, their p2pd daemons and the averagers' processes) is summed over each phase: on a
 machine whose cores the training already fills, that, not the wall time, is what a round takes
 from the compute. The machine's load is recorded before and after.
