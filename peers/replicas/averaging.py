@@ -169,7 +169,7 @@ class ReplicaAveraging:
     def __init__(
         self,
         dht: hivemind.DHT,
-        tensors: list[torch.Tensor],
+        like: Sequence[torch.Tensor],
         prefix: str,
         *,
         timeout_s: float,
@@ -178,12 +178,15 @@ class ReplicaAveraging:
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
-        tensor_sizes: Sequence[int] | None = None,
     ):
-        """`members`: the peers allowed in a round (peers/replicas/averaging_members.py), kept fresh
+        """`like`: the tensors whose values are averaged (a stage's parameters); the averager holds
+        one flat CPU buffer of them, whatever their device (`buffers`: a view shaped as each). hivemind
+        sends every tensor it averages as parts of its own, so a tensor per parameter cost a message
+        (and its framing, executor hops and reduction) for every bias and norm; one flat buffer goes
+        in parts of hivemind's part size, and the robust reduction still goes tensor by tensor.
+        `members`: the peers allowed in a round (peers/replicas/averaging_members.py), kept fresh
         with `set_members`; None: anyone (no run authority). `robust`: how the part this replica
-        reduces is averaged over its senders (peers/replicas/robust_mean.py). `tensor_sizes`: where
-        `tensors` is one flat buffer of several, their sizes (the robust reduction goes by them)."""
+        reduces is averaged over its senders (peers/replicas/robust_mean.py)."""
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown averaging compression {compression!r}; use one of {', '.join(COMPRESSIONS)}")
         if robust not in ROBUST_METHODS:
@@ -194,16 +197,17 @@ class ReplicaAveraging:
         # the run's global step) gets the first one's, so every trainer sees the same outcome
         self.outcomes: OrderedDict[str, AveragingOutcome] = OrderedDict()
         codec = COMPRESSIONS[compression]()
-        self.num_values = sum(t.numel() for t in tensors)
-        self.wire_bytes_per_value = wire_bytes_per_value(codec, tensors)
+        flat = torch.zeros(sum(t.numel() for t in like), dtype=common_dtype(like))
+        self.num_values = flat.numel()
+        self.wire_bytes_per_value = wire_bytes_per_value(codec, [flat])
         if not dht.is_alive():  # hivemind's averager would wait for its answers forever
             raise AveragerDidNotStart(f"the averager of {prefix!r} cannot start: the DHT process is not running")
         self.averager = MemberAverager(
-            tensors,
+            [flat],
             dht,
             members=members,
             robust=robust,
-            tensor_sizes=tensor_sizes,
+            tensor_sizes=[t.numel() for t in like],
             start=False,
             prefix=prefix,
             min_matchmaking_time=matchmaking_s,
@@ -229,11 +233,19 @@ class ReplicaAveraging:
                 f"the averager of {prefix!r} did not start within {AVERAGER_START_TIMEOUT_S:.0f} s "
                 f"(the DHT process is {state})"
             ) from None
+        with self.averager.get_tensors() as (flat,):  # after hivemind moved it to shared memory
+            self.buffers = shaped_like(flat, like)
         self.rounds = self.failed_rounds = 0
         self.bytes_sent = self.bytes_received = 0
         # rounds begun and not yet finished: `shutdown` cancels them, so that a thread waiting in
         # one (the compute thread, a commit's RPC handler) returns at once instead of at its timeout
         self.open_rounds: set[StepControl] = set()
+
+    @contextlib.contextmanager
+    def held_buffers(self) -> Iterator[list[torch.Tensor]]:
+        """Each averaged tensor's slice of the averager's buffer, while no all-reduce can touch it."""
+        with self.averager.get_tensors():
+            yield self.buffers
 
     @property
     def bytes_averaged(self) -> int:
@@ -380,15 +392,10 @@ class GradientSync(ReplicaAveraging):
         self.runtime = runtime
         self.named_groups = named_groups
         runtime.auto_step = False
-        # One flat buffer for all the stage's gradients, on the CPU whatever the stage's device
-        # (hivemind's averager all-reduces CPU tensors). hivemind sends every tensor it averages as
-        # parts of its own, so a buffer per parameter cost a message (and its framing, executor hops
-        # and reduction) for every bias and norm; one buffer goes in parts of hivemind's part size.
-        flat = torch.zeros(sum(p.numel() for p in runtime.params), dtype=common_dtype(runtime.params))
         self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
-        super().__init__(
+        super().__init__(  # the buffers: the stage's gradients, averaged
             dht,
-            [flat],
+            runtime.params,
             averager_prefix(model, runtime.stage, runtime.num_stages, "grad"),
             timeout_s=timeout_s,
             matchmaking_s=matchmaking_s,
@@ -396,17 +403,7 @@ class GradientSync(ReplicaAveraging):
             on_round=on_round,
             members=members,
             robust=robust,
-            tensor_sizes=[p.numel() for p in runtime.params],
         )
-        # made after hivemind moved the buffer to shared memory: each parameter's slice of it
-        with self.averager.get_tensors() as (flat,):
-            self.buffers = shaped_like(flat, runtime.params)
-
-    @contextlib.contextmanager
-    def held_buffers(self) -> Iterator[list[torch.Tensor]]:
-        """Each parameter's slice of the averager's buffer, while no all-reduce can touch it."""
-        with self.averager.get_tensors():
-            yield self.buffers
 
     def commit(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
         """Average with the other replicas (when there are any) and step. A repeated commit of the
@@ -558,13 +555,9 @@ class ParameterAveraging(ReplicaAveraging):
         if matchmaking_s is None:
             # by steps, the replicas arrive together (the trainer commits to all at once), as in sync mode
             matchmaking_s = 0.5 if schedule.by_steps else 1.0
-        # A flat CPU copy of the parameters, as GradientSync's gradients (one message per part, not
-        # per parameter; hivemind averages CPU tensors): taken before each all-reduce and written back
-        # after it, on any device.
-        flat = torch.zeros(sum(p.numel() for p in runtime.params), dtype=common_dtype(runtime.params))
-        super().__init__(
+        super().__init__(  # the buffers: a copy of the parameters, taken before each round and written back after it
             dht,
-            [flat],
+            runtime.params,
             averager_prefix(model, runtime.stage, runtime.num_stages, "params"),
             timeout_s=timeout_s,
             matchmaking_s=matchmaking_s,
@@ -572,10 +565,7 @@ class ParameterAveraging(ReplicaAveraging):
             on_round=on_round,
             members=members,
             robust=robust,
-            tensor_sizes=[p.numel() for p in runtime.params],
         )
-        with self.averager.get_tensors() as (flat,):  # after hivemind moved it to shared memory
-            self.copies = shaped_like(flat, runtime.params)
 
     def next_round_time(self) -> float:
         """The next multiple of the period in DHT time: every replica picks the same moment."""
@@ -636,19 +626,19 @@ class ParameterAveraging(ReplicaAveraging):
         if gathered is None:
             return False
         stepped = False
-        with self.averager.get_tensors():
+        with self.held_buffers() as copies:
             if self.outer is not None:
-                stepped = self.outer.apply(self.copies)
+                stepped = self.outer.apply(copies)
             with torch.no_grad():
-                for param, value in zip(self.runtime.params, self.copies):
+                for param, value in zip(self.runtime.params, copies):
                     param.copy_(value)
         self.runtime.cache.clear()
         return stepped
 
     def _copy_parameters_in(self) -> None:
         """The parameters as they are now, for the all-reduce about to run."""
-        with self.averager.get_tensors(), torch.no_grad():
-            for copy, param in zip(self.copies, self.runtime.params):
+        with self.held_buffers() as copies, torch.no_grad():
+            for copy, param in zip(copies, self.runtime.params):
                 copy.copy_(param)
 
     def abandon(self, control: StepControl) -> None:

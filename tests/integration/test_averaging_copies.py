@@ -67,9 +67,9 @@ def test_periodic_rounds_through_a_flat_cpu_copy_write_the_mean_back_into_the_pa
         with averagings[0].averager.get_tensors() as (flat,):  # one flat copy, a view per parameter
             assert flat.numel() == sum(p.numel() for p in runtimes[0].params)
             assert all(
-                c.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for c in averagings[0].copies
+                c.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for c in averagings[0].buffers
             )
-            assert all(c.data_ptr() != p.data_ptr() for c, p in zip(averagings[0].copies, runtimes[0].params))
+            assert all(c.data_ptr() != p.data_ptr() for c, p in zip(averagings[0].buffers, runtimes[0].params))
         for runtime in runtimes:  # after the copies were made: the round must average these values
             with torch.no_grad():
                 for param in runtime.params:

@@ -142,11 +142,11 @@ class _ControlledPeriodic(ParameterAveraging):
         self.committed, self.round_result, self.rounds_tried = set(), round_result, []
         runtime.auto_step = False
         self.averager = self  # get_tensors() below stands in for the averager's lock
-        self.copies = [torch.zeros_like(p) for p in runtime.params]
+        self.buffers = [torch.zeros_like(p) for p in runtime.params]
 
     @contextlib.contextmanager
     def get_tensors(self):
-        yield self.copies
+        yield self.buffers
 
     def _all_reduce(self, group_size: int, weight: float, named=None):
         self.rounds_tried.append((self.runtime.steps_done, group_size))
