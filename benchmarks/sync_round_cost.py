@@ -11,7 +11,8 @@ time until both have a group is matchmaking, the time from the trigger until bot
 tensors is the all-reduce. The CPU time of this process and all its children
 (the DHT nodes, their p2pd daemons and the averagers' processes) is summed over each phase: on a
 machine whose cores the training already fills, that, not the wall time, is what a round takes
-from the compute. The machine's load is recorded before and after.
+from the compute; the all-reduce's CPU is also split by process (the p2pd daemons, the averagers'
+processes, the rest). The machine's load is recorded before and after.
 """
 
 from __future__ import annotations
@@ -49,11 +50,28 @@ def cpu_s() -> float:
     return total
 
 
+def cpu_by_kind(averager_pids: set[int]) -> dict[str, float]:
+    """CPU seconds so far, split by who spent them: the p2pd daemons (libp2p: streams, encryption,
+    the muxer), the averagers' processes (serializing, reducing, hivemind's asyncio), and the rest
+    (this process and the DHT nodes)."""
+    split = {"p2pd": 0.0, "averagers": 0.0, "rest": 0.0}
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            kind = "p2pd" if process.name() == "p2pd" else "averagers" if process.pid in averager_pids else "rest"
+            split[kind] += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return split
+
+
 def one_round(
     replicas: list[GradientSync | ParameterAveraging], pool: ThreadPoolExecutor, named: str | None = None
-) -> tuple[float, float, float, float]:
-    """Wall seconds of matchmaking and of the all-reduce, then the CPU seconds of each. `named`: a
-    step id, to form the group a commit of that step would name instead of matchmaking."""
+) -> tuple[float, float, float, float, dict[str, float]]:
+    """Wall seconds of matchmaking and of the all-reduce, the CPU seconds of each, and the
+    all-reduce's CPU seconds by process kind (`cpu_by_kind`). `named`: a step id, to form the group
+    a commit of that step would name instead of matchmaking."""
+    averager_pids = {r.averager.pid for r in replicas}
     group = None
     if named is not None:
         weights = {r.averager.peer_id.to_base58(): 1.0 for r in replicas}
@@ -62,12 +80,13 @@ def one_round(
     controls = [r.begin_round(len(replicas), weight=1.0, wait_for_trigger=True, named=group) for r in replicas]
     while not all(ParameterAveraging.group_ready(c) for c in controls):
         time.sleep(0.002)
-    matched, cpu_matched = time.perf_counter(), cpu_s()
+    matched, cpu_matched, split_matched = time.perf_counter(), cpu_s(), cpu_by_kind(averager_pids)
     results = list(pool.map(lambda rc: finish(*rc), zip(replicas, controls)))
-    done, cpu_done = time.perf_counter(), cpu_s()
+    done, cpu_done, split_done = time.perf_counter(), cpu_s(), cpu_by_kind(averager_pids)
     if any(r is None for r in results):
         raise RuntimeError("a round failed")
-    return matched - start, done - matched, cpu_matched - cpu_start, cpu_done - cpu_matched
+    split = {kind: split_done[kind] - split_matched[kind] for kind in split_done}
+    return matched - start, done - matched, cpu_matched - cpu_start, cpu_done - cpu_matched, split
 
 
 def finish(replica: GradientSync | ParameterAveraging, control) -> object:
@@ -148,11 +167,13 @@ def main() -> None:
     for kind, measured in rounds.items():
         matchmaking, allreduce = [r[0] for r in measured], [r[1] for r in measured]
         matchmaking_cpu, allreduce_cpu = [r[2] for r in measured], [r[3] for r in measured]
+        by_kind = {kind: statistics.median(r[4][kind] for r in measured) for kind in measured[0][4]}
         summary[kind] = {
             "matchmaking_s_median": statistics.median(matchmaking),  # named: forming the group from the commit
             "allreduce_s_median": statistics.median(allreduce),
             "matchmaking_cpu_s_median": statistics.median(matchmaking_cpu),  # both replicas together
             "allreduce_cpu_s_median": statistics.median(allreduce_cpu),
+            "allreduce_cpu_s_median_by_process": by_kind,  # p2pd daemons, averagers' processes, the rest
             "matchmaking_s": matchmaking,
             "allreduce_s": allreduce,
             "matchmaking_cpu_s": matchmaking_cpu,
@@ -165,7 +186,7 @@ def main() -> None:
             f"compression {args.compression}: "
             f"forming the group median {s['matchmaking_s_median']:.3f} s ({s['matchmaking_cpu_s_median']:.3f} CPU s), "
             f"all-reduce median {s['allreduce_s_median']:.3f} s ({s['allreduce_cpu_s_median']:.3f} CPU s; CPU of "
-            f"both replicas together)",
+            f"both replicas together: " + ", ".join(f"{kind} {cpu:.3f}" for kind, cpu in by_kind.items()) + ")",
             flush=True,
         )
     write_report(
