@@ -117,7 +117,8 @@ def train(
 
     `delay_from`: steps before it are exact (their update applied before the next forward); the
     delay begins with that step's gradient (as ZeRO-Offload's delayed parameter update does, after
-    the first steps, where the parameters move most).
+    the first steps, where the parameters move most). With `local_replicas`, the first late step
+    computes on the exact parameters and the prediction begins with the next.
 
     `local_replicas` R (weight prediction `local-step`, with `delay`): the batch's microbatches are
     split among R replicas in order, and each replica computes its share on the real parameters plus
@@ -156,7 +157,8 @@ def train(
 
     for step in range(args.steps):
         microbatches = sampler.batch(step)
-        if local_replicas and delay:
+        local = bool(local_replicas and delay and step >= delay_from)  # exact before `delay_from`
+        if local:
             loss_value, local_gradients = local_step_gradients(
                 model, params, real, local_steps, microbatches, local_replicas
             )
@@ -172,7 +174,7 @@ def train(
         while len(waiting) > (delay if step >= delay_from else 0):
             applied_now = waiting.pop(0)
             apply(applied_now, step + 1)
-        if local_replicas and delay:
+        if local:
             if blend and applied_now is not None:
                 local_gradients = [
                     [
@@ -230,7 +232,8 @@ def main() -> None:
         "--delay-from",
         type=int,
         default=None,
-        help="also a row that is exact before this step and one step late (predicted) from it (default: no such row)",
+        help="also a row that is exact before this step and one step late (predicted) from it; name "
+        "late_local_step_from_N in --rows for local-step prediction from it instead (default: no such row)",
     )
     parser.add_argument("--schedules", default="constant,demo_schedule", help="which of constant, demo_schedule")
     parser.add_argument(
@@ -265,9 +268,15 @@ def main() -> None:
         ("late_local_blend", 1, False, 0, args.replicas, True, False),
         ("late_local_linear", 1, False, 0, args.replicas, False, True),
     ]
+    wanted = {"exact", *args.rows.split(",")}
     if args.delay_from is not None:
-        rows.append((f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from, 0, False, False))
-    wanted = {"exact", *args.rows.split(",")} | ({rows[-1][0]} if args.delay_from is not None else set())
+        from_rows = [
+            (f"late_predicted_from_{args.delay_from}", 1, True, args.delay_from, 0, False, False),
+            (f"late_local_step_from_{args.delay_from}", 1, False, args.delay_from, args.replicas, False, False),
+        ]
+        rows += from_rows
+        if not wanted & {row[0] for row in from_rows}:  # neither named in --rows: the predicted one
+            wanted.add(from_rows[0][0])
     rows = [row for row in rows if row[0] in wanted]
     for name, scheduled in (("constant", False), ("demo_schedule", True)):
         if name not in args.schedules.split(","):
