@@ -110,6 +110,10 @@ class StageBuilder:
         if replicas.averaging == "sync":
             miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
+            delay = {}
+            if replicas.sync_delay:  # exact until the delay begins (by default, once the warmup is over)
+                begins = replicas.sync_delay_from
+                delay["exact_steps"] = config.optim.warmup_steps if begins is None else begins
             runtime.weight_prediction = replicas.weight_prediction if replicas.sync_delay else "none"
             if miss_round:  # the fault's round taken as failed, in either mode
                 faulty = type(f"RoundMissing{sync_class.__name__}", (RoundMissingSync, sync_class), {})
@@ -128,6 +132,7 @@ class StageBuilder:
                 **matchmaking,
                 robust=replicas.robust_averaging,
                 named_groups=replicas.averaging_groups == "trainer",
+                **delay,
             )
         elif replicas.averaging == "periodic":
             lie = config.faults.fault_averaging

@@ -483,6 +483,10 @@ class StageRuntime:
         self.cache.clear()
         self.steps_done += 1
 
+    def stop_predicting(self) -> None:
+        """The next training forwards run on the parameters themselves (an exact step comes next)."""
+        self.predicted_update = None
+
     def predict_local_step(self, local_gradients: list[torch.Tensor] | None) -> None:
         """Weight prediction `local-step`: the next training forwards run on the parameters plus the
         update the optimizer would make from `local_gradients` (this replica's mean gradients of the

@@ -71,10 +71,14 @@ class InFlightRound:
 
 class DelayedGradientSync(GradientSync):
     """`sync` with `--sync-delay 1`: each commit applies the previous step's averaged update and
-    starts the averaging of this one, answering without waiting for it."""
+    starts the averaging of this one, answering without waiting for it. The stage's first
+    `exact_steps` steps are exact (`--sync-delay-from`; default: the learning-rate warmup's)."""
 
-    def __init__(self, *args, **kwargs):
+    exact_steps = 0
+
+    def __init__(self, *args, exact_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
+        self.exact_steps = exact_steps
         self.in_flight: InFlightRound | None = None
         self.held: tuple[AveragingOutcome, list[torch.Tensor]] | None = None  # clipping: an update prepared
 
@@ -97,6 +101,10 @@ class DelayedGradientSync(GradientSync):
         nothing. A flush whose round failed averages its gradients again at once, as exact mode does
         (with a partner whose round did not fail, this one waits for the round's timeout in vain, and
         then the trainer's repair loads the partner's state)."""
+        if not flush and self.exact_now():
+            outcome = super().commit(step_id, group_size, samples)
+            self.runtime.stop_predicting()  # last-update's guess would move an exact step
+            return outcome
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
         outcome, update = self.next_update(step_id, group_size, samples, flush=flush)
@@ -113,6 +121,8 @@ class DelayedGradientSync(GradientSync):
         the held update's squared norm (None when there is none, or it is not finite); every stage's
         replicas answer for the same step, one step late, so the trainer's global norm is that
         step's. `apply_prepared` then applies it, scaled, before the next step computes."""
+        if not flush and self.exact_now():
+            return super().prepare(step_id, group_size, samples)
         if not self._first_commit_of(step_id):
             return self._repeated(step_id)
         outcome, update = self.next_update(step_id, group_size, samples, flush=flush)
@@ -127,6 +137,10 @@ class DelayedGradientSync(GradientSync):
 
     def apply_prepared(self, step_id: str, scale: float) -> AveragingOutcome:
         """Clipping's second phase: apply the update `prepare` holds, times `scale`."""
+        if self.prepared is not None:  # an exact step's (`exact_now` when it was prepared)
+            outcome = super().apply_prepared(step_id, scale)
+            self.runtime.stop_predicting()
+            return outcome
         if not self._first_commit_of(step_id):
             return self._repeated(step_id)
         held, self.held = self.held, None
@@ -139,6 +153,12 @@ class DelayedGradientSync(GradientSync):
         self.runtime.apply_gradients([gradient * scale for gradient in update])
         self.predict_next_update()
         return self._remember(step_id, outcome)
+
+    def exact_now(self) -> bool:
+        """Whether this commit takes the exact barrier: the stage has taken fewer than `exact_steps`
+        steps and nothing is in flight or held. Every replica of a stage steps on the same rounds,
+        so all of them switch to the delay at the same step, and stay there."""
+        return self.runtime.steps_done < self.exact_steps and self.in_flight is None and self.held is None
 
     def predict_next_update(self) -> None:
         """Weight prediction `local-step`: the next step computes on the parameters plus the update

@@ -238,13 +238,21 @@ def test_a_backward_whose_answer_was_lost_is_asked_again_of_the_same_replica(mak
 
 
 def delayed_reference(
-    config, kind: str, lr: float, steps: int, delay: int, predict: bool = False, clip_grad_norm: float | None = None
+    config,
+    kind: str,
+    lr: float,
+    steps: int,
+    delay: int,
+    predict: bool = False,
+    clip_grad_norm: float | None = None,
+    delay_from: int = 0,
 ):
     """One process over `steps` batches with the update of step t applied `delay` steps late (after
     step t + delay's forward and backward; the last ones after training, as the trainer's flush does):
     the losses by step and the final parameters. `predict`: weight prediction, every forward and
-    backward on the parameters plus the last update applied (the peers' --weight-prediction).
-    `clip_grad_norm`: each update's gradient clipped to that global norm when it is applied."""
+    backward on the parameters plus the last update applied late (the peers' --weight-prediction).
+    `clip_grad_norm`: each update's gradient clipped to that global norm when it is applied.
+    `delay_from`: the updates of the steps before it are applied at once (--sync-delay-from)."""
     sampler = MicrobatchSampler(
         open_data(None).train, seq_len=config.seq_len, batch_size=BATCH, microbatch_size=MICROBATCH
     )
@@ -253,7 +261,7 @@ def delayed_reference(
     optimizer = OptimizerSettings(optimizer=kind, lr=lr).build(params)
     losses, waiting, last_update = [], [], None
 
-    def apply(gradients) -> None:
+    def apply(gradients, late: bool = True) -> None:
         nonlocal last_update
         before = [p.detach().clone() for p in params]
         for param, gradient in zip(params, gradients):
@@ -261,7 +269,7 @@ def delayed_reference(
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         optimizer.step()
-        last_update = [p.detach() - old for p, old in zip(params, before)]
+        last_update = [p.detach() - old for p, old in zip(params, before)] if late else None
 
     for step in range(steps):
         microbatches = sampler.batch(step)
@@ -276,8 +284,8 @@ def delayed_reference(
         loss.backward()
         losses.append(loss.item())
         waiting.append([p.grad.clone() for p in params])
-        while len(waiting) > delay:
-            apply(waiting.pop(0))
+        while len(waiting) > (delay if step >= delay_from else 0):
+            apply(waiting.pop(0), late=step >= delay_from)
     for gradients in waiting:
         apply(gradients)
     return losses, {name: p.detach() for name, p in model.named_parameters()}
@@ -343,6 +351,39 @@ def test_delayed_sync_replicas_equal_one_process_with_the_same_delay(make_swarm,
     assert report["sync_round_retries"] == 0 and report["microbatches_lost"] == 0, report
     assert_checkpoints_equal(tmp_path, config, [(0, "a"), (0, "b"), (1, "c")], steps, reference)
     assert max((exact[n] - reference[n]).abs().max().item() for n in reference) > 1e-3
+
+
+def test_the_delay_begins_at_sync_delay_from_and_equals_one_process(make_swarm, tmp_path):
+    """`--sync-delay 1 --sync-delay-from 1`: the first step takes the exact barrier and the delay
+    begins with the second (its update applied after the third's forward and backward), on every
+    replica; `last-update` prediction begins with the first update applied late. The swarm equals one
+    process on that schedule, which differs from the exact one and from the delay from the first step."""
+    steps, config = 4, get_model_config("tiny")
+    swarm = make_swarm(
+        num_stages=2,
+        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--sync-delay", "1"]
+        + ["--sync-delay-from", "1", "--weight-prediction", "last-update"],
+    )
+    swarm.start_bootstrap()
+    peers = [
+        swarm.start_peer(stage, "--checkpoint-dir", str(tmp_path / d)) for stage, d in [(0, "a"), (0, "b"), (1, "c")]
+    ]
+    swarm.wait_online(peers)
+    report = run_trainer(
+        swarm, tmp_path, *("--steps", str(steps), "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH))
+    )
+    stop_together(peers)
+    losses, reference = delayed_reference(config, "sgd", 0.5, steps, delay=1, predict=True, delay_from=1)
+    exact_losses, _ = delayed_reference(config, "sgd", 0.5, steps, delay=0)
+    from_first, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1, predict=True)
+    unpredicted, _ = delayed_reference(config, "sgd", 0.5, steps, delay=1, delay_from=1)
+    assert report["losses"] == pytest.approx(losses, abs=1e-5), report
+    assert losses[1] == pytest.approx(exact_losses[1], abs=1e-6)  # step 1 computes after step 0's update
+    assert abs(losses[1] - from_first[1]) > 1e-3  # which a delay from the first step would lack
+    assert abs(losses[2] - exact_losses[2]) > 1e-3  # from step 2 on, the delay shows
+    assert abs(losses[3] - unpredicted[3]) > 1e-3  # and from step 3 on, the prediction
+    assert report["sync_round_retries"] == 0 and report["microbatches_lost"] == 0, report
+    assert_checkpoints_equal(tmp_path, config, [(0, "a"), (0, "b"), (1, "c")], steps, reference)
 
 
 def test_local_step_prediction_alone_in_each_stage_equals_the_exact_schedule(make_swarm, tmp_path):

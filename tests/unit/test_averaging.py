@@ -186,6 +186,11 @@ class _ControlledDelayed(DelayedGradientSync):
         self.averager = self
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
         self.weights: list[float] = []  # each round's weight, as started
+        self.prepared, self.exact_rounds = None, 0
+
+    def _all_reduce(self, group_size: int, weight: float, named=None):  # an exact step's round
+        self.exact_rounds += 1
+        return self.round_result(weight)
 
     @contextlib.contextmanager
     def get_tensors(self):
@@ -251,6 +256,46 @@ def test_a_lone_delayed_replica_steps_one_commit_late_too():
     sync = _ControlledDelayed(runtime, round_result=lambda weight: pytest.fail("a lone replica has no round"))
     assert sync.commit("run:0", group_size=1).stepped is False and runtime.steps_done == 0
     assert sync.commit("run:1", group_size=1).stepped and runtime.steps_done == 1
+
+
+def test_the_delay_begins_after_the_exact_steps_and_stays():
+    """`--sync-delay-from 2`: the stage's first two steps take the exact barrier (stepped at their own
+    commit), the third commit starts the delay; a failed exact round keeps the stage exact."""
+    runtime = _runtime_with_gradients()
+    runtime.weight_prediction = "last-update"
+    results = iter([None, {"self": 2.0, "other": 2.0}, {"self": 4.0, "other": 2.0}])
+    sync = _ControlledDelayed(runtime, round_result=lambda weight: next(results, {"self": weight, "other": 2.0}))
+    sync.exact_steps = 2
+    failed = sync.commit("run:0", group_size=2)  # exact, and its round failed: no step, still exact
+    assert not failed.stepped and not failed.pending and runtime.steps_done == 0 and sync.exact_rounds == 1
+    first = sync.commit("run:1", group_size=2)
+    assert first.stepped and not first.pending and runtime.steps_done == 1 and sync.in_flight is None
+    assert runtime.predicted_update is None  # an exact step computes on the parameters, not a guess
+    _accumulate(runtime, "mb2", seed=2)
+    assert sync.commit("run:2", group_size=2).stepped and runtime.steps_done == 2 and sync.exact_rounds == 3
+    _accumulate(runtime, "mb3", seed=3)
+    late = sync.commit("run:3", group_size=2)  # two steps taken: the delay begins
+    assert late.pending and not late.stepped and runtime.steps_done == 2 and sync.weights == [2.0]
+    _accumulate(runtime, "mb4", seed=4)
+    assert sync.commit("run:4", group_size=2).stepped and runtime.steps_done == 3 and sync.exact_rounds == 3
+    assert sync.commit("run:flush", group_size=2, flush=True).stepped and runtime.steps_done == 4
+
+
+def test_a_clipped_exact_step_before_the_delay_is_applied_at_its_own_commit():
+    runtime = _runtime_with_gradients()
+    initial = [p.detach().clone() for p in runtime.params]
+    first = [g.clone() for g in runtime.local_mean_gradients()]
+    sync = _ControlledDelayed(runtime, round_result=lambda weight: {"self": weight, "other": 2.0})
+    sync.exact_steps = 1
+    prepared = sync.prepare("run:0", group_size=2)
+    assert not prepared.pending and prepared.grad_norm_sq is not None
+    assert sync.apply_prepared("run:0:apply", 0.5).stepped and runtime.steps_done == 1
+    for param, before, gradient in zip(runtime.params, initial, first):  # SGD at lr 0.1 on half of it
+        torch.testing.assert_close(param.detach(), before - 0.1 * 0.5 * gradient, atol=1e-6, rtol=0)
+    _accumulate(runtime, "mb1", seed=1)
+    late = sync.prepare("run:1", group_size=2)  # the delay: nothing to apply yet
+    assert late.pending and late.grad_norm_sq is None
+    assert not sync.apply_prepared("run:1:apply", 1.0).stepped and runtime.steps_done == 1
 
 
 def test_a_delayed_clipped_commit_holds_the_previous_update_and_applies_it_scaled():

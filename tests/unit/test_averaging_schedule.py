@@ -51,6 +51,8 @@ def test_the_peer_flags_pick_one_schedule():
         ({"averaging": "sync", "averaging_every_steps": 2}, "use it with --averaging periodic"),
         ({"averaging": "periodic", "averaging_every_steps": 0}, "at least 1"),
         ({"averaging": "periodic", "averaging_period_s": -1.0}, "must be positive"),
+        ({"averaging": "sync", "sync_delay_from": 5}, "use it with --sync-delay 1"),
+        ({"averaging": "sync", "sync_delay": 1, "sync_delay_from": -1}, "0 .* or more"),
     ],
 )
 def test_a_bad_schedule_is_refused_in_one_line(kwargs, message):

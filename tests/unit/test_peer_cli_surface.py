@@ -24,6 +24,7 @@ PEER_FLAGS = {
     "--averaging-period-s",
     "--averaging-timeout-s",
     "--sync-delay",
+    "--sync-delay-from",  # added deliberately: exact steps before the delay begins (issue #22)
     "--weight-prediction",  # added deliberately: weight prediction with --sync-delay 1 (issue #22)
     "--subspace-rank",  # added deliberately: subspace compression at stage boundaries (issue #27)
     "--subspace-kind",
@@ -188,6 +189,7 @@ PEER_VARIABLES = {
     "SWARM_STARTUP_TIMEOUT_S",
     "SWARM_STATUS_FILE",
     "SWARM_SYNC_DELAY",
+    "SWARM_SYNC_DELAY_FROM",
     "SWARM_WEIGHT_PREDICTION",
     "SWARM_SUBSPACE_RANK",
     "SWARM_SUBSPACE_KIND",
