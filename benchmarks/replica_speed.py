@@ -13,7 +13,9 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
 * `2x2 sync exact`: `--averaging sync --sync-delay 0`, every commit waits for the all-reduce and step;
 * `2x2 sync delayed`: `--averaging sync --sync-delay 1`, the commit answers at once and the update is
   applied at the next one (peers/replicas/delayed_sync.py), each step computing where the peers'
-  default weight prediction puts it (`local-step` since session 15, `last-update` before);
+  default weight prediction puts it (`local-step` since session 15, `last-update` before), the
+  steps of the learning-rate warmup exact (`--sync-delay-from`'s default since session 28);
+* `2x2 sync delayed from step 0`: the same with the delay from the first step (`--sync-delay-from 0`);
 * `2x2 sync delayed local-step`, `... last-update`, `... unpredicted`: the same with
   `--weight-prediction local-step` (on the parameters plus the update the replica's own gradients
   of the step in flight make), `last-update` (plus the last update applied) or `none`;
@@ -52,6 +54,8 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 none": (2, "none", (), ()),
     "2x2 sync exact": (2, "sync", ("--sync-delay", "0"), ()),
     "2x2 sync delayed": (2, "sync", ("--sync-delay", "1"), ()),  # with the default weight prediction
+    # the delay from the first step, where the default begins it after the learning-rate warmup
+    "2x2 sync delayed from step 0": (2, "sync", ("--sync-delay", "1", "--sync-delay-from", "0"), ()),
     "2x2 sync delayed last-update": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "last-update"), ()),
     "2x2 sync delayed unpredicted": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "none"), ()),
     "2x2 sync delayed local-step": (2, "sync", ("--sync-delay", "1", "--weight-prediction", "local-step"), ()),
