@@ -15,6 +15,10 @@ So step t+1's forwards and backwards run on the parameters after update t-1: eve
 applied exactly one step late, on every replica alike (a deterministic schedule, not a race), and a
 one-process run with the same delay computes the same parameters (tests/integration/test_replicas.py).
 A replica alone in its stage delays its own step the same way.
+The stage's first steps take the exact barrier (`--sync-delay-from`, by default the learning-rate
+warmup's steps): a late update costs most while AdamW's moments form (benchmarks/RESULTS.md, "The
+delay after the warmup"). Every replica of a stage steps on the same rounds, so all of them begin
+the delay at the same step.
 With weight prediction (`--weight-prediction`, peers/compute/weight_prediction.py) step t+1
 computes instead on the parameters plus a guess at the update they lack (StageRuntime._train_forward):
 the last update applied (`last-update`), or the update the optimizer would make from this replica's
