@@ -110,6 +110,8 @@ class DelayedGradientSync(GradientSync):
             self.runtime.stop_predicting()  # last-update's guess would move an exact step
             return outcome
         if not self._first_commit_of(step_id):
+            if step_id in self.outcomes:  # an exact step's commit, repeated after the delay began
+                return self._repeated(step_id)
             return AveragingOutcome(False, 1, 0, stepped=False, pending=self.in_flight is not None)
         outcome, update = self.next_update(step_id, group_size, samples, flush=flush)
         if update is not None:

@@ -272,10 +272,12 @@ def test_the_delay_begins_after_the_exact_steps_and_stays():
     assert first.stepped and not first.pending and runtime.steps_done == 1 and sync.in_flight is None
     assert runtime.predicted_update is None  # an exact step computes on the parameters, not a guess
     _accumulate(runtime, "mb2", seed=2)
-    assert sync.commit("run:2", group_size=2).stepped and runtime.steps_done == 2 and sync.exact_rounds == 3
+    last_exact = sync.commit("run:2", group_size=2)
+    assert last_exact.stepped and runtime.steps_done == 2 and sync.exact_rounds == 3
     _accumulate(runtime, "mb3", seed=3)
     late = sync.commit("run:3", group_size=2)  # two steps taken: the delay begins
     assert late.pending and not late.stepped and runtime.steps_done == 2 and sync.weights == [2.0]
+    assert sync.commit("run:2", group_size=2) == last_exact  # a retry of the last exact commit: its answer
     _accumulate(runtime, "mb4", seed=4)
     assert sync.commit("run:4", group_size=2).stepped and runtime.steps_done == 3 and sync.exact_rounds == 3
     assert sync.commit("run:flush", group_size=2, flush=True).stepped and runtime.steps_done == 4
