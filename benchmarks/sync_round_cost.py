@@ -167,7 +167,7 @@ def main() -> None:
     for kind, measured in rounds.items():
         matchmaking, allreduce = [r[0] for r in measured], [r[1] for r in measured]
         matchmaking_cpu, allreduce_cpu = [r[2] for r in measured], [r[3] for r in measured]
-        by_kind = {kind: statistics.median(r[4][kind] for r in measured) for kind in measured[0][4]}
+        by_kind = {who: statistics.median(r[4][who] for r in measured) for who in measured[0][4]}
         summary[kind] = {
             "matchmaking_s_median": statistics.median(matchmaking),  # named: forming the group from the commit
             "allreduce_s_median": statistics.median(allreduce),
@@ -186,7 +186,7 @@ def main() -> None:
             f"compression {args.compression}: "
             f"forming the group median {s['matchmaking_s_median']:.3f} s ({s['matchmaking_cpu_s_median']:.3f} CPU s), "
             f"all-reduce median {s['allreduce_s_median']:.3f} s ({s['allreduce_cpu_s_median']:.3f} CPU s; CPU of "
-            f"both replicas together: " + ", ".join(f"{kind} {cpu:.3f}" for kind, cpu in by_kind.items()) + ")",
+            f"both replicas together: " + ", ".join(f"{who} {cpu:.3f}" for who, cpu in by_kind.items()) + ")",
             flush=True,
         )
     write_report(
