@@ -533,6 +533,15 @@ class PeerConfig:
                 raise ConfigError(f"--num-layers {self.num_layers!r}: expected a positive number of blocks or auto")
 
     @property
+    def exact_steps_before_delay(self) -> int:
+        """With --sync-delay 1, the stage's steps that take the exact barrier before the delay begins:
+        --sync-delay-from, or by default the learning-rate warmup's steps (0 without --sync-delay)."""
+        if not self.replicas.sync_delay:
+            return 0
+        begins = self.replicas.sync_delay_from
+        return self.optim.warmup_steps if begins is None else begins
+
+    @property
     def requested_boundaries(self) -> tuple[int, ...] | None:
         if self.split_boundaries is None:
             return None

@@ -110,10 +110,8 @@ class StageBuilder:
         if replicas.averaging == "sync":
             miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
-            delay = {}
-            if replicas.sync_delay:  # exact until the delay begins (by default, once the warmup is over)
-                begins = replicas.sync_delay_from
-                delay["exact_steps"] = config.optim.warmup_steps if begins is None else begins
+            # with the delay: exact until it begins (by default, once the warmup is over)
+            delay = {"exact_steps": config.exact_steps_before_delay} if replicas.sync_delay else {}
             runtime.weight_prediction = replicas.weight_prediction if replicas.sync_delay else "none"
             if miss_round:  # the fault's round taken as failed, in either mode
                 faulty = type(f"RoundMissing{sync_class.__name__}", (RoundMissingSync, sync_class), {})

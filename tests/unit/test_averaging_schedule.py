@@ -44,6 +44,14 @@ def test_the_peer_flags_pick_one_schedule():
     assert by_steps.schedule == AveragingSchedule(every_steps=2) and by_steps.averaging_period_s is None
 
 
+def test_the_delay_begins_after_the_warmup_unless_told_otherwise():
+    assert peer_config(averaging="sync", sync_delay=1, warmup_steps=10).exact_steps_before_delay == 10
+    assert peer_config(averaging="sync", sync_delay=1, warmup_steps=10, sync_delay_from=0).exact_steps_before_delay == 0
+    assert peer_config(averaging="sync", sync_delay=1, sync_delay_from=3).exact_steps_before_delay == 3
+    assert peer_config(averaging="sync", sync_delay=1).exact_steps_before_delay == 0  # no warmup: from the first
+    assert peer_config(averaging="sync", warmup_steps=10).exact_steps_before_delay == 0  # no delay at all
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
