@@ -38,18 +38,6 @@ from peers.replicas.averaging_members import named_group_id  # noqa: E402
 from peers.replicas.averaging_schedule import AveragingSchedule  # noqa: E402
 
 
-def cpu_s() -> float:
-    """CPU seconds (user + system) of this process and every process under it, so far."""
-    total = 0.0
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
-        try:
-            times = process.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def cpu_by_kind(averager_pids: set[int]) -> dict[str, float]:
     """CPU seconds so far, split by who spent them: the p2pd daemons (libp2p: streams, encryption,
     the muxer), the averagers' processes (serializing, reducing, hivemind's asyncio), and the rest
@@ -76,16 +64,17 @@ def one_round(
     if named is not None:
         weights = {r.averager.peer_id.to_base58(): 1.0 for r in replicas}
         group = (named_group_id(named, weights), weights)
-    start, cpu_start = time.perf_counter(), cpu_s()
+    start, cpu_start = time.perf_counter(), sum(cpu_by_kind(averager_pids).values())
     controls = [r.begin_round(len(replicas), weight=1.0, wait_for_trigger=True, named=group) for r in replicas]
     while not all(ParameterAveraging.group_ready(c) for c in controls):
         time.sleep(0.002)
-    matched, cpu_matched, split_matched = time.perf_counter(), cpu_s(), cpu_by_kind(averager_pids)
+    matched, split_matched = time.perf_counter(), cpu_by_kind(averager_pids)
     results = list(pool.map(lambda rc: finish(*rc), zip(replicas, controls)))
-    done, cpu_done, split_done = time.perf_counter(), cpu_s(), cpu_by_kind(averager_pids)
+    done, split_done = time.perf_counter(), cpu_by_kind(averager_pids)
     if any(r is None for r in results):
         raise RuntimeError("a round failed")
-    split = {kind: split_done[kind] - split_matched[kind] for kind in split_done}
+    cpu_matched, cpu_done = sum(split_matched.values()), sum(split_done.values())
+    split = {who: split_done[who] - split_matched[who] for who in split_done}
     return matched - start, done - matched, cpu_matched - cpu_start, cpu_done - cpu_matched, split
 
 
