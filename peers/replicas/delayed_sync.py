@@ -78,8 +78,6 @@ class DelayedGradientSync(GradientSync):
     starts the averaging of this one, answering without waiting for it. The stage's first
     `exact_steps` steps are exact (`--sync-delay-from`; default: the learning-rate warmup's)."""
 
-    exact_steps = 0
-
     def __init__(self, *args, exact_steps: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.exact_steps = exact_steps

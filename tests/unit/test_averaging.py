@@ -186,7 +186,7 @@ class _ControlledDelayed(DelayedGradientSync):
         self.averager = self
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
         self.weights: list[float] = []  # each round's weight, as started
-        self.prepared, self.exact_rounds = None, 0
+        self.prepared, self.exact_rounds, self.exact_steps = None, 0, 0
 
     def _all_reduce(self, group_size: int, weight: float, named=None):  # an exact step's round
         self.exact_rounds += 1
