@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import base58
 import hivemind
+import torch.multiprocessing
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 from dht.record_policy import SwarmRecordValidator, protected_keys
@@ -22,6 +23,15 @@ from process.config import ConfigError, option
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# hivemind shares its futures' state and its averagers' tensors with its child processes through
+# torch's "file_system" strategy, which starts a torch_shm_manager in every process that shares a
+# tensor: a binary that loads libtorch, about 0.5 s of CPU in each peer, trainer and DHT node, and
+# one more process each. Passed as file descriptors (torch's own default on Linux), the shared memory
+# needs no manager, and a killed process leaves no file in /dev/shm. HIVEMIND_MEMORY_SHARING_STRATEGY,
+# where set, still decides, as hivemind documents.
+if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class BootstrapError(RuntimeError):
