@@ -178,9 +178,10 @@ def start_time(pid: int) -> int | None:
 
 
 def ends_by_itself(pid: int) -> bool:
-    """torch's shared-memory manager (hivemind shares tensors through files, which it keeps): it
-    exits about 2 s after its last client, removing its folder in /tmp (`torch-shm-dir-*`) then.
-    Killed, it leaves the folder behind."""
+    """torch's shared-memory manager, which a process starts where hivemind shares tensors through
+    files (HIVEMIND_MEMORY_SHARING_STRATEGY=file_system; dht/node.py passes file descriptors
+    otherwise): it exits about 2 s after its last client, removing its folder in /tmp
+    (`torch-shm-dir-*`) then. Killed, it leaves the folder behind."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip() == "torch_shm_manag"  # the kernel keeps 15 characters of the name

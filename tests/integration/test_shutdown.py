@@ -231,7 +231,7 @@ def test_demo_ends_whole(tmp_path, sig):
         assert "all processes stopped" in log_path.read_text(), log_path.read_text()
     assert not os.path.exists(server_folder), "the fork server's folder outlived the demo"
     # nothing left in /tmp: hivemind leaves each process's p2p client socket unless it is closed
-    # (dht/node.py, with_p2p_client), and a killed torch_shm_manager its folder (process/lifetime.py)
+    # (dht/node.py, with_p2p_client)
     assert not [path for path in sockets if os.path.exists(path)], sockets
 
 
