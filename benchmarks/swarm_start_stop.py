@@ -12,12 +12,19 @@ DHT nodes and averagers).
 `swarm demo` use), started once, and the cycles alternate between them so that a change in the
 machine's load falls on both. CPU is read from /proc every 0.1 s for every descendant of the fork
 servers, so a process's last tenth of a second may be missed.
+
+`--killed N` adds N cycles per strategy in which every process (with its DHT process, p2pd and
+averager) is SIGKILLed after the trainer's step instead of stopped, and counts what that left in
+/tmp (`pymp-*` folders, hivemind's sockets, `torch-shm-dir-*` folders) and in /dev/shm. Nothing else
+may run on the machine meanwhile: the counts are of the whole folders.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -96,6 +103,40 @@ def one_cycle(server: ForkServer, model: str, workdir: str) -> dict:
     return cycle
 
 
+def leftovers() -> dict[str, int]:
+    """What killed processes leave behind, counted over the whole machine."""
+    return {
+        "pymp_folders": len(glob.glob("/tmp/pymp-*")),
+        "hivemind_sockets": len(glob.glob("/tmp/hivemind-*.sock")),
+        "torch_shm_folders": len(glob.glob("/tmp/torch-shm-dir-*")),
+        "dev_shm_files": len(os.listdir("/dev/shm")),
+    }
+
+
+def killed_cycle(server: ForkServer, model: str, workdir: str) -> dict[str, int]:
+    """A swarm whose every process tree is SIGKILLed after one step: what it leaves behind."""
+    before = leftovers()
+    swarm = LocalSwarm(
+        model=model, num_stages=2, workdir=workdir, launcher=server.launch, peer_args=["--averaging", "sync"]
+    )
+    try:
+        swarm.start_bootstrap()
+        peers = [swarm.start_peer(stage) for stage in (0, 0, 1)]
+        swarm.wait_online(peers)
+        swarm.start_trainer("--num-stages", "2", "--steps", "1", "--batch-size", "8").popen.wait(timeout=300)
+        trees = [pid for process in swarm.processes for pid, _ in process.tree()]
+        for pid in trees:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)  # a manager whose clients are gone would clean up within about 2 s
+    finally:
+        swarm.stop()
+    after = leftovers()
+    return {kind: after[kind] - before[kind] for kind in after}
+
+
 def start_server(strategy: str) -> ForkServer:
     """A fork server whose processes share memory by `strategy` (its imports read it once)."""
     before = os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY")
@@ -127,11 +168,13 @@ def main() -> None:
     parser.add_argument(
         "--sharing", nargs="+", default=["file_system", "file_descriptor"], help="memory-sharing strategies"
     )
+    parser.add_argument("--killed", type=int, default=0, help="also N cycles per strategy ended by SIGKILL")
     parser.add_argument("--out", default="benchmarks/out/swarm_start_stop.json")
     args = parser.parse_args()
     load_before, workdir = os.getloadavg(), tempfile.mkdtemp(prefix="start-stop-")
     servers = {strategy: start_server(strategy) for strategy in args.sharing}
     cycles: dict[str, list[dict]] = {strategy: [] for strategy in args.sharing}
+    killed: dict[str, list[dict]] = {strategy: [] for strategy in args.sharing}
     try:
         one_cycle(servers[args.sharing[0]], args.model, os.path.join(workdir, "warmup"))  # caches, page cache
         for index in range(args.cycles):
@@ -139,6 +182,12 @@ def main() -> None:
                 cycle = one_cycle(servers[strategy], args.model, os.path.join(workdir, f"{strategy}-{index}"))
                 cycles[strategy].append(cycle)
                 print(f"{strategy:16s} cycle {index}: {cycle}", flush=True)
+        time.sleep(3)  # the stopped cycles' managers exit about 2 s after their clients, cleaning up
+        for index in range(args.killed):
+            for strategy in args.sharing:
+                left = killed_cycle(servers[strategy], args.model, os.path.join(workdir, f"killed-{strategy}-{index}"))
+                killed[strategy].append(left)
+                print(f"{strategy:16s} killed {index}: left {left}", flush=True)
     finally:
         for server in servers.values():
             server.close()
@@ -149,10 +198,14 @@ def main() -> None:
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "cpu_count": os.cpu_count(),
-        "strategies": {strategy: {"median": summary(runs), "cycles": runs} for strategy, runs in cycles.items()},
+        "strategies": {
+            strategy: {"median": summary(runs) if runs else None, "cycles": runs, "killed_left": killed[strategy]}
+            for strategy, runs in cycles.items()
+        },
     }
     for strategy, runs in cycles.items():
-        print(f"{strategy:16s} median: {summary(runs)}")
+        if runs:
+            print(f"{strategy:16s} median: {summary(runs)}")
     write_report(args.out, report)
 
 
