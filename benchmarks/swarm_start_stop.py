@@ -76,23 +76,34 @@ class CpuByKind:
         return {kind: round(cpu, 2) for kind, cpu in split.items()}
 
 
+def small_swarm(server: ForkServer, model: str, workdir: str) -> LocalSwarm:
+    """The swarm of a cycle, not started: 2 stages, sync averaging, processes forked by `server`."""
+    return LocalSwarm(
+        model=model, num_stages=2, workdir=workdir, launcher=server.launch, peer_args=["--averaging", "sync"]
+    )
+
+
+def start_peers(swarm: LocalSwarm) -> None:
+    """Two replicas of stage 0 and one of stage 1, online."""
+    swarm.wait_online([swarm.start_peer(stage) for stage in (0, 0, 1)])
+
+
+def train_one_step(swarm: LocalSwarm) -> None:
+    trainer = swarm.start_trainer("--num-stages", "2", "--steps", "1", "--batch-size", "8", "--microbatch-size", "2")
+    if trainer.popen.wait(timeout=300) != 0:
+        raise RuntimeError(f"the trainer failed:\n{trainer.log()[-2000:]}")
+
+
 def one_cycle(server: ForkServer, model: str, workdir: str) -> dict:
     cpu = CpuByKind(server.popen.pid)
     times, started = {}, time.monotonic()
-    swarm = LocalSwarm(
-        model=model, num_stages=2, workdir=workdir, launcher=server.launch, peer_args=["--averaging", "sync"]
-    )
+    swarm = small_swarm(server, model, workdir)
     try:
         swarm.start_bootstrap()
         times["bootstrap"] = time.monotonic() - started
-        peers = [swarm.start_peer(stage) for stage in (0, 0, 1)]
-        swarm.wait_online(peers)
+        start_peers(swarm)
         times["peers_online"] = time.monotonic() - started - sum(times.values())
-        trainer = swarm.start_trainer(
-            "--num-stages", "2", "--steps", "1", "--batch-size", "8", "--microbatch-size", "2"
-        )
-        if trainer.popen.wait(timeout=300) != 0:
-            raise RuntimeError(f"the trainer failed:\n{trainer.log()[-2000:]}")
+        train_one_step(swarm)
         times["trainer"] = time.monotonic() - started - sum(times.values())
     finally:
         swarm.stop()
@@ -116,14 +127,11 @@ def leftovers() -> dict[str, int]:
 def killed_cycle(server: ForkServer, model: str, workdir: str) -> dict[str, int]:
     """A swarm whose every process tree is SIGKILLed after one step: what it leaves behind."""
     before = leftovers()
-    swarm = LocalSwarm(
-        model=model, num_stages=2, workdir=workdir, launcher=server.launch, peer_args=["--averaging", "sync"]
-    )
+    swarm = small_swarm(server, model, workdir)
     try:
         swarm.start_bootstrap()
-        peers = [swarm.start_peer(stage) for stage in (0, 0, 1)]
-        swarm.wait_online(peers)
-        swarm.start_trainer("--num-stages", "2", "--steps", "1", "--batch-size", "8").popen.wait(timeout=300)
+        start_peers(swarm)
+        train_one_step(swarm)
         trees = [pid for process in swarm.processes for pid, _ in process.tree()]
         for pid in trees:
             try:
