@@ -8,7 +8,9 @@ Running it again on the same inputs with the same options reuses the folder.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -116,6 +118,26 @@ def _parent(path: str) -> str:
     return parent
 
 
+@contextlib.contextmanager
+def _preparing_alone(out: str, say: Callable[[str], None]) -> Iterator[None]:
+    """Held from the check for a reusable folder to its last write: a second prepare of the same
+    folder (two trainers started at once on one file) waits, then finds it prepared, instead of
+    clearing the files the first one's readers have begun to use. An advisory lock on the parent
+    folder, so that nothing is left behind; on a file system without locks, none is taken."""
+    fd = os.open(_parent(out), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process that prepares data in {_parent(out)}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no locks here
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
 def _clear_own_files(out: str, dry_run: bool = False) -> None:
     """Remove what an earlier (or interrupted) prepare wrote; refuse a folder holding anything else."""
     ours = [
@@ -139,6 +161,18 @@ def prepare(config: PrepareConfig, say: Callable[[str], None] = print) -> DataMe
     files = list_inputs(config.inputs)
     total = sum(f.size for f in files)
     inputs = [InputInfo(path=os.path.abspath(f.path), bytes=f.size, sha256=file_sha256(f.path)) for f in files]
+    with _preparing_alone(config.out, say):
+        return _prepare_unless_reusable(config, spec, files, inputs, total, say)
+
+
+def _prepare_unless_reusable(
+    config: PrepareConfig,
+    spec: TokenizerSpec,
+    files: list[InputFile],
+    inputs: list[InputInfo],
+    total: int,
+    say: Callable[[str], None],
+) -> DataMeta:
     reused = _reusable(config.out, inputs, config, spec)
     if reused is not None:
         say(f"{config.out} already holds this corpus prepared ({describe(reused)}); reusing it")
@@ -147,7 +181,7 @@ def prepare(config: PrepareConfig, say: Callable[[str], None] = print) -> DataMe
         _clear_own_files(config.out, dry_run=True)  # refuse a folder holding anything else before the work
     started = time.perf_counter()
     # Built in a folder of its own beside DIR, then moved in (meta.json last): an interrupted run
-    # leaves DIR as it was, and two runs preparing the same DIR at once do not mix their files.
+    # leaves DIR as it was. A second run on the same DIR waits for this one (_preparing_alone).
     work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(config.out))}.", dir=_parent(config.out))
     try:
         if spec.scheme == "bytes":

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+from swarm.data import prepare as prepare_module
 from swarm.data import shards
 from swarm.data.prepare import PrepareConfig, goes_to_validation, prepare
 from swarm.data.shards import PreparedData, ShardWriter, TokenSplit, read_meta
@@ -138,6 +140,34 @@ def test_rerun_reuses_and_a_changed_input_is_prepared_again(corpus, tmp_path):
     (corpus / "corpus" / "a.txt").write_text(text(99))
     _, lines = run([corpus / "corpus"], out, tokenizer="bytes")
     assert not any("reusing" in line for line in lines)
+
+
+def test_a_second_prepare_of_a_folder_being_prepared_waits_and_reuses_it(corpus, tmp_path, monkeypatch):
+    """Two trainers started at once on one file: the second must not clear the folder the first
+    is writing (or its readers have opened), so it waits for the first and reuses its work."""
+    encode, first_encoding, release = prepare_module._encode, threading.Event(), threading.Event()
+
+    def first_one_held(*args, **kwargs):
+        if not first_encoding.is_set():
+            first_encoding.set()
+            assert release.wait(30)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "_encode", first_one_held)
+    config = PrepareConfig(inputs=[str(corpus / "corpus")], out=str(tmp_path / "d"), tokenizer="bytes")
+    said = {"first": [], "second": []}
+    threads = {name: threading.Thread(target=prepare, args=(config, said[name].append)) for name in said}
+    threads["first"].start()
+    assert first_encoding.wait(30)
+    threads["second"].start()
+    threads["second"].join(1.0)
+    assert threads["second"].is_alive(), said["second"]  # without the wait it is done in milliseconds
+    release.set()
+    for thread in threads.values():
+        thread.join(30)
+    assert said["second"][0].startswith("waiting for another process that prepares data in")
+    assert "reusing it" in said["second"][-1] and any(line.startswith("prepared ") for line in said["first"])
+    assert PreparedData(str(tmp_path / "d")).meta.inputs
 
 
 def test_shards_split_at_the_shard_size_and_windows_cross_their_edges(tmp_path):
