@@ -14,7 +14,8 @@ from benchmarks.netem.probe import probe_link
 from benchmarks.netem.topology import LinkSpec, Topology
 
 REASON = missing_requirements()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+# serial: the link's measured rate and RTT must be within 20% of the asked ones, so nothing runs beside it.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 RTT_MS, MBIT = 80.0, 20.0
 
