@@ -31,8 +31,9 @@ format: install
 
 # The pure unit tests run on every core (pytest-xdist). The integration tests run two at a time, a
 # test file to a worker (its module-scoped swarms start once): a test's swarm waits part of its time
-# (start-up, periods, timeouts), so two of them keep 2 cores busy, and the suite ends about a fifth
-# sooner than one at a time. Tests marked `serial` assert measured rates and run alone afterwards.
+# (start-up, periods, timeouts), so two of them keep 2 cores busy, and the suite ends 15-20%
+# sooner than one at a time (benchmarks/RESULTS.md). Tests marked `serial` assert measured rates
+# and run alone afterwards.
 INTEGRATION_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -ra -n auto tests/unit
