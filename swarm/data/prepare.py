@@ -122,8 +122,9 @@ def _parent(path: str) -> str:
 def _preparing_alone(out: str, say: Callable[[str], None]) -> Iterator[None]:
     """Held from the check for a reusable folder to its last write: a second prepare of the same
     folder (two trainers started at once on one file) waits, then finds it prepared, instead of
-    clearing the files the first one's readers have begun to use. An advisory lock on the parent
-    folder, so that nothing is left behind; on a file system without locks, none is taken."""
+    clearing the files the first one's readers have begun to use. The lock is an advisory one on
+    the parent folder, so that no lock file is left behind; a prepare into another folder of the
+    same parent waits too. On a file system without locks, none is taken."""
     fd = os.open(_parent(out), os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:

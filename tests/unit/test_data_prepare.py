@@ -158,13 +158,16 @@ def test_a_second_prepare_of_a_folder_being_prepared_waits_and_reuses_it(corpus,
     said = {"first": [], "second": []}
     threads = {name: threading.Thread(target=prepare, args=(config, said[name].append)) for name in said}
     threads["first"].start()
-    assert first_encoding.wait(30)
-    threads["second"].start()
-    threads["second"].join(1.0)
-    assert threads["second"].is_alive(), said["second"]  # without the wait it is done in milliseconds
-    release.set()
-    for thread in threads.values():
-        thread.join(30)
+    try:
+        assert first_encoding.wait(30)
+        threads["second"].start()
+        threads["second"].join(1.0)
+        assert threads["second"].is_alive(), said["second"]  # without the wait it is done in milliseconds
+    finally:
+        release.set()
+        for thread in threads.values():
+            if thread.ident is not None:
+                thread.join(30)
     assert said["second"][0].startswith("waiting for another process that prepares data in")
     assert "reusing it" in said["second"][-1] and any(line.startswith("prepared ") for line in said["first"])
     assert PreparedData(str(tmp_path / "d")).meta.inputs
