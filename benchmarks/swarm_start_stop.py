@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -178,11 +179,13 @@ def main() -> None:
     )
     parser.add_argument("--killed", type=int, default=0, help="also N cycles per strategy ended by SIGKILL")
     parser.add_argument("--out", default="benchmarks/out/swarm_start_stop.json")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the swarms' logs (kept anyway on a failure)")
     args = parser.parse_args()
     load_before, workdir = os.getloadavg(), tempfile.mkdtemp(prefix="start-stop-")
     servers = {strategy: start_server(strategy) for strategy in args.sharing}
     cycles: dict[str, list[dict]] = {strategy: [] for strategy in args.sharing}
     killed: dict[str, list[dict]] = {strategy: [] for strategy in args.sharing}
+    finished = False
     try:
         one_cycle(servers[args.sharing[0]], args.model, os.path.join(workdir, "warmup"))  # caches, page cache
         for index in range(args.cycles):
@@ -196,9 +199,14 @@ def main() -> None:
                 left = killed_cycle(servers[strategy], args.model, os.path.join(workdir, f"killed-{strategy}-{index}"))
                 killed[strategy].append(left)
                 print(f"{strategy:16s} killed {index}: left {left}", flush=True)
+        finished = True
     finally:
         for server in servers.values():
             server.close()
+        if finished and not args.keep_logs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"the swarms' logs are in {workdir}", flush=True)
     report = {
         "benchmark": "swarm_start_stop",
         "model": args.model,

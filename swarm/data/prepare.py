@@ -125,12 +125,13 @@ def _preparing_alone(out: str, say: Callable[[str], None]) -> Iterator[None]:
     clearing the files the first one's readers have begun to use. The lock is an advisory one on
     the parent folder, so that no lock file is left behind; a prepare into another folder of the
     same parent waits too. On a file system without locks, none is taken."""
-    fd = os.open(_parent(out), os.O_RDONLY | os.O_DIRECTORY)
+    parent = _parent(out)
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            say(f"waiting for another process that prepares data in {_parent(out)}")
+            say(f"waiting for another process that prepares data in {parent}")
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
             pass  # no locks here
