@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
 from swarm.data.prepare import PrepareConfig, prepare  # noqa: E402
 
 FILE_MB = 10
@@ -166,9 +167,7 @@ def main() -> None:
         )
     for key in (f"prepare_bpe:{args.vocab}", "prepare_bytes"):
         print(f"{key}: {results[key]['mb_per_s']:.2f} MB/s ({results[key]['seconds']:.1f} s)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_report(args.out, results)
 
 
 if __name__ == "__main__":

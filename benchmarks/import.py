@@ -30,6 +30,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report_file import write_report  # noqa: E402
+
 MODEL = "gpt2-350m"
 
 
@@ -172,10 +174,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    write_report(args.out, report)
     print(f"memory-balanced split: --split-boundaries memory ({','.join(map(str, boundaries))})")
     print(f"{'case':>8} {'params':>8} {'seconds':>8} {'peak MiB':>9} {'time ratio':>10} {'RSS ratio':>9}")
     for case, s in summary.items():

@@ -24,6 +24,7 @@ from contextlib import closing
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from benchmarks.report_file import write_report
 from wire.bounded_streams import StreamLimits, iterate_bounded, receive_message, serve_bounded
 
 
@@ -105,8 +106,7 @@ def main() -> None:
     result = asyncio.run(measure(args))
     print(json.dumps(result, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_report(args.out, result)
 
 
 if __name__ == "__main__":
