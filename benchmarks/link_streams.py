@@ -235,7 +235,13 @@ async def _split_call(client: P2P, server_id: PeerID, turn: asyncio.Lock, piece_
     """One message as `pieces` pieces, each on a stream of its own, all written at once in one turn on
     the link (`turn`, first come, first served, as `LinkTurns`); when its last piece was answered."""
     await turn.acquire()
-    unwritten = pieces
+    unwritten, held = pieces, True
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
+            turn.release()
 
     async def piece():
         nonlocal unwritten
@@ -244,13 +250,12 @@ async def _split_call(client: P2P, server_id: PeerID, turn: asyncio.Lock, piece_
         finally:
             unwritten -= 1
             if unwritten == 0:
-                turn.release()
+                release()
 
     try:
         return max(await asyncio.gather(*(_call(client, server_id, piece()) for _ in range(pieces))))
     finally:
-        if unwritten > 0:  # a call failed before its piece was written: the turn is not held forever
-            turn.release()
+        release()  # a call that failed before its piece was written does not hold the turn forever
 
 
 async def _early_turn(lock: asyncio.Lock, messages):
