@@ -202,7 +202,7 @@ async def _send_one_way(
             yield runtime_pb2.ExpertRequest(metadata=part)
 
     started = time.perf_counter()
-    turns, early, peer = LinkTurns(), asyncio.Lock(), server_id.to_base58()
+    turns, turn, peer = LinkTurns(), asyncio.Lock(), server_id.to_base58()  # `turn`: one link's, held by hand
     if way == "warm stream":
         ends = await warm.send(messages, payload)
     elif way == "kept streams, in turn":
@@ -210,7 +210,7 @@ async def _send_one_way(
     elif way.startswith("in turn, split"):
         pieces = int(way.rsplit(" ", 1)[1])
         ends = await asyncio.gather(
-            *(_split_call(client, server_id, early, nbytes // pieces, pieces) for _ in range(messages))
+            *(_split_call(client, server_id, turn, nbytes // pieces, pieces) for _ in range(messages))
         )
     elif way == "one stream":
         ends = [await _call(client, server_id, some(messages))]
@@ -219,9 +219,7 @@ async def _send_one_way(
             *(_call(client, server_id, turns.in_turn(peer, in_parts())) for _ in range(messages))
         )
     elif way == "in turn, parts, early":
-        ends = await asyncio.gather(
-            *(_call(client, server_id, _early_turn(early, in_parts())) for _ in range(messages))
-        )
+        ends = await asyncio.gather(*(_call(client, server_id, _early_turn(turn, in_parts())) for _ in range(messages)))
     else:
         calls = [
             _call(client, server_id, turns.in_turn(peer, some(1)) if way == "in turn" else some(1))
