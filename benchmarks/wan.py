@@ -24,6 +24,10 @@ replicas (hosts standby<i>) and the peer of `--kill-stage` SIGKILLed once `--kil
 are done, nobody slowed. Link bytes are every host pair's counter, peer-to-peer links included,
 as for GPipe; the trainer's share of them is reported apart (`trainer link B/tok`).
 
+A direct run's peers send each hop in pieces of at most 128 KiB, each on a stream of its own
+(`--hop-piece-kb`, peers/serving/hop_pieces.py); `direct-none/one-stream` is the same run with one
+stream per hop (`--hop-piece-kb 0`), to compare the two in one invocation.
+
 A swarm run may serve a subspace model (issue #27): `direct-int4+fixed:32` is direct int4 where
 every peer and the trainer run with `--subspace-rank 32 --subspace-kind fixed`, so only the 32
 coefficients per token (in int4) and the token ids cross between stages.
@@ -65,6 +69,7 @@ from models.config import get_model_config  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
 
 GPIPE_PORT = 29500
+ONE_STREAM = "/one-stream"  # a direct run's suffix: each hop on one stream (--hop-piece-kb 0)
 # gpipe / gpipe-kill: the baseline; faults: int8 swarm with a slowed and a killed peer; others: swarm with that codec
 HUB_CODECS = ("none", "fp16", "int8", "int4", "topk", "adaptive")
 RUNS = (
@@ -272,7 +277,10 @@ def _step_marker(step: int, steps: int) -> str:
 
 # --- the baseline ------------------------------------------------------------------------------------
 def _known_run(run: str) -> bool:
-    """A run of RUNS, or a swarm run of a codec with a subspace model (`direct-int4+fixed:32`)."""
+    """A run of RUNS, or a swarm run of a codec with a subspace model (`direct-int4+fixed:32`), or a
+    direct run with one stream per hop (`direct-none/one-stream`)."""
+    if run.startswith("direct-") and run.endswith(ONE_STREAM):
+        run = run.removesuffix(ONE_STREAM)
     base, plus, subspace = run.partition("+")
     if not plus:
         return run in RUNS
@@ -388,6 +396,7 @@ def run_swarm(
     routing: str = "hub",
     kill_only: bool = False,
     subspace: str = "",
+    one_stream: bool = False,
 ) -> RunResult:
     """A swarm run. `faults`: standby replicas, the slow stage's peer slowed and the kill stage's peer
     SIGKILLed; `kill_only` (with `faults`): nobody slowed. `subspace` ("fixed:32"): a subspace model,
@@ -401,6 +410,9 @@ def run_swarm(
         kind, _, rank = subspace.partition(":")
         subspace_args = ["--subspace-rank", rank, "--subspace-kind", kind]
         name += f"+{subspace}"
+    piece_args = ["--hop-piece-kb", "0"] if one_stream else []
+    if one_stream:
+        name += " one stream"
     _say(
         f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
         + (f" + standby {s.standby_hosts}" if faults else "")
@@ -415,7 +427,7 @@ def run_swarm(
             model=s.model,
             num_stages=len(s.stage_hosts),
             workdir=swarm_dir,
-            peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1", *subspace_args],
+            peer_args=["--target-batch-size", str(s.batch_size), "--num-threads", "1", *subspace_args, *piece_args],
         ) as swarm:
             trainer_prefix = net.exec_prefix(s.trainer_host)
             swarm.start_bootstrap(60.0, "--host-maddrs", net.maddr(s.trainer_host), prefix=trainer_prefix)
@@ -639,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(run_gpipe(net, settings, workdir, kill=run == "gpipe-kill"))
                     elif run.startswith("direct-"):
                         kill = run == "direct-kill"
-                        base, _, subspace = run.partition("+")
+                        base, _, subspace = run.removesuffix(ONE_STREAM).partition("+")
                         codec = args.kill_codec if kill else base.removeprefix("direct-")
                         results.append(
                             run_swarm(
@@ -651,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                                 routing="direct",
                                 kill_only=kill,
                                 subspace=subspace,
+                                one_stream=run.endswith(ONE_STREAM),
                             )
                         )
                     else:

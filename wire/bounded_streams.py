@@ -12,6 +12,7 @@ iterator into the handler, which answers them as it answers any bad request.
     serve_bounded(p2p, name, handler, request_type, limits, stream_input=...)   a peer's RPC
     await iterate_bounded(p2p, peer_id, name, requests, response_type, limits)  calling one
     await iterate_bounded(..., pool=StreamPool())                               on a kept stream
+    await call_on_streams(p2p, peer_id, [(name, messages), ...], ...)          one call on several
 
 On the wire this is hivemind's framing (a marker byte, an 8-byte big-endian length, the protobuf),
 with one addition: a handler ends its answers with hivemind's end marker (an empty error), as a
@@ -37,6 +38,13 @@ larger message waits a round trip mid-transfer on every call. Measured on an emu
 kept stream, the first answered after 0.52 s and 0.40 s (benchmarks/link_streams.py, "warm
 stream"; benchmarks/RESULTS.md, "Kept streams"). A peer that dies also breaks the streams kept to
 it at once, so its callers fail over without waiting for their timeouts.
+
+One call may also cross on several streams at once (`call_on_streams`: direct routing's hops in
+pieces, ChainRequest.pieces). A stream may have only its window of bytes in flight before the
+receiver's window update comes back, and that update queues behind whatever the other direction
+carries: a hop's 512 KiB sent while gradients flow back waited for it (benchmarks/RESULTS.md, "Both
+directions of one link at once"). Pieces of at most 128 KiB, each on a stream of its own, never
+wait for one.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import closing, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, closing, nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,6 +303,57 @@ async def iterate_bounded(
                 writer.close()
 
     return answers()
+
+
+async def call_on_streams(
+    p2p: P2P,
+    peer_id: PeerID,
+    calls: Sequence[tuple[str, Sequence[Any]]],
+    response_type: type,
+    limits: StreamLimits,
+    *,
+    pool: StreamPool | None = None,
+    turn: AbstractAsyncContextManager | None = None,
+) -> list[list[Any]]:
+    """One call whose request crosses on several streams (`calls`: each stream's RPC and its
+    messages), and the answer messages each stream brought back, in the same order. The streams
+    are opened (or taken from `pool`) together, then written one after the other within `turn`
+    (the link's turn: held while the request is written, not while the answers come); each answer
+    is read within `limits` up to its end marker. Any stream failing fails the call, and every
+    stream of it is closed; with `pool`, the streams of a call that ended cleanly are kept."""
+    name = peer_id.to_base58()
+
+    async def open_stream(rpc: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        kept = pool.take((name, rpc)) if pool is not None else None
+        return kept if kept is not None else (await p2p.call_binary_stream_handler(peer_id, rpc))[1:]
+
+    opening = [asyncio.ensure_future(open_stream(rpc)) for rpc, _ in calls]
+    streams, kept = [], []
+    try:
+        streams = await asyncio.gather(*opening)
+        async with turn if turn is not None else nullcontext():
+            for (_, writer), (_, messages) in zip(streams, calls, strict=True):
+                for message in messages:
+                    await P2P.send_protobuf(message, writer)
+                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+        async def answer(reader: asyncio.StreamReader) -> tuple[list, bool]:
+            ends: list[bool] = []
+            messages = [message async for message in _messages(reader, response_type, limits, ends)]
+            return messages, ends == [True]
+
+        answers = await asyncio.gather(*(answer(reader) for reader, _ in streams))
+        if pool is not None:
+            for (rpc, _), (reader, writer), (_, clean) in zip(calls, streams, answers, strict=True):
+                if clean and pool.keep((name, rpc), reader, writer):
+                    kept.append(writer)
+        return [messages for messages, _ in answers]
+    finally:
+        for future in opening:
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled() and future.exception() is None and future.result()[1] not in kept:
+                future.result()[1].close()
 
 
 class StreamPool:

@@ -12,6 +12,11 @@ decoding them are the receiver's next step, so a handler refuses a request on it
 paying for either, and a caller reads an answer's error before its tensors. Both steps raise
 `ProtocolError` on malformed input; a `ByteCounter` passed to them counts the tensors as they pass.
 
+A chained call may cross on several streams at once (`ChainRequest.pieces`): `request_pieces` and
+`response_pieces` cut its messages into that many groups of about equal bytes, one per stream, and
+`read_response_pieces` reads the groups that came back as one answer (the receiver's side:
+peers/serving/hop_pieces.py).
+
 Unary RPCs (commit, the state request) carry a header alone: `unary_request`, `unary_response`,
 `read_unary`. A stage's state streams as its header alone, then the checkpoint bytes in chunks:
 `write_state`, `read_state`. `request_messages`/`response_messages` frame a header and raw parts
@@ -20,9 +25,9 @@ Unary RPCs (commit, the state request) carry a header alone: `unary_request`, `u
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic
+from typing import Generic, TypeVar
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -32,6 +37,7 @@ from wire.compression import ByteCounter, EncodedTensor
 from wire.protocol import (
     MAX_STREAM_PARTS,
     STATE_CHUNK_BYTES,
+    ChainPiece,
     ChainRequest,
     CommitRequest,
     Header,
@@ -50,6 +56,7 @@ from wire.tensors import check_decoded_bytes, decode_tensors, group_parts
 
 _UIDS = {
     ChainRequest: "train_chain",
+    ChainPiece: "chain_piece",
     CommitRequest: "commit",
     StateRequest: "state",
     ProbeRequest: "probe",
@@ -102,6 +109,55 @@ def response_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) ->
     yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=parts[:1])
     for part in parts[1:]:
         yield runtime_pb2.ExpertResponse(tensors=[part])
+
+
+Part = TypeVar("Part")
+
+
+def split_parts(parts: Sequence[Part], count: int) -> list[list[Part]]:
+    """`parts` (each with a `buffer`) in `count` contiguous groups of about equal bytes, in order;
+    a group may be empty. Each part goes to the group its middle byte falls in."""
+    sizes = [len(part.buffer) for part in parts]
+    total = sum(sizes) or 1
+    groups: list[list[Part]] = [[] for _ in range(count)]
+    offset = 0
+    for part, size in zip(parts, sizes, strict=True):
+        groups[min(count - 1, (2 * offset + size) * count // (2 * total))].append(part)
+        offset += size
+    return groups
+
+
+def request_pieces(
+    header: ChainRequest,
+    tensors: Iterable[tuple[str, EncodedTensor]],
+    piece_header: Callable[[int], ChainPiece],
+) -> list[list[runtime_pb2.ExpertRequest]]:
+    """A chained call's messages on `header.pieces` streams: `header` (its `tensors` field filled
+    in) with the first group of parts, then piece `i`'s header (`piece_header(i)`) with group `i`."""
+    header, parts = _with_tensors(header, tensors)
+    groups = split_parts(parts, header.pieces)
+    return [list(request_messages(piece_header(i) if i else header, group)) for i, group in enumerate(groups)]
+
+
+def response_pieces(
+    header: BaseModel,
+    tensors: Iterable[tuple[str, EncodedTensor]],
+    count: int,
+    byte_counter: ByteCounter | None = None,
+) -> list[list[runtime_pb2.ExpertResponse]]:
+    """An answer's messages on `count` streams: `header` with the first group of parts on the
+    call's own stream, each other group as parts alone (one per message) on its piece's stream.
+    With `byte_counter`, each tensor is counted as sent."""
+    tensors = list(tensors)
+    header, parts = _with_tensors(header, tensors)
+    if byte_counter is not None:
+        for _, encoded in tensors:
+            byte_counter.record_sent(encoded)
+    first, *others = split_parts(parts, count)
+    return [
+        list(response_messages(header, first)),
+        *([runtime_pb2.ExpertResponse(tensors=[part]) for part in group] for group in others),
+    ]
 
 
 def _with_tensors(header: Header, tensors: Iterable[tuple[str, EncodedTensor]]) -> tuple[Header, list]:
@@ -195,6 +251,22 @@ async def read_response(
     """Read a whole streamed answer: its header (validated) and its parts; errors and
     `max_decoded_bytes` as `read_request`."""
     return await _read(messages, header_cls, max_parts, None, max_decoded_bytes)
+
+
+async def read_response_pieces(
+    answers: Sequence[Sequence[runtime_pb2.ExpertResponse]],
+    header_cls: type[Header],
+    *,
+    max_decoded_bytes: int | None = None,
+) -> Received[Header]:
+    """An answer that came back on several streams (`response_pieces`' groups, in order), read as
+    `read_response` reads one stream. A piece stream that answered a header was refused: ProtocolError."""
+    for index, messages in enumerate(answers[1:], 1):
+        if messages and messages[0].metadata:
+            refusal = decode_header(header_cls, messages[0].metadata)
+            raise ProtocolError(f"piece {index} of the call was refused: {getattr(refusal, 'error', None)}")
+    messages = _as_async(message for group in answers for message in group)
+    return await _read(messages, header_cls, MAX_STREAM_PARTS, None, max_decoded_bytes)
 
 
 async def _as_async(messages: Iterable):

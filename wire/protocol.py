@@ -13,6 +13,9 @@ The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.Expert
                                                  (direct routing; a peer calls the next stage's peer)
     RPC_HOP_RECORD             unary  -> stream  HopRecordRequest -> ResponseHeader + one tensor
                                                  (direct routing's spot checks: what crossed a hop)
+    RPC_CHAIN_PIECE            stream -> stream  ChainPiece + parts -> parts
+                                                 (a piece of a chained call's tensors, and of its answer,
+                                                 on a stream of its own: ChainRequest.pieces)
 
 A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
 `tensors` field of that message and the ones after it, in the order the header's `tensors` list
@@ -50,6 +53,7 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     ValidationError,
+    model_validator,
 )
 
 from wire.compression import TensorHeader, known_codecs
@@ -62,6 +66,7 @@ RPC_STATE = "swarm.state"  # a joining replica downloads this stage's parameters
 RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (peers/placement/link_probe.py)
 RPC_TRAIN_CHAIN = "swarm.train_chain"  # direct routing: forward on, backward back, stage to stage
 RPC_HOP_RECORD = "swarm.hop_record"  # direct routing's spot checks: what a peer received or sent in a chain
+RPC_CHAIN_PIECE = "swarm.chain_piece"  # direct routing: a piece of a chained call's tensors on a stream of its own
 
 MAX_HEADER_BYTES = 64 << 10  # one encoded header
 MAX_TENSORS = 4  # tensors in one request or response
@@ -78,6 +83,7 @@ MAX_CREDENTIAL_CHARS = 4096  # a run credential (dht/authority.py), carried as t
 MAX_CHAIN_STAGES = 256  # stages one chained call may still route through
 MAX_CHAIN_CANDIDATES = 8  # replicas named for one stage of a chained call's route (the first preferred)
 MAX_PEER_ID_CHARS = 128
+MAX_HOP_PIECES = 16  # streams one chained call's tensors may cross on (ChainRequest.pieces)
 
 
 class ProtocolError(ValueError):
@@ -238,6 +244,17 @@ class ChainRequest(BaseModel):
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
     # the trainer spot-checks some of its chains: keep what crosses each hop (peers/serving/hop_records.py)
     keep_records: bool = False
+    # the call's tensor parts cross on `pieces` streams: this one, then `pieces - 1` RPC_CHAIN_PIECE
+    # streams from the same caller that name `hop_id` (ChainPiece); the answer's parts come back the
+    # same way (peers/serving/hop_pieces.py)
+    pieces: int = Field(default=1, ge=1, le=MAX_HOP_PIECES)
+    hop_id: str | None = Field(default=None, min_length=8, max_length=64)
+
+    @model_validator(mode="after")
+    def _pieces_are_named(self) -> ChainRequest:
+        if self.pieces > 1 and self.hop_id is None:
+            raise ValueError("a call in pieces names its hop_id")
+        return self
 
 
 class HopFailover(BaseModel):
@@ -249,6 +266,20 @@ class HopFailover(BaseModel):
     peer: PeerIdText
     stage: int = Field(ge=0, lt=MAX_CHAIN_STAGES)
     kind: Annotated[Failure, BeforeValidator(_failure_kind)]
+
+
+class ChainPiece(BaseModel):
+    """The header of one of a chained call's other streams: piece `index` (1 to `pieces - 1`) of the
+    call `hop_id`'s tensor parts, which that call (RPC_TRAIN_CHAIN, from the same caller) takes in
+    order after its own. The stream is answered with the same piece of the answer's parts, without
+    a header (or a `ChainResponse` with `error` when the piece is refused). `timeout_s`: how long
+    the piece waits for its answer (the call's own timeout)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    hop_id: str = Field(min_length=8, max_length=64)
+    index: int = Field(ge=1, lt=MAX_HOP_PIECES)
+    timeout_s: float = Field(gt=0.0, le=3600.0)
 
 
 class ChainResponse(BaseModel):

@@ -60,12 +60,16 @@ def encode_tensor(
     *,
     feedback: compression.ErrorFeedback | None = None,
     feedback_key=None,
+    max_part_bytes: int | None = None,
 ) -> EncodedTensor:
-    """Encode one tensor (parts of at most 1 MiB). Integer tensors (token ids) always travel
-    losslessly. With `feedback`, what the codec drops is kept and added to the next tensor under
-    the same key (error feedback, for top-k gradients)."""
+    """Encode one tensor (parts of at most `max_part_bytes`, 1 MiB by default). Integer tensors
+    (token ids) always travel losslessly. With `feedback`, what the codec drops is kept and added to
+    the next tensor under the same key (error feedback, for top-k gradients)."""
+    params = dict(params or {})
+    if max_part_bytes is not None:
+        params["max_part_bytes"] = max_part_bytes
     try:
-        codec_impl = compression.get_codec(codec, **(params or {}))
+        codec_impl = compression.get_codec(codec, **params)
         if feedback is not None and tensor.is_floating_point():
             return feedback.compress(feedback_key, tensor.detach(), codec_impl)
         return codec_impl.encode(tensor.detach())

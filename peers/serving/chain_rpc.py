@@ -35,6 +35,13 @@ chain answer that succeeded (`served_by`), and the sync round caps each replica'
 attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
 chain answers.
 
+Hops in pieces: a hop's tensors, and the gradient answered, cross on several streams at once when
+they are larger than `piece_bytes` (`--hop-piece-kb`, 128 KiB by default): each piece under a fresh
+stream's window, so none waits for a window update that queues behind the gradients coming back on
+the same link (wire/bounded_streams.py, `call_on_streams`). The receiver takes the pieces in order
+before it computes (peers/serving/hop_pieces.py); a piece that does not come fails the call as its
+stream breaking would, and the failover and exactly-once rules above apply unchanged.
+
 Spot checks: in a chain whose trainer spot-checks (`keep_records`), a peer keeps what it received
 from the stage before and what it sent to the replica of the next stage that answered (`HopRecords`,
 peers/serving/hop_records.py, within `--hop-record-mb`), and `rpc_hop_record`
@@ -54,7 +61,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
+from contextlib import nullcontext
 
 import torch
 from hivemind.p2p import PeerID
@@ -66,16 +75,30 @@ from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime, WrongStageError
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
 from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
+from peers.serving.hop_pieces import HopPieces, MissingPiecesError
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, timed
-from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded
-from wire.compression import CodecChoice, EncodedTensor
+from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded
+from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
 from wire.failures import Failure, caller_failure
-from wire.messages import read_request, read_response, read_unary, write_request, write_response
+from wire.messages import (
+    Received,
+    read_request,
+    read_response,
+    read_response_pieces,
+    read_unary,
+    request_pieces,
+    response_pieces,
+    write_request,
+    write_response,
+)
 from wire.protocol import (
     MAX_CHAIN_STAGES,
+    MAX_HOP_PIECES,
+    RPC_CHAIN_PIECE,
     RPC_TRAIN_CHAIN,
+    ChainPiece,
     ChainRequest,
     ChainResponse,
     HopFailover,
@@ -83,7 +106,7 @@ from wire.protocol import (
     ProtocolError,
     ResponseHeader,
 )
-from wire.request_limits import InFlightBudgetError, RequestTooLargeError
+from wire.request_limits import InFlightBudgetError, RequestTooLargeError, check_request_bytes
 from wire.tensors import check_codec, decoded_nbytes, encode_tensor
 
 logger = logging.getLogger(__name__)
@@ -118,14 +141,25 @@ class ChainService:
     """Serves RPC_TRAIN_CHAIN for the stage a `StageRpcService` serves (the same runtime, compute
     thread, admission guard, budgets and counters)."""
 
-    def __init__(self, stages: StageRpcService, *, record_bytes: int, credential: str | None = None):
+    def __init__(
+        self,
+        stages: StageRpcService,
+        *,
+        record_bytes: int,
+        credential: str | None = None,
+        piece_bytes: int = 0,
+        claim_s: float = 120.0,
+    ):
         self.stages = stages
+        self.piece_bytes = piece_bytes  # a hop larger than this crosses in pieces of about this size; 0: never
+        self.claim_s = claim_s  # how long a piece waits for its call to take it (the request deadline)
         self.credential = credential  # this peer's own run credential, shown to the next stage's peer
         self.p2p = None  # set when the host registers its RPCs
         self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
         self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
         self.streams = StreamPool()  # streams to the next stage's replicas, kept open from call to call
         self.records = HopRecords(record_bytes)  # what crossed this peer's hops, for the trainer's spot checks
+        self.pieces = HopPieces()  # the pieces of the calls in pieces this peer receives
 
     async def rpc_train_chain(self, requests, context):
         stages, serving = self.stages, self.stages.serving
@@ -133,14 +167,20 @@ class ChainService:
         received = time.perf_counter()
         serving.in_flight += 1
         held = None
-        failed_as, samples, lost = None, 0, False
+        failed_as, samples, lost, pieces, hop_id = None, 0, False, 1, None
         try:
             request = await read_request(requests, ChainRequest, max_decoded_bytes=stages.max_decoded_bytes)
-            arrived = time.perf_counter()
             header = request.header
+            pieces, hop_id = header.pieces, header.hop_id
             self._authorize(caller, header)
             self._check_route(header)
             check_codec(header.response_codec, header.response_codec_params)
+            if pieces > 1:  # the other streams' parts, after this one's
+                wait_s = min(header.timeout_s, self.claim_s)
+                parts = (*request.parts, *await self.pieces.collect(caller, hop_id, pieces, wait_s))
+                check_request_bytes(sum(len(part.buffer) for part in parts), stages.guard.max_request_bytes)
+                request = Received(header, parts)
+            arrived = time.perf_counter()
             runtime = serving.runtime
             outputs_nbytes = header.batch_size * runtime.config.seq_len * boundary_width(runtime.config) * 4
             if stages.decoded_budget is not None:  # held until answered: inputs, and outputs while waiting
@@ -210,6 +250,11 @@ class ChainService:
             serving.requests_failed += 1
             failed_as = Failure.TOO_LARGE
             response, outputs = self._refusal(str(e), Failure.INTERNAL), []
+        except MissingPiecesError as e:  # the caller's other streams broke, most likely: no penalty
+            serving.requests_failed += 1
+            failed_as = Failure.TRANSPORT
+            logger.info(f"train_chain from {caller[-8:]}: {e}")
+            response, outputs = self._refusal(str(e), Failure.INTERNAL), []
         except (ProtocolError, BadRequestError, RequestTooLargeError) as e:
             serving.requests_failed += 1
             wrong_stage = isinstance(e, WrongStageError)
@@ -234,16 +279,58 @@ class ChainService:
                 samples=samples,
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
-        if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
-            raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
-        messages = write_response(response, outputs, stages.bytes)
-        if outputs:  # a gradient back to the caller: in turn with the others on that link
-            messages = self.turns.in_turn(caller, messages)
-            async for message in messages:
+        try:
+            if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
+                raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
+            first, *others = response_pieces(response, outputs, pieces, stages.bytes)
+            # a gradient goes back to the caller in turn with the others on that link, every piece of it
+            async with self.turns.turn(caller) if outputs else nullcontext():
+                if others:
+                    self.pieces.answer(caller, hop_id, others)
+                for message in first:
+                    yield message
+                if others:
+                    await self.pieces.all_sent(caller, hop_id, self.claim_s)
+        finally:
+            if pieces > 1:
+                self.pieces.close(caller, hop_id)
+
+    async def rpc_chain_piece(self, requests, context):
+        """One of a chained call's other streams (`ChainPiece`): its parts go to the call, and its
+        stream carries back the same piece of the call's answer (peers/serving/hop_pieces.py)."""
+        caller, index, hop_id, received, failed_as = caller_id(context), None, None, time.perf_counter(), None
+        try:
+            piece = await read_request(requests, ChainPiece)
+            hop_id, index = piece.header.hop_id, piece.header.index
+            claim_s = min(piece.header.timeout_s, self.claim_s)
+            answer = await self.pieces.deliver(
+                caller, hop_id, index, piece.parts, claim_s=claim_s, timeout_s=piece.header.timeout_s
+            )
+        except ProtocolError as e:
+            self.stages.guard.penalize(caller)
+            logger.warning(f"Refused a chain piece from {caller[-8:]}: {e}")
+            answer, index, failed_as = (
+                write_response(self._refusal(str(e), Failure.BAD_REQUEST)),
+                None,
+                Failure.BAD_REQUEST,
+            )
+        try:
+            for message in answer:
                 yield message
-        else:
-            for message in messages:
-                yield message
+        finally:
+            if index is not None:
+                self.pieces.sent(caller, hop_id, index)
+            self.stages.metrics.observe_request(
+                stage=self.stages.serving.runtime.stage,
+                rpc="chain_piece",
+                duration_s=time.perf_counter() - received,
+                failure_kind=getattr(failed_as, "value", None),
+            )
+
+    def refused_piece(self, error, waited_s: float):
+        """What a piece the admission guard refused is answered (its call fails with it)."""
+        kind = Failure.INTERNAL if isinstance(error, InFlightBudgetError) else Failure.BAD_REQUEST
+        return write_response(self._refusal(str(error), kind))
 
     async def rpc_hop_record(self, request: runtime_pb2.ExpertRequest, context):
         """What crossed one of this peer's hops for a microbatch (peers/serving/hop_records.py): only
@@ -340,7 +427,28 @@ class ChainService:
             header.response_codec_params,
             feedback=self.stages.serving.feedback if topk else None,
             feedback_key=gradient_feedback_key(caller),
+            max_part_bytes=self._part_bytes if header.pieces > 1 else None,
         )
+
+    @property
+    def _part_bytes(self) -> int | None:
+        """The parts a tensor of a hop in pieces is cut into: the piece size, or the codecs' own."""
+        return max(self.piece_bytes, MIN_PART_BYTES) if self.piece_bytes else None
+
+    def _piece_count(self, sent: list[tuple[str, EncodedTensor]], numel: int, response_codec: CodecChoice) -> int:
+        """The streams a hop crosses on: pieces of about `piece_bytes` each way (the answer's
+        gradient of `numel` values, estimated for its codec), within MAX_HOP_PIECES. Rounded to the
+        nearest, so a piece may be up to half as large again: the targets that ride along do not
+        cost a stream of their own."""
+        if not self.piece_bytes:
+            return 1
+        try:
+            fraction = float(response_codec.params.get("fraction", 1.0))
+            back = estimated_nbytes(response_codec.codec, numel, 4, fraction)
+        except (ValueError, TypeError):
+            back = 4 * numel
+        out = sum(item.nbytes for _, item in sent)
+        return max(1, min(MAX_HOP_PIECES, (2 * max(out, back) + self.piece_bytes) // (2 * self.piece_bytes)))
 
     async def _next_hop(
         self,
@@ -377,6 +485,7 @@ class ChainService:
             if peer_id not in tried:
                 tried.append(peer_id)
             sent, response_codec = self._hop_tensors(header, peer_id, outputs, carried, encodings)
+            pieces = self._piece_count(sent, outputs.numel(), response_codec)
             request = ChainRequest(
                 model=header.model,
                 stage=next_stage,
@@ -394,6 +503,8 @@ class ChainService:
                 response_codec=response_codec.codec,
                 response_codec_params=response_codec.params,
                 keep_records=header.keep_records,
+                pieces=pieces,
+                hop_id=secrets.token_hex(8) if pieces > 1 else None,  # new on every attempt
             )
             for _, item in sent:
                 self.stages.bytes.record_sent(item)
@@ -482,11 +593,27 @@ class ChainService:
         choice = choose(False)
         key = (choice.codec, tuple(sorted(choice.params.items())))
         if key not in encodings:
-            encodings[key] = encode_tensor(outputs, choice.codec, choice.params)
+            encodings[key] = encode_tensor(outputs, choice.codec, choice.params, max_part_bytes=self._part_bytes)
         return [("inputs", encodings[key]), *carried], choose(True)
 
     async def _call(self, peer_id: str, request: ChainRequest, tensors: list[tuple[str, EncodedTensor]]):
         limits = StreamLimits(read_timeout_s=request.timeout_s + 5.0)
+        if request.pieces > 1:  # each piece on a stream of its own, all written in one turn on the link
+
+            def piece_header(index: int) -> ChainPiece:
+                return ChainPiece(hop_id=request.hop_id, index=index, timeout_s=request.timeout_s)
+
+            groups = request_pieces(request, tensors, piece_header)
+            answers = await call_on_streams(
+                self.p2p,
+                PeerID.from_base58(peer_id),
+                [(RPC_CHAIN_PIECE if index else RPC_TRAIN_CHAIN, group) for index, group in enumerate(groups)],
+                runtime_pb2.ExpertResponse,
+                limits,
+                pool=self.streams,
+                turn=self.turns.turn(peer_id),
+            )
+            return await read_response_pieces(answers, ChainResponse, max_decoded_bytes=self.stages.max_decoded_bytes)
         stream = await iterate_bounded(
             self.p2p,
             PeerID.from_base58(peer_id),

@@ -62,6 +62,7 @@ from wire import compression
 from wire.bounded_streams import StreamLimits
 from wire.protocol import (
     RPC_BACKWARD,
+    RPC_CHAIN_PIECE,
     RPC_COMMIT,
     RPC_FORWARD,
     RPC_HOP_RECORD,
@@ -135,7 +136,11 @@ class PeerHost:
             ),
         )
         self.chains = ChainService(  # direct routing: stage to stage
-            self.stage_rpc, credential=credential, record_bytes=int(limits.hop_record_mb * (1 << 20))
+            self.stage_rpc,
+            credential=credential,
+            record_bytes=int(limits.hop_record_mb * (1 << 20)),
+            piece_bytes=limits.hop_piece_kb << 10,
+            claim_s=limits.request_deadline_s,
         )
         # a run with an authority: the replicas this one averages with are those holding a peer credential
         self.members = (
@@ -248,6 +253,13 @@ class PeerHost:
                 stream_input=True,
                 stream_output=True,
                 carries_credential=True,
+            ),
+            Rpc(  # the other streams of a chained call in pieces (only the caller's own call takes them)
+                RPC_CHAIN_PIECE,
+                self.chains.rpc_chain_piece,
+                self.chains.refused_piece,
+                stream_input=True,
+                stream_output=True,
             ),
             Rpc(
                 RPC_HOP_RECORD,

@@ -10,7 +10,7 @@ pipeline (measured on the emulated world-wide network: benchmarks/RESULTS.md, "D
 world4").
 
 A turn is the writing of one stream's messages (what the transport accepts before it pushes back):
-`in_turn` wraps a stream's messages. A turn is never waited for longer than `max_wait_s` (then the
+`in_turn` wraps a stream's messages; `turn` is held while a call in pieces writes all its streams. A turn is never waited for longer than `max_wait_s` (then the
 stream goes without one), so a stream that stalls holding its turn delays the others by that much
 at most, never forever.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 
 DEFAULT_MAX_WAIT_S = 10.0
 
@@ -31,6 +32,18 @@ class LinkTurns:
     async def in_turn(self, peer_id: str, messages: AsyncIterator | Iterable) -> AsyncIterator:
         """`messages`, yielded once this stream's turn on the link to `peer_id` came (or
         `max_wait_s` passed); the turn ends after the last one, or when the stream is closed."""
+        async with self.turn(peer_id):
+            if hasattr(messages, "__aiter__"):
+                async for message in messages:
+                    yield message
+            else:
+                for message in messages:
+                    yield message
+
+    @asynccontextmanager
+    async def turn(self, peer_id: str) -> AsyncIterator[None]:
+        """Held while it is this sender's turn on the link to `peer_id` (entered once the turn came,
+        or `max_wait_s` passed)."""
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         try:
             async with asyncio.timeout(self.max_wait_s):  # queued at once, in this task: no race to the lock
@@ -38,12 +51,7 @@ class LinkTurns:
         except TimeoutError:
             held = False
         try:
-            if hasattr(messages, "__aiter__"):
-                async for message in messages:
-                    yield message
-            else:
-                for message in messages:
-                    yield message
+            yield
         finally:
             if held:
                 lock.release()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2, *, while_running=()):
@@ -34,3 +37,16 @@ def trainer_step(trainer) -> int:
     """The last step a `swarm train` process printed (0 before its first)."""
     steps = re.findall(r"step\s+(\d+)/", trainer.log())
     return int(steps[-1]) if steps else 0
+
+
+def scrape(process) -> dict[tuple[str, tuple], float]:
+    """A process's /metrics (the address its log names) as {(name, sorted label pairs): value}."""
+    match = re.search(r"metrics on (http://\S+/metrics)", process.log())
+    assert match, process.log()[-2000:]
+    with urllib.request.urlopen(match.group(1), timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -13,6 +13,7 @@ from models.stages import build_full_model, equal_boundaries, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
 from swarm.trainer.data import MicrobatchSampler, open_data
+from tests.integration.polling import scrape
 from tests.integration.processes import stop_together
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,9 @@ def reference_grad_norm(config, boundaries=None) -> float:
 # A subspace model (models/subspace.py): K coefficients per token cross between stages, and the
 # later stages get the token ids beside them (with the inputs resent on a cache miss, and carried
 # hop to hop by direct routing).
+# With `pieces`, every hop of direct routing crosses on several streams at once (--hop-piece-kb 8:
+# one microbatch of 8 samples, whose 32 KiB of activations and gradient cross in 4 pieces each,
+# peers/serving/hop_pieces.py).
 @pytest.mark.parametrize(
     ("num_stages", "cache_size", "routing", "subspace"),
     [
@@ -64,7 +68,7 @@ def reference_grad_norm(config, boundaries=None) -> float:
         (3, 64, "hub", None),
         (3, 0, "hub", None),
         (2, 64, "direct", None),
-        (3, 64, "direct", None),
+        (3, 64, "direct pieces", None),
         (3, 0, "hub", "fixed:8"),
         (3, 64, "direct", "fixed:8"),
         (3, 64, "hub", "learned:8"),
@@ -73,6 +77,9 @@ def reference_grad_norm(config, boundaries=None) -> float:
 def test_one_step_through_the_swarm_matches_one_process(
     make_swarm, tmp_path, num_stages, cache_size, routing, subspace
 ):
+    routing, _, pieces = routing.partition(" ")
+    piece_args = ["--hop-piece-kb", "8"] if pieces else []
+    microbatch = BATCH if pieces else MICROBATCH
     config = get_model_config("tiny")
     subspace_args = []
     if subspace is not None:
@@ -96,6 +103,7 @@ def test_one_step_through_the_swarm_matches_one_process(
             ckpt,
             "--activation-cache-size",
             str(cache_size),
+            *piece_args,
         ],
     )
     swarm.start_bootstrap()
@@ -108,7 +116,7 @@ def test_one_step_through_the_swarm_matches_one_process(
         "--batch-size",
         str(BATCH),
         "--microbatch-size",
-        str(MICROBATCH),
+        str(microbatch),
         "--num-stages",
         str(num_stages),
         "--report",
@@ -118,6 +126,12 @@ def test_one_step_through_the_swarm_matches_one_process(
         *subspace_args,
     )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
+    if pieces:  # every later stage took the hop's 3 other pieces (more if a call was made again)
+        for stage in range(1, num_stages):
+            served = scrape(peers[stage]).get(
+                ("swarm_peer_requests_total", (("rpc", "chain_piece"), ("stage", str(stage)))), 0
+            )
+            assert served >= 3, (stage, served)
     stop_together(peers)  # a clean exit writes each stage's checkpoint
     with open(report_path) as f:
         report = json.load(f)

@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import re
 import signal
-import urllib.request
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from models.config import get_model_config
 from models.stages import build_full_model, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
 from swarm.trainer.data import MicrobatchSampler, open_data
-from tests.integration.polling import wait_for
+from tests.integration.polling import scrape, wait_for
 from tests.integration.processes import stop_together
 from tests.integration.test_correctness import BATCH, MICROBATCH, reference_grad_norm, reference_update
 
@@ -49,19 +47,6 @@ def run_trainer(swarm, tmp_path, *args, timeout=300):
     trainer = swarm.start_trainer("--num-stages", "2", "--report", str(report_path), *args)
     assert trainer.popen.wait(timeout=timeout) == 0, trainer.log()[-3000:]
     return json.loads(report_path.read_text())
-
-
-def scrape(peer) -> dict[tuple[str, tuple], float]:
-    """A peer's /metrics as {(name, sorted label pairs): value}."""
-    match = re.search(r"metrics on (http://\S+/metrics)", peer.log())
-    assert match, peer.log()[-2000:]
-    with urllib.request.urlopen(match.group(1), timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def averaging_sample(metrics: dict, name: str, **labels) -> float | None:

@@ -23,6 +23,7 @@ from wire.failures import Failure
 from wire.messages import read_response, unary_request
 from wire.protocol import (
     RPC_BACKWARD,
+    RPC_CHAIN_PIECE,
     RPC_COMMIT,
     RPC_FORWARD,
     RPC_HOP_RECORD,
@@ -41,6 +42,7 @@ EVERY_RPC = {
     RPC_FORWARD,
     RPC_BACKWARD,
     RPC_TRAIN_CHAIN,
+    RPC_CHAIN_PIECE,
     RPC_HOP_RECORD,
     RPC_COMMIT,
     RPC_STATE,

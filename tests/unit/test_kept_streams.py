@@ -14,7 +14,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded, serve_bounded
+from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded, serve_bounded
 
 PEER = SimpleNamespace(to_base58=lambda: "other")
 LIMITS = StreamLimits(read_timeout_s=5.0, idle_timeout_s=5.0)
@@ -64,6 +64,13 @@ async def call(p2p, pool, *uids: str) -> str:
 
     stream = await iterate_bounded(p2p, PEER, "rpc", requests(), runtime_pb2.ExpertResponse, LIMITS, pool=pool)
     return ",".join([answer.metadata.decode() async for answer in stream])
+
+
+async def call_split(p2p, pool, *groups: tuple[str, ...], turn=None) -> list[str]:
+    """One call on a stream per group of uids; each stream's answer."""
+    calls = [("rpc", [runtime_pb2.ExpertRequest(uid=uid) for uid in group]) for group in groups]
+    answers = await call_on_streams(p2p, PEER, calls, runtime_pb2.ExpertResponse, LIMITS, pool=pool, turn=turn)
+    return [",".join(answer.metadata.decode() for answer in messages) for messages in answers]
 
 
 def run(tmp_path, scenario, limits: StreamLimits = LIMITS):
@@ -190,5 +197,38 @@ def test_an_error_from_the_caller_between_calls_ends_the_stream_without_an_excep
         writer.write(P2P.ERROR_MARKER + len(error).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + error)
         await asyncio.wait_for(p2p.served[0], timeout=5.0)
         assert p2p.served[0].exception() is None
+
+    run(tmp_path, scenario)
+
+
+def test_a_call_on_several_streams_gets_each_streams_answer_in_order_and_keeps_the_streams(tmp_path):
+    async def scenario(p2p, pool):
+        written = []
+
+        class Turn:  # the link's turn: held while every stream is written
+            async def __aenter__(self):
+                written.append("taken")
+
+            async def __aexit__(self, *exc):
+                written.append("released")
+
+        assert await call_split(p2p, pool, ("a", "b"), ("c",), ("d", "e"), turn=Turn()) == ["a,b", "c", "d,e"]
+        assert written == ["taken", "released"] and p2p.opened == 3 and pool.idle() == 3
+        assert await call_split(p2p, pool, ("f",), ("g",)) == ["f", "g"]
+        assert p2p.opened == 3  # taken from the pool
+        assert await call(p2p, pool, "h") == "h" and p2p.opened == 3
+
+    run(tmp_path, scenario)
+
+
+def test_a_call_on_several_streams_fails_when_one_stream_fails_and_keeps_none_of_them(tmp_path):
+    async def scenario(p2p, pool):
+        with pytest.raises(P2PHandlerError, match="asked to fail"):
+            await call_split(p2p, pool, ("a",), ("fail",), ("b",))
+        assert pool.idle() == 0
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(call_split(p2p, pool, ("a",), ("slow",)), timeout=0.5)
+        assert pool.idle() == 0
+        assert await call_split(p2p, pool, ("c",), ("d",)) == ["c", "d"] and pool.idle() == 2
 
     run(tmp_path, scenario)

@@ -69,6 +69,7 @@ PEER_FLAGS = {
     "--max-decoded-mb",  # issue #30
     "--max-in-flight-mb",  # issue #30
     "--hop-record-mb",  # issue #23: hop records for direct routing's spot checks
+    "--hop-piece-kb",  # issue #23: a hop in pieces, each under a new stream's window
     "--request-deadline-s",  # issue #30
     "--plan-signers",  # issue #30
     "--memory-limit-gb",
@@ -161,6 +162,7 @@ PEER_VARIABLES = {
     "SWARM_MAX_DECODED_MB",  # issue #30
     "SWARM_MAX_IN_FLIGHT_MB",  # issue #30
     "SWARM_HOP_RECORD_MB",  # issue #23
+    "SWARM_HOP_PIECE_KB",
     "SWARM_REQUEST_DEADLINE_S",  # issue #30
     "SWARM_PLAN_SIGNERS",  # issue #30
     "SWARM_MEMORY_LIMIT_GB",

@@ -11,8 +11,8 @@ Typical use::
 """
 
 from wire.compression.accounting import ByteCounter
-from wire.compression.adaptive import CodecChoice, LinkBandwidthMeter, LinkEstimate, choose_codec
-from wire.compression.base import Codec, CodecError, EncodedTensor, TensorHeader, UnknownCodecError
+from wire.compression.adaptive import CodecChoice, LinkBandwidthMeter, LinkEstimate, choose_codec, estimated_nbytes
+from wire.compression.base import MIN_PART_BYTES, Codec, CodecError, EncodedTensor, TensorHeader, UnknownCodecError
 from wire.compression.codecs import (
     RELATIVE_ERROR_BOUNDS,
     BlockwiseInt8Codec,
@@ -26,6 +26,7 @@ from wire.compression.int4 import BlockwiseInt4Codec
 from wire.compression.registry import decode, encode, get_codec, known_codecs
 
 __all__ = [
+    "MIN_PART_BYTES",
     "RELATIVE_ERROR_BOUNDS",
     "BlockwiseInt4Codec",
     "BlockwiseInt8Codec",
@@ -45,6 +46,7 @@ __all__ = [
     "choose_codec",
     "decode",
     "encode",
+    "estimated_nbytes",
     "get_codec",
     "known_codecs",
     "relative_error_bound",
