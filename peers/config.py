@@ -132,7 +132,7 @@ class ServingLimits:
         128,
         help="direct routing: a hop's activations (and the gradient answered) larger than this many KiB cross "
         "on several streams at once, in pieces of about this size, each under a new stream's 256 KiB window "
-        "(peers/serving/hop_pieces.py); 0 = one stream per hop",
+        "(peers/serving/hop_pieces.py; a tensor's parts are at least 8 KiB); 0 = one stream per hop",
     )
     bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
     bad_request_refill_per_s: float = option(
@@ -144,8 +144,8 @@ class ServingLimits:
     def __post_init__(self) -> None:
         _positive(self, "max_request_mb", "max_decoded_mb", "max_in_flight_mb", "request_deadline_s")
         _positive(self, "bad_request_refill_per_s")
-        if self.hop_piece_kb != 0 and not 8 <= self.hop_piece_kb <= 4096:
-            raise ConfigError(f"--hop-piece-kb must be 0 (off) or from 8 to 4096, got {self.hop_piece_kb}")
+        if not 0 <= self.hop_piece_kb <= 4096:
+            raise ConfigError(f"--hop-piece-kb must be 0 (off) or from 1 to 4096, got {self.hop_piece_kb}")
         if not self.hop_record_mb >= 0:
             raise ConfigError(f"--hop-record-mb must be >= 0, got {self.hop_record_mb:g}")
         if self.max_in_flight_mb < self.max_request_mb + 1:

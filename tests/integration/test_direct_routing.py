@@ -106,11 +106,16 @@ def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swa
 # fails over to the other stage-1 replica, which sends the microbatch to stage 2 again: stage 2
 # answers it and, in the backward case, must not add it twice. "hang": the replica holds a forward
 # and is never killed; the stage-0 peer's hop times out within the chain's adaptive budget instead.
+# Every hop crosses in pieces (--hop-piece-kb 4: the activations on the call's stream, the targets on
+# a piece stream of their own), so a kill also breaks a call's other streams.
 @pytest.mark.parametrize("hold", ["forward", "backward", "hang"])
 def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and_adds_nothing_twice(
     make_swarm, tmp_path, hold
 ):
-    swarm = make_swarm(num_stages=3, peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none"])
+    swarm = make_swarm(
+        num_stages=3,
+        peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none", "--hop-piece-kb", "4"],
+    )
     swarm.start_bootstrap()
     # hang: held after 6 forwards, when the trainer's chain timeout is learned from 5 answered chains
     # (not its 60 s initial value, which the run would otherwise wait out)
@@ -152,6 +157,7 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
         assert averaging_sample(metrics, "swarm_peer_samples_accumulated_total") == steps * 8, peer.name
     if hold == "backward":  # stage 2 saw the held microbatch again, and answered without adding it
         assert averaging_sample(scrape(last), "swarm_peer_backward_repeats_total") >= 1
+    assert averaging_sample(scrape(last), "swarm_peer_requests_total", rpc="chain_piece", stage="2") >= steps * 4
     victim.signal(signal.SIGKILL)  # a hung one would wait out the polite stop
     stop_together([first, other, last])
 
