@@ -319,8 +319,9 @@ async def call_on_streams(
     messages), and the answer messages each stream brought back, in the same order. The streams
     are opened (or taken from `pool`) together, then written one after the other within `turn`
     (the link's turn: held while the request is written, not while the answers come); each answer
-    is read within `limits` up to its end marker. Any stream failing fails the call, and every
-    stream of it is closed; with `pool`, the streams of a call that ended cleanly are kept."""
+    is read within `limits` up to its end marker. Any stream failing fails the call (one that
+    closed before its end marker: ConnectionResetError), and every stream of it is closed; with
+    `pool`, the streams of a call that ended cleanly are kept."""
     name = peer_id.to_base58()
 
     async def open_stream(rpc: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -343,9 +344,12 @@ async def call_on_streams(
             return messages, ends == [True]
 
         answers = await asyncio.gather(*(answer(reader) for reader, _ in streams))
+        broken = [index for index, (_, clean) in enumerate(answers) if not clean]
+        if broken:  # part of the answer may be missing: the call failed in transit
+            raise ConnectionResetError(f"streams {broken} of the call closed before their answers ended")
         if pool is not None:
-            for (rpc, _), (reader, writer), (_, clean) in zip(calls, streams, answers, strict=True):
-                if clean and pool.keep((name, rpc), reader, writer):
+            for (rpc, _), (reader, writer) in zip(calls, streams, strict=True):
+                if pool.keep((name, rpc), reader, writer):
                     kept.append(writer)
         return [messages for messages, _ in answers]
     finally:
