@@ -260,11 +260,11 @@ async def read_response_pieces(
     max_decoded_bytes: int | None = None,
 ) -> Received[Header]:
     """An answer that came back on several streams (`response_pieces`' groups, in order), read as
-    `read_response` reads one stream. A piece stream that answered a header was refused: ProtocolError."""
+    `read_response` reads one stream. A piece stream answers parts alone: one that answered a
+    header is a ProtocolError."""
     for index, messages in enumerate(answers[1:], 1):
-        if messages and messages[0].metadata:
-            refusal = decode_header(header_cls, messages[0].metadata)
-            raise ProtocolError(f"piece {index} of the call was refused: {getattr(refusal, 'error', None)}")
+        if any(message.metadata for message in messages):
+            raise ProtocolError(f"piece {index} of the call answered a header, not parts alone")
     messages = _as_async(message for group in answers for message in group)
     return await _read(messages, header_cls, MAX_STREAM_PARTS, None, max_decoded_bytes)
 

@@ -272,8 +272,8 @@ class ChainPiece(BaseModel):
     """The header of one of a chained call's other streams: piece `index` (1 to `pieces - 1`) of the
     call `hop_id`'s tensor parts, which that call (RPC_TRAIN_CHAIN, from the same caller) takes in
     order after its own. The stream is answered with the same piece of the answer's parts, without
-    a header (or a `ChainResponse` with `error` when the piece is refused). `timeout_s`: how long
-    the piece waits for its answer (the call's own timeout)."""
+    a header; a refused piece's stream ends with an error instead. `timeout_s`: how long the piece
+    waits for its answer (the call's own timeout)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 

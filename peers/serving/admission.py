@@ -98,8 +98,9 @@ class Rpc:
     refuse: `(error, seconds spent on the request)` -> what the RPC answers a refused caller: a
         message, or an iterable of messages when `stream_output`.
     max_request_bytes: this RPC's size limit; None: the guard's (`--max-request-mb`).
-    carries_credential: its request header has a `credential` the handler passes to `authorize`;
-        an RPC without one is served, in a private run, only to callers known to hold one.
+    carries_credential: its request header has a `credential` the handler passes to `authorize`
+        (or, as a chained call's piece, the call that takes it is authorized so); an RPC without
+        one is served, in a private run, only to callers known to hold one.
     """
 
     name: str

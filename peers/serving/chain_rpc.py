@@ -114,6 +114,10 @@ logger = logging.getLogger(__name__)
 OWN_SHARE_MIN = 0.1  # of a chained call's time, what a peer keeps for its own compute at least
 
 
+class PieceRefusedError(Exception):
+    """A piece of a chained call this peer refused: its stream ends with this error."""
+
+
 class ChainHopError(Exception):
     """The call to the next stage failed on every candidate the route names (or deeper down);
     `failovers`: each candidate tried on the way, and how it failed."""
@@ -297,8 +301,10 @@ class ChainService:
 
     async def rpc_chain_piece(self, requests, context):
         """One of a chained call's other streams (`ChainPiece`): its parts go to the call, and its
-        stream carries back the same piece of the call's answer (peers/serving/hop_pieces.py)."""
-        caller, index, hop_id, received, failed_as = caller_id(context), None, None, time.perf_counter(), None
+        stream carries back the same piece of the call's answer (peers/serving/hop_pieces.py). A
+        piece is refused by ending its stream with an error (PieceRefusedError), which fails its
+        call on the caller's side at once, without waiting for the call's own answer."""
+        caller, received = caller_id(context), time.perf_counter()
         try:
             piece = await read_request(requests, ChainPiece)
             hop_id, index = piece.header.hop_id, piece.header.index
@@ -309,28 +315,27 @@ class ChainService:
         except ProtocolError as e:
             self.stages.guard.penalize(caller)
             logger.warning(f"Refused a chain piece from {caller[-8:]}: {e}")
-            answer, index, failed_as = (
-                write_response(self._refusal(str(e), Failure.BAD_REQUEST)),
-                None,
-                Failure.BAD_REQUEST,
-            )
+            self._observe_piece(received, Failure.BAD_REQUEST)
+            raise PieceRefusedError(str(e)) from None
         try:
             for message in answer:
                 yield message
         finally:
-            if index is not None:
-                self.pieces.sent(caller, hop_id, index)
-            self.stages.metrics.observe_request(
-                stage=self.stages.serving.runtime.stage,
-                rpc="chain_piece",
-                duration_s=time.perf_counter() - received,
-                failure_kind=getattr(failed_as, "value", None),
-            )
+            self.pieces.sent(caller, hop_id, index)
+            self._observe_piece(received)
 
     def refused_piece(self, error, waited_s: float):
-        """What a piece the admission guard refused is answered (its call fails with it)."""
-        kind = Failure.INTERNAL if isinstance(error, InFlightBudgetError) else Failure.BAD_REQUEST
-        return write_response(self._refusal(str(error), kind))
+        """A piece the admission guard refused: its stream ends with the error (see rpc_chain_piece)."""
+        self._observe_piece(time.perf_counter() - waited_s, failure_kind(error))
+        raise PieceRefusedError(str(error))
+
+    def _observe_piece(self, received: float, failed_as: Failure | str | None = None) -> None:
+        self.stages.metrics.observe_request(
+            stage=self.stages.serving.runtime.stage,
+            rpc="chain_piece",
+            duration_s=time.perf_counter() - received,
+            failure_kind=getattr(failed_as, "value", failed_as),
+        )
 
     async def rpc_hop_record(self, request: runtime_pb2.ExpertRequest, context):
         """What crossed one of this peer's hops for a microbatch (peers/serving/hop_records.py): only

@@ -4,7 +4,8 @@
 and the lifecycle (start, serve, stop, in that order). Each service receives what it needs and no more:
 
     StageRpcService     forward/backward (peers/serving/stage_rpc.py)
-    ChainService        direct routing's chained training pass, stage to stage (peers/serving/chain_rpc.py)
+    ChainService        direct routing's chained training pass, stage to stage (peers/serving/chain_rpc.py),
+                        its hops in pieces on several streams (peers/serving/hop_pieces.py)
     ReplicaSyncService  commit, state, loading a replica's state, periodic averaging (peers/replicas/)
     StageMoves          rebalancing moves and the standby pool (peers/placement/stage_moves.py)
     Announcer           the DHT record, its renewal, the status file (peers/serving/announcer.py)
@@ -254,12 +255,16 @@ class PeerHost:
                 stream_output=True,
                 carries_credential=True,
             ),
-            Rpc(  # the other streams of a chained call in pieces (only the caller's own call takes them)
+            # The other streams of a chained call in pieces. A piece is authorized by the call that
+            # takes it (only the same caller's call does, and only after its own credential passed),
+            # so a private run does not refuse it for arriving before the caller was known.
+            Rpc(
                 RPC_CHAIN_PIECE,
                 self.chains.rpc_chain_piece,
                 self.chains.refused_piece,
                 stream_input=True,
                 stream_output=True,
+                carries_credential=True,
             ),
             Rpc(
                 RPC_HOP_RECORD,

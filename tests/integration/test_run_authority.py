@@ -139,7 +139,9 @@ async def _join_averaging(p2p, peer_id: str):
 
 def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(make_swarm, tmp_path, swarm_cli):
     run = Run(tmp_path, private=True)
-    swarm = make_swarm(num_stages=2)
+    # direct routing's hops in pieces (--hop-piece-kb 4: the targets on a stream of their own); a
+    # piece's stream carries no credential, and the call that takes it is authorized
+    swarm = make_swarm(num_stages=2, peer_args=["--hop-piece-kb", "4"])
     swarm.start_bootstrap()
     first = swarm.start_peer(0, *run.args("first", "peer", stage=0))
     last = swarm.start_peer(1, *run.args("last", "peer", stage=1))
@@ -147,6 +149,8 @@ def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(m
     trainer_args = run.args("trainer", "trainer")
     report = run_trainer(swarm, tmp_path, "--steps", "1", "--batch-size", "4", "--microbatch-size", "2", *trainer_args)
     assert report["losses"][0] > 0  # the run's own trainer trains
+    assert report["microbatches_retried"] == 0, report  # no piece was refused
+    assert averaging_sample(scrape(last), "swarm_peer_requests_total", rpc="chain_piece", stage="1") >= 2
 
     outsider = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
     stolen = (tmp_path / "trainer.cred").read_text().strip()

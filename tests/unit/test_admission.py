@@ -18,6 +18,7 @@ from dht.reachability import DIAL_BACK_FAILED, RPC_REACHABILITY
 from peers.config import PeerConfig, ServingLimits
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionGuard, Rpc
+from peers.serving.chain_rpc import PieceRefusedError
 from peers.serving.host import PeerHost
 from wire.failures import Failure
 from wire.messages import read_response, unary_request
@@ -108,7 +109,10 @@ def call(p2p: FakeP2P, rpc: str, caller: str, request: runtime_pb2.ExpertRequest
     async def run():
         requests = Stream([request, *more]) if stream_input else request
         if stream_output:
-            answers = [message async for message in handler(requests, context(caller))]
+            try:
+                answers = [message async for message in handler(requests, context(caller))]
+            except PieceRefusedError as e:  # a piece's stream ends with the error: the caller reads its text
+                answers = [runtime_pb2.ExpertResponse(metadata=msgpack.packb({"error": str(e)}))]
         else:
             answers = [await handler(requests, context(caller))]
         return answers[0], requests if stream_input else None

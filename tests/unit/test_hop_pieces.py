@@ -95,10 +95,10 @@ def test_a_request_and_an_answer_in_pieces_read_back_as_the_tensors_sent():
     assert read.header.loss == 1.5 and torch.equal(read.decoded()["grad_inputs"], grad)
 
 
-def test_an_answer_whose_piece_was_refused_is_an_error():
-    refused = response_pieces(ChainResponse(error="too many calls", error_kind="bad_request"), [], 1)[0]
-    answer = [*response_pieces(ChainResponse(loss=1.0), [], 2)[:1], refused]
-    with pytest.raises(ProtocolError, match="piece 1 of the call was refused: too many calls"):
+def test_a_piece_that_answers_a_header_is_a_malformed_answer():
+    header = response_pieces(ChainResponse(error="not parts", error_kind="bad_request"), [], 1)[0]
+    answer = [*response_pieces(ChainResponse(loss=1.0), [], 2)[:1], header]
+    with pytest.raises(ProtocolError, match="piece 1 of the call answered a header"):
         asyncio.run(read_response_pieces(answer, ChainResponse))
 
 
