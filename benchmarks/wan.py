@@ -24,7 +24,7 @@ replicas (hosts standby<i>) and the peer of `--kill-stage` SIGKILLed once `--kil
 are done, nobody slowed. Link bytes are every host pair's counter, peer-to-peer links included,
 as for GPipe; the trainer's share of them is reported apart (`trainer link B/tok`).
 
-A direct run's peers send each hop in pieces of at most 128 KiB, each on a stream of its own
+A direct run's peers send each hop in pieces of about 128 KiB, each on a stream of its own
 (`--hop-piece-kb`, peers/serving/hop_pieces.py); `direct-none/one-stream` is the same run with one
 stream per hop (`--hop-piece-kb 0`), to compare the two in one invocation.
 

@@ -43,8 +43,8 @@ One call may also cross on several streams at once (`call_on_streams`: direct ro
 pieces, ChainRequest.pieces). A stream may have only its window of bytes in flight before the
 receiver's window update comes back, and that update queues behind whatever the other direction
 carries: a hop's 512 KiB sent while gradients flow back waited for it (benchmarks/RESULTS.md, "Both
-directions of one link at once"). Pieces of at most 128 KiB, each on a stream of its own, never
-wait for one.
+directions of one link at once"). Pieces of about 128 KiB, each on a stream of its own, fit the
+window and never wait for one.
 """
 
 from __future__ import annotations
