@@ -257,6 +257,14 @@ async def _single(answer: Awaitable) -> AsyncIterator:
     yield await answer
 
 
+async def _open_stream(
+    p2p: P2P, peer_id: PeerID, name: str, pool: StreamPool | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream to `peer_id`'s RPC `name`: one `pool` kept, or a new one."""
+    kept = pool.take((peer_id.to_base58(), name)) if pool is not None else None
+    return kept if kept is not None else (await p2p.call_binary_stream_handler(peer_id, name))[1:]
+
+
 async def iterate_bounded(
     p2p: P2P,
     peer_id: PeerID,
@@ -273,8 +281,7 @@ async def iterate_bounded(
     the call goes on a stream the pool kept from an earlier call to the same peer and RPC, if it has
     one, and a stream whose call ended cleanly goes back to the pool instead of closing."""
     key = (peer_id.to_base58(), name)
-    kept = pool.take(key) if pool is not None else None
-    reader, writer = kept if kept is not None else (await p2p.call_binary_stream_handler(peer_id, name))[1:]
+    reader, writer = await _open_stream(p2p, peer_id, name, pool)
 
     async def send() -> None:
         async for request in requests:
@@ -323,12 +330,7 @@ async def call_on_streams(
     closed before its end marker: ConnectionResetError), and every stream of it is closed; with
     `pool`, the streams of a call that ended cleanly are kept."""
     name = peer_id.to_base58()
-
-    async def open_stream(rpc: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        kept = pool.take((name, rpc)) if pool is not None else None
-        return kept if kept is not None else (await p2p.call_binary_stream_handler(peer_id, rpc))[1:]
-
-    opening = [asyncio.ensure_future(open_stream(rpc)) for rpc, _ in calls]
+    opening = [asyncio.ensure_future(_open_stream(p2p, peer_id, rpc, pool)) for rpc, _ in calls]
     streams, kept = [], []
     try:
         streams = await asyncio.gather(*opening)

@@ -192,12 +192,7 @@ def write_response(
     """The messages of a streamed answer (what a handler yields): `header`, its `tensors` field
     filled in from `tensors` (name, encoded), then their parts. With `byte_counter`, each tensor is
     counted as sent (now, not as the messages go)."""
-    tensors = list(tensors)
-    header, parts = _with_tensors(header, tensors)
-    if byte_counter is not None:
-        for _, encoded in tensors:
-            byte_counter.record_sent(encoded)
-    return response_messages(header, parts)
+    return iter(response_pieces(header, tensors, 1, byte_counter)[0])
 
 
 async def _read(
