@@ -7,6 +7,7 @@ traceback; the full traceback is shown with SWARM_DEBUG=1.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import os
@@ -38,6 +39,20 @@ class _DropMessages(logging.Filter):
         return record.msg not in self.messages
 
 
+class _DropCancelledConnectionHandlers(logging.Filter):
+    """Python 3.11's asyncio logs a traceback when a connection's handler task is cancelled: its
+    done-callback calls `task.exception()`, which raises CancelledError (3.12 checks `cancelled()`
+    first). hivemind's p2pd client serves each incoming stream through such a handler, so a process
+    that stops while a stream is arriving printed a traceback after a clean shutdown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        cancelled_handler = isinstance(exc, asyncio.CancelledError) and "StreamReaderProtocol.connection_made" in str(
+            record.msg
+        )
+        return not cancelled_handler
+
+
 def _configure_logging() -> None:
     level = os.environ.get("SWARM_LOGLEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -47,6 +62,7 @@ def _configure_logging() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
         for name, messages in QUIET_MESSAGES.items():
             logging.getLogger(name).addFilter(_DropMessages(messages))
+        logging.getLogger("asyncio").addFilter(_DropCancelledConnectionHandlers())
 
 
 def verbose(args: argparse.Namespace) -> bool:

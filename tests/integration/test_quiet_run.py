@@ -76,3 +76,37 @@ def test_a_library_line_a_user_cannot_act_on_is_shown_only_when_asked_for(level,
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert ("socket.send() raised exception." in result.stderr) == shown and "other" in result.stderr
+
+
+CANCELLED_HANDLER = """
+import asyncio
+from swarm.cli import _configure_logging
+
+_configure_logging()
+
+
+async def main():
+    async def handler(reader, writer):
+        await reader.readexactly(1)  # a stream that arrives as the process stops
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    connection = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    await asyncio.sleep(0.2)  # asyncio.run then cancels the handler, the connection still open
+    return connection
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("level, shown", [(None, False), ("INFO", True)])
+def test_a_connection_handler_cancelled_at_shutdown_prints_no_traceback(level, shown):
+    """Python 3.11 logs a traceback when a connection handler task is cancelled (its done-callback
+    calls `task.exception()`); hivemind serves each incoming p2pd stream that way, so a peer that
+    stopped cleanly while a stream arrived ended its log with one (CI, session 33)."""
+    env = {k: v for k, v in os.environ.items() if k != "SWARM_LOGLEVEL"} | ({"SWARM_LOGLEVEL": level} if level else {})
+    result = subprocess.run(
+        [sys.executable, "-c", CANCELLED_HANDLER], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert ("CancelledError" in result.stderr) == shown and ("Traceback" in result.stderr) == shown, result.stderr
