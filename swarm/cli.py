@@ -15,6 +15,7 @@ import sys
 
 from process.config import ConfigError, add_config_arguments, describe, from_sources
 from process.lifetime import EXIT_SIGNALLED, StopRequested, bind_children_to_parent
+from process.stale_sockets import remove_stale_sockets
 
 EXIT_USAGE = 2
 
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     bind_children_to_parent()  # the DHT process and p2pd end with this process, also on SIGKILL
+    remove_stale_sockets()  # what SIGKILLed processes could not remove
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
