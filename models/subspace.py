@@ -30,8 +30,8 @@ validation loss against the uncompressed model): `small` fixed +10.7% / +7.0% an
 +5.3% at K = 16 / 32 (one seed); `medium` fixed -0.8% / +0.8% and learned +16.1% / +26.1% (seed 0;
 fixed at K = 16 spans -0.8% to +7.0% over three seeds). A learned boundary costs only where there is
 one: at 2 stages (one boundary) `small` learned costs +1.6% at K = 32, and with int8 on the
-coefficients +1.6% at K = 28 (33.5x fewer bytes than fp32), where a fixed subspace costs the same at
-any split. "fixed" is the default kind: its export loads in `transformers`.
+coefficients +1.05% to +1.60% at K = 28 over three seeds (33.5x fewer bytes than fp32), where a
+fixed subspace costs the same at any split. "fixed" is the default kind: its export loads in `transformers`.
 """
 
 from __future__ import annotations
