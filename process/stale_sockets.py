@@ -58,31 +58,31 @@ def remove_stale_sockets(
     patterns: tuple[str, ...] = HIVEMIND_SOCKET_PATTERNS,
     min_age_s: float = MIN_AGE_S,
 ) -> list[Path]:
-    """Remove the sockets in `directory` matching `patterns` that no socket holds; return them."""
-    removed: list[Path] = []
-    bound = bound_unix_paths()
-    if bound is None:
-        return removed
-    now = time.time()
-    uid = os.getuid()
+    """Remove the sockets in `directory` matching `patterns` that no socket holds; return them.
+    /proc is read only when an old enough socket of this user is there (usually none is)."""
+    now, uid = time.time(), os.getuid()
+    candidates = []
     for pattern in patterns:
         for path in directory.glob(pattern):
             try:
                 info = path.lstat()
             except FileNotFoundError:
                 continue
-            if not stat.S_ISSOCK(info.st_mode) or info.st_uid != uid or now - info.st_mtime < min_age_s:
-                continue
-            if str(path) in bound:
-                continue
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                logger.debug("could not remove the stale socket %s: %s", path, e)
-                continue
-            removed.append(path)
+            if stat.S_ISSOCK(info.st_mode) and info.st_uid == uid and now - info.st_mtime >= min_age_s:
+                candidates.append(path)
+    bound = bound_unix_paths() if candidates else None
+    if bound is None:
+        return []
+    removed = []
+    for path in candidates:
+        if str(path) in bound:
+            continue
+        try:
+            path.unlink()
+        except OSError as e:  # gone already, or not ours to remove
+            logger.debug("could not remove the stale socket %s: %s", path, e)
+            continue
+        removed.append(path)
     if removed:
         logger.info("removed %d socket(s) that killed processes left in %s", len(removed), directory)
     return removed
