@@ -6,10 +6,10 @@ For every codec (none, fp16, int8, topk, adaptive) the script starts a fresh swa
 peers on 127.0.0.1, trains `--model` on the Shakespeare corpus for the same `--steps` (same data
 order, same initial weights), and reads the trainer's report: final loss (mean of the last 5
 steps), tensor payload bytes on the wire per token as the trainer's byte counter saw them (sent
-+ received; every activation and gradient crosses a trainer <-> peer link), tokens/s over the
-steps after `--warmup`. It prints them side by side with each codec's ratios to `none`, checks
-the goals (int8 within 2% of the uncompressed final loss with >= 3.5x fewer bytes), and writes
-JSON.
++ received; the trainer routes every call, `--routing hub`, so every activation and gradient
+crosses a trainer <-> peer link), tokens/s over the steps after `--warmup`. It prints them side
+by side with each codec's ratios to `none`, checks the goals (int8 within 2% of the uncompressed
+final loss with >= 3.5x fewer bytes), and writes JSON.
 
     flock /tmp/swarm-bench.lock nice -n 5 .venv/bin/python benchmarks/compression.py \\
         --out benchmarks/out/compression.json
@@ -78,6 +78,11 @@ def train_with_codec(codec: str, args: argparse.Namespace) -> dict:
             str(args.batch_size // args.microbatch_size),
             "--codec",
             codec,
+            # Hub routing: every boundary tensor crosses the trainer, whose byte counter is what this
+            # reads. With direct routing (the default) the peers send each other the activations and
+            # the trainer's counter sees only the token ids.
+            "--routing",
+            "hub",
             "--topk-fraction",
             str(args.topk_fraction),
             "--report",
