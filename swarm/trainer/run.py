@@ -78,7 +78,9 @@ class TrainingReport:
     completed: bool = False
     resumed_from_step: int = 0
     codec: str = "none"
-    bytes_by_codec: dict = field(default_factory=dict)  # payload bytes sent/received, per codec
+    # Payload bytes this trainer sent/received, per codec: with --routing direct its own links only (token
+    # ids, targets, validation passes); the hops between peers are in their swarm_peer_*_bytes_total.
+    bytes_by_codec: dict = field(default_factory=dict)
     wire_bytes_per_token: float = 0.0
     backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
     backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
