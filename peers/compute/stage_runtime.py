@@ -22,7 +22,7 @@ from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
 from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
-from peers.compute.weight_prediction import trial_update
+from peers.compute.weight_prediction import optimizer_update
 from process.config import ConfigError, option
 from wire.protocol import ProtocolError
 
@@ -95,6 +95,7 @@ class _CachedForward:
     version: int
     nbytes: int = 0  # estimated bytes autograd keeps for this forward
     tokens: torch.Tensor | None = None  # the microbatch's token ids, on a stage that needs them (subspace)
+    weights: list[torch.Tensor] | None = None  # the tensors the graph was built on; None: the parameters
 
 
 def _same_tokens(cached: torch.Tensor | None, given: torch.Tensor | None) -> bool:
@@ -198,9 +199,13 @@ class StageRuntime:
         # Weight prediction (sync averaging one step late; peers/compute/weight_prediction.py):
         # training forwards and backwards run on the parameters plus `predicted_update`, a guess at
         # where the exact schedule would be. The parameters themselves (what is stepped, saved, sent
-        # and averaged) stay the real ones.
+        # and averaged) stay the real ones. The predicted point is made once per change of either
+        # (`_predicted_point`), not in every forward: gradients with respect to it are those with
+        # respect to the parameters, and every cached graph shares the one copy.
         self.weight_prediction = "none"  # or last-update, local-step
         self.predicted_update: list[torch.Tensor] | None = None
+        # the predicted point and what it was made from: (the parameters' versions, the point, the update)
+        self._predicted: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -269,14 +274,16 @@ class StageRuntime:
         start = time.perf_counter()
         inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
         leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+        weights = self._training_weights()
         with torch.enable_grad(), devices.autocast(self.device, self.precision):
-            outputs = self._train_forward(leaf, targets, tokens)
+            outputs = self._train_forward(leaf, targets, tokens, weights)
         self.cache[microbatch_id] = _CachedForward(
             leaf,
             outputs,
             self.steps_done,
             activation_bytes(self.config, self.module.spec, batch_size, self.precision),
             tokens,
+            weights,
         )
         self.cache.move_to_end(microbatch_id)
         while len(self.cache) > self.cache_size or (
@@ -349,15 +356,16 @@ class StageRuntime:
         if cached is not None and (
             from_cache or (torch.equal(cached.inputs.detach(), inputs) and _same_tokens(cached.tokens, tokens))
         ):
-            leaf, outputs = cached.inputs, cached.outputs
+            leaf, outputs, weights = cached.inputs, cached.outputs, cached.weights
             self.cache_hits += 1
         else:  # served elsewhere, evicted or stale: recompute the forward
             self.cache_misses += 1
             leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+            weights = self._training_weights()
             with torch.enable_grad(), devices.autocast(self.device, self.precision):
-                outputs = self._train_forward(leaf, targets, tokens)
+                outputs = self._train_forward(leaf, targets, tokens, weights)
         wants_input_grad = leaf.dtype != torch.int64
-        grad_targets = ([leaf] if wants_input_grad else []) + self.params
+        grad_targets = ([leaf] if wants_input_grad else []) + (self.params if weights is None else weights)
         grads = self._scaled_grads(outputs, grad_targets, grad_outputs)
         input_grad = self._to_wire(grads[0]) if wants_input_grad else None
         if microbatch_id not in self.accumulated_ids and microbatch_id not in self.counted_earlier:
@@ -496,7 +504,7 @@ class StageRuntime:
         self.predicted_update = (
             None
             if local_gradients is None
-            else trial_update(self.optimizer, self.params, local_gradients, self.schedule.rate(self.steps_done))
+            else optimizer_update(self.optimizer, self.params, local_gradients, self.schedule.rate(self.steps_done))
         )
 
     def use_adapters(self) -> int:
@@ -520,16 +528,34 @@ class StageRuntime:
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.predicted_update = None
 
-    def _train_forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None, tokens: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The stage's forward for training: on the parameters, or with weight prediction on the
-        parameters plus the predicted update (differentiable in the parameters: the gradient is the
-        same function of them, evaluated at the predicted point)."""
+    def _training_weights(self) -> list[torch.Tensor] | None:
+        """What training forwards compute on: None for the parameters themselves, or with weight
+        prediction the predicted point, parameters plus `predicted_update`, as leaf tensors made
+        once for each version of the two (a parameter changed in place, a new prediction)."""
         if self.predicted_update is None:
+            self._predicted = None
+            return None
+        versions = tuple(p._version for p in self.params)
+        if self._predicted is None or self._predicted[0] != versions or self._predicted[2] is not self.predicted_update:
+            with torch.no_grad():
+                point = [(p + u).requires_grad_(True) for p, u in zip(self.params, self.predicted_update)]
+            self._predicted = (versions, point, self.predicted_update)
+        return self._predicted[1]
+
+    def _train_forward(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+        weights: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The stage's forward for training on `weights` (`_training_weights`: the parameters, or the
+        predicted point, whose gradients are the ones with respect to the parameters there)."""
+        if weights is None:
             return self.module(inputs, targets, tokens=tokens)
-        predicted = {name: p + update for name, p, update in zip(self.param_names, self.params, self.predicted_update)}
-        return torch.func.functional_call(self.module, predicted, (inputs, targets), {"tokens": tokens})
+        return torch.func.functional_call(
+            self.module, dict(zip(self.param_names, weights)), (inputs, targets), {"tokens": tokens}
+        )
 
     # --- state -----------------------------------------------------------------------------------
     def export_state(self, model_name: str) -> bytes:

@@ -204,6 +204,43 @@ def test_weight_prediction_computes_on_the_parameters_plus_the_last_update_and_k
         torch.testing.assert_close(value.detach(), after[name], atol=0, rtol=0)
 
 
+def test_forwards_with_a_prediction_share_one_predicted_point_that_follows_the_parameters():
+    """Every cached forward computes on the one predicted point (not a parameter copy each); its
+    gradients are those of the parameters plus the update; a step, or a new prediction, makes a new one."""
+    config = get_model_config("tiny")
+    stage = StageRuntime(config, 0, 2)  # AdamW: the closed-form prediction
+    stage.auto_step, stage.weight_prediction = False, "local-step"
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, config.vocab_size, (2, config.seq_len), generator=g) for _ in range(3)]
+    stage.forward("mb0", tokens[0])
+    stage.backward("mb0", tokens[0], grad_outputs=torch.ones(2, config.seq_len, config.d_model))
+    stage.apply_gradients(stage.take_accumulated()[0])
+    stage.predict_local_step([torch.full_like(p, 0.1) for p in stage.params])
+    stage.forward("mb1", tokens[1])
+    stage.forward("mb2", tokens[2])
+    point = stage.cache["mb1"].weights
+    assert point is not None and stage.cache["mb2"].weights is point
+    for weight, param, update in zip(point, stage.params, stage.predicted_update):
+        assert torch.equal(weight, param.detach() + update)
+    grad_outputs = torch.randn(2, config.seq_len, config.d_model, generator=g)
+    stage.backward("mb1", tokens[1], grad_outputs=grad_outputs)
+    with torch.enable_grad():
+        shifted = {name: p + u for name, p, u in zip(stage.param_names, stage.params, stage.predicted_update)}
+        outputs = torch.func.functional_call(stage.module, shifted, (tokens[1], None), {"tokens": None})
+        expected = torch.autograd.grad(outputs, stage.params, grad_outputs=grad_outputs, allow_unused=True)
+    for grad_sum, grad in zip(stage.grad_sums, expected):
+        torch.testing.assert_close(grad_sum, torch.zeros_like(grad_sum) if grad is None else 2 * grad)
+    stage.apply_gradients(stage.take_accumulated()[0])  # the parameters move: so does the point
+    stage.forward("mb3", tokens[0])
+    moved = stage.cache["mb3"].weights
+    assert moved is not point
+    for weight, param, update in zip(moved, stage.params, stage.predicted_update):
+        assert torch.equal(weight, param.detach() + update)
+    stage.stop_predicting()
+    stage.forward("mb4", tokens[0])
+    assert stage.cache["mb4"].weights is None
+
+
 def test_local_step_prediction_alone_computes_where_the_exact_schedule_would():
     """A replica alone in its stage, one step late with `local-step`: step 2 runs on the parameters
     plus the update its own step-1 gradients make, which is where the exact schedule computes it."""
