@@ -31,7 +31,9 @@ machine's load hits each.
 
 tokens/s: the trainer's step times (its steps only: no start-up, no final flush), as in
 benchmarks/replicas.py; `report_tokens_per_s` is the trainer report's (the whole training loop,
-the flush included). The machine's load (1/5/15 min, `os.getloadavg`) is recorded before and after:
+the flush included). CPU seconds a step by kind of process (peers, their averager and DHT
+processes, the p2pd daemons, the trainer; benchmarks/process_cpu.py) show where a layout's time
+goes on a machine the swarm fills. The machine's load (1/5/15 min, `os.getloadavg`) is recorded before and after:
 on a shared machine the figures are only as steady as that load.
 """
 
@@ -46,6 +48,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.process_cpu import KINDS  # noqa: E402
 from benchmarks.replicas import run  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from swarm.demo import lr_schedule_args  # noqa: E402
@@ -161,6 +164,9 @@ def main() -> None:
             "report_tokens_per_s": statistics.mean(r["report_tokens_per_s"] for r in mine),
             "final_loss": statistics.mean(r["final_loss"] for r in mine),
             "eval_loss": statistics.mean(r["eval_loss"] for r in mine),
+            "cpu_s_per_step": {
+                kind: round(statistics.mean(r["cpu_s_per_step"][kind] for r in mine), 4) for kind in KINDS
+            },
         }
     none_speed = summary["2x2 none"]["tokens_per_s"] if "2x2 none" in summary else float("nan")
     for name, s in summary.items():
@@ -176,6 +182,12 @@ def main() -> None:
             f"{name:<20}{s['tokens_per_s']:>10.0f}{s['speed_vs_none']:>9.2f}{s['final_loss']:>12.4f}"
             f"{s['final_loss_vs_1_replica']:>+8.2%}{s['eval_loss']:>11.4f}{s['eval_loss_vs_1_replica']:>+8.2%}"
         )
+    print(f"\nCPU seconds a step, by kind of process (benchmarks/process_cpu.py):\n{'run':<20}"
+          + "".join(f"{kind:>14}" for kind in KINDS) + f"{'total':>9}")  # fmt: skip
+    for name, row in [("1 replica", reference)] + list(summary.items()):
+        if "cpu_s_per_step" in row:  # (not in a reference from before it was measured)
+            cpu = row["cpu_s_per_step"]
+            print(f"{name:<20}" + "".join(f"{cpu[kind]:>14.3f}" for kind in KINDS) + f"{sum(cpu.values()):>9.3f}")
     write_report(
         args.out,
         {

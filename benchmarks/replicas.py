@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.peer_metrics import scrape_peer  # noqa: E402
+from benchmarks.process_cpu import cpu_spent, snapshot  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_stage  # noqa: E402
@@ -148,6 +149,7 @@ def _run_in(
             for r in range(replicas)
         }
         swarm.wait_online(list(peers.values()))
+        cpu_before = snapshot()
         trainer = swarm.start_trainer(
             "--steps",
             str(args.steps),
@@ -165,6 +167,7 @@ def _run_in(
         )
         if trainer.popen.wait(timeout=args.run_timeout_s) != 0:
             raise RuntimeError(f"{name}: the trainer failed:\n{trainer.log()[-3000:]}")
+        cpu_s = cpu_spent(cpu_before, snapshot())  # the trainer's whole life, start-up and final flush included
         if averaging == "periodic" and replicas > 1 and not by_steps:  # evaluate an averaged model: one more round
             done = {key: averaging_rounds(p.log()) for key, p in peers.items()}
             deadline = time.monotonic() + 4 * args.period_s + 30
@@ -206,6 +209,9 @@ def _run_in(
         "microbatches_lost": report["microbatches_lost"],
         "sync_round_retries": report.get("sync_round_retries", 0),
         "replica_catch_ups": report.get("replica_catch_ups", 0),
+        # CPU seconds by kind of process from the trainer's start to its exit (benchmarks/process_cpu.py)
+        "cpu_s": cpu_s,
+        "cpu_s_per_step": {kind: round(seconds / max(report["steps"], 1), 4) for kind, seconds in cpu_s.items()},
     }
     if replicas > 1:
         result["max_param_difference_between_replicas"] = {
@@ -217,7 +223,9 @@ def _run_in(
         result["averaging_bytes_sent"] = sent  # from each peer's swarm_peer_averaging_bytes_total
     print(
         f"{name}: final loss {result['final_loss']:.4f}, eval loss {result['eval_loss']:.4f}, "
-        f"{result['tokens_per_s']:.0f} tokens/s, {result['wall_s']:.0f} s",
+        f"{result['tokens_per_s']:.0f} tokens/s, {result['wall_s']:.0f} s; CPU s a step: "
+        + ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in result["cpu_s_per_step"].items())
+        + f" (total {sum(result['cpu_s_per_step'].values()):.3f})",
         flush=True,
     )
     return result
