@@ -20,8 +20,9 @@ parameters with the group's averaged gradient, so replicas stay identical.
 torch.optim's mould (state per parameter, `lr` in the param groups), at the cost of one step and a
 copy of the state of the parameters it is given. `optimizer_update` uses AdamW's update in closed
 form where it can (torch's AdamW, the peers' default optimizer), which reads the state and copies
-nothing: on `small`'s stage 0 about a third of `trial_update`'s time (benchmarks/RESULTS.md,
-"A cheaper local-step prediction"). A replica pays for it once per step, on the compute thread.
+nothing: on `small`'s stages a third to a half of `trial_update`'s time (benchmarks/RESULTS.md,
+"Where a step's CPU goes on 2 cores, and a cheaper local-step prediction"). A replica pays for it
+once per step, on the compute thread.
 """
 
 from __future__ import annotations
