@@ -31,7 +31,7 @@ from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_full_model  # noqa: E402
 from peers.compute.stage_runtime import OptimizerSettings  # noqa: E402
-from peers.compute.weight_prediction import trial_update  # noqa: E402
+from peers.compute.weight_prediction import is_plain_adamw, trial_update  # noqa: E402
 from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data  # noqa: E402
 
 
@@ -56,9 +56,7 @@ def linear_adamw_update(
     predictions is the prediction of their mean gradient. Falls back to
     `trial_update` for another optimizer, a parameter without state yet (the first step), or
     AdamW's amsgrad / maximize."""
-    if type(optimizer) is not torch.optim.AdamW or any(
-        group.get("amsgrad") or group.get("maximize") for group in optimizer.param_groups
-    ):
+    if not is_plain_adamw(optimizer):
         return trial_update(optimizer, params, gradients, rate)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     states = [optimizer.state.get(p) for p in params]

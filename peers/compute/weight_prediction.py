@@ -76,7 +76,7 @@ def trial_update(
             group["lr"] = old_rate
 
 
-def _plain_adamw(optimizer: torch.optim.Optimizer) -> bool:
+def is_plain_adamw(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` is torch's AdamW with the update `adamw_update` computes (not amsgrad,
     not maximize; any foreach/fused/capturable setting computes the same update)."""
     return type(optimizer) is torch.optim.AdamW and not any(
@@ -96,7 +96,7 @@ def adamw_update(
     closed form from its state (moments zero and step 0 for a parameter without state): what
     `trial_update` returns, up to float rounding (the step itself multiplies the parameter by
     1 - rate * weight_decay and then adds; this adds the two terms), without touching the
-    parameters, their gradients or the optimizer. Only for `_plain_adamw` optimizers."""
+    parameters, their gradients or the optimizer. Only for `is_plain_adamw` optimizers."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     updates = []
     for param, gradient in zip(params, gradients):
@@ -126,6 +126,6 @@ def optimizer_update(
 ) -> list[torch.Tensor]:
     """The optimizer's next update from `gradients` at `rate`, nothing touched: `adamw_update` for
     torch's plain AdamW, `trial_update` (a real step, undone) for any other optimizer."""
-    if _plain_adamw(optimizer):
+    if is_plain_adamw(optimizer):
         return adamw_update(optimizer, params, gradients, rate)
     return trial_update(optimizer, params, gradients, rate)
