@@ -200,7 +200,7 @@ class StageRuntime:
         # training forwards and backwards run on the parameters plus `predicted_update`, a guess at
         # where the exact schedule would be. The parameters themselves (what is stepped, saved, sent
         # and averaged) stay the real ones. The predicted point is made once per change of either
-        # (`_predicted_point`), not in every forward: gradients with respect to it are those with
+        # (`_training_weights`), not in every forward: gradients with respect to it are those with
         # respect to the parameters, and every cached graph shares the one copy.
         self.weight_prediction = "none"  # or last-update, local-step
         self.predicted_update: list[torch.Tensor] | None = None
