@@ -153,7 +153,11 @@ def main() -> None:
         args.out,
         {
             "args": vars(args),
-            "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": list(os.getloadavg())},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "load_before": load_before,
+                "load_after": [round(x, 2) for x in os.getloadavg()],
+            },
             "stages": stages,
         },
     )

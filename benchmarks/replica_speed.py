@@ -33,8 +33,8 @@ tokens/s: the trainer's step times (its steps only: no start-up, no final flush)
 benchmarks/replicas.py; `report_tokens_per_s` is the trainer report's (the whole training loop,
 the flush included). CPU seconds a step by kind of process (peers, their averager and DHT
 processes, the p2pd daemons, the trainer; benchmarks/process_cpu.py) show where a layout's time
-goes on a machine the swarm fills. The machine's load (1/5/15 min, `os.getloadavg`) is recorded before and after:
-on a shared machine the figures are only as steady as that load.
+goes on a machine the swarm fills. The machine's load (1/5/15 min, `os.getloadavg`) is recorded
+before and after: on a shared machine the figures are only as steady as that load.
 """
 
 from __future__ import annotations
