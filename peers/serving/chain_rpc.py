@@ -29,8 +29,9 @@ of its stage served the same microbatch in an attempt that failed further up: th
 gradients. So a call whose stream broke (the answer may be lost after the work was done) is made
 again to the same replica before any other: by a hop to the same candidate, by the trainer along the
 same route (`swarm.trainer.chain_call`), as hub routing asks a backward lost in transit of the same
-replica (`RetryBudget.ask_again`). A timeout is not asked again (the chain below may be hung), and
-an orphan is then still possible. The trainer counts the samples each replica served from the one
+replica: one rule set for every caller (wire/call_rules.py, `asks_again`). A timeout of a call that
+waits on the stages after it is not asked again (the chain below may be hung), and an orphan is then
+still possible. The trainer counts the samples each replica served from the one
 chain answer that succeeded (`served_by`), and the sync round caps each replica's weight at that count, so the orphan
 attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
 chain answers.
@@ -80,6 +81,7 @@ from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, timed
 from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded
+from wire.call_rules import Attempts
 from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
 from wire.failures import Failure, caller_failure
 from wire.messages import (
@@ -476,16 +478,19 @@ class ChainService:
         encodings: dict[tuple, EncodedTensor] = {}  # the outputs per codec choice, each made once
         # what passes on as it came: the targets, and the token ids a subspace model's later stages need
         carried = [(name, item) for name, item in (("targets", targets), ("tokens", tokens)) if item is not None]
-        tried, reasons, candidates, asked_again = [], [], list(header.route[0]), set()
-        failed_as: dict[str, Failure] = {}  # how each candidate tried last failed
+        # the rules every caller of a replica follows (wire/call_rules.py): a hop adds work, and waits on
+        # the hops after it unless it goes to the last stage
+        attempts = Attempts(adds_work=True, waits_on_others=next_stage < header.num_stages - 1)
+        tried, candidates = [], list(header.route[0])
 
         def failovers(but: str | None = None) -> list[HopFailover]:
+            failed_as = {f.peer_id: f.kind for f in attempts.failures}  # how each candidate tried last failed
             return [HopFailover(peer=p, stage=next_stage, kind=failed_as[p]) for p in tried if p != but]
 
-        while candidates:
-            peer_id = candidates.pop(0)
+        while True:
+            peer_id = attempts.take_again() or (candidates.pop(0) if candidates else None)
             timeout_s = deadline - time.monotonic()
-            if timeout_s <= 0:
+            if peer_id is None or timeout_s <= 0:
                 break
             if peer_id not in tried:
                 tried.append(peer_id)
@@ -517,15 +522,12 @@ class ChainService:
             try:
                 answer = await asyncio.wait_for(self._call(peer_id, request, sent), timeout=timeout_s)
             except TimeoutError:
-                reasons.append(f"{peer_id[-8:]}: no answer within {timeout_s:.1f} s")
-                failed_as[peer_id] = Failure.TIMEOUT
+                attempts.failed(peer_id, Failure.TIMEOUT, f"{peer_id[-8:]}: no answer within {timeout_s:.1f} s")
                 continue
             except Exception as e:  # hivemind raises assorted errors for dead or unreachable peers
-                reasons.append(f"{peer_id[-8:]}: {type(e).__name__}: {e}")
-                failed_as[peer_id] = Failure.TRANSPORT
-                if peer_id not in asked_again:  # the stream broke: its stages may hold this microbatch already,
-                    asked_again.add(peer_id)  # and only they answer a repeat without adding it: ask it first
-                    candidates.insert(0, peer_id)
+                # the stream broke: its stages may hold this microbatch already, and only they answer a
+                # repeat without adding it: the rules ask it again first
+                attempts.failed(peer_id, Failure.TRANSPORT, f"{peer_id[-8:]}: {type(e).__name__}: {e}")
                 continue
             response = answer.header
             if response.error is not None:
@@ -537,8 +539,7 @@ class ChainService:
                         Failure.INTERNAL,
                         [*failovers(but=peer_id), *response.failed_over],
                     )
-                reasons.append(f"{peer_id[-8:]}: {response.error}")
-                failed_as[peer_id] = caller_failure(response.error_kind)
+                attempts.failed(peer_id, caller_failure(response.error_kind), f"{peer_id[-8:]}: {response.error}")
                 continue
             try:
                 grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
@@ -548,8 +549,7 @@ class ChainService:
                 if next_stage == header.num_stages - 1 and response.loss is None:
                     raise BadRequestError("the last stage answered no loss")
             except (ProtocolError, BadRequestError) as e:
-                reasons.append(f"{peer_id[-8:]}: a malformed answer: {e}")
-                failed_as[peer_id] = Failure.GARBAGE
+                attempts.failed(peer_id, Failure.GARBAGE, f"{peer_id[-8:]}: a malformed answer: {e}")
                 continue
             if header.keep_records:
                 self.records.keep(header.microbatch_id, "sent", header.trainer_id, dict(sent)["inputs"])
@@ -566,7 +566,8 @@ class ChainService:
         raise ChainHopError(
             next_stage,
             tried,
-            f"stage {next_stage}: no candidate of the route answered ({'; '.join(reasons) or 'no time left'})",
+            f"stage {next_stage}: no candidate of the route answered "
+            f"({'; '.join(f.reason for f in attempts.failures) or 'no time left'})",
             failovers=failovers(),
         )
 

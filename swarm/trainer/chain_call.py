@@ -12,35 +12,37 @@ repeat without accumulating it twice (the argument, and its limits, are in chain
 A call whose stream broke is re-driven once along the same route first (`charge_route`): its
 replicas may have added the microbatch before the answer was lost, and only they can answer it
 without adding it again.
-After `max_retries` failed attempts it waits for the swarm as hub routing does, refreshing the view,
-and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
+The attempts, the waits for the swarm and the counters are the call engine's, which hub routing
+shares (swarm/trainer/call_engine.py, by the rules of wire/call_rules.py): this module is the
+`ChainWork` it drives. After `max_retries` failed attempts it waits for the swarm, refreshing the
+view, and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
 
 The answer names the replica that served each stage (`served_by`): the schedule counts each one's
 samples from it, for the sync round's weight caps, exactly as from hub routing's backward answers.
 It also names the replicas its hops failed over from and how (`failed_over`, also on a chain that
 failed): each one the route named is counted as a failed call of that kind (`failures_by_kind`,
-the metrics, the replica's ledger entry) and routed around for a short ban only, a peer's word about
-another being no proof.
+the metrics, the replica's ledger entry) and routed around for a short ban (a stage ban for a wrong
+stage) only: a chain's answer is peers' words about each other, no proof of more.
 `ChainCaller.audit` spot-checks a stage of a chain that answered, from what the stage's neighbours
 say crossed its hops (peers/serving/hop_records.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass
 
+from swarm.trainer.call_engine import Blame
 from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, failovers_in_route, settle_route
-from swarm.trainer.client import ChainCallError, PeerCallError
+from swarm.trainer.client import ChainCallError, ChainResult, PeerCallError
 from swarm.trainer.data import Microbatch
-from swarm.trainer.failures import NotAllowedError, StageUnavailableError, refused_as_not_allowed
+from swarm.trainer.failures import StageUnavailableError
 from swarm.trainer.stage_call import StageAnswer, StageCaller, answer_bytes_limit
+from wire.call_rules import Attempts, Penalty, penalty_for, refused_as_not_allowed
 from wire.compression import CodecError, relative_error_bound
 from wire.failures import Failure
-from wire.protocol import HopFailover, ResponseHeader
+from wire.protocol import ResponseHeader
 from wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
@@ -64,80 +66,8 @@ class ChainCaller:
         return self.client.p2p.peer_id.to_base58()
 
     async def run(self, microbatch_id: str, mb: Microbatch, failures: list[str]) -> ChainAnswer:
-        caller, view = self.caller, self.view
-        tensors = [("inputs", encode_tensor(mb.inputs, "none")), ("targets", encode_tensor(mb.targets, "none"))]
-        failed: set[str] = set()  # replicas that failed this microbatch: not named again (until we wait)
-        attempts, waited_since = 0, None
-        # A route whose first call's stream broke is driven once more as it was: its replicas may hold
-        # this microbatch's gradients already, and only they answer the repeat without adding it.
-        again, asked_again = None, set()
-        while True:
-            route = None if again is None else charge_route(view.schedulers, again, mb.size)
-            again = None
-            if route is None:
-                exclude = view.bans.banned() | failed | caller.not_allowed_by.keys()
-                route = choose_route(
-                    view.schedulers,
-                    mb.size,
-                    [exclude | view.violations.banned(stage) for stage in range(view.num_stages)],
-                    alternates=self.alternates,
-                )
-            if route is None or attempts > caller.max_retries:
-                if route is None and caller.not_allowed_by:
-                    raise NotAllowedError(0, self._trainer_id(), list(caller.not_allowed_by.values()))
-                waited_since = waited_since or time.monotonic()
-                await self._wait(waited_since)
-                failed.clear()
-                attempts = 0
-                continue
-            waited_since = None
-            timeout_s = caller.timeouts.timeout_s(*CHAIN_TIMEOUT_KEY)
-            started = time.perf_counter()
-            try:
-                result = await self.client.train_chain(
-                    route[0][0],
-                    microbatch_id=microbatch_id,
-                    batch_size=mb.size,
-                    tensors=tensors,
-                    route=route[1:],
-                    timeout_s=timeout_s,
-                    trainer_id=self._trainer_id(),
-                    codec=caller.codecs.mode,
-                    topk_fraction=caller.codecs.topk_fraction,
-                    loss_budget=None if math.isinf(caller.codecs.loss_budget) else caller.codecs.loss_budget,
-                    keep_records=caller.spot_checks.fraction > 0.0,
-                )
-                wrong = check_served_by(route, result.served_by)
-                if wrong is not None:
-                    raise ChainCallError(route[0][0], Failure.GARBAGE, wrong, stage=0, failed_peers=[route[0][0]])
-            except PeerCallError as e:
-                settle_route(view.schedulers, route, mb.size, [])
-                attempts += 1
-                self._note_failure(e, route, failures, time.perf_counter() - started)
-                if e.kind == Failure.TRANSPORT and getattr(e, "stage", 0) == 0 and route[0][0] not in asked_again:
-                    asked_again.add(route[0][0])
-                    again = route
-                    caller.counters.backward_asked_again += 1
-                    continue
-                failed |= set(getattr(e, "failed_peers", [e.peer_id]))
-                continue
-            elapsed = time.perf_counter() - started
-            settle_route(view.schedulers, route, mb.size, result.served_by)
-            caller.timeouts.observe(*CHAIN_TIMEOUT_KEY, elapsed)
-            caller.metrics.observe_call(stage=0, rpc="train_chain", duration_s=elapsed)
-            failed_over = failovers_in_route(route, result.failed_over)
-            if failed_over:  # a hop failed over inside the chain: the microbatch was retried there
-                failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in failed_over)}")
-                caller.counters.calls_retried += len(failed_over)
-                for failover in failed_over:
-                    self._count_failure(failover.kind, failover.stage)
-                    self._route_around(failover)
-            for stage, peer_id in enumerate(result.served_by):
-                view.bans.clear(peer_id)
-                key = peer_id[-8:]
-                caller.counters.calls_by_peer[key] = caller.counters.calls_by_peer.get(key, 0) + 1
-                caller.contributions.answered(peer_id, stage, "backward", mb.size)
-            return ChainAnswer(result.loss, result.served_by)
+        """The microbatch as one chained call, re-driven until a chain answers (the call engine)."""
+        return await self.caller.engine.drive(ChainWork(self, microbatch_id, mb, failures), failures)
 
     async def audit(
         self, stage: int, microbatch_id: str, mb: Microbatch, served_by: list[str], *, send_tokens: bool
@@ -190,52 +120,112 @@ class ChainCaller:
                 if e.kind not in (Failure.TRANSPORT, Failure.GARBAGE) or attempt == 1:
                     raise
 
-    def _note_failure(self, error: PeerCallError, route: list[list[str]], failures: list[str], took_s: float) -> None:
-        caller = self.caller
-        failures.append(str(error))
-        caller.counters.calls_retried += 1
+    def blame(self, error: PeerCallError, route: list[list[str]], took_s: float) -> list[Blame]:
+        """The replicas a failed chain is blamed on: each hop it failed over from on the way, as the
+        peers before them said (`failovers`, within the route), and the replicas of the stage that
+        failed it (`failed_peers`), each once. A refusal that shuts us out is the first replica's
+        own answer: that one is shut out."""
         stage = getattr(error, "stage", 0)
-        hops = failovers_in_route(route, getattr(error, "failovers", []))  # how each failed hop failed
-        for kind, at in [(f.kind, f.stage) for f in hops] or [(error.kind, stage)]:
-            self._count_failure(kind, at)
-        for failover in hops:  # an earlier stage's hop failed over before the chain failed at `stage`
-            if failover.stage != stage:  # (`stage`'s replicas are the error's `failed_peers`, below)
-                self._route_around(failover)
-        if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):
-            caller.not_allowed_by[error.peer_id] = error.peer_id[-8:]
-            return
-        for peer_id in getattr(error, "failed_peers", [error.peer_id]):
-            caller.contributions.failed(peer_id, stage)
-            if error.kind == Failure.WRONG_STAGE:
-                caller.view.violations.wrong_stage(peer_id, stage, str(error))
-            else:
-                caller.view.bans.ban(peer_id, at_least_s=3.0 * took_s if peer_id == route[0][0] else 0.0)
-        logger.info(f"{error}; driving the microbatch again on another route")
-
-    def _route_around(self, failover: HopFailover) -> None:
-        """A replica a hop failed over from: a failed call in its ledger entry, and a short ban, as
-        after any failed call (a peer's word about another is no proof of more)."""
-        self.caller.contributions.failed(failover.peer, failover.stage)
-        self.view.bans.ban(failover.peer)
-
-    def _count_failure(self, kind: Failure, stage: int) -> None:
-        """One failed call, the trainer's own or a hop's inside a chain, in the report and metrics."""
-        counters = self.caller.counters
-        counters.failures_by_kind[kind.value] = counters.failures_by_kind.get(kind.value, 0) + 1
-        self.caller.metrics.observe_failure(stage=stage, rpc="train_chain", kind=kind.value)
-
-    async def _wait(self, since: float) -> None:
-        """No route can be formed (or this microbatch failed too often): refresh the view until one
-        can, or stop the run after `stage_wait_timeout_s`."""
-        caller = self.caller
-        waited = time.monotonic() - since
-        if waited > caller.stage_wait_timeout_s:
-            empty = [s for s, n in enumerate(self.view.live_replicas()) if not n] or [0]
-            raise StageUnavailableError(
-                empty[0],
-                f"no chain through every stage for {waited:.0f} s; start a peer for each stage with no live "
-                f"replica or raise --stage-wait-timeout-s",
+        hops = failovers_in_route(route, getattr(error, "failovers", []))
+        blames = [
+            Blame(
+                f.peer, f.stage, f.kind, penalty_for(f.kind, "", witnessed=False), f"a hop failed over ({f.kind.value})"
             )
-        next_unban = self.view.bans.seconds_until_next_unban()
-        await asyncio.sleep(min(1.0, next_unban if next_unban is not None else 1.0))
-        await self.view.refresh()
+            for f in hops
+        ]
+        if error.kind == Failure.REFUSED and refused_as_not_allowed(str(error)):
+            return [b for b in blames if b.stage != stage] + [
+                Blame(error.peer_id, stage, error.kind, Penalty.SHUT_OUT, str(error))
+            ]
+        covered = {(f.peer, f.stage) for f in hops}
+        for peer_id in getattr(error, "failed_peers", [error.peer_id]):
+            if (peer_id, stage) not in covered:
+                penalty = penalty_for(error.kind, str(error), witnessed=False)
+                at_least_s = 3.0 * took_s if peer_id == route[0][0] else 0.0
+                blames.append(Blame(peer_id, stage, error.kind, penalty, str(error), at_least_s=at_least_s))
+        return blames
+
+
+class ChainWork:
+    """One microbatch's chained call, as the call engine drives it (swarm/trainer/call_engine.py)."""
+
+    stage, rpc, timeout_key = 0, "train_chain", CHAIN_TIMEOUT_KEY
+    waiting_for = "a chain through every stage"
+    adds_work = True  # every replica of the route adds the microbatch's gradients
+    waits_on_others = True  # a timeout may be a hang further down: not asked again
+
+    def __init__(self, chains: ChainCaller, microbatch_id: str, mb: Microbatch, failures: list[str]):
+        self.chains, self.view, self.caller = chains, chains.view, chains.caller
+        self.microbatch_id, self.mb, self.failures = microbatch_id, mb, failures
+        self.tensors = [("inputs", encode_tensor(mb.inputs, "none")), ("targets", encode_tensor(mb.targets, "none"))]
+        self.last_route: list[list[str]] | None = None
+
+    def choose(self, exclude) -> list[list[str]] | None:
+        view = self.view
+        return choose_route(
+            view.schedulers,
+            self.mb.size,
+            [exclude(stage) for stage in range(view.num_stages)],
+            alternates=self.chains.alternates,
+        )
+
+    def again(self, peer_id: str) -> list[list[str]] | None:
+        """The route whose first call's stream broke, driven once more as it was: its replicas may hold
+        this microbatch's gradients already, and only they answer the repeat without adding it."""
+        if self.last_route is None or self.last_route[0][0] != peer_id:
+            return None
+        return charge_route(self.view.schedulers, self.last_route, self.mb.size)
+
+    def key(self, route: list[list[str]]) -> str:
+        return route[0][0]
+
+    async def call(self, route: list[list[str]], timeout_s: float) -> ChainResult:
+        caller = self.caller
+        self.last_route = route
+        result = await self.chains.client.train_chain(
+            route[0][0],
+            microbatch_id=self.microbatch_id,
+            batch_size=self.mb.size,
+            tensors=self.tensors,
+            route=route[1:],
+            timeout_s=timeout_s,
+            trainer_id=self.chains._trainer_id(),
+            codec=caller.codecs.mode,
+            topk_fraction=caller.codecs.topk_fraction,
+            loss_budget=None if math.isinf(caller.codecs.loss_budget) else caller.codecs.loss_budget,
+            keep_records=caller.spot_checks.fraction > 0.0,
+        )
+        wrong = check_served_by(route, result.served_by)
+        if wrong is not None:
+            raise ChainCallError(route[0][0], Failure.GARBAGE, wrong, stage=0, failed_peers=[route[0][0]])
+        return result
+
+    def failed(self, route: list[list[str]], error: PeerCallError, started: float, done: float) -> list[Blame]:
+        settle_route(self.view.schedulers, route, self.mb.size, [])
+        return self.chains.blame(error, route, done - started)
+
+    def answered(self, route: list[list[str]], result: ChainResult, started: float, done: float) -> ChainAnswer:
+        engine = self.caller.engine
+        settle_route(self.view.schedulers, route, self.mb.size, result.served_by)
+        failed_over = failovers_in_route(route, result.failed_over)
+        if failed_over:  # a hop failed over inside the chain: the microbatch was retried there
+            self.failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in failed_over)}")
+            engine.counters.calls_retried += len(failed_over)
+            engine.note_failure(
+                self.rpc,
+                [
+                    Blame(f.peer, f.stage, f.kind, penalty_for(f.kind, "", witnessed=False), "a hop failed over")
+                    for f in failed_over
+                ],
+            )
+        for stage, peer_id in enumerate(result.served_by):
+            engine.note_answered(peer_id, stage, "backward", self.mb.size)
+        return ChainAnswer(result.loss, result.served_by)
+
+    def unavailable(self, waited_s: float, attempts: Attempts) -> StageUnavailableError:
+        empty = [s for s, n in enumerate(self.view.live_replicas()) if not n] or [0]
+        return StageUnavailableError(
+            empty[0],
+            f"no chain through every stage for {waited_s:.0f} s; start a peer for each stage with no live "
+            f"replica or raise --stage-wait-timeout-s",
+        )

@@ -71,6 +71,7 @@ class EvaluationSettings:
 
 
 ROUTINGS = ("hub", "direct")
+DEFAULT_ROUTING = "direct"  # the one default: the CLI's, `connect`'s and `StepSchedule`'s
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,7 +83,7 @@ class ScheduleSettings:
     microbatch_size: int = option(4, help="samples per microbatch sent through the pipeline")
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
     routing: str = option(
-        "direct",
+        DEFAULT_ROUTING,
         help="how activations travel: direct (the trainer sends a microbatch to a stage-0 replica, each peer "
         "sends its outputs straight to a replica of the next stage and the gradients come back the same way; "
         "each hop's sender applies --codec) or hub (every stage's call goes from and back to the trainer: "

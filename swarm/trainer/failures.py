@@ -2,28 +2,13 @@
 
 - ``TimeoutPolicy``: how long to wait for a call, from the latencies observed so far.
 - ``BanList``: how long to avoid a peer after a failure, with exponential backoff.
-- ``RetryBudget``: how many times one microbatch may fail at a stage before the trainer gives up
-  loudly, raising an error that says what happened and what to do; and whether a failed backward is
-  asked of the same replica once more before another (``ask_again``).
+- ``ProtocolViolations``: peers that broke the protocol, avoided for long.
+- The errors the trainer raises when it gives up, each saying what happened and what to do.
 
-No I/O, no asyncio, time only from an injected clock. The intended loop, per microbatch and stage::
-
-    budget = RetryBudget(stage, max_retries=5)
-    while True:
-        peer = scheduler.choose(task, samples, exclude=bans.banned() | budget.failed_peers())
-        if peer is None:
-            raise StageUnavailableError(stage, "all replicas are banned or already failed")
-        try:
-            result = call(peer, timeout_s=timeouts.timeout_s(stage, task))
-        except (TimeoutError, ConnectionError, RemoteCallError) as error:  # specific, never all
-            scheduler.report_failure(peer)
-            bans.ban(peer)
-            budget.record_failure(peer, repr(error))  # raises RetriesExhaustedError when spent
-            continue
-        timeouts.observe(stage, task, elapsed_s)
-        scheduler.report_success(peer, task, samples, elapsed_s)
-        bans.clear(peer)
-        break
+The rules every caller applies to a failed call (ask the same replica again, whom to ban and how,
+the retry budget) are in wire/call_rules.py, shared with the peers' hops; the trainer's one loop
+that applies them is swarm/trainer/call_engine.py. No I/O, no asyncio, time only from an injected
+clock.
 """
 
 from __future__ import annotations
@@ -35,11 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from swarm.trainer.routing import Task
-from wire.failures import Failure
-
-# Failures where the call may have been computed and only its answer lost: no answer in time, or a
-# stream that broke. A refusal or a malformed answer says the peer did not (or should not) count it.
-IN_TRANSIT = frozenset({Failure.TIMEOUT, Failure.TRANSPORT})
+from wire.call_rules import FailedAttempt
 
 
 class RoutingError(RuntimeError):
@@ -73,20 +54,13 @@ class NotAllowedError(RoutingError):
         )
 
 
-def refused_as_not_allowed(error_message: str) -> bool:
-    """Whether a peer's refusal says that the caller is not on its --allowed-peers (a private swarm)
-    or holds no credential of the peer's run that allows the call (peers/serving/admission.py): no
-    retry can help, unlike a refusal of one bad request."""
-    return "--allowed-peers" in error_message or "not authorized:" in error_message
-
-
 class RetriesExhaustedError(RoutingError):
     """One microbatch failed at a stage more times than the retry budget allows."""
 
-    def __init__(self, stage: int, failures: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, stage: int, failures: Sequence[FailedAttempt]) -> None:
         self.stage = stage
         self.failures = tuple(failures)
-        attempts = "; ".join(f"{peer_id}: {reason}" for peer_id, reason in self.failures)
+        attempts = "; ".join(f"{f.peer_id}: {f.reason}" for f in self.failures)
         super().__init__(
             f"stage {stage}: gave up on a microbatch after {len(self.failures)} failed attempts "
             f"({attempts}). Check those peers' logs and the network between them and this "
@@ -247,51 +221,6 @@ class BanList:
     def _forget_old(self, now_s: float) -> None:
         for peer_id in [p for p, r in self._records.items() if now_s >= r.until_s + self._forget_after_s]:
             del self._records[peer_id]
-
-
-class RetryBudget:
-    """Failed attempts of one microbatch at one stage, up to ``max_retries`` retries.
-
-    The first attempt is free; after ``max_retries`` retries have failed too,
-    ``record_failure`` raises ``RetriesExhaustedError`` listing every peer and reason.
-    """
-
-    def __init__(self, stage: int, *, max_retries: int = 5) -> None:
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self.stage = stage
-        self.max_retries = max_retries
-        self._failures: list[tuple[str, str]] = []
-        self._asked_again: set[str] = set()
-
-    def record_failure(self, peer_id: str, reason: str) -> None:
-        """Count a failed attempt; raises RetriesExhaustedError once the budget is spent."""
-        self._failures.append((peer_id, reason))
-        if len(self._failures) > self.max_retries:
-            raise RetriesExhaustedError(self.stage, self._failures)
-
-    @property
-    def attempts_left(self) -> int:
-        """Attempts this microbatch may still make at this stage (the first one included)."""
-        return max(self.max_retries + 1 - len(self._failures), 0)
-
-    def failed_peers(self) -> set[str]:
-        """Peers that already failed this microbatch (to exclude from the next choice)."""
-        return {peer_id for peer_id, _ in self._failures}
-
-    def ask_again(self, peer_id: str, task: Task, kind: Failure) -> bool:
-        """Whether the failure just recorded is retried on the same replica, once, before any other.
-
-        Only a backward that failed in transit (``IN_TRANSIT``): that replica may have added the
-        microbatch's gradients before its answer was lost. Another replica would add them again, and
-        the step would hold them twice: a sync round's weight caps bound each replica's share, but
-        cannot take out what is already in its sum. The same replica answers a repeat without adding
-        it again (it keeps the ids it counted), so asking it first keeps the microbatch counted once.
-        If it fails once more it is most likely gone, and what it added is gone with it."""
-        if task != "backward" or kind not in IN_TRANSIT or peer_id in self._asked_again or not self.attempts_left:
-            return False
-        self._asked_again.add(peer_id)
-        return True
 
 
 class ProtocolViolations:

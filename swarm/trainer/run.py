@@ -9,6 +9,7 @@ stages and back, then the commit)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import os
@@ -29,8 +30,10 @@ from models.stages import boundary_width
 from process.atomic_files import remove_stale_temporaries, write_atomically
 from process.lifetime import stop_events_in_loop
 from process.metrics_http import serve_metrics
+from swarm.trainer.call_engine import CallCounters
 from swarm.trainer.client import StageClient
 from swarm.trainer.config import (
+    DEFAULT_ROUTING,
     CompressionSettings,
     DiscoverySettings,
     FailoverSettings,
@@ -51,8 +54,11 @@ class ResumeError(RuntimeError):
     """An earlier run's report cannot be resumed from."""
 
 
-@dataclass
-class TrainingReport:
+@dataclass(kw_only=True)
+class TrainingReport(CallCounters):
+    """The run's JSON report: what its calls counted (the fields of `CallCounters`, swarm/trainer/
+    call_engine.py, the one set the trainer keeps), and the run's progress and results."""
+
     model: str
     num_stages: int
     steps: int = 0
@@ -62,17 +68,7 @@ class TrainingReport:
     losses: list[float] = field(default_factory=list)  # per step (with a global step: each one we sent samples in)
     tokens_per_s: float = 0.0
     train_time_s: float = 0.0
-    microbatches_sent: int = 0
-    microbatches_retried: int = 0
     microbatches_lost: int = 0
-    microbatches_hub_timed: int = (
-        0  # direct routing: sent through the trainer to time the replicas (--hub-timing-fraction)
-    )
-    calls_retried: int = 0
-    replica_catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
-    sync_round_retries: int = 0  # stages committed again because their averaging round failed on every replica
-    failures_by_kind: dict[str, int] = field(default_factory=dict)
-    calls_by_peer: dict[str, int] = field(default_factory=dict)
     tokens_per_s_by_step: list[float] = field(default_factory=list)
     step_end_s: list[float] = field(default_factory=list)  # seconds since training started
     completed: bool = False
@@ -82,23 +78,11 @@ class TrainingReport:
     # ids, targets, validation passes); the hops between peers are in their swarm_peer_*_bytes_total.
     bytes_by_codec: dict = field(default_factory=dict)
     wire_bytes_per_token: float = 0.0
-    backward_inputs_skipped: int = 0  # backwards served from the forward peer's activation cache, inputs not resent
-    backward_inputs_resent: int = 0  # ... tried without inputs, then resent them after a cache miss
-    backward_asked_again: int = (
-        0  # backwards (hub) or chains (direct) lost in transit, asked again of the same replicas first
-    )
     grad_norms: list[float] = field(default_factory=list)  # --clip-grad-norm: each step's global norm, unclipped
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
     final_eval_loss: float | None = None
     stopped_early: bool = False  # stopped by SIGTERM/SIGINT before its last step
-    # spot checks (--verify-fraction): their cost, and who they caught
-    calls_verified: int = 0  # forward calls also answered by a second replica
-    verify_mismatches: int = 0  # ... whose two answers differed beyond the codec's error
-    verify_calls: int = 0  # extra calls made for the checks (second and third replicas)
-    verify_records_missing: int = 0  # chains picked for a check whose hop records could not be had (direct routing)
-    verify_largest_agreeing_difference: float = 0.0  # relative; the margin left below the tolerance
-    banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> reason, banned for the run
     # peer id -> what it did for this trainer: samples_served, calls_answered, calls_failed,
     # calls_verified, mismatches, stage, banned (reason or None); swarm/trainer/contributions.py
     contributions: dict[str, dict] = field(default_factory=dict)
@@ -362,7 +346,7 @@ async def connect(
     compression: CompressionSettings,
     max_in_flight: int,
     data_source: str,
-    routing: str = "hub",
+    routing: str = DEFAULT_ROUTING,
     hub_timing_fraction: float = 0.0,
     clip_grad_norm: float = 0.0,
     metrics: TrainerMetrics,
@@ -421,7 +405,7 @@ async def connect(
 def _fill_report(
     report: TrainingReport, schedule: StepSchedule, train_time_s: float, earlier_contributions: dict | None = None
 ) -> None:
-    calls, microbatches = schedule.caller.counters, schedule.counters
+    counters = schedule.counters
     report.train_time_s = train_time_s
     report.codec = schedule.caller.codecs.mode
     report.bytes_by_codec = schedule.client.bytes.snapshot()
@@ -433,26 +417,13 @@ def _fill_report(
         report.final_loss = sum(tail) / len(tail)
     timed_tokens = report.tokens - report.resumed_from_step * (report.tokens // max(report.steps, 1))
     report.tokens_per_s = timed_tokens / report.train_time_s if report.train_time_s > 0 else 0.0
-    report.microbatches_sent = microbatches.microbatches_sent
-    report.microbatches_retried = microbatches.microbatches_retried
-    report.microbatches_hub_timed = microbatches.microbatches_hub_timed
-    report.microbatches_lost = microbatches.microbatches_sent - microbatches.microbatches_done
-    report.calls_retried = calls.calls_retried
-    report.replica_catch_ups = microbatches.catch_ups
-    report.sync_round_retries = microbatches.round_retries
-    report.backward_inputs_skipped = calls.backward_inputs_skipped
-    report.backward_inputs_resent = calls.backward_inputs_resent
-    report.backward_asked_again = calls.backward_asked_again
+    earlier_bans = dict(report.banned_peers)
+    for counter in dataclasses.fields(CallCounters):  # this process's counts (a resumed run's start afresh)
+        setattr(report, counter.name, copy.deepcopy(getattr(counters, counter.name)))
+    report.microbatches_lost = counters.microbatches_sent - counters.microbatches_done
     report.grad_norms = [round(norm, 6) for norm in schedule.grad_norms]
-    report.failures_by_kind = dict(calls.failures_by_kind)
-    report.calls_by_peer = dict(calls.calls_by_peer)
-    report.calls_verified = calls.calls_verified
-    report.verify_mismatches = calls.verify_mismatches
-    report.verify_calls = calls.verify_calls
-    report.verify_records_missing = calls.verify_records_missing
-    report.verify_largest_agreeing_difference = calls.verify_largest_agreeing_difference
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
-    report.banned_peers = {**report.banned_peers, **calls.banned_peers}
+    report.banned_peers = {**earlier_bans, **counters.banned_peers}
     report.contributions = schedule.caller.contributions.merge(earlier_contributions or {})
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from swarm.trainer.chain_call import ChainCaller
 from swarm.trainer.client import PeerCallError, StageClient
+from swarm.trainer.config import DEFAULT_ROUTING
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
@@ -107,18 +108,6 @@ def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[l
     return [[p for p in replicas if p in members], *[[p] for p in replicas if p not in members]]
 
 
-@dataclass
-class ScheduleCounters:
-    microbatches_sent: int = 0
-    microbatches_done: int = 0
-    microbatches_retried: int = 0  # microbatches that needed at least one retry
-    microbatches_hub_timed: int = 0  # direct routing: microbatches sent through the trainer (--hub-timing-fraction)
-    commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)
-    averaged_commits: int = 0  # ... of which averaged with other replicas
-    catch_ups: int = 0  # sync replicas that missed a round their partner completed and loaded its state
-    round_retries: int = 0  # sync stages committed again because their averaging round failed on every replica
-
-
 class StepSchedule:
     def __init__(
         self,
@@ -126,7 +115,7 @@ class StepSchedule:
         *,
         max_in_flight: int,
         run_id: str,
-        routing: str = "hub",
+        routing: str = DEFAULT_ROUTING,
         send_tokens: bool = False,
         clip_grad_norm: float = 0.0,
         hub_timing_fraction: float = 0.0,
@@ -147,7 +136,7 @@ class StepSchedule:
         self.view: SwarmView = caller.view
         self.client: StageClient = caller.client
         self.num_stages = self.view.num_stages
-        self.counters = ScheduleCounters()
+        self.counters = caller.counters  # the one set of counters, the calls' and the schedule's
         self.metrics: TrainerMetrics = caller.metrics
         self.max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
@@ -358,7 +347,7 @@ class StepSchedule:
             failed = failed_stages()
             if not failed:
                 break
-            self.counters.round_retries += len(failed)
+            self.counters.sync_round_retries += len(failed)
             for stage in failed:
                 logger.warning(
                     f"stage {stage}: the replicas' averaging round failed and none stepped; "
@@ -498,6 +487,6 @@ class StepSchedule:
             elif isinstance(result, BaseException):
                 raise result
             else:
-                self.counters.catch_ups += 1
+                self.counters.replica_catch_ups += 1
                 previous = answers[stage][repair.peer_id]
                 answers[stage][repair.peer_id] = previous.model_copy(update={"steps_done": result.steps_done})

@@ -1,13 +1,12 @@
-"""One microbatch's call to one stage, with failover: the trainer's retry loop.
+"""One microbatch's call to one stage, with failover (hub routing).
 
-`StageCaller.call` picks a replica of the stage (the stage's `ReplicaScheduler` in the
-`SwarmView`, swarm/trainer/discovery.py), encodes what it sends with the codec that replica's link
-calls for, sends it through `StageClient.exchange` (swarm/trainer/client.py, which sends encoded
-tensors and decodes the answer), and checks the answer. A failed call is noted (the scheduler, a
-ban, a counter, a metric) and retried on another replica; after `max_retries` failures, or when no
-replica can take the call, it waits for the stage (refreshing the view) until one can or
-`stage_wait_timeout_s` runs out, which stops the run with an error instead of losing data. The
-bookkeeping itself (timeouts, bans, the retry budget) is pure: swarm/trainer/failures.py.
+`StageCaller.call` hands the trainer's call engine (swarm/trainer/call_engine.py, which direct
+routing's chains share) a `StageWork`: pick a replica of the stage (the stage's `ReplicaScheduler`
+in the `SwarmView`, swarm/trainer/discovery.py), encode what it sends with the codec that
+replica's link calls for, send it through `StageClient.exchange` (swarm/trainer/client.py, which
+sends encoded tensors and decodes the answer), and check the answer. The engine retries a failed
+call on another replica (or asks the same one again: a backward lost in transit), by the rules of
+wire/call_rules.py, and waits for the stage when no replica can take it.
 
 `StageCaller.verify` is the spot check (issue #25): the same request sent again to a second replica,
 and to a third when the answers differ; the decisions (which call, the tolerance, the minority) are
@@ -21,7 +20,6 @@ sent on to the next as it came (no decode + re-encode) when the next link uses t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -29,21 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.trainer.client import PeerCallError, StageClient
+from swarm.trainer.call_engine import Blame, CallEngine
+from swarm.trainer.client import CallResult, PeerCallError, StageClient
 from swarm.trainer.config import FailoverSettings
-from swarm.trainer.contributions import ContributionLedger
 from swarm.trainer.discovery import SwarmView
-from swarm.trainer.failures import (
-    NotAllowedError,
-    RetriesExhaustedError,
-    RetryBudget,
-    StageUnavailableError,
-    TimeoutPolicy,
-    refused_as_not_allowed,
-)
+from swarm.trainer.failures import StageUnavailableError
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.service_clock import ServiceClock
 from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance, unchecked_because
+from wire.call_rules import Attempts, penalty_for
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.compression.policy import CodecPolicy
 from wire.failures import Failure
@@ -64,22 +55,6 @@ class Payload:
 
     tensor: torch.Tensor
     encodings: dict[tuple, EncodedTensor] = field(default_factory=dict)
-
-
-@dataclass
-class CallCounters:
-    calls_retried: int = 0
-    failures_by_kind: dict[str, int] = field(default_factory=dict)
-    calls_by_peer: dict[str, int] = field(default_factory=dict)
-    backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
-    backward_inputs_resent: int = 0  # ... tried without inputs, but the peer had no cached forward
-    backward_asked_again: int = 0  # backwards (chains) that failed in transit, asked of the same replica(s) once more
-    calls_verified: int = 0  # forward calls sent to a second replica too (spot checks)
-    verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
-    verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
-    verify_records_missing: int = 0  # chains (direct routing) picked for a check whose hop records could not be had
-    banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why it was banned for the run
-    verify_largest_agreeing_difference: float = 0.0  # the tolerance's margin: the most two agreeing answers differed
 
 
 @dataclass(frozen=True)
@@ -118,17 +93,18 @@ class StageCaller:
     ):
         self.view, self.client = view, client
         self.d_model, self.seq_len = d_model, seq_len
-        self.max_retries, self.stage_wait_timeout_s = failover.max_retries, failover.stage_wait_timeout_s
+        self.engine = CallEngine(view, failover, say=say, my_peer_id=self._my_peer_id)  # shared with the chains
+        # the engine's state, by the names the schedule, the chains and the checks use
+        self.counters, self.contributions = self.engine.counters, self.engine.contributions
+        self.timeouts, self.service, self.not_allowed_by = (
+            self.engine.timeouts,
+            self.engine.service,
+            self.engine.not_allowed_by,
+        )
         self.codecs = codecs or CodecPolicy("none")
         self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
-        self.timeouts = TimeoutPolicy()
-        self.service = ServiceClock()  # routing's measure of each replica: the trainer's own clock
-        self.counters = CallCounters()
-        self.contributions = ContributionLedger()  # what each peer served, failed, and how checks judged it
-        self.not_allowed_by: dict[str, str] = {}  # peers of a private swarm that refused us: never asked again
         self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
         self.told_unchecked: set[str] = set()  # replicas whose answers cannot be compared, told once
-        self._say = say
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
     def _encode(
@@ -166,115 +142,8 @@ class StageCaller:
         forward on this stage; if it is chosen again, the inputs are not resent (it answers a cache
         miss if it no longer holds them, and they are then sent). `evaluate` (forward): a validation
         pass, which the peer answers without keeping anything or counting the samples."""
-        failures = [] if failures is None else failures
-        numel_out = batch_size * self.seq_len * self.d_model
-        scheduler, bans, newcomers = self.view.schedulers[stage], self.view.bans, self.view.newcomers[stage]
-        budget = RetryBudget(stage, max_retries=self.max_retries)
-        waited_since, again = None, None  # again: the replica a failed backward is asked of once more
-        while True:
-            # asked again: charged like any call, so its answer settles its own charge
-            asking_again = again is not None and scheduler.charge(again, rpc, batch_size)
-            if asking_again:
-                peer_id, again = again, None
-            else:
-                again = None
-                exclude = bans.banned() | budget.failed_peers() | self.view.violations.banned(stage)
-                exclude |= newcomers.excluded(set(scheduler.keys_s()) - exclude)
-                peer_id = scheduler.choose(
-                    rpc,
-                    batch_size,
-                    exclude=exclude | self.not_allowed_by.keys(),
-                    cached_on=cached_on if rpc == "backward" else None,
-                )
-            if peer_id is None and self.not_allowed_by:  # no retry lets us into a private swarm
-                raise NotAllowedError(stage, self._my_peer_id(), list(self.not_allowed_by.values()))
-            if peer_id is None:
-                waited_since = waited_since or time.monotonic()
-                await self._wait_for_replica(stage, waited_since, budget)
-                budget = RetryBudget(stage, max_retries=self.max_retries)
-                continue
-            waited_since = None
-            newcomers.called(peer_id)
-            timeout_s = self.timeouts.timeout_s(stage, rpc)
-            started = time.perf_counter()
-            # the peer that served the forward cached its inputs (and token ids): not sent again
-            # (not when asked again: the failed call took them out of the cache)
-            skip_inputs = (
-                rpc == "backward"
-                and peer_id == cached_on
-                and not asking_again
-                and any(n == "inputs" for n, _ in tensors)
-            )
-            try:
-                response_codec = self.codecs.choose(
-                    peer_id, stage, numel_out, batch_size, is_gradient=rpc == "backward"
-                )
-                while True:
-                    sent = [(n, t) for n, t in tensors if not (skip_inputs and n in ("inputs", "tokens"))]
-                    encoded = self._encode(peer_id, stage, batch_size, sent)
-                    try:
-                        result = await self.client.exchange(
-                            peer_id,
-                            rpc=rpc,
-                            stage=stage,
-                            microbatch_id=microbatch_id,
-                            batch_size=batch_size,
-                            tensors=encoded,
-                            timeout_s=timeout_s,
-                            response_codec=response_codec,
-                            inputs_cached=skip_inputs,
-                            evaluate=evaluate,
-                            max_answer_bytes=answer_bytes_limit(numel_out),
-                        )
-                        break
-                    except PeerCallError as e:
-                        # A cache miss (or an older peer refusing a request without inputs) is no
-                        # failure of the peer: ask it again, with the inputs this time.
-                        if not (skip_inputs and e.kind in (Failure.CACHE_MISS, Failure.REFUSED)):
-                            raise
-                        skip_inputs = False
-                        self.counters.backward_inputs_resent += 1
-                check_answer(
-                    peer_id,
-                    stage,
-                    rpc,
-                    num_stages=self.view.num_stages,
-                    expected_shape=(batch_size, self.seq_len, self.d_model),
-                    outputs=result.outputs,
-                    loss=result.response.loss,
-                )
-                if skip_inputs:
-                    self.counters.backward_inputs_skipped += 1
-            except PeerCallError as e:
-                self.metrics.observe_failure(stage=stage, rpc=rpc, kind=e.kind.value)
-                if e.kind == Failure.REFUSED and refused_as_not_allowed(str(e)):
-                    self.not_allowed_by[peer_id] = peer_id[-8:]
-                    continue
-                failed_at = time.perf_counter()
-                self.service.finished(peer_id, started, failed_at)
-                self._note_failure(stage, peer_id, e, failed_after_s=failed_at - started)
-                failures.append(str(e))
-                try:
-                    budget.record_failure(peer_id, str(e))
-                except RetriesExhaustedError as exhausted:
-                    logger.warning(str(exhausted))
-                    waited_since = time.monotonic()
-                    await self._wait_for_replica(stage, waited_since, budget)
-                    budget = RetryBudget(stage, max_retries=self.max_retries)
-                    continue
-                if budget.ask_again(peer_id, rpc, e.kind):  # it may hold this backward already: not twice
-                    logger.info(f"stage {stage}: asking {peer_id[-8:]} again first (it may have added this backward)")
-                    again = peer_id
-                    self.counters.backward_asked_again += 1
-                continue
-            done = time.perf_counter()
-            service_s = self.service.finished(peer_id, started, done)
-            self._note_success(
-                stage, rpc, peer_id, batch_size, done - started, service_s, result.response, result.moved, skip_inputs
-            )
-            return StageAnswer(
-                result.outputs, result.response, peer_id, result.received, codec_key(response_codec), tuple(encoded)
-            )
+        work = StageWork(self, stage, rpc, microbatch_id, batch_size, tensors, cached_on=cached_on, evaluate=evaluate)
+        return await self.engine.drive(work, [] if failures is None else failures)
 
     async def verify(self, stage: int, microbatch_id: str, batch_size: int, answer: StageAnswer) -> StageAnswer:
         """Spot-check a forward `answer`: send its request, unchanged, to another replica of the stage,
@@ -375,33 +244,32 @@ class StageCaller:
                 loss=result.response.loss,
             )
         except PeerCallError as e:
-            self.metrics.observe_failure(stage=stage, rpc="forward", kind=e.kind.value)
-            failed_at = time.perf_counter()
-            self.service.finished(peer_id, started, failed_at)
-            self._note_failure(stage, peer_id, e, failed_after_s=failed_at - started)
+            self.engine.note_failure("forward", self.failed_call(stage, peer_id, e, started, time.perf_counter()))
+            self.counters.calls_retried += 1
             return None
         done = time.perf_counter()
-        service_s = self.service.finished(peer_id, started, done)
-        self._note_success(
-            stage, "forward", peer_id, batch_size, done - started, service_s, result.response, result.moved, False
-        )
+        self.timeouts.observe(stage, "forward", done - started)
+        self.metrics.observe_call(stage=stage, rpc="forward", duration_s=done - started)
+        self.answered_call(stage, "forward", peer_id, batch_size, result, started, done, from_cache=False)
         return StageAnswer(
             result.outputs, result.response, peer_id, result.received, asked.received_codec, asked.request
         )
 
-    def _note_success(
+    def answered_call(
         self,
         stage: int,
         rpc: str,
         peer_id: str,
         batch_size: int,
-        elapsed: float,
-        service_s: float,
-        response: ResponseHeader,
-        moved: int,
+        result: CallResult,
+        started: float,
+        done: float,
+        *,
         from_cache: bool,
     ) -> None:
-        self.metrics.observe_call(stage=stage, rpc=rpc, duration_s=elapsed)
+        """A replica's answer, settled: its routing measure, its link's timing, the counters."""
+        service_s = self.service.finished(peer_id, started, done)
+        elapsed, response = done - started, result.response
         # Routing trusts only what this trainer measured: the time the call kept the replica busy on
         # our own clock (swarm/trainer/service_clock.py), never the compute and queue times the
         # replica reports, which a replica could set to ~0 to draw nearly every call (issue #30).
@@ -413,65 +281,152 @@ class StageCaller:
         compute_s = min(max(response.compute_s, 0.0), elapsed)
         transfer_s = max(elapsed - max(response.queue_s, 0.0) - compute_s, 0.0)
         self.codecs.observe(
-            peer_id, stage, nbytes=moved, transfer_s=transfer_s, compute_s=compute_s, batch_size=batch_size
+            peer_id, stage, nbytes=result.moved, transfer_s=transfer_s, compute_s=compute_s, batch_size=batch_size
         )
-        self.timeouts.observe(stage, rpc, elapsed)
-        self.view.bans.clear(peer_id)
-        key = peer_id[-8:]
-        self.counters.calls_by_peer[key] = self.counters.calls_by_peer.get(key, 0) + 1
-        self.contributions.answered(peer_id, stage, rpc, batch_size)
+        self.engine.note_answered(peer_id, stage, rpc, batch_size)
 
-    def _note_failure(self, stage: int, peer_id: str, error: PeerCallError, failed_after_s: float) -> None:
+    def failed_call(self, stage: int, peer_id: str, error: PeerCallError, started: float, done: float) -> list[Blame]:
+        """A replica's failed call, settled; whom it blames: that replica, seen failing by this trainer."""
+        self.service.finished(peer_id, started, done)
         self.view.schedulers[stage].report_failure(peer_id)
-        self.counters.calls_retried += 1
-        kind = error.kind.value
-        self.counters.failures_by_kind[kind] = self.counters.failures_by_kind.get(kind, 0) + 1
-        # A protocol violation is the peer's own doing, not bad luck: avoided for long. A wrong-stage
-        # answer to a call routed by the peer's own record of this stage bans it on this stage (an
-        # honest peer that moved serves its new one); a malformed answer bans it everywhere.
-        self.contributions.failed(peer_id, stage)
-        if error.kind == Failure.WRONG_STAGE:
-            banned_s = self.view.violations.wrong_stage(peer_id, stage, str(error))
-            logger.warning(f"stage {stage}: {error}; not routing stage {stage} there for {banned_s:.0f} s")
-            self.contributions.banned(
-                peer_id, stage, f"stage {stage}: {error} (not asked for stage {stage} for {banned_s:.0f} s)"
-            )
-        elif error.kind == Failure.GARBAGE:
-            banned_s = self.view.violations.malformed(peer_id, str(error))
-            logger.warning(f"stage {stage}: {error}; not routing anything there for {banned_s:.0f} s")
-            self.contributions.banned(peer_id, stage, f"stage {stage}: {error} (not asked for {banned_s:.0f} s)")
-        else:
-            # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
-            self.view.bans.ban(peer_id, at_least_s=3.0 * failed_after_s)
-        self.metrics.bans.labels(stage=str(stage)).inc()
-        # Failover is routine (a stream reset, a peer that left): the retry is counted in the report and
-        # the metrics; only a microbatch that runs out of retries is worth a warning (RetriesExhaustedError).
-        logger.info(f"stage {stage}: {error}; retrying")
+        penalty = penalty_for(error.kind, str(error), witnessed=True)
+        # Probing a peer again costs what this failure cost: keep that under a quarter of the time.
+        return [Blame(peer_id, stage, error.kind, penalty, str(error), at_least_s=3.0 * (done - started))]
 
     def _my_peer_id(self) -> str:
         p2p = getattr(self.client, "p2p", None)
         return p2p.peer_id.to_base58() if p2p is not None else "(unknown)"
 
-    async def _wait_for_replica(self, stage: int, since: float, budget: RetryBudget) -> None:
-        """No replica can take this call now: refresh the peer list until one can, or give up."""
-        waited = time.monotonic() - since
-        if waited > self.stage_wait_timeout_s:
-            raise StageUnavailableError(
-                stage,
-                f"no live replica for {waited:.0f} s (failed: "
-                f"{sorted(p[-8:] for p in budget.failed_peers())}); start a peer "
-                f"with --stage {stage} or raise --stage-wait-timeout-s",
-            )
-        bans = self.view.bans
-        if int(waited) % 10 == 0:
-            self._say(
-                f"waiting for a live replica of stage {stage} ({waited:.0f} s so far; {len(bans.banned())} peers banned)"
-            )
-        next_unban = bans.seconds_until_next_unban()
-        pause_s = min(1.0, next_unban if next_unban is not None else 1.0)
-        await asyncio.sleep(pause_s)
-        self.metrics.stage_wait.labels(stage=str(stage)).inc(pause_s)
-        await self.view.refresh()
+
+@dataclass
+class _Asked:
+    """One attempt of a `StageWork`: the replica, and what was sent to it."""
+
+    peer_id: str
+    again: bool  # asked again after its answer was lost (charged, not chosen)
+    skip_inputs: bool = False  # a backward sent without its inputs (the replica cached them)
+    encoded: tuple[tuple[str, EncodedTensor], ...] = ()
+    response_codec: CodecChoice | None = None
+
+
+class StageWork:
+    """One microbatch's call to one stage, as the call engine drives it (swarm/trainer/call_engine.py)."""
+
+    waits_on_others = False  # a replica answers a hub call by itself
+
+    def __init__(
+        self,
+        caller: StageCaller,
+        stage: int,
+        rpc: str,
+        microbatch_id: str,
+        batch_size: int,
+        tensors: list[tuple[str, Payload]],
+        *,
+        cached_on: str | None,
+        evaluate: bool,
+    ):
+        self.caller, self.stage, self.rpc = caller, stage, rpc
+        self.microbatch_id, self.batch_size, self.tensors = microbatch_id, batch_size, tensors
+        self.cached_on, self.evaluate = cached_on, evaluate
+        self.timeout_key = (stage, rpc)
+        self.adds_work = rpc == "backward"  # its gradients are added: a lost answer is asked again first
+        self.waiting_for = f"a live replica of stage {stage}"
+        self.numel_out = batch_size * caller.seq_len * caller.d_model
+
+    def choose(self, exclude) -> _Asked | None:
+        view = self.caller.view
+        scheduler, newcomers = view.schedulers[self.stage], view.newcomers[self.stage]
+        excluded = exclude(self.stage)
+        excluded |= newcomers.excluded(set(scheduler.keys_s()) - excluded)
+        cached_on = self.cached_on if self.rpc == "backward" else None
+        peer_id = scheduler.choose(self.rpc, self.batch_size, exclude=excluded, cached_on=cached_on)
+        return None if peer_id is None else _Asked(peer_id, again=False)
+
+    def again(self, peer_id: str) -> _Asked | None:
+        # charged like any call, so its answer settles its own charge
+        if not self.caller.view.schedulers[self.stage].charge(peer_id, self.rpc, self.batch_size):
+            return None
+        return _Asked(peer_id, again=True)
+
+    def key(self, target: _Asked) -> str:
+        return target.peer_id
+
+    async def call(self, target: _Asked, timeout_s: float) -> CallResult:
+        caller, peer_id, stage, rpc = self.caller, target.peer_id, self.stage, self.rpc
+        caller.view.newcomers[stage].called(peer_id)
+        # the peer that served the forward cached its inputs (and token ids): not sent again
+        # (not when asked again: the failed call took them out of the cache)
+        skip_inputs = (
+            rpc == "backward"
+            and peer_id == self.cached_on
+            and not target.again
+            and any(n == "inputs" for n, _ in self.tensors)
+        )
+        response_codec = caller.codecs.choose(
+            peer_id, stage, self.numel_out, self.batch_size, is_gradient=rpc == "backward"
+        )
+        while True:
+            sent = [(n, t) for n, t in self.tensors if not (skip_inputs and n in ("inputs", "tokens"))]
+            encoded = caller._encode(peer_id, stage, self.batch_size, sent)
+            try:
+                result = await caller.client.exchange(
+                    peer_id,
+                    rpc=rpc,
+                    stage=stage,
+                    microbatch_id=self.microbatch_id,
+                    batch_size=self.batch_size,
+                    tensors=encoded,
+                    timeout_s=timeout_s,
+                    response_codec=response_codec,
+                    inputs_cached=skip_inputs,
+                    evaluate=self.evaluate,
+                    max_answer_bytes=answer_bytes_limit(self.numel_out),
+                )
+                break
+            except PeerCallError as e:
+                # A cache miss (or an older peer refusing a request without inputs) is no
+                # failure of the peer: ask it again, with the inputs this time.
+                if not (skip_inputs and e.kind in (Failure.CACHE_MISS, Failure.REFUSED)):
+                    raise
+                skip_inputs = False
+                caller.counters.backward_inputs_resent += 1
+        check_answer(
+            peer_id,
+            stage,
+            rpc,
+            num_stages=caller.view.num_stages,
+            expected_shape=(self.batch_size, caller.seq_len, caller.d_model),
+            outputs=result.outputs,
+            loss=result.response.loss,
+        )
+        if skip_inputs:
+            caller.counters.backward_inputs_skipped += 1
+        target.skip_inputs, target.encoded, target.response_codec = skip_inputs, tuple(encoded), response_codec
+        return result
+
+    def failed(self, target: _Asked, error: PeerCallError, started: float, done: float) -> list[Blame]:
+        return self.caller.failed_call(self.stage, target.peer_id, error, started, done)
+
+    def answered(self, target: _Asked, result: CallResult, started: float, done: float) -> StageAnswer:
+        self.caller.answered_call(
+            self.stage, self.rpc, target.peer_id, self.batch_size, result, started, done, from_cache=target.skip_inputs
+        )
+        return StageAnswer(
+            result.outputs,
+            result.response,
+            target.peer_id,
+            result.received,
+            codec_key(target.response_codec),
+            target.encoded,
+        )
+
+    def unavailable(self, waited_s: float, attempts: Attempts) -> StageUnavailableError:
+        return StageUnavailableError(
+            self.stage,
+            f"no live replica for {waited_s:.0f} s (failed: {sorted(p[-8:] for p in attempts.failed_peers())}); "
+            f"start a peer with --stage {self.stage} or raise --stage-wait-timeout-s",
+        )
 
 
 def check_answer(

@@ -1,16 +1,17 @@
-"""TimeoutPolicy, BanList, RetryBudget and the errors the trainer raises when it gives up."""
+"""TimeoutPolicy, BanList, and the errors the trainer raises when it gives up; with the retry budget of
+wire/call_rules.py, the pieces together as the trainer's loop uses them."""
 
 import pytest
 
 from swarm.trainer.failures import (
     BanList,
     RetriesExhaustedError,
-    RetryBudget,
     RoutingError,
     StageUnavailableError,
     TimeoutPolicy,
 )
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
+from wire.call_rules import Attempts
 from wire.failures import Failure
 
 
@@ -163,18 +164,15 @@ def test_bans_are_per_peer():
     assert bans.banned() == {"b"}
 
 
-# RetryBudget and errors
+# the budget's errors
 
 
-def test_retry_budget_gives_up_after_max_retries_with_an_actionable_message():
-    budget = RetryBudget(stage=2, max_retries=2)
-    budget.record_failure("peer-a", "TimeoutError after 60.0 s")
-    budget.record_failure("peer-b", "ConnectionResetError")
-    assert budget.attempts_left == 1
-    assert budget.failed_peers() == {"peer-a", "peer-b"}
-    with pytest.raises(RetriesExhaustedError) as raised:
-        budget.record_failure("peer-a", "TimeoutError after 60.0 s")
-    error = raised.value
+def test_retries_exhausted_says_what_failed_and_what_to_do():
+    attempts = Attempts(max_failures=2)
+    for peer_id, reason in [("peer-a", "TimeoutError after 60.0 s"), ("peer-b", "ConnectionResetError")] * 2:
+        attempts.failed(peer_id, Failure.TIMEOUT, reason)
+    assert attempts.spent
+    error = RetriesExhaustedError(2, attempts.failures[:3])
     assert isinstance(error, RoutingError) and isinstance(error, RuntimeError)
     assert error.stage == 2 and len(error.failures) == 3
     message = str(error)
@@ -187,44 +185,6 @@ def test_stage_unavailable_error_says_what_to_do():
     assert isinstance(error, RoutingError)
     assert error.stage == 1 and error.reason == "all 3 replicas are banned"
     assert "stage 1" in str(error) and "Start a peer serving stage 1" in str(error)
-
-
-@pytest.mark.parametrize("kind", [Failure.TIMEOUT, Failure.TRANSPORT])
-def test_a_backward_lost_in_transit_is_asked_again_of_the_same_replica_once(kind):
-    budget = RetryBudget(stage=0, max_retries=3)
-    budget.record_failure("peer-a", "lost")
-    assert budget.ask_again("peer-a", "backward", kind)
-    budget.record_failure("peer-a", "lost again")
-    assert not budget.ask_again("peer-a", "backward", kind)  # twice: most likely gone, go elsewhere
-    budget.record_failure("peer-b", "lost")
-    assert budget.ask_again("peer-b", "backward", kind)  # once per replica
-
-
-@pytest.mark.parametrize(
-    ("task", "kind"),
-    [
-        ("forward", Failure.TIMEOUT),  # a forward adds nothing: any replica will do
-        ("backward", Failure.INTERNAL),  # an answer: the peer failed it and did not count it
-        ("backward", Failure.GARBAGE),
-        ("backward", Failure.WRONG_STAGE),
-    ],
-)
-def test_other_failures_go_to_another_replica(task, kind):
-    budget = RetryBudget(stage=0, max_retries=3)
-    budget.record_failure("peer-a", "failed")
-    assert not budget.ask_again("peer-a", task, kind)
-
-
-def test_no_ask_again_once_the_budget_is_spent():
-    budget = RetryBudget(stage=0, max_retries=0)
-    with pytest.raises(RetriesExhaustedError):
-        budget.record_failure("peer-a", "lost")
-    assert not budget.ask_again("peer-a", "backward", Failure.TIMEOUT)
-
-
-def test_retry_budget_rejects_negative_retries():
-    with pytest.raises(ValueError):
-        RetryBudget(stage=0, max_retries=-1)
 
 
 # The pieces together, as the trainer's loop uses them (see the swarm.trainer.failures docstring).
@@ -241,7 +201,9 @@ def route_one_microbatch(scheduler, bans, timeouts, budget, call, stage=0, sampl
         except TimeoutError as error:
             scheduler.report_failure(peer_id)
             bans.ban(peer_id)
-            budget.record_failure(peer_id, repr(error))
+            budget.failed(peer_id, Failure.TIMEOUT, repr(error))
+            if budget.spent:
+                raise RetriesExhaustedError(stage, budget.failures) from None
             continue
         timeouts.observe(stage, task, elapsed_s)
         scheduler.report_success(peer_id, task, samples, elapsed_s)
@@ -261,7 +223,7 @@ def test_microbatch_fails_over_to_a_healthy_replica_and_the_bad_one_is_banned():
             raise TimeoutError(f"{peer_id} did not answer in {timeout_s} s")
         return 0.4
 
-    served_by = [route_one_microbatch(scheduler, bans, timeouts, RetryBudget(0), call) for _ in range(5)]
+    served_by = [route_one_microbatch(scheduler, bans, timeouts, Attempts(max_failures=5), call) for _ in range(5)]
     assert served_by == ["b"] * 5
     assert bans.banned() == {"a"}
 
@@ -275,10 +237,11 @@ def test_microbatch_gives_up_loudly_when_every_replica_fails():
         raise TimeoutError(peer_id)
 
     with pytest.raises(StageUnavailableError):
-        route_one_microbatch(scheduler, BanList(clock=clock), TimeoutPolicy(), RetryBudget(0), call)
-    with pytest.raises(RetriesExhaustedError):
-        # Without bans or exclusion of failed peers, the budget is what stops the loop.
-        budget = RetryBudget(0, max_retries=3)
-        for _ in range(10):
-            peer_id = scheduler.choose("forward", 1)
-            budget.record_failure(peer_id, "TimeoutError")
+        route_one_microbatch(scheduler, BanList(clock=clock), TimeoutPolicy(), Attempts(max_failures=5), call)
+    # Without bans or exclusion of failed peers, the budget is what stops the loop.
+    budget = Attempts(max_failures=3)
+    for tries in range(1, 10):
+        budget.failed(scheduler.choose("forward", 1), Failure.TIMEOUT, "TimeoutError")
+        if budget.spent:
+            break
+    assert tries == 4 and budget.attempts_left == 0

@@ -142,7 +142,7 @@ class ScriptedStages:
 def test_a_microbatch_goes_forward_and_back_passing_encodings_on_as_received():
     client = ScriptedStages(num_stages=3)
     caller = make_caller(client, peers=("peer-a",))
-    schedule = StepSchedule(caller, max_in_flight=2, run_id="run")
+    schedule = StepSchedule(caller, max_in_flight=2, run_id="run", routing="hub")
     inputs = torch.randint(0, 10, (B, T))
     loss = asyncio.run(schedule.run_step([Microbatch(step=0, index=0, inputs=inputs, targets=inputs)]))
     assert loss == 2.5
@@ -171,7 +171,7 @@ def test_a_microbatch_goes_forward_and_back_passing_encodings_on_as_received():
 def test_an_evaluation_goes_forward_only_and_asks_every_stage_to_keep_nothing():
     client = ScriptedStages(num_stages=3)
     caller = make_caller(client, peers=("peer-a",))
-    schedule = StepSchedule(caller, max_in_flight=2, run_id="run")
+    schedule = StepSchedule(caller, max_in_flight=2, run_id="run", routing="hub")
     inputs = torch.randint(0, 10, (B, T))
     batches = [[Microbatch(step=-1, index=i, inputs=inputs, targets=inputs) for i in range(2)]]
     assert asyncio.run(schedule.evaluate(batches)) == 2.5

@@ -340,7 +340,7 @@ def test_the_schedule_verifies_forward_calls_and_goes_on_with_the_majority():
     )
     serve(view, 0, ("peer-a", "peer-b", "peer-liar"))
     serve(view, 1, ("peer-last",))
-    schedule = StepSchedule(caller, max_in_flight=1, run_id="run")
+    schedule = StepSchedule(caller, max_in_flight=1, run_id="run", routing="hub")
     microbatches = [
         Microbatch(step=0, index=i, inputs=activations(i), targets=torch.zeros(B, T, dtype=torch.long))
         for i in range(4)
