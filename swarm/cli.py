@@ -156,17 +156,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if verbose(args):
         print(describe(config), flush=True)
     report = run_trainer(config)
-    loss = (
-        f"loss {report.initial_loss:.4f} -> {report.final_loss:.4f}"
-        if report.initial_loss is not None and report.final_loss is not None
-        else "no loss yet"
-    )
-    print(
-        f"{'stopped early' if report.stopped_early else 'done'}: {report.steps} steps, {loss}, "
-        f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost",
-        flush=True,
-    )
+    print(done_line(report), flush=True)
     return EXIT_SIGNALLED if report.stopped_early else 0
+
+
+def done_line(report) -> str:
+    """The trainer's last line: the first step's loss, then the mean of the last (up to) 5 steps'."""
+    loss = "no loss yet"
+    if report.initial_loss is not None and report.final_loss is not None:
+        tail = min(5, len(report.losses))
+        last = "the last step" if tail == 1 else f"mean of the last {tail} steps"
+        loss = f"loss {report.initial_loss:.4f} (first step) -> {report.final_loss:.4f} ({last})"
+    return (
+        f"{'stopped early' if report.stopped_early else 'done'}: {report.steps} steps, {loss}, "
+        f"{report.tokens_per_s:,.0f} tokens/s, {report.microbatches_lost} microbatches lost"
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from swarm.export.config import ExportConfig
 from swarm.export.run import run_export
 from swarm.generate import GenerateConfig, generate_text
 from swarm.local_swarm import LocalSwarm, start_fork_server
-from swarm.trainer.data import open_data
+from swarm.trainer.data import model_for_data, model_tokenizer, open_data
 from wire.compression.policy import CODEC_MODES
 
 
@@ -37,7 +37,11 @@ class DemoConfig:
         help="a folder made by `swarm data prepare`, or a text file (default: the Shakespeare corpus, "
         "prepared with --tokenizer into ~/.cache/swarm or $SWARM_CACHE_DIR the first time)",
     )
-    tokenizer: str = option("bpe:4096", help="tokenizer for a text file or the default corpus: bytes or bpe:VOCAB")
+    tokenizer: str | None = option(
+        None,
+        help="tokenizer for a text file or the default corpus: bytes, bpe:VOCAB or a tokenizer.json "
+        "(default: bpe:4096; with --model-dir, the folder's tokenizer.json, else bytes)",
+    )
     warmup_steps: int | None = option(
         None, help="learning-rate warmup steps, then a cosine decay over the rest (default: a tenth of --steps)"
     )
@@ -131,10 +135,13 @@ def _run_swarm(config: DemoConfig) -> int:
 
 def _run_swarm_with(config: DemoConfig, fork_server: ForkServer, threads: int, model_dir_args: list[str]) -> int:
     # The data first: its vocabulary is the model's, so the peers start with it.
-    data = open_data(config.data, tokenizer=config.tokenizer, say=lambda line: print(f"[demo] {line}", flush=True))
+    data = open_data(
+        config.data, tokenizer=demo_tokenizer(config), say=lambda line: print(f"[demo] {line}", flush=True)
+    )
     vocab_args = [] if config.model_dir else ["--vocab-size", str(data.vocab_size)]
-    if not config.model_dir:  # a model whose vocabulary is fixed (a user architecture) refuses other data here
-        resolve_model(config.model, None, data.vocab_size)
+    # Data the model cannot read (a folder's model, or a user architecture's fixed vocabulary) is
+    # refused here, in one line, before any process starts.
+    model_for_data(config.model, config.model_dir, data)
     with LocalSwarm(
         model=config.model,
         num_stages=config.stages,
@@ -194,7 +201,12 @@ def _run_swarm_with(config: DemoConfig, fork_server: ForkServer, threads: int, m
         log = trainer.log()
         print(log[shown:], end="", flush=True)
         if trainer.popen.returncode != 0:
-            print(f"[demo] the trainer failed (exit {trainer.popen.returncode}); logs in {swarm.workdir}", flush=True)
+            reason = failure_reason(log)
+            print(
+                f"[demo] the trainer failed (exit {trainer.popen.returncode}){': ' + reason if reason else ''}; "
+                f"logs in {swarm.workdir}",
+                flush=True,
+            )
             return 1
         with open(report_path) as f:
             report = json.load(f)
@@ -214,6 +226,23 @@ def _run_swarm_with(config: DemoConfig, fork_server: ForkServer, threads: int, m
             export_and_sample(config, swarm, data.folder)
         print("[demo] stopping the swarm...", flush=True)
     return 0
+
+
+def demo_tokenizer(config: DemoConfig) -> str:
+    """--tokenizer, else the model folder's own tokenizer.json (bytes when it has none), else bpe:4096."""
+    if config.tokenizer:
+        return config.tokenizer
+    if config.model_dir:
+        return model_tokenizer(config.model_dir) or "bytes"
+    return "bpe:4096"
+
+
+def failure_reason(log: str) -> str | None:
+    """The one-line error a `swarm` process printed before it exited (`swarm train: error: ...`)."""
+    errors = [
+        line.split(": error: ", 1)[1] for line in log.splitlines() if line.startswith("swarm ") and ": error: " in line
+    ]
+    return errors[-1].strip() if errors else None
 
 
 def lr_schedule_args(steps: int, warmup_steps: int | None) -> list[str]:

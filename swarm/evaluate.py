@@ -17,11 +17,11 @@ import torch
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig, start_dht, with_p2p_client
 from models.config import lora_rank
-from models.model_source import DEFAULT_MODEL, resolve_model
+from models.model_source import DEFAULT_MODEL
 from models.subspace_options import SubspaceSettings
 from process.config import ConfigError, option, section
 from swarm.trainer.config import CompressionSettings, CorpusSettings, DiscoverySettings, FailoverSettings
-from swarm.trainer.data import ValidationBatches, open_data
+from swarm.trainer.data import ValidationBatches, model_for_data, model_tokenizer, open_data
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.run import connect, run_access
 
@@ -60,11 +60,9 @@ class EvalConfig:
 
 
 async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
-    data = open_data(config.corpus.data, say=say)
+    data = open_data(config.corpus.data, tokenizer=model_tokenizer(config.model_dir) or "bytes", say=say)
     model_config = config.subspace.apply(
-        dataclasses.replace(
-            resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
-        )
+        dataclasses.replace(model_for_data(config.model, config.model_dir, data), trainable=config.trainable)
     )
     validation = ValidationBatches(
         data.val,
@@ -73,6 +71,8 @@ async def evaluate(config: EvalConfig, dht: hivemind.DHT, say=print) -> dict:
         microbatch_size=config.microbatch_size,
         count=config.batches,
     )
+    if validation.warning:
+        say(validation.warning)
     schedule = await connect(
         dht,
         model=model_config.name,

@@ -40,7 +40,12 @@ async def collect_status(dht, model: str, num_stages: int | None) -> dict[int, l
 
 
 def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
-    lines = [f"model {model}: {len(stages)} stages"]
+    if not any(stages.values()):
+        return (
+            f"model {model}: no peers on the DHT (none online, and none that stopped recently); "
+            "check --model and --initial-peers, or start peers with `swarm peer`"
+        )
+    lines = [f"model {model}: {len(stages)} stage{'s' if len(stages) != 1 else ''}"]
     header = (
         f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5} {'steps':>6} {'rounds':>9}  "
         f"{'version':<8} metrics"

@@ -83,14 +83,26 @@ def pick_stages(replicas: dict[int, list[StagePart]], say=print) -> tuple[dict[i
     return chosen, warnings
 
 
-def tokenizer_source(data: str | None) -> str | None:
-    """The tokenizer.json to copy: the prepared data's, else None (a byte run gets the byte tokenizer)."""
+def tokenizer_source(data: str | None, model_dir: str | None = None) -> str | None:
+    """The tokenizer.json to copy: the prepared data's, else the model folder's (--model-dir), else
+    None (a byte run gets the byte tokenizer; `check_tokenizer` refuses any other run)."""
     if data is None:
-        return None
+        own = os.path.join(model_dir, TOKENIZER_FILE) if model_dir else None
+        return own if own and os.path.isfile(own) else None
     path = os.path.join(data, TOKENIZER_FILE)
     if not os.path.isfile(path):
         raise ExportError(f"--data {data!r} has no {TOKENIZER_FILE} (a folder made by `swarm data prepare` has one)")
     return path
+
+
+def check_tokenizer(config: GPTConfig, tokenizer: str | None) -> None:
+    """A folder without its tokenizer cannot be sampled from or loaded by AutoTokenizer: refuse to
+    write one, unless the vocabulary is bytes (whose tokenizer the export writes itself)."""
+    if tokenizer is None and config.vocab_size != BYTE_VOCAB_SIZE:
+        raise ExportError(
+            f"the model's vocabulary is {config.vocab_size:,} tokens, and only the run's prepared data holds "
+            "their tokenizer: pass --data DIR (the folder `swarm data prepare` made, or the trainer's --data)"
+        )
 
 
 def write_export(
@@ -102,13 +114,15 @@ def write_export(
     overwrite: bool,
     extra_meta: dict,
     seed: int = 0,
+    model_dir: str | None = None,
 ) -> str:
     """Write the folder atomically: everything into a temporary folder beside `out`, then one rename.
     `seed`: the peers' --seed, from which a fixed subspace's basis derives."""
     out = os.path.normpath(out)
     if os.path.exists(out) and not overwrite:
         raise ExportError(f"{out!r} already exists; choose another --out or pass --overwrite")
-    tokenizer = tokenizer_source(data)
+    tokenizer = tokenizer_source(data, model_dir)
+    check_tokenizer(config, tokenizer)
     boundaries = block_boundaries(chosen)
     state = assemble_state(chosen, boundaries=boundaries)
     if config.subspace_rank and config.subspace_kind == "fixed":  # a plain model computes the same
@@ -132,7 +146,10 @@ def write_export(
         if tokenizer is None and config.vocab_size == BYTE_VOCAB_SIZE:
             with open(os.path.join(folder, TOKENIZER_FILE), "w") as f:
                 f.write(byte_tokenizer().to_str())
-        if os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
+        source_config = os.path.join(os.path.dirname(tokenizer), TOKENIZER_CONFIG_FILE) if tokenizer else None
+        if source_config and os.path.isfile(source_config):  # the data's or the folder's: its special tokens
+            shutil.copyfile(source_config, os.path.join(folder, TOKENIZER_CONFIG_FILE))
+        elif os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
             # transformers' AutoTokenizer takes tokenizer.json as it is with this class (no per-model rebuild)
             with open(os.path.join(folder, TOKENIZER_CONFIG_FILE), "w") as f:
                 json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
@@ -235,6 +252,7 @@ def run_export(config: ExportConfig, say=print) -> ExportResult:
         overwrite=config.overwrite,
         extra_meta=meta,
         seed=config.seed,
+        model_dir=config.model_dir,
     )
     say(
         f"[export] wrote {out}: {config.model} ({model_config.arch}, {parameters:,} parameters, "

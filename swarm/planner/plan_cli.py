@@ -52,7 +52,13 @@ def _topology_with_profile(topology: Topology, workload: WorkloadOptions) -> Top
         else:
             boundaries = equal_boundaries(profile.n_layers, topology.stages)
     except StageSplitError as error:  # (a ValueError too: caught first)
-        raise TopologyError(f"{error} (the topology has {topology.stages} stages)") from None
+        if workload.split_boundaries or profile.n_layers >= topology.stages:
+            raise TopologyError(f"{error} (the topology has {topology.stages} stages)") from None
+        raise TopologyError(
+            f"the profile's model has {profile.n_layers} blocks, fewer than the topology's {topology.stages} stages: "
+            f"profile a model of at least {topology.stages} blocks (e.g. swarm profile --model medium, 12 blocks), "
+            f"or plan a topology of at most {profile.n_layers} stages"
+        ) from None
     except ValueError:
         raise TopologyError(f"--split-boundaries {workload.split_boundaries!r}: expected e.g. 0,4,6") from None
     sizes = communication_sizes(

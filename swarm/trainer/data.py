@@ -22,11 +22,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.config import GPTConfig
+from models.model_source import VocabularyError, resolve_model
 from swarm.data.prepare import PrepareConfig, prepare
-from swarm.data.shards import PreparedData, TokenSplit, is_prepared
+from swarm.data.shards import TOKENIZER, PreparedData, TokenSplit, is_prepared
 from swarm.data.sources import CorpusError
+from swarm.data.tokenizer import TokenizerSpec, load_tokenizer_file
 
-__all__ = ["CorpusError", "Microbatch", "MicrobatchSampler", "ValidationBatches", "open_data", "load_corpus"]
+__all__ = [
+    "CorpusError",
+    "Microbatch",
+    "MicrobatchSampler",
+    "ValidationBatches",
+    "open_data",
+    "load_corpus",
+    "model_tokenizer",
+    "model_for_data",
+]
 
 
 def shakespeare_files() -> list[str]:
@@ -60,10 +72,63 @@ def open_data(path: str | None, *, tokenizer: str = "bytes", say=print) -> Prepa
             raise CorpusError(f"--data {file!r}: no such file or prepared data folder")
     key = hashlib.sha256("\0".join(os.path.abspath(f) for f in files).encode()).hexdigest()[:12]
     name = "shakespeare" if path is None else os.path.basename(path)
-    out = os.path.join(cache_dir(), "data", f"{name}-{tokenizer.replace(':', '')}-{key}")
+    out = os.path.join(cache_dir(), "data", f"{name}-{_cache_name(tokenizer)}-{key}")
     if not is_prepared(out) or path is not None:  # a file may have changed: prepare checks its hash
         prepare(PrepareConfig(inputs=files, out=out, tokenizer=tokenizer, val_fraction=0.05), say=say)
     return PreparedData(out)
+
+
+def _cache_name(tokenizer: str) -> str:
+    """The tokenizer's part of a cache folder's name: bytes, bpe4096, or file-<hash of its contents>."""
+    spec = TokenizerSpec.parse(tokenizer)
+    if spec.scheme != "file":
+        return tokenizer.replace(":", "")
+    with open(spec.path, "rb") as f:
+        return "file-" + hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def model_tokenizer(model_dir: str | None) -> str | None:
+    """The tokenizer.json of a Hugging Face model folder (`--model-dir`), if it has one: the default
+    corpus is tokenized with it, so that a fine-tuned model reads the tokens it was trained on."""
+    if model_dir is None:
+        return None
+    path = os.path.join(model_dir, TOKENIZER)
+    return path if os.path.isfile(path) else None
+
+
+def model_for_data(model: str, model_dir: str | None, data: PreparedData) -> GPTConfig:
+    """The model a trainer (or `swarm eval`) drives on `data`. A named model takes the data's
+    vocabulary (the peers' --vocab-size). A model folder keeps its own: the data's token ids must be
+    below it (bytes fit any folder of 256 or more), and when the folder has a tokenizer.json the data
+    must have been tokenized with it; otherwise VocabularyError says how to prepare the data."""
+    if model_dir is None:
+        return resolve_model(model, None, vocab_size=data.vocab_size)
+    config = resolve_model(model, model_dir)
+    own = model_tokenizer(model_dir)
+    if data.vocab_size > config.vocab_size:
+        fix = (
+            f"prepare it with the model's own tokenizer (swarm data prepare INPUT... --out DIR --tokenizer {own})"
+            if own
+            else f"prepare it with a tokenizer of at most {config.vocab_size} tokens (--tokenizer bytes fits)"
+        )
+        raise VocabularyError(
+            f"the data in {data.folder} has a vocabulary of {data.vocab_size:,} tokens, more than the model in "
+            f"{model_dir} has ({config.vocab_size:,}): {fix}"
+        )
+    if own and not _same_vocabulary(own, data.tokenizer_path):
+        raise VocabularyError(
+            f"the data in {data.folder} was not tokenized with the model's own tokenizer ({own}), so its token ids "
+            f"mean other text to the model: prepare it with --tokenizer {own}, or leave out --data to train on the "
+            "default corpus tokenized with it"
+        )
+    return config
+
+
+def _same_vocabulary(a: str, b: str) -> bool:
+    if not os.path.isfile(b):
+        return False
+    vocab = [load_tokenizer_file(path).get_vocab(with_added_tokens=True) for path in (a, b)]
+    return vocab[0] == vocab[1]
 
 
 def load_corpus(path: str | None = None) -> torch.Tensor:
@@ -179,6 +244,21 @@ class ValidationBatches:
             what="the validation split",
         )
         self.count = count
+        self.tokens, self.seq_len, self.samples = len(split), seq_len, count * batch_size
+
+    @property
+    def warning(self) -> str | None:
+        """A line to print when the batches read the split's tokens more than once over: a loss that
+        repeats a few windows says little about the model."""
+        if self.samples * self.seq_len <= self.tokens:
+            return None
+        windows = max(self.tokens - self.seq_len - 1, 1)
+        return (
+            f"warning: the validation split has only {self.tokens:,} tokens ({windows:,} distinct windows of "
+            f"{self.seq_len + 1}) for {self.samples:,} validation samples, so its loss repeats the same few "
+            "windows: hold out more text (more input, or a larger --val-fraction in swarm data prepare), or "
+            "evaluate fewer batches"
+        )
 
     def batches(self) -> list[list[Microbatch]]:
         return [

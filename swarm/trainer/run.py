@@ -25,7 +25,7 @@ from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary,
 from dht.node import start_dht, with_p2p_client
 from dht.signing import identity_of
 from models.config import GPTConfig
-from models.model_source import model_hash, resolve_model
+from models.model_source import model_hash
 from models.stages import boundary_width
 from process.atomic_files import remove_stale_temporaries, write_atomically
 from process.lifetime import stop_events_in_loop
@@ -40,7 +40,7 @@ from swarm.trainer.config import (
     TrainerConfig,
     VerificationSettings,
 )
-from swarm.trainer.data import MicrobatchSampler, ValidationBatches, open_data
+from swarm.trainer.data import MicrobatchSampler, ValidationBatches, model_for_data, model_tokenizer, open_data
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
 from swarm.trainer.global_step import SharedProgress
 from swarm.trainer.metrics import TrainerMetrics
@@ -126,12 +126,10 @@ async def train(
         batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
-    data = open_data(config.corpus.data, say=say)
+    data = open_data(config.corpus.data, tokenizer=model_tokenizer(config.model_dir) or "bytes", say=say)
     # The model's vocabulary is the data's: the peers must serve the same (checked on discovery).
     model_config = config.subspace.apply(
-        dataclasses.replace(
-            resolve_model(config.model, config.model_dir, vocab_size=data.vocab_size), trainable=config.trainable
-        )
+        dataclasses.replace(model_for_data(config.model, config.model_dir, data), trainable=config.trainable)
     )
     sampler = MicrobatchSampler(
         data.train,
@@ -152,6 +150,8 @@ async def train(
             microbatch_size=batches.microbatch_size,
             count=evaluation.eval_batches,
         )
+        if validation.warning:
+            say(validation.warning)
     schedule = await _unless_stopped(
         stop,
         connect(

@@ -120,8 +120,14 @@ def test_a_trained_swarm_exports_one_model_that_transformers_loads(make_swarm, t
         a, b = (load_checkpoint(checkpoint_path(str(dirs[s, r]), "tiny", s, 2))[1] for r in range(2))
         assert all(torch.allclose(a[n], b[n], atol=1e-6, rtol=0) for n in a), s
     offline = tmp_path / "offline"
-    result = swarm_cli("export", "--checkpoint-dir", *map(str, dirs.values()), "--model", "tiny", "--out", str(offline))
+    checkpoints = ["export", "--checkpoint-dir", *map(str, dirs.values()), "--model", "tiny", "--out", str(offline)]
+    untokenized = swarm_cli(*checkpoints)  # a BPE run's tokenizer is only in its data: refused, nothing written
+    assert untokenized.returncode == 2 and "pass --data DIR" in untokenized.stderr, untokenized.stderr
+    assert len(untokenized.stderr.strip().splitlines()) == 1 and not offline.exists()
+    result = swarm_cli(*checkpoints, "--data", data)
     assert result.returncode == 0, result.stderr
+    offline_tokenizer = transformers.AutoTokenizer.from_pretrained(str(offline))
+    assert offline_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"] != []
     live_tensors, offline_tensors = tensors(live), tensors(offline)
     assert live_tensors.keys() == offline_tensors.keys()
     assert all(torch.equal(live_tensors[n], offline_tensors[n]) for n in live_tensors)

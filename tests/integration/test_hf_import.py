@@ -5,7 +5,9 @@ same name is refused in one line; a bad folder stops a peer in one line."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 
 import pytest
 import torch
@@ -121,3 +123,34 @@ def test_a_bad_folder_stops_a_peer_in_one_line(tmp_path, swarm_cli):
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_a_folder_with_its_own_tokenizer_is_fine_tuned_on_its_tokens(make_swarm, tmp_path, swarm_cli):
+    """A folder with a tokenizer.json of 300 tokens: `swarm train --model-dir` without --data trains
+    on the default corpus tokenized with it; `swarm demo --model-dir` given data of another tokenizer
+    refuses in one line, before it starts any process."""
+    from tokenizers import Tokenizer
+
+    from swarm.data.tokenizer import train_bpe
+    from swarm.trainer.data import shakespeare_files
+
+    tokenizer = train_bpe([open(shakespeare_files()[0]).read()[:200_000]], 300)
+    folder = str(tmp_path / "model")
+    make_hf_folder(folder, "gpt2-tied", vocab=tokenizer.get_vocab_size(), seq_len=SEQ)
+    tokenizer.save(f"{folder}/tokenizer.json")
+    swarm = make_swarm(model="hf-tok", num_stages=2, peer_args=["--model-dir", folder])
+    swarm.start_bootstrap()
+    swarm.wait_online([swarm.start_peer(stage) for stage in range(2)])
+    report_path = tmp_path / "report.json"
+    trainer = train_one_step(swarm, folder, str(report_path), steps=2)
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    assert f"vocabulary {tokenizer.get_vocab_size()}" in trainer.log(), trainer.log()[-3000:]
+    assert "mean of the last 2 steps" in trainer.log()
+    prepared = glob.glob(os.path.join(os.environ["SWARM_CACHE_DIR"], "data", "shakespeare-file-*", "tokenizer.json"))
+    assert [Tokenizer.from_file(path).get_vocab() == tokenizer.get_vocab() for path in prepared] == [True]
+
+    demo = swarm_cli("demo", "--model-dir", folder, "--tokenizer", "bytes", "--peers", "2", "--steps", "1")
+    assert demo.returncode == 2, demo.stdout[-2000:] + demo.stderr[-2000:]
+    (line,) = demo.stderr.strip().splitlines()
+    assert "not tokenized with the model's own tokenizer" in line and f"--tokenizer {folder}/tokenizer.json" in line
+    assert "bootstrap" not in demo.stdout  # refused before any process started

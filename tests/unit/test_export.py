@@ -193,3 +193,33 @@ def test_a_subspace_model_exports_to_a_folder_that_computes_the_same_logits(tmp_
     else:  # the project's own format, rebuilt for the split it names
         assert "config.json" not in os.listdir(out)
         assert (loaded_config.subspace_kind, loaded_config.subspace_rank) == ("learned", 8)
+
+
+def test_a_model_of_another_vocabulary_is_exported_with_its_tokenizer_or_not_at_all(tmp_path):
+    """Without --data, a 300-token model has no tokenizer to write: refused, nothing written. With
+    --model-dir's tokenizer.json (and its tokenizer_config.json), AutoTokenizer loads the export and
+    encodes as that tokenizer does."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from swarm.data.tokenizer import END_OF_TEXT, train_bpe
+
+    texts = [f"ROMEO: line {i}, and what the nurse said." for i in range(300)]
+    tokenizer = train_bpe(texts, 300)
+    config = dataclasses.replace(TINY, vocab_size=tokenizer.get_vocab_size())
+    parts = parts_of(config)
+    with pytest.raises(ExportError, match="pass --data DIR"):
+        write_export(config, parts, str(tmp_path / "none"), data=None, overwrite=False, extra_meta={})
+    assert not (tmp_path / "none").exists() and os.listdir(tmp_path) == []
+
+    model_dir = tmp_path / "base"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT).save_pretrained(str(model_dir))
+    out = tmp_path / "model"
+    write_export(config, parts, str(out), data=None, overwrite=False, extra_meta={}, model_dir=str(model_dir))
+    loaded = AutoTokenizer.from_pretrained(str(out))
+    assert len(loaded) == tokenizer.get_vocab_size() and loaded.eos_token == END_OF_TEXT
+    assert (
+        loaded("ROMEO: hello")["input_ids"]
+        == Tokenizer.from_file(str(out / "tokenizer.json")).encode("ROMEO: hello").ids
+        != []
+    )

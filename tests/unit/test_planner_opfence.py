@@ -201,3 +201,14 @@ def test_plan_cli_with_a_profile_and_opfence(tmp_path: Path, capsys):
         == 2
     )
     assert "3 stages but the topology 2" in capsys.readouterr().err
+
+
+def test_a_profile_with_fewer_blocks_than_the_topology_has_stages_says_what_to_do(tmp_path: Path, capsys):
+    topology_path = tmp_path / "topology.json"
+    topology_path.write_text(json.dumps(two_machines(stages=8, replicas=1)))
+    profile_path = tmp_path / "profile.json"
+    synthetic_profile(n_layers=6).write(profile_path)
+    argv = ["--topology", str(topology_path), "--out", str(tmp_path / "plan.json"), "--profile", str(profile_path)]
+    assert main([*argv, "--macro-batch-samples", "4"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "6 blocks, fewer than the topology's 8 stages" in line and "swarm profile --model medium" in line, line

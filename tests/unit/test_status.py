@@ -67,3 +67,10 @@ def test_a_replica_whose_averaging_rounds_often_fail_is_named_with_its_counts():
     assert lines[3].split()[5:7] == ["30", "30/6"]  # steps, rounds completed/failed
     warnings = [line for line in lines if line.startswith("warning")]
     assert len(warnings) == 1 and "QmFLAKY" in warnings[0] and "6 of 36 averaging rounds failed" in warnings[0]
+
+
+def test_a_swarm_without_peers_says_so_in_one_line():
+    for stages in ({0: []}, {0: [], 1: []}):
+        (line,) = format_table("small", stages).splitlines()
+        assert line.startswith("model small: no peers on the DHT") and "--initial-peers" in line, line
+    assert format_table("tiny", {0: [record("QmAAAAAAAAAAAAAAAAA0", 0)]}).splitlines()[0] == "model tiny: 1 stage"
