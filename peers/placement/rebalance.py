@@ -53,7 +53,7 @@ Rules, in one place:
   more than ``min_gain`` (relative). The gain is judged for the plan, not for one move: with
   hundreds of peers per stage a single move changes the bottleneck by well under 1%, so a
   per-move margin would freeze a large swarm. Being stateless, the rule keeps the swarm within
-  ``min_gain`` of what a rebalance can reach, not at it; see benchmarks/RESULTS_simulate.md for
+  ``min_gain`` of what a rebalance can reach, not at it; see benchmarks/RESULTS.md ("Stage rebalancing under churn") for
   the measured trade-off between ``min_gain``, moves and throughput.
 - **Settling after a move** (``peers_settling``, ``SettleWatch``): a peer that sees another peer
   move (serving at another stage than at its last look) with a material share of its new stage
