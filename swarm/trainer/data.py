@@ -118,8 +118,8 @@ def model_for_data(model: str, model_dir: str | None, data: PreparedData) -> GPT
     if own and not _same_vocabulary(own, data.tokenizer_path):
         raise VocabularyError(
             f"the data in {data.folder} was not tokenized with the model's own tokenizer ({own}), so its token ids "
-            f"mean other text to the model: prepare it with --tokenizer {own}, or leave out --data to train on the "
-            "default corpus tokenized with it"
+            f"mean other text to the model: prepare it with --tokenizer {own}, or give no --data (nor --tokenizer) to "
+            "train on the default corpus tokenized with it"
         )
     return config
 
