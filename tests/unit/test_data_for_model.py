@@ -97,3 +97,11 @@ def test_the_trainers_last_line_says_its_final_loss_is_a_mean_of_the_last_steps(
     one = TrainingReport(model="small", num_stages=2, steps=1, losses=[8.4], initial_loss=8.4, final_loss=8.4)
     assert "(the last step)" in done_line(one)
     assert "no loss yet" in done_line(TrainingReport(model="small", num_stages=2))
+
+
+def test_the_demo_repeats_the_trainers_one_line_reason():
+    from swarm.demo import failure_reason
+
+    log = "metrics on http://127.0.0.1:1/metrics\nswarm train: error: the data in d has a vocabulary of 5,000 tokens\n"
+    assert failure_reason(log) == "the data in d has a vocabulary of 5,000 tokens"
+    assert failure_reason("step 1/2 loss 5.6\n") is None
