@@ -25,7 +25,12 @@ both applied in the averager's own process:
   round's timeout (30 s).
 - weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
   the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
-  instead, so no replica can outweigh what it did.
+  instead, so no replica can outweigh what it did. Where the trainer counted nothing (periodic
+  rounds, a flush), no member weighs more than the group's median declared weight
+  (`median_weight`, from what each declared in matchmaking): one member declaring 1e6 among
+  members declaring 1 weighs 1 (before: the robust reduction's centre, the coordinate-wise median,
+  became the result, which is the liar's value wherever it lies between the honest ones: 41% of
+  the values in tests/integration/test_robust_averaging.py).
 - groups named by the trainer (`--averaging-groups trainer`, the default for sync): a sync commit
   names its group (the replicas the trainer committed the step on, with what each served), so
   the round skips hivemind's matchmaking, which took about 0.5 s and more CPU time than the
@@ -101,6 +106,30 @@ def capped_weight(weight: float, cap: float | None) -> float:
     if cap is None:
         return weight
     return max(min(weight, cap), MIN_WEIGHT)
+
+
+def median_weight(declared: Sequence[Any]) -> float:
+    """The lower median of the weights a group's members declared (anything but a positive finite
+    number counts as MIN_WEIGHT): the most a member weighs where the trainer counted nothing for it.
+    The lower one, so that in a pair the larger declaration weighs what the smaller does."""
+    weights = sorted(
+        float(w) if isinstance(w, (int, float)) and MIN_WEIGHT < float(w) < float("inf") else MIN_WEIGHT
+        for w in declared
+    )
+    return weights[(len(weights) - 1) // 2] if weights else MIN_WEIGHT
+
+
+def declared_weights(group_info: GroupInfo, serializer) -> list[Any]:
+    """What each member of a group declared in matchmaking as its weight (hivemind's gathered
+    `[bandwidth, mode, user data]`, the user data being the weight `ReplicaAveraging` gathers);
+    None for a member whose declaration cannot be read."""
+    declared = []
+    for data in group_info.gathered:
+        try:
+            declared.append(serializer.loads(serializer.loads(data)[2]))
+        except Exception:  # msgpack raises assorted errors on a member's garbage: it weighs MIN_WEIGHT here
+            declared.append(None)
+    return declared
 
 
 def credentialed_members(
@@ -550,6 +579,10 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
                 flat.element_size() * codec.estimate_compression_ratio(infos[0]),
                 kwargs.get("part_size_bytes", DEFAULT_PART_SIZE_BYTES),
             )
+        caps = self._weight_caps
+        if caps is None:  # the trainer counted nothing for the members: each at most the group's median
+            cap = median_weight(declared_weights(group_info, self.serializer))
+            caps = {peer.to_base58(): cap for peer in group_info.peer_ids}
         runner = _CappedRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -557,7 +590,7 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
-            weight_caps=self._weight_caps,
+            weight_caps=caps,
             robust=self._robust,
             tensor_sizes=self._tensor_sizes,
             **kwargs,

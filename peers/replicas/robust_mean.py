@@ -39,8 +39,9 @@ reduced on its own (`robust_mean_by_segment`), so the bound below holds tensor b
   result by at most a few times the honest replicas' own spread, however large its lie (x10, a
   flipped sign, 1e30, NaN); without the clip it moves it by (W_B / W) ||x_b - mu_H||, without limit.
   The weights are bounded too: in sync mode the trainer caps each replica's weight at the samples it
-  saw it serve (`MemberAverager`). Periodic mode has no caps (every replica sends weight 1, and a
-  liar may declare more), so there the bounds hold with the weights it declares.
+  saw it serve (`MemberAverager`); where the trainer counted nothing (periodic mode, where every
+  replica sends weight 1), no sender weighs more than the group's median declared weight, so a
+  liar declaring 1e6 weighs 1 and the bounds hold for equal weights.
 - What it does not give: a lie no larger than the honest spread passes (a flipped gradient of a
   replica whose gradients are mostly noise looks like one more noisy replica; it moves the result
   no more than an honest replica's noise does). An honest replica whose deviation is far out of line

@@ -79,3 +79,60 @@ def test_a_replica_scaling_its_gradients_in_the_all_reduce_moves_no_honest_updat
     for name, value in params[0].items():
         torch.testing.assert_close(value, reference[name], atol=1e-5, rtol=0, msg=name)
     assert sum(float((value - initial[name]).norm()) for name, value in params[0].items()) > 1e-2  # it stepped
+
+
+def test_a_member_declaring_a_weight_of_a_million_counts_as_one_in_periodic_averaging():
+    """Three real averagers on loopback average parameters as periodic replicas do (weight 1 each,
+    no trainer caps, `--robust-averaging clip`); one member declares a weight of 1e6 and sends 0.5
+    everywhere (issue #60: such a member set 66.7% of the honest replicas' parameters to 0.5). Its
+    weight is capped at the group's median, so the result is the clipped mean of three equal
+    senders: within the documented bound of the honest mean, and almost nowhere the liar's value.
+    Uncapped, the clip's centre (the coordinate-wise median) is the liar's value wherever it lies
+    between the honest ones, and a weight of 1e6 makes the result that centre."""
+    import hivemind
+
+    from peers.replicas.averaging_members import MemberAverager
+
+    generator = torch.Generator().manual_seed(0)
+    honest = [torch.randn(4096, generator=generator) for _ in range(2)]
+    values = [*honest, torch.full((4096,), 0.5)]
+    first = hivemind.DHT(start=True)
+    dhts = [first, *(hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True) for _ in range(2))]
+    averagers = [
+        MemberAverager(
+            [value.clone()],
+            dht,
+            robust="clip",
+            prefix="million_weight",
+            start=True,
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            target_group_size=3,
+            min_group_size=3,
+        )
+        for value, dht in zip(values, dhts)
+    ]
+    try:
+        controls = [
+            averager.step(weight=weight, gather=weight, wait=False, timeout=60, allow_retries=False)
+            for averager, weight in zip(averagers, (1.0, 1.0, 1e6))  # gathered as ReplicaAveraging declares it
+        ]
+        assert all(control.result(timeout=90) is not None for control in controls)
+        results = []
+        for averager in averagers[:2]:
+            with averager.get_tensors() as (tensor,):
+                results.append(tensor.clone())
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
+    torch.testing.assert_close(results[0], results[1])  # one result, sent to every member
+    at_the_lie = float(((results[0] - 0.5).abs() < 1e-4).float().mean())
+    between = float(((honest[0] - 0.5) * (honest[1] - 0.5) < 0).float().mean())
+    assert between > 0.3  # where an uncapped 1e6 weight puts the result at the lie (41% of the values on main)
+    assert at_the_lie < 0.02, f"{at_the_lie:.1%} of the values are the liar's 0.5"
+    honest_mean = (honest[0] + honest[1]) / 2
+    spread = (honest[0] - honest[1]).abs().norm()
+    # peers/replicas/robust_mean.py: for equal weights, ||result - mu_H|| <= (1 + F) R_H
+    assert float((results[0] - honest_mean).norm()) <= (1 + 2.2) * float(spread)

@@ -26,7 +26,7 @@ from dht.authority import (
 )
 from dht.records import PeerRecord, PeerState
 from dht.signing import load_identity, new_identity_file
-from peers.replicas.averaging_members import capped_weight, credentialed_members
+from peers.replicas.averaging_members import capped_weight, credentialed_members, declared_weights, median_weight
 from peers.serving.admission import AdmissionGuard, NotAuthorizedError
 from process.config import ConfigError
 from wire.request_limits import PenaltyBox
@@ -192,3 +192,26 @@ def test_a_weight_is_capped_at_what_the_trainer_saw_served():
     assert capped_weight(3, 8) == 3
     assert capped_weight(1e12, None) == 1e12  # no caps given: hivemind's own weights
     assert 0 < capped_weight(5, 0) < 1e-6  # a replica that served nothing weighs (almost) nothing
+
+
+def test_where_the_trainer_counted_nothing_no_member_weighs_more_than_the_groups_median():
+    assert median_weight([1.0, 1.0, 1e6]) == 1.0  # the liar of a periodic round weighs what the others do
+    assert median_weight([1.0, 1e6]) == 1.0  # a pair: the lower of the two
+    assert median_weight([2.0, 4.0, 1.0, 8.0]) == 2.0
+    assert median_weight([1.0, float("nan"), float("inf"), -5, "x", None]) < 1e-6  # garbage weighs nothing
+
+
+def test_the_declared_weights_are_read_from_what_matchmaking_gathered(tmp_path):
+    from hivemind.averaging.group_info import GroupInfo
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MSGPackSerializer as serializer
+
+    def gathered(weight) -> bytes:
+        return serializer.dumps([1.0, 0, serializer.dumps(weight)])
+
+    for name in "abc":
+        new_identity_file(str(tmp_path / name))
+    ids = tuple(PeerID.from_base58(load_identity(str(tmp_path / name)).peer_id) for name in "abc")
+    group = GroupInfo(b"g", ids, (gathered(1.0), gathered(1e6), b"garbage"))
+    assert declared_weights(group, serializer) == [1.0, 1e6, None]
+    assert median_weight(declared_weights(group, serializer)) == 1.0
