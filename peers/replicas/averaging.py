@@ -89,11 +89,34 @@ logger = logging.getLogger(__name__)
 
 AVERAGING_MODES = ("none", "sync", "periodic")
 REMEMBERED_OUTCOMES = 64  # commits whose answers a replica keeps for repeats
+# step ids a replica remembers as committed: a trainer repeats an unanswered commit within seconds;
+# unbounded, 100,000 commits of made-up step ids grew the set by 17 MiB (issue #60)
+REMEMBERED_COMMITS = 4096
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
     "fp16": Float16Compression,
     "int8": BlockwiseQuantization,
 }
+
+
+class RecentIds:
+    """The latest `max_size` ids added, as a set (`in`, `add`): the oldest is forgotten first."""
+
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, item: str) -> None:
+        self._ids[item] = None
+        self._ids.move_to_end(item)
+        while len(self._ids) > self.max_size:
+            self._ids.popitem(last=False)
 
 
 class AveragingClosed(RuntimeError):
@@ -192,7 +215,8 @@ class ReplicaAveraging:
         if robust not in ROBUST_METHODS:
             raise ValueError(f"unknown robust averaging {robust!r}; use one of {', '.join(ROBUST_METHODS)}")
         self.timeout_s, self.compression, self.on_round = timeout_s, compression, on_round
-        self.committed: set[str] = set()  # step ids already committed (a trainer retries unanswered commits)
+        # step ids already committed (a trainer retries unanswered commits), the latest REMEMBERED_COMMITS
+        self.committed = RecentIds(REMEMBERED_COMMITS)
         # the answers of the latest commits: a repeated commit (a retry, or another trainer committing
         # the run's global step) gets the first one's, so every trainer sees the same outcome
         self.outcomes: OrderedDict[str, AveragingOutcome] = OrderedDict()

@@ -373,3 +373,15 @@ def test_every_member_reduces_a_part_of_a_short_flat_buffer(group_size, codec):
     assert min(fitted.num_parts_by_peer) >= 1, fitted.num_parts_by_peer
     # a long buffer keeps hivemind's part size
     assert part_size_for_group(2_467_584, 2, 4.0, DEFAULT_PART_SIZE_BYTES) == DEFAULT_PART_SIZE_BYTES
+
+
+def test_the_committed_step_ids_a_replica_remembers_are_bounded():
+    from peers.replicas.averaging import RecentIds
+
+    committed = RecentIds(3)
+    for step_id in ("a", "b", "c", "d"):
+        committed.add(step_id)
+    assert "a" not in committed and all(s in committed for s in "bcd") and len(committed) == 3
+    committed.add("b")  # seen again: the newest, forgotten last
+    committed.add("e")
+    assert "c" not in committed and "b" in committed
