@@ -300,6 +300,13 @@ async def read_state(
     """The state bytes a `write_state` stream carries. Raises ProtocolError when `sender` (named in
     the message) refused, announced more than `max_bytes` or sent more than it announced;
     StreamClosedError (a ProtocolError) when the stream ended before all the state came."""
+    return (await read_state_and_header(messages, sender=sender, max_bytes=max_bytes))[1]
+
+
+async def read_state_and_header(
+    messages: AsyncIterator[runtime_pb2.ExpertResponse], *, sender: str, max_bytes: int | None = None
+) -> tuple[StateHeader, bytes]:
+    """`read_state`, with the header the state came under (its steps and digest)."""
     header, chunks, received = None, [], 0
     async for response in messages:
         if header is None:
@@ -319,4 +326,4 @@ async def read_state(
             chunks.append(part.buffer)
     if header is None or received != header.total_bytes:  # the connection closed under it: worth a retry
         raise StreamClosedError(f"state transfer from {sender} ended early ({received} bytes)")
-    return b"".join(chunks)
+    return header, b"".join(chunks)

@@ -377,15 +377,21 @@ class StateRequest(BaseModel):
     num_stages: int = Field(ge=1)
     # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    # only what the state would be (its steps and digest), none of its bytes: a joiner compares
+    # several donors' offers before it downloads one (peers/replicas/donor_choice.py)
+    digest_only: bool = False
 
 
 class StateHeader(BaseModel):
-    """Precedes a stage's state: `total_bytes` of checkpoint bytes follow in chunks."""
+    """Precedes a stage's state: `total_bytes` of checkpoint bytes follow in chunks (none for a
+    `digest_only` request)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     total_bytes: int = Field(default=0, ge=0, le=MAX_STATE_BYTES)
-    steps_done: int = 0
+    steps_done: int = Field(default=0, ge=0)
+    # peers/replicas/donor_choice.py `state_digest` of the state (its content, whatever its bytes)
+    digest: str | None = Field(default=None, max_length=64)
     error: str | None = Field(default=None, max_length=4096)
 
 

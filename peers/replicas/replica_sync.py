@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -24,18 +26,21 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records_async
-from dht.records import PeerState
+from dht.authority import RunAuthority, credentialed_records
+from dht.records import PeerRecord, PeerState
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.delayed_sync import DelayedGradientSync
-from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
+from peers.replicas.donor_choice import STEP_SLACK, StateOffer, choose_donors, refusals, shuffled, step_bound
+from peers.replicas.state_transfer import StateExports, download_state, fetch_offer, state_bytes_bound
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
 from wire.messages import read_unary, unary_response, write_state
 from wire.protocol import CommitRequest, CommitResponse, ProtocolError, StateHeader, StateRequest
 
 logger = logging.getLogger(__name__)
+MAX_DONORS = 4  # replicas a joiner asks what they would send, at most
 
 
 class ReplicaSyncService:
@@ -51,15 +56,22 @@ class ReplicaSyncService:
         authorize: Callable[..., None] | None = None,
         credential: str | None = None,
         members: AveragingMembers | None = None,
+        authority: RunAuthority | None = None,
+        rng: random.Random | None = None,
     ):
         """`authorize(caller, credential, action, stage=...)`: raises unless the caller may (the
-        admission guard's); `credential`: this peer's own, presented when it downloads state."""
+        admission guard's); `credential`: this peer's own, presented when it downloads state;
+        `authority`: the run's, whose credentialed replicas alone are asked for state; `rng`: the
+        order donors are asked in (default: the system's randomness, which no peer can steer)."""
         self.serving, self.compute, self.dht = serving, compute, dht
         self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
         self.state_exports = StateExports()  # rate-limited per caller, serialized once per step
         self.authorize = authorize or (lambda *args, **kwargs: None)
         self.credential = credential
         self.members = members  # a run with an authority: who may average with us, kept fresh
+        self.authority = authority
+        self.rng = rng or random.SystemRandom()
+        self._sync_replicas: tuple[tuple[int, int], float, frozenset[str]] | None = None  # (stage, at, peers)
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -91,6 +103,8 @@ class ReplicaSyncService:
                 return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
+            elif commit.samples and getattr(averaging, "named_groups", False):
+                await self.check_named_group(commit)  # without a member list: only live replicas
             loop = asyncio.get_running_loop()
             delayed = isinstance(averaging, DelayedGradientSync)
             if commit.flush and not delayed:  # only a delayed update has anything to flush
@@ -162,8 +176,10 @@ class ReplicaSyncService:
             refusal = self.state_exports.refusal(caller_id(context))
             if refusal is not None:
                 raise ProtocolError(refusal)
-            data, steps_done = await self.state_exports.export(serving.runtime, self.model, self.compute)
-            header = StateHeader(total_bytes=len(data), steps_done=steps_done)
+            data, steps_done, digest = await self.state_exports.export(serving.runtime, self.model, self.compute)
+            if wanted.digest_only:  # what we would send, before the caller chooses among donors
+                data = b""
+            header = StateHeader(total_bytes=len(data), steps_done=steps_done, digest=digest)
         except ProtocolError as e:
             header, data = StateHeader(error=str(e)), b""
         for message in write_state(header, data):
@@ -183,6 +199,15 @@ class ReplicaSyncService:
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
         )
+        # the source as a joiner would take it: a member of the run, holding no more steps than the
+        # other live replicas announce (a trainer's word names it, the DHT must bear it out)
+        records = {r.peer_id: r for r in await self.live_records(runtime)}
+        if source not in records:
+            raise ProtocolError(
+                f"replica {source[-8:]} is no live member of stage {runtime.stage}: not loading its state"
+            )
+        announced = {p: r.steps_done for p, r in records.items() if p != source}
+        bound = step_bound(source, runtime.steps_done, announced) if announced else math.inf
         try:
             downloaded = await download_state(
                 await self.dht.replicate_p2p(),
@@ -193,6 +218,11 @@ class ReplicaSyncService:
             )
         except (TimeoutError, CheckpointError, ProtocolError, OSError) as e:
             raise ProtocolError(f"could not load the state of replica {source[-8:]} to catch up: {e}") from None
+        if downloaded[0].steps_done > bound:
+            raise ProtocolError(
+                f"replica {source[-8:]} sent a state of {downloaded[0].steps_done} steps, more than any other live "
+                f"replica of stage {runtime.stage} announces ({bound - STEP_SLACK:.0f}): not loading it"
+            )
 
         def load() -> bool:
             if downloaded[0].steps_done <= runtime.steps_done:
@@ -209,60 +239,128 @@ class ReplicaSyncService:
             f"({runtime.steps_done} steps done)"
         )
 
-    async def load_state_from_replica(self, p2p, runtime=None, seen_replicas: Iterable[str] = ()) -> bool:
-        """Before going online: copy the stage's current state from a live replica, if there is one.
-        `runtime`: load into this one instead of the served one (a move or a standby refresh).
-        `seen_replicas`: peers a moment ago seen online at that stage (the snapshot a move was planned
-        on, a standby's last look); each is asked too, after the replicas the DHT shows now, as its
-        record may have lapsed for a moment on a loaded machine (then a mover found none and served
-        its new stage from initial weights). Returns whether a replica's state was loaded."""
-        runtime = runtime or self.serving.runtime
+    async def live_records(self, runtime) -> list[PeerRecord]:
+        """The other live replicas of `runtime`'s stage that may be donors: online, of the same split,
+        and in a run with an authority holding a peer credential for the stage."""
         records = [
             r
             for r in await fetch_stage_records_async(self.dht, self.model, runtime.stage)
             if r.state == PeerState.ONLINE and r.peer_id != self.peer_id and r.num_stages == runtime.num_stages
         ]
-        sources = [r.peer_id for r in sorted(records, key=lambda r: r.load)]
-        sources += [p for p in dict.fromkeys(seen_replicas) if p not in sources and p != self.peer_id]
+        if self.authority is not None:
+            records = credentialed_records(records, self.authority, stage=runtime.stage)
+        return records
+
+    async def load_state_from_replica(self, p2p, runtime=None, seen_replicas: Iterable[str] = ()) -> bool:
+        """Before going online: copy the stage's current state from live replicas, if there are any,
+        never on one donor's word (peers/replicas/donor_choice.py): up to MAX_DONORS of them, asked in
+        a random order, say what they would send (steps and digest); the state most of them agree on
+        within the step counts the DHT shows is downloaded, and checked against its digest. In a run
+        with an authority, only replicas holding a peer credential for the stage are asked.
+        `runtime`: load into this one instead of the served one (a move or a standby refresh).
+        `seen_replicas`: peers a moment ago seen online at that stage (the snapshot a move was planned
+        on, a standby's last look); each is asked too, after the replicas the DHT shows now, as its
+        record may have lapsed for a moment on a loaded machine (then a mover found none and served
+        its new stage from initial weights); not in a run with an authority (no record, no credential).
+        Returns whether a replica's state was loaded."""
+        runtime = runtime or self.serving.runtime
+        records = await self.live_records(runtime)
+        announced = {r.peer_id: r.steps_done for r in records}
+        sources = shuffled([r.peer_id for r in records], self.rng)
+        if self.authority is None:
+            sources += [p for p in shuffled(list(seen_replicas), self.rng) if p not in sources and p != self.peer_id]
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
         )
-        for source in sources:
-            try:
-                downloaded = await download_state(
-                    p2p,
-                    source,
-                    request,
-                    timeout_s=self.averaging_timeout_s * 4,
-                    max_bytes=state_bytes_bound(runtime),
-                )
-                # Compared with the runtime that receives the state (a move's new stage, not the one served so far).
-                if downloaded[0].steps_done < runtime.steps_done:  # e.g. a replica that served little or nothing
-                    print(
-                        f"replica {source[-8:]} has done {downloaded[0].steps_done} steps, fewer than our "
-                        f"{runtime.steps_done}; not loading its state",
-                        flush=True,
+        for attempt in range(2):  # a donor that stepped between its offer and the download: ask again once
+            offers = await self._offers(p2p, sources[:MAX_DONORS], request)
+            donors = choose_donors(offers, runtime.steps_done, announced)
+            for reason in refusals(offers, runtime.steps_done, announced):
+                print(f"not loading stage {runtime.stage} state: replica {reason}", flush=True)
+            for donor in donors:
+                try:
+                    downloaded = await download_state(
+                        p2p,
+                        donor.peer_id,
+                        request,
+                        timeout_s=self.averaging_timeout_s * 4,
+                        max_bytes=state_bytes_bound(runtime),
+                        expected_digest=donor.digest,
                     )
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.compute,
+                        runtime.import_state,
+                        downloaded,
+                        self.model,
+                        f"state from replica {donor.peer_id[-8:]}",
+                    )
+                except (TimeoutError, CheckpointError, ProtocolError, OSError) as e:
+                    logger.warning(f"Could not load state from {donor.peer_id[-8:]}: {e}; trying another replica")
                     continue
-                await asyncio.get_running_loop().run_in_executor(
-                    self.compute,
-                    runtime.import_state,
-                    downloaded,
-                    self.model,
-                    f"state from replica {source[-8:]}",
-                )
+                except Exception as e:  # the replica may vanish mid-transfer in many ways
+                    logger.warning(f"Could not load state from {donor.peer_id[-8:]}: {type(e).__name__}: {e}")
+                    continue
+                agreed = f", as {len(donors)} replicas offered" if len(donors) > 1 else ""
                 print(
-                    f"loaded stage {runtime.stage} state from replica {source[-8:]} ({runtime.steps_done} steps done)",
+                    f"loaded stage {runtime.stage} state from replica {donor.peer_id[-8:]} "
+                    f"({runtime.steps_done} steps done{agreed})",
                     flush=True,
                 )
                 return True
-            except (TimeoutError, CheckpointError, ProtocolError, OSError) as e:
-                logger.warning(f"Could not load state from {source[-8:]}: {e}; trying another replica")
-            except Exception as e:  # the replica may vanish mid-transfer in many ways
-                logger.warning(f"Could not load state from {source[-8:]}: {type(e).__name__}: {e}")
+            if not donors:
+                break
         if sources:
             print(f"no replica of stage {runtime.stage} could send its state; starting from what we have", flush=True)
         return False
+
+    async def _offers(self, p2p, sources: list[str], request: StateRequest) -> list[StateOffer]:
+        """What each of `sources` would send, asked at once; those that do not answer are left out."""
+        results = await asyncio.gather(
+            *[fetch_offer(p2p, peer_id, request, timeout_s=self.averaging_timeout_s) for peer_id in sources],
+            return_exceptions=True,
+        )
+        offers = []
+        for peer_id, result in zip(sources, results):
+            if isinstance(result, StateOffer):
+                offers.append(result)
+            elif isinstance(result, Exception):  # dead or unreachable replicas fail in assorted ways
+                logger.warning(f"Could not ask {peer_id[-8:]} for its state: {type(result).__name__}: {result}")
+            else:
+                raise result
+        return offers
+
+    async def sync_replicas(self, *, max_age_s: float = 5.0) -> frozenset[str]:
+        """The peers whose records say they are sync replicas of this stage now (read at most every
+        `max_age_s`; 0: read now)."""
+        runtime = self.serving.runtime
+        key = (runtime.stage, runtime.num_stages)
+        cached = self._sync_replicas
+        if cached is not None and cached[0] == key and time.monotonic() - cached[1] < max_age_s:
+            return cached[2]
+        records = await fetch_stage_records_async(self.dht, self.model, runtime.stage)
+        found = frozenset(
+            r.peer_id
+            for r in records
+            if r.state == PeerState.ONLINE and r.averaging == "sync" and r.num_stages == runtime.num_stages
+        )
+        self._sync_replicas = (key, time.monotonic(), found)
+        return found
+
+    async def check_named_group(self, commit: CommitRequest) -> None:
+        """A commit that names its group (sync, `samples`) without a run authority names only sync
+        replicas of this stage that the DHT shows (read again once if some are missing: one may have
+        joined a moment ago); ProtocolError otherwise. A round waits for every peer it names: a commit
+        naming 4,095 made-up peers held this replica's compute thread for the round's whole timeout
+        (30 s, issue #60); with a run authority the member list refuses such a group at once."""
+        named = set(commit.samples) - {self.peer_id}
+        unknown = named - await self.sync_replicas()
+        if unknown:
+            unknown -= await self.sync_replicas(max_age_s=0.0)
+        if unknown:
+            raise ProtocolError(
+                f"the commit names {len(unknown)} peer(s) that are no sync replica of stage "
+                f"{self.serving.runtime.stage} ({', '.join(sorted(p[-8:] for p in unknown)[:4])})"
+            )
 
     async def periodic_group_size(self) -> int:
         """Replicas of this stage online in periodic mode, as the DHT shows them, this one included."""

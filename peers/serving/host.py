@@ -169,6 +169,7 @@ class PeerHost:
             authorize=self.guard.authorize,
             credential=credential,
             members=self.members,
+            authority=run_access.authority if run_access else None,
         )
         self.announcer = Announcer(
             serving,

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from peers.compute.checkpoint import deserialize_state
+from peers.replicas.donor_choice import state_digest
 from peers.replicas.state_transfer import StateExports
 
 
@@ -58,9 +59,10 @@ def test_state_is_serialized_once_per_step_and_off_the_compute_thread():
         compute.shutdown()
     assert exports.exports == 2  # three concurrent requests shared one export; a step made a new one
     assert compute.ran == ["snapshot_state", "snapshot_state"]  # serializing ran elsewhere
-    assert len({data for data, _ in first}) == 1 and [steps for _, steps in first] == [0, 0, 0]
+    assert len({data for data, _, _ in first}) == 1 and [steps for _, steps, _ in first] == [0, 0, 0]
     meta, module_state, optimizer_state = deserialize_state(second[0])
     assert meta.steps_done == second[1] == 1
+    assert second[2] == state_digest(1, module_state, optimizer_state) != first[0][2]  # what a joiner checks
     assert torch.equal(module_state["weight"], runtime.module.weight.detach())
     assert optimizer_state["state"][0]["step"] == 1
 

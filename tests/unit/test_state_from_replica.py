@@ -1,14 +1,18 @@
-"""Loading a stage's state from a replica: which replica's state is taken, and into which runtime."""
+"""Loading a stage's state from replicas: whose state is taken (never one donor's word), and into
+which runtime."""
 
 import asyncio
+import random
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dht.records import PeerRecord, PeerState
-from peers.compute.checkpoint import CheckpointMeta
+from peers.compute.checkpoint import CheckpointError, CheckpointMeta
 from peers.replicas import replica_sync
+from peers.replicas.donor_choice import StateOffer, choose_donors, shuffled, state_digest, step_bound
 from peers.replicas.replica_sync import ReplicaSyncService
 
 
@@ -23,7 +27,7 @@ class FakeRuntime:
         self.steps_done = state[0].steps_done
 
 
-def replica(peer_id: str, stage: int) -> PeerRecord:
+def replica(peer_id: str, stage: int, steps_done: int = 0) -> PeerRecord:
     return PeerRecord(
         peer_id=peer_id,
         model="tiny",
@@ -32,18 +36,41 @@ def replica(peer_id: str, stage: int) -> PeerRecord:
         state=PeerState.ONLINE,
         throughput=1.0,
         expires_at=1e12,
+        steps_done=steps_done,
     )
 
 
-def load_into(runtime: FakeRuntime, records, download, monkeypatch, **kwargs) -> bool:
-    """A mover that served 9 steps of stage 0 loads `runtime` from a replica, the DHT and the state
-    transfer replaced by `records` and `download`."""
+class Donors:
+    """Replicas that offer and send states: peer id -> (steps, digest); `asked`: the downloads, in order."""
+
+    def __init__(self, states: dict[str, tuple[int, str]], gone: set[str] = frozenset()):
+        self.states, self.gone, self.asked = states, gone, []
+
+    async def offer(self, p2p, peer_id, request, *, timeout_s):
+        if peer_id in self.gone or peer_id not in self.states:
+            raise TimeoutError("no answer")
+        steps, digest = self.states[peer_id]
+        return StateOffer(peer_id, steps, digest)
+
+    async def download(self, p2p, peer_id, request, *, timeout_s, max_bytes, expected_digest=None):
+        assert max_bytes == 4 * (4 + 2) * 4 + (64 << 20)
+        self.asked.append(peer_id)
+        steps, digest = self.states[peer_id]
+        if expected_digest is not None and digest != expected_digest:
+            raise CheckpointError("another state than the one offered")
+        return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=steps), {}, {}
+
+
+def load_into(runtime: FakeRuntime, records, donors: Donors, monkeypatch, **kwargs) -> bool:
+    """A mover that served 9 steps of stage 0 loads `runtime` from replicas, the DHT and the state
+    transfer replaced by `records` and `donors`."""
     monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
-    monkeypatch.setattr(replica_sync, "download_state", download)
+    monkeypatch.setattr(replica_sync, "download_state", donors.download)
+    monkeypatch.setattr(replica_sync, "fetch_offer", donors.offer)
     with ThreadPoolExecutor(max_workers=1) as executor:
         serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=9))
         replicas = ReplicaSyncService(
-            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0
+            serving, executor, dht=None, peer_id="mover", model="tiny", averaging_timeout_s=1.0, rng=random.Random(0)
         )
         return asyncio.run(replicas.load_state_from_replica(None, runtime, **kwargs))
 
@@ -54,18 +81,14 @@ def test_a_moving_peer_loads_the_new_stage_whatever_its_old_stage_had_done(monke
     whose replica has done 4, must take that state, not serve stage 1 from its initial weights."""
 
     async def records(dht, model, stage):
-        return [replica("stage1-replica", stage)]
-
-    async def download(p2p, peer_id, request, *, timeout_s, max_bytes):
-        assert max_bytes == 4 * (4 + 2) * 4 + (64 << 20)
-        return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=4), {}, {}
+        return [replica("stage1-replica", stage, steps_done=4)]
 
     new_stage = FakeRuntime(stage=1, steps_done=0)
-    assert load_into(new_stage, records, download, monkeypatch)
+    assert load_into(new_stage, records, Donors({"stage1-replica": (4, "d4")}), monkeypatch)
     assert new_stage.steps_done == 4 and new_stage.imported is not None
     # A runtime that already holds more steps than the replica (a restored checkpoint) keeps its own.
     restored = FakeRuntime(stage=1, steps_done=7)
-    assert not load_into(restored, records, download, monkeypatch)
+    assert not load_into(restored, records, Donors({"stage1-replica": (4, "d4")}), monkeypatch)
     assert restored.steps_done == 7 and restored.imported is None
 
 
@@ -73,20 +96,111 @@ def test_a_mover_asks_the_replica_its_plan_saw_when_that_replicas_record_lapsed(
     """On a loaded machine a record renewed every second can lapse for a moment: the DHT then shows the
     stage no replica, and a mover that asked only the DHT served the stage from its initial weights
     (main's clean CI, stop 40). The replicas the move's plan saw are asked too, after the DHT's."""
-    asked = []
 
     async def no_records(dht, model, stage):
         return []
 
-    async def download(p2p, peer_id, request, *, timeout_s, max_bytes):
-        asked.append(peer_id)
-        if peer_id == "gone":
-            raise TimeoutError("no answer")
-        return CheckpointMeta(model="tiny", stage=request.stage, num_stages=2, steps_done=5), {}, {}
-
-    assert not load_into(FakeRuntime(stage=1, steps_done=0), no_records, download, monkeypatch)
-    assert asked == []  # nothing seen, nothing on the DHT: nothing to ask
+    donors = Donors({"stage1-replica": (5, "d5")}, gone={"gone"})
+    assert not load_into(FakeRuntime(stage=1, steps_done=0), no_records, donors, monkeypatch)
+    assert donors.asked == []  # nothing seen, nothing on the DHT: nothing to ask
     new_stage = FakeRuntime(stage=1, steps_done=0)
     seen = ["mover", "gone", "stage1-replica", "gone"]
-    assert load_into(new_stage, no_records, download, monkeypatch, seen_replicas=seen)
-    assert asked == ["gone", "stage1-replica"] and new_stage.steps_done == 5
+    assert load_into(new_stage, no_records, donors, monkeypatch, seen_replicas=seen)
+    assert donors.asked == ["stage1-replica"] and new_stage.steps_done == 5
+
+
+def test_a_forger_announcing_a_million_steps_is_not_a_donor_beside_an_honest_replica(monkeypatch):
+    """Issue #60: a replica that exported every parameter at 0.5 with 10^6 steps was loaded, and the
+    trainer's repair then copied it over the honest replica. No other live replica announces 10^6."""
+
+    async def records(dht, model, stage):
+        return [replica("forger", stage, steps_done=10**6), replica("honest", stage, steps_done=20)]
+
+    donors = Donors({"forger": (10**6, "forged"), "honest": (21, "h21")})
+    joiner = FakeRuntime(stage=0, steps_done=0)
+    assert load_into(joiner, records, donors, monkeypatch)
+    assert donors.asked == ["honest"] and joiner.steps_done == 21
+
+
+def test_two_agreeing_replicas_outvote_a_forger_that_claims_a_step_more(monkeypatch):
+    async def records(dht, model, stage):
+        return [replica(p, stage, steps_done=20) for p in ("forger", "a", "b")]
+
+    for seed in range(5):  # whatever the order they are asked in
+        donors = Donors({"forger": (21, "forged"), "a": (20, "h20"), "b": (20, "h20")})
+        joiner = FakeRuntime(stage=0, steps_done=0)
+        monkeypatch.setattr(replica_sync.random, "SystemRandom", lambda: random.Random(seed))
+        assert load_into(joiner, records, donors, monkeypatch)
+        assert donors.asked[0] in ("a", "b") and joiner.steps_done == 20
+
+
+def test_a_donor_that_sends_another_state_than_it_offered_is_refused(monkeypatch):
+    async def records(dht, model, stage):
+        return [replica(p, stage, steps_done=20) for p in ("a", "b")]
+
+    class Switching(Donors):
+        async def download(self, p2p, peer_id, request, **kwargs):
+            if peer_id == "a":  # offered the agreed state, sends its own
+                self.asked.append(peer_id)
+                raise CheckpointError("another state than the one offered")
+            return await super().download(p2p, peer_id, request, **kwargs)
+
+    donors = Switching({"a": (20, "h20"), "b": (20, "h20")})
+    joiner = FakeRuntime(stage=0, steps_done=0)
+    assert load_into(joiner, records, donors, monkeypatch)
+    assert donors.asked[-1] == "b" and joiner.steps_done == 20
+
+
+def test_in_a_run_with_an_authority_only_credentialed_replicas_are_asked(monkeypatch):
+    """A replica without a credential (an open run lets anyone serve) is never asked for state."""
+    asked = []
+
+    async def records(dht, model, stage):
+        return [replica("stranger", stage, steps_done=3)]
+
+    class Authority:
+        def verify(self, *args, **kwargs):
+            raise AssertionError("never reached: the record carries no credential")
+
+    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
+
+    async def offer(p2p, peer_id, request, *, timeout_s):
+        asked.append(peer_id)
+        return StateOffer(peer_id, 3, "d3")
+
+    monkeypatch.setattr(replica_sync, "fetch_offer", offer)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=0))
+        replicas = ReplicaSyncService(
+            serving, executor, dht=None, peer_id="me", model="tiny", averaging_timeout_s=1.0, authority=Authority()
+        )
+        assert not asyncio.run(replicas.load_state_from_replica(None, seen_replicas=["stranger"]))
+    assert asked == []
+
+
+def test_the_donor_choice_prefers_agreement_then_the_most_trained_within_the_announced_steps():
+    offers = [StateOffer("x", 30, "dx"), StateOffer("y", 25, "dy"), StateOffer("z", 25, "dy")]
+    announced = {"x": 28, "y": 25, "z": 25}
+    assert [o.peer_id for o in choose_donors(offers, 0, announced)] == ["y", "z"]  # two agree
+    assert [o.peer_id for o in choose_donors(offers[:2], 0, announced)] == ["x"]  # no agreement: most trained
+    assert choose_donors(offers, 26, announced) == [offers[0]]  # fewer steps than ours: not taken
+    assert choose_donors([StateOffer("x", 10**6, "f")], 0, {"x": 10**6, "y": 20}) == []
+    assert step_bound("x", 0, {"x": 10**6}) == float("inf")  # a lone donor: its word is all there is
+    assert step_bound("x", 40, {"x": 10**6, "y": 20}) == 40 + 16
+
+
+def test_donors_are_asked_in_an_order_no_peer_id_steers():
+    ids = [f"peer{i}" for i in range(8)]
+    firsts = {shuffled(sorted(ids), random.Random(seed))[0] for seed in range(40)}
+    assert len(firsts) > 4  # the id that sorts first is not the first asked every time
+
+
+def test_the_state_digest_is_of_the_content_whatever_the_serialization():
+    module = {"w": torch.arange(6.0).reshape(2, 3)}
+    optimizer = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}}, "param_groups": [{"lr": 0.1}]}
+    same = {"w": torch.arange(6.0).reshape(2, 3).clone()}
+    assert state_digest(3, module, optimizer) == state_digest(3, same, optimizer)
+    assert state_digest(3, module, optimizer) != state_digest(4, module, optimizer)
+    assert state_digest(3, module, optimizer) != state_digest(3, {"w": torch.full((2, 3), 0.5)}, optimizer)
+    with pytest.raises(AssertionError):
+        assert state_digest(3, module, optimizer) == state_digest(3, {"w": module["w"].double()}, optimizer)
