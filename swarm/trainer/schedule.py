@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from swarm.trainer.chain_call import ChainCaller
@@ -74,6 +74,17 @@ class CatchUp:
     source: str  # a replica with the most steps, whose state it loads
     to_steps: int  # the source's step count when it answered
     drops_gradients: bool  # its accumulated gradients are in the source's update: drop them
+
+
+MAX_STEPS_BETWEEN_COMMITS = 4  # a commit, its retries and clipping's apply each step a replica once at most
+
+
+def plausible_steps(answers: dict[str, CommitResponse], seen: Mapping[str, int]) -> dict[str, CommitResponse]:
+    """The answers whose step count this trainer can believe: a replica it saw at n steps at its last
+    commit holds at most n + MAX_STEPS_BETWEEN_COMMITS now (a replica it never saw: any count). A
+    replica that claims a million steps more would otherwise be every other replica's repair source
+    (issue #60: the honest replica loaded a forged state, 1,000,020 steps)."""
+    return {p: a for p, a in answers.items() if p not in seen or a.steps_done <= seen[p] + MAX_STEPS_BETWEEN_COMMITS}
 
 
 def replicas_to_repair(answers: dict[str, CommitResponse]) -> list[CatchUp]:
@@ -143,6 +154,8 @@ class StepSchedule:
         # samples each replica served (answered a backward for) in this step, by stage: the commit
         # caps each replica's weight in the sync average at its count
         self._served: dict[int, dict[str, int]] = {}
+        # the steps each sync replica answered at the last commit, by stage: what a repair believes
+        self._steps_seen: dict[int, dict[str, int]] = {}
 
     async def run_microbatch(self, mb: Microbatch) -> float:
         """Forward through stages 0..S-2, a fused forward+backward on the last stage (it owns the
@@ -451,11 +464,18 @@ class StepSchedule:
         deadline), or joined with a state a step old: their parameters parted.
         Each such replica loads the state of one ahead (`replicas_to_repair`) before the next step;
         its answer is then taken at that step count. A repair that fails bans the replica."""
-        repairs = [
-            (stage, repair)
-            for stage, group in averaging.items()
-            for repair in replicas_to_repair({p: a for p, a in answers.get(stage, {}).items() if p in group})
-        ]
+        repairs = []
+        for stage, group in averaging.items():
+            in_group = {p: a for p, a in answers.get(stage, {}).items() if p in group}
+            seen = self._steps_seen.setdefault(stage, {})
+            believed = plausible_steps(in_group, seen)
+            for peer_id in sorted(set(in_group) - set(believed)):
+                logger.warning(
+                    f"stage {stage}: replica {peer_id[-8:]} answered {in_group[peer_id].steps_done} steps, "
+                    f"{seen[peer_id]} at the last commit: no replica loads its state"
+                )
+            repairs += [(stage, repair) for repair in replicas_to_repair(believed)]
+            seen.update({p: a.steps_done for p, a in believed.items()})
         if not repairs:
             return
         for stage, repair in repairs:
@@ -490,3 +510,4 @@ class StepSchedule:
                 self.counters.replica_catch_ups += 1
                 previous = answers[stage][repair.peer_id]
                 answers[stage][repair.peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
+                self._steps_seen.setdefault(stage, {})[repair.peer_id] = result.steps_done
