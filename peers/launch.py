@@ -15,7 +15,7 @@ import torch
 
 from dht.announce import fetch_stage_records
 from dht.authority import load_run_access
-from dht.model_match import check_same_model, check_same_vocabulary
+from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign
 from dht.node import start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import GPTConfig
@@ -101,13 +101,19 @@ def run_peer(config: PeerConfig) -> None:
     )
     try:
         # a wrong, expired or another identity's credential stops the peer here, before the stage is built
-        load_run_access(config.authority, peer_id=dht.peer_id.to_base58(), roles=("peer",))
-        # Peers of another model under the same name: refused before claiming anything.
+        access = load_run_access(config.authority, peer_id=dht.peer_id.to_base58(), roles=("peer",))
+        judged_by = dict(
+            authority=access.authority if access else None, credentialed=bool(access and access.credential)
+        )
+        # Peers of another model under the same name: refused before claiming anything, if this peer is
+        # the odd one out; a stranger's record of another model is skipped (dht/model_match.py).
         live = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
         check_same_vocabulary(
-            live, model_config.vocab_size, model=config.model, who="peer", mine="--vocab-size / model"
+            live, model_config.vocab_size, model=config.model, who="peer", mine="--vocab-size / model", **judged_by
         )
-        check_same_model(live, model_hash(model_config), model=config.model, who="peer")
+        foreign = check_same_model(live, model_hash(model_config), model=config.model, who="peer", **judged_by)
+        if foreign:
+            print(f"warning: {describe_foreign(foreign)}", flush=True)
         # The split is agreed on the DHT before the stage is built: a peer whose split disagrees
         # with the swarm's stops here with a SplitConflictError.
         split = claim_split(

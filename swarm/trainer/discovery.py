@@ -18,7 +18,7 @@ import hivemind
 
 from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
-from dht.model_match import check_same_model, check_same_vocabulary, foreign_records
+from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign, foreign_records
 from dht.records import PeerRecord, PeerState
 from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
 from swarm.trainer.failures import BanList, ProtocolViolations
@@ -51,6 +51,7 @@ class SwarmView:
         self.run_authority = authority  # open or private: who may average (see `averaging_members`)
         self.model_hash = model_hash  # records of another model (another hash) are never routed to
         self.foreign: list[PeerRecord] = []
+        self.foreign_peers: set[str] = set()  # peers whose records announced another model, skipped
         self.seen: list[PeerRecord] = []
         self.schedulers = [ReplicaScheduler() for _ in range(num_stages)]
         # A short base ban: a replica refused at once (killed, or a dropped stream) is cheap to probe
@@ -73,6 +74,10 @@ class SwarmView:
         )
         self.seen = [r for records in results for r in records]  # every record, before any filter
         self.foreign = foreign_records(self.seen, self.model_hash)
+        newly_foreign = [r for r in self.foreign if r.peer_id not in self.foreign_peers]
+        if newly_foreign:  # never routed to; said once per peer (dht/model_match.py)
+            self.foreign_peers |= {r.peer_id for r in newly_foreign}
+            logger.warning(describe_foreign(newly_foreign))
         for stage, records in enumerate(results):
             online = [r for r in records if r.state == PeerState.ONLINE and r.num_stages == self.num_stages]
             if self.authority is not None:
@@ -151,14 +156,18 @@ async def wait_for_every_stage(
     view: SwarmView, timeout_s: float, *, vocab_size: int | None = None, vocab_source: str = "data"
 ) -> None:
     """Refresh until every stage has an online replica; a `DiscoveryError` after `timeout_s`, a
-    `ModelMismatchError` at once when live peers of the name serve another model (a
-    `VocabularyMismatchError`, naming both sizes, when it is the vocabulary that differs)."""
+    `ModelMismatchError` at once when the live peers of the name serve another model and none this
+    one (a `VocabularyMismatchError`, naming both sizes, when it is the vocabulary that differs)."""
     deadline = time.monotonic() + timeout_s
     while True:
         await view.refresh()
+        # refused only as the odd one out; a stranger's record of another model is skipped (refresh)
+        judged_by = dict(authority=view.run_authority, credentialed=view.run_authority is not None)
         if vocab_size is not None:
-            check_same_vocabulary(view.seen, vocab_size, model=view.model, who="trainer", mine=vocab_source)
-        check_same_model(view.foreign, view.model_hash, model=view.model, who="trainer")
+            check_same_vocabulary(
+                view.seen, vocab_size, model=view.model, who="trainer", mine=vocab_source, **judged_by
+            )
+        check_same_model(view.seen, view.model_hash, model=view.model, who="trainer", **judged_by)
         counts = view.live_replicas()
         if all(counts):
             return

@@ -83,6 +83,7 @@ class TrainingReport(CallCounters):
     eval_losses: list[list[float]] = field(default_factory=list)  # [step, validation loss] per evaluation
     final_eval_loss: float | None = None
     stopped_early: bool = False  # stopped by SIGTERM/SIGINT before its last step
+    foreign_peers_skipped: int = 0  # peers whose records announced another model: never routed to
     # peer id -> what it did for this trainer: samples_served, calls_answered, calls_failed,
     # calls_verified, mismatches, stage, banned (reason or None); swarm/trainer/contributions.py
     contributions: dict[str, dict] = field(default_factory=dict)
@@ -424,6 +425,7 @@ def _fill_report(
     report.grad_norms = [round(norm, 6) for norm in schedule.grad_norms]
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
     report.banned_peers = {**earlier_bans, **counters.banned_peers}
+    report.foreign_peers_skipped = len(schedule.view.foreign_peers)
     report.contributions = schedule.caller.contributions.merge(earlier_contributions or {})
 
 
