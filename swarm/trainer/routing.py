@@ -20,7 +20,10 @@ samples per second so that the expected busy time stays unbiased when measuremen
 
 The value the peer announced on the DHT is only a prior, used until the trainer has measured the
 peer itself: it comes from a start-up benchmark on other batch shapes, often taken while other
-processes competed for the CPU, and can be off by 2x. The first measurement therefore replaces it,
+processes competed for the CPU, and can be off by 2x; and a liar may announce anything. So a prior
+is believed up to a ceiling: the fastest measured replica of the stage, or, while none is measured,
+`PRIOR_SPREAD` times the slowest announcement (a replica announcing 1000x its partner drew 239 of
+240 chains under direct routing, where nothing else measures it, issue #60). The first measurement replaces it,
 and the n-th measurement weighs ``max(ema_alpha, 1/n)`` (a plain mean until ``n = 1/ema_alpha``,
 the EMA after). A plain EMA seeded with the announcement would keep ``(1-alpha)**n`` of a wrong
 prior: 28% after 12 calls at alpha 0.1, and a slow replica gets few calls, so its wrong prior
@@ -48,6 +51,9 @@ _MIN_SECONDS_PER_SAMPLE = 1e-9
 _MAX_SECONDS_PER_SAMPLE = 1e9
 # Tasks chosen but never reported (cancelled by the caller) must not accumulate forever.
 _MAX_PENDING_PER_REPLICA = 1024
+# An unmeasured replica is believed at most this many times as fast as the slowest announcement of
+# its stage (honest start-up benchmarks differ by up to about 2x), when no replica is measured yet.
+PRIOR_SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class ReplicaScheduler:
     backward_cost: duration of a backward pass relative to a forward pass of the same samples
         (the replica recomputes the forward, then backpropagates).
     default_throughput: forward samples per second assumed for a replica that announced none.
+    prior_spread: how many times the slowest announcement an unmeasured replica is believed, at
+        most, while no replica of the stage is measured (inf: announcements are believed).
     clock: seconds, monotonic; used to settle the busy time of failed tasks.
     """
 
@@ -97,6 +105,7 @@ class ReplicaScheduler:
         ema_alpha: float = 0.1,
         backward_cost: float = 2.5,
         default_throughput: float = 1.0,
+        prior_spread: float = PRIOR_SPREAD,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 < ema_alpha <= 1.0:
@@ -112,7 +121,10 @@ class ReplicaScheduler:
             "backward": backward_cost,
             "backward_cached": max(backward_cost - 1.0, 0.5 * backward_cost),
         }
+        if not prior_spread >= 1.0:
+            raise ValueError(f"prior_spread must be at least 1, got {prior_spread}")
         self._default_throughput = default_throughput
+        self._prior_spread = prior_spread
         self._clock = clock
         self._replicas: dict[str, _ReplicaState] = {}
 
@@ -121,15 +133,19 @@ class ReplicaScheduler:
 
         Peers no longer listed are dropped with their history. New peers enter at the current
         minimum key, so they get work soon but are not flooded. A known peer's announced
-        throughput is used only until the trainer has measured the peer itself. If a peer is
-        listed twice, the last entry wins.
+        throughput is used only until the trainer has measured the peer itself, and believed up to
+        the ceiling in the module's docstring. If a peer is listed twice, the last entry wins.
         """
         latest = {info.peer_id: info for info in replicas}
         for peer_id in [p for p in self._replicas if p not in latest]:
             del self._replicas[peer_id]
         entry_key_s = min((r.key_s for r in self._replicas.values()), default=0.0)
+        priors = {p: self._seconds_per_sample_from(info.announced_throughput) for p, info in latest.items()}
+        measured = [r.seconds_per_sample for r in self._replicas.values() if r.measurements]
+        # the ceiling on belief (in seconds per sample, a floor): see the module's docstring
+        fastest_believed = min(measured) if measured else max(priors.values(), default=0.0) / self._prior_spread
         for peer_id in sorted(latest):
-            seconds_per_sample = self._seconds_per_sample_from(latest[peer_id].announced_throughput)
+            seconds_per_sample = max(priors[peer_id], fastest_believed)
             replica = self._replicas.get(peer_id)
             if replica is None:
                 self._replicas[peer_id] = _ReplicaState(entry_key_s, seconds_per_sample)

@@ -2,6 +2,8 @@
 
 from collections import Counter
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,7 +42,7 @@ def serve(scheduler, true_throughputs, picks, task="forward", samples=4) -> Coun
 
 
 def test_shares_follow_announced_throughputs_3_to_1():
-    scheduler = make_scheduler({"a": 3.0, "b": 1.0})
+    scheduler = make_scheduler({"a": 3.0, "b": 1.0}, prior_spread=math.inf)
     shares = pick_shares(scheduler, 4000)
     assert shares["a"] == pytest.approx(0.75, abs=0.02)
     assert shares["b"] == pytest.approx(0.25, abs=0.02)
@@ -48,14 +50,14 @@ def test_shares_follow_announced_throughputs_3_to_1():
 
 
 def test_picks_are_interleaved_not_bursty():
-    scheduler = make_scheduler({"a": 3.0, "b": 1.0})
+    scheduler = make_scheduler({"a": 3.0, "b": 1.0}, prior_spread=math.inf)
     picks = [scheduler.choose("forward", 1) for _ in range(40)]
     # Every window of 4 consecutive picks contains exactly one pick of the slow replica.
     assert all(picks[i : i + 4].count("b") == 1 for i in range(0, 40, 4))
 
 
 def test_work_shares_hold_for_mixed_forward_and_backward_tasks():
-    scheduler = make_scheduler({"a": 3.0, "b": 1.0})
+    scheduler = make_scheduler({"a": 3.0, "b": 1.0}, prior_spread=math.inf)
     work = Counter()
     for i in range(4000):
         task, samples = ("backward", 2) if i % 3 == 0 else ("forward", 5)
@@ -79,7 +81,7 @@ def test_backward_goes_back_to_the_replica_that_cached_its_forward_and_is_charge
 
 
 def test_backward_goes_elsewhere_when_the_caching_replica_would_finish_it_later():
-    scheduler = make_scheduler({"a": 1.0, "b": 4.0})
+    scheduler = make_scheduler({"a": 1.0, "b": 4.0}, prior_spread=math.inf)
     assert scheduler.choose("forward", 4) == "a"  # a is 4 s busy, b idle
     # On b the backward (recompute included) ends after 2.5 s; on a after 4 + 6 s.
     assert scheduler.choose("backward", 4, cached_on="a") == "b"
@@ -334,3 +336,17 @@ def test_random_call_sequences_never_raise_nor_leave_the_current_set(ops):
         assert all(0.0 < t < float("inf") for t in throughputs.values())
         if current:
             assert sum(scheduler.shares().values()) == pytest.approx(1.0)
+
+
+def test_an_unmeasured_replica_is_believed_no_faster_than_a_measured_one_or_twice_the_slowest():
+    """Issue #60: a replica announcing 1000x its partner drew 239 of 240 chains under direct routing,
+    where the trainer times nothing but whole chains."""
+    scheduler = make_scheduler({"honest": 10.0, "liar": 10_000.0})
+    assert scheduler.throughputs() == pytest.approx({"honest": 10.0, "liar": 20.0})  # PRIOR_SPREAD x the slowest
+    assert make_scheduler({"a": 10.0, "b": 15.0}).throughputs() == pytest.approx({"a": 10.0, "b": 15.0})
+    scheduler.choose("forward", 2)
+    scheduler.report_success("honest", "forward", 2, elapsed_s=0.4)  # measured: 5 samples/s
+    scheduler.update_replicas([ReplicaInfo("honest", 10.0), ReplicaInfo("liar", 10_000.0), ReplicaInfo("new", 1e9)])
+    assert scheduler.throughputs() == pytest.approx({"honest": 5.0, "liar": 5.0, "new": 5.0})
+    with pytest.raises(ValueError):
+        ReplicaScheduler(prior_spread=0.5)
