@@ -1,8 +1,7 @@
 """ReplicaScheduler: interleaved weighted round-robin over the replicas of one stage."""
 
-from collections import Counter
-
 import math
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
