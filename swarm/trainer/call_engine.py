@@ -82,6 +82,7 @@ class Blame:
     penalty: Penalty
     reason: str
     at_least_s: float = 0.0  # the shortest ban with backoff (a call that took long is not tried again soon)
+    witnessed: bool = True  # this trainer saw the failure itself (False: a peer before it in a chain says so)
 
 
 class Work(Protocol):
@@ -99,6 +100,8 @@ class Work(Protocol):
     def again(self, peer_id: str) -> Any | None: ...
 
     def key(self, target: Any) -> str: ...
+
+    def expected_s(self, target: Any) -> float | None: ...
 
     async def call(self, target: Any, timeout_s: float) -> Any: ...
 
@@ -159,7 +162,9 @@ class CallEngine:
             waited_since = None
             started = time.perf_counter()
             try:
-                result = await work.call(target, self.timeouts.timeout_s(*work.timeout_key))
+                # before its latencies are known: what the target is expected to take (failures.py)
+                timeout_s = self.timeouts.timeout_s(*work.timeout_key, expected_s=work.expected_s(target))
+                result = await work.call(target, timeout_s)
             except PeerCallError as error:
                 blames = work.failed(target, error, started, time.perf_counter())
                 self.note_failure(work.rpc, blames)
@@ -204,8 +209,24 @@ class CallEngine:
                     peer_id, stage, f"stage {stage}: {blame.reason} (not asked for {banned_s:.0f} s)"
                 )
             else:
-                view.bans.ban(peer_id, at_least_s=blame.at_least_s)
+                banned_s = view.bans.ban(peer_id, at_least_s=blame.at_least_s, timed_out=self._stall_strike(blame))
+                if view.bans.stalled(peer_id):  # it kept taking calls and not answering: avoided for long
+                    logger.warning(
+                        f"stage {stage}: {peer_id[-8:]} timed out again; not routing there for {banned_s:.0f} s"
+                    )
+                    self.contributions.banned(
+                        peer_id, stage, f"stage {stage}: timed out again and again (not asked for {banned_s:.0f} s)"
+                    )
             self.metrics.bans.labels(stage=str(stage)).inc()
+
+    def _stall_strike(self, blame: Blame) -> bool:
+        """Whether a failure counts toward a stall ban (failures.py's BanList): a timeout this trainer
+        saw, or one a peer reports of a replica that never answered this trainer (a peer's word about
+        a replica that has served us cannot get it banned for long)."""
+        if blame.kind != Failure.TIMEOUT:
+            return False
+        entry = self.contributions.get(blame.peer_id)
+        return blame.witnessed or entry is None or entry.calls_answered == 0
 
     def note_answered(self, peer_id: str, stage: int, rpc: str, samples: int) -> None:
         """A replica answered a call of ours (or served its stage in a chain that answered)."""

@@ -34,7 +34,14 @@ import math
 from dataclasses import dataclass
 
 from swarm.trainer.call_engine import Blame
-from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, failovers_in_route, settle_route
+from swarm.trainer.chain_route import (
+    CHAIN_TASK,
+    charge_route,
+    check_served_by,
+    choose_route,
+    failovers_in_route,
+    settle_route,
+)
 from swarm.trainer.client import ChainCallError, ChainResult, PeerCallError
 from swarm.trainer.data import Microbatch
 from swarm.trainer.failures import StageUnavailableError
@@ -129,7 +136,12 @@ class ChainCaller:
         hops = failovers_in_route(route, getattr(error, "failovers", []))
         blames = [
             Blame(
-                f.peer, f.stage, f.kind, penalty_for(f.kind, "", witnessed=False), f"a hop failed over ({f.kind.value})"
+                f.peer,
+                f.stage,
+                f.kind,
+                penalty_for(f.kind, "", witnessed=False),
+                f"a hop failed over ({f.kind.value})",
+                witnessed=False,
             )
             for f in hops
         ]
@@ -141,8 +153,11 @@ class ChainCaller:
         for peer_id in getattr(error, "failed_peers", [error.peer_id]):
             if (peer_id, stage) not in covered:
                 penalty = penalty_for(error.kind, str(error), witnessed=False)
-                at_least_s = 3.0 * took_s if peer_id == route[0][0] else 0.0
-                blames.append(Blame(peer_id, stage, error.kind, penalty, str(error), at_least_s=at_least_s))
+                own = peer_id == route[0][0]  # the trainer's own call (its timeout, its own observation)
+                at_least_s = 3.0 * took_s if own else 0.0
+                blames.append(
+                    Blame(peer_id, stage, error.kind, penalty, str(error), at_least_s=at_least_s, witnessed=own)
+                )
         return blames
 
 
@@ -179,6 +194,12 @@ class ChainWork:
     def key(self, route: list[list[str]]) -> str:
         return route[0][0]
 
+    def expected_s(self, route: list[list[str]]) -> float | None:
+        """The chain's expected time: each stage's preferred replica's (None if one is not known)."""
+        schedulers = self.view.schedulers
+        expected = [schedulers[s].expected_s(c[0], CHAIN_TASK, self.mb.size) for s, c in enumerate(route)]
+        return None if any(e is None for e in expected) else sum(expected)
+
     async def call(self, route: list[list[str]], timeout_s: float) -> ChainResult:
         caller = self.caller
         self.last_route = route
@@ -214,7 +235,14 @@ class ChainWork:
             engine.note_failure(
                 self.rpc,
                 [
-                    Blame(f.peer, f.stage, f.kind, penalty_for(f.kind, "", witnessed=False), "a hop failed over")
+                    Blame(
+                        f.peer,
+                        f.stage,
+                        f.kind,
+                        penalty_for(f.kind, "", witnessed=False),
+                        "a hop failed over",
+                        witnessed=False,
+                    )
                     for f in failed_over
                 ],
             )

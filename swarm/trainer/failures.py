@@ -1,7 +1,9 @@
 """What the trainer does about failing calls to replicas, as pure bookkeeping.
 
-- ``TimeoutPolicy``: how long to wait for a call, from the latencies observed so far.
-- ``BanList``: how long to avoid a peer after a failure, with exponential backoff.
+- ``TimeoutPolicy``: how long to wait for a call, from the latencies observed so far (before
+  enough are known: from the time the replica is expected to take, within bounds).
+- ``BanList``: how long to avoid a peer after a failure, with exponential backoff; a peer that
+  keeps timing out is banned for long (stall strikes), as one that breaks the protocol is.
 - ``ProtocolViolations``: peers that broke the protocol, avoided for long.
 - The errors the trainer raises when it gives up, each saying what happened and what to do.
 
@@ -72,12 +74,18 @@ class TimeoutPolicy:
     """Per-call timeout for each (stage, task), from recently observed latencies.
 
     timeout = clamp(quantile(latencies, quantile) * margin, floor_s, cap_s); until
-    ``min_observations`` latencies have been observed it is ``initial_s``.
+    ``min_observations`` latencies have been observed it is ``initial_s``, or, when the caller
+    says how long the call is expected to take (the replica's believed throughput, routing.py),
+    clamp(expected * first_call_margin, floor_s, initial_s): a replica that stalls from its first
+    call costs that, not a minute (three stalling sybils present from the start held a step for
+    280 s, issue #60), and one that overstates its speed is held to its word.
 
     quantile: in [0, 1]; 0.95 leaves room for the usual tail.
     margin: multiplier on that quantile, so that a slow-but-working peer is not cut off.
     floor_s, cap_s: bounds of the timeout in seconds.
     initial_s: timeout in seconds before enough latencies are known.
+    first_call_margin: multiplier on a call's expected time before enough latencies are known (a
+        first call may warm up, and an announced throughput is a start-up benchmark's, off by 2x).
     min_observations: latencies needed before the quantile is trusted.
     window: how many recent latencies are kept per (stage, task).
     """
@@ -90,6 +98,7 @@ class TimeoutPolicy:
         floor_s: float = 5.0,
         cap_s: float = 120.0,
         initial_s: float = 60.0,
+        first_call_margin: float = 20.0,
         min_observations: int = 5,
         window: int = 100,
     ) -> None:
@@ -101,6 +110,8 @@ class TimeoutPolicy:
             raise ValueError(f"need 0 < floor_s <= cap_s < inf, got {floor_s} and {cap_s}")
         if not (math.isfinite(initial_s) and initial_s > 0.0):
             raise ValueError(f"initial_s must be a positive number of seconds, got {initial_s}")
+        if not (math.isfinite(first_call_margin) and first_call_margin > 0.0):
+            raise ValueError(f"first_call_margin must be a positive number, got {first_call_margin}")
         if not 1 <= min_observations <= window:
             raise ValueError(f"need 1 <= min_observations <= window, got {min_observations} and {window}")
         self._quantile = quantile
@@ -108,6 +119,7 @@ class TimeoutPolicy:
         self._floor_s = floor_s
         self._cap_s = cap_s
         self._initial_s = initial_s
+        self._first_call_margin = first_call_margin
         self._min_observations = min_observations
         self._window = window
         self._latencies_s: dict[tuple[int, Task], deque[float]] = {}
@@ -119,11 +131,14 @@ class TimeoutPolicy:
         window = self._latencies_s.setdefault((stage, task), deque(maxlen=self._window))
         window.append(seconds)
 
-    def timeout_s(self, stage: int, task: Task) -> float:
-        """Seconds to wait for the next call to this stage and task."""
+    def timeout_s(self, stage: int, task: Task, expected_s: float | None = None) -> float:
+        """Seconds to wait for the next call to this stage and task; `expected_s`: how long this
+        call is expected to take, used until enough latencies are known."""
         latencies_s = self._latencies_s.get((stage, task), ())
         if len(latencies_s) < self._min_observations:
-            return self._initial_s
+            if expected_s is None or not math.isfinite(expected_s) or expected_s < 0.0:
+                return self._initial_s
+            return min(max(expected_s * self._first_call_margin, self._floor_s), self._initial_s)
         timeout_s = _quantile(sorted(latencies_s), self._quantile) * self._margin
         return min(max(timeout_s, self._floor_s), self._cap_s)
 
@@ -141,6 +156,7 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 class _BanRecord:
     failures: int
     until_s: float
+    timeouts: int = 0  # consecutive incidents that were timeouts (stall strikes)
 
 
 class BanList:
@@ -157,9 +173,16 @@ class BanList:
     failure count is forgotten ``forget_after_s`` after its ban ends, so memory stays bounded
     under churn.
 
+    Timeouts count toward a long ban: the ``stall_strikes``-th consecutive incident that was a
+    timeout (no success in between) bans the peer for ``stall_base_s``, doubling with each further
+    one up to ``stall_max_s``. A peer that accepts calls and never answers costs a timeout each time
+    it is tried: with the short bans alone, sybils that stalled were tried again every minute at
+    most, for good (issue #60), while a wrong answer earns a ban of 15 minutes at once.
+
     base_s: first ban, in seconds.
     max_s: longest ban, in seconds.
     forget_after_s: seconds after a ban ends until its failure count is forgotten.
+    stall_strikes, stall_base_s, stall_max_s: the long bans of peers that keep timing out.
     clock: seconds, monotonic.
     """
 
@@ -169,22 +192,30 @@ class BanList:
         base_s: float = 15.0,
         max_s: float = 300.0,
         forget_after_s: float = 600.0,
+        stall_strikes: int = 2,
+        stall_base_s: float = 300.0,
+        stall_max_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not (0.0 < base_s <= max_s and math.isfinite(max_s)):
             raise ValueError(f"need 0 < base_s <= max_s < inf, got base_s={base_s} max_s={max_s}")
         if not (math.isfinite(forget_after_s) and forget_after_s >= 0.0):
             raise ValueError(f"forget_after_s must be a finite number >= 0, got {forget_after_s}")
+        if stall_strikes < 1 or not (0.0 < stall_base_s <= stall_max_s and math.isfinite(stall_max_s)):
+            raise ValueError("need stall_strikes >= 1 and 0 < stall_base_s <= stall_max_s < inf")
         self._base_s = base_s
         self._max_s = max_s
+        self._stall_strikes, self._stall_base_s, self._stall_max_s = stall_strikes, stall_base_s, stall_max_s
         self._forget_after_s = forget_after_s
         self._clock = clock
         self._records: dict[str, _BanRecord] = {}
 
-    def ban(self, peer_id: str, *, at_least_s: float = 0.0) -> float:
+    def ban(self, peer_id: str, *, at_least_s: float = 0.0, timed_out: bool = False) -> float:
         """Ban the peer after a failure; returns the seconds until the ban ends.
 
-        at_least_s: the shortest ban for this failure (still at most ``max_s``)."""
+        at_least_s: the shortest ban for this failure (still at most ``max_s``).
+        timed_out: the failure was a timeout (the peer took the call and did not answer in time),
+            a stall strike."""
         if not (math.isfinite(at_least_s) and at_least_s >= 0.0):
             raise ValueError(f"at_least_s must be a finite number >= 0, got {at_least_s}")
         now_s = self._clock()
@@ -193,10 +224,19 @@ class BanList:
         if record is not None and now_s < record.until_s:
             return record.until_s - now_s
         failures = 1 if record is None else record.failures + 1
+        timeouts = (0 if record is None else record.timeouts) + 1 if timed_out else 0
         # The exponent is capped so that a long-failing peer cannot overflow the float.
         duration_s = min(max(self._base_s * 2.0 ** min(failures - 1, 64), at_least_s), self._max_s)
-        self._records[peer_id] = _BanRecord(failures, now_s + duration_s)
+        if timeouts >= self._stall_strikes:
+            stall_s = self._stall_base_s * 2.0 ** min(timeouts - self._stall_strikes, 64)
+            duration_s = max(duration_s, min(stall_s, self._stall_max_s))
+        self._records[peer_id] = _BanRecord(failures, now_s + duration_s, timeouts)
         return duration_s
+
+    def stalled(self, peer_id: str) -> bool:
+        """Whether the peer is banned now for timing out again and again (stall strikes)."""
+        record = self._records.get(peer_id)
+        return record is not None and record.timeouts >= self._stall_strikes and self._clock() < record.until_s
 
     def is_banned(self, peer_id: str) -> bool:
         record = self._records.get(peer_id)

@@ -245,6 +245,14 @@ class ReplicaScheduler:
         refund_s = max(pending.charge_s - busy_s, 0.0)
         replica.key_s = max(replica.key_s - refund_s, 0.0)
 
+    def expected_s(self, peer_id: str, task: Task, samples: int) -> float | None:
+        """How long `task` of `samples` is expected to keep `peer_id` busy, at its believed
+        throughput (None for a peer not known): what a first call's timeout is sized on."""
+        replica = self._replicas.get(peer_id)
+        if replica is None:
+            return None
+        return samples * self._task_cost(task) * replica.seconds_per_sample
+
     def throughputs(self) -> dict[str, float]:
         """Current estimate per replica, in forward samples per second, by peer_id."""
         return {p: 1.0 / self._replicas[p].seconds_per_sample for p in sorted(self._replicas)}

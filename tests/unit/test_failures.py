@@ -245,3 +245,40 @@ def test_microbatch_gives_up_loudly_when_every_replica_fails():
         if budget.spent:
             break
     assert tries == 4 and budget.attempts_left == 0
+
+
+def test_before_enough_latencies_a_call_waits_what_its_replica_is_expected_to_take_within_bounds():
+    """Issue #60: three sybils that stall from their first call held a step for 280 s at a minute each."""
+    policy = TimeoutPolicy()  # floor 5 s, initial 60 s, first_call_margin 20
+    assert policy.timeout_s(0, "forward", expected_s=0.01) == 5.0  # a fast replica: the floor
+    assert policy.timeout_s(0, "forward", expected_s=1.0) == 20.0
+    assert policy.timeout_s(0, "forward", expected_s=100.0) == 60.0  # never longer than without an estimate
+    assert policy.timeout_s(0, "forward", expected_s=None) == 60.0
+    assert policy.timeout_s(0, "forward", expected_s=float("nan")) == 60.0
+    for _ in range(5):
+        policy.observe(0, "forward", 4.0)
+    assert policy.timeout_s(0, "forward", expected_s=0.01) == 12.0  # then the latencies decide, as before
+    with pytest.raises(ValueError):
+        TimeoutPolicy(first_call_margin=0.0)
+
+
+def test_a_peer_that_keeps_timing_out_is_banned_for_long_with_backoff():
+    clock = FakeClock()
+    bans = BanList(base_s=1.0, max_s=60.0, clock=clock)  # the trainer's (swarm/trainer/discovery.py)
+    durations_s = []
+    for _ in range(4):
+        durations_s.append(bans.ban("sybil", at_least_s=15.0, timed_out=True))
+        if len(durations_s) == 2:
+            assert bans.stalled("sybil")
+        clock.now_s += durations_s[-1]
+    assert durations_s == [15.0, 300.0, 600.0, 1200.0]  # the second strike: a stall ban, doubling
+    assert not bans.stalled("sybil")  # over, until it stalls again
+    # an answer in between clears the strikes: an honest replica that timed out once now and then
+    assert bans.ban("honest", at_least_s=15.0, timed_out=True) == 15.0
+    clock.now_s += 15.0
+    bans.clear("honest")
+    assert bans.ban("honest", at_least_s=15.0, timed_out=True) == 15.0
+    clock.now_s += 15.0
+    assert bans.ban("refused-then-timeout") == 1.0 and not bans.stalled("refused-then-timeout")
+    with pytest.raises(ValueError):
+        BanList(stall_strikes=0)
