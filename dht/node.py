@@ -16,7 +16,7 @@ import hivemind
 import torch.multiprocessing
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
-from dht.record_policy import SwarmRecordValidator, protected_keys
+from dht.record_policy import SwarmRecordValidator, protected_keys, record_store_senders
 from dht.signing import IdentityError, load_identity, new_identity_file, register, validators
 from process.config import ConfigError, option
 
@@ -126,6 +126,7 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False, models: Coll
             protected_keys(models, allowed_peers=network.allowed_peers, plan_signers=network.plan_signers),
             cap_subkeys=not client_mode,  # a client stores nothing for others
         )
+        record_store_senders()  # the guard's budget per sender knows who asked (before the node forks)
         dht = _start(network, client_mode, validators(identity, guard), identity_path, kwargs)
     finally:
         if scratch is not None:

@@ -46,6 +46,7 @@ from wire.protocol import MAX_PROBE_BYTES, PROBE_CHUNK_BYTES, RPC_PROBE, ProbeRe
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_PROBES = 4  # echoes served at once: bounds the memory probes can take on a peer
+PROBE_DEADLINE_S = 10.0  # a probe's request must arrive within this (the prober's own time limit per link)
 MIN_TRANSFER_FRACTION = 0.05  # a bulk echo is never credited with less than 5% of its time for the transfer
 
 
@@ -105,11 +106,16 @@ def _payload_parts(payload_bytes: int) -> list[runtime_pb2.Tensor]:
 
 
 async def rpc_probe(
-    requests: AsyncIterator[runtime_pb2.ExpertRequest], context
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], context, *, deadline_s: float | None = None
 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """Echo the payload back; a malformed request gets a `ProbeResponse.error`, not a dropped stream."""
+    """Echo the payload back; a malformed request, or one that takes over `deadline_s` to arrive,
+    gets a `ProbeResponse.error`, not a dropped stream."""
     try:
-        request = await read_request(requests, ProbeRequest, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
+        reading = read_request(requests, ProbeRequest, max_parts=MAX_PROBE_BYTES // PROBE_CHUNK_BYTES + 1)
+        try:
+            request = await asyncio.wait_for(reading, timeout=deadline_s)
+        except TimeoutError:
+            raise ProtocolError(f"the probe did not arrive within {deadline_s:.0f} s") from None
         header, parts = request.header, request.parts
         received = sum(len(part.buffer) for part in parts)
         if received != header.payload_bytes:
@@ -306,17 +312,53 @@ class LinkProber:
             delay = self.settings.period_s * self.rng.uniform(0.75, 1.25)
 
 
-def bounded_probe_handler(*, max_concurrent: int = MAX_CONCURRENT_PROBES):
-    """The `RPC_PROBE` handler, at most `max_concurrent` echoes at once (the others wait). The peer
-    registers it behind its admission guard (peers/serving/host.py)."""
+def bounded_probe_handler(
+    *, max_concurrent: int = MAX_CONCURRENT_PROBES, per_caller: int = 1, deadline_s: float = PROBE_DEADLINE_S
+):
+    """The `RPC_PROBE` handler: at most `max_concurrent` echoes at once (the others wait), at most
+    `per_caller` of them from one caller (the caller's next ones are refused at once), each request
+    read within `deadline_s`. Before: a caller re-opening probe streams that trickled held every
+    slot, and 2 of 6 honest echoes were answered within 10 s (issue #60). The peer registers it
+    behind its admission guard (peers/serving/host.py)."""
     slots = asyncio.Semaphore(max_concurrent)
+    active: collections.Counter[str] = collections.Counter()
 
     async def bounded_probe(requests, context):
-        async with slots:
-            async for message in rpc_probe(requests, context):
+        caller = _caller(context)
+        if active[caller] >= per_caller:
+            await _drain(requests, deadline_s)  # answering before the caller finished sending resets the stream
+            for message in refused_probe(ProtocolError(f"a probe from {caller[-8:]} is in progress"), 0.0):
                 yield message
+            return
+        active[caller] += 1
+        try:
+            async with slots:
+                async for message in rpc_probe(requests, context, deadline_s=deadline_s):
+                    yield message
+        finally:
+            active[caller] -= 1
+            if not active[caller]:
+                del active[caller]
 
     return bounded_probe
+
+
+def _caller(context) -> str:
+    remote = getattr(context, "remote_id", None)
+    return remote.to_base58() if remote is not None else "unknown"
+
+
+async def _drain(requests: AsyncIterator, deadline_s: float) -> None:
+    """Read and drop what the caller sends (within the probe's size and `deadline_s`)."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            received = 0
+            async for message in requests:
+                received += sum(len(part.buffer) for part in message.tensors)
+                if received > MAX_PROBE_BYTES:
+                    return
+    except (TimeoutError, ProtocolError):
+        pass
 
 
 def refused_probe(error: Exception, waited_s: float) -> list[runtime_pb2.ExpertResponse]:

@@ -30,6 +30,7 @@ from swarm.trainer.global_step import step_id as global_step_id
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.spot_checks import CallSampler
 from swarm.trainer.stage_call import Payload, StageCaller
+from wire.failures import Failure
 from wire.protocol import CommitResponse
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class StepSchedule:
         self._served: dict[int, dict[str, int]] = {}
         # the steps each sync replica answered at the last commit, by stage: what a repair believes
         self._steps_seen: dict[int, dict[str, int]] = {}
+        self._background: set[asyncio.Task] = set()  # commits of replicas that step alone, not waited for
 
     async def run_microbatch(self, mb: Microbatch) -> float:
         """Forward through stages 0..S-2, a fused forward+backward on the last stage (it owns the
@@ -327,9 +329,16 @@ class StepSchedule:
             for stage, records in enumerate(self.view.records)
             for mode in (("sync",) if flush else ("sync", "periodic"))
             for group in commit_groups(
-                [r.peer_id for r in records if r.averaging == mode], self.view.averaging_members(stage)
+                [r.peer_id for r in records if r.averaging == mode and not self._avoided(stage, r.peer_id)],
+                self.view.averaging_members(stage),
             )
         ]
+        # Replicas outside every averaging group (no credential of the run) step alone: their commits
+        # go out without the step waiting for them, so that one that stalls holds no step up.
+        loners = [g for g in groups if self._steps_alone(*g)]
+        groups = [g for g in groups if not self._steps_alone(*g)]
+        if loners:
+            self._commit_in_background(step_id, loners, served, timeout_s, flush=flush)
         sync_groups = [(stage, mode, group) for stage, mode, group in groups if mode == "sync" and group]
         # with a one-step delay the flush applies the last update: clipped like every other one
         clip = "prepare" if self.clip_grad_norm > 0 and sync_groups else None
@@ -381,6 +390,25 @@ class StepSchedule:
         if clip is not None:
             applied = await self._apply_clipped(f"{step_id}:apply", sync_groups, sync_answers, timeout_s)
             await self._repair_missed_rounds(f"{step_id}:apply", averaging, applied, timeout_s)
+
+    def _avoided(self, stage: int, peer_id: str) -> bool:
+        """A replica routing avoids for long (it kept timing out, or broke the protocol): not committed."""
+        return self.view.bans.stalled(peer_id) or peer_id in self.view.violations.banned(stage)
+
+    def _steps_alone(self, stage: int, mode: str, group: list[str]) -> bool:
+        members = self.view.averaging_members(stage)
+        return members is not None and len(group) == 1 and group[0] not in members
+
+    def _commit_in_background(self, step_id: str, groups, served, timeout_s: float, *, flush: bool) -> None:
+        task = asyncio.ensure_future(self._commit(step_id, groups, served, timeout_s, flush=flush))
+        self._background.add(task)
+
+        def done(finished: asyncio.Task) -> None:
+            self._background.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                logger.warning(f"a lone replica's commit failed: {finished.exception()}")
+
+        task.add_done_callback(done)
 
     async def _apply_clipped(
         self,
@@ -440,7 +468,7 @@ class StepSchedule:
         for (stage, peer_id, mode, _), result in zip(calls, results):
             if isinstance(result, PeerCallError):
                 logger.warning(f"stage {stage}: commit failed: {result}")
-                self.view.bans.ban(peer_id)
+                self.view.bans.ban(peer_id, timed_out=result.kind == Failure.TIMEOUT)
             elif isinstance(result, BaseException):
                 raise result
             else:

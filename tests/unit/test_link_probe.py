@@ -270,3 +270,31 @@ def test_one_slow_probe_does_not_move_the_published_link(fake_network, monkeypat
     assert [link.rtt_ms for link in published] == [2.0, 2.1, 2.2, 2.2]
     assert [link.bandwidth_gbps for link in published] == [1.0, 1.05, 1.0, 0.9]
     assert published[-1].measured_at == clock["now"] - 10
+
+
+def test_one_caller_holds_one_probe_at_a_time_and_a_trickling_probe_is_cut_off() -> None:
+    """Issue #60: a caller re-opening probe streams that never finished held every slot; 2 of 6
+    honest echoes were answered within 10 s."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    def context(n: int):
+        return SimpleNamespace(remote_id=PeerID(bytes([0x12, 0x20]) + bytes([n]) * 32))
+
+    async def trickle():
+        yield runtime_pb2.ExpertRequest(metadata=encode_header(ProbeRequest(payload_bytes=64)))
+        await asyncio.sleep(30)  # the rest never comes in time
+
+    async def run():
+        handler = link_probe.bounded_probe_handler(max_concurrent=2, deadline_s=0.5)
+        stuck = asyncio.ensure_future(_collect(handler(trickle(), context(1))))
+        await asyncio.sleep(0.05)
+        again = await _collect(handler(_requests(64, 64), context(1)))  # the same caller: refused at once
+        honest = await _collect(handler(_requests(64, 64), context(2)))  # another caller: served
+        return again, honest, await stuck
+
+    again, honest, stuck = asyncio.run(run())
+    assert "in progress" in decode_header(ProbeResponse, again[0].metadata).error
+    assert decode_header(ProbeResponse, honest[0].metadata) == ProbeResponse(payload_bytes=64)
+    assert "did not arrive within" in decode_header(ProbeResponse, stuck[0].metadata).error

@@ -18,10 +18,14 @@ from dht.record_policy import (
     CLOCK_SKEW_S,
     MAX_PLAN_TTL_S,
     MAX_RECORD_TTL_S,
+    STORE_SENDER,
     KeyRules,
+    StoreBudget,
+    StoreLimits,
     SwarmRecordValidator,
     _key_id,
     protected_keys,
+    record_store_senders,
 )
 from dht.signing import SigningIdentity, peer_id_of
 
@@ -152,3 +156,52 @@ def test_link_records_measured_in_the_future_are_skipped():
     entries = {"a": link_record("a", NOW - 1), "b": link_record("b", NOW + 10 * CLOCK_SKEW_S)}
     assert [r.peer_id for r in parse_link_records(entries, model="tiny", now=NOW)] == ["a"]
     assert len(parse_link_records(entries, model="tiny")) == 2  # without a clock, as before
+
+
+def test_what_a_node_stores_for_others_is_bounded_per_sender_per_key_and_in_all():
+    """Issue #60: junk under random keys took 191 MiB of a node in 14 s (the bootstrap's memory grew
+    226 MiB). Sizes here are small limits, the shape the defaults' (StoreLimits) have."""
+    limits = StoreLimits(per_sender_bytes=10_000, per_other_key_bytes=3_000, other_keys_bytes=6_000, total_bytes=15_000)
+    budget = StoreBudget(limits)
+    other = [_key_id(f"junk{n}") for n in range(4)]
+
+    def store(sender, key, subkey, nbytes, expires=NOW + 10, protected=False, now=NOW):
+        return budget.refusal(sender, key, subkey, nbytes, expires, now, protected=protected)
+
+    assert store("a", other[0], b"s1", 2_000) is None
+    assert store("a", other[0], b"s2", 2_000) == "key over its budget"  # one key that is none of swarm's
+    assert store("a", other[0], b"s1", 2_500) is None  # renewed (the same subkey): counted once
+    assert store("b", other[1], b"s", 2_900) is None
+    assert store("c", other[2], b"s", 2_000) == "other keys full"
+    assert store("a", STAGE_0, b"s", 4_000, protected=True) is None  # a's own record: swarm's key
+    assert store("a", _key_id(stage_key("tiny", 1)), b"s", 4_000, protected=True) == "sender over its budget"
+    assert store("d", _key_id(stage_key("tiny", 1)), b"s", 5_000, protected=True) is None
+    assert store("e", _key_id(stage_key("tiny", 2)), b"s", 2_000, protected=True) == "node full"
+    assert store("e", _key_id(stage_key("tiny", 2)), b"s", 2_000, protected=True, now=NOW + 11) is None  # expired
+    assert budget.held_by("a") == 0 and budget.total == 2_000 + len(b"s")
+
+
+def test_the_validator_charges_stores_to_the_peer_that_asked():
+    guard = validator(budget=StoreBudget(StoreLimits(per_sender_bytes=3_000)))
+    junk = _key_id("random-key")
+    assert guard.refusal(record(b"x", key=junk, value=b"v" * 2_000)) is None  # no sender: read, or our own
+    token = STORE_SENDER.set("stranger")
+    try:
+        assert guard.refusal(record(b"x", key=junk, value=b"v" * 2_000)) is None
+        assert guard.refusal(record(b"y", key=junk, value=b"v" * 2_000)) == "sender over its budget"
+        assert guard.validate(record(b"z", key=junk, value=b"v" * 2_000)) is False
+        assert guard.refused["sender over its budget"] == 1
+    finally:
+        STORE_SENDER.reset(token)
+    assert SwarmRecordValidator(protected_keys(["tiny"]), cap_subkeys=False).budget is None  # a client stores nothing
+
+
+def test_hiveminds_store_handler_says_who_asked():
+    from typing import get_type_hints
+
+    from hivemind.dht.protocol import DHTProtocol
+
+    record_store_senders()
+    record_store_senders()  # once only
+    assert DHTProtocol.rpc_store._says_sender
+    assert "request" in get_type_hints(DHTProtocol.rpc_store)  # hivemind registers it by its annotations
