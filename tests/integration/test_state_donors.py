@@ -6,6 +6,7 @@ joiner loaded it, and the trainer's repair then copied it over the honest replic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 import time
@@ -42,8 +43,7 @@ def forged_state() -> bytes:
         for param in runtime.module.parameters():
             param.fill_(0.5)
     meta, module_state, optimizer_state = snapshot_state(runtime, "tiny")
-    meta.steps_done = FORGED_STEPS
-    return serialize_state(meta, module_state, optimizer_state)
+    return serialize_state(dataclasses.replace(meta, steps_done=FORGED_STEPS), module_state, optimizer_state)
 
 
 def identity_sorting_before(tmp_path, other: str, tries: int = 200) -> str:
