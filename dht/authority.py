@@ -314,7 +314,8 @@ class RunAccessConfig:
     run: str | None = option(
         None,
         help="the run's public file (run.json from `swarm run create`, or its folder): only holders of "
-        "credentials its owner signed may change the weights; unset: no run authority (anyone may)",
+        "credentials its owner signed may change the weights (the owner's folder, holding owner.key: this "
+        "process issues itself one); unset: no run authority (anyone may)",
     )
     credential: str | None = option(
         None, help="this process's credential for the run (from `swarm run issue`); needs --run and --identity-path"
@@ -334,14 +335,30 @@ class RunAccess:
     held: Credential | None  # what it says
 
 
+NO_RUN_WARNING = (
+    "no run authority (--run): anyone who can reach this swarm may train it, average with its replicas and "
+    "send them state; create a run with `swarm run create` and give its folder to your own processes (SECURITY.md)"
+)
+SELF_ISSUED_VALID_S = 30 * 86400.0  # a credential the owner's own process issues itself at start-up
+
+
 def load_run_access(config: RunAccessConfig, *, peer_id: str, roles: tuple[str, ...] = ROLES) -> RunAccess | None:
     """The run of `config` for the process running as `peer_id` in one of `roles`, its own credential
-    checked (so a wrong, expired or another identity's credential fails at start-up, not on every call)."""
+    checked (so a wrong, expired or another identity's credential fails at start-up, not on every call).
+    A process of the run's owner (`--run` names the run's folder, which holds the owner key) without
+    `--credential` issues itself one, for `roles[0]`: the owner's peers and trainers need no
+    `swarm run issue` (that is how `swarm demo` and every local swarm run, LocalSwarm)."""
     if config.run is None:
         return None
-    authority = RunAuthority(load_run(config.run))
+    run = load_run(config.run)
+    authority = RunAuthority(run)
     if config.credential is None:
-        return RunAccess(authority, None, None)
+        owner_key = _owner_key_beside(config.run, run)
+        if owner_key is None:
+            return RunAccess(authority, None, None)
+        signed = issue(owner_key, run, role=roles[0], peer_id=peer_id, valid_for_s=SELF_ISSUED_VALID_S)
+        data = signed.to_bytes()
+        return RunAccess(authority, data, authority.verify(data, peer_id=peer_id, roles=roles))
     data = read_credential(config.credential)
     try:
         role = authority.parse(data).role
@@ -355,6 +372,14 @@ def load_run_access(config: RunAccessConfig, *, peer_id: str, roles: tuple[str, 
         hint = " (give this process the --identity-path it was issued for)" if "issued to" in str(e) else ""
         raise RunFileError(f"--credential {config.credential}: {e}{hint}") from None
     return RunAccess(authority, data, held)
+
+
+def _owner_key_beside(run_path: str, run: RunInfo) -> RSAPrivateKey | None:
+    """The run's owner key, when `run_path` is the run's folder (or its run.json) and the key is there."""
+    folder = run_path if os.path.isdir(run_path) else os.path.dirname(os.path.abspath(run_path))
+    if not os.path.isfile(os.path.join(folder, OWNER_KEY_FILE)):
+        return None
+    return load_owner_key(folder, run)
 
 
 def credential_summary(credential: Credential) -> str:

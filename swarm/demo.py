@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 
+from dht.authority import RunAccessConfig
 from models.config import lora_rank
 from models.model_source import resolve_model
 from models.subspace_options import SubspaceSettings
@@ -93,6 +94,7 @@ def export_and_sample(config: DemoConfig, swarm: LocalSwarm, data_folder: str) -
         overwrite=False,
         num_stages=config.stages,
         subspace=config.subspace,
+        authority=RunAccessConfig(run=swarm.run_dir),  # the run's owner downloads the replicas' state
     )
     run_export(export)
     print("[demo] a sample from the exported model:", flush=True)

@@ -1,11 +1,18 @@
 """A whole swarm on this machine, as real processes: a bootstrap DHT node and peers, each in its
 own process group so that stopping one also stops its DHT process and p2pd. Used by `swarm demo`,
 the integration tests and the benchmarks, so they all exercise the same commands a user runs.
+
+Safe by default (SECURITY.md): a local swarm is an open run with an authority, made as `swarm run
+create` makes one (`<workdir>/run`, the owner key inside). Every peer and trainer it starts is the
+owner's, given `--run` that folder, and issues itself a credential (dht/authority.py); a process
+started as a `stranger` knows only the run's public file (it may serve an open run, never train,
+average or download state). `run=False` starts a swarm with no authority, as before issue #60.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dht.authority import RUN_FILE, create_run
 from process.fork_server import ForkServer
 from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
 
@@ -111,11 +119,29 @@ class LocalSwarm:
     # (`start_fork_server().launch` forks a process that has imported the project);
     # processes started under a `prefix` (a network namespace, a profiler) always get their own
     launcher: Callable[[list[str], dict[str, str], str], subprocess.Popen] | None = None
+    run: bool = True  # an open run with an authority, whose owner starts every process (module docstring)
 
     def __post_init__(self) -> None:
         if self.workdir is None:
             self.workdir = tempfile.mkdtemp(prefix="swarm-")
         os.makedirs(self.workdir, exist_ok=True)
+        self.run_dir = self.public_run = None
+        if self.run:
+            self.run_dir = os.path.join(self.workdir, "run")
+            if not os.path.exists(os.path.join(self.run_dir, RUN_FILE)):  # a reused workdir keeps its run
+                create_run(self.run_dir, private=False)
+            public = os.path.join(self.workdir, "public-run")
+            os.makedirs(public, exist_ok=True)
+            shutil.copyfile(os.path.join(self.run_dir, RUN_FILE), os.path.join(public, RUN_FILE))
+            self.public_run = os.path.join(public, RUN_FILE)
+
+    def run_args(self, *args: str, stranger: bool = False) -> list[str]:
+        """The run flags of a process of this swarm: the owner's folder (the process issues itself a
+        credential), or for a `stranger` the run's public file alone; none when `args` name a run of
+        their own (`--run`, `--credential`) or the swarm has none."""
+        if self.run_dir is None or "--run" in args or "--credential" in args:
+            return []
+        return ["--run", self.public_run if stranger else self.run_dir]
 
     # --- processes ---------------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], prefix: list[str] = ()) -> ManagedProcess:
@@ -160,8 +186,9 @@ class LocalSwarm:
         return self.initial_peers
 
     def start_peer(
-        self, stage: int, *extra_args: str, name: str | None = None, prefix: list[str] = ()
+        self, stage: int, *extra_args: str, name: str | None = None, prefix: list[str] = (), stranger: bool = False
     ) -> ManagedProcess:
+        """A peer of `stage`: the run's owner's (a member), or a `stranger`'s (no credential)."""
         if not self.initial_peers:
             raise LocalSwarmError("start the bootstrap node first")
         name = name or f"peer-s{stage}-{sum(p.name.startswith(f'peer-s{stage}-') for p in self.processes)}"
@@ -176,6 +203,7 @@ class LocalSwarm:
             "--num-stages",
             str(self.num_stages),
             *self.peer_args,
+            *self.run_args(*self.peer_args, *extra_args, stranger=stranger),
             *extra_args,
         ]
         return self._spawn(name, args, prefix)
@@ -194,9 +222,13 @@ class LocalSwarm:
                 raise LocalSwarmError(f"{[p.name for p in pending]} not online within {timeout_s} s")
             time.sleep(0.2)
 
-    def start_trainer(self, *args: str, name: str = "trainer", prefix: list[str] = ()) -> ManagedProcess:
+    def start_trainer(
+        self, *args: str, name: str = "trainer", prefix: list[str] = (), stranger: bool = False
+    ) -> ManagedProcess:
+        """A trainer: the run's owner's, or a `stranger`'s (its training calls are refused)."""
+        run = self.run_args(*args, stranger=stranger)
         return self._spawn(
-            name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args], prefix
+            name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *run, *args], prefix
         )
 
     def start_monitor(self, *args: str, name: str = "monitor") -> ManagedProcess:

@@ -28,7 +28,7 @@ import hivemind
 from hivemind.proto import runtime_pb2
 
 from dht.announce import fetch_stage_records_async
-from dht.authority import credential_summary, load_run_access
+from dht.authority import NO_RUN_WARNING, credential_summary, load_run_access
 from dht.reachability import (
     DIAL_BACK_FAILED,
     RPC_REACHABILITY,
@@ -96,7 +96,9 @@ class PeerHost:
         # the run's authority (--run) and this peer's own credential, checked against its identity
         self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
         credential = run_access.credential.decode() if run_access and run_access.credential else None
-        if run_access is not None:
+        if run_access is None:
+            print(f"warning: {NO_RUN_WARNING}", flush=True)
+        else:
             run = run_access.authority.run
             print(
                 f"run {run.run_id} ({'private' if run.private else 'open'}): "

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
-from dht.authority import ROLES, RunAccess, RunAccessConfig, credential_summary, load_run_access
+from dht.authority import NO_RUN_WARNING, ROLES, RunAccess, RunAccessConfig, credential_summary, load_run_access
 from dht.node import start_dht, with_p2p_client
 from dht.signing import identity_of
 from models.config import GPTConfig
@@ -285,6 +285,8 @@ def run_access(config: RunAccessConfig, dht: hivemind.DHT, say, *, roles: tuple[
     `roles`), or None."""
     access = load_run_access(config, peer_id=dht.peer_id.to_base58(), roles=roles)
     if access is None:
+        if "trainer" in roles:
+            say(f"warning: {NO_RUN_WARNING}")
         return None
     if access.held is None:
         say(

@@ -72,8 +72,9 @@ def swarm_eval(swarm_cli, swarm, data: str, tmp_path) -> float:
 
 def export_live(swarm_cli, swarm, data: str, out) -> str:
     result = swarm_cli(
-        "export", "--initial-peers", *swarm.initial_peers, "--model", swarm.model, "--data", data, "--out", str(out)
-    )
+        "export", "--initial-peers", *swarm.initial_peers, "--model", swarm.model, "--data", data, "--out", str(out),
+        *swarm.run_args(),  # the run's owner may download the replicas' state
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -169,6 +170,7 @@ def test_a_missing_stage_is_named_and_disagreeing_replicas_are_reported(make_swa
         "2",
         "--out",
         str(out),
+        *swarm.run_args(),
     ]
     result = swarm_cli(*export, "--wait-s", "3")
     assert result.returncode == 2, result.stderr

@@ -77,7 +77,7 @@ def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp
     exported = tmp_path / "exported"
     result = swarm_cli(
         "export", "--initial-peers", *swarm.initial_peers, "--model", "hf-test", "--model-dir", folder,
-        "--out", str(exported),
+        "--out", str(exported), *swarm.run_args(),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     evaluated = tmp_path / "eval.json"

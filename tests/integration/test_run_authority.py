@@ -52,6 +52,14 @@ class Run:
         write_credential(path, signed)
         return path
 
+    @property
+    def public(self) -> str:
+        """The run's public file alone (no owner key beside it: a process given it issues itself nothing)."""
+        folder = self.root / "public-run"
+        folder.mkdir(exist_ok=True)
+        (folder / "run.json").write_text((self.root / "run" / "run.json").read_text())
+        return str(folder / "run.json")
+
     def args(self, name: str, role: str, stage: int | None = None) -> list[str]:
         identity = self.identity(name)
         credential = self.credential(name, role, stage)
@@ -202,7 +210,7 @@ def test_an_open_run_lets_anyone_serve_but_only_its_trainers_change_weights(make
     swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5"])
     swarm.start_bootstrap()
     replicas = [swarm.start_peer(0, *run.args(name, "peer", stage=0)) for name in ("a", "b")]
-    anyone = swarm.start_peer(1, "--run", str(tmp_path / "run"))
+    anyone = swarm.start_peer(1, "--run", run.public)  # the run's public file: no credential
     swarm.wait_online([*replicas, anyone])
     report = run_trainer(
         swarm, tmp_path, "--steps", "2", "--batch-size", "4", "--microbatch-size", "2", *run.args("trainer", "trainer")

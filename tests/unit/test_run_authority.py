@@ -215,3 +215,19 @@ def test_the_declared_weights_are_read_from_what_matchmaking_gathered(tmp_path):
     group = GroupInfo(b"g", ids, (gathered(1.0), gathered(1e6), b"garbage"))
     assert declared_weights(group, serializer) == [1.0, 1e6, None]
     assert median_weight(declared_weights(group, serializer)) == 1.0
+
+
+def test_the_owners_own_process_issues_itself_a_credential_and_a_stranger_gets_none(world, tmp_path):
+    """`--run` naming the run's folder (the owner key inside): the process is the owner's and needs no
+    `swarm run issue` (every local swarm's processes start so, swarm/local_swarm.py); the public file
+    alone, elsewhere, gives no credential."""
+    root, _, _, ids = world
+    access = load_run_access(RunAccessConfig(run=str(root / "open")), peer_id=ids["alice"], roles=("peer",))
+    assert access.held.role == "peer" and access.held.peer_id == ids["alice"] and access.held.stage is None
+    assert access.authority.verify(access.credential, peer_id=ids["alice"], roles=("peer",))
+    trainer = load_run_access(RunAccessConfig(run=str(root / "open" / "run.json")), peer_id=ids["alice"])
+    assert trainer.held.role == "trainer"  # roles[0] of ROLES
+    (tmp_path / "public").mkdir()
+    (tmp_path / "public" / "run.json").write_text((root / "open" / "run.json").read_text())
+    stranger = load_run_access(RunAccessConfig(run=str(tmp_path / "public" / "run.json")), peer_id=ids["mallory"])
+    assert stranger.credential is None and stranger.held is None
