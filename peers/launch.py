@@ -15,7 +15,7 @@ import torch
 
 from dht.announce import fetch_stage_records
 from dht.authority import load_run_access
-from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign
+from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign, judging_records
 from dht.node import start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
 from models.config import GPTConfig
@@ -124,6 +124,8 @@ def run_peer(config: PeerConfig) -> None:
             num_stages=config.num_stages,
             n_layers=model_config.n_layers,
             ttl_s=config.announcing.record_ttl_s,
+            # in a run, only the claims of the peers whose records judge this one (dht/model_match.py)
+            claimants={r.peer_id for r in judging_records(live, **judged_by)} if access else None,
         )
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
         metrics.set_averaging_mode(config.replicas.averaging)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -34,10 +35,17 @@ def claim_split(
     n_layers: int,
     ttl_s: float,
     timeout_s: float = 10.0,
+    claimants: Collection[str] | None = None,
 ) -> SplitRecord:
-    """The split this peer will serve, already stated on the DHT. Raises `SplitConflictError`."""
+    """The split this peer will serve, already stated on the DHT. Raises `SplitConflictError`.
+    `claimants`: the peers whose claims count (a run's members: a stranger's early claim of another
+    split would otherwise make every new peer refuse to start); None: every peer's."""
+
+    def counted(records):
+        return records if claimants is None else [r for r in records if r.peer_id in claimants]
+
     try:
-        in_force = split_in_force(fetch_split_records(dht, model, timeout_s=timeout_s), excluding=peer_id)
+        in_force = split_in_force(counted(fetch_split_records(dht, model, timeout_s=timeout_s)), excluding=peer_id)
     except TimeoutError:
         raise SplitConflictError(f"could not read the split of {model} from the DHT within {timeout_s} s") from None
     boundaries = choose_split(requested, num_stages, equal_boundaries(n_layers, num_stages), in_force, model)
@@ -59,7 +67,7 @@ def claim_split(
     # Another peer may have stated a different split between our read and our write: the earlier
     # claim stands, the later one withdraws (both peers apply the same rule to the same records).
     try:
-        earlier = earlier_conflicting_claim(mine, fetch_split_records(dht, model, timeout_s=timeout_s))
+        earlier = earlier_conflicting_claim(mine, counted(fetch_split_records(dht, model, timeout_s=timeout_s)))
     except TimeoutError:
         earlier = None  # our claim is stored; the trainer still checks that the swarm agrees
     if earlier is not None:

@@ -13,12 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 
 import hivemind
 
 from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
-from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign, foreign_records
+from dht.model_match import (
+    check_same_model,
+    check_same_vocabulary,
+    describe_foreign,
+    foreign_records,
+    judging_records,
+)
 from dht.records import PeerRecord, PeerState
 from dht.split_agreement import SplitConflictError, fetch_split_records_async, split_in_force
 from swarm.trainer.failures import BanList, ProtocolViolations
@@ -97,6 +104,13 @@ class SwarmView:
         self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
         self.refreshes += 1
 
+    def split_claimants(self) -> set[str] | None:
+        """The peers whose split claims count: in a run, those whose records judge this trainer's
+        model (dht/model_match.py); None without a run (every peer's)."""
+        if self.run_authority is None:
+            return None
+        return {r.peer_id for r in judging_records(self.seen, self.run_authority, credentialed=True)}
+
     def averaging_members(self, stage: int) -> frozenset[str] | None:
         """The replicas of `stage` that may average with each other: those whose record carries a peer
         credential of the run (an open run lets others serve, but their replicas refuse them in
@@ -141,10 +155,16 @@ async def discover_num_stages(dht: hivemind.DHT, model: str, timeout_s: float, s
     raise DiscoveryError(f"no peer serving {model} stage 0 appeared within {timeout_s:.0f} s")
 
 
-async def read_split(dht: hivemind.DHT, model: str, num_stages: int) -> list[int] | None:
-    """The split the peers serve; a `DiscoveryError` if they disagree or it has another number of stages."""
+async def read_split(
+    dht: hivemind.DHT, model: str, num_stages: int, claimants: Collection[str] | None = None
+) -> list[int] | None:
+    """The split the peers serve; a `DiscoveryError` if they disagree or it has another number of
+    stages. `claimants`: the peers whose claims count (a run's members); None: every peer's."""
+    records = await fetch_split_records_async(dht, model)
+    if claimants is not None:
+        records = [r for r in records if r.peer_id in claimants]
     try:
-        split = split_in_force(await fetch_split_records_async(dht, model))
+        split = split_in_force(records)
     except SplitConflictError as e:
         raise DiscoveryError(str(e)) from None
     if split is not None and split.num_stages != num_stages:

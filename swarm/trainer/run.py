@@ -184,7 +184,8 @@ async def train(
     metrics.set_run(
         model=config.model, num_stages=num_stages, codec=config.compression.codec, target_steps=batches.steps
     )
-    report.split_boundaries = await read_split(dht, config.model, num_stages)  # every stage's peers stated theirs
+    # every stage's peers stated theirs (in a run: the members' claims count)
+    report.split_boundaries = await read_split(dht, config.model, num_stages, view.split_claimants())
     say(
         f"training {config.model} over {num_stages} stages with {view.live_replicas()} replicas; "
         f"{len(data.train):,} tokens of data (vocabulary {data.vocab_size:,}), "

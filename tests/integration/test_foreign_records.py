@@ -1,7 +1,8 @@
 """One record of another model cannot lock a stage (issue #60): a stranger announces itself on stage
-0's key with another model fingerprint. Before, every new trainer exited (rc 2, "differs from the
-one") and new peers refused to start, in a private run too. Now the record is skipped, counted, with
-a warning, and the swarm's own model stays the swarm's model."""
+0's key with another model fingerprint (and vocabulary), and claims another split before anyone.
+Before, every new trainer exited (rc 2, "differs from the one") and new peers refused to start, in a
+private run too. Now the record is skipped, counted, with a warning, the swarm's own model stays the
+swarm's model, and in a run only the members' split claims count."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from hivemind.utils import get_dht_time
 
 from dht.announce import announce
 from dht.node import NetworkConfig, start_dht
-from dht.records import PeerRecord, PeerState
+from dht.records import PeerRecord, PeerState, SplitRecord
+from dht.split_agreement import publish_split
 
 pytestmark = pytest.mark.slow
 
 TRAIN_ARGS = ["--steps", "1", "--batch-size", "4", "--microbatch-size", "2", "--num-stages", "2"]
 
 
-@pytest.mark.parametrize("run_kind", ["none", "private"])
+@pytest.mark.parametrize("run_kind", ["default", "private"])  # default: the local swarm's open run
 def test_a_strangers_record_of_another_model_locks_no_stage(make_swarm, tmp_path, run_kind):
     from tests.integration.test_run_authority import Run
 
@@ -48,6 +50,12 @@ def test_a_strangers_record_of_another_model_locks_no_stage(make_swarm, tmp_path
             expires_at=get_dht_time() + 600,
         )
         assert asyncio.run(announce(stranger, record))
+        # ...and claims another split, earlier than anyone (the earliest claim is the swarm's)
+        now = get_dht_time()
+        split = SplitRecord(
+            peer_id=record.peer_id, model="tiny", num_stages=2, boundaries=(0, 2, 3), since=0.0, expires_at=now + 600
+        )
+        assert publish_split(stranger, split)
 
         joiner = swarm.start_peer(1, *args("joiner", "peer", 1), name="peer-joiner")
         report_path = tmp_path / "report.json"
