@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dht.authority import RUN_FILE, create_run
+from dht.authority import RUN_FILE, create_run, issue, load_owner_key, load_run
 from process.fork_server import ForkServer
 from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
 
@@ -134,6 +134,15 @@ class LocalSwarm:
             os.makedirs(public, exist_ok=True)
             shutil.copyfile(os.path.join(self.run_dir, RUN_FILE), os.path.join(public, RUN_FILE))
             self.public_run = os.path.join(public, RUN_FILE)
+
+    def issue_credential(self, peer_id: str, role: str = "trainer", stage: int | None = None) -> str:
+        """A credential of this swarm's run for `peer_id`, as the owner would issue it (for a test's
+        or a benchmark's own client)."""
+        if self.run_dir is None:
+            raise LocalSwarmError("this swarm has no run (run=False)")
+        run = load_run(self.run_dir)
+        owner = load_owner_key(self.run_dir, run)
+        return issue(owner, run, role=role, peer_id=peer_id, stage=stage, valid_for_s=86400.0).to_bytes().decode()
 
     def run_args(self, *args: str, stranger: bool = False) -> list[str]:
         """The run flags of a process of this swarm: the owner's folder (the process issues itself a

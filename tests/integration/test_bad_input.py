@@ -88,7 +88,10 @@ def test_peer_refuses_wrong_tensors_and_keeps_serving(make_swarm):
     dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
 
     async def scenario():
-        client = StageClient(await dht.replicate_p2p(), model="tiny", num_stages=2)
+        p2p = await dht.replicate_p2p()  # the run's own trainer: the peer decodes what it sends
+        client = StageClient(
+            p2p, model="tiny", num_stages=2, credential=swarm.issue_credential(p2p.peer_id.to_base58())
+        )
         targets = torch.randint(0, config.vocab_size, (2, config.seq_len))
 
         async def backward(inputs):
@@ -173,7 +176,10 @@ def test_peer_refuses_oversized_requests_and_rate_limits_a_caller_that_keeps_sen
     targets = torch.randint(0, config.vocab_size, (2, config.seq_len))
 
     async def scenario():
-        client = StageClient(await dht.replicate_p2p(), model="tiny", num_stages=2)
+        p2p = await dht.replicate_p2p()  # the run's own trainer: the peer decodes what it sends
+        client = StageClient(
+            p2p, model="tiny", num_stages=2, credential=swarm.issue_credential(p2p.peer_id.to_base58())
+        )
 
         async def backward(inputs):
             tensors = [("inputs", encode_tensor(inputs)), ("targets", encode_tensor(targets))]

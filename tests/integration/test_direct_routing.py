@@ -58,14 +58,15 @@ def test_a_peer_refuses_a_chained_call_for_a_stage_it_does_not_serve(make_swarm)
                 trainer_id=p2p.peer_id.to_base58(),
             )
 
-        # a chain starts at stage 0; this peer serves stage 1
+        # a chain starts at stage 0; this peer serves stage 1 (asked by the run's own trainer)
+        credential = swarm.issue_credential(p2p.peer_id.to_base58())
         with pytest.raises(ChainCallError) as wrong_stage:
-            await chain(StageClient(p2p, model="tiny", num_stages=2))
+            await chain(StageClient(p2p, model="tiny", num_stages=2, credential=credential))
         assert wrong_stage.value.kind == Failure.WRONG_STAGE
         assert "serves stage 1, not stage 0" in str(wrong_stage.value)
         assert (wrong_stage.value.stage, wrong_stage.value.failed_peers) == (0, [peer_id])
         with pytest.raises(ChainCallError) as other_split:  # another split of the model: the caller's bug
-            await chain(StageClient(p2p, model="tiny", num_stages=3))
+            await chain(StageClient(p2p, model="tiny", num_stages=3, credential=credential))
         assert other_split.value.kind == Failure.REFUSED
         assert "split into 2 stages, not tiny in 3" in str(other_split.value)
 

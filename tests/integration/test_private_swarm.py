@@ -25,7 +25,7 @@ def test_a_private_peer_serves_only_allowed_peers(make_swarm, tmp_path):
     for path in paths.values():
         new_identity_file(path)
     ids = {name: load_identity(path).peer_id for name, path in paths.items()}
-    swarm = make_swarm(num_stages=2)
+    swarm = make_swarm(num_stages=2, run=False)  # --allowed-peers alone, without a run authority
     swarm.start_bootstrap()
     peer = swarm.start_peer(1, "--identity-path", paths["peer"], "--allowed-peers", ids["peer"], ids["trainer"])
     swarm.wait_online([peer])
@@ -70,7 +70,7 @@ def test_a_private_peer_serves_only_allowed_peers(make_swarm, tmp_path):
 def test_a_trainer_refused_by_a_private_swarm_says_so_and_names_its_peer_id(make_swarm, tmp_path):
     key = str(tmp_path / "peer.key")
     new_identity_file(key)
-    swarm = make_swarm(num_stages=1, peer_args=["--averaging", "none", "--reachability-check", "off"])
+    swarm = make_swarm(num_stages=1, peer_args=["--averaging", "none", "--reachability-check", "off"], run=False)
     swarm.start_bootstrap()
     peer = swarm.start_peer(0, "--identity-path", key, "--allowed-peers", load_identity(key).peer_id)
     swarm.wait_online([peer])

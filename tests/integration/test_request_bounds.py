@@ -86,7 +86,9 @@ def test_a_peer_refuses_huge_messages_stalled_streams_and_size_bombs_with_bounde
 
     async def scenario():
         p2p = await dht.replicate_p2p()
-        client = StageClient(p2p, model="tiny", num_stages=2)
+        client = StageClient(  # the run's own trainer: its backwards are served
+            p2p, model="tiny", num_stages=2, credential=swarm.issue_credential(p2p.peer_id.to_base58())
+        )
 
         async def honest_backward():
             inputs = torch.randn(2, config.seq_len, config.d_model)
