@@ -51,3 +51,14 @@ def test_a_replica_that_stepped_but_answered_earlier_than_its_partner_keeps_its_
 def test_every_member_decides_to_step_from_the_declared_weights_alone():
     assert round_has_samples({"a": 4.0, "b": 1e-6})
     assert not round_has_samples({"a": 1e-6, "b": 1e-6})
+
+
+def test_a_step_count_that_jumped_since_the_last_commit_is_not_believed():
+    """Issue #60: a replica answering 10^6 steps was every other replica's repair source."""
+    from swarm.trainer.schedule import plausible_steps
+
+    answers = {"honest": answer(21, stepped=True, averaged=True), "forger": answer(10**6)}
+    assert set(plausible_steps(answers, {"honest": 20, "forger": 20})) == {"honest"}
+    assert set(plausible_steps(answers, {})) == {"honest", "forger"}  # never seen: any count (a new trainer)
+    believed = plausible_steps({"a": answer(24), "b": answer(20)}, {"a": 20, "b": 20})
+    assert replicas_to_repair(believed) == [CatchUp("b", "a", 24, drops_gradients=False)]  # 4 in a step: retries

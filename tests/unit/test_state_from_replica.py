@@ -204,3 +204,29 @@ def test_the_state_digest_is_of_the_content_whatever_the_serialization():
     assert state_digest(3, module, optimizer) != state_digest(3, {"w": torch.full((2, 3), 0.5)}, optimizer)
     with pytest.raises(AssertionError):
         assert state_digest(3, module, optimizer) == state_digest(3, {"w": module["w"].double()}, optimizer)
+
+
+def test_without_an_authority_a_commit_may_name_only_live_sync_replicas(monkeypatch):
+    """Issue #60: a commit declaring a group of 4,096 made-up peers held the compute thread 30 s."""
+    from wire.protocol import CommitRequest, ProtocolError
+
+    reads = []
+
+    async def records(dht, model, stage):
+        reads.append(stage)
+        sync = replica("partner", stage).model_copy(update={"averaging": "sync"})
+        return [sync, replica("idle", stage).model_copy(update={"averaging": "none"})]
+
+    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", records)
+    serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=0))
+    replicas = ReplicaSyncService(serving, None, dht=None, peer_id="me", model="tiny", averaging_timeout_s=1.0)
+
+    def commit(*names):
+        return CommitRequest(
+            model="tiny", stage=0, num_stages=2, step_id="s", group_size=len(names), samples=dict.fromkeys(names, 1)
+        )
+
+    asyncio.run(replicas.check_named_group(commit("me", "partner")))
+    with pytest.raises(ProtocolError, match="names 2 peer"):
+        asyncio.run(replicas.check_named_group(commit("me", "partner", "idle", "made-up")))
+    assert len(reads) == 2  # read once, and once more before refusing (a replica may have just joined)
