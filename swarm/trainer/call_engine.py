@@ -222,9 +222,10 @@ class CallEngine:
     def _stall_strike(self, blame: Blame) -> bool:
         """Whether a failure counts toward a stall ban (failures.py's BanList): a timeout this trainer
         saw, or one a peer reports of a replica that never answered this trainer (a peer's word about
-        a replica that has served us cannot get it banned for long)."""
-        if blame.kind != Failure.TIMEOUT:
-            return False
+        a replica that has served us cannot get it banned for long); never of a stage's only usable
+        replica (a lone replica slow under load would stop the run for the ban)."""
+        if blame.kind != Failure.TIMEOUT or not self.view.others_usable(blame.stage, blame.peer_id):
+            return False  # not a timeout, or the stage's only usable replica: no long ban
         entry = self.contributions.get(blame.peer_id)
         return blame.witnessed or entry is None or entry.calls_answered == 0
 

@@ -104,6 +104,12 @@ class SwarmView:
         self.metrics.set_stages(self.live_replicas(), [sum(r.throughput for r in rs) for rs in self.records])
         self.refreshes += 1
 
+    def others_usable(self, stage: int, peer_id: str) -> bool:
+        """Whether `stage` has a replica besides `peer_id` that is not banned now: a replica is banned
+        for long for stalling only then (the only replica of a stage, slow under load, is not)."""
+        others = set(self.schedulers[stage].keys_s()) - {peer_id}
+        return bool(others - self.bans.banned() - self.violations.banned(stage))
+
     def split_claimants(self) -> set[str] | None:
         """The peers whose split claims count: in a run, those whose records judge this trainer's
         model (dht/model_match.py); None without a run (every peer's)."""

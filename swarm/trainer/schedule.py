@@ -468,7 +468,8 @@ class StepSchedule:
         for (stage, peer_id, mode, _), result in zip(calls, results):
             if isinstance(result, PeerCallError):
                 logger.warning(f"stage {stage}: commit failed: {result}")
-                self.view.bans.ban(peer_id, timed_out=result.kind == Failure.TIMEOUT)
+                stalled = result.kind == Failure.TIMEOUT and self.view.others_usable(stage, peer_id)
+                self.view.bans.ban(peer_id, timed_out=stalled)
             elif isinstance(result, BaseException):
                 raise result
             else:
