@@ -178,7 +178,7 @@ async def forged_state(p2p, args, counts, state) -> None:
             for message in write_state(StateHeader(total_bytes=len(data), steps_done=FORGED_STEPS), data):
                 yield message
 
-        await serve_bounded(p2p, RPC_STATE, serve, runtime_pb2.ExpertRequest, StreamLimits())
+        await serve_bounded(p2p, RPC_STATE, serve, runtime_pb2.ExpertRequest, StreamLimits(), stream_input=False)
     record = _stage1_record(p2p, load=0.0, averaging="sync", steps_done=FORGED_STEPS, throughput=100.0)
     await _announce_every(state, state["dht"], record)
 

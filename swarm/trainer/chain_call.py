@@ -227,7 +227,7 @@ class ChainWork:
 
     def answered(self, route: list[list[str]], result: ChainResult, started: float, done: float) -> ChainAnswer:
         engine = self.caller.engine
-        settle_route(self.view.schedulers, route, self.mb.size, result.served_by)
+        settle_route(self.view.schedulers, route, self.mb.size, result.served_by, done - started)
         failed_over = failovers_in_route(route, result.failed_over)
         if failed_over:  # a hop failed over inside the chain: the microbatch was retried there
             self.failures.append(f"the chain failed over from {sorted(f.peer[-8:] for f in failed_over)}")

@@ -8,11 +8,16 @@ replicas, least busy first, that the peer before that stage fails over to. Exclu
 failed for this microbatch, refused us) are never named. The peers only walk the lists in order
 (peers/serving/chain_rpc.py): the choice stays here.
 
-`settle_route` hands each preferred replica's charge back once the chain answered: settled without
-a speed measurement (the trainer times the whole chain, not each stage), or as a failure where the
-stage was served by an alternate or the chain failed. The schedulers' speeds come from the
-replicas' announcements, and from the microbatches `--hub-timing-fraction` sends through the
-trainer, whose calls it times stage by stage (swarm/trainer/schedule.py).
+`settle_route` hands each preferred replica's charge back once the chain answered, with the
+trainer's own time of the whole chain as the measure of every replica that served it (its share
+per stage: the elapsed time over the number of stages), or as a failure where the stage was served
+by an alternate or the chain failed. So a replica's speed is what the chains through it took on the
+trainer's clock, whatever it announces: a replica 10x slower makes its chains slower and draws
+fewer of them (before issue #60 chains were settled without a measurement, so the announced
+throughput decided, and a replica announcing 1000x drew 239 of 240 chains). The chain's other
+stages are in every measurement of a stage's replicas alike, so a slow replica's share is somewhat
+above its share by its own speed. The microbatches `--hub-timing-fraction` sends through the
+trainer are timed stage by stage as well (swarm/trainer/schedule.py).
 
 Pure: no I/O, no asyncio.
 """
@@ -70,14 +75,20 @@ def charge_route(
 
 
 def settle_route(
-    schedulers: Sequence[ReplicaScheduler], route: Sequence[Sequence[str]], batch_size: int, served_by: Sequence[str]
+    schedulers: Sequence[ReplicaScheduler],
+    route: Sequence[Sequence[str]],
+    batch_size: int,
+    served_by: Sequence[str],
+    elapsed_s: float = 0.0,
 ) -> None:
-    """Settle what `choose_route` charged: a preferred replica that served its stage is settled
-    (without a measurement), one that did not (an alternate served, or the chain failed: an empty
-    `served_by`) as a failure, which keeps the time it was tied up."""
+    """Settle what `choose_route` charged: a preferred replica that served its stage is settled with
+    the chain's `elapsed_s` (the trainer's clock; 0: no measurement) over the number of stages as its
+    time, one that did not (an alternate served, or the chain failed: an empty `served_by`) as a
+    failure, which keeps the time it was tied up."""
+    per_stage_s = max(elapsed_s, 0.0) / max(len(route), 1)
     for stage, (scheduler, candidates) in enumerate(zip(schedulers, route)):
         if stage < len(served_by) and served_by[stage] == candidates[0]:
-            scheduler.report_success(candidates[0], CHAIN_TASK, batch_size, 0.0)
+            scheduler.report_success(candidates[0], CHAIN_TASK, batch_size, per_stage_s)
         else:
             scheduler.report_failure(candidates[0])
 

@@ -91,11 +91,10 @@ class ScheduleSettings:
         choices=ROUTINGS,
     )
     hub_timing_fraction: float = option(
-        0.1,
+        0.0,
         help="with --routing direct: route this fraction of microbatches (drawn with --seed) through the "
-        "trainer, as hub routing does, so that the trainer times every stage's replicas on its own clock and "
-        "chooses chains' replicas by those times; 0: by the throughputs the replicas announce alone "
-        "(believed up to twice the slowest's), which a replica can overstate to draw more chains",
+        "trainer, as hub routing does, so that the trainer times every stage's replicas on its own clock "
+        "stage by stage; 0: by the trainer's times of whole chains alone",
     )
     stop_timeout_s: float = option(
         30.0,

@@ -79,7 +79,9 @@ def test_a_joiner_does_not_load_a_forged_state_and_the_repair_does_not_spread_it
 
     async def stand_in():
         p2p = await forger.replicate_p2p()
-        await serve_bounded(p2p, RPC_STATE, serve_forged_state, runtime_pb2.ExpertRequest, StreamLimits())
+        await serve_bounded(
+            p2p, RPC_STATE, serve_forged_state, runtime_pb2.ExpertRequest, StreamLimits(), stream_input=False
+        )
         record = PeerRecord(
             peer_id=forger.peer_id.to_base58(),
             model="tiny",

