@@ -245,7 +245,9 @@ async def periodic_liar(p2p, args, counts, state) -> None:
         counts[f"round failed: {type(e).__name__}"] += 1
 
 
-async def _commit_to(p2p, peer_id: str, *, stage: int, step_id: str, samples: dict, credential: str | None):
+async def _commit_to(
+    p2p, peer_id: str, *, stage: int, step_id: str, samples: dict, credential: str | None, group_size: int | None = None
+):
     from hivemind.proto import runtime_pb2
 
     from wire.messages import read_unary, unary_request
@@ -256,7 +258,7 @@ async def _commit_to(p2p, peer_id: str, *, stage: int, step_id: str, samples: di
         stage=stage,
         num_stages=2,
         step_id=step_id,
-        group_size=max(len(samples), 1),
+        group_size=group_size or max(len(samples), 1),
         samples=samples,
         credential=credential,
     )
@@ -267,13 +269,16 @@ async def _commit_to(p2p, peer_id: str, *, stage: int, step_id: str, samples: di
 
 
 async def commit_bomb(p2p, args, counts, state) -> None:
+    """Commits declaring a group of 4,096 replicas (before: the round waited for them on stage 1's compute
+    thread until its timeout, 30 s); `--credential`: a trainer's, else a stranger's (refused)."""
     credential = open(args.credential).read().strip() if args.credential else None
-    fakes = state.setdefault("fakes", _made_up_peer_ids(4095))
     for peer_id in args.stage1:
         state["n"] = state.get("n", 0) + 1
-        samples = {p: 1 for p in [peer_id, *fakes]}
-        call = _commit_to(p2p, peer_id, stage=1, step_id=f"bomb:{state['n']}", samples=samples, credential=credential)
-        await _outcome(counts, "commit naming 4,095 made-up peers", call)
+        step_id, me = f"bomb:{state['n']}", p2p.peer_id.to_base58()
+        call = _commit_to(
+            p2p, peer_id, stage=1, step_id=step_id, samples={me: 1}, credential=credential, group_size=4096
+        )
+        await _outcome(counts, "commit declaring 4,096 replicas", call)
 
 
 def _made_up_peer_ids(count: int) -> list[str]:
@@ -288,23 +293,24 @@ def _made_up_peer_ids(count: int) -> list[str]:
 async def commit_flood(p2p, args, counts, state) -> None:
     me = p2p.peer_id.to_base58()
     for stage, peer_id in [(0, args.stage0), *((1, p) for p in args.stage1)]:
-        for _ in range(20):
+        for _ in range(5):
             step_id = f"flood:{time.monotonic_ns()}"
             call = _commit_to(p2p, peer_id, stage=stage, step_id=step_id, samples={me: 10**9}, credential=None)
             await _outcome(counts, "commit", call)
 
 
-async def dht_junk_keys(p2p, args, counts, state) -> None:
-    import os as _os
-
+async def _store_random_keys(dht, node, *, count: int = 500) -> int:
+    """Store `count` 1 kB values under random keys (at the nearest nodes); how many were stored."""
     from hivemind.utils import get_dht_time
 
-    async def store(dht, node):
-        keys = [_os.urandom(16).hex() for _ in range(500)]
-        results = await node.store_many(keys, [b"x" * 1000] * len(keys), [get_dht_time() + 600] * len(keys))
-        return sum(bool(ok) for ok in results.values())
+    keys = [os.urandom(16).hex() for _ in range(count)]
+    results = await node.store_many(keys, [b"x" * 1000] * len(keys), [get_dht_time() + 600] * len(keys))
+    return sum(bool(ok) for ok in results.values())
 
-    stored = await asyncio.get_running_loop().run_in_executor(None, state["raw"].run_coroutine, store)
+
+async def dht_junk_keys(p2p, args, counts, state) -> None:
+    raw = state["raw"]
+    stored = await asyncio.get_running_loop().run_in_executor(None, raw.run_coroutine, _store_random_keys)
     counts["junk values stored somewhere"] += stored
     counts["junk values sent"] += 500
 
@@ -330,7 +336,7 @@ async def probe_streams(p2p, args, counts, state) -> None:
                 )
             )
         )
-        if len(stuck) > 64:
+        if len(stuck) > 4 * len(args.stage1):  # a few stuck at a time, re-opened as older ones are dropped
             stuck.pop(0).cancel()
     honest = await state["honest"].replicate_p2p()
     for peer_id in args.stage1:

@@ -33,8 +33,8 @@ Attacks (issue #60):
 - forged_state: a stranger announcing a stage-1 replica of 10^6 steps serves a forged state; an honest
   replica of stage 1 joins at `--join-at-step` (it must load the honest replica's state).
 - foreign_record: a stage-0 record of another model fingerprint (before: every new trainer exited).
-- commit_bomb: a credentialed trainer's commits naming 4,095 made-up peers (before, without --run:
-  stage 1's compute froze for 30 s each).
+- commit_bomb: a stranger's commits declaring a group of 4,096 replicas (before, from an allowed
+  identity without --run: stage 1's compute froze for 30 s each).
 - commit_flood: a stranger's commits of made-up step ids (before: 17 MiB a minute of step ids).
 - dht_junk_keys: a raw hivemind node storing 1 kB values under random keys (before: 191 MiB in 14 s).
 - probe_streams: probe streams that never finish, re-opened; the client counts its honest echoes.
@@ -211,7 +211,7 @@ ATTACKS: dict[str, Attack] = {
     "stalling_sybils_join": Attack(during=stalling_sybils),
     "forged_state": Attack(before=client_attack("forged_state"), during=honest_joiner),
     "foreign_record": Attack(before=client_attack("foreign_record")),
-    "commit_bomb": Attack(before=client_attack("commit_bomb", role="trainer")),
+    "commit_bomb": Attack(before=client_attack("commit_bomb")),
     "commit_flood": Attack(before=client_attack("commit_flood")),
     "dht_junk_keys": Attack(before=client_attack("dht_junk_keys")),
     "probe_streams": Attack(before=client_attack("probe_streams")),

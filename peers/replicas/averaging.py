@@ -290,6 +290,7 @@ class ReplicaAveraging:
         if self.closing:
             raise AveragingClosed("the peer is stopping")
         self.averager.name_next_group(*(named or (None,)))
+        self.averager.expect_group(group_size)  # robust averaging: no pair where three or more are live
         self.averager.target_group_size = group_size
         control = self.averager.step(
             weight=weight,

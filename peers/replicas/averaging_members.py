@@ -37,8 +37,10 @@ both applied in the averager's own process:
   all-reduce itself on every step (benchmarks/RESULTS.md): every replica of the commit builds the
   same group from it (`named_group_id`: the step and the peers), and a part that arrives before
   this replica has begun the round waits for it instead of being turned away.
-- robust reduction (`--robust-averaging`, default clip): the part this replica reduces is not the
-  plain weighted mean of what its groupmates sent but a robust mean of them
+- robust reduction (`--robust-averaging`, default clip): where three or more replicas are live
+  (`expect_group`), a group of two is abandoned: a pair gets the plain mean, and a member that keeps
+  leading groups of two moved its partner halfway to its value each round. The part this replica
+  reduces is not the plain weighted mean of what its groupmates sent but a robust mean of them
   (peers/replicas/robust_mean.py: a group of three or more bounds how far one liar moves it, and
   equals the plain mean when nobody's contribution stands out). `RobustPartReducer` keeps every
   sender's part until all have arrived, then reduces them at once.
@@ -368,6 +370,7 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
         self._robust = robust
         self._tensor_sizes = None if tensor_sizes is None else tuple(tensor_sizes)
         self._weight_caps: dict[str, float] | None = None
+        self._expected_group = 0  # replicas the next rounds expect (`expect_group`); 0: not said
         self._named_group: tuple[bytes, dict[str, float]] | None = None  # the next round's, if named
         # parts of a named group that came before this replica began its round, waiting for it
         self._early_parts: dict[bytes, list[asyncio.Future]] = {}
@@ -387,6 +390,15 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
 
     def set_weight_caps(self, caps: Mapping[str, float] | None) -> None:
         self._outer_pipe.send(("_set_weight_caps", [], dict(caps=None if caps is None else dict(caps))))
+
+    def expect_group(self, size: int) -> None:
+        """The replicas the next rounds expect (the live ones): with a robust reduction and three or
+        more expected, a group of two is abandoned (a pair gets the plain mean, so a liar that keeps
+        looking for a partner and leads a group of two would move its partner halfway to its value)."""
+        self._outer_pipe.send(("_expect_group", [], dict(size=int(size))))
+
+    async def _expect_group(self, size: int) -> None:
+        self._expected_group = size
 
     def name_next_group(self, group_id: bytes | None, weights: Mapping[str, float] | None = None) -> None:
         """The group of the next `step` (sent before it, through the same pipe, so it arrives first):
@@ -558,6 +570,12 @@ class MemberAverager(hivemind.averaging.DecentralizedAverager):
             registered.exception()  # retrieved here: a handler that awaits it later gets it too
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        if self._robust != "none" and len(group_info.peer_ids) < MIN_ROBUST_GROUP <= self._expected_group:
+            self._end(group_info.group_id)
+            raise MatchmakingException(
+                f"a group of {len(group_info.peer_ids)} where {self._expected_group} replicas are live: "
+                f"robust averaging needs {MIN_ROBUST_GROUP}"
+            )
         if self._members is not None:
             outsiders = [p for p in group_info.peer_ids if p != self.peer_id and p.to_base58() not in self._members]
             if outsiders:

@@ -71,7 +71,7 @@ class ReplicaSyncService:
         self.members = members  # a run with an authority: who may average with us, kept fresh
         self.authority = authority
         self.rng = rng or random.SystemRandom()
-        self._sync_replicas: tuple[tuple[int, int], float, frozenset[str]] | None = None  # (stage, at, peers)
+        self._sync_replicas: tuple[tuple[int, int], float, tuple[PeerRecord, ...]] | None = None  # (stage, at, records)
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -105,6 +105,7 @@ class ReplicaSyncService:
                 await self.members.refresh_if_short(commit.group_size)
             elif commit.samples and getattr(averaging, "named_groups", False):
                 await self.check_named_group(commit)  # without a member list: only live replicas
+            commit = commit.model_copy(update={"group_size": await self.bounded_group_size(commit.group_size)})
             loop = asyncio.get_running_loop()
             delayed = isinstance(averaging, DelayedGradientSync)
             if commit.flush and not delayed:  # only a delayed update has anything to flush
@@ -329,22 +330,28 @@ class ReplicaSyncService:
                 raise result
         return offers
 
-    async def sync_replicas(self, *, max_age_s: float = 5.0) -> frozenset[str]:
-        """The peers whose records say they are sync replicas of this stage now (read at most every
-        `max_age_s`; 0: read now)."""
+    async def sync_replicas(self, *, max_age_s: float = 5.0, modes: tuple[str, ...] = ("sync",)) -> frozenset[str]:
+        """The peers whose records say they are replicas of this stage averaging in one of `modes`
+        now (the records read at most every `max_age_s`; 0: read now)."""
         runtime = self.serving.runtime
         key = (runtime.stage, runtime.num_stages)
         cached = self._sync_replicas
-        if cached is not None and cached[0] == key and time.monotonic() - cached[1] < max_age_s:
-            return cached[2]
-        records = await fetch_stage_records_async(self.dht, self.model, runtime.stage)
-        found = frozenset(
-            r.peer_id
-            for r in records
-            if r.state == PeerState.ONLINE and r.averaging == "sync" and r.num_stages == runtime.num_stages
-        )
-        self._sync_replicas = (key, time.monotonic(), found)
-        return found
+        if cached is None or cached[0] != key or time.monotonic() - cached[1] >= max_age_s:
+            records = await fetch_stage_records_async(self.dht, self.model, runtime.stage)
+            online = tuple(r for r in records if r.state == PeerState.ONLINE and r.num_stages == runtime.num_stages)
+            cached = self._sync_replicas = (key, time.monotonic(), online)
+        return frozenset(r.peer_id for r in cached[2] if r.averaging in modes)
+
+    async def bounded_group_size(self, group_size: int) -> int:
+        """A commit's group size, at most the replicas this one could average with (the members, with
+        a run authority; else the sync or periodic replicas the DHT shows), itself included. A round
+        waits for its group until its timeout, on the compute thread: a commit declaring 4,096
+        replicas froze stage 1's compute for 30 s (issue #60)."""
+        if group_size <= 1:
+            return group_size
+        if self.members is not None:
+            return min(group_size, len(self.members.members) + 1)
+        return min(group_size, len(await self.sync_replicas(modes=("sync", "periodic")) | {self.peer_id}))
 
     async def check_named_group(self, commit: CommitRequest) -> None:
         """A commit that names its group (sync, `samples`) without a run authority names only sync

@@ -209,7 +209,10 @@ class CallEngine:
                     peer_id, stage, f"stage {stage}: {blame.reason} (not asked for {banned_s:.0f} s)"
                 )
             else:
-                banned_s = view.bans.ban(peer_id, at_least_s=blame.at_least_s, timed_out=self._stall_strike(blame))
+                strike = self._stall_strike(blame)
+                banned_s = view.bans.ban(
+                    peer_id, at_least_s=blame.at_least_s, timed_out=strike, unproven=strike and self._unproven(peer_id)
+                )
                 if view.bans.stalled(peer_id):  # it kept taking calls and not answering: avoided for long
                     logger.warning(
                         f"stage {stage}: {peer_id[-8:]} timed out again; not routing there for {banned_s:.0f} s"
@@ -223,11 +226,16 @@ class CallEngine:
         """Whether a failure counts toward a stall ban (failures.py's BanList): a timeout this trainer
         saw, or one a peer reports of a replica that never answered this trainer (a peer's word about
         a replica that has served us cannot get it banned for long); never of a stage's only usable
-        replica (a lone replica slow under load would stop the run for the ban)."""
+        replica (a lone replica slow under load would stop the run for the ban). A replica that never
+        answered is banned for long at its first one (a sybil that joins and stalls costs one timeout)."""
         if blame.kind != Failure.TIMEOUT or not self.view.others_usable(blame.stage, blame.peer_id):
             return False  # not a timeout, or the stage's only usable replica: no long ban
-        entry = self.contributions.get(blame.peer_id)
-        return blame.witnessed or entry is None or entry.calls_answered == 0
+        return blame.witnessed or self._unproven(blame.peer_id)
+
+    def _unproven(self, peer_id: str) -> bool:
+        """Whether `peer_id` never answered this trainer: its first stall strike bans it for long."""
+        entry = self.contributions.get(peer_id)
+        return entry is None or entry.calls_answered == 0
 
     def note_answered(self, peer_id: str, stage: int, rpc: str, samples: int) -> None:
         """A replica answered a call of ours (or served its stage in a chain that answered)."""

@@ -175,7 +175,7 @@ class BanList:
 
     Timeouts count toward a long ban: the ``stall_strikes``-th consecutive incident that was a
     timeout (no success in between) bans the peer for ``stall_base_s``, doubling with each further
-    one up to ``stall_max_s``. A peer that accepts calls and never answers costs a timeout each time
+    one up to ``stall_max_s``; the first already, for a peer that never answered (``unproven``). A peer that accepts calls and never answers costs a timeout each time
     it is tried: with the short bans alone, sybils that stalled were tried again every minute at
     most, for good (issue #60), while a wrong answer earns a ban of 15 minutes at once.
 
@@ -210,12 +210,13 @@ class BanList:
         self._clock = clock
         self._records: dict[str, _BanRecord] = {}
 
-    def ban(self, peer_id: str, *, at_least_s: float = 0.0, timed_out: bool = False) -> float:
+    def ban(self, peer_id: str, *, at_least_s: float = 0.0, timed_out: bool = False, unproven: bool = False) -> float:
         """Ban the peer after a failure; returns the seconds until the ban ends.
 
         at_least_s: the shortest ban for this failure (still at most ``max_s``).
         timed_out: the failure was a timeout (the peer took the call and did not answer in time),
-            a stall strike."""
+            a stall strike.
+        unproven: the peer never answered the caller: its first timeout is a stall already."""
         if not (math.isfinite(at_least_s) and at_least_s >= 0.0):
             raise ValueError(f"at_least_s must be a finite number >= 0, got {at_least_s}")
         now_s = self._clock()
@@ -225,6 +226,8 @@ class BanList:
             return record.until_s - now_s
         failures = 1 if record is None else record.failures + 1
         timeouts = (0 if record is None else record.timeouts) + 1 if timed_out else 0
+        if timed_out and unproven:
+            timeouts = max(timeouts, self._stall_strikes)
         # The exponent is capped so that a long-failing peer cannot overflow the float.
         duration_s = min(max(self._base_s * 2.0 ** min(failures - 1, 64), at_least_s), self._max_s)
         if timeouts >= self._stall_strikes:

@@ -185,7 +185,7 @@ def test_a_hub_backward_lost_in_transit_is_asked_of_the_same_replica_again_in_th
 def test_a_spent_budget_waits_for_the_swarm_and_then_gives_up_loudly():
     errors = [PeerCallError("b0", Failure.INTERNAL, "failed")] * 10
     caller = make_caller(ScriptedClient(errors), max_retries=0)
-    caller.view.bans.ban = lambda peer_id, at_least_s=0.0, timed_out=False: 0.0  # nobody banned: the budget stops it
+    caller.view.bans.ban = lambda peer_id, at_least_s=0.0, **_: 0.0  # nobody banned: the budget stops it
     with pytest.raises(StageUnavailableError, match="no live replica"):
         asyncio.run(caller.call(1, "forward", "mb", B, [("inputs", Payload(torch.randn(B, T, D)))]))
 

@@ -282,3 +282,10 @@ def test_a_peer_that_keeps_timing_out_is_banned_for_long_with_backoff():
     assert bans.ban("refused-then-timeout") == 1.0 and not bans.stalled("refused-then-timeout")
     with pytest.raises(ValueError):
         BanList(stall_strikes=0)
+
+
+def test_a_peer_that_never_answered_is_banned_for_long_at_its_first_timeout():
+    clock = FakeClock()
+    bans = BanList(base_s=1.0, max_s=60.0, clock=clock)
+    assert bans.ban("sybil", at_least_s=15.0, timed_out=True, unproven=True) == 300.0 and bans.stalled("sybil")
+    assert bans.ban("new", unproven=True) == 1.0  # not a timeout: a short ban, as any failure
