@@ -109,7 +109,10 @@ class StageMoves:
     async def _all_records(self) -> list[PeerRecord]:
         stages = range(self.serving.runtime.num_stages)
         results = await asyncio.gather(*[fetch_stage_records_async(self.dht, self.model, s) for s in stages])
-        return [record for records in results for record in records]
+        records = [record for records in results for record in records]
+        if self.replicas is not None:  # asked for state even if their records lapse a moment
+            self.replicas.remember_members(records)
+        return records
 
     async def swarm_views(self, *, include_self: bool = True) -> list[ReplicaView]:
         runtime = self.serving.runtime

@@ -41,6 +41,7 @@ from wire.protocol import CommitRequest, CommitResponse, ProtocolError, StateHea
 
 logger = logging.getLogger(__name__)
 MAX_DONORS = 4  # replicas a joiner asks what they would send, at most
+MEMBER_MEMORY_S = 600.0  # how long a peer seen with a credential of its stage counts as a member
 
 
 class ReplicaSyncService:
@@ -71,6 +72,7 @@ class ReplicaSyncService:
         self.members = members  # a run with an authority: who may average with us, kept fresh
         self.authority = authority
         self.rng = rng or random.SystemRandom()
+        self._members_seen: dict[str, tuple[int, float]] = {}  # peer -> (stage, when) seen credentialed
         self._sync_replicas: tuple[tuple[int, int], float, tuple[PeerRecord, ...]] | None = None  # (stage, at, records)
 
     @staticmethod
@@ -240,6 +242,24 @@ class ReplicaSyncService:
             f"({runtime.steps_done} steps done)"
         )
 
+    def remember_members(self, records: Iterable[PeerRecord]) -> None:
+        """Peers seen holding a peer credential for their stage (a move's plan, a standby's look, a
+        donor search): in a run with an authority, a move asks them for state too if their record
+        lapsed a moment later (they are `seen_replicas`), as it asks any seen peer without one."""
+        if self.authority is None:
+            return
+        now = time.monotonic()
+        for record in records:
+            if credentialed_records([record], self.authority, stage=record.stage):
+                self._members_seen.pop(record.peer_id, None)
+                self._members_seen[record.peer_id] = (record.stage, now)
+        while len(self._members_seen) > 4096:
+            self._members_seen.pop(next(iter(self._members_seen)))
+
+    def _seen_member(self, peer_id: str, stage: int) -> bool:
+        seen = self._members_seen.get(peer_id)
+        return seen is not None and seen[0] == stage and time.monotonic() - seen[1] < MEMBER_MEMORY_S
+
     async def live_records(self, runtime) -> list[PeerRecord]:
         """The other live replicas of `runtime`'s stage that may be donors: online, of the same split,
         and in a run with an authority holding a peer credential for the stage."""
@@ -250,6 +270,7 @@ class ReplicaSyncService:
         ]
         if self.authority is not None:
             records = credentialed_records(records, self.authority, stage=runtime.stage)
+            self.remember_members(records)
         return records
 
     async def load_state_from_replica(self, p2p, runtime=None, seen_replicas: Iterable[str] = ()) -> bool:
@@ -262,14 +283,15 @@ class ReplicaSyncService:
         `seen_replicas`: peers a moment ago seen online at that stage (the snapshot a move was planned
         on, a standby's last look); each is asked too, after the replicas the DHT shows now, as its
         record may have lapsed for a moment on a loaded machine (then a mover found none and served
-        its new stage from initial weights); not in a run with an authority (no record, no credential).
+        its new stage from initial weights); in a run with an authority, those seen holding a peer
+        credential for the stage (`remember_members`) only.
         Returns whether a replica's state was loaded."""
         runtime = runtime or self.serving.runtime
         records = await self.live_records(runtime)
         announced = {r.peer_id: r.steps_done for r in records}
         sources = shuffled([r.peer_id for r in records], self.rng)
-        if self.authority is None:
-            sources += [p for p in shuffled(list(seen_replicas), self.rng) if p not in sources and p != self.peer_id]
+        seen = [p for p in seen_replicas if self.authority is None or self._seen_member(p, runtime.stage)]
+        sources += [p for p in shuffled(seen, self.rng) if p not in sources and p != self.peer_id]
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
         )

@@ -230,3 +230,35 @@ def test_without_an_authority_a_commit_may_name_only_live_sync_replicas(monkeypa
     with pytest.raises(ProtocolError, match="names 2 peer"):
         asyncio.run(replicas.check_named_group(commit("me", "partner", "idle", "made-up")))
     assert len(reads) == 2  # read once, and once more before refusing (a replica may have just joined)
+
+
+def test_in_a_run_a_mover_asks_a_seen_replica_it_saw_holding_a_credential(monkeypatch, tmp_path):
+    """The seen-replicas fallback (a record that lapsed a moment) holds in a run too, for members."""
+    from dht.authority import RunAuthority, create_run, issue, load_owner_key
+    from dht.signing import load_identity, new_identity_file
+
+    run = create_run(str(tmp_path / "run"), private=False)
+    authority = RunAuthority(run)
+    new_identity_file(str(tmp_path / "m.key"))
+    member = load_identity(str(tmp_path / "m.key")).peer_id
+    signed = issue(
+        load_owner_key(str(tmp_path / "run"), run), run, role="peer", peer_id=member, stage=1, valid_for_s=60
+    )
+    record = replica(member, 1, steps_done=5).model_copy(update={"credential": signed.to_bytes().decode()})
+
+    async def no_records(dht, model, stage):
+        return []
+
+    donors = Donors({member: (5, "d5"), "stranger": (5, "d5")})
+    monkeypatch.setattr(replica_sync, "fetch_stage_records_async", no_records)
+    monkeypatch.setattr(replica_sync, "download_state", donors.download)
+    monkeypatch.setattr(replica_sync, "fetch_offer", donors.offer)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        serving = SimpleNamespace(runtime=FakeRuntime(stage=0, steps_done=0))
+        replicas = ReplicaSyncService(
+            serving, executor, dht=None, peer_id="me", model="tiny", averaging_timeout_s=1.0, authority=authority
+        )
+        replicas.remember_members([record, replica("stranger", 1)])  # the plan's look
+        new_stage = FakeRuntime(stage=1, steps_done=0)
+        assert asyncio.run(replicas.load_state_from_replica(None, new_stage, seen_replicas=["stranger", member]))
+    assert donors.asked == [member] and new_stage.steps_done == 5
