@@ -24,6 +24,7 @@ from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
 from peers.compute.weight_prediction import optimizer_update
 from process.config import ConfigError, option
+from process.phase_times import PhaseTimes
 from wire.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class StageRuntime:
         # to a later step either. Microbatch ids are unique in a run (trainer nonce, step, index).
         self.counted_earlier: OrderedDict[str, None] = OrderedDict()
         self.throughput = ThroughputMeter()
+        self.phases = PhaseTimes()  # the device copies' share of compute (peers/metrics.py, PHASES)
         self.cache_hits = self.cache_misses = 0
         # Since start-up: samples whose gradients were added, and backwards answered but not added
         # again (a microbatch retried after its first answer was lost: a hop's failover, a re-drive).
@@ -405,13 +407,16 @@ class StageRuntime:
                 return list(grads)
 
     def _to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.to(self.device, non_blocking=True)
+        if tensor is None:
+            return None
+        with self.phases.timed("device_copy"):
+            return tensor.to(self.device, non_blocking=True)
 
-    @staticmethod
-    def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """What leaves the stage: a float32 CPU tensor whatever the device and precision (the codec
         then picks the wire format)."""
-        return tensor.detach().to("cpu", torch.float32)
+        with self.phases.timed("device_copy"):
+            return tensor.detach().to("cpu", torch.float32)
 
     def _close_accumulation(self) -> None:
         """The step's microbatches are counted (applied, handed to a round, or dropped because the

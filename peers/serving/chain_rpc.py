@@ -79,7 +79,7 @@ from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
 from peers.serving.hop_pieces import HopPieces, MissingPiecesError
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
-from peers.serving.stage_rpc import StageRpcService, timed
+from peers.serving.stage_rpc import StageRpcService, busy_reading, compute_timed, timed_messages
 from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded
 from wire.call_rules import Attempts
 from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
@@ -187,13 +187,16 @@ class ChainService:
                 check_request_bytes(sum(len(part.buffer) for part in parts), stages.guard.max_request_bytes)
                 request = Received(header, parts)
             arrived = time.perf_counter()
+            phases = serving.phases
+            phases.add("receive", arrived - received)
             runtime = serving.runtime
             outputs_nbytes = header.batch_size * runtime.config.seq_len * boundary_width(runtime.config) * 4
             if stages.decoded_budget is not None:  # held until answered: inputs, and outputs while waiting
                 held = stages.decoded_budget.open(caller)
                 held.take(decoded_nbytes(header.tensors.values()) + 2 * outputs_nbytes)
             encoded = request.encoded(stages.bytes)
-            tensors = request.decoded(max_bytes=stages.max_decoded_bytes)
+            with phases.timed("decode"):
+                tensors = request.decoded(max_bytes=stages.max_decoded_bytes)
             inputs = tensors.get("inputs")
             if inputs is None or inputs.shape[:1] != (header.batch_size,):
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
@@ -205,7 +208,7 @@ class ChainService:
                     header,
                     lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
                 )
-                served_by, failed_over = [], []
+                served_by, failed_over, busy_after = [], [], []
             else:
                 outputs, forward_s = await self._on_compute(
                     header, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
@@ -221,19 +224,21 @@ class ChainService:
                     header,
                     lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
                 )
-                loss, served_by = answer.loss, list(answer.served_by)
+                loss, served_by, busy_after = answer.loss, list(answer.served_by), list(answer.busy)
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
                 compute_s = forward_s + backward_s
             samples = header.batch_size
-            outputs = (
-                [] if grad_inputs is None else [("grad_inputs", self._encode_gradient(grad_inputs, header, caller))]
-            )
+            with phases.timed("encode"):
+                outputs = (
+                    [] if grad_inputs is None else [("grad_inputs", self._encode_gradient(grad_inputs, header, caller))]
+                )
             response = ChainResponse(
                 loss=loss,
                 served_by=[self.peer_id, *served_by],
                 failed_over=failed_over,
                 compute_s=compute_s,
                 handler_s=time.perf_counter() - arrived,
+                busy=[busy_reading(serving), *busy_after][:MAX_CHAIN_STAGES],
             )
             serving.served_one()
             if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
@@ -288,12 +293,13 @@ class ChainService:
         try:
             if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
                 raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
-            first, *others = response_pieces(response, outputs, pieces, stages.bytes)
+            with serving.phases.timed("serialize"):
+                first, *others = response_pieces(response, outputs, pieces, stages.bytes)
             # a gradient goes back to the caller in turn with the others on that link, every piece of it
             async with self.turns.turn(caller) if outputs else nullcontext():
                 if others:
                     self.pieces.answer(caller, hop_id, others)
-                for message in first:
+                for message in timed_messages(serving.phases, first):
                     yield message
                 if others:
                     await self.pieces.all_sent(caller, hop_id, self.claim_s)
@@ -420,8 +426,13 @@ class ChainService:
                 raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
             return compute(runtime)
 
+        serving = self.stages.serving
+        queued = time.perf_counter()
         async with self.stages.slots:
-            result, _, compute_s = await asyncio.get_running_loop().run_in_executor(self.stages.compute, timed, run)
+            result, started, compute_s = await asyncio.get_running_loop().run_in_executor(
+                self.stages.compute, compute_timed, serving, run
+            )
+        serving.phases.add("queue", started - queued)
         return result, compute_s
 
     def _encode_gradient(self, grad_inputs: torch.Tensor, header: ChainRequest, caller: str) -> EncodedTensor:
@@ -475,6 +486,7 @@ class ChainService:
             header.stage + 1,
             time.monotonic() + hop_timeout_s(header.timeout_s, header.stage, header.num_stages),
         )
+        phases = self.stages.serving.phases
         encodings: dict[tuple, EncodedTensor] = {}  # the outputs per codec choice, each made once
         # what passes on as it came: the targets, and the token ids a subspace model's later stages need
         carried = [(name, item) for name, item in (("targets", targets), ("tokens", tokens)) if item is not None]
@@ -521,6 +533,7 @@ class ChainService:
             started = time.perf_counter()
             try:
                 answer = await asyncio.wait_for(self._call(peer_id, request, sent), timeout=timeout_s)
+                phases.add("hop_wait", time.perf_counter() - started)
             except TimeoutError:
                 attempts.failed(peer_id, Failure.TIMEOUT, f"{peer_id[-8:]}: no answer within {timeout_s:.1f} s")
                 continue
@@ -542,7 +555,8 @@ class ChainService:
                 attempts.failed(peer_id, caller_failure(response.error_kind), f"{peer_id[-8:]}: {response.error}")
                 continue
             try:
-                grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
+                with phases.timed("hop_decode"):
+                    grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
                 self.stages.serving.runtime.check_grad_outputs(header.batch_size, grad)
                 if len(response.served_by) != header.num_stages - next_stage or response.served_by[0] != peer_id:
                     raise BadRequestError(f"it says stages were served by {len(response.served_by)} peers")
@@ -599,7 +613,8 @@ class ChainService:
         choice = choose(False)
         key = (choice.codec, tuple(sorted(choice.params.items())))
         if key not in encodings:
-            encodings[key] = encode_tensor(outputs, choice.codec, choice.params, max_part_bytes=self._part_bytes)
+            with self.stages.serving.phases.timed("encode"):
+                encodings[key] = encode_tensor(outputs, choice.codec, choice.params, max_part_bytes=self._part_bytes)
         return [("inputs", encodings[key]), *carried], choose(True)
 
     async def _call(self, peer_id: str, request: ChainRequest, tensors: list[tuple[str, EncodedTensor]]):

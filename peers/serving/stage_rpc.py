@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Executor
 
 import torch
@@ -22,10 +23,11 @@ from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestErro
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
 from peers.serving.serving_state import ServingState
+from process.phase_times import PhaseTimes
 from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
-from wire.protocol import ChainRequest, HopRecordRequest, ProtocolError, RequestHeader, ResponseHeader
+from wire.protocol import ChainRequest, ComputeBusy, HopRecordRequest, ProtocolError, RequestHeader, ResponseHeader
 from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLargeError
 from wire.tensors import decoded_nbytes, encode_tensor
 
@@ -102,19 +104,25 @@ class StageRpcService:
             if self.decoded_budget is not None:
                 decoded = self.decoded_budget.open(caller)
                 decoded.take(decoded_nbytes(header.tensors.values()))
-            tensors = request.decoded(self.bytes, max_bytes=self.max_decoded_bytes)
+            phases = serving.phases
+            phases.add("receive", arrived - received)
+            with phases.timed("decode"):
+                tensors = request.decoded(self.bytes, max_bytes=self.max_decoded_bytes)
+            decoded_at = time.perf_counter()
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
                 (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, timed, self._compute, header, tensors
+                    self.compute, compute_timed, serving, self._compute, header, tensors
                 )
+            phases.add("queue", compute_started - decoded_at)
             queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
-            encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
+            with phases.timed("encode"):
+                encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
                 lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
-            response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
+            response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s, busy=busy_reading(serving))
             serving.served_one()
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
             kind = Failure.CACHE_MISS
@@ -171,7 +179,7 @@ class StageRpcService:
             )
         if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
             raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--fault-lose-answer)")
-        for message in write_response(response, encoded_outputs, self.bytes):
+        for message in timed_messages(serving.phases, write_response(response, encoded_outputs, self.bytes)):
             yield message
 
     def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:
@@ -234,8 +242,31 @@ class StageRpcService:
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 
 
-def timed(compute, *args):
-    """Run `compute(*args)`; returns its result, when it started and how long it ran (perf_counter seconds)."""
-    started = time.perf_counter()
-    result = compute(*args)
-    return result, started, time.perf_counter() - started
+def compute_timed(serving: ServingState, compute, *args):
+    """On the compute thread: `compute(*args)`, counted busy on the peer's compute clock and in its
+    "compute" phase; returns its result, when it started and how long it ran (perf_counter seconds)."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    result = serving.compute_clock.run(compute, *args)
+    duration = time.perf_counter() - started
+    serving.phases.add("compute", duration, time.thread_time() - cpu)
+    return result, started, duration
+
+
+def busy_reading(serving: ServingState) -> ComputeBusy:
+    """The peer's compute clock now, as its answers carry it."""
+    busy_s, clock_s = serving.compute_clock.reading()
+    return ComputeBusy(busy_s=busy_s, clock_s=clock_s)
+
+
+def timed_messages(phases: PhaseTimes, messages: Iterable):
+    """`messages`, each one's making timed as "serialize" (CPU too) and the transport's taking of it
+    (until the next is asked for) as "send" (wall)."""
+    iterator = iter(messages)
+    while True:
+        with phases.timed("serialize"):
+            message = next(iterator, None)
+        if message is None:
+            return
+        handed = time.perf_counter()
+        yield message
+        phases.add("send", time.perf_counter() - handed)
