@@ -75,11 +75,11 @@ from models.stages import boundary_width
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime, WrongStageError
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
-from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
+from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key, own_precision
 from peers.serving.hop_pieces import HopPieces, MissingPiecesError
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
-from peers.serving.stage_rpc import StageRpcService, busy_reading, compute_timed, timed_messages
+from peers.serving.stage_rpc import StageRpcService, busy_reading, compute_timed, on_host, timed_messages
 from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded
 from wire.call_rules import Attempts
 from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
@@ -196,7 +196,7 @@ class ChainService:
                 held.take(decoded_nbytes(header.tensors.values()) + 2 * outputs_nbytes)
             encoded = request.encoded(stages.bytes)
             with phases.timed("decode"):
-                tensors = request.decoded(max_bytes=stages.max_decoded_bytes)
+                tensors = runtime.pin_for_device(request.decoded(max_bytes=stages.max_decoded_bytes))
             inputs = tensors.get("inputs")
             if inputs is None or inputs.shape[:1] != (header.batch_size,):
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
@@ -208,11 +208,13 @@ class ChainService:
                     header,
                     lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
                 )
+                grad_inputs, loss = await on_host([grad_inputs, loss])
                 served_by, failed_over, busy_after = [], [], []
             else:
                 outputs, forward_s = await self._on_compute(
                     header, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
                 )
+                (outputs,) = await on_host([outputs])
                 carried = encoded.get("inputs") if header.stage == 0 else encoded.get("tokens")
                 answer, grad_outputs, skipped = await self._next_hop(
                     header,
@@ -224,6 +226,7 @@ class ChainService:
                     header,
                     lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
                 )
+                (grad_inputs,) = await on_host([grad_inputs])
                 loss, served_by, busy_after = answer.loss, list(answer.served_by), list(answer.busy)
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
                 compute_s = forward_s + backward_s
@@ -439,10 +442,13 @@ class ChainService:
         """'grad_inputs' in the codec the caller asked for; top-k keeps its residual here, the
         gradient's sender, per caller (peers/serving/hop_codecs.py)."""
         topk = header.response_codec == "topk"
+        codec, params = own_precision(
+            header.response_codec, header.response_codec_params, self.stages.serving.runtime.precision
+        )
         return encode_tensor(
             grad_inputs,
-            header.response_codec,
-            header.response_codec_params,
+            codec,
+            params,
             feedback=self.stages.serving.feedback if topk else None,
             feedback_key=gradient_feedback_key(caller),
             max_part_bytes=self._part_bytes if header.pieces > 1 else None,
@@ -558,6 +564,7 @@ class ChainService:
                 with phases.timed("hop_decode"):
                     grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
                 self.stages.serving.runtime.check_grad_outputs(header.batch_size, grad)
+                (grad,) = self.stages.serving.runtime.pin_for_device({"grad": grad}).values()
                 if len(response.served_by) != header.num_stages - next_stage or response.served_by[0] != peer_id:
                     raise BadRequestError(f"it says stages were served by {len(response.served_by)} peers")
                 if next_stage == header.num_stages - 1 and response.loss is None:
@@ -610,7 +617,8 @@ class ChainService:
                 loss_budget=math.inf if header.loss_budget is None else header.loss_budget,
             )
 
-        choice = choose(False)
+        asked = choose(False)
+        choice = CodecChoice(*own_precision(asked.codec, asked.params, self.stages.serving.runtime.precision))
         key = (choice.codec, tuple(sorted(choice.params.items())))
         if key not in encodings:
             with self.stages.serving.phases.timed("encode"):

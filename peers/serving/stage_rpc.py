@@ -19,9 +19,10 @@ import torch
 
 from dht.records import PeerState
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
-from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, WrongStageError
+from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, StageRuntime, WrongStageError
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
+from peers.serving.hop_codecs import own_precision
 from peers.serving.serving_state import ServingState
 from process.phase_times import PhaseTimes
 from wire import compression
@@ -107,7 +108,7 @@ class StageRpcService:
             phases = serving.phases
             phases.add("receive", arrived - received)
             with phases.timed("decode"):
-                tensors = request.decoded(self.bytes, max_bytes=self.max_decoded_bytes)
+                tensors = serving.runtime.pin_for_device(request.decoded(self.bytes, max_bytes=self.max_decoded_bytes))
             decoded_at = time.perf_counter()
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
@@ -116,6 +117,8 @@ class StageRpcService:
                     self.compute, compute_timed, serving, self._compute, header, tensors
                 )
             phases.add("queue", compute_started - decoded_at)
+            *tensors_out, loss = await on_host([tensor for _, tensor in outputs] + [loss])
+            outputs = [(name, tensor) for (name, _), tensor in zip(outputs, tensors_out)]
             queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
             with phases.timed("encode"):
                 encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
@@ -185,9 +188,10 @@ class StageRpcService:
     def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:
         """Encode with the codec the caller asked for; top-k gradients keep an error-feedback residual."""
         feedback = self.serving.feedback if name == "grad_inputs" and header.response_codec == "topk" else None
-        return encode_tensor(
-            tensor, header.response_codec, header.response_codec_params, feedback=feedback, feedback_key=name
+        codec, params = own_precision(
+            header.response_codec, header.response_codec_params, self.serving.runtime.precision
         )
+        return encode_tensor(tensor, codec, params, feedback=feedback, feedback_key=name)
 
     def check_route(self, header: RequestHeader | ChainRequest | HopRecordRequest) -> None:
         """Refuse a request for another model, split or stage than this peer serves (WrongStageError
@@ -226,11 +230,11 @@ class StageRpcService:
             raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
         if header.rpc == "forward" and header.evaluate:
             outputs = runtime.evaluate(inputs, tensors.get("targets"), tensors.get("tokens"))
-            return ([], float(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
+            return ([], runtime.host_value(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
         if header.rpc == "forward":
             outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"), tensors.get("tokens"))
             if runtime.is_last:
-                return [], float(outputs)
+                return [], runtime.host_value(outputs)
             return [("outputs", outputs)], None
         grad_inputs, loss = runtime.backward(
             header.microbatch_id,
@@ -250,6 +254,15 @@ def compute_timed(serving: ServingState, compute, *args):
     duration = time.perf_counter() - started
     serving.phases.add("compute", duration, time.thread_time() - cpu)
     return result, started, duration
+
+
+async def on_host(values: list):
+    """`values` once their copies to the host are complete (`StageRuntime.host_ready`): waited for
+    in a helper thread when one is still on its way (CUDA), neither the compute thread nor the event
+    loop; at once otherwise."""
+    if all(getattr(value, "ready", None) is None for value in values):
+        return values
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: [StageRuntime.host_ready(v) for v in values])
 
 
 def busy_reading(serving: ServingState) -> ComputeBusy:

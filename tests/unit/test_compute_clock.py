@@ -94,3 +94,29 @@ def test_phase_times_count_wall_and_this_threads_cpu_and_export_them():
     assert registry.get_sample_value("swarm_peer_phase_seconds_total", {"phase": "receive"}) == 0.5
     assert registry.get_sample_value("swarm_peer_phase_calls_total", {"phase": "decode"}) == 2
     assert registry.get_sample_value("swarm_peer_phase_cpu_seconds_total", {"phase": "decode"}) >= 0.015
+
+
+def test_results_still_on_their_way_to_the_host_are_waited_for_off_the_event_loop():
+    """On CUDA a stage's outputs and loss leave as pinned host tensors whose copy may still run, each
+    with a CUDA event (StageRuntime._to_wire); the serving layer waits for those events in a helper
+    thread. Here the events are stand-ins that record which thread waited."""
+    import asyncio
+    import threading
+
+    import torch
+
+    from peers.serving.stage_rpc import on_host
+
+    class Event:
+        waited_on = None
+
+        def synchronize(self):
+            self.waited_on = threading.current_thread()
+
+    outputs, loss = torch.ones(2, 3), torch.tensor(2.5)
+    outputs.ready, loss.ready = Event(), Event()
+    got = asyncio.run(on_host([outputs, loss, None]))
+    assert got[0] is outputs and got[1] == 2.5 and isinstance(got[1], float) and got[2] is None
+    assert outputs.ready.waited_on not in (None, threading.main_thread())
+    plain = [torch.ones(1), 1.0]  # on the CPU: nothing to wait for, no thread hop
+    assert asyncio.run(on_host(plain)) is plain
