@@ -72,6 +72,7 @@ from hivemind.proto import runtime_pb2
 
 from dht.records import PeerState
 from models.stages import boundary_width
+from peers.compute.compute_thread import BACKWARD, FORWARD, submit_at
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime, WrongStageError
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
@@ -206,13 +207,14 @@ class ChainService:
             if header.stage == header.num_stages - 1:
                 (grad_inputs, loss), compute_s = await self._on_compute(
                     header,
+                    BACKWARD,
                     lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
                 )
                 grad_inputs, loss = await on_host([grad_inputs, loss])
                 served_by, failed_over, busy_after = [], [], []
             else:
                 outputs, forward_s = await self._on_compute(
-                    header, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
+                    header, FORWARD, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
                 )
                 (outputs,) = await on_host([outputs])
                 carried = encoded.get("inputs") if header.stage == 0 else encoded.get("tokens")
@@ -224,6 +226,7 @@ class ChainService:
                 )
                 (grad_inputs, _), backward_s = await self._on_compute(
                     header,
+                    BACKWARD,
                     lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
                 )
                 (grad_inputs,) = await on_host([grad_inputs])
@@ -419,7 +422,7 @@ class ChainService:
                 f"{expected} later stages, not {len(header.route)}"
             )
 
-    async def _on_compute(self, header: ChainRequest, compute):
+    async def _on_compute(self, header: ChainRequest, priority: int, compute):
         """`compute(runtime)` on the compute thread, within the peer's request slots, and the seconds
         it took there; WrongStageError when the peer moved to another stage since the request arrived."""
 
@@ -432,8 +435,8 @@ class ChainService:
         serving = self.stages.serving
         queued = time.perf_counter()
         async with self.stages.slots:
-            result, started, compute_s = await asyncio.get_running_loop().run_in_executor(
-                self.stages.compute, compute_timed, serving, run
+            result, started, compute_s = await asyncio.wrap_future(
+                submit_at(self.stages.compute, priority, compute_timed, serving, run)
             )
         serving.phases.add("queue", started - queued)
         return result, compute_s

@@ -22,7 +22,6 @@ peers/launch.py builds a host from a `PeerConfig`.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import hivemind
 from hivemind.proto import runtime_pb2
@@ -42,6 +41,7 @@ from dht.reachability import (
 )
 from dht.records import PeerState, SplitRecord
 from peers.compute import devices
+from peers.compute.compute_thread import ComputeThread
 from peers.compute.stage_builder import StageBuilder
 from peers.compute.stage_runtime import StageRuntime
 from peers.compute.utilization import ComputeClock
@@ -91,7 +91,7 @@ class PeerHost:
         self.config, self.dht = config, dht
         self.peer_id = dht.peer_id.to_base58()
         self.metrics = metrics = metrics or PeerMetrics()
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.compute = ComputeThread()  # one thread, backwards before forwards (peers/compute/compute_thread.py)
         self.serving = serving = ServingState(
             runtime, averaging, metrics, compute_clock=ComputeClock(getattr(runtime, "device", None))
         )

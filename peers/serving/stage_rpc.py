@@ -18,6 +18,7 @@ from concurrent.futures import Executor
 import torch
 
 from dht.records import PeerState
+from peers.compute.compute_thread import BACKWARD, FORWARD, submit_at
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, StageRuntime, WrongStageError
 from peers.metrics import PeerMetrics
@@ -113,8 +114,9 @@ class StageRpcService:
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
-                (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, compute_timed, serving, self._compute, header, tensors
+                priority = BACKWARD if rpc == "backward" else FORWARD  # 1F1B: a backward waits less
+                (outputs, loss), compute_started, compute_s = await asyncio.wrap_future(
+                    submit_at(self.compute, priority, compute_timed, serving, self._compute, header, tensors)
                 )
             phases.add("queue", compute_started - decoded_at)
             *tensors_out, loss = await on_host([tensor for _, tensor in outputs] + [loss])
