@@ -36,7 +36,7 @@ class ComputeClock:
         self._lock = threading.Lock()
         self._started = clock()
         self._intervals: deque[tuple[float, float]] = deque(maxlen=KEPT_INTERVALS)  # merged, in order
-        self._busy_before_kept = 0.0  # busy seconds of intervals dropped from the deque
+        self._busy_total = 0.0  # busy seconds of every interval so far, the dropped ones included
         self._cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
         self._device = device
         self._reference = None  # a CUDA event at a known wall time: the GPU timeline's origin
@@ -86,10 +86,9 @@ class ComputeClock:
         with self._lock:
             if self._intervals and start <= self._intervals[-1][1]:  # overlaps the last: merge
                 last_start, last_end = self._intervals.pop()
+                self._busy_total -= last_end - last_start
                 start, end = min(start, last_start), max(end, last_end)
-            if len(self._intervals) == self._intervals.maxlen:
-                old_start, old_end = self._intervals[0]
-                self._busy_before_kept += old_end - old_start
+            self._busy_total += end - start
             self._intervals.append((start, end))
 
     def _pending_busy(self, since: float) -> float:
@@ -99,9 +98,8 @@ class ComputeClock:
     def busy_s(self) -> float:
         if self._cuda:
             self._resolve()
-        with self._lock:
-            kept = sum(end - start for start, end in self._intervals)
-            return self._busy_before_kept + kept + self._pending_busy(self._started)
+        with self._lock:  # O(1): called for every answer
+            return self._busy_total + self._pending_busy(self._started)
 
     def utilization(self, window_s: float) -> float:
         """The busy fraction of the last `window_s` seconds (of the clock's life, if shorter)."""
@@ -109,8 +107,12 @@ class ComputeClock:
             self._resolve()
         now = self._clock()
         since = max(now - window_s, self._started)
-        with self._lock:
-            busy = sum(max(min(end, now) - max(start, since), 0.0) for start, end in self._intervals)
+        with self._lock:  # the newest intervals first, back to the window's start
+            busy = 0.0
+            for start, end in reversed(self._intervals):
+                if end <= since:
+                    break
+                busy += min(end, now) - max(start, since)
             busy += self._pending_busy(since)
         return min(busy / (now - since), 1.0) if now > since else 0.0
 
