@@ -43,6 +43,7 @@ TRAINER_PHASES = {
     "encode": "tensors encoded for a call (CPU too)",
     "decode": "an answer's tensors decoded (CPU too)",
     "call": "a call's wall time, from its request handed over to its answer read (hub: one stage; direct: a chain)",
+    "commit": "a step's commit, from its last microbatch's answer to every replica's (the peers wait meanwhile)",
 }
 
 STEP_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
