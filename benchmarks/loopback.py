@@ -3,10 +3,10 @@ same data, measured in one run.
 
     .venv/bin/python benchmarks/loopback.py --steps 20 --out benchmarks/out/loopback.json
 
-Layouts: 2 stages x 1 peer and 2 stages x 2 peers (each peer one torch thread; `--routing direct`
-or `both` for `swarm train --routing`), against one
-plain process with 1 thread and with one thread per core; the ratio is taken against the faster
-of the two. Warm-up steps are excluded from timing. Run it on a quiet machine: on 2 cores, a
+Layouts: 2 stages x 1 peer and 2 stages x 2 peers (each peer one torch thread; `swarm train
+--routing` direct by default, as the trainer's, `hub`, or `both`), against one plain process with
+1 thread and with one thread per core; the ratio is taken against the faster of the two. Each
+swarm row also shows each peer's compute utilisation as the trainer's report states it. Warm-up steps are excluded from timing. Run it on a quiet machine: on 2 cores, a
 2-thread PyTorch process slows down many times over when another process takes a core.
 """
 
@@ -73,7 +73,7 @@ def swarm_run(
     batch_size: int,
     microbatch_size: int,
     max_in_flight: int,
-    routing: str = "hub",
+    routing: str = "direct",
 ) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-bench-")
     report_path = os.path.join(workdir, "report.json")
@@ -118,6 +118,12 @@ def swarm_run(
         "final_loss": report["final_loss"],
         "microbatches_lost": report["microbatches_lost"],
         "microbatches_retried": report["microbatches_retried"],
+        # each peer's compute utilisation as the trainer's report states it (busy fraction between its
+        # first and last answers to the trainer, warm-up steps included)
+        "peer_utilization": {
+            peer[-8:]: c.get("utilization")
+            for peer, c in sorted(report["contributions"].items(), key=lambda i: i[1]["stage"])
+        },
     }
 
 
@@ -131,7 +137,7 @@ def main() -> int:
     parser.add_argument("--max-in-flight", type=int, default=8)
     parser.add_argument(
         "--routing",
-        default="hub",
+        default="direct",
         choices=["hub", "direct", "both"],
         help="swarm train --routing of the swarm layouts; both: each layout with each, hub first",
     )
@@ -164,11 +170,13 @@ def main() -> int:
     baseline = max(r["tokens_per_s"] for r in plain_results)  # compare with the stronger plain setting
     for r in results:
         r["ratio_to_plain"] = r["tokens_per_s"] / baseline
-    print("\nlayout                            tokens/s   ratio   final loss   trainer link bytes/token")
+    print("\nlayout                            tokens/s   ratio   final loss   trainer link bytes/token   peers busy")
     for r in results:
         link = f"{r['trainer_link_bytes_per_token']:>12,.0f}" if "trainer_link_bytes_per_token" in r else ""
+        busy = " ".join("-" if u is None else f"{u:.0%}" for u in r.get("peer_utilization", {}).values())
         print(
-            f"{r['layout']:<32} {r['tokens_per_s']:>9,.0f}   {r['ratio_to_plain']:.2f}    {r['final_loss']:.3f}   {link}"
+            f"{r['layout']:<32} {r['tokens_per_s']:>9,.0f}   {r['ratio_to_plain']:.2f}    {r['final_loss']:.3f}   "
+            f"{link:>24}   {busy}"
         )
     out = {
         "benchmark": "loopback",

@@ -59,6 +59,9 @@ class PeerRecord(BaseModel):
     averaging_rounds_failed: int = Field(
         default=0, ge=0, description="rounds that failed (no group in time, or the all-reduce broke off)"
     )
+    utilization: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="the busy fraction of its compute over the last minute"
+    )
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -26,6 +26,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from peers.compute.utilization import ComputeClock
+from process.phase_times import PhaseCollector, PhaseTotal
+
 if TYPE_CHECKING:
     from peers.replicas.averaging import AveragingRound
 
@@ -34,6 +37,21 @@ disable_created_metrics()  # no `*_created` series: they double the series count
 # From a tiny model on loopback (milliseconds) to a large stage over a slow link (tens of seconds).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PEER_STATES = ("joining", "online", "offline", "standby")
+UTILIZATION_WINDOW_S = 60.0  # swarm_peer_compute_utilization: the busy fraction of this many last seconds
+# The phases of a request, `swarm_peer_phase_*{phase}` (process/phase_times.py). Wall seconds of each;
+# CPU seconds of the synchronous ones (receive, queue, send and hop_wait are waits: wall only).
+PHASES = {
+    "receive": "from a request's first message to its last (the caller's sending and the transport)",
+    "decode": "the request's tensors decoded",
+    "queue": "from the whole request's arrival to its compute's start (a slot, the compute thread)",
+    "compute": "the stage's forward or backward on the compute thread",
+    "device_copy": "inside compute: tensors to the device and back to the host",
+    "encode": "the answer's (or a hop's) tensors encoded",
+    "serialize": "headers and tensor parts framed into messages",
+    "send": "the answer's messages handed to the transport, serialize excluded",
+    "hop_wait": "direct routing: waiting for the next stage's answer (its hop, its compute, the chain after it)",
+    "hop_decode": "direct routing: the next stage's gradient decoded",
+}
 AVERAGING_MODES = ("sync", "periodic")  # the label values of the averaging metrics
 
 
@@ -108,6 +126,26 @@ class _CallbackCounters(Collector):
         return self._families(None)
 
 
+class _BusyCounter(Collector):
+    def __init__(self, clock: ComputeClock):
+        self.clock = clock
+
+    def _families(self, busy_s: float | None) -> list[CounterMetricFamily]:
+        busy = CounterMetricFamily(
+            "swarm_peer_compute_busy_seconds",
+            "Seconds the stage's compute was busy (rate() = the compute utilisation; on CUDA, the stream's time)",
+        )
+        if busy_s is not None:
+            busy.add_metric([], busy_s)
+        return [busy]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        return self._families(self.clock.busy_s())
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return self._families(None)
+
+
 # --- the peer's metrics --------------------------------------------------------------------------
 class PeerMetrics:
     """Every metric a peer exports. The server calls the `observe_*` / `set_*` methods; values owned
@@ -172,6 +210,12 @@ class PeerMetrics:
             "Measured compute throughput the peer announces (EMA)",
             registry=r,
         )
+        self.compute_utilization = Gauge(
+            "swarm_peer_compute_utilization",
+            f"Fraction of the last {UTILIZATION_WINDOW_S:.0f} s the stage's compute was busy (the compute "
+            "thread; on CUDA its stream)",
+            registry=r,
+        )
         self.device_memory_peak = Gauge(
             "swarm_peer_device_memory_peak_bytes",
             "Peak GPU memory this peer's tensors took (0 on a CPU peer: see process_resident_memory_bytes)",
@@ -228,6 +272,14 @@ class PeerMetrics:
         self.throughput.set_function(throughput)
         self.device_memory_peak.set_function(device_memory_peak)
         self.registry.register(_CallbackCounters(runtime_counts))
+
+    def watch_compute(self, clock: ComputeClock, phases: Callable[[], dict[str, PhaseTotal]]) -> None:
+        """Export the compute clock (`swarm_peer_compute_busy_seconds_total`, whose rate() is the
+        utilisation, and `swarm_peer_compute_utilization` over the last UTILIZATION_WINDOW_S) and
+        the requests' phase times (`swarm_peer_phase_*{phase}`, PHASES)."""
+        self.compute_utilization.set_function(lambda: clock.utilization(UTILIZATION_WINDOW_S))
+        self.registry.register(_BusyCounter(clock))
+        self.registry.register(PhaseCollector("swarm_peer", phases, "a peer's requests"))
 
     def count_bytes(self, snapshot: Callable[[], dict]) -> None:
         """Export a ByteCounter's totals (pass its `snapshot` method)."""

@@ -47,7 +47,7 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
         )
     lines = [f"model {model}: {len(stages)} stage{'s' if len(stages) != 1 else ''}"]
     header = (
-        f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5} {'steps':>6} {'rounds':>9}  "
+        f"{'stage':>5}  {'peer':<14} {'state':<8} {'samples/s':>10} {'load':>5} {'busy':>5} {'steps':>6} {'rounds':>9}  "
         f"{'version':<8} metrics"
     )
     lines.append(header)
@@ -59,9 +59,11 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
             rounds = "-" if r.averaging == "none" else f"{r.averaging_rounds}/{r.averaging_rounds_failed}"
             lines.append(
                 f"{stage:>5}  {'…' + r.peer_id[-12:]:<14} {r.state.value:<8} {r.throughput:>10.1f} "
-                f"{r.load:>5.0f} {r.steps_done:>6} {rounds:>9}  {r.version:<8} {r.metrics_addr or '-'}"
+                f"{r.load:>5.0f} {r.utilization:>5.0%} {r.steps_done:>6} {rounds:>9}  {r.version:<8} "
+                f"{r.metrics_addr or '-'}"
             )
         lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
+    lines.append(f"{'':>5}  busy: the fraction of the last minute the peer's compute was busy")
     lines.append(f"{'':>5}  rounds: averaging rounds with the stage's other replicas, completed/failed")
     lines.extend(independent_replica_warnings(stages))
     lines.extend(failed_round_warnings(stages))
@@ -72,12 +74,14 @@ def format_contributions(contributions: dict[str, ReportedContribution]) -> str:
     """One line per peer that served the trainer: its counts, and why it was banned."""
     lines = [
         f"contributions to the trainer (its report): {len(contributions)} peers",
-        f"{'stage':>5}  {'peer':<14} {'samples':>8} {'answered':>8} {'failed':>6} {'verified':>8} {'mismatch':>8}  banned",
+        f"{'stage':>5}  {'peer':<14} {'samples':>8} {'answered':>8} {'failed':>6} {'verified':>8} {'mismatch':>8} "
+        f"{'busy':>5}  banned",
     ]
     for peer_id, c in sorted(contributions.items(), key=lambda item: (item[1].stage, -item[1].samples_served)):
         lines.append(
             f"{c.stage:>5}  {'…' + peer_id[-12:]:<14} {c.samples_served:>8} {c.calls_answered:>8} {c.calls_failed:>6} "
-            f"{c.calls_verified:>8} {c.mismatches:>8}  {c.banned or '-'}"
+            f"{c.calls_verified:>8} {c.mismatches:>8} {'-' if c.utilization is None else f'{c.utilization:.0%}':>5}  "
+            f"{c.banned or '-'}"
         )
     return "\n".join(lines)
 

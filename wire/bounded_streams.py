@@ -65,7 +65,7 @@ from wire.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
 
-# A stream message is a header and at most one 1 MiB tensor part (wire/messages.py); hivemind's
+# A stream message is a header and at most 1 MiB of tensor parts (wire/messages.py); hivemind's
 # unary calls stop at 2 MiB. Twice that leaves room for framing and a newer peer's extra fields.
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 

@@ -54,6 +54,8 @@ from wire.protocol import (
 from wire.request_limits import check_request_bytes
 from wire.tensors import check_decoded_bytes, decode_tensors, group_parts
 
+Part = TypeVar("Part")
+
 _UIDS = {
     ChainRequest: "train_chain",
     ChainPiece: "chain_piece",
@@ -97,21 +99,39 @@ class Received(Generic[Header]):
 # --- streams ---------------------------------------------------------------------------------------
 
 
+PACKED_BYTES = 1 << 20  # parts ride together in one message up to this many bytes (a larger part alone)
+
+
+def packed(parts: Sequence[Part]) -> list[list[Part]]:
+    """`parts` in order, in groups of at most PACKED_BYTES each (a part that large alone), at least
+    one group (maybe empty): a small request or answer is one message, header and tensors, instead
+    of one message per part."""
+    groups: list[list[Part]] = [[]]
+    size = 0
+    for part in parts:
+        nbytes = len(part.buffer)
+        if groups[-1] and size + nbytes > PACKED_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(part)
+        size += nbytes
+    return groups
+
+
 def request_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertRequest]:
-    """The header with the first part, then one part per message."""
-    yield runtime_pb2.ExpertRequest(uid=_uid(header), metadata=encode_header(header), tensors=parts[:1])
-    for part in parts[1:]:
-        yield runtime_pb2.ExpertRequest(tensors=[part])
+    """The header with the first group of parts (`packed`), then a message per group."""
+    first, *others = packed(parts)
+    yield runtime_pb2.ExpertRequest(uid=_uid(header), metadata=encode_header(header), tensors=first)
+    for group in others:
+        yield runtime_pb2.ExpertRequest(tensors=group)
 
 
 def response_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertResponse]:
-    """The header with the first part, then one part per message."""
-    yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=parts[:1])
-    for part in parts[1:]:
-        yield runtime_pb2.ExpertResponse(tensors=[part])
-
-
-Part = TypeVar("Part")
+    """The header with the first group of parts (`packed`), then a message per group."""
+    first, *others = packed(parts)
+    yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=first)
+    for group in others:
+        yield runtime_pb2.ExpertResponse(tensors=group)
 
 
 def split_parts(parts: Sequence[Part], count: int) -> list[list[Part]]:
@@ -156,7 +176,10 @@ def response_pieces(
     first, *others = split_parts(parts, count)
     return [
         list(response_messages(header, first)),
-        *([runtime_pb2.ExpertResponse(tensors=[part]) for part in group] for group in others),
+        *(
+            [runtime_pb2.ExpertResponse(tensors=part_group) for part_group in packed(group)] if group else []
+            for group in others
+        ),
     ]
 
 

@@ -180,6 +180,17 @@ class RequestHeader(BaseModel):
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 
 
+class ComputeBusy(BaseModel):
+    """A peer's reading of its compute clock when it answered (peers/compute/utilization.py): the
+    seconds its stage has computed, and the seconds its clock has run. Two readings give the busy
+    fraction between them. The peer's own word: shown (report, status), never used to route."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    busy_s: float = Field(ge=0.0, le=1e9)
+    clock_s: float = Field(ge=0.0, le=1e9)
+
+
 class ResponseHeader(BaseModel):
     """A peer's answer to a RequestHeader: the outputs and loss, or `error` with its `error_kind`."""
 
@@ -189,6 +200,7 @@ class ResponseHeader(BaseModel):
     loss: float | None = None
     compute_s: float = 0.0  # seconds the request ran on the peer's compute thread
     queue_s: float = 0.0  # seconds from its full arrival to the start of that compute (decode, wait)
+    busy: ComputeBusy | None = None  # the peer's compute clock when it answered
     error: str | None = Field(default=None, max_length=4096)
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
 
@@ -302,6 +314,8 @@ class ChainResponse(BaseModel):
     # answer (the stages after it included): what the caller subtracts to time its link
     compute_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     handler_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    # each `served_by` peer's compute clock when it answered (the same order; empty from older peers)
+    busy: list[ComputeBusy] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
 
 
 class HopRecordRequest(BaseModel):

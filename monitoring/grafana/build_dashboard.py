@@ -157,6 +157,23 @@ PANELS = [
         w=12,
     ),
     panel(
+        "Compute utilisation per peer",
+        "timeseries",
+        [target(f"rate(swarm_peer_compute_busy_seconds_total[{RATE}])", "{{instance}}")],
+        description="The fraction of wall time the peer's stage computed (its compute thread; on CUDA its stream).",
+        unit="percentunit",
+        w=12,
+    ),
+    panel(
+        "Where the peers' time goes",
+        "timeseries",
+        [target(f"sum by (phase) (rate(swarm_peer_phase_seconds_total[{RATE}]))", "{{phase}}")],
+        description="Seconds per second each phase of the peers' requests took (receive, decode, queue, compute, "
+        "encode, serialize, send, hop_wait, hop_decode); phases of requests in flight overlap.",
+        unit="s",
+        w=12,
+    ),
+    panel(
         "Peer request latency (p90)",
         "timeseries",
         [

@@ -1,6 +1,12 @@
 """The compute side of a peer: one stage, its optimizer, gradient accumulation and an activation
 cache. No I/O and no asyncio: the server calls these methods on one dedicated compute thread.
 
+On CUDA nothing on the compute path waits for the device: what enters is pinned off the compute
+thread (`pin_for_device`), so its copy to the device is asynchronous; what leaves (outputs, input
+gradients, the last stage's loss) is copied into pinned host memory without blocking, with a CUDA
+event behind the copy (`host_ready` waits for it, off the compute thread), so the compute thread
+queues the next microbatch's kernels while this one's results are still on their way to the host.
+
 Gradients are accumulated weighted by each microbatch's sample count and divided by the samples
 seen when the optimizer steps, so the update equals the one a single process would make on the
 mean loss of the same samples, however they were cut into microbatches or spread over calls.
@@ -24,6 +30,7 @@ from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
 from peers.compute.weight_prediction import optimizer_update
 from process.config import ConfigError, option
+from process.phase_times import PhaseTimes
 from wire.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -191,6 +198,7 @@ class StageRuntime:
         # to a later step either. Microbatch ids are unique in a run (trainer nonce, step, index).
         self.counted_earlier: OrderedDict[str, None] = OrderedDict()
         self.throughput = ThroughputMeter()
+        self.phases = PhaseTimes()  # the device copies' share of compute (peers/metrics.py, PHASES)
         self.cache_hits = self.cache_misses = 0
         # Since start-up: samples whose gradients were added, and backwards answered but not added
         # again (a microbatch retried after its first answer was lost: a hop's failover, a re-drive).
@@ -377,7 +385,7 @@ class StageRuntime:
             self.samples_trained += batch_size
         else:
             self.backward_repeats += 1
-        loss = float(outputs.detach()) if self.is_last else None
+        loss = self.host_value(outputs) if self.is_last else None
         self.throughput.observe(batch_size, time.perf_counter() - start)
         if self.auto_step and self.samples_accumulated >= self.settings.target_batch_size:
             self.step()
@@ -405,13 +413,48 @@ class StageRuntime:
                 return list(grads)
 
     def _to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.to(self.device, non_blocking=True)
+        if tensor is None:
+            return None
+        with self.phases.timed("device_copy"):
+            return tensor.to(self.device, non_blocking=True)
+
+    def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What leaves the stage: a float32 CPU tensor whatever the device and precision (the codec
+        then picks the wire format). On CUDA, a pinned one whose copy may still run: `host_ready`."""
+        with self.phases.timed("device_copy"):
+            if self.device.type != "cuda":
+                return tensor.detach().to("cpu", torch.float32)
+            source = tensor.detach().to(torch.float32)  # on the device, in the stream's order
+            host = torch.empty(source.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(source, non_blocking=True)
+            host.ready = torch.cuda.Event()  # the copy is done once this event is
+            host.ready.record(torch.cuda.current_stream(self.device))
+            return host
+
+    def host_value(self, loss: torch.Tensor) -> float | torch.Tensor:
+        """The last stage's loss: a float (CPU), or on CUDA a 1-value host tensor still being copied
+        (`host_ready` turns it into the float)."""
+        if self.device.type != "cuda":
+            return float(loss.detach())
+        return self._to_wire(loss.detach().reshape(()))
+
+    def pin_for_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` ready for an asynchronous copy to the device: pinned on CUDA (call it off the
+        compute thread: it copies them once on the host), as they are elsewhere."""
+        if self.device.type != "cuda":
+            return tensors
+        return {name: tensor.pin_memory() for name, tensor in tensors.items()}
 
     @staticmethod
-    def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
-        """What leaves the stage: a float32 CPU tensor whatever the device and precision (the codec
-        then picks the wire format)."""
-        return tensor.detach().to("cpu", torch.float32)
+    def host_ready(value):
+        """`value` (a tensor `_to_wire` made, a loss from `host_value`, or anything else) once its
+        copy to the host is complete: blocks until then (call it off the compute thread); a loss
+        comes back as a float."""
+        event = getattr(value, "ready", None)
+        if event is None:
+            return value
+        event.synchronize()
+        return float(value) if value.dim() == 0 else value
 
     def _close_accumulation(self) -> None:
         """The step's microbatches are counted (applied, handed to a round, or dropped because the

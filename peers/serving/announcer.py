@@ -22,7 +22,7 @@ from dht.split_agreement import publish_split_async
 from models.identity import model_fingerprint
 from peers.config import AnnounceSettings
 from peers.health import write_status
-from peers.metrics import PeerMetrics
+from peers.metrics import UTILIZATION_WINDOW_S, PeerMetrics
 from peers.placement.split_claim import renewed
 from peers.serving.serving_state import ServingState
 from process.version import software_version
@@ -90,6 +90,7 @@ class Announcer:
             steps_done=serving.runtime.steps_done,
             averaging_rounds=serving.averaging.rounds if serving.averaging is not None else 0,
             averaging_rounds_failed=serving.averaging.failed_rounds if serving.averaging is not None else 0,
+            utilization=round(serving.compute_clock.utilization(UTILIZATION_WINDOW_S), 4),
         )
 
     async def announce(

@@ -72,14 +72,15 @@ from hivemind.proto import runtime_pb2
 
 from dht.records import PeerState
 from models.stages import boundary_width
+from peers.compute.compute_thread import BACKWARD, FORWARD, submit_at
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import BadRequestError, StageRuntime, WrongStageError
 from peers.serving.admission import NotAuthorizedError, caller_id, failure_kind
-from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key
+from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key, own_precision
 from peers.serving.hop_pieces import HopPieces, MissingPiecesError
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
-from peers.serving.stage_rpc import StageRpcService, timed
+from peers.serving.stage_rpc import StageRpcService, busy_reading, compute_timed, on_host, timed_messages
 from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded
 from wire.call_rules import Attempts
 from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
@@ -187,13 +188,16 @@ class ChainService:
                 check_request_bytes(sum(len(part.buffer) for part in parts), stages.guard.max_request_bytes)
                 request = Received(header, parts)
             arrived = time.perf_counter()
+            phases = serving.phases
+            phases.add("receive", arrived - received)
             runtime = serving.runtime
             outputs_nbytes = header.batch_size * runtime.config.seq_len * boundary_width(runtime.config) * 4
             if stages.decoded_budget is not None:  # held until answered: inputs, and outputs while waiting
                 held = stages.decoded_budget.open(caller)
                 held.take(decoded_nbytes(header.tensors.values()) + 2 * outputs_nbytes)
             encoded = request.encoded(stages.bytes)
-            tensors = request.decoded(max_bytes=stages.max_decoded_bytes)
+            with phases.timed("decode"):
+                tensors = runtime.pin_for_device(request.decoded(max_bytes=stages.max_decoded_bytes))
             inputs = tensors.get("inputs")
             if inputs is None or inputs.shape[:1] != (header.batch_size,):
                 raise BadRequestError(f"the request carries no 'inputs' of {header.batch_size} samples")
@@ -203,13 +207,16 @@ class ChainService:
             if header.stage == header.num_stages - 1:
                 (grad_inputs, loss), compute_s = await self._on_compute(
                     header,
+                    BACKWARD,
                     lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
                 )
-                served_by, failed_over = [], []
+                grad_inputs, loss = await on_host([grad_inputs, loss])
+                served_by, failed_over, busy_after = [], [], []
             else:
                 outputs, forward_s = await self._on_compute(
-                    header, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
+                    header, FORWARD, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
                 )
+                (outputs,) = await on_host([outputs])
                 carried = encoded.get("inputs") if header.stage == 0 else encoded.get("tokens")
                 answer, grad_outputs, skipped = await self._next_hop(
                     header,
@@ -219,21 +226,25 @@ class ChainService:
                 )
                 (grad_inputs, _), backward_s = await self._on_compute(
                     header,
+                    BACKWARD,
                     lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
                 )
-                loss, served_by = answer.loss, list(answer.served_by)
+                (grad_inputs,) = await on_host([grad_inputs])
+                loss, served_by, busy_after = answer.loss, list(answer.served_by), list(answer.busy)
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
                 compute_s = forward_s + backward_s
             samples = header.batch_size
-            outputs = (
-                [] if grad_inputs is None else [("grad_inputs", self._encode_gradient(grad_inputs, header, caller))]
-            )
+            with phases.timed("encode"):
+                outputs = (
+                    [] if grad_inputs is None else [("grad_inputs", self._encode_gradient(grad_inputs, header, caller))]
+                )
             response = ChainResponse(
                 loss=loss,
                 served_by=[self.peer_id, *served_by],
                 failed_over=failed_over,
                 compute_s=compute_s,
                 handler_s=time.perf_counter() - arrived,
+                busy=[busy_reading(serving), *busy_after][:MAX_CHAIN_STAGES],
             )
             serving.served_one()
             if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
@@ -288,12 +299,13 @@ class ChainService:
         try:
             if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
                 raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
-            first, *others = response_pieces(response, outputs, pieces, stages.bytes)
+            with serving.phases.timed("serialize"):
+                first, *others = response_pieces(response, outputs, pieces, stages.bytes)
             # a gradient goes back to the caller in turn with the others on that link, every piece of it
             async with self.turns.turn(caller) if outputs else nullcontext():
                 if others:
                     self.pieces.answer(caller, hop_id, others)
-                for message in first:
+                for message in timed_messages(serving.phases, first):
                     yield message
                 if others:
                     await self.pieces.all_sent(caller, hop_id, self.claim_s)
@@ -410,7 +422,7 @@ class ChainService:
                 f"{expected} later stages, not {len(header.route)}"
             )
 
-    async def _on_compute(self, header: ChainRequest, compute):
+    async def _on_compute(self, header: ChainRequest, priority: int, compute):
         """`compute(runtime)` on the compute thread, within the peer's request slots, and the seconds
         it took there; WrongStageError when the peer moved to another stage since the request arrived."""
 
@@ -420,18 +432,26 @@ class ChainService:
                 raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
             return compute(runtime)
 
+        serving = self.stages.serving
+        queued = time.perf_counter()
         async with self.stages.slots:
-            result, _, compute_s = await asyncio.get_running_loop().run_in_executor(self.stages.compute, timed, run)
+            result, started, compute_s = await asyncio.wrap_future(
+                submit_at(self.stages.compute, priority, compute_timed, serving, run)
+            )
+        serving.phases.add("queue", started - queued)
         return result, compute_s
 
     def _encode_gradient(self, grad_inputs: torch.Tensor, header: ChainRequest, caller: str) -> EncodedTensor:
         """'grad_inputs' in the codec the caller asked for; top-k keeps its residual here, the
         gradient's sender, per caller (peers/serving/hop_codecs.py)."""
         topk = header.response_codec == "topk"
+        codec, params = own_precision(
+            header.response_codec, header.response_codec_params, self.stages.serving.runtime.precision
+        )
         return encode_tensor(
             grad_inputs,
-            header.response_codec,
-            header.response_codec_params,
+            codec,
+            params,
             feedback=self.stages.serving.feedback if topk else None,
             feedback_key=gradient_feedback_key(caller),
             max_part_bytes=self._part_bytes if header.pieces > 1 else None,
@@ -475,6 +495,7 @@ class ChainService:
             header.stage + 1,
             time.monotonic() + hop_timeout_s(header.timeout_s, header.stage, header.num_stages),
         )
+        phases = self.stages.serving.phases
         encodings: dict[tuple, EncodedTensor] = {}  # the outputs per codec choice, each made once
         # what passes on as it came: the targets, and the token ids a subspace model's later stages need
         carried = [(name, item) for name, item in (("targets", targets), ("tokens", tokens)) if item is not None]
@@ -521,6 +542,7 @@ class ChainService:
             started = time.perf_counter()
             try:
                 answer = await asyncio.wait_for(self._call(peer_id, request, sent), timeout=timeout_s)
+                phases.add("hop_wait", time.perf_counter() - started)
             except TimeoutError:
                 attempts.failed(peer_id, Failure.TIMEOUT, f"{peer_id[-8:]}: no answer within {timeout_s:.1f} s")
                 continue
@@ -542,8 +564,10 @@ class ChainService:
                 attempts.failed(peer_id, caller_failure(response.error_kind), f"{peer_id[-8:]}: {response.error}")
                 continue
             try:
-                grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
+                with phases.timed("hop_decode"):
+                    grad = answer.decoded(self.stages.bytes, max_bytes=decoded_nbytes_limit(outputs)).get("grad_inputs")
                 self.stages.serving.runtime.check_grad_outputs(header.batch_size, grad)
+                (grad,) = self.stages.serving.runtime.pin_for_device({"grad": grad}).values()
                 if len(response.served_by) != header.num_stages - next_stage or response.served_by[0] != peer_id:
                     raise BadRequestError(f"it says stages were served by {len(response.served_by)} peers")
                 if next_stage == header.num_stages - 1 and response.loss is None:
@@ -596,10 +620,12 @@ class ChainService:
                 loss_budget=math.inf if header.loss_budget is None else header.loss_budget,
             )
 
-        choice = choose(False)
+        asked = choose(False)
+        choice = CodecChoice(*own_precision(asked.codec, asked.params, self.stages.serving.runtime.precision))
         key = (choice.codec, tuple(sorted(choice.params.items())))
         if key not in encodings:
-            encodings[key] = encode_tensor(outputs, choice.codec, choice.params, max_part_bytes=self._part_bytes)
+            with self.stages.serving.phases.timed("encode"):
+                encodings[key] = encode_tensor(outputs, choice.codec, choice.params, max_part_bytes=self._part_bytes)
         return [("inputs", encodings[key]), *carried], choose(True)
 
     async def _call(self, peer_id: str, request: ChainRequest, tensors: list[tuple[str, EncodedTensor]]):

@@ -22,7 +22,6 @@ peers/launch.py builds a host from a `PeerConfig`.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import hivemind
 from hivemind.proto import runtime_pb2
@@ -42,8 +41,10 @@ from dht.reachability import (
 )
 from dht.records import PeerState, SplitRecord
 from peers.compute import devices
+from peers.compute.compute_thread import ComputeThread
 from peers.compute.stage_builder import StageBuilder
 from peers.compute.stage_runtime import StageRuntime
+from peers.compute.utilization import ComputeClock
 from peers.config import PeerConfig
 from peers.metrics import PeerMetrics
 from peers.placement.link_probe import MAX_PROBE_BYTES, LinkProber, bounded_probe_handler, refused_probe
@@ -90,8 +91,10 @@ class PeerHost:
         self.config, self.dht = config, dht
         self.peer_id = dht.peer_id.to_base58()
         self.metrics = metrics = metrics or PeerMetrics()
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self.serving = serving = ServingState(runtime, averaging, metrics)
+        self.compute = ComputeThread()  # one thread, backwards before forwards (peers/compute/compute_thread.py)
+        self.serving = serving = ServingState(
+            runtime, averaging, metrics, compute_clock=ComputeClock(getattr(runtime, "device", None))
+        )
         limits = config.serving
         # the run's authority (--run) and this peer's own credential, checked against its identity
         self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
@@ -224,6 +227,9 @@ class PeerHost:
                 serving.runtime.backward_repeats,
             ),
             device_memory_peak=lambda: devices.peak_memory_bytes(serving.runtime.device),
+        )
+        metrics.watch_compute(
+            serving.compute_clock, lambda: {**serving.phases.snapshot(), **serving.runtime.phases.snapshot()}
         )
         metrics.count_bytes(byte_counter.snapshot)
         metrics.set_serving(stage=runtime.stage, num_stages=runtime.num_stages, version=software_version())

@@ -2,7 +2,7 @@
 
 `ServingState` holds the stage served now (its runtime and averager, swapped together by a move),
 the peer's state on the DHT (joining, online, standby, offline), the stage a move is heading for,
-and the request counters. peers/serving/host.py builds one and hands it to every service that
+the request counters, the compute clock (how busy the stage computes) and the requests' phase times. peers/serving/host.py builds one and hands it to every service that
 reads or changes it: the stage RPCs, replica sync, moves, the announcer and the checkpointer.
 
 Threads: the event loop changes the state and the counters; `swap` runs on the compute thread
@@ -18,8 +18,10 @@ import time
 from dht.records import PeerState
 from peers.compute.faults import FaultyStageRuntime
 from peers.compute.stage_runtime import StageRuntime
+from peers.compute.utilization import ComputeClock
 from peers.metrics import PeerMetrics
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from process.phase_times import PhaseTimes
 from wire import compression
 
 Averaging = GradientSync | ParameterAveraging | None
@@ -39,6 +41,10 @@ class ServingState:
     announced_online_at: float | None = None  # when the first `online` record was stored
     # Top-k residuals of the gradients this peer sends back: they belong to the served stage's tensors.
     feedback: compression.ErrorFeedback = dataclasses.field(default_factory=compression.ErrorFeedback)
+    # how busy the stage's compute is (peers/compute/utilization.py), and where the requests' time goes
+    # by phase (peers/metrics.py names them); both outlive a move
+    compute_clock: ComputeClock = dataclasses.field(default_factory=ComputeClock)
+    phases: PhaseTimes = dataclasses.field(default_factory=PhaseTimes)
 
     def served_one(self) -> None:
         """Count a request served (either RPC: a stage call or a chain's hop); the first one also says

@@ -12,20 +12,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Executor
 
 import torch
 
 from dht.records import PeerState
+from peers.compute.compute_thread import BACKWARD, FORWARD, submit_at
 from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
-from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, WrongStageError
+from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, StageRuntime, WrongStageError
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
+from peers.serving.hop_codecs import own_precision
 from peers.serving.serving_state import ServingState
+from process.phase_times import PhaseTimes
 from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
-from wire.protocol import ChainRequest, HopRecordRequest, ProtocolError, RequestHeader, ResponseHeader
+from wire.protocol import ChainRequest, ComputeBusy, HopRecordRequest, ProtocolError, RequestHeader, ResponseHeader
 from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLargeError
 from wire.tensors import decoded_nbytes, encode_tensor
 
@@ -102,19 +106,28 @@ class StageRpcService:
             if self.decoded_budget is not None:
                 decoded = self.decoded_budget.open(caller)
                 decoded.take(decoded_nbytes(header.tensors.values()))
-            tensors = request.decoded(self.bytes, max_bytes=self.max_decoded_bytes)
+            phases = serving.phases
+            phases.add("receive", arrived - received)
+            with phases.timed("decode"):
+                tensors = serving.runtime.pin_for_device(request.decoded(self.bytes, max_bytes=self.max_decoded_bytes))
+            decoded_at = time.perf_counter()
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
-                (outputs, loss), compute_started, compute_s = await asyncio.get_running_loop().run_in_executor(
-                    self.compute, timed, self._compute, header, tensors
+                priority = BACKWARD if rpc == "backward" else FORWARD  # 1F1B: a backward waits less
+                (outputs, loss), compute_started, compute_s = await asyncio.wrap_future(
+                    submit_at(self.compute, priority, compute_timed, serving, self._compute, header, tensors)
                 )
+            phases.add("queue", compute_started - decoded_at)
+            *tensors_out, loss = await on_host([tensor for _, tensor in outputs] + [loss])
+            outputs = [(name, tensor) for (name, _), tensor in zip(outputs, tensors_out)]
             queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
-            encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
+            with phases.timed("encode"):
+                encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
                 lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
-            response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
+            response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s, busy=busy_reading(serving))
             serving.served_one()
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
             kind = Failure.CACHE_MISS
@@ -171,15 +184,16 @@ class StageRpcService:
             )
         if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
             raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--fault-lose-answer)")
-        for message in write_response(response, encoded_outputs, self.bytes):
+        for message in timed_messages(serving.phases, write_response(response, encoded_outputs, self.bytes)):
             yield message
 
     def _encode_output(self, name: str, tensor: torch.Tensor, header: RequestHeader) -> compression.EncodedTensor:
         """Encode with the codec the caller asked for; top-k gradients keep an error-feedback residual."""
         feedback = self.serving.feedback if name == "grad_inputs" and header.response_codec == "topk" else None
-        return encode_tensor(
-            tensor, header.response_codec, header.response_codec_params, feedback=feedback, feedback_key=name
+        codec, params = own_precision(
+            header.response_codec, header.response_codec_params, self.serving.runtime.precision
         )
+        return encode_tensor(tensor, codec, params, feedback=feedback, feedback_key=name)
 
     def check_route(self, header: RequestHeader | ChainRequest | HopRecordRequest) -> None:
         """Refuse a request for another model, split or stage than this peer serves (WrongStageError
@@ -218,11 +232,11 @@ class StageRpcService:
             raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
         if header.rpc == "forward" and header.evaluate:
             outputs = runtime.evaluate(inputs, tensors.get("targets"), tensors.get("tokens"))
-            return ([], float(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
+            return ([], runtime.host_value(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
         if header.rpc == "forward":
             outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"), tensors.get("tokens"))
             if runtime.is_last:
-                return [], float(outputs)
+                return [], runtime.host_value(outputs)
             return [("outputs", outputs)], None
         grad_inputs, loss = runtime.backward(
             header.microbatch_id,
@@ -234,8 +248,40 @@ class StageRpcService:
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
 
 
-def timed(compute, *args):
-    """Run `compute(*args)`; returns its result, when it started and how long it ran (perf_counter seconds)."""
-    started = time.perf_counter()
-    result = compute(*args)
-    return result, started, time.perf_counter() - started
+def compute_timed(serving: ServingState, compute, *args):
+    """On the compute thread: `compute(*args)`, counted busy on the peer's compute clock and in its
+    "compute" phase; returns its result, when it started and how long it ran (perf_counter seconds)."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    result = serving.compute_clock.run(compute, *args)
+    duration = time.perf_counter() - started
+    serving.phases.add("compute", duration, time.thread_time() - cpu)
+    return result, started, duration
+
+
+async def on_host(values: list):
+    """`values` once their copies to the host are complete (`StageRuntime.host_ready`): waited for
+    in a helper thread when one is still on its way (CUDA), neither the compute thread nor the event
+    loop; at once otherwise."""
+    if all(getattr(value, "ready", None) is None for value in values):
+        return values
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: [StageRuntime.host_ready(v) for v in values])
+
+
+def busy_reading(serving: ServingState) -> ComputeBusy:
+    """The peer's compute clock now, as its answers carry it."""
+    busy_s, clock_s = serving.compute_clock.reading()
+    return ComputeBusy(busy_s=busy_s, clock_s=clock_s)
+
+
+def timed_messages(phases: PhaseTimes, messages: Iterable):
+    """`messages`, each one's making timed as "serialize" (CPU too) and the transport's taking of it
+    (until the next is asked for) as "send" (wall)."""
+    iterator = iter(messages)
+    while True:
+        with phases.timed("serialize"):
+            message = next(iterator, None)
+        if message is None:
+            return
+        handed = time.perf_counter()
+        yield message
+        phases.add("send", time.perf_counter() - handed)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from swarm.trainer.call_engine import Blame
@@ -203,6 +204,7 @@ class ChainWork:
     async def call(self, route: list[list[str]], timeout_s: float) -> ChainResult:
         caller = self.caller
         self.last_route = route
+        called = time.perf_counter()
         result = await self.chains.client.train_chain(
             route[0][0],
             microbatch_id=self.microbatch_id,
@@ -216,6 +218,7 @@ class ChainWork:
             loss_budget=None if math.isinf(caller.codecs.loss_budget) else caller.codecs.loss_budget,
             keep_records=caller.spot_checks.fraction > 0.0,
         )
+        caller.phases.add("call", time.perf_counter() - called)
         wrong = check_served_by(route, result.served_by)
         if wrong is not None:
             raise ChainCallError(route[0][0], Failure.GARBAGE, wrong, stage=0, failed_peers=[route[0][0]])
@@ -248,6 +251,8 @@ class ChainWork:
             )
         for stage, peer_id in enumerate(result.served_by):
             engine.note_answered(peer_id, stage, "backward", self.mb.size)
+        for stage, (peer_id, busy) in enumerate(zip(result.served_by, result.busy)):
+            engine.contributions.busy(peer_id, stage, (busy.busy_s, busy.clock_s))
         return ChainAnswer(result.loss, result.served_by)
 
     def unavailable(self, waited_s: float, attempts: Attempts) -> StageUnavailableError:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from process.phase_times import PhaseTimes
 from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded
 from wire.compression import ByteCounter, CodecChoice, EncodedTensor
 from wire.failures import Failure, caller_failure
@@ -30,6 +31,7 @@ from wire.protocol import (
     ChainResponse,
     CommitRequest,
     CommitResponse,
+    ComputeBusy,
     HopFailover,
     HopRecordRequest,
     ProtocolError,
@@ -79,6 +81,7 @@ class ChainResult:
     served_by: list[str]  # the peer that served each stage
     failed_over: list[HopFailover]  # replicas a hop failed on before another of their stage answered, and how
     moved: int  # payload bytes, both ways
+    busy: list[ComputeBusy] = field(default_factory=list)  # each served_by peer's compute clock, as stated
 
 
 class StageClient:
@@ -88,6 +91,7 @@ class StageClient:
         self.credential = credential
         self.bytes = ByteCounter()
         self.streams = StreamPool()  # streams to the peers, kept open from call to call
+        self.phases = PhaseTimes()  # the trainer's phases (swarm/trainer/metrics.py, TRAINER_PHASES)
 
     async def call(
         self,
@@ -156,7 +160,8 @@ class StageClient:
             raise PeerCallError(peer_id, caller_failure(response.error_kind), response.error)
         try:
             encoded = answer.encoded()
-            outputs = decode_tensors(encoded, max_bytes=max_answer_bytes)
+            with self.phases.timed("decode"):
+                outputs = decode_tensors(encoded, max_bytes=max_answer_bytes)
         except ProtocolError as e:
             raise PeerCallError(peer_id, Failure.GARBAGE, str(e)) from None
         for _, item in tensors:
@@ -269,7 +274,9 @@ class StageClient:
         for _, item in tensors:
             self.bytes.record_sent(item)
         moved = sum(item.nbytes for _, item in tensors)
-        return ChainResult(float(response.loss), list(response.served_by), list(response.failed_over), moved)
+        return ChainResult(
+            float(response.loss), list(response.served_by), list(response.failed_over), moved, list(response.busy)
+        )
 
     async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:
         stream = await iterate_bounded(

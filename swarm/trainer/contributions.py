@@ -6,7 +6,9 @@ sample counts once per stage, so a stage's replicas' counts add up to the sample
 forwards of spot checks and validation passes are calls answered, not samples served), the calls it answered and the calls that failed, the spot
 checks its answer took part in (`calls_verified`: as the replica checked or as a checker) and those
 in which its answer was not shown right (`mismatches`: it disagreed with another answer and was in
-the minority, or nobody could tell who was right), and the ban, if any, with its reason.
+the minority, or nobody could tell who was right), the ban, if any, with its reason, and how busy
+its compute was between its first answer to this trainer and its latest (`utilization`, from the
+compute clock its answers carry, peers/compute/utilization.py: its own word, shown, never routed on).
 
 It is the trainer's own view: what a peer answered to *this* trainer, counted on this trainer's
 clock. Nothing here is signed or published; a peer's count in another trainer's ledger differs.
@@ -33,6 +35,7 @@ class PeerContribution:
     calls_verified: int = 0
     mismatches: int = 0
     banned: str | None = None  # why it was banned (the latest ban), None if never
+    utilization: float | None = None  # its compute's busy fraction since its first answer (None: not known)
 
 
 class ContributionLedger:
@@ -43,6 +46,7 @@ class ContributionLedger:
             raise ValueError(f"max_peers must be at least 1, got {max_peers}")
         self.max_peers = max_peers
         self._peers: dict[str, PeerContribution] = {}  # least recently heard from first
+        self._first_busy: dict[str, tuple[float, float]] = {}  # peer id -> its first compute clock reading
 
     def answered(self, peer_id: str, stage: int, rpc: str, samples: int) -> None:
         """`peer_id` answered a call of `samples` samples (served samples when it is a backward)."""
@@ -64,6 +68,17 @@ class ContributionLedger:
             entry.calls_verified += 1
             if not agreed and peer_id not in majority:
                 entry.mismatches += 1
+
+    def busy(self, peer_id: str, stage: int, reading: tuple[float, float] | None) -> None:
+        """`peer_id`'s compute clock as an answer carried it: (busy seconds, clock seconds)."""
+        if reading is None or peer_id not in self._peers:
+            return
+        first = self._first_busy.setdefault(peer_id, reading)
+        if reading[1] < first[1]:  # its clock went back: the peer restarted; measure afresh
+            first = self._first_busy[peer_id] = reading
+        busy, elapsed = reading[0] - first[0], reading[1] - first[1]
+        if elapsed > 0:
+            self._touch(peer_id, stage).utilization = round(min(max(busy / elapsed, 0.0), 1.0), 4)
 
     def banned(self, peer_id: str, stage: int, reason: str) -> None:
         self._touch(peer_id, stage).banned = reason
@@ -88,6 +103,8 @@ class ContributionLedger:
                     before[key] = int(before.get(key, 0)) + value
             before["stage"] = counts["stage"]
             before["banned"] = counts["banned"] or before.get("banned")
+            if counts.get("utilization") is not None:
+                before["utilization"] = counts["utilization"]
         return merged
 
     def _touch(self, peer_id: str, stage: int) -> PeerContribution:
@@ -97,7 +114,9 @@ class ContributionLedger:
         while len(self._peers) > self.max_peers:
             others = [p for p in self._peers if p != peer_id]
             unbanned = next((p for p in others if self._peers[p].banned is None), None)
-            del self._peers[unbanned if unbanned is not None else others[0]]
+            forgotten = unbanned if unbanned is not None else others[0]
+            del self._peers[forgotten]
+            self._first_busy.pop(forgotten, None)
         return entry
 
 
@@ -114,6 +133,7 @@ class ReportedContribution(BaseModel):
     calls_verified: int = Field(ge=0)
     mismatches: int = Field(ge=0)
     banned: str | None = Field(default=None, max_length=1000)
+    utilization: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class ReportError(ValueError):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from peers.metrics import LATENCY_BUCKETS_S, ByteCounterCollector
+from process.phase_times import PhaseCollector, PhaseTotal
 
 EXPORTED_PEERS = 32  # per-peer contribution series: at most this many peers
 PEER_COUNTS = {  # ContributionLedger field -> (gauge name, help)
@@ -36,6 +37,14 @@ def short_peer_id(peer_id: str) -> str:
     """The label a peer gets in metrics (its id's last 8 characters, as in the logs and the report)."""
     return peer_id[-8:]
 
+
+# The trainer's phases, `swarm_trainer_phase_*{phase}` (process/phase_times.py).
+TRAINER_PHASES = {
+    "encode": "tensors encoded for a call (CPU too)",
+    "decode": "an answer's tensors decoded (CPU too)",
+    "call": "a call's wall time, from its request handed over to its answer read (hub: one stage; direct: a chain)",
+    "commit": "a step's commit, from its last microbatch's answer to every replica's (the peers wait meanwhile)",
+}
 
 STEP_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -143,6 +152,10 @@ class TrainerMetrics:
             ["stage"],
             registry=r,
         )
+
+    def watch_phases(self, read: Callable[[], dict[str, PhaseTotal]]) -> None:
+        """Export the trainer's phase times (TRAINER_PHASES)."""
+        self.registry.register(PhaseCollector("swarm_trainer", read, "the trainer's calls"))
 
     def count_bytes(self, snapshot: Callable[[], dict]) -> None:
         """Export the client's ByteCounter (`swarm_trainer_{sent,received}[_uncompressed]_bytes_total{codec}`)."""

@@ -402,6 +402,7 @@ async def connect(
     )
     codecs.warm_up()
     metrics.count_bytes(client.bytes.snapshot)
+    metrics.watch_phases(caller.phases.snapshot)
     await wait_for_every_stage(view, timeout_s, vocab_size=model_config.vocab_size, vocab_source=data_source)
     return schedule
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -254,7 +255,9 @@ class StepSchedule:
         if replicas average in sync mode, tell them the step is over so they average and step."""
         losses = await asyncio.gather(*[self.run_microbatch(mb) for mb in microbatches])
         total = sum(mb.size for mb in microbatches)
+        committing = time.perf_counter()
         await self.commit_step(f"{self.run_id}:{microbatches[0].step}")
+        self.caller.phases.add("commit", time.perf_counter() - committing)
         return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
 
     async def run_shared_step(self, draw: Callable[[], Microbatch], progress: SharedProgress) -> tuple[float, int]:

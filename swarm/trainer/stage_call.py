@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from process.phase_times import PhaseTimes
 from swarm.trainer.call_engine import Blame, CallEngine
 from swarm.trainer.client import CallResult, PeerCallError, StageClient
 from swarm.trainer.config import FailoverSettings
@@ -102,6 +103,7 @@ class StageCaller:
             self.engine.not_allowed_by,
         )
         self.codecs = codecs or CodecPolicy("none")
+        self.phases: PhaseTimes = getattr(client, "phases", None) or PhaseTimes()  # the trainer's, by phase
         self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
         self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
         self.told_unchecked: set[str] = set()  # replicas whose answers cannot be compared, told once
@@ -119,9 +121,10 @@ class StageCaller:
             key = codec_key(choice)
             if key not in payload.encodings:
                 feedback = self.feedback if is_gradient and choice.codec == "topk" else None
-                payload.encodings[key] = encode_tensor(
-                    payload.tensor, choice.codec, choice.params, feedback=feedback, feedback_key=stage
-                )
+                with self.phases.timed("encode"):
+                    payload.encodings[key] = encode_tensor(
+                        payload.tensor, choice.codec, choice.params, feedback=feedback, feedback_key=stage
+                    )
             encoded.append((name, payload.encodings[key]))
         return encoded
 
@@ -284,6 +287,8 @@ class StageCaller:
             peer_id, stage, nbytes=result.moved, transfer_s=transfer_s, compute_s=compute_s, batch_size=batch_size
         )
         self.engine.note_answered(peer_id, stage, rpc, batch_size)
+        busy = response.busy
+        self.contributions.busy(peer_id, stage, None if busy is None else (busy.busy_s, busy.clock_s))
 
     def failed_call(self, stage: int, peer_id: str, error: PeerCallError, started: float, done: float) -> list[Blame]:
         """A replica's failed call, settled; whom it blames: that replica, seen failing by this trainer."""
@@ -372,6 +377,7 @@ class StageWork:
         while True:
             sent = [(n, t) for n, t in self.tensors if not (skip_inputs and n in ("inputs", "tokens"))]
             encoded = caller._encode(peer_id, stage, self.batch_size, sent)
+            called = time.perf_counter()
             try:
                 result = await caller.client.exchange(
                     peer_id,
@@ -386,6 +392,7 @@ class StageWork:
                     evaluate=self.evaluate,
                     max_answer_bytes=answer_bytes_limit(self.numel_out),
                 )
+                caller.phases.add("call", time.perf_counter() - called)
                 break
             except PeerCallError as e:
                 # A cache miss (or an older peer refusing a request without inputs) is no

@@ -83,6 +83,8 @@ def test_the_report_carries_contributions_and_status_reads_them_back(tmp_path):
     ledger.answered("QmLiar00000000000000LIAR", 0, "backward", 2)
     ledger.verified(0, ["QmLiar00000000000000LIAR", "QmHonest0000000000000001"], agreed=False)
     ledger.banned("QmLiar00000000000000LIAR", 0, "stage 0: its forward answer differed")
+    ledger.busy("QmHonest0000000000000001", 0, (10.0, 100.0))  # its compute clock in two answers:
+    ledger.busy("QmHonest0000000000000001", 0, (19.2, 110.0))  # 9.2 s busy of 10 s
     report = TrainingReport(model="tiny", num_stages=2, contributions=ledger.snapshot())
     report.banned_peers = {"QmLiar00000000000000LIAR": "stage 0: its forward answer differed"}
     path = tmp_path / "report.json"
@@ -93,9 +95,10 @@ def test_the_report_carries_contributions_and_status_reads_them_back(tmp_path):
     assert read["QmLiar00000000000000LIAR"].mismatches == 1 and read["QmHonest0000000000000001"].samples_served == 8
     lines = format_contributions(read).splitlines()
     assert lines[0] == "contributions to the trainer (its report): 2 peers"
-    assert lines[1].split() == ["stage", "peer", "samples", "answered", "failed", "verified", "mismatch", "banned"]
-    assert lines[2].split() == ["0", "…000000000001", "8", "1", "0", "1", "1", "-"]  # most samples first
-    assert lines[3].split()[:7] == ["0", "…00000000LIAR", "2", "1", "0", "1", "1"]
+    header = ["stage", "peer", "samples", "answered", "failed", "verified", "mismatch", "busy", "banned"]
+    assert lines[1].split() == header
+    assert lines[2].split() == ["0", "…000000000001", "8", "1", "0", "1", "1", "92%", "-"]  # most samples first
+    assert lines[3].split()[:8] == ["0", "…00000000LIAR", "2", "1", "0", "1", "1", "-"]
     assert lines[3].endswith("stage 0: its forward answer differed")
 
 
@@ -116,3 +119,17 @@ def test_a_report_that_is_not_a_trainers_is_refused_with_what_is_wrong(tmp_path,
         read_reported_contributions(str(path))
     with pytest.raises(ReportError, match="cannot read"):
         read_reported_contributions(str(tmp_path / "missing.json"))
+
+
+def test_a_peers_utilization_is_its_busy_fraction_between_its_first_and_latest_answers():
+    ledger = ContributionLedger()
+    ledger.busy("QmA", 0, (1.0, 1.0))  # never answered: nothing kept
+    assert ledger.get("QmA") is None
+    ledger.answered("QmA", 0, "backward", 4)
+    ledger.busy("QmA", 0, (5.0, 50.0))
+    assert ledger.get("QmA").utilization is None  # one reading spans no time
+    ledger.busy("QmA", 0, (14.0, 60.0))
+    assert ledger.get("QmA").utilization == 0.9
+    ledger.busy("QmA", 0, (0.5, 2.0))  # its clock went back: restarted, measured afresh from here
+    ledger.busy("QmA", 0, (1.0, 3.0))
+    assert ledger.get("QmA").utilization == 0.5

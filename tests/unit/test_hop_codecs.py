@@ -83,3 +83,14 @@ def test_a_chained_answer_says_how_each_failed_over_hop_failed():
     for bad in ({"peer": "a", "stage": 1, "kind": "exploded"}, {"peer": "a", "stage": -1, "kind": "timeout"}, "a"):
         with pytest.raises(ProtocolError):
             decode_header(ChainResponse, msgpack.packb({**raw, "failed_over": [bad]}))
+
+
+def test_a_peer_computing_in_16_bits_sends_in_16_bits_where_no_compression_is_asked():
+    from peers.serving.hop_codecs import own_precision
+
+    assert own_precision("none", {}, "bf16") == ("fp16", {})
+    assert own_precision("none", {}, "fp16") == ("fp16", {})
+    assert own_precision("none", {}, "fp32") == ("none", {})  # the equality with one process holds
+    assert own_precision("none", {}, "") == ("none", {})
+    assert own_precision("int8", {}, "bf16") == ("int8", {})  # a codec asked for is kept
+    assert own_precision("topk", {"fraction": 0.1}, "bf16") == ("topk", {"fraction": 0.1})

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from peers.compute.utilization import ComputeClock
 from peers.metrics import PeerMetrics
 from swarm.trainer.metrics import TrainerMetrics
 from wire.compression import ByteCounter
@@ -24,7 +25,9 @@ def exported_series_names() -> set[str]:
     """Every series name the peer and the trainer can expose, by metric type."""
     peer, trainer = PeerMetrics(), TrainerMetrics()
     peer.watch(in_flight=lambda: 0, throughput=lambda: 0.0, runtime_counts=lambda: (0, 0, 0, 0, 0))
+    peer.watch_compute(ComputeClock(), dict)
     peer.count_bytes(ByteCounter().snapshot)
+    trainer.watch_phases(dict)
     trainer.count_bytes(ByteCounter().snapshot)
     names = set()
     for registry in (peer.registry, trainer.registry):
@@ -116,6 +119,8 @@ def test_the_dashboard_shows_what_the_issue_asks_for():
         "swarm_trainer_peer_mismatches",
         "swarm_trainer_peer_banned",
         "swarm_trainer_calls_verified_total",
+        "swarm_peer_compute_busy_seconds_total",  # compute utilisation (issue #55)
+        "swarm_peer_phase_seconds_total",
     ]:
         assert metric in named, metric
 

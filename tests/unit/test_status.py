@@ -1,4 +1,5 @@
-"""`swarm status`'s table: one line per peer with its state, throughput, load, version and metrics address."""
+"""`swarm status`'s table: one line per peer with its state, throughput, load, compute utilisation,
+version and metrics address."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dht.records import PeerRecord, PeerState
 from swarm.status import format_table
 
 
-def record(peer: str, stage: int, state=PeerState.ONLINE, metrics_addr=None) -> PeerRecord:
+def record(peer: str, stage: int, state=PeerState.ONLINE, metrics_addr=None, utilization=0.0) -> PeerRecord:
     return PeerRecord(
         peer_id=peer,
         model="tiny",
@@ -18,6 +19,7 @@ def record(peer: str, stage: int, state=PeerState.ONLINE, metrics_addr=None) -> 
         version="0.1.0",
         expires_at=1e12,
         metrics_addr=metrics_addr,
+        utilization=utilization,
     )
 
 
@@ -26,7 +28,7 @@ def test_the_table_lists_peers_per_stage_with_their_metrics_address():
         "tiny",
         {
             0: [
-                record("QmAAAAAAAAAAAAAAAAA0", 0, metrics_addr="127.0.0.1:9100"),
+                record("QmAAAAAAAAAAAAAAAAA0", 0, metrics_addr="127.0.0.1:9100", utilization=0.934),
                 record("QmBBBBBBBBBBBBBBBBB1", 0, state=PeerState.OFFLINE),
             ],
             1: [],
@@ -34,8 +36,20 @@ def test_the_table_lists_peers_per_stage_with_their_metrics_address():
     )
     lines = text.splitlines()
     assert lines[0] == "model tiny: 2 stages"
-    assert lines[1].split() == ["stage", "peer", "state", "samples/s", "load", "steps", "rounds", "version", "metrics"]
-    assert lines[2].split() == ["0", "…AAAAAAAAAAA0", "online", "120.0", "3", "0", "-", "0.1.0", "127.0.0.1:9100"]
+    header = ["stage", "peer", "state", "samples/s", "load", "busy", "steps", "rounds", "version", "metrics"]
+    assert lines[1].split() == header
+    assert lines[2].split() == [
+        "0",
+        "…AAAAAAAAAAA0",
+        "online",
+        "120.0",
+        "3",
+        "93%",
+        "0",
+        "-",
+        "0.1.0",
+        "127.0.0.1:9100",
+    ]
     assert lines[3].split()[-1] == "-" and "offline" in lines[3]
     assert "stage 0: 1 online, 120.0 samples/s" in lines[4]
     assert lines[5].split() == ["1", "(no", "peers)"]
@@ -64,7 +78,7 @@ def test_a_replica_whose_averaging_rounds_often_fail_is_named_with_its_counts():
 
     stages = {0: [replica("QmGOOD0", 40, 2), replica("QmFLAKY", 30, 6), replica("QmGONE0", 1, 9, PeerState.OFFLINE)]}
     lines = format_table("tiny", stages).splitlines()
-    assert lines[3].split()[5:7] == ["30", "30/6"]  # steps, rounds completed/failed
+    assert lines[3].split()[6:8] == ["30", "30/6"]  # steps, rounds completed/failed
     warnings = [line for line in lines if line.startswith("warning")]
     assert len(warnings) == 1 and "QmFLAKY" in warnings[0] and "6 of 36 averaging rounds failed" in warnings[0]
 

@@ -61,7 +61,9 @@ def test_a_request_round_trips_through_write_request_and_read_request():
     inputs, targets = torch.randn(3, 256, 1024), torch.randint(0, 9, (3, 256))  # 3 MiB of inputs: several parts
     encoded = [("inputs", encode_tensor(inputs, "fp16")), ("targets", encode_tensor(targets))]
     messages = asyncio.run(_collect(write_request(a_request(response_codec="int8"), encoded)))
-    assert len(messages) > 2 and messages[0].uid == "backward" and all(not m.metadata for m in messages[1:])
+    # the inputs' 1.5 MiB cross as two parts; the small targets ride with the second: two messages
+    assert len(messages) == 2 and messages[0].uid == "backward" and all(not m.metadata for m in messages[1:])
+    assert [len(m.tensors) for m in messages] == [1, 2]
 
     counter = ByteCounter()
     request = asyncio.run(read_request(_stream(messages), RequestHeader, max_bytes=16 << 20))
@@ -226,3 +228,23 @@ def test_a_malformed_tensor_list_is_a_protocol_error(tensors):
     raw = {**a_request().model_dump(mode="json"), "tensors": tensors}
     with pytest.raises(ProtocolError):
         decode_header(RequestHeader, msgpack.packb(raw, use_bin_type=True))
+
+
+def test_small_tensors_travel_with_their_header_in_one_message():
+    """A tiny model's request (its token ids and targets) is one message, not one per part; parts
+    ride together up to PACKED_BYTES, and a part that large goes alone."""
+    from wire.messages import PACKED_BYTES, packed
+
+    tokens, targets = torch.randint(0, 9, (4, 32)), torch.randint(0, 9, (4, 32))
+    encoded = [("inputs", encode_tensor(tokens)), ("targets", encode_tensor(targets))]
+    messages = asyncio.run(_collect(write_request(a_request(), encoded)))
+    assert len(messages) == 1 and len(messages[0].tensors) == 2
+    request = asyncio.run(read_request(_stream(messages), RequestHeader))
+    assert torch.equal(request.decoded()["inputs"], tokens) and torch.equal(request.decoded()["targets"], targets)
+
+    class Part:
+        def __init__(self, n):
+            self.buffer = b"x" * n
+
+    sizes = [[len(p.buffer) for p in group] for group in packed([Part(n) for n in (10, PACKED_BYTES, 5, 6)])]
+    assert sizes == [[10], [PACKED_BYTES], [5, 6]] and packed([]) == [[]]
