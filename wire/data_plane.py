@@ -388,7 +388,9 @@ class DataPlaneServer:
     calls to the handlers registered here (the same guarded handlers it registers on p2pd).
 
     max_connections: open connections in all; max_per_caller: one caller's, once it said who it is;
-    hello_timeout_s: how long a connection may take to say who it is (the TLS handshake included).
+    hello_timeout_s: how long a connection may take to say who it is (the TLS handshake included);
+    announce_port: the port callers are told to dial, when a port map forwards it to the one listened
+    on (0: the one listened on).
     """
 
     def __init__(
@@ -401,8 +403,9 @@ class DataPlaneServer:
         max_per_caller: int = 64,
         hello_timeout_s: float = 10.0,
         tokens: Tokens | None = None,
+        announce_port: int = 0,
     ):
-        self.local_id, self.limits = local_id, limits
+        self.local_id, self.limits, self.announce_port = local_id, limits, announce_port
         self.stats = stats or TransportStats()
         self.max_connections, self.max_per_caller, self.hello_timeout_s = (
             max_connections,
@@ -446,7 +449,9 @@ class DataPlaneServer:
         if not self._servers:
             return DataPlaneOffer(error="this peer's data plane is not listening")
         token, ttl_s = self.tokens.issue(caller)
-        return DataPlaneOffer(port=self.port, fingerprint=self.fingerprint, token=token, expires_in_s=ttl_s)
+        return DataPlaneOffer(
+            port=self.announce_port or self.port, fingerprint=self.fingerprint, token=token, expires_in_s=ttl_s
+        )
 
     async def stop(self) -> None:
         for server in self._servers:
@@ -600,8 +605,11 @@ async def serve_offers(p2p: P2P, server: DataPlaneServer) -> None:
 class DataPlaneClient:
     """This process's connections to peers' data planes: one offer per peer (over p2pd, refreshed
     before its token expires), the connections kept between calls, and the peers it could not reach
-    lately (tried again after `retry_after_s`).
+    lately (tried again after `retry_after_s`, doubled on each failure in a row up to `max_retry_after_s`).
 
+    A call waits for a new connection to a peer reached before, but at most `first_wait_s` for the
+    first one to a peer not reached yet (a port that drops packets must not hold the call up: the
+    call goes through p2pd, and the connection, once made, is kept for the next).
     connect_timeout_s: for the TLS connection and the peer's welcome, per host tried;
     offer_timeout_s: for the offer over p2pd; credential: this process's run credential, shown
     with the request for an offer (a private run's peer offers only to its credential holders).
@@ -615,51 +623,90 @@ class DataPlaneClient:
         stats: TransportStats | None = None,
         max_payload_bytes: int | None = None,
         connect_timeout_s: float = 5.0,
+        first_wait_s: float = 1.0,
         offer_timeout_s: float = 10.0,
         retry_after_s: float = 60.0,
+        max_retry_after_s: float = 1800.0,
         max_idle_per_peer: int = 16,
         max_idle_s: float = 10.0,
     ):
         self.p2p, self.credential = p2p, credential
         self.stats = stats or TransportStats()
         self.max_payload_bytes = max_payload_bytes or StreamLimits().max_message_bytes
-        self.connect_timeout_s, self.offer_timeout_s, self.retry_after_s = (
+        self.connect_timeout_s, self.first_wait_s, self.offer_timeout_s = (
             connect_timeout_s,
+            first_wait_s,
             offer_timeout_s,
-            retry_after_s,
         )
+        self.retry_after_s, self.max_retry_after_s = retry_after_s, max_retry_after_s
         self.max_idle_per_peer, self.max_idle_s = max_idle_per_peer, max_idle_s
         self._ssl = client_context()
         self._offers: dict[str, tuple[DataPlaneOffer, float]] = {}  # peer: (offer, refresh after, monotonic)
-        self._unreachable: dict[str, float] = {}  # peer: until (monotonic)
+        self._unreachable: dict[str, tuple[float, int]] = {}  # peer: (until, monotonic; failures in a row)
+        self._reached: set[str] = set()  # peers connected to before, and not unreachable since
         self._idle: dict[str, list[tuple[float, Connection]]] = {}
         self._offering: dict[str, asyncio.Future] = {}
+        self._opening: set[asyncio.Task] = set()
 
     async def connection(self, peer_id: str) -> Connection | None:
         """An open connection to `peer_id`'s data plane (kept from an earlier call, or new), or None
-        when it cannot be reached now: no offer, or no host took the connection (nothing was sent)."""
+        when it cannot be reached now: no offer, no host took the connection, or the first one is
+        taking longer than `first_wait_s` (nothing was sent)."""
         kept = self._take(peer_id)
         if kept is not None:
             return kept
-        if self._unreachable.get(peer_id, 0.0) > time.monotonic():
+        if self._unreachable.get(peer_id, (0.0, 0))[0] > time.monotonic():
             return None
+        opening = asyncio.ensure_future(self._open(peer_id))
+        if peer_id in self._reached:
+            return await opening
+        done, _ = await asyncio.wait([opening], timeout=self.first_wait_s)
+        if done:
+            return opening.result()
+        self._opening.add(opening)  # kept once it is made
+        opening.add_done_callback(self._opened)
+        return None
+
+    async def reach(self, peer_id: str) -> bool:
+        """Connect to `peer_id`'s data plane now, however long that takes (within the timeouts), and
+        keep the connection for the next call; whether it could."""
+        connection = await self.connection(peer_id) if self._idle.get(peer_id) else await self._open(peer_id)
+        if connection is None:
+            return False
+        self.keep(connection)
+        return True
+
+    def _opened(self, task: asyncio.Task) -> None:
+        """A first connection made in the background, after its call went through p2pd: kept."""
+        if task in self._opening:
+            self._opening.discard(task)
+            if not task.cancelled() and task.exception() is None and task.result() is not None:
+                self.keep(task.result())
+
+    async def _open(self, peer_id: str) -> Connection | None:
         for fresh in (False, True):  # a refused token or a changed certificate: once more with a new offer
             offer = await self._offer(peer_id, fresh)
             if offer is None:
                 break
             connection, retry = await self._connect(peer_id, offer)
             if connection is not None:
+                self._reached.add(peer_id)
+                self._unreachable.pop(peer_id, None)
                 return connection
             if not retry:
                 break
-        self._unreachable[peer_id] = time.monotonic() + self.retry_after_s
+        self._reached.discard(peer_id)
+        self._offers.pop(peer_id, None)  # the next try asks again: the peer may have moved or fixed its port map
+        failures = self._unreachable.get(peer_id, (0.0, 0))[1] + 1
+        wait_s = min(self.retry_after_s * 2 ** (failures - 1), self.max_retry_after_s)
+        self._unreachable[peer_id] = (time.monotonic() + wait_s, failures)
         return None
 
     def reachable(self, peer_id: str) -> bool | None:
         """True: a connection to `peer_id` is kept; False: lately unreachable; None: not tried yet."""
         if self._idle.get(peer_id):
             return True
-        return False if self._unreachable.get(peer_id, 0.0) > time.monotonic() else None
+        return False if self._unreachable.get(peer_id, (0.0, 0))[0] > time.monotonic() else None
 
     def call(
         self, connection: Connection, name: str, requests: AsyncIterator, response_type: type, limits: StreamLimits
@@ -708,6 +755,9 @@ class DataPlaneClient:
         return answers()
 
     def close(self) -> None:
+        for task in list(self._opening):
+            task.cancel()
+        self._opening.clear()
         for connections in self._idle.values():
             for _, connection in connections:
                 connection.close()
@@ -725,6 +775,7 @@ class DataPlaneClient:
         return None
 
     def keep(self, connection: Connection) -> None:
+        """Keep an open connection for the next call to its peer (the oldest idle ones go first)."""
         if not connection.is_open:
             connection.abort()
             return

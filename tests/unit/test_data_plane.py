@@ -33,13 +33,14 @@ class ControlPlane:
     CALLER_ID, as its RPC_DATA_PLANE handler would over p2pd) and where p2pd's connections go."""
 
     def __init__(self, server: DataPlaneServer, *, offer: DataPlaneOffer | None = None, host: str = "127.0.0.1"):
-        self.server, self.fixed_offer, self.host, self.offers = server, offer, host, 0
+        self.server, self.fixed_offer, self.host, self.offers, self.lookups = server, offer, host, 0, 0
 
     async def call_protobuf_handler(self, peer_id, name, request, response_type):
         self.offers += 1
         return unary_response(self.fixed_offer or self.server.offer(CALLER_ID.to_base58()))
 
     async def list_peers(self):
+        self.lookups += 1  # once per attempt to connect
         return [PeerInfo(SERVER_ID, [f"/ip4/{self.host}/tcp/4001", "/ip4/10.0.0.1/tcp/1/p2p/Qm/p2p-circuit"])]
 
 
@@ -191,6 +192,32 @@ def test_a_certificate_that_is_not_the_one_offered_gets_nothing_sent():
             assert client.reachable(SERVER_ID.to_base58()) is False
             assert await client.connection(SERVER_ID.to_base58()) is None and control.offers == 2
             assert server.stats.snapshot()["calls"] == {}
+        finally:
+            await server.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_port_that_refuses_sends_calls_to_p2pd_and_is_tried_again_later_and_later():
+    async def scenario():
+        server = await started()
+        offer = server.offer(CALLER_ID.to_base58()).model_copy(update={"port": 1})  # nothing listens there
+        control = ControlPlane(server, offer=offer)
+        client = DataPlaneClient(control, connect_timeout_s=2.0, retry_after_s=0.3)
+        peer = SERVER_ID.to_base58()
+        try:
+            started_at = time.monotonic()
+            assert await client.connection(peer) is None and time.monotonic() - started_at < 1.0
+            assert client.reachable(peer) is False and await client.connection(peer) is None
+            await asyncio.sleep(0.35)
+            assert control.lookups == 1 and control.offers == 1
+            assert await client.connection(peer) is None and control.lookups == 2  # tried again, refused again
+            assert control.offers == 2  # with a fresh offer
+            await asyncio.sleep(0.35)  # ...and now not before 0.6 s
+            assert await client.connection(peer) is None and control.lookups == 2
+            await asyncio.sleep(0.3)
+            control.fixed_offer = None  # the peer fixed its port map
+            assert await client.connection(peer) is not None
         finally:
             await server.stop()
 
