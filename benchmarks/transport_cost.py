@@ -290,8 +290,9 @@ class DataPlaneCaller(P2PCaller):
         from wire.data_plane import DataPlaneClient
         from wire.transport import Transport
 
-        self.transport = Transport(self.p2p, DataPlaneClient(self.p2p))
-        if not await self.transport.direct(self.address["peer_id"]):
+        client = DataPlaneClient(self.p2p)
+        self.transport = Transport(self.p2p, client)
+        if not await client.reach(self.address["peer_id"]):
             raise RuntimeError("the data plane did not connect")
 
     async def call(self, payload: memoryview, answer_bytes: int) -> int:
