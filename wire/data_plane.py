@@ -83,6 +83,7 @@ TRANSPORTS = ("direct", "p2pd")  # "direct": the data plane
 SCRATCH_BYTES = 32 << 10  # prefixes, headers and small payloads; grown for a larger header
 MAX_QUEUED_BYTES = 8 << 20  # frames read and not yet taken: past this, reading pauses
 WRITE_HIGH_BYTES, WRITE_LOW_BYTES = 4 << 20, 1 << 20
+JOIN_BYTES = 64 << 10  # buffers smaller than this are joined before they are written (one TLS record)
 
 
 class DataPlaneRefusedError(ConnectionError):
@@ -177,8 +178,10 @@ class Tokens:
 
 
 class TransportStats:
-    """Calls and payload bytes (metadata and tensor parts) per transport ("direct", "p2pd"): calls
-    `made` and `served`, bytes `sent` and `received`. Counted on the event loop, read from any thread."""
+    """Calls and bytes per transport ("direct", "p2pd"): calls `made` and `served`, and the bytes
+    `sent` and `received` as each transport frames them (a message's protobuf for p2pd; every frame
+    on the data plane's connections, hellos included, TLS's own bytes not). Counted on the event
+    loop, read from any thread."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -194,16 +197,13 @@ class TransportStats:
             self._bytes[transport, direction] += nbytes
 
     def message(self, transport: str, direction: str, message: Any) -> None:
-        self.add_bytes(transport, direction, message_bytes(message))
+        """A protobuf message as p2pd carries it (its serialized size; no buffer is copied to count it)."""
+        self.add_bytes(transport, direction, message.ByteSize())
 
     def snapshot(self) -> dict:
         """{"calls": {(transport, side): n}, "bytes": {(transport, direction): n}}"""
         with self._lock:
             return {"calls": dict(self._calls), "bytes": dict(self._bytes)}
-
-
-def message_bytes(message: Any) -> int:
-    return len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
 
 
 # --- one connection ----------------------------------------------------------------------------------
@@ -217,8 +217,13 @@ class Connection(asyncio.BufferedProtocol):
     more than MAX_QUEUED_BYTES wait. A framing error or the connection's loss is raised by the
     `read` after the frames that arrived before it."""
 
-    def __init__(self, max_payload_bytes: int, on_made: Callable[[Connection], None] | None = None):
-        self.max_payload_bytes, self._on_made = max_payload_bytes, on_made
+    def __init__(
+        self,
+        max_payload_bytes: int,
+        stats: TransportStats,
+        on_made: Callable[[Connection], None] | None = None,
+    ):
+        self.max_payload_bytes, self.stats, self._on_made = max_payload_bytes, stats, on_made
         self.transport: asyncio.Transport | None = None
         self.peer: str | None = None  # the caller's peer id (server side), or the peer called (client side)
         self._scratch = bytearray(SCRATCH_BYTES)
@@ -231,6 +236,8 @@ class Connection(asyncio.BufferedProtocol):
         self._failure: Exception | None = None
         self._waiter: asyncio.Future | None = None
         self._write_paused, self._drained = False, None
+        self._corked: list = []  # buffers written in this turn of the event loop, not yet handed on
+        self._corked_bytes = 0
         self._reading_paused = False
         self.closed = False
 
@@ -247,6 +254,7 @@ class Connection(asyncio.BufferedProtocol):
         return memoryview(self._scratch)[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.stats.add_bytes("direct", "received", nbytes)
         try:
             if self._payload is not None:
                 self._payload_at += nbytes
@@ -349,11 +357,40 @@ class Connection(asyncio.BufferedProtocol):
         return item
 
     def write(self, buffers: Sequence) -> None:
+        """Queue `buffers`; what is queued in one turn of the event loop goes out in one write (a
+        call's frames in one TLS record and one system call, not one per frame)."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the data plane connection is closed")
-        self.transport.writelines(buffers)
+        if not self._corked:
+            self._corked = []
+            asyncio.get_running_loop().call_soon(self._flush)
+        nbytes = sum(len(buffer) for buffer in buffers)
+        self._corked.extend(buffers)
+        self._corked_bytes += nbytes
+        self.stats.add_bytes("direct", "sent", nbytes)
+        if self._corked_bytes >= WRITE_LOW_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        corked, self._corked, self._corked_bytes = self._corked, [], 0
+        if not corked or self.closed or self.transport is None or self.transport.is_closing():
+            return
+        joined, small = [], []
+        for buffer in corked:
+            if len(buffer) < JOIN_BYTES:
+                small.append(buffer)
+                continue
+            if small:
+                joined.append(b"".join(small))
+                small = []
+            joined.append(buffer)
+        if small:
+            joined.append(b"".join(small))
+        self.transport.writelines(joined)
 
     async def drain(self) -> None:
+        if self._corked_bytes >= WRITE_LOW_BYTES:
+            self._flush()
         while self._write_paused and not self.closed:
             self._drained = asyncio.get_running_loop().create_future()
             await self._drained
@@ -361,7 +398,9 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionResetError("the data plane connection closed")
 
     def close(self) -> None:
+        """Close once what was written is sent."""
         if self.transport is not None and not self.closed:
+            self._flush()
             self.transport.close()
 
     def abort(self) -> None:
@@ -433,7 +472,7 @@ class DataPlaneServer:
         loop = asyncio.get_running_loop()
         for host in hosts:
             server = await loop.create_server(
-                lambda: Connection(self.limits.max_message_bytes, self._accepted),
+                lambda: Connection(self.limits.max_message_bytes, self.stats, self._accepted),
                 host,
                 port or self.port,
                 ssl=self._ssl,
@@ -534,9 +573,7 @@ class DataPlaneServer:
                         return
                     if kind != MESSAGE:
                         raise ProtocolError(f"a request carries a frame of kind {kind}")
-                    message = to_message(header, payload, request_type)
-                    stats.message("direct", "received", message)
-                    yield message
+                    yield to_message(header, payload, request_type)
             except ProtocolError:
                 broke_limits.append(True)
                 raise
@@ -555,7 +592,6 @@ class DataPlaneServer:
             if not isinstance(answers, AsyncIterator):
                 answers = _single(answers)
             async for answer in answers:
-                stats.message("direct", "sent", answer)
                 connection.write(message_frame(answer))
                 await connection.drain()
             connection.write([END_FRAME])
@@ -721,7 +757,6 @@ class DataPlaneClient:
         async def send() -> None:
             connection.write([call_frame(name)])
             async for request in requests:
-                stats.message("direct", "sent", request)
                 connection.write(message_frame(request))
                 await connection.drain()
             connection.write([END_FRAME])
@@ -739,9 +774,7 @@ class DataPlaneClient:
                         raise P2PHandlerError(header.error or "the handler failed")
                     if kind != MESSAGE:
                         raise ProtocolError(f"an answer carries a frame of kind {kind}")
-                    message = to_message(header, payload, response_type)
-                    stats.message("direct", "received", message)
-                    yield message
+                    yield to_message(header, payload, response_type)
                 with suppress(ConnectionError, OSError):  # the whole answer is here
                     await sending
                 clean = sending.done() and not sending.cancelled() and sending.exception() is None
@@ -833,7 +866,7 @@ class DataPlaneClient:
         whether a fresh offer may do better (the token refused, or another certificate)."""
         loop, retry = asyncio.get_running_loop(), False
         for host in await self._hosts(peer_id):
-            connection = Connection(self.max_payload_bytes)
+            connection = Connection(self.max_payload_bytes, self.stats)
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     transport, _ = await loop.create_connection(

@@ -92,7 +92,7 @@ def run(scenario):
     async def main():
         server = await started()
         control = ControlPlane(server)
-        client = DataPlaneClient(control, connect_timeout_s=2.0)
+        client = DataPlaneClient(control, connect_timeout_s=2.0, first_wait_s=10.0)
         client.control = control
         try:
             await scenario(server, client)
@@ -113,7 +113,7 @@ def test_a_call_arrives_whole_as_the_token_holder_and_its_connection_carries_the
         assert server.open_connections == 1 and client.control.offers == 1  # one connection, one offer
         stats = server.stats.snapshot()
         assert stats["calls"][("direct", "served")] == 2
-        assert stats["bytes"][("direct", "received")] == 2 * (3 << 20) + 3
+        assert 2 * (3 << 20) < stats["bytes"][("direct", "received")] < 2 * (3 << 20) + 1024  # with the framing
 
     run(scenario)
 
@@ -185,7 +185,7 @@ def test_a_certificate_that_is_not_the_one_offered_gets_nothing_sent():
         server = await started()
         offer = server.offer(CALLER_ID.to_base58()).model_copy(update={"fingerprint": "0" * 64})
         control = ControlPlane(server, offer=offer)
-        client = DataPlaneClient(control, connect_timeout_s=2.0)
+        client = DataPlaneClient(control, connect_timeout_s=2.0, first_wait_s=10.0)
         try:
             assert await client.connection(SERVER_ID.to_base58()) is None
             assert control.offers == 2  # a fresh offer once, then p2pd until later
@@ -203,11 +203,10 @@ def test_a_port_that_refuses_sends_calls_to_p2pd_and_is_tried_again_later_and_la
         server = await started()
         offer = server.offer(CALLER_ID.to_base58()).model_copy(update={"port": 1})  # nothing listens there
         control = ControlPlane(server, offer=offer)
-        client = DataPlaneClient(control, connect_timeout_s=2.0, retry_after_s=0.3)
+        client = DataPlaneClient(control, connect_timeout_s=2.0, retry_after_s=0.3, first_wait_s=10.0)
         peer = SERVER_ID.to_base58()
         try:
-            started_at = time.monotonic()
-            assert await client.connection(peer) is None and time.monotonic() - started_at < 1.0
+            assert await client.connection(peer) is None
             assert client.reachable(peer) is False and await client.connection(peer) is None
             await asyncio.sleep(0.35)
             assert control.lookups == 1 and control.offers == 1
@@ -228,7 +227,7 @@ def test_an_unknown_token_is_refused_and_a_silent_connection_closed():
     async def scenario():
         server = await started(hello_timeout_s=1.0)
         offer = server.offer(CALLER_ID.to_base58()).model_copy(update={"token": "not-a-token-issued-here"})
-        client = DataPlaneClient(ControlPlane(server, offer=offer), connect_timeout_s=2.0)
+        client = DataPlaneClient(ControlPlane(server, offer=offer), connect_timeout_s=2.0, first_wait_s=10.0)
         try:
             assert await client.connection(SERVER_ID.to_base58()) is None
             assert server.refused == 2
@@ -251,7 +250,7 @@ def test_an_unknown_token_is_refused_and_a_silent_connection_closed():
 def test_a_caller_past_its_connection_cap_is_refused():
     async def scenario():
         server = await started(max_per_caller=2)
-        client = DataPlaneClient(ControlPlane(server), connect_timeout_s=2.0)
+        client = DataPlaneClient(ControlPlane(server), connect_timeout_s=2.0, first_wait_s=10.0)
         try:
             held = [await client.connection(SERVER_ID.to_base58()) for _ in range(2)]
             assert all(held)
