@@ -443,10 +443,17 @@ class DataPlaneSettings:
         0,
         help="TCP port of the data plane on the hosts of --host-maddrs (0 = any free port; behind a port map, map it too)",
     )
+    data_plane_announce_port: int = option(
+        0, help="the port callers dial, when a port map forwards it to --data-plane-port (0 = that port)"
+    )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.data_plane_port <= 65535:
-            raise ConfigError(f"--data-plane-port must be a TCP port (0-65535), not {self.data_plane_port}")
+        for flag, port in (
+            ("--data-plane-port", self.data_plane_port),
+            ("--data-plane-announce-port", self.data_plane_announce_port),
+        ):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{flag} must be a TCP port (0-65535), not {port}")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -317,7 +317,10 @@ class PeerHost:
         cannot listen there: callers then stay on p2pd."""
         hosts = list(dict.fromkeys(h for h in map(direct_host, self.config.network.host_maddrs) if h is not None))
         server = DataPlaneServer(
-            local_id=p2p.peer_id, limits=self.guard.stream_limits or StreamLimits(), stats=self.transport_stats
+            local_id=p2p.peer_id,
+            limits=self.guard.stream_limits or StreamLimits(),
+            stats=self.transport_stats,
+            announce_port=self.config.transport.data_plane_announce_port,
         )
         self.guard.register_data_plane(server, rpcs, runtime_pb2.ExpertRequest)
         try:

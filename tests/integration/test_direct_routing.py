@@ -173,9 +173,9 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
     }
     if transport == "p2pd":
         assert pieces >= steps * 4 and served["direct"] == 0, (pieces, served)
-    else:  # every hop to stage 2 but the first of each stage-1 replica (made while it connects) went direct
-        assert pieces == 0 and served["direct"] >= steps * 4 - 2, (pieces, served)
-        assert report["transports"]["direct"]["calls"] >= steps * 4 - 1, report["transports"]
+    else:  # every hop to stage 2 went direct, but maybe the first of each stage-1 replica (made while it connects)
+        assert pieces == 0 and served["p2pd"] <= 2 and sum(served.values()) >= steps * 4, (pieces, served)
+        assert report["transports"].get("p2pd", {}).get("calls", 0) <= 4, report["transports"]
     victim.signal(signal.SIGKILL)  # a hung one would wait out the polite stop
     stop_together([first, other, last])
 
