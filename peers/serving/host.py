@@ -146,6 +146,7 @@ class PeerHost:
         self.credential = credential
         self.transport_stats = TransportStats()  # calls and bytes per transport, served and made
         self.offers = DataPlaneOffers(self.guard)  # its server starts with the RPCs (register_rpcs)
+        self.data_plane_at = ""  # where it listens
         self.chains = ChainService(  # direct routing: stage to stage
             self.stage_rpc,
             credential=credential,
@@ -330,7 +331,7 @@ class PeerHost:
         except OSError as e:
             print(f"data plane off: cannot listen ({e}); calls stay on p2pd", flush=True)
             return None
-        print(f"data plane listening on {', '.join(hosts)} port {port}", flush=True)
+        self.data_plane_at = f"{', '.join(hosts)} port {port}"
         return server
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -375,7 +376,8 @@ class PeerHost:
         )
         print(
             f"peer {self.peer_id} online: {config.model} stage {serving.runtime.stage}/{serving.runtime.num_stages} "
-            f"({serving.runtime.throughput.value:.1f} samples/s measured)",
+            f"({serving.runtime.throughput.value:.1f} samples/s measured)"
+            + (f", data plane on {self.data_plane_at}" if self.offers.server is not None else ""),
             flush=True,
         )
         try:

@@ -41,7 +41,7 @@ def peer_id_of(peer) -> str:
 
 
 def data_plane_port(peer) -> int:
-    return int(re.search(r"data plane listening on \S+ port (\d+)", peer.log()).group(1))
+    return int(re.search(r"data plane on \S+ port (\d+)", peer.log()).group(1))
 
 
 def served(peer, transport: str) -> float:
