@@ -388,12 +388,18 @@ class Connection(asyncio.BufferedProtocol):
             joined.append(b"".join(small))
         self.transport.writelines(joined)
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until what was written fits the write buffer again; StreamDeadlineError when the other
+        side has not taken it within `timeout_s` (it stopped reading)."""
         if self._corked_bytes >= WRITE_LOW_BYTES:
             self._flush()
         while self._write_paused and not self.closed:
             self._drained = asyncio.get_running_loop().create_future()
-            await self._drained
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._drained
+            except TimeoutError:
+                raise StreamDeadlineError(f"the other side took nothing for {timeout_s:.0f} s") from None
         if self.closed:
             raise ConnectionResetError("the data plane connection closed")
 
@@ -593,9 +599,9 @@ class DataPlaneServer:
                 answers = _single(answers)
             async for answer in answers:
                 connection.write(message_frame(answer))
-                await connection.drain()
+                await connection.drain(limits.read_timeout_s)
             connection.write([END_FRAME])
-            await connection.drain()
+            await connection.drain(limits.read_timeout_s)
             if broke_limits:
                 return False
             return ends == [True] or await self._skip_to_end(connection)
@@ -605,7 +611,7 @@ class DataPlaneServer:
             logger.debug(f"{rpc} (data plane): {type(e).__name__}: {e}")
             with suppress(Exception):
                 connection.write([error_frame(ERROR, str(e)[:1000])])
-                await connection.drain()
+                await connection.drain(limits.read_timeout_s)
             if broke_limits or isinstance(e, ProtocolError):
                 return False
             return ends == [True] or await self._skip_to_end(connection)
@@ -758,9 +764,9 @@ class DataPlaneClient:
             connection.write([call_frame(name)])
             async for request in requests:
                 connection.write(message_frame(request))
-                await connection.drain()
+                await connection.drain(limits.read_timeout_s)
             connection.write([END_FRAME])
-            await connection.drain()
+            await connection.drain(limits.read_timeout_s)
 
         async def answers() -> AsyncIterator:
             sending = asyncio.ensure_future(send())
