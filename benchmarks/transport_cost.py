@@ -82,7 +82,7 @@ def _answer_header(answer_bytes: int) -> bytes:
 
 
 def _tls_contexts(workdir: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    from wire.data_plane import make_certificate
+    from wire.tls_connection import make_certificate
 
     cert_pem, key_pem, _ = make_certificate()
     cert, key = os.path.join(workdir, "cert.pem"), os.path.join(workdir, "key.pem")

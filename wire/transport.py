@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 from hivemind.p2p import P2P, PeerID
 
 from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded
-from wire.data_plane import DataPlaneClient, TransportStats
+from wire.data_plane import DataPlaneClient
+from wire.transport_stats import TransportStats
 
 
 class Transport:

@@ -65,7 +65,7 @@ from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
 from wire import compression
 from wire.bounded_streams import StreamLimits
-from wire.data_plane import DataPlaneClient, DataPlaneServer, TransportStats, direct_host
+from wire.data_plane import DataPlaneClient, DataPlaneServer, direct_host
 from wire.protocol import (
     RPC_BACKWARD,
     RPC_CHAIN_PIECE,
@@ -79,6 +79,7 @@ from wire.protocol import (
 )
 from wire.request_limits import InFlightBytes, PenaltyBox
 from wire.transport import Transport
+from wire.transport_stats import TransportStats
 
 
 class PeerHost:

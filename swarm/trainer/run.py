@@ -48,7 +48,7 @@ from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
 from swarm.trainer.stage_call import StageCaller
 from wire.compression.policy import CodecPolicy
-from wire.data_plane import TRANSPORTS
+from wire.transport_stats import TRANSPORTS
 
 
 class ResumeError(RuntimeError):

@@ -25,11 +25,12 @@ from tests.integration.polling import scrape
 from tests.integration.processes import stop_together
 from tests.integration.test_request_bounds import peak_rss_mib, topk_bomb_request
 from wire.bounded_streams import StreamLimits
-from wire.data_plane import DataPlaneClient, client_context
+from wire.data_plane import DataPlaneClient
 from wire.frames import END_FRAME, MESSAGE, PREFIX, REFUSED, call_frame, hello_frame
 from wire.messages import request_messages
 from wire.protocol import RPC_BACKWARD, RequestHeader
 from wire.tensors import encode_tensor
+from wire.tls_connection import client_context
 
 pytestmark = pytest.mark.slow
 

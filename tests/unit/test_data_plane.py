@@ -19,10 +19,11 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
 from hivemind.proto import runtime_pb2
 
 from wire.bounded_streams import StreamDeadlineError, StreamLimits
-from wire.data_plane import DataPlaneClient, DataPlaneServer, Tokens, client_context, direct_host
+from wire.data_plane import DataPlaneClient, DataPlaneServer, Tokens, direct_host
 from wire.frames import END_FRAME, REFUSED, call_frame, hello_frame
 from wire.messages import unary_response
 from wire.protocol import DataPlaneOffer
+from wire.tls_connection import client_context
 
 LIMITS = StreamLimits(read_timeout_s=3.0, idle_timeout_s=3.0)
 SERVER_ID, CALLER_ID = PeerID(b"\x12\x20" + os.urandom(32)), PeerID(b"\x12\x20" + os.urandom(32))
