@@ -29,7 +29,8 @@ from wire.protocol import ProtocolError
 from wire.transport_stats import TransportStats
 
 SCRATCH_BYTES = 32 << 10  # prefixes, headers and small payloads; grown for a larger header
-MAX_QUEUED_BYTES = 8 << 20  # frames read and not yet taken: past this, reading pauses
+MAX_QUEUED_BYTES = 256 << 10  # frames read and not yet taken: past this, reading pauses (so a
+# connection holds at most one frame of max_message_bytes beyond what its reader took)
 WRITE_HIGH_BYTES, WRITE_LOW_BYTES = 4 << 20, 1 << 20
 JOIN_BYTES = 64 << 10  # buffers smaller than this are joined before they are written (one TLS record)
 
@@ -225,7 +226,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._waiter = None
         kind, header, payload = item = self._frames.popleft()
         self._queued -= len(payload) + PREFIX.size
-        if self._reading_paused and self._queued < MAX_QUEUED_BYTES // 2 and not self.closed:
+        if self._reading_paused and self._queued <= MAX_QUEUED_BYTES and not self.closed:
             self._reading_paused = False
             self.transport.resume_reading()
         return item

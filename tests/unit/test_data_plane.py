@@ -23,7 +23,7 @@ from wire.data_plane import DataPlaneClient, DataPlaneServer, Tokens, direct_hos
 from wire.frames import END_FRAME, REFUSED, call_frame, hello_frame
 from wire.messages import unary_response
 from wire.protocol import DataPlaneOffer
-from wire.tls_connection import client_context
+from wire.tls_connection import MAX_QUEUED_BYTES, client_context
 
 LIMITS = StreamLimits(read_timeout_s=3.0, idle_timeout_s=3.0)
 SERVER_ID, CALLER_ID = PeerID(b"\x12\x20" + os.urandom(32)), PeerID(b"\x12\x20" + os.urandom(32))
@@ -56,6 +56,12 @@ async def echo(requests, context):
         yield runtime_pb2.ExpertResponse(metadata=message.metadata, tensors=message.tensors)
 
 
+async def never_reads(requests, context):
+    """Takes nothing of the request for a long while (a handler stuck behind its compute)."""
+    await asyncio.sleep(30)
+    yield runtime_pb2.ExpertResponse(metadata=b"late")
+
+
 async def refuse_early(requests, context):
     """Answers after the first message, as a refusal does, leaving the rest unread."""
     async for _ in requests:
@@ -76,6 +82,7 @@ async def started(**kwargs) -> DataPlaneServer:
     server = DataPlaneServer(local_id=SERVER_ID, limits=LIMITS, **kwargs)
     server.add_handler("echo", echo, runtime_pb2.ExpertRequest)
     server.add_handler("refuse", refuse_early, runtime_pb2.ExpertRequest)
+    server.add_handler("never_reads", never_reads, runtime_pb2.ExpertRequest)
     await server.start(["127.0.0.1"])
     return server
 
@@ -153,6 +160,18 @@ def test_a_handler_that_fails_answers_an_error_and_an_unknown_rpc_too():
             await call(client, "echo", b"fail")
         with pytest.raises(P2PHandlerError, match="serves no 'nothing'"):
             await call(client, "nothing", b"x")
+
+    run(scenario)
+
+
+def test_a_handler_that_takes_nothing_holds_one_frame_and_the_sender_meets_its_write_deadline():
+    async def scenario(server, client):
+        started_at = time.monotonic()
+        with pytest.raises(StreamDeadlineError):
+            await call(client, "never_reads", *[b"m"] * 40, part_bytes=3 << 20)  # 120 MiB
+        assert time.monotonic() - started_at < 2 * LIMITS.read_timeout_s + 2
+        (connection,) = server._connections
+        assert connection._queued <= MAX_QUEUED_BYTES + (3 << 20) + 1024  # reading paused: not 120 MiB
 
     run(scenario)
 
