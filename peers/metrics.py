@@ -72,7 +72,7 @@ class ByteCounterCollector(Collector):
 
 
 class TransportCollector(Collector):
-    """Exposes a `wire.data_plane.TransportStats` as `<prefix>_transport_calls_total{transport,side}`
+    """Exposes a `wire.transport_stats.TransportStats` as `<prefix>_transport_calls_total{transport,side,rpc}`
     (calls `made` and `served`, over `direct`: the data plane, or `p2pd`) and
     `<prefix>_transport_bytes_total{transport,direction}` (their metadata and tensor bytes)."""
 
@@ -83,15 +83,15 @@ class TransportCollector(Collector):
         calls = CounterMetricFamily(
             f"{self.prefix}_transport_calls",
             "Streamed calls by transport (direct: the data plane; p2pd), made and served",
-            labels=["transport", "side"],
+            labels=["transport", "side", "rpc"],
         )
         nbytes = CounterMetricFamily(
             f"{self.prefix}_transport_bytes",
             "Bytes of the streamed calls' messages (headers and tensor parts) by transport, sent and received",
             labels=["transport", "direction"],
         )
-        for (transport, side), count in sorted(snapshot.get("calls", {}).items()):
-            calls.add_metric([transport, side], count)
+        for (transport, side, rpc), count in sorted(snapshot.get("calls", {}).items()):
+            calls.add_metric([transport, side, rpc], count)
         for (transport, direction), count in sorted(snapshot.get("bytes", {}).items()):
             nbytes.add_metric([transport, direction], count)
         return [calls, nbytes]

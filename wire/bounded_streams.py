@@ -190,7 +190,7 @@ async def serve_bounded(
                 raise
 
         if stats is not None:
-            stats.call("p2pd", "served")
+            stats.call("p2pd", "served", name)
         try:
             if stream_input:
                 answers = handler(requests(), context)

@@ -239,7 +239,7 @@ class DataPlaneServer:
             connection.write([error_frame(ERROR, f"this peer serves no {rpc!r} on its data plane")])
             return await self._skip_to_end(connection)
         handler, request_type, stream_input = entry
-        stats.call("direct", "served")
+        stats.call("direct", "served", rpc)
         broke_limits, ends = [], []
 
         async def requests() -> AsyncIterator:
@@ -434,7 +434,7 @@ class DataPlaneClient:
         ERROR raises P2PHandlerError, the connection breaking ConnectionResetError. A connection whose
         call ended cleanly is kept for the next."""
         stats = self.stats
-        stats.call("direct", "made")
+        stats.call("direct", "made", name)
 
         async def send() -> None:
             connection.write([call_frame(name)])

@@ -41,7 +41,7 @@ class Transport:
             if connection is not None:
                 return self.data_plane.call(connection, name, requests, response_type, limits)
         stats = self.stats
-        stats.call("p2pd", "made")
+        stats.call("p2pd", "made", name)
         answers = await iterate_bounded(
             self.p2p,
             PeerID.from_base58(peer_id),

@@ -25,9 +25,10 @@ class TransportStats:
         self._calls: collections.Counter = collections.Counter()
         self._bytes: collections.Counter = collections.Counter()
 
-    def call(self, transport: str, side: str) -> None:
+    def call(self, transport: str, side: str, rpc: str) -> None:
+        """One call of `rpc` (its name, "swarm." left out) made or served over `transport`."""
         with self._lock:
-            self._calls[transport, side] += 1
+            self._calls[transport, side, rpc.removeprefix("swarm.")] += 1
 
     def add_bytes(self, transport: str, direction: str, nbytes: int) -> None:
         with self._lock:
@@ -38,6 +39,6 @@ class TransportStats:
         self.add_bytes(transport, direction, message.ByteSize())
 
     def snapshot(self) -> dict:
-        """{"calls": {(transport, side): n}, "bytes": {(transport, direction): n}}"""
+        """{"calls": {(transport, side, rpc): n}, "bytes": {(transport, direction): n}}"""
         with self._lock:
             return {"calls": dict(self._calls), "bytes": dict(self._bytes)}

@@ -413,7 +413,7 @@ def transport_totals(snapshot: dict) -> dict:
     """A TransportStats snapshot as the report keeps it: per transport, calls made and bytes each way."""
     totals = {}
     for transport in TRANSPORTS:
-        calls = snapshot["calls"].get((transport, "made"), 0)
+        calls = sum(n for (t, side, _), n in snapshot["calls"].items() if (t, side) == (transport, "made"))
         sent, received = (snapshot["bytes"].get((transport, d), 0) for d in ("sent", "received"))
         if calls or sent or received:
             totals[transport] = {"calls": calls, "sent_bytes": sent, "received_bytes": received}

@@ -176,9 +176,15 @@ def test_one_step_through_the_swarm_matches_one_process(
     assert compared == len(ref_params)
 
 
-def served_over(peer, transport: str) -> float:
-    """Streamed calls `peer` served over `transport` ("direct": its data plane, or "p2pd")."""
-    return scrape(peer).get(("swarm_peer_transport_calls_total", (("side", "served"), ("transport", transport))), 0)
+def served_over(peer, transport: str, rpc: str | None = None) -> float:
+    """Streamed calls (of `rpc`, or any) `peer` served over `transport` ("direct": its data plane, or "p2pd")."""
+    return sum(
+        value
+        for (name, labels), value in scrape(peer).items()
+        if name == "swarm_peer_transport_calls_total"
+        and {("side", "served"), ("transport", transport)} <= set(labels)
+        and (rpc is None or ("rpc", rpc) in labels)
+    )
 
 
 def full_model_name(name: str, spec) -> str:

@@ -21,8 +21,8 @@ from hivemind.proto import runtime_pb2
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
 from swarm.trainer.client import StageClient
-from tests.integration.polling import scrape
 from tests.integration.processes import stop_together
+from tests.integration.test_correctness import served_over
 from tests.integration.test_request_bounds import peak_rss_mib, topk_bomb_request
 from wire.bounded_streams import StreamLimits
 from wire.data_plane import DataPlaneClient
@@ -46,7 +46,7 @@ def data_plane_port(peer) -> int:
 
 
 def served(peer, transport: str) -> float:
-    return scrape(peer).get(("swarm_peer_transport_calls_total", (("side", "served"), ("transport", transport))), 0)
+    return served_over(peer, transport)
 
 
 async def _aiter(items):
@@ -99,7 +99,7 @@ def test_strangers_are_refused_on_the_port_and_a_known_caller_meets_the_guard_an
             assert outputs["grad_inputs"].shape == (2, config.seq_len, config.d_model) and response.loss > 0
 
         await honest_backward()
-        assert honest.transport.stats.snapshot()["calls"] == {("direct", "made"): 1}
+        assert honest.transport.stats.snapshot()["calls"] == {("direct", "made", "backward"): 1}
         before_mib = peak_rss_mib(peer.popen.pid)
 
         # Strangers: a made-up token, a call without a hello (refused), plain TCP (no TLS: closed).
@@ -134,7 +134,7 @@ def test_strangers_are_refused_on_the_port_and_a_known_caller_meets_the_guard_an
         assert any(b"too many bad requests" in answer for answer in answers), answers
 
         await honest_backward()  # still serving the honest caller, over the data plane
-        assert honest.transport.stats.snapshot()["calls"] == {("direct", "made"): 2}
+        assert honest.transport.stats.snapshot()["calls"] == {("direct", "made", "backward"): 2}
         grown_mib = peak_rss_mib(peer.popen.pid) - before_mib
         assert grown_mib < 64, f"the peer's peak RSS grew by {grown_mib:.0f} MiB"
         attacker.close()

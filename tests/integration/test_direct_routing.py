@@ -19,7 +19,7 @@ from models.config import get_model_config
 from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
 from tests.integration.processes import stop_together
-from tests.integration.test_correctness import BATCH, MICROBATCH
+from tests.integration.test_correctness import BATCH, MICROBATCH, served_over
 from tests.integration.test_replicas import (
     assert_stage0_replicas_took_one_process_step,
     averaging_sample,
@@ -167,10 +167,7 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
     if hold == "backward":  # stage 2 saw the held microbatch again, and answered without adding it
         assert averaging_sample(scrape(last), "swarm_peer_backward_repeats_total") >= 1
     pieces = averaging_sample(scrape(last), "swarm_peer_requests_total", rpc="chain_piece", stage="2") or 0
-    served = {
-        t: averaging_sample(scrape(last), "swarm_peer_transport_calls_total", side="served", transport=t) or 0
-        for t in ("direct", "p2pd")
-    }
+    served = {t: served_over(last, t, "train_chain") for t in ("direct", "p2pd")}
     if transport == "p2pd":
         assert pieces >= steps * 4 and served["direct"] == 0, (pieces, served)
     else:  # every hop to stage 2 went direct, but maybe the first of each stage-1 replica (made while it connects)

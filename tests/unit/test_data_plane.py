@@ -120,7 +120,7 @@ def test_a_call_arrives_whole_as_the_token_holder_and_its_connection_carries_the
         assert (await call(client, "echo", b"c"))[1].metadata == b"c"
         assert server.open_connections == 1 and client.control.offers == 1  # one connection, one offer
         stats = server.stats.snapshot()
-        assert stats["calls"][("direct", "served")] == 2
+        assert stats["calls"][("direct", "served", "echo")] == 2
         assert 2 * (3 << 20) < stats["bytes"][("direct", "received")] < 2 * (3 << 20) + 1024  # with the framing
 
     run(scenario)
