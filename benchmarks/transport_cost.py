@@ -150,11 +150,13 @@ async def serve_p2pd(workdir: str) -> dict:
 
 
 def _pb_messages(message_type, header: bytes, payload: memoryview) -> list:
-    """The header with the first 1 MiB part, then a part per message (wire/messages.py's layout)."""
+    """The header with the first 1 MiB part, then a part per message, built as wire/messages.py builds them."""
     from hivemind.proto import runtime_pb2
 
+    from wire.messages import with_parts
+
     parts = [runtime_pb2.Tensor(buffer=bytes(payload[i : i + MB])) for i in range(0, len(payload), MB)]
-    return [message_type(metadata=header, tensors=parts[:1]), *(message_type(tensors=[p]) for p in parts[1:])]
+    return [with_parts(message_type, parts[:1], metadata=header), *(with_parts(message_type, [p]) for p in parts[1:])]
 
 
 async def serve_zmq(workdir: str) -> dict:

@@ -27,7 +27,6 @@ import struct
 from typing import Annotated, Any
 
 import msgpack
-from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from wire.bounded_streams import MessageTooLargeError
@@ -151,18 +150,16 @@ def parse_header(data: bytes | bytearray | memoryview, payload_len: int) -> Fram
 
 def to_message(header: FrameHeader, payload: bytes | bytearray | memoryview, message_type: type) -> Any:
     """The ExpertRequest or ExpertResponse a MESSAGE frame carries."""
-    view, offset, tensors = memoryview(payload), 0, []
-    for part in header.parts:
-        tensors.append(
-            runtime_pb2.Tensor(
+    message, view, offset = message_type(metadata=header.metadata), memoryview(payload), 0
+    try:
+        for part in header.parts:  # built in place (a part passed in is copied into fresh pages: wire.messages)
+            message.tensors.add(
                 buffer=bytes(view[offset : offset + part.nbytes]),
                 size=part.size,
                 dtype=part.dtype,
                 compression=part.compression,
             )
-        )
-        offset += part.nbytes
-    try:
-        return message_type(metadata=header.metadata, tensors=tensors)
+            offset += part.nbytes
     except ValueError as e:  # an enum value protobuf does not know
         raise ProtocolError(f"malformed frame: {e}") from None
+    return message

@@ -97,18 +97,28 @@ class Received(Generic[Header]):
 # --- streams ---------------------------------------------------------------------------------------
 
 
+def with_parts(message_type: type, parts: Sequence[runtime_pb2.Tensor], **fields):
+    """A message of `message_type` carrying `parts`, each copied in with `CopyFrom`. (Passing them as
+    `tensors=[...]`, or appending them, copies each part into freshly mapped memory: about 1 ms of CPU
+    per MiB in page faults, against 0.04 ms; benchmarks/RESULTS.md, "Transport cost (issue #55)".)"""
+    message = message_type(**fields)
+    for part in parts:
+        message.tensors.add().CopyFrom(part)
+    return message
+
+
 def request_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertRequest]:
     """The header with the first part, then one part per message."""
-    yield runtime_pb2.ExpertRequest(uid=_uid(header), metadata=encode_header(header), tensors=parts[:1])
+    yield with_parts(runtime_pb2.ExpertRequest, parts[:1], uid=_uid(header), metadata=encode_header(header))
     for part in parts[1:]:
-        yield runtime_pb2.ExpertRequest(tensors=[part])
+        yield with_parts(runtime_pb2.ExpertRequest, [part])
 
 
 def response_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertResponse]:
     """The header with the first part, then one part per message."""
-    yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=parts[:1])
+    yield with_parts(runtime_pb2.ExpertResponse, parts[:1], metadata=encode_header(header))
     for part in parts[1:]:
-        yield runtime_pb2.ExpertResponse(tensors=[part])
+        yield with_parts(runtime_pb2.ExpertResponse, [part])
 
 
 Part = TypeVar("Part")
@@ -156,7 +166,7 @@ def response_pieces(
     first, *others = split_parts(parts, count)
     return [
         list(response_messages(header, first)),
-        *([runtime_pb2.ExpertResponse(tensors=[part]) for part in group] for group in others),
+        *([with_parts(runtime_pb2.ExpertResponse, [part]) for part in group] for group in others),
     ]
 
 
