@@ -12,6 +12,7 @@ checks only the rules that span sections.
     compute        device, precision, threads, memory, batch and activation-cache sizes
     optim          the local optimizer (peers/compute/stage_runtime.py)
     serving        limits on what callers may send (peers/serving/admission.py)
+    transport      the data plane: calls over direct TLS connections (wire/data_plane.py)
     announcing     the DHT record, the status file, the reachability check
     replicas       how replicas of a stage agree (peers/replicas/)
     placement      rebalancing moves and the standby pool (peers/placement/stage_moves.py)
@@ -430,6 +431,32 @@ class ProbingSettings:
 
 
 @dataclasses.dataclass(kw_only=True)
+class DataPlaneSettings:
+    """Calls over direct TLS connections instead of p2pd (wire/data_plane.py); p2pd stays the fallback."""
+
+    data_plane: bool = option(
+        True,
+        help="serve trainers and peers that reach this peer directly over TLS on a port of its own "
+        "(announced to them over p2pd), p2pd carrying the rest; --no-data-plane: p2pd only",
+    )
+    data_plane_port: int = option(
+        0,
+        help="TCP port of the data plane on the hosts of --host-maddrs (0 = any free port; behind a port map, map it too)",
+    )
+    data_plane_announce_port: int = option(
+        0, help="the port callers dial, when a port map forwards it to --data-plane-port (0 = that port)"
+    )
+
+    def __post_init__(self) -> None:
+        for flag, port in (
+            ("--data-plane-port", self.data_plane_port),
+            ("--data-plane-announce-port", self.data_plane_announce_port),
+        ):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{flag} must be a TCP port (0-65535), not {port}")
+
+
+@dataclasses.dataclass(kw_only=True)
 class CheckpointSettings:
     checkpoint_dir: str | None = option(
         None, help="save the stage here (atomically) periodically and on exit; restore from it at start"
@@ -500,6 +527,9 @@ class PeerConfig:
     compute: ComputeSettings = section(ComputeSettings, help="where and how the stage computes")
     optim: OptimizerSettings = section(OptimizerSettings, help="the stage's local optimizer")
     serving: ServingLimits = section(ServingLimits, help="limits on what callers may send")
+    transport: DataPlaneSettings = section(
+        DataPlaneSettings, help="direct TLS connections for calls, p2pd the fallback"
+    )
     announcing: AnnounceSettings = section(AnnounceSettings, help="the peer's DHT record and status file")
     replicas: ReplicaSettings = section(ReplicaSettings, help="how replicas of a stage agree")
     placement: PlacementSettings = section(PlacementSettings, help="rebalancing moves and the standby pool")

@@ -89,6 +89,38 @@ class ByteCounterCollector(Collector):
         return self._families({})
 
 
+class TransportCollector(Collector):
+    """Exposes a `wire.transport_stats.TransportStats` as `<prefix>_transport_calls_total{transport,side,rpc}`
+    (calls `made` and `served`, over `direct`: the data plane, or `p2pd`) and
+    `<prefix>_transport_bytes_total{transport,direction}` (their metadata and tensor bytes)."""
+
+    def __init__(self, prefix: str, snapshot: Callable[[], dict]):
+        self.prefix, self.snapshot = prefix, snapshot
+
+    def _families(self, snapshot: dict) -> list[CounterMetricFamily]:
+        calls = CounterMetricFamily(
+            f"{self.prefix}_transport_calls",
+            "Streamed calls by transport (direct: the data plane; p2pd), made and served",
+            labels=["transport", "side", "rpc"],
+        )
+        nbytes = CounterMetricFamily(
+            f"{self.prefix}_transport_bytes",
+            "Bytes of the streamed calls' messages (headers and tensor parts) by transport, sent and received",
+            labels=["transport", "direction"],
+        )
+        for (transport, side, rpc), count in sorted(snapshot.get("calls", {}).items()):
+            calls.add_metric([transport, side, rpc], count)
+        for (transport, direction), count in sorted(snapshot.get("bytes", {}).items()):
+            nbytes.add_metric([transport, direction], count)
+        return [calls, nbytes]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        return self._families(self.snapshot())
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return self._families({})
+
+
 class _CallbackCounters(Collector):
     """Counters whose totals live elsewhere (the stage runtime) and are read at scrape time."""
 
@@ -284,6 +316,10 @@ class PeerMetrics:
     def count_bytes(self, snapshot: Callable[[], dict]) -> None:
         """Export a ByteCounter's totals (pass its `snapshot` method)."""
         self.registry.register(ByteCounterCollector("swarm_peer", snapshot))
+
+    def count_transports(self, snapshot: Callable[[], dict]) -> None:
+        """Export a TransportStats' totals (pass its `snapshot` method)."""
+        self.registry.register(TransportCollector("swarm_peer", snapshot))
 
     # --- updates ---------------------------------------------------------------------------------
     def set_serving(self, *, stage: int, num_stages: int, version: str) -> None:

@@ -153,11 +153,13 @@ async def serve_bounded(
     limits: StreamLimits,
     *,
     stream_input: bool,
+    stats: Any = None,
 ) -> None:
     """Register `handler` under `name` as hivemind's `add_protobuf_handler(..., stream_output=True)`
     does, reading the caller's messages within `limits`. With `stream_input`, the handler gets the
     messages as an async iterator (which raises the limits' errors); without, the first message
-    (a stream that breaks a limit before it is answered with hivemind's error message)."""
+    (a stream that breaks a limit before it is answered with hivemind's error message). `stats`
+    (wire/data_plane.py's TransportStats) counts the calls served and their messages' bytes."""
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
@@ -180,13 +182,15 @@ async def serve_bounded(
         async def requests() -> AsyncIterator:
             try:
                 if first is not None:
-                    yield first
+                    yield _counted(first, "received")
                 async for message in _messages(reader, request_type, limits, ends):
-                    yield message
+                    yield _counted(message, "received")
             except ProtocolError:
                 broke_limits.append(True)
                 raise
 
+        if stats is not None:
+            stats.call("p2pd", "served", name)
         try:
             if stream_input:
                 answers = handler(requests(), context)
@@ -194,6 +198,7 @@ async def serve_bounded(
                 request = first if first is not None else await receive_message(reader, request_type, limits)
                 if request is None:
                     return False
+                _counted(request, "received")
                 # The caller's end marker follows at once; read it, so its sending does not fail
                 # on a stream closed under it (a broken pipe instead of the answer).
                 marker = await _next(reader, request_type, limits)
@@ -202,7 +207,7 @@ async def serve_bounded(
             if not isinstance(answers, AsyncIterator):
                 answers = _single(answers)
             async for answer in answers:
-                await P2P.send_protobuf(answer, writer)
+                await P2P.send_protobuf(_counted(answer, "sent"), writer)
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
             if broke_limits:
                 return False
@@ -227,6 +232,11 @@ async def serve_bounded(
                 if not broke_limits and not isinstance(e, ProtocolError):
                     await _until_caller_closes(reader, limits.read_timeout_s)
         return False
+
+    def _counted(message, direction: str):
+        if stats is not None:
+            stats.message("p2pd", direction, message)
+        return message
 
     await p2p.add_binary_stream_handler(name, handle)
 

@@ -99,6 +99,16 @@ class Received(Generic[Header]):
 # --- streams ---------------------------------------------------------------------------------------
 
 
+def with_parts(message_type: type, parts: Sequence[runtime_pb2.Tensor], **fields):
+    """A message of `message_type` carrying `parts`, each copied in with `CopyFrom`. (Passing them as
+    `tensors=[...]`, or appending them, copies each part into freshly mapped memory: about 1 ms of CPU
+    per MiB in page faults, against 0.04 ms; benchmarks/RESULTS.md, "Transport cost (issue #55)".)"""
+    message = message_type(**fields)
+    for part in parts:
+        message.tensors.add().CopyFrom(part)
+    return message
+
+
 PACKED_BYTES = 1 << 20  # parts ride together in one message up to this many bytes (a larger part alone)
 
 
@@ -121,17 +131,17 @@ def packed(parts: Sequence[Part]) -> list[list[Part]]:
 def request_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertRequest]:
     """The header with the first group of parts (`packed`), then a message per group."""
     first, *others = packed(parts)
-    yield runtime_pb2.ExpertRequest(uid=_uid(header), metadata=encode_header(header), tensors=first)
+    yield with_parts(runtime_pb2.ExpertRequest, first, uid=_uid(header), metadata=encode_header(header))
     for group in others:
-        yield runtime_pb2.ExpertRequest(tensors=group)
+        yield with_parts(runtime_pb2.ExpertRequest, group)
 
 
 def response_messages(header: BaseModel, parts: Sequence[runtime_pb2.Tensor]) -> Iterator[runtime_pb2.ExpertResponse]:
     """The header with the first group of parts (`packed`), then a message per group."""
     first, *others = packed(parts)
-    yield runtime_pb2.ExpertResponse(metadata=encode_header(header), tensors=first)
+    yield with_parts(runtime_pb2.ExpertResponse, first, metadata=encode_header(header))
     for group in others:
-        yield runtime_pb2.ExpertResponse(tensors=group)
+        yield with_parts(runtime_pb2.ExpertResponse, group)
 
 
 def split_parts(parts: Sequence[Part], count: int) -> list[list[Part]]:
@@ -177,7 +187,7 @@ def response_pieces(
     return [
         list(response_messages(header, first)),
         *(
-            [runtime_pb2.ExpertResponse(tensors=part_group) for part_group in packed(group)] if group else []
+            [with_parts(runtime_pb2.ExpertResponse, part_group) for part_group in packed(group)] if group else []
             for group in others
         ),
     ]

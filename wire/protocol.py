@@ -16,6 +16,9 @@ The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.Expert
     RPC_CHAIN_PIECE            stream -> stream  ChainPiece + parts -> parts
                                                  (a piece of a chained call's tensors, and of its answer,
                                                  on a stream of its own: ChainRequest.pieces)
+    RPC_DATA_PLANE             unary  -> unary   DataPlaneRequest -> DataPlaneOffer
+                                                 (where and how to reach the peer's data plane, which
+                                                 carries the streamed RPCs above: wire/data_plane.py)
 
 A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
 `tensors` field of that message and the ones after it, in the order the header's `tensors` list
@@ -67,6 +70,7 @@ RPC_PROBE = "swarm.probe"  # echo a payload to measure a link (peers/placement/l
 RPC_TRAIN_CHAIN = "swarm.train_chain"  # direct routing: forward on, backward back, stage to stage
 RPC_HOP_RECORD = "swarm.hop_record"  # direct routing's spot checks: what a peer received or sent in a chain
 RPC_CHAIN_PIECE = "swarm.chain_piece"  # direct routing: a piece of a chained call's tensors on a stream of its own
+RPC_DATA_PLANE = "swarm.data_plane"  # the port, certificate and caller token of the peer's data plane
 
 MAX_HEADER_BYTES = 64 << 10  # one encoded header
 MAX_TENSORS = 4  # tensors in one request or response
@@ -407,6 +411,31 @@ class StateHeader(BaseModel):
     # peers/replicas/donor_choice.py `state_digest` of the state (its content, whatever its bytes)
     digest: str | None = Field(default=None, max_length=64)
     error: str | None = Field(default=None, max_length=4096)
+
+
+class DataPlaneRequest(BaseModel):
+    """A caller asks, over p2pd, how to reach the peer's data plane (wire/data_plane.py)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    # the caller's credential for the run (dht/authority.py): a private run's peer offers its data
+    # plane only to callers holding one
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+
+
+class DataPlaneOffer(BaseModel):
+    """The peer's data plane, as it tells one caller over p2pd (so bound to the peer's libp2p
+    identity): the TCP `port` it listens on (at the host the caller's p2pd reaches it at), the
+    SHA-256 `fingerprint` of its TLS certificate, and the `token` that identifies this caller there
+    for `expires_in_s` seconds; or `error` (no data plane: the caller stays on p2pd)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    port: int = Field(default=0, ge=0, le=65535)
+    fingerprint: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    token: str = Field(default="", max_length=128)
+    expires_in_s: float = Field(default=0.0, ge=0.0, le=86400.0)
+    error: str | None = Field(default=None, max_length=1024)
 
 
 class ProbeRequest(BaseModel):

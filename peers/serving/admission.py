@@ -16,7 +16,10 @@ before anything it sent is decoded, when
   state changes. What each action needs is `POLICY`; in a private run an RPC whose header carries
   no credential (probe, dial-back) is served only to callers that presented a valid one before.
 Streamed RPCs are read with wire/bounded_streams.py: a message larger than a stream message can be
-is refused before it is buffered, and every read has a deadline.
+is refused before it is buffered, and every read has a deadline. The same guarded handlers serve the
+streamed RPCs on the peer's data plane (wire/data_plane.py, `register_data_plane`), which reads
+within the same limits and names the caller by the peer id its token was issued to over p2pd, so
+every check above holds there as it does over p2pd.
 A refused caller of a streamed RPC is read to the end (up to the size limit) before the answer, since
 answering before the caller finished sending resets the stream and the caller would see a reset, not
 the reason. The answer itself is the RPC's own: each registration names a `refuse` function that
@@ -64,14 +67,15 @@ class NotAuthorizedError(NotAllowedError):
 AdmissionError = NotAllowedError | RateLimitedError | RequestTooLargeError
 
 # Who may do what in a run with an authority: the roles whose credential allows each action.
-# "evaluate" (a forward that caches nothing) and the RPCs without a credential field need one only
-# in a private run. Joining a stage's averaging needs a peer credential of that stage: hivemind's
+# "evaluate" (a forward that caches nothing), "connect" and the RPCs without a credential field need
+# one only in a private run. Joining a stage's averaging needs a peer credential of that stage: hivemind's
 # averager checks it itself (peers/replicas/averaging_members.py).
 POLICY: dict[str, tuple[str, ...]] = {
     "train": ("trainer",),  # forward that caches for a backward, backward, commit
     "state": ROLES,  # download a stage's parameters and optimizer state (a peer: of its stage)
     "evaluate": ROLES,
     "chain": ("peer",),  # pass a trainer's chained call on to the next stage (direct routing)
+    "connect": ROLES,  # be told how to reach the data plane (wire/data_plane.py); in a private run only
 }
 
 
@@ -153,7 +157,7 @@ class AdmissionGuard:
         """Raise `NotAuthorizedError` unless `caller` may do `action` (a key of `POLICY`) on
         `stage`; without a run authority, or for an evaluation in an open run, anyone may."""
         authority = self.authority
-        if authority is None or (action == "evaluate" and not authority.private):
+        if authority is None or (action in ("evaluate", "connect") and not authority.private):
             return
         try:
             held = authority.verify(
@@ -187,12 +191,19 @@ class AdmissionGuard:
             return self._guard_unary_input_stream_output(rpc, limit)
         return self._guard_unary(rpc, limit)
 
-    async def register(self, p2p: Any, rpcs: Collection[Rpc], request_type: type) -> None:
-        """Register every RPC of `rpcs` on `p2p`, each behind the guard."""
+    async def register(self, p2p: Any, rpcs: Collection[Rpc], request_type: type, *, stats: Any = None) -> None:
+        """Register every RPC of `rpcs` on `p2p`, each behind the guard (`stats`: wire/data_plane.py's
+        TransportStats, counting the streamed calls)."""
         for rpc in rpcs:
             if self.stream_limits is not None and (rpc.stream_input or rpc.stream_output):
                 await serve_bounded(
-                    p2p, rpc.name, self.guarded(rpc), request_type, self.stream_limits, stream_input=rpc.stream_input
+                    p2p,
+                    rpc.name,
+                    self.guarded(rpc),
+                    request_type,
+                    self.stream_limits,
+                    stream_input=rpc.stream_input,
+                    stats=stats,
                 )
                 continue
             await p2p.add_protobuf_handler(
@@ -202,6 +213,12 @@ class AdmissionGuard:
                 stream_input=rpc.stream_input,
                 stream_output=rpc.stream_output,
             )
+
+    def register_data_plane(self, server: Any, rpcs: Collection[Rpc], request_type: type) -> None:
+        """Serve every streamed RPC of `rpcs` on the data plane `server` too, behind the same guard."""
+        for rpc in rpcs:
+            if rpc.stream_input or rpc.stream_output:
+                server.add_handler(rpc.name, self.guarded(rpc), request_type, stream_input=rpc.stream_input)
 
     def _check_unary(self, rpc: Rpc, request: Any, caller: str, limit: int) -> AdmissionError | None:
         error = self.refusal(caller, needs_known_caller=not rpc.carries_credential)

@@ -41,7 +41,10 @@ they are larger than `piece_bytes` (`--hop-piece-kb`, 128 KiB by default): each 
 stream's window, so none waits for a window update that queues behind the gradients coming back on
 the same link (wire/bounded_streams.py, `call_on_streams`). The receiver takes the pieces in order
 before it computes (peers/serving/hop_pieces.py); a piece that does not come fails the call as its
-stream breaking would, and the failover and exactly-once rules above apply unchanged.
+stream breaking would, and the failover and exactly-once rules above apply unchanged. A hop to a
+peer this one reaches over the data plane (wire/data_plane.py, `self.transport`) is one call on one
+TCP connection, never in pieces: TCP has no per-stream window to fit. A connection that breaks
+mid-hop fails the hop as a broken stream does.
 
 Spot checks: in a chain whose trainer spot-checks (`keep_records`), a peer keeps what it received
 from the stage before and what it sent to the replica of the next stage that answered (`HopRecords`,
@@ -81,7 +84,7 @@ from peers.serving.hop_pieces import HopPieces, MissingPiecesError
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
 from peers.serving.stage_rpc import StageRpcService, busy_reading, compute_timed, on_host, timed_messages
-from wire.bounded_streams import StreamLimits, StreamPool, call_on_streams, iterate_bounded
+from wire.bounded_streams import StreamLimits, call_on_streams
 from wire.call_rules import Attempts
 from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
 from wire.failures import Failure, caller_failure
@@ -111,6 +114,7 @@ from wire.protocol import (
 )
 from wire.request_limits import InFlightBudgetError, RequestTooLargeError, check_request_bytes
 from wire.tensors import check_codec, decoded_nbytes, encode_tensor
+from wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,8 @@ class ChainService:
         self.p2p = None  # set when the host registers its RPCs
         self.codecs = HopCodecs()  # each hop's codec, and this peer's measure of its hops' links
         self.turns = LinkTurns()  # what this peer sends to one peer goes one stream at a time
-        self.streams = StreamPool()  # streams to the next stage's replicas, kept open from call to call
+        # how this peer calls the next stage's replicas: the data plane or kept p2pd streams (set with p2p)
+        self.transport: Transport | None = None
         self.records = HopRecords(record_bytes)  # what crossed this peer's hops, for the trainer's spot checks
         self.pieces = HopPieces()  # the pieces of the calls in pieces this peer receives
 
@@ -489,7 +494,7 @@ class ChainService:
         gradient wrt this stage's outputs and the candidates that failed before it, each with how.
         ChainHopError when every candidate failed, or when a candidate answered that a stage after it
         failed (its own route is spent: the trainer re-drives)."""
-        if self.p2p is None:
+        if self.p2p is None or self.transport is None:
             raise ChainHopError(header.stage + 1, [], "this peer cannot call other peers yet")
         next_stage, deadline = (
             header.stage + 1,
@@ -516,7 +521,9 @@ class ChainService:
             if peer_id not in tried:
                 tried.append(peer_id)
             sent, response_codec = self._hop_tensors(header, peer_id, outputs, carried, encodings)
-            pieces = self._piece_count(sent, outputs.numel(), response_codec)
+            # over the data plane a hop is one call on one connection: no stream windows to fit
+            direct = await self.transport.direct(peer_id)
+            pieces = 1 if direct else self._piece_count(sent, outputs.numel(), response_codec)
             request = ChainRequest(
                 model=header.model,
                 stage=next_stage,
@@ -642,18 +649,16 @@ class ChainService:
                 [(RPC_CHAIN_PIECE if index else RPC_TRAIN_CHAIN, group) for index, group in enumerate(groups)],
                 runtime_pb2.ExpertResponse,
                 limits,
-                pool=self.streams,
+                pool=self.transport.streams,
                 turn=self.turns.turn(peer_id),
             )
             return await read_response_pieces(answers, ChainResponse, max_decoded_bytes=self.stages.max_decoded_bytes)
-        stream = await iterate_bounded(
-            self.p2p,
-            PeerID.from_base58(peer_id),
+        stream = await self.transport.iterate(
+            peer_id,
             RPC_TRAIN_CHAIN,
             self.turns.in_turn(peer_id, write_request(request, tensors)),
             runtime_pb2.ExpertResponse,
             limits,
-            pool=self.streams,
         )
         return await read_response(stream, ChainResponse, max_decoded_bytes=self.stages.max_decoded_bytes)
 

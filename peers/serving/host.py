@@ -6,6 +6,7 @@ and the lifecycle (start, serve, stop, in that order). Each service receives wha
     StageRpcService     forward/backward (peers/serving/stage_rpc.py)
     ChainService        direct routing's chained training pass, stage to stage (peers/serving/chain_rpc.py),
                         its hops in pieces on several streams (peers/serving/hop_pieces.py)
+    DataPlaneOffers     how callers reach this peer's data plane (peers/serving/data_plane_offers.py)
     ReplicaSyncService  commit, state, loading a replica's state, periodic averaging (peers/replicas/)
     StageMoves          rebalancing moves and the standby pool (peers/placement/stage_moves.py)
     Announcer           the DHT record, its renewal, the status file (peers/serving/announcer.py)
@@ -15,7 +16,9 @@ and the lifecycle (start, serve, stop, in that order). Each service receives wha
 What several services read and change (the stage served now, which a move swaps; the peer's state;
 the request counters) is one `ServingState`. Every RPC the host registers, the stage RPCs, commit,
 state, the link probe and the reachability dial-back alike, passes the one `AdmissionGuard`
-(peers/serving/admission.py) first. Compute runs on one dedicated thread (`StageRuntime`);
+(peers/serving/admission.py) first; the streamed ones are served on the data plane too
+(wire/data_plane.py: direct TLS on the hosts of --host-maddrs, `--data-plane-port`), behind the same
+guard, and the peer's own hops to the next stage go over it when it reaches that peer. Compute runs on one dedicated thread (`StageRuntime`);
 peers/launch.py builds a host from a `PeerConfig`.
 """
 
@@ -57,15 +60,18 @@ from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.announcer import Announcer
 from peers.serving.chain_rpc import ChainService
 from peers.serving.checkpointer import Checkpointer
+from peers.serving.data_plane_offers import DataPlaneOffers
 from peers.serving.serving_state import ServingState
 from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
 from wire import compression
 from wire.bounded_streams import StreamLimits
+from wire.data_plane import DataPlaneClient, DataPlaneServer, direct_host
 from wire.protocol import (
     RPC_BACKWARD,
     RPC_CHAIN_PIECE,
     RPC_COMMIT,
+    RPC_DATA_PLANE,
     RPC_FORWARD,
     RPC_HOP_RECORD,
     RPC_PROBE,
@@ -73,6 +79,8 @@ from wire.protocol import (
     RPC_TRAIN_CHAIN,
 )
 from wire.request_limits import InFlightBytes, PenaltyBox
+from wire.transport import Transport
+from wire.transport_stats import TransportStats
 
 
 class PeerHost:
@@ -141,6 +149,10 @@ class PeerHost:
                 request_deadline_s=float(1 << 30),  # no deadline: they are read already
             ),
         )
+        self.credential = credential
+        self.transport_stats = TransportStats()  # calls and bytes per transport, served and made
+        self.offers = DataPlaneOffers(self.guard)  # its server starts with the RPCs (register_rpcs)
+        self.data_plane_at = ""  # where it listens
         self.chains = ChainService(  # direct routing: stage to stage
             self.stage_rpc,
             credential=credential,
@@ -232,6 +244,7 @@ class PeerHost:
             serving.compute_clock, lambda: {**serving.phases.snapshot(), **serving.runtime.phases.snapshot()}
         )
         metrics.count_bytes(byte_counter.snapshot)
+        metrics.count_transports(self.transport_stats.snapshot)
         metrics.set_serving(stage=runtime.stage, num_stages=runtime.num_stages, version=software_version())
         metrics.set_state(serving.state.value)
 
@@ -295,12 +308,41 @@ class PeerHost:
             ),
             # ...and joining peers check that they are reachable.
             Rpc(RPC_REACHABILITY, self.dial_back.rpc_check, _refused_dial_back),
+            # Callers ask how to reach the data plane, which serves the streamed RPCs above too.
+            Rpc(RPC_DATA_PLANE, self.offers.rpc_offer, self.offers.refused, carries_credential=True),
         ]
 
     async def register_rpcs(self, p2p) -> None:
         self.chains.p2p = p2p  # a chained call goes on to the next stage's peer
         self.dial_back.p2p = p2p  # it dials back callers only at the hosts their connections come from
-        await self.guard.register(p2p, self.rpcs(), runtime_pb2.ExpertRequest)
+        settings, stats = self.config.transport, self.transport_stats
+        client = DataPlaneClient(p2p, credential=self.credential, stats=stats) if settings.data_plane else None
+        self.chains.transport = Transport(p2p, client, stats=stats)
+        rpcs = self.rpcs()
+        if settings.data_plane:
+            self.offers.server = await self._start_data_plane(p2p, rpcs)
+        await self.guard.register(p2p, rpcs, runtime_pb2.ExpertRequest, stats=stats)
+
+    async def _start_data_plane(self, p2p, rpcs: list[Rpc]) -> DataPlaneServer | None:
+        """The data plane on the hosts this peer's p2pd listens on, or None (said once) when it
+        cannot listen there: callers then stay on p2pd."""
+        hosts = list(dict.fromkeys(h for h in map(direct_host, self.config.network.host_maddrs) if h is not None))
+        server = DataPlaneServer(
+            local_id=p2p.peer_id,
+            limits=self.guard.stream_limits or StreamLimits(),
+            stats=self.transport_stats,
+            announce_port=self.config.transport.data_plane_announce_port,
+        )
+        self.guard.register_data_plane(server, rpcs, runtime_pb2.ExpertRequest)
+        try:
+            if not hosts:
+                raise OSError(f"no IP host in --host-maddrs {' '.join(self.config.network.host_maddrs)}")
+            port = await server.start(hosts, self.config.transport.data_plane_port)
+        except OSError as e:
+            print(f"data plane off: cannot listen ({e}); calls stay on p2pd", flush=True)
+            return None
+        self.data_plane_at = f"{', '.join(hosts)} port {port}"
+        return server
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event, alone: asyncio.Event | None = None) -> None:
@@ -344,7 +386,8 @@ class PeerHost:
         )
         print(
             f"peer {self.peer_id} online: {config.model} stage {serving.runtime.stage}/{serving.runtime.num_stages} "
-            f"({serving.runtime.throughput.value:.1f} samples/s measured)",
+            f"({serving.runtime.throughput.value:.1f} samples/s measured)"
+            + (f", data plane on {self.data_plane_at}" if self.offers.server is not None else ""),
             flush=True,
         )
         try:
@@ -380,7 +423,10 @@ class PeerHost:
         if averager is not None:
             await self._unless_alone(averager)
         await self._unless_alone(self.announcer.release_split())
-        self.chains.streams.close()  # the next stage's handlers end now, not at their idle timeout
+        if self.chains.transport is not None:  # the next stage's handlers end now, not at their idle timeout
+            self.chains.transport.close()
+        if self.offers.server is not None:
+            await self.offers.server.stop()
         if self.alone.is_set():
             print(
                 f"peer {self.peer_id} stopped after serving {serving.requests_served} requests, without announcing "

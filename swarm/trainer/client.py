@@ -2,7 +2,9 @@
 
 Each call builds its request with one `wire.messages` call and reads the answer with one; a failed
 call raises `PeerCallError` with a `wire.failures.Failure` saying why (timeout, transport, garbage,
-or the peer's own answer as `caller_failure` classifies it).
+or the peer's own answer as `caller_failure` classifies it). The streamed calls (forward, backward,
+train_chain, hop_record) go over the peer's data plane when it reaches this process, else over
+p2pd (`wire.transport.Transport`); a connection that breaks mid-call is a transport failure either way.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from process.phase_times import PhaseTimes
-from wire.bounded_streams import StreamLimits, StreamPool, iterate_bounded
+from wire.bounded_streams import StreamLimits
 from wire.compression import ByteCounter, CodecChoice, EncodedTensor
+from wire.data_plane import DataPlaneClient
 from wire.failures import Failure, caller_failure
 from wire.messages import Received, read_response, read_unary, unary_request, write_request
 from wire.protocol import (
@@ -40,6 +43,7 @@ from wire.protocol import (
     StreamClosedError,
 )
 from wire.tensors import decode_tensors
+from wire.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -85,13 +89,21 @@ class ChainResult:
 
 
 class StageClient:
-    def __init__(self, p2p: P2P, *, model: str, num_stages: int, credential: str | None = None):
-        """`credential`: this trainer's run credential (dht/authority.py), sent in every request header."""
+    def __init__(
+        self, p2p: P2P, *, model: str, num_stages: int, credential: str | None = None, data_plane: bool = True
+    ):
+        """`credential`: this trainer's run credential (dht/authority.py), sent in every request header;
+        `data_plane`: call peers over their data plane when it reaches them (else p2pd only)."""
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
         self.credential = credential
         self.bytes = ByteCounter()
-        self.streams = StreamPool()  # streams to the peers, kept open from call to call
+        # the data plane's connections or p2pd's streams to the peers, kept open from call to call
         self.phases = PhaseTimes()  # the trainer's phases (swarm/trainer/metrics.py, TRAINER_PHASES)
+        self.transport = Transport(p2p, DataPlaneClient(p2p, credential=credential) if data_plane else None)
+
+    def close(self) -> None:
+        """Close the kept connections and streams (the peers' handlers of them end now, not when idle)."""
+        self.transport.close()
 
     async def call(
         self,
@@ -279,15 +291,7 @@ class StageClient:
         )
 
     async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:
-        stream = await iterate_bounded(
-            self.p2p,
-            PeerID.from_base58(peer_id),
-            RPC_TRAIN_CHAIN,
-            request,
-            runtime_pb2.ExpertResponse,
-            limits,
-            pool=self.streams,
-        )
+        stream = await self.transport.iterate(peer_id, RPC_TRAIN_CHAIN, request, runtime_pb2.ExpertResponse, limits)
         return await read_response(stream, ChainResponse, max_decoded_bytes=0)
 
     async def commit(
@@ -379,7 +383,5 @@ class StageClient:
         # Each answer message is read within a size bound: a replica's 512 MiB message is refused unread.
         # (The first waits for the peer's compute: the call's own timeout, which fires first, bounds the reads.)
         limits = StreamLimits(read_timeout_s=timeout_s + 5.0)
-        stream = await iterate_bounded(
-            self.p2p, PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse, limits, pool=self.streams
-        )
+        stream = await self.transport.iterate(peer_id, name, request, runtime_pb2.ExpertResponse, limits)
         return await read_response(stream, ResponseHeader, max_decoded_bytes=max_answer_bytes)

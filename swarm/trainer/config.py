@@ -8,6 +8,7 @@ Sections, one per component that reads them:
 - `schedule`: steps and microbatches (swarm/trainer/schedule.py);
 - `discovery`: how it finds the stages' replicas (swarm/trainer/discovery.py);
 - `failover`: how long it retries and waits for a failing stage (swarm/trainer/stage_call.py);
+- `transport`: whether calls go over the peers' data plane (wire/transport.py);
 - `compression`: the codec on the wire (wire/compression/policy.py);
 - `verification`: spot checks of replicas' answers (swarm/trainer/spot_checks.py);
 - `reporting`: the JSON report, progress lines and the Prometheus endpoint.
@@ -137,6 +138,15 @@ class FailoverSettings:
 
 
 @dataclasses.dataclass(kw_only=True)
+class TransportSettings:
+    data_plane: bool = option(
+        True,
+        help="call peers over their data plane (direct TLS, wire/data_plane.py) when they are reachable "
+        "directly, p2pd otherwise; --no-data-plane: p2pd only",
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
 class CompressionSettings:
     codec: str = option(
         "none",
@@ -214,6 +224,7 @@ class TrainerConfig:
     evaluation: EvaluationSettings = section(EvaluationSettings, help="validation loss through the swarm")
     discovery: DiscoverySettings = section(DiscoverySettings, help="finding the stages' replicas on the DHT")
     failover: FailoverSettings = section(FailoverSettings, help="retrying failed calls and waiting for stages")
+    transport: TransportSettings = section(TransportSettings, help="how calls reach the peers: the data plane, or p2pd")
     compression: CompressionSettings = section(CompressionSettings, help="compression on the wire")
     verification: VerificationSettings = section(VerificationSettings, help="spot checks of replicas' answers")
     reporting: ReportingSettings = section(ReportingSettings, help="report file, progress lines and metrics")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from peers.metrics import LATENCY_BUCKETS_S, ByteCounterCollector
+from peers.metrics import LATENCY_BUCKETS_S, ByteCounterCollector, TransportCollector
 from process.phase_times import PhaseCollector, PhaseTotal
 
 EXPORTED_PEERS = 32  # per-peer contribution series: at most this many peers
@@ -160,6 +160,10 @@ class TrainerMetrics:
     def count_bytes(self, snapshot: Callable[[], dict]) -> None:
         """Export the client's ByteCounter (`swarm_trainer_{sent,received}[_uncompressed]_bytes_total{codec}`)."""
         self.registry.register(ByteCounterCollector("swarm_trainer", snapshot))
+
+    def count_transports(self, snapshot: Callable[[], dict]) -> None:
+        """Export the client's TransportStats (`swarm_trainer_transport_{calls,bytes}_total`)."""
+        self.registry.register(TransportCollector("swarm_trainer", snapshot))
 
     def set_run(self, *, model: str, num_stages: int, codec: str, target_steps: int) -> None:
         self.info.clear()

@@ -48,6 +48,7 @@ from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
 from swarm.trainer.stage_call import StageCaller
 from wire.compression.policy import CodecPolicy
+from wire.transport_stats import TRANSPORTS
 
 
 class ResumeError(RuntimeError):
@@ -77,6 +78,9 @@ class TrainingReport(CallCounters):
     # Payload bytes this trainer sent/received, per codec: with --routing direct its own links only (token
     # ids, targets, validation passes); the hops between peers are in their swarm_peer_*_bytes_total.
     bytes_by_codec: dict = field(default_factory=dict)
+    # the streamed calls this trainer made per transport ("direct": the peers' data plane, "p2pd"):
+    # {"calls": n, "sent_bytes": n, "received_bytes": n}
+    transports: dict = field(default_factory=dict)
     wire_bytes_per_token: float = 0.0
     grad_norms: list[float] = field(default_factory=list)  # --clip-grad-norm: each step's global norm, unclipped
     split_boundaries: list[int] | None = None  # the stage split the peers agreed on (None: none stated)
@@ -173,6 +177,7 @@ async def train(
             metrics=metrics,
             say=say,
             access=run_access(config.authority, dht, say, roles=("trainer",)),
+            data_plane=config.transport.data_plane,
         ),
     )
     if schedule is None:
@@ -276,7 +281,7 @@ async def train(
     finally:
         progress.close()
         refresher.cancel()
-        schedule.client.streams.close()  # the peers' handlers of our kept streams end now, not when idle
+        schedule.client.close()  # the peers' handlers of our kept streams end now, not when idle
         _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
     return report
 
@@ -358,6 +363,7 @@ async def connect(
     access: RunAccess | None = None,
     verification: VerificationSettings | None = None,
     seed: int = 0,
+    data_plane: bool = True,
 ) -> StepSchedule:
     """Find the swarm's stages and wire the pipeline to them (the view, the caller, the schedule);
     returns once every stage has an online replica. Refuses, in one line, a swarm that serves
@@ -366,7 +372,7 @@ async def connect(
     num_stages = num_stages or await discover_num_stages(dht, model, timeout_s, say)
     p2p = await dht.replicate_p2p()
     credential = access.credential.decode() if access is not None and access.credential else None
-    client = StageClient(p2p, model=model, num_stages=num_stages, credential=credential)
+    client = StageClient(p2p, model=model, num_stages=num_stages, credential=credential, data_plane=data_plane)
     view = SwarmView(
         dht,
         model=model,
@@ -403,8 +409,20 @@ async def connect(
     codecs.warm_up()
     metrics.count_bytes(client.bytes.snapshot)
     metrics.watch_phases(caller.phases.snapshot)
+    metrics.count_transports(client.transport.stats.snapshot)
     await wait_for_every_stage(view, timeout_s, vocab_size=model_config.vocab_size, vocab_source=data_source)
     return schedule
+
+
+def transport_totals(snapshot: dict) -> dict:
+    """A TransportStats snapshot as the report keeps it: per transport, calls made and bytes each way."""
+    totals = {}
+    for transport in TRANSPORTS:
+        calls = sum(n for (t, side, _), n in snapshot["calls"].items() if (t, side) == (transport, "made"))
+        sent, received = (snapshot["bytes"].get((transport, d), 0) for d in ("sent", "received"))
+        if calls or sent or received:
+            totals[transport] = {"calls": calls, "sent_bytes": sent, "received_bytes": received}
+    return totals
 
 
 def _fill_report(
@@ -414,6 +432,7 @@ def _fill_report(
     report.train_time_s = train_time_s
     report.codec = schedule.caller.codecs.mode
     report.bytes_by_codec = schedule.client.bytes.snapshot()
+    report.transports = transport_totals(schedule.client.transport.stats.snapshot())
     total_bytes = sum(item["wire_bytes"] for direction in report.bytes_by_codec.values() for item in direction.values())
     report.wire_bytes_per_token = total_bytes / report.tokens if report.tokens else 0.0
     if report.losses:

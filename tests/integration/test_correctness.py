@@ -58,9 +58,10 @@ def reference_grad_norm(config, boundaries=None) -> float:
 # A subspace model (models/subspace.py): K coefficients per token cross between stages, and the
 # later stages get the token ids beside them (with the inputs resent on a cache miss, and carried
 # hop to hop by direct routing).
-# With `pieces`, every hop of direct routing crosses on several streams at once (--hop-piece-kb 8:
-# one microbatch of 8 samples, whose 32 KiB of activations and gradient cross in 4 pieces each,
-# peers/serving/hop_pieces.py).
+# Every call goes over the peers' data plane (wire/data_plane.py, direct TLS), but with `pieces`:
+# p2pd only (--no-data-plane), and every hop of direct routing crosses on several streams at once
+# (--hop-piece-kb 8: one microbatch of 8 samples, whose 32 KiB of activations and gradient cross in
+# 4 pieces each, peers/serving/hop_pieces.py).
 @pytest.mark.parametrize(
     ("num_stages", "cache_size", "routing", "subspace"),
     [
@@ -78,7 +79,7 @@ def test_one_step_through_the_swarm_matches_one_process(
     make_swarm, tmp_path, num_stages, cache_size, routing, subspace
 ):
     routing, _, pieces = routing.partition(" ")
-    piece_args = ["--hop-piece-kb", "8"] if pieces else []
+    piece_args = ["--hop-piece-kb", "8", "--no-data-plane"] if pieces else []
     microbatch = BATCH if pieces else MICROBATCH
     config = get_model_config("tiny")
     subspace_args = []
@@ -124,6 +125,7 @@ def test_one_step_through_the_swarm_matches_one_process(
         "--routing",
         routing,
         *subspace_args,
+        *(["--no-data-plane"] if pieces else []),
     )
     assert trainer.popen.wait(timeout=180) == 0, trainer.log()
     if pieces:  # every later stage took the hop's 3 other pieces (more if a call was made again)
@@ -132,9 +134,16 @@ def test_one_step_through_the_swarm_matches_one_process(
                 ("swarm_peer_requests_total", (("rpc", "chain_piece"), ("stage", str(stage)))), 0
             )
             assert served >= 3, (stage, served)
+    else:  # the trainer's calls, and each chain's hops, went over the data plane
+        for stage in range(1, num_stages) if routing == "direct" else ():
+            assert served_over(peers[stage], "direct") > 0, stage
     stop_together(peers)  # a clean exit writes each stage's checkpoint
     with open(report_path) as f:
         report = json.load(f)
+    if pieces:
+        assert set(report["transports"]) == {"p2pd"}, report["transports"]
+    else:
+        assert report["transports"]["direct"]["calls"] > 0, report["transports"]
 
     ref_loss, ref_params = reference_update(config, kind, lr, boundaries)
     assert report["losses"][0] == pytest.approx(ref_loss, abs=1e-5)
@@ -165,6 +174,17 @@ def test_one_step_through_the_swarm_matches_one_process(
             assert not torch.equal(value, initial[name].detach()), f"{name} did not change"
             compared += 1
     assert compared == len(ref_params)
+
+
+def served_over(peer, transport: str, rpc: str | None = None) -> float:
+    """Streamed calls (of `rpc`, or any) `peer` served over `transport` ("direct": its data plane, or "p2pd")."""
+    return sum(
+        value
+        for (name, labels), value in scrape(peer).items()
+        if name == "swarm_peer_transport_calls_total"
+        and {("side", "served"), ("transport", transport)} <= set(labels)
+        and (rpc is None or ("rpc", rpc) in labels)
+    )
 
 
 def full_model_name(name: str, spec) -> str:

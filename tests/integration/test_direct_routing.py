@@ -19,7 +19,7 @@ from models.config import get_model_config
 from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
 from tests.integration.processes import stop_together
-from tests.integration.test_correctness import BATCH, MICROBATCH
+from tests.integration.test_correctness import BATCH, MICROBATCH, served_over
 from tests.integration.test_replicas import (
     assert_stage0_replicas_took_one_process_step,
     averaging_sample,
@@ -107,15 +107,24 @@ def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swa
 # fails over to the other stage-1 replica, which sends the microbatch to stage 2 again: stage 2
 # answers it and, in the backward case, must not add it twice. "hang": the replica holds a forward
 # and is never killed; the stage-0 peer's hop times out within the chain's adaptive budget instead.
-# Every hop crosses in pieces (--hop-piece-kb 4: the activations on the call's stream, the targets on
-# a piece stream of their own), so a kill also breaks a call's other streams.
-@pytest.mark.parametrize("hold", ["forward", "backward", "hang"])
+# Over p2pd (--no-data-plane), every hop crosses in pieces (--hop-piece-kb 4: the activations on the
+# call's stream, the targets on a piece stream of their own), so a kill also breaks a call's other
+# streams. Over the data plane (wire/data_plane.py), a hop is one call on one TLS connection, and the
+# kill breaks that connection mid-call.
+@pytest.mark.parametrize(
+    ("hold", "transport"),
+    [("forward", "p2pd"), ("backward", "p2pd"), ("hang", "p2pd"), ("forward", "direct"), ("backward", "direct")],
+)
 def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and_adds_nothing_twice(
-    make_swarm, tmp_path, hold
+    make_swarm, tmp_path, hold, transport
 ):
+    transport_args = ["--no-data-plane"] if transport == "p2pd" else []
     swarm = make_swarm(
         num_stages=3,
-        peer_args=["--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none", "--hop-piece-kb", "4"],
+        peer_args=[
+            *("--target-batch-size", "8", "--lr", "3e-3", "--averaging", "none", "--hop-piece-kb", "4"),
+            *transport_args,
+        ],
     )
     swarm.start_bootstrap()
     # hang: held after 6 forwards, when the trainer's chain timeout is learned from 5 answered chains
@@ -137,7 +146,7 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
     steps = 8
     trainer = swarm.start_trainer(
         *("--steps", str(steps), "--batch-size", "8", "--microbatch-size", "2", "--num-stages", "3"),
-        *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path)),
+        *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path), *transport_args),
     )
     wait_for(
         lambda: "injected by --fault-hold" in victim.log(),
@@ -158,7 +167,13 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
         assert averaging_sample(metrics, "swarm_peer_samples_accumulated_total") == steps * 8, peer.name
     if hold == "backward":  # stage 2 saw the held microbatch again, and answered without adding it
         assert averaging_sample(scrape(last), "swarm_peer_backward_repeats_total") >= 1
-    assert averaging_sample(scrape(last), "swarm_peer_requests_total", rpc="chain_piece", stage="2") >= steps * 4
+    pieces = averaging_sample(scrape(last), "swarm_peer_requests_total", rpc="chain_piece", stage="2") or 0
+    served = {t: served_over(last, t, "train_chain") for t in ("direct", "p2pd")}
+    if transport == "p2pd":
+        assert pieces >= steps * 4 and served["direct"] == 0, (pieces, served)
+    else:  # every hop to stage 2 went direct, but maybe the first of each stage-1 replica (made while it connects)
+        assert pieces == 0 and served["p2pd"] <= 2 and sum(served.values()) >= steps * 4, (pieces, served)
+        assert report["transports"].get("p2pd", {}).get("calls", 0) <= 4, report["transports"]
     victim.signal(signal.SIGKILL)  # a hung one would wait out the polite stop
     stop_together([first, other, last])
 

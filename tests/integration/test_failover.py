@@ -51,6 +51,9 @@ def test_sigkill_of_a_replica_loses_nothing(make_swarm, tmp_path):
     assert report["microbatches_lost"] == 0
     assert report["microbatches_retried"] > 0, "the kill should have forced retries"
     assert report["microbatches_sent"] == 40 * 4
+    # ...killed mid-call over the data plane (wire/data_plane.py), which carried the trainer's calls
+    transports = report["transports"]
+    assert transports["direct"]["calls"] > transports.get("p2pd", {}).get("calls", 0), transports
     losses = report["losses"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2, losses
     killed_calls_after = report["calls_by_peer"].get(peer_key(victim), 0)

@@ -1,8 +1,8 @@
 """Every RPC the peer host registers passes its one admission guard: the allow list, the penalty box
-and the size limit refuse a caller of forward, backward, train_chain, hop_record, commit, state, probe
-and dial-back alike,
-each with that RPC's own error answer. No network: the host registers on a fake p2p, and the
-handlers are called with fake contexts."""
+and the size limit refuse a caller of forward, backward, train_chain, hop_record, commit, state, probe,
+dial-back and the data plane's offer alike, each with that RPC's own error answer, and the streamed
+ones on the data plane behind the same guard. No network: the host registers on a fake p2p (and a
+fake data plane), and the handlers are called with fake contexts."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 
 from dht.node import NetworkConfig
 from dht.reachability import DIAL_BACK_FAILED, RPC_REACHABILITY
-from peers.config import PeerConfig, ServingLimits
+from peers.config import DataPlaneSettings, PeerConfig, ServingLimits
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.chain_rpc import PieceRefusedError
@@ -26,6 +26,7 @@ from wire.protocol import (
     RPC_BACKWARD,
     RPC_CHAIN_PIECE,
     RPC_COMMIT,
+    RPC_DATA_PLANE,
     RPC_FORWARD,
     RPC_HOP_RECORD,
     RPC_PROBE,
@@ -49,6 +50,7 @@ EVERY_RPC = {
     RPC_STATE,
     RPC_PROBE,
     RPC_REACHABILITY,
+    RPC_DATA_PLANE,
 }
 
 
@@ -63,6 +65,16 @@ class FakeP2P:
 
     async def add_protobuf_handler(self, name, handler, input_type, *, stream_input=False, stream_output=False):
         self.handlers[name] = (handler, stream_input, stream_output)
+
+
+class FakeDataPlane:
+    """What the guard registers on a data plane (wire/data_plane.py's DataPlaneServer.add_handler)."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, tuple] = {}
+
+    def add_handler(self, name, handler, request_type, *, stream_input=True):
+        self.handlers[name] = (handler, stream_input, True)
 
 
 def context(peer_id: str) -> SimpleNamespace:
@@ -91,6 +103,7 @@ def registered_host(**limits) -> tuple[PeerHost, FakeP2P]:
         stage=0,
         network=NetworkConfig(allowed_peers=[FRIEND]),
         serving=ServingLimits(**limits),
+        transport=DataPlaneSettings(data_plane=False),  # no listening socket here
     )
     dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "the-peer"))
     host = PeerHost(config, FakeRuntime(), dht, metrics=PeerMetrics())
@@ -148,6 +161,20 @@ def test_a_caller_off_the_allow_list_is_refused_by_every_rpc():
         if stream is not None:  # read to the end before the answer: answering earlier resets the stream
             assert stream.read == 2, rpc
     # forward, backward and train_chain
+    assert host.serving.requests_failed == 3 and host.serving.requests_served == 0
+
+
+def test_the_data_plane_serves_the_streamed_rpcs_behind_the_same_guard():
+    host, p2p = registered_host()
+    plane = FakeDataPlane()
+    host.guard.register_data_plane(plane, host.rpcs(), runtime_pb2.ExpertRequest)
+    streamed = {
+        name for name, (_, stream_input, stream_output) in p2p.handlers.items() if stream_input or stream_output
+    }
+    assert set(plane.handlers) == streamed and RPC_FORWARD in streamed and RPC_TRAIN_CHAIN in streamed
+    for rpc in sorted(streamed):
+        answer, stream = call(plane, rpc, STRANGER, garbage(), garbage())
+        assert "private swarm" in error_of(answer) and STRANGER in error_of(answer), rpc
     assert host.serving.requests_failed == 3 and host.serving.requests_served == 0
 
 

@@ -117,6 +117,9 @@ TRAIN_DEFAULTS_ADDED |= {"subspace_rank": 0, "subspace_kind": "fixed"}
 # Added deliberately (issue #27): what --codec adaptive may cost in validation loss; only adaptive reads it.
 TRAIN_FLAGS_ADDED |= {"--codec-loss-budget"}
 TRAIN_DEFAULTS_ADDED |= {"codec_loss_budget": 0.02}
+# Added deliberately (issue #55): calls over the peers' data plane (direct TLS), p2pd the fallback; on.
+TRAIN_FLAGS_ADDED |= {"--data-plane", "--no-data-plane"}
+TRAIN_DEFAULTS_ADDED |= {"data_plane": True}
 
 # Read from `swarm plan --help` before it had a config (flags added by hand with argparse).
 PLAN_FLAGS_BEFORE = NETWORK_FLAGS | {

@@ -70,6 +70,10 @@ PEER_FLAGS = {
     "--max-in-flight-mb",  # issue #30
     "--hop-record-mb",  # issue #23: hop records for direct routing's spot checks
     "--hop-piece-kb",  # issue #23: a hop in pieces, each under a new stream's window
+    "--data-plane",  # issue #55: calls over direct TLS connections, p2pd the fallback
+    "--no-data-plane",
+    "--data-plane-port",  # issue #55
+    "--data-plane-announce-port",  # issue #55
     "--request-deadline-s",  # issue #30
     "--plan-signers",  # issue #30
     "--memory-limit-gb",
@@ -162,6 +166,9 @@ PEER_VARIABLES = {
     "SWARM_MAX_DECODED_MB",  # issue #30
     "SWARM_MAX_IN_FLIGHT_MB",  # issue #30
     "SWARM_HOP_RECORD_MB",  # issue #23
+    "SWARM_DATA_PLANE",  # issue #55
+    "SWARM_DATA_PLANE_PORT",  # issue #55
+    "SWARM_DATA_PLANE_ANNOUNCE_PORT",  # issue #55
     "SWARM_HOP_PIECE_KB",
     "SWARM_REQUEST_DEADLINE_S",  # issue #30
     "SWARM_PLAN_SIGNERS",  # issue #30
