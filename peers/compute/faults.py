@@ -27,6 +27,9 @@ from peers.replicas.averaging import GradientSync, ParameterAveraging
 from process.config import ConfigError, option
 
 GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "replay", "stale")
+# --fault-garbage-calls: which calls lie (a backward's lie is in every answer it makes: its input
+# gradient, its loss, and the parameter gradient it adds and samples)
+GARBAGE_CALLS = ("all", "forward", "backward")
 # Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
 PLAUSIBLE_KINDS = ("scale", "noise", "replay", "stale")
 # --fault-averaging: what the replica's contribution to the all-reduce is multiplied by
@@ -112,6 +115,12 @@ class FaultSettings:
         choices=list(GARBAGE_KINDS),
     )
     fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
+    fault_garbage_calls: str = option(
+        "all",
+        help="testing only: which calls --fault-garbage lies on (backward: the input gradient, the loss, and "
+        "the parameter gradient it adds and samples; a spot check's recompute lies as the call it checks)",
+        choices=list(GARBAGE_CALLS),
+    )
     fault_garbage_size: float = option(
         0.05, help="testing only: relative size of --fault-garbage scale and noise (a fraction of the output's norm)"
     )
@@ -167,6 +176,8 @@ class FaultSettings:
             raise ConfigError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
         if not self.fault_claim_speedup >= 1.0:
             raise ConfigError("--fault-claim-speedup must be >= 1")
+        if self.fault_garbage_calls not in GARBAGE_CALLS:
+            raise ConfigError(f"--fault-garbage-calls must be one of {', '.join(GARBAGE_CALLS)}")
         if self.fault_garbage not in GARBAGE_KINDS or not 0.0 <= self.fault_garbage_rate <= 1.0:
             raise ConfigError(
                 f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
@@ -265,9 +276,11 @@ class FaultyStageRuntime:
         # replay: the latest true answer per (rpc, shape), handed out in place of the next one
         self._earlier: dict[tuple[str, tuple], object] = {}
         # stale: the weights as they were at start-up, which the answers come from while the real ones train
-        self._frozen = (
-            copy.deepcopy(runtime.module).requires_grad_(False) if settings.fault_garbage == "stale" else None
-        )
+        self._frozen = copy.deepcopy(runtime.module) if settings.fault_garbage == "stale" else None
+        if self._frozen is not None:  # its trainable parameters' gradients are the stale lie a backward adds
+            trainable = set(runtime.param_names)
+            for name, param in self._frozen.named_parameters():
+                param.requires_grad_(name in trainable)
         self._hold_calls = 0  # calls at --fault-hold's point so far (one is held, once)
         self._backward_calls = 0  # backward calls computed so far (--fault-lose-answer loses one answer)
 
@@ -328,8 +341,11 @@ class FaultyStageRuntime:
             logger.warning(HOLD_MESSAGE.format(microbatch_id=microbatch_id, point=point))
             time.sleep(self._settings.fault_hold_s)
 
-    def _garbage_now(self) -> bool:
-        return self._settings.fault_garbage != "none" and self._rng.random() < self._settings.fault_garbage_rate
+    def _garbage_now(self, rpc: str) -> bool:
+        settings = self._settings
+        if settings.fault_garbage == "none" or settings.fault_garbage_calls not in ("all", rpc):
+            return False
+        return self._rng.random() < settings.fault_garbage_rate
 
     def _garbled(self, value):
         return garbled(
@@ -351,7 +367,7 @@ class FaultyStageRuntime:
     ) -> torch.Tensor:
         self._hold_if_due("forward", microbatch_id)
         outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets, tokens)
-        if not self._garbage_now():
+        if not self._garbage_now("forward"):
             return outputs
         kind = self._settings.fault_garbage
         if kind == "replay":
@@ -360,27 +376,66 @@ class FaultyStageRuntime:
             return self._stale(inputs, targets, tokens=tokens)[0]
         return self._garbled(outputs)
 
-    def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
-        self._hold_if_due("forward" if self._runtime.is_last else "backward", microbatch_id)
-        grad_inputs, loss = self._run(self._runtime.backward, microbatch_id, inputs, **kwargs)
-        if not self._garbage_now():
-            return grad_inputs, loss
+    def backward(self, microbatch_id: str, inputs: torch.Tensor | None, **kwargs):
+        grad_inputs, loss, _ = self.backward_sampled(microbatch_id, inputs, sample=False, **kwargs)
+        return grad_inputs, loss
+
+    def backward_sampled(self, microbatch_id: str, inputs: torch.Tensor | None, *, sample: bool = True, **kwargs):
+        """The runtime's backward; when it lies, every answer lies alike: the input gradient, the loss,
+        and the parameter gradient it adds (the accumulation's increase, replaced) and samples."""
+        runtime = self._runtime
+        self._hold_if_due("forward" if runtime.is_last else "backward", microbatch_id)
+        if not self._garbage_now("backward"):
+            return self._run(runtime.backward_sampled, microbatch_id, inputs, sample=sample, **kwargs)
+        before = [grad_sum.clone() for grad_sum in runtime.grad_sums]
+        counted = runtime.samples_accumulated
+        grad_inputs, loss, _ = self._run(runtime.backward_sampled, microbatch_id, inputs, sample=False, **kwargs)
+        added = runtime.samples_accumulated - counted  # 0: a repeat, or the runtime stepped (its own schedule)
+        honest = [(after - earlier) / max(added, 1) for after, earlier in zip(runtime.grad_sums, before)]
         kind = self._settings.fault_garbage
         if kind == "replay":
             shape = None if inputs is None else tuple(inputs.shape)
-            return self._replayed("backward", (grad_inputs, loss), shape)
-        if kind == "stale":
+            grad_inputs, loss, lied = self._replayed("backward", (grad_inputs, loss, honest), shape)
+        elif kind == "stale":
             if inputs is None:  # served from the activation cache, which the real forward filled: honest
-                return grad_inputs, loss
-            _, stale_grad, stale_loss = self._stale(
-                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True, tokens=kwargs.get("tokens")
+                lied = honest
+            else:
+                _, grad_inputs, loss, lied = self._stale(
+                    inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True, tokens=kwargs.get("tokens")
+                )
+        else:
+            grad_inputs, loss, lied = self._garbled(grad_inputs), self._garbled(loss), self._garbled_grads(honest)
+        if added > 0:
+            for grad_sum, earlier, grad in zip(runtime.grad_sums, before, lied):
+                grad_sum.copy_(earlier + grad * added)
+        return grad_inputs, loss, runtime.sample_of(lied) if sample else None
+
+    def recompute(self, rpc: str, inputs: torch.Tensor, **kwargs):
+        """A spot check's recompute (the runtime's), lying as the call it checks would."""
+        answer, loss, sampled = self._run(self._runtime.recompute, rpc, inputs, **kwargs)
+        if not self._garbage_now(rpc):
+            return answer, loss, sampled
+        kind = self._settings.fault_garbage
+        if kind == "replay":
+            return self._replayed(f"recompute-{rpc}", (answer, loss, sampled), tuple(inputs.shape))
+        if kind == "stale":
+            grad = rpc == "backward"
+            outputs, grad_inputs, stale_loss, grads = self._stale(
+                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=grad, tokens=kwargs.get("tokens")
             )
-            return stale_grad, stale_loss
-        return self._garbled(grad_inputs), self._garbled(loss)
+            if not grad:
+                return (None, stale_loss, None) if self._runtime.is_last else (outputs, None, None)
+            return grad_inputs, stale_loss, self._runtime.sample_of(grads)
+        lied = None if sampled is None else self._garbled(torch.tensor(sampled, dtype=torch.float64)).tolist()
+        return self._garbled(answer), self._garbled(loss), lied
+
+    def _garbled_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameter gradient a lying backward adds: each tensor garbled as an answer would be."""
+        return [self._garbled(grad) for grad in grads]
 
     def _stale(self, inputs, targets=None, grad_outputs=None, *, grad: bool = False, tokens=None):
-        """(outputs, input gradient, loss) of the weights frozen at start-up, as the runtime would
-        send them."""
+        """(outputs, input gradient, loss, parameter gradients) of the weights frozen at start-up, as
+        the runtime would send them (the gradients only with `grad`)."""
         runtime = self._runtime
         inputs, targets = inputs.to(runtime.device), None if targets is None else targets.to(runtime.device)
         tokens = None if tokens is None else tokens.to(runtime.device)
@@ -388,12 +443,20 @@ class FaultyStageRuntime:
         with torch.enable_grad() if grad else torch.no_grad():
             outputs = self._frozen(leaf, targets, tokens=tokens)
             loss = float(outputs.detach()) if runtime.is_last else None
-            input_grad = None
-            if grad and leaf.requires_grad:
+            input_grad, param_grads = None, None
+            if grad:
                 grad_outputs = None if grad_outputs is None else grad_outputs.to(runtime.device)
-                (input_grad,) = torch.autograd.grad(outputs, leaf, grad_outputs=grad_outputs)
-                input_grad = runtime._to_wire(input_grad)
-        return runtime._to_wire(outputs.detach()), input_grad, loss
+                trainable = dict(self._frozen.named_parameters())
+                params = [trainable[name] for name in runtime.param_names]
+                targets_of_grad = ([leaf] if leaf.requires_grad else []) + params
+                seed = torch.ones_like(outputs) if runtime.is_last else grad_outputs
+                grads = torch.autograd.grad(outputs, targets_of_grad, grad_outputs=seed, allow_unused=True)
+                if leaf.requires_grad:
+                    input_grad = runtime._to_wire(grads[0])
+                param_grads = [
+                    torch.zeros_like(p) if g is None else g for p, g in zip(params, grads[len(grads) - len(params) :])
+                ]
+        return runtime._to_wire(outputs.detach()), input_grad, loss, param_grads
 
 
 _BURN_MATRIX_SIZE = 128  # one product takes well under a millisecond: the deadline is overshot by little
