@@ -84,8 +84,12 @@ class TrainingReport(CallCounters):
     final_eval_loss: float | None = None
     stopped_early: bool = False  # stopped by SIGTERM/SIGINT before its last step
     # peer id -> what it did for this trainer: samples_served, calls_answered, calls_failed,
-    # calls_verified, mismatches, stage, banned (reason or None); swarm/trainer/contributions.py
+    # calls_verified, mismatches, samples_verified, disputes, stage, banned (reason or None);
+    # swarm/trainer/contributions.py
     contributions: dict[str, dict] = field(default_factory=dict)
+    # spot checks whose two answers differed with no third replica to tell which was right, the latest
+    # (swarm/trainer/spot_checks.py `Dispute`): stage, call, microbatch_id, peers, share, step
+    disputes: list[dict] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -425,6 +429,7 @@ def _fill_report(
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
     report.banned_peers = {**earlier_bans, **counters.banned_peers}
     report.contributions = schedule.caller.contributions.merge(earlier_contributions or {})
+    report.disputes = [dataclasses.asdict(d) for d in schedule.caller.disputes_unresolved]
 
 
 async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:

@@ -28,8 +28,9 @@ from swarm.trainer.discovery import SwarmView
 from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
 from swarm.trainer.global_step import step_id as global_step_id
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.spot_checks import CallSampler
+from swarm.trainer.spot_checks import CallSampler, calls_to_check
 from swarm.trainer.stage_call import Payload, StageCaller
+from wire.compression import EncodedTensor
 from wire.protocol import CommitResponse
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,15 @@ def replicas_to_repair(answers: dict[str, CommitResponse]) -> list[CatchUp]:
     ]
 
 
+def backward_request(
+    sent: tuple[tuple[str, EncodedTensor], ...], forward_sent: tuple[tuple[str, EncodedTensor], ...]
+) -> tuple[tuple[str, EncodedTensor], ...]:
+    """Everything a backward computed on, as sent: its own request, and when it was served from the
+    replica's activation cache (sent without its inputs) the inputs and token ids its forward was sent."""
+    names = {name for name, _ in sent}
+    return tuple(item for item in forward_sent if item[0] not in names) + tuple(sent)
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -160,18 +170,23 @@ class StepSchedule:
             # served its forward (and cached it, so that the backward need not resend the inputs).
             stage_inputs = [Payload(mb.inputs)]
             served_by: list[str] = []
+            forward_requests = []  # what each stage's forward was sent: a cached backward's inputs
+            checks = self.caller.spot_checks  # --verify-fraction: a call picked is recomputed by a second replica too
             for stage in range(self.num_stages - 1):
                 tensors = [("inputs", stage_inputs[-1]), *self._tokens(stage, stage_inputs[0])]
                 answer = await call(stage, "forward", microbatch_id, mb.size, tensors, failures)
-                if self.caller.spot_checks.pick():  # --verify-fraction: asked of a second replica too
-                    answer = await self.caller.verify(stage, microbatch_id, mb.size, answer)
+                if checks.pick():
+                    answer = await self.caller.verify(stage, microbatch_id, mb.size, answer, step=mb.step)
                 stage_inputs.append(answer.payload("outputs"))
                 served_by.append(answer.peer_id)
+                forward_requests.append(answer.request)
             last = self.num_stages - 1
             tensors = [("inputs", stage_inputs[last]), ("targets", Payload(mb.targets))]
             tensors += self._tokens(last, stage_inputs[0])
             answer = await call(last, "backward", microbatch_id, mb.size, tensors, failures)
             self._count_served(last, answer.peer_id, mb.size)
+            if checks.pick():  # the last stage's fused call: its loss, input gradient and gradient sample
+                answer = await self.caller.verify(last, microbatch_id, mb.size, answer, call="backward", step=mb.step)
             response = answer.response
             for stage in reversed(range(last)):
                 tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", answer.payload("grad_inputs"))]
@@ -180,6 +195,11 @@ class StepSchedule:
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
                 self._count_served(stage, answer.peer_id, mb.size)
+                if checks.pick():  # its input gradient and gradient sample, recomputed from everything it used
+                    request = backward_request(answer.request, forward_requests[stage])
+                    answer = await self.caller.verify(
+                        stage, microbatch_id, mb.size, answer, call="backward", request=request, step=mb.step
+                    )
             self._finished(failures)
             return float(response.loss)
 
@@ -188,9 +208,9 @@ class StepSchedule:
         answer = await self.chains.run(microbatch_id, mb, failures)
         for stage, peer_id in enumerate(answer.served_by):
             self._count_served(stage, peer_id, mb.size)
-        for stage in range(self.num_stages - 1):  # --verify-fraction: each stage's forward, as under hub routing
+        for stage, call in calls_to_check(self.num_stages):  # --verify-fraction: each call, as under hub routing
             if self.caller.spot_checks.pick():
-                await self.chains.audit(stage, microbatch_id, mb, answer.served_by, send_tokens=self.send_tokens)
+                await self.chains.audit(stage, call, microbatch_id, mb, answer, send_tokens=self.send_tokens)
         self._finished(failures)
         return answer.loss
 
@@ -309,6 +329,8 @@ class StepSchedule:
         replica (default: what this trainer saw each replica serve since the last commit)."""
         own, self._served = self._served, {}
         served = own if served is None else served
+        if self.caller.held and not flush:  # before the replicas step: this step's disputes, to a third replica
+            await self.caller.settle_disputes(max(dispute.step for dispute, _, _ in self.caller.held))
         groups = [
             (stage, mode, group)
             for stage, records in enumerate(self.view.records)
