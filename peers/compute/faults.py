@@ -2,9 +2,12 @@
 fails a fraction of its calls, or returns garbage while computing correctly inside: obvious garbage
 (NaNs, a wrong shape), which the trainer's answer check catches, or plausible lies (issue #25) that
 only a spot check can catch: outputs scaled by 1 + `--fault-garbage-size`, outputs plus noise of that
-relative size, an earlier answer of the same shape replayed, or answers computed from the weights
-frozen at start-up while the real ones train. A replica can also lie to its groupmates in the
-averaging all-reduce (`--fault-averaging`): its contribution multiplied by 10 or negated. And a peer
+relative size, or one fixed direction of that size (bias), an earlier answer of the same shape
+replayed, or answers computed from the weights frozen at start-up while the real ones train; on
+every call or on backward calls alone (`--fault-garbage-calls`), a backward's lie being in all it
+makes: its input gradient, its loss, and the parameter gradient it adds and samples. A replica
+can also lie to its groupmates in the averaging all-reduce (`--fault-averaging`): its contribution
+multiplied by 10 or negated. And a peer
 can hold one call mid-hop (`--fault-hold forward|backward`): it has received the hop's tensors and
 does not answer, logging that it holds them, so a test can SIGKILL it at exactly that moment. Or it
 can lose one answer on the way back (`--fault-lose-answer N`): the Nth backward call is computed and
@@ -26,12 +29,12 @@ from peers.compute.stage_runtime import StageRuntime, ThroughputMeter, WrongStag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from process.config import ConfigError, option
 
-GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "replay", "stale")
+GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "bias", "replay", "stale")
 # --fault-garbage-calls: which calls lie (a backward's lie is in every answer it makes: its input
 # gradient, its loss, and the parameter gradient it adds and samples)
 GARBAGE_CALLS = ("all", "forward", "backward")
 # Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
-PLAUSIBLE_KINDS = ("scale", "noise", "replay", "stale")
+PLAUSIBLE_KINDS = ("scale", "noise", "bias", "replay", "stale")
 # --fault-averaging: what the replica's contribution to the all-reduce is multiplied by
 AVERAGING_LIES = {"none": 1.0, "scale": 10.0, "flip": -1.0}
 # How the extra time of a slowed compute is spent:
@@ -58,16 +61,24 @@ LOST_ANSWER_MESSAGE = "lost the answer to backward call {call} after adding it (
 logger = logging.getLogger(__name__)
 
 
+def bias_direction(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The one direction of `shape` a `bias` liar pushes every answer of that shape along (unit norm,
+    the same on every call: a lie that adds up step after step instead of averaging out)."""
+    direction = torch.randn(shape, generator=torch.Generator().manual_seed(0xB1A5 + sum(shape)), dtype=dtype)
+    return direction / direction.norm().clamp_min(1e-30)
+
+
 def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator | None = None):
     """What a broken peer sends instead of `value` (a tensor, a loss, or None), for the kinds that
-    need nothing but the value: nan, shape, scale (times 1 + size) and noise (plus Gaussian noise of
-    norm `size` times the value's norm; a loss is scaled instead)."""
+    need nothing but the value: nan, shape, scale (times 1 + size), noise (plus Gaussian noise of
+    norm `size` times the value's norm) and bias (plus `bias_direction` times that norm); a loss is
+    scaled instead."""
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):
         if kind == "nan":
             return float("nan")
-        return value * (1.0 + size) if kind in ("scale", "noise") else value
+        return value * (1.0 + size) if kind in ("scale", "noise", "bias") else value
     if kind == "nan":
         return torch.full_like(value, float("nan"))
     if kind == "scale":
@@ -75,6 +86,8 @@ def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator 
     if kind == "noise":
         noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
         return value + noise * (size * value.norm() / noise.norm().clamp_min(1e-30))
+    if kind == "bias":
+        return value + bias_direction(tuple(value.shape), value.dtype).to(value.device) * (size * value.norm())
     if kind == "shape":
         return value[..., :-1].contiguous()  # one value short in the last dimension
     raise ValueError(f"garbled() cannot make {kind!r} answers: it needs the runtime (FaultyStageRuntime)")
@@ -110,8 +123,8 @@ class FaultSettings:
         "none",
         help="testing only: answer with garbage while computing correctly inside (nan: NaN values; "
         "shape: one value short; scale: outputs times 1 + --fault-garbage-size; noise: plus noise of "
-        "that relative size; replay: the previous answer of the same shape; stale: computed from the "
-        "weights frozen at start-up)",
+        "that relative size; bias: plus one fixed direction of that relative size; replay: the previous "
+        "answer of the same shape; stale: computed from the weights frozen at start-up)",
         choices=list(GARBAGE_KINDS),
     )
     fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")

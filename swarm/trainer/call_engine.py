@@ -63,7 +63,7 @@ class CallCounters:
     calls_verified_by_call: dict[str, int] = field(default_factory=dict)  # ... by kind: forward, backward, last
     verify_mismatches: int = 0  # ... whose answers differed beyond the tolerance
     verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
-    verify_third_opinions: int = 0  # mismatches a third replica was asked about (at once, or later)
+    verify_third_opinions: int = 0  # recomputes asked after a mismatch (a third replica's on; at once, or later)
     verify_disputes: int = 0  # mismatches with no third replica to ask: held, nobody banned
     verify_disputes_settled: int = 0  # ... a third replica answered later, before the replicas stepped
     verify_disputes_unresolved: int = 0  # ... none could (listed in the report's `disputes`)

@@ -28,7 +28,7 @@ from swarm.trainer.discovery import SwarmView
 from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
 from swarm.trainer.global_step import step_id as global_step_id
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.spot_checks import CallSampler, calls_to_check
+from swarm.trainer.spot_checks import CACHED_BACKWARD_WEIGHT, CallSampler, calls_to_check, check_weight
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.compression import EncodedTensor
 from wire.protocol import CommitResponse
@@ -195,7 +195,7 @@ class StepSchedule:
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
                 self._count_served(stage, answer.peer_id, mb.size)
-                if checks.pick():  # its input gradient and gradient sample, recomputed from everything it used
+                if checks.pick(CACHED_BACKWARD_WEIGHT):  # its input gradient and sample, from all it used
                     request = backward_request(answer.request, forward_requests[stage])
                     answer = await self.caller.verify(
                         stage, microbatch_id, mb.size, answer, call="backward", request=request, step=mb.step
@@ -209,7 +209,7 @@ class StepSchedule:
         for stage, peer_id in enumerate(answer.served_by):
             self._count_served(stage, peer_id, mb.size)
         for stage, call in calls_to_check(self.num_stages):  # --verify-fraction: each call, as under hub routing
-            if self.caller.spot_checks.pick():
+            if self.caller.spot_checks.pick(check_weight(stage, call, self.num_stages)):
                 await self.chains.audit(stage, call, microbatch_id, mb, answer, send_tokens=self.send_tokens)
         self._finished(failures)
         return answer.loss

@@ -26,8 +26,9 @@ most 4.8e-3 from its float32 recompute on the stages measured, a 7-standard-devi
 the bound. So announcing bf16 buys a replica at most that slack, and a lie beyond it (3% in the
 tests) is caught whatever the liar computes in.
 
-Verdicts: answers further apart than the tolerance go to a third replica, and a replica whose answer
-agrees with neither of two agreeing others is banned for the run. Two answers that disagree with no
+Verdicts: answers further apart than the tolerance go to a third replica (and on, up to
+`MAX_OPINIONS` answers, while they settle nothing), and the replicas whose answers agree with none of
+a majority of agreeing others are banned for the run (`judge`). Two answers that disagree with no
 third replica to ask decide nothing, each could be the liar: the dispute is held (`Dispute`) and
 asked of a third replica when one can answer it before the stage's replicas step again (one joined,
 or came back), and reported as unresolved otherwise (`third_opinion`).
@@ -44,6 +45,7 @@ decisions; the lie has been applied to its microbatch by then.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
@@ -143,8 +145,9 @@ def comparable_replicas(
 
 class CallSampler:
     """Which calls to check (or, with another `purpose`, which microbatches to pick for it): each
-    with probability `fraction`, from an RNG seeded by the run's seed and the purpose, so the same
-    run picks the same calls (in the order the pipeline asks), each purpose its own."""
+    with probability `fraction` (times the call's `weight`), from an RNG seeded by the run's seed and
+    the purpose, so the same run picks the same calls (in the order the pipeline asks), each purpose
+    its own."""
 
     def __init__(self, fraction: float, *, seed: int = 0, purpose: str = "spot-checks"):
         if not 0.0 <= fraction <= 1.0:
@@ -152,8 +155,20 @@ class CallSampler:
         self.fraction = fraction
         self._rng = random.Random(f"{purpose}:{seed}")
 
-    def pick(self) -> bool:
-        return self.fraction > 0.0 and self._rng.random() < self.fraction
+    def pick(self, weight: float = 1.0) -> bool:
+        return self.fraction > 0.0 and self._rng.random() < self.fraction * weight
+
+
+# A check's recompute of a backward served from the replica's activation cache redoes its forward:
+# about 3 units of compute (forward 1, backward 2) for a call of 2. Picked with this weight, the
+# checks recompute the fraction --verify-fraction of the training compute, whatever the call.
+CACHED_BACKWARD_WEIGHT = 2.0 / 3.0
+
+
+def check_weight(stage: int, call: str, num_stages: int) -> float:
+    """The weight `CallSampler.pick` gives a call: a backward before the last stage (served from the
+    activation cache) `CACHED_BACKWARD_WEIGHT`, any other call 1 (its recompute costs what it did)."""
+    return CACHED_BACKWARD_WEIGHT if call == "backward" and stage < num_stages - 1 else 1.0
 
 
 def calls_to_check(num_stages: int) -> list[tuple[int, str]]:
@@ -168,7 +183,7 @@ class Verdict:
     """What answers to one request say about who answered.
 
     agreed: whether every answer agrees with every other.
-    minority: replicas whose answer agrees with no other while the others agree among themselves.
+    minority: replicas whose answers agree with none of the majority's (`judge`).
     trusted: the replica whose answer the pipeline goes on with: the first (the call the pipeline
         made) unless it is in the minority; then one of the majority.
     largest_agreeing_share: the largest share of the tolerance two agreeing answers used (<= 1),
@@ -187,15 +202,19 @@ class Verdict:
         return self.agreed or bool(self.minority)
 
 
+MAX_OPINIONS = 5  # answers one check may gather (the call's own and recomputes) before it gives up deciding
+
+
 def judge(answers: Mapping[str, Answer | torch.Tensor], tolerance_or_codec: float | str) -> Verdict:
-    """The verdict on two or three answers to one request (replica -> its answer, the pipeline's own
-    call first). `tolerance_or_codec`: the answer codec (tolerances per component and precision,
-    `difference`), or one tolerance for bare tensors. A replica is in the minority when its answer
-    disagrees with every other and the others all agree with each other: with two answers that
-    disagree, or three that disagree pairwise (or agree in a chain: a with b, b with c, not a with
-    c), nobody is."""
-    if not 2 <= len(answers) <= 3:
-        raise ValueError(f"a verdict needs two or three answers, got {len(answers)}")
+    """The verdict on two to MAX_OPINIONS answers to one request (replica -> its answer, the
+    pipeline's own call first). `tolerance_or_codec`: the answer codec (tolerances per component and
+    precision, `difference`), or one tolerance for bare tensors. The majority is a group of at least
+    two answers that all agree with each other, larger than any group the other answers form, and
+    agreeing with none of them: those others are the minority. Two answers that disagree, three
+    that disagree pairwise or agree in a chain (a with b, b with c, not a with c), or two groups of
+    two: nobody is."""
+    if not 2 <= len(answers) <= MAX_OPINIONS:
+        raise ValueError(f"a verdict needs two to {MAX_OPINIONS} answers, got {len(answers)}")
     peers = list(answers)
     shares: dict[tuple[str, str], tuple[float, float]] = {}
     for p in peers:
@@ -216,15 +235,19 @@ def judge(answers: Mapping[str, Answer | torch.Tensor], tolerance_or_codec: floa
     def verdict(agreed: bool, minority: tuple[str, ...], trusted: str) -> Verdict:
         return Verdict(agreed, minority, trusted, largest_agreeing_difference=spread, largest_agreeing_share=share)
 
+    def agree(group) -> bool:
+        return all(close[(p, q)] for p in group for q in group if p != q)
+
     if all(close.values()):
         return verdict(True, (), peers[0])
-    for outlier in peers:
-        rest = [p for p in peers if p != outlier]
-        if len(rest) < 2:
-            break
-        rest_agree = all(close[(p, q)] for p in rest for q in rest if p != q)
-        if rest_agree and not any(close[(outlier, p)] for p in rest):
-            return verdict(False, (outlier,), peers[0] if peers[0] != outlier else rest[0])
+    for size in range(len(peers) - 1, 1, -1):
+        for group in itertools.combinations(peers, size):
+            rest = [p for p in peers if p not in group]
+            if not agree(group) or any(close[(p, q)] for p in rest for q in group):
+                continue
+            if any(agree(other) for n in range(size, len(rest) + 1) for other in itertools.combinations(rest, n)):
+                continue  # another group as large: no majority
+            return verdict(False, tuple(rest), peers[0] if peers[0] in group else group[0])
     return verdict(False, (), peers[0])
 
 

@@ -35,6 +35,7 @@ from swarm.trainer.failures import StageUnavailableError
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.spot_checks import (
     CHECK_PRECISION,
+    MAX_OPINIONS,
     Answer,
     CallSampler,
     Dispute,
@@ -199,8 +200,8 @@ class StageCaller:
         """Spot-check `answer` to a `call` ("forward", or "backward": on the last stage its fused
         call): send its request (`request`, default the answer's own: every tensor the replica computed
         on, as sent) to another replica of the stage as a float32 recompute, and to a third when the
-        two answers differ beyond the tolerance (swarm/trainer/spot_checks.py). A replica whose answer
-        is in the minority is banned for the run; two answers that differ with no third replica to ask
+        two answers differ beyond the tolerance, and on while they settle nothing, up to MAX_OPINIONS
+        answers (swarm/trainer/spot_checks.py). The replicas in the minority are banned for the run; two answers that differ with no third replica to ask
         are a dispute, held until one can be asked (`settle_disputes`). Returns the answer to go on
         with: `answer`, unless its replica was in the minority. Without another replica (or when the
         other fails) the call stays unverified; failures of the extra calls are noted like any other."""
@@ -220,9 +221,11 @@ class StageCaller:
             return answer
         self.counters.verify_mismatches += 1
         self.metrics.verify_mismatches.labels(stage=str(stage)).inc()
-        third = await self._ask_another(check, avoid=set(by_peer))
-        if third is not None:
-            by_peer[third.peer_id] = third
+        while not verdict.decided and len(by_peer) < MAX_OPINIONS:  # more opinions until a majority shows
+            another = await self._ask_another(check, avoid=set(by_peer))
+            if another is None:
+                break
+            by_peer[another.peer_id] = another
             verdict = self._judge(check, by_peer)
             self.counters.verify_third_opinions += 1
         if len(by_peer) == 2:  # nobody to ask yet: held, asked later if a third can answer (settle_disputes)
@@ -257,7 +260,7 @@ class StageCaller:
                 continue
             reason = (
                 f"stage {stage}: its {KIND_NAMES[kind]} answer to {check.microbatch_id} differed from "
-                f"{len(by_peer) - 1} agreeing replicas' beyond the tolerance ({check.codec} codec)"
+                f"{len(majority)} agreeing replicas' beyond the tolerance ({check.codec} codec)"
             )
             self.view.violations.lied(peer_id, reason)
             self.counters.banned_peers[peer_id] = reason

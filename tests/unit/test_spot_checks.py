@@ -546,6 +546,33 @@ def test_two_answers_agree_when_every_component_is_within_its_tolerance():
     assert verdict.minority == ("c",) and 0 < verdict.largest_agreeing_share < 1
 
 
+def test_a_majority_of_two_or_more_bans_every_answer_it_disagrees_with_and_a_tie_bans_nobody():
+    base = activations()
+    several = {"h1": base, "l1": base * 1.05, "h2": base * (1 + 1e-4), "l2": base * 0.9, "l3": base * 1.2}
+    verdict = judge(several, tolerance("none"))
+    assert set(verdict.minority) == {"l1", "l2", "l3"} and verdict.trusted == "h1"
+    colluding = {"h1": base, "c1": base * 1.05, "h2": base, "c2": base * 1.05}  # two against two
+    assert not judge(colluding, tolerance("none")).decided
+    first_lies = {"l1": base * 1.05, "h1": base, "l2": base * 0.9, "h2": base}
+    assert judge(first_lies, tolerance("none")).trusted == "h1"
+    with pytest.raises(ValueError):
+        judge({p: base for p in "abcdef"}, tolerance("none"))
+
+
+def test_a_check_asks_on_until_a_majority_shows():
+    """Among two honest replicas and three liars (each its own lie), the liars' answers agree with
+    nothing: the check asks on until two agree, and bans every liar it asked."""
+    client = ScriptedReplicas(liars={"l1"})
+    client.liars = set()
+    factors = {"l1": 1.05, "l2": 0.9, "l3": 1.2}
+    original = client._told
+    client._told = lambda peer, value: value * factors[peer] if peer in factors else original(peer, value)
+    caller = make_caller(client, ["l1", "l2", "l3", "h1", "h2"])
+    forward_then_verify(caller, order=("l1", "l2", "l3", "h1", "h2"))
+    assert set(caller.counters.banned_peers) == {"l1", "l2", "l3"}
+    assert caller.counters.verify_third_opinions == 3 and caller.counters.verify_calls == 4
+
+
 def test_every_call_of_a_microbatch_can_be_checked_in_the_pipelines_order():
     assert calls_to_check(2) == [(0, "forward"), (1, "backward"), (0, "backward")]
     assert calls_to_check(3) == [(0, "forward"), (1, "forward"), (2, "backward"), (1, "backward"), (0, "backward")]
