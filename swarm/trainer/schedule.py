@@ -150,6 +150,7 @@ class StepSchedule:
         self.metrics: TrainerMetrics = caller.metrics
         self.max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
+        self.checks_open = True  # False while a shared step is over but ours are in flight (`_check`)
         # samples each replica served (answered a backward for) in this step, by stage: the commit
         # caps each replica's weight in the sync average at its count
         self._served: dict[int, dict[str, int]] = {}
@@ -171,11 +172,11 @@ class StepSchedule:
             stage_inputs = [Payload(mb.inputs)]
             served_by: list[str] = []
             forward_requests = []  # what each stage's forward was sent: a cached backward's inputs
-            checks = self.caller.spot_checks  # --verify-fraction: a call picked is recomputed by a second replica too
+            check = self._check  # --verify-fraction: a call picked is recomputed by a second replica too
             for stage in range(self.num_stages - 1):
                 tensors = [("inputs", stage_inputs[-1]), *self._tokens(stage, stage_inputs[0])]
                 answer = await call(stage, "forward", microbatch_id, mb.size, tensors, failures)
-                if checks.pick():
+                if check():
                     answer = await self.caller.verify(stage, microbatch_id, mb.size, answer, step=mb.step)
                 stage_inputs.append(answer.payload("outputs"))
                 served_by.append(answer.peer_id)
@@ -185,7 +186,7 @@ class StepSchedule:
             tensors += self._tokens(last, stage_inputs[0])
             answer = await call(last, "backward", microbatch_id, mb.size, tensors, failures)
             self._count_served(last, answer.peer_id, mb.size)
-            if checks.pick():  # the last stage's fused call: its loss, input gradient and gradient sample
+            if check():  # the last stage's fused call: its loss, input gradient and gradient sample
                 answer = await self.caller.verify(last, microbatch_id, mb.size, answer, call="backward", step=mb.step)
             response = answer.response
             for stage in reversed(range(last)):
@@ -195,7 +196,7 @@ class StepSchedule:
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
                 self._count_served(stage, answer.peer_id, mb.size)
-                if checks.pick(CACHED_BACKWARD_WEIGHT):  # its input gradient and sample, from all it used
+                if check(CACHED_BACKWARD_WEIGHT):  # its input gradient and sample, from all it used
                     request = backward_request(answer.request, forward_requests[stage])
                     answer = await self.caller.verify(
                         stage, microbatch_id, mb.size, answer, call="backward", request=request, step=mb.step
@@ -209,10 +210,17 @@ class StepSchedule:
         for stage, peer_id in enumerate(answer.served_by):
             self._count_served(stage, peer_id, mb.size)
         for stage, call in calls_to_check(self.num_stages):  # --verify-fraction: each call, as under hub routing
-            if self.caller.spot_checks.pick(check_weight(stage, call, self.num_stages)):
+            if self._check(check_weight(stage, call, self.num_stages)):
                 await self.chains.audit(stage, call, microbatch_id, mb, answer, send_tokens=self.send_tokens)
         self._finished(failures)
         return answer.loss
+
+    def _check(self, weight: float = 1.0) -> bool:
+        """Whether to spot-check the call at hand (`CallSampler.pick`, drawn for every call, so that the
+        same run picks the same calls): not while the step is over for the run and another trainer
+        may commit it, which would step the replicas between the call and its recompute."""
+        picked = self.caller.spot_checks.pick(weight)
+        return picked and self.checks_open
 
     def _tokens(self, stage: int, tokens: Payload) -> list[tuple[str, Payload]]:
         """The token ids as a named tensor for `stage`, where it needs them (never stage 0: they are its inputs)."""
@@ -270,6 +278,7 @@ class StepSchedule:
         the mean loss over our samples and their number."""
         tasks: dict[asyncio.Task, Microbatch] = {}
         finished: list[tuple[float, int]] = []
+        self.checks_open = True
         try:
             while not progress.status().over:
                 if len(tasks) < self.max_in_flight and progress.may_send():
@@ -290,7 +299,9 @@ class StepSchedule:
                 if done:
                     await progress.publish()
                 await progress.refresh()
-            # ours in flight finish (the replicas accumulate them into this step, or the next)
+            # ours in flight finish (the replicas accumulate them into this step, or the next), unchecked:
+            # another trainer may commit the step while they are in flight
+            self.checks_open = False
             for task, mb in list(tasks.items()):
                 finished.append((await task, mb.size))
                 progress.note(mb.size, self._served)
