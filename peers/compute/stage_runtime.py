@@ -20,7 +20,7 @@ from models.lora import add_adapters, trainable_state_dict
 from models.stages import StageModule, boundary_width, build_stage
 from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
-from peers.compute.grad_sample import sample_positions, take_sample
+from peers.compute.grad_sample import SamplePlan, sample_plan, take_sample
 from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
 from peers.compute.weight_prediction import optimizer_update
@@ -412,9 +412,9 @@ class StageRuntime:
 
     def sample_of(self, param_grads: list[torch.Tensor | None]) -> list[float]:
         """The fixed sample (peers/compute/grad_sample.py) of a gradient of this stage's trainable parameters."""
-        if self._sample_positions is None or len(self._sample_positions) != len(self.params):
-            self._sample_positions = sample_positions([p.numel() for p in self.params])
-        return take_sample(param_grads, self._sample_positions)
+        if self._sample_plan is None or len(self._sample_plan.positions) != len(self.params):
+            self._sample_plan = sample_plan([p.numel() for p in self.params])
+        return take_sample(param_grads, self._sample_plan)
 
     def recompute(
         self,
@@ -604,7 +604,7 @@ class StageRuntime:
         self.params = [p for _, p in named]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.predicted_update = None
-        self._sample_positions: list[torch.Tensor] | None = None  # grad_sample.py's, for `params`
+        self._sample_plan: SamplePlan | None = None  # grad_sample.py's, for `params`
 
     def _training_weights(self) -> list[torch.Tensor] | None:
         """What training forwards compute on: None for the parameters themselves, or with weight

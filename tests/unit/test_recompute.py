@@ -10,7 +10,7 @@ import torch
 
 from models.config import get_model_config
 from peers.compute.faults import FaultSettings, FaultyStageRuntime
-from peers.compute.grad_sample import sample_positions, take_sample
+from peers.compute.grad_sample import SPREAD, sample_plan, take_sample
 from peers.compute.stage_runtime import BadRequestError, OptimizerSettings, StageRuntime
 from process.config import ConfigError
 from swarm.trainer.spot_checks import PRECISION_ERRORS, TIGHT, relative_difference
@@ -29,14 +29,28 @@ def stages(**kwargs) -> tuple[StageRuntime, StageRuntime]:
     return StageRuntime(CONFIG, 0, 2, optimizer=optimizer, **kwargs), StageRuntime(CONFIG, 1, 2, optimizer=optimizer)
 
 
-def test_the_sampled_positions_depend_on_the_shapes_alone():
-    positions = sample_positions([10, 1000, 5])
-    assert [p.tolist() for p in positions] == [p.tolist() for p in sample_positions([10, 1000, 5])]
-    assert sum(p.numel() for p in positions) == GRAD_SAMPLE_SIZE
-    assert all(p.numel() == 0 or (p.min() >= 0 and p.max() < n) for p, n in zip(positions, [10, 1000, 5]))
-    assert sum(p.numel() for p in sample_positions([3, 4])) == 7  # fewer entries than the sample: all
-    grads = [torch.arange(3.0), None]
-    assert take_sample(grads, sample_positions([3, 4])) == [0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0]
+def test_the_sample_sums_fixed_entries_with_fixed_signs_that_depend_on_the_sizes_alone():
+    plan, again = sample_plan([10, 100000, 5]), sample_plan([10, 100000, 5])
+    assert all(torch.equal(a, b) for a, b in zip(plan.positions, again.positions))
+    assert torch.equal(plan.signs, again.signs) and plan.values == GRAD_SAMPLE_SIZE
+    assert sum(p.numel() for p in plan.positions) == GRAD_SAMPLE_SIZE * SPREAD
+    assert all(p.numel() == 0 or (p.min() >= 0 and p.max() < n) for p, n in zip(plan.positions, [10, 100000, 5]))
+    grads = [torch.randn(10), torch.randn(100000), None]
+    sample = torch.tensor(take_sample(grads, plan))
+    assert sample.numel() == GRAD_SAMPLE_SIZE
+    assert torch.allclose(
+        torch.tensor(take_sample([g * 1.05 if g is not None else None for g in grads], plan)), sample * 1.05
+    )
+    small = sample_plan([3, 4])  # fewer entries than the sample: every one, a value each
+    assert small.values == 7 and sorted(abs(v) for v in take_sample([torch.arange(3.0), None], small)) == [
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+        2,
+    ]
 
 
 def test_a_recompute_answers_what_the_training_call_answered_and_keeps_nothing():
