@@ -4,6 +4,9 @@ cache. No I/O and no asyncio: the server calls these methods on one dedicated co
 Gradients are accumulated weighted by each microbatch's sample count and divided by the samples
 seen when the optimizer steps, so the update equals the one a single process would make on the
 mean loss of the same samples, however they were cut into microbatches or spread over calls.
+A spot check's recompute (`recompute`) answers what a training call answered, in the precision
+asked, keeping nothing; a backward can also answer a fixed sample of the parameter gradient it
+computed (`backward_sampled`, peers/compute/grad_sample.py).
 """
 
 from __future__ import annotations

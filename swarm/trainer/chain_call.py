@@ -23,8 +23,9 @@ It also names the replicas its hops failed over from and how (`failed_over`, als
 failed): each one the route named is counted as a failed call of that kind (`failures_by_kind`,
 the metrics, the replica's ledger entry) and routed around for a short ban (a stage ban for a wrong
 stage) only: a chain's answer is peers' words about each other, no proof of more.
-`ChainCaller.audit` spot-checks a stage of a chain that answered, from what the stage's neighbours
-say crossed its hops (peers/serving/hop_records.py).
+`ChainCaller.audit` spot-checks a call of a stage (its forward or its backward) in a chain that
+answered, from what the stage's neighbours say crossed its hops (peers/serving/hop_records.py) and
+the gradient sample the chain's answer carried.
 """
 
 from __future__ import annotations

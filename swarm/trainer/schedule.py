@@ -3,11 +3,12 @@
 `StepSchedule.run_step` streams a step's microbatches through the stages, at most `max_in_flight`
 at once: each goes forward through stages 0..S-2, takes a fused forward+backward on the last stage
 (which owns the loss), and goes backward through S-2..0, every call through `StageCaller`
-(swarm/trainer/stage_call.py, which fails over); a fraction of the forward calls is spot-checked
-on a second replica (`StageCaller.verify`). With `--routing direct` a microbatch is instead one
-chained call that the peers pass on stage to stage (`ChainCaller`, swarm/trainer/chain_call.py),
-and a chain that answered has each stage's forward spot-checked in the same fraction, from what the
-stage's neighbours say crossed its hops (`ChainCaller.audit`). Nothing is dropped: a microbatch either finishes
+(swarm/trainer/stage_call.py, which fails over); a fraction of the calls (forwards, the last
+stage's, backwards) is spot-checked by a second replica's recompute (`StageCaller.verify`). With
+`--routing direct` a microbatch is instead one chained call that the peers pass on stage to stage
+(`ChainCaller`, swarm/trainer/chain_call.py), and a chain that answered has each stage's calls
+spot-checked in the same fraction, from what the stage's neighbours say crossed its hops
+(`ChainCaller.audit`). Disputes of a step's checks are settled before its commit. Nothing is dropped: a microbatch either finishes
 or the run stops with the error that stopped it. Then the step is committed on the replicas that
 average (sync, or periodic every K steps), so that they step together.
 """

@@ -1,46 +1,17 @@
 """Spot checks of replicas' answers (issues #25, #59), as pure decisions: which call to check, how far
 apart two honest answers may be, who is in the minority, and when a third opinion is needed.
 
-A replica can lie plausibly: answer with the right shape and finite values (which the answer check,
-`stage_call.check_answer`, lets through) that are not what its weights compute. The trainer cannot
-recompute a stage (it holds no weights), but replicas of one stage hold the same parameters between
-commits (sync averaging), so a second replica asked the same request must give the same answer. A
-fraction (`--verify-fraction`) of every kind of training call, drawn by a seeded RNG, is checked: a
-stage's forward (its outputs), the last stage's fused call (its loss, input gradient and gradient
-sample) and a stage's backward (its input gradient, none on stage 0, and gradient sample: the
-entries of the parameter gradient it computed that peers/compute/grad_sample.py fixes). The check
-resends the call's request, as it was sent (the same encoded tensors, the same answer codec), to a
-second replica as a recompute (`RequestHeader.check`: nothing kept, cached or added), in float32.
-
-The tolerance, per component and relative to the larger answer's norm: `TIGHT`, plus the error the
-precision each answer was computed in may add against a float32 recompute (`PRECISION_ERRORS`, for
-the precision its replica announces; a checker's recompute is float32: nothing), plus twice the
-answer codec's error bound for a tensor that crossed with it (the loss and the sample travel as
-floats). Two answers agree when every component is within its tolerance (`difference`: the largest
-share of its tolerance a component uses). `TIGHT` is 1e-3, not the 1e-4 float nondeterminism alone
-needs: sync replicas do not hold bit-identical parameters (hivemind's all-reduce leaves last-bit
-differences that AdamW turns into full-size steps on noise-level gradients; `--averaging-compression
-fp16/int8` leaves them 6e-5 / 1.6e-3 apart after a step). `PRECISION_ERRORS` are measured
-(benchmarks/precision_bounds.py; RESULTS.md "Every answer checkable"): an honest bf16 answer lies at
-most 4.8e-3 from its float32 recompute on the stages measured, a 7-standard-deviation margin below
-the bound. So announcing bf16 buys a replica at most that slack, and a lie beyond it (3% in the
-tests) is caught whatever the liar computes in.
-
-Verdicts: answers further apart than the tolerance go to a third replica (and on, up to
-`MAX_OPINIONS` answers, while they settle nothing), and the replicas whose answers agree with none of
-a majority of agreeing others are banned for the run (`judge`). Two answers that disagree with no
-third replica to ask decide nothing, each could be the liar: the dispute is held (`Dispute`) and
-asked of a third replica when one can answer it before the stage's replicas step again (one joined,
-or came back), and reported as unresolved otherwise (`third_opinion`).
-
-Not checked: replicas that average periodically (not in sync), or not at all, or outside a run's
-averaging group (`comparable_replicas`), and replicas one step late with `--weight-prediction
-local-step`, each computing on its parameters plus the update its own gradients make
-(`unchecked_because`; their honest answers differ by more than a lie: RESULTS.md). Under `--codec
-topk` (bound 1) every answer passes. Under direct routing the trainer holds no stage's inputs or
-outputs: a chain that answered is checked afterwards from what the stage's neighbours say crossed
-(peers/serving/hop_records.py, swarm/trainer/chain_call.py `ChainCaller.audit`), with these
-decisions; the lie has been applied to its microbatch by then.
+A fraction (`--verify-fraction`) of the training compute is checked: a stage's forward (outputs),
+the last stage's fused call (loss, input gradient, gradient sample) and a backward (input gradient,
+gradient sample: peers/compute/grad_sample.py), each recomputed by another replica of the stage in
+float32 from the same request. Two answers agree when every component is within `tolerance`:
+`TIGHT` + the error of each answer's precision (`PRECISION_ERRORS`, measured; the checked one's as
+its replica announces it, a recompute's none) + twice the answer codec's error bound for tensors
+that crossed in it. `judge` finds the majority among up to `MAX_OPINIONS` answers and bans the
+rest; two answers that disagree with no third to ask are a `Dispute`, held for a `third_opinion`.
+Only sync replicas of one averaging group that compute on their own parameters are compared
+(`comparable_replicas`, `unchecked_because`). The reasoning and the measurements:
+docs/design/trainer.md, benchmarks/RESULTS.md ("Every answer checkable").
 """
 
 from __future__ import annotations

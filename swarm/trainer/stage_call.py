@@ -8,9 +8,10 @@ sends encoded tensors and decodes the answer), and check the answer. The engine 
 call on another replica (or asks the same one again: a backward lost in transit), by the rules of
 wire/call_rules.py, and waits for the stage when no replica can take it.
 
-`StageCaller.verify` is the spot check (issue #25): the same request sent again to a second replica,
-and to a third when the answers differ; the decisions (which call, the tolerance, the minority) are
-pure: swarm/trainer/spot_checks.py.
+`StageCaller.verify` is the spot check (issues #25, #59): a call's request sent again, as a float32
+recompute, to a second replica, and to more when the answers differ; two that differ with no third
+replica are a dispute, held until the step's commit (`settle_disputes`). The decisions (which call,
+the tolerance, the minority, the third opinion) are pure: swarm/trainer/spot_checks.py.
 
 Encoding lives here and only here. A `Payload` is a tensor together with the encodings made or
 received of it so far, one per codec choice: each is made once (a retry, or the backward that
