@@ -1,29 +1,37 @@
-"""Plausible lies (issue #25) against a live 2-stage swarm, beside clean runs in the same invocation.
+"""Plausible lies (issues #25, #59) against a live 2-stage swarm, beside clean runs in the same invocation.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --cost-steps 20 --out benchmarks/out/lies.json
+    PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --out benchmarks/out/lies.json
 
 `--routing hub direct` runs every row under each routing in turn (direct: the microbatch goes peer to
 peer, and a check asks the checked replica's neighbours what crossed its hops, after the chain
 answered: peers/serving/hop_records.py).
 
 Every swarm is a fresh `tiny` one on loopback with main's defaults (sync averaging): two honest
-replicas of stage 0 and one of stage 1; the trainer trains `--steps` steps of 8 samples
-(microbatches of 2) with the same seed and measures the validation loss after the last step.
+replicas of each stage; the trainer trains `--steps` steps of 8 samples (microbatches of 2) with the
+same seed and measures the validation loss after the last step.
 
-- clean: no liar, `--verify-fraction 0`, `--steps` steps: the baseline of validation loss. Then, on
-  the same swarm (its weights trained on further: throughput only), trainers of `--cost-steps`
-  steps with `--verify-fraction` 0, 0.05 and 0.2, in that order: the cost of the checks (tokens/s,
-  and the median of the steps' own rates, which one stalled averaging round does not move).
-- scale, noise, replay, stale: a third replica of stage 0 started with `--fault-garbage MODE
-  --fault-garbage-rate 1` (size 0.05: every answer a lie), and a trainer with `--verify-fraction`
-  `--detect-fraction` (default 0.2). Per mode: whether the liar was banned, the calls it answered
-  before it was (its `contributions` in the report: after the ban no call goes to it), the checks
-  that took, the validation loss against the clean run's (goal: within 2%), microbatches lost.
+- clean: no liar, `--verify-fraction 0`: the baseline of validation loss. Then, on the same swarm
+  (its weights trained on further: throughput only), trainers of `--cost-steps` steps at each of
+  `--cost-fractions` (default none: benchmarks/verify_cost.py measures the cost on a bigger swarm).
+- caught lies (`--modes`): a third replica lies on every answer, at `--fault-garbage-size` 0.05
+  (noise 0.03), and a trainer checks at `--detect-fraction` (default 0.2). `last-*` rows: the liar
+  serves the last stage (its fused call: loss, input gradient, gradient sample); `first-*` rows: it
+  serves stage 0 (its forwards and backwards); `backward`: a stage-0 replica that lies on its
+  backward calls alone (its gradient sample and what it adds). Per row: whether the liar was
+  banned, the calls it answered before it was (its `contributions`: after the ban none goes to
+  it), the checks that took, the validation loss against the clean run's (goal: within 2%),
+  microbatches lost.
+- lies inside the bound (`--inside`): a third replica of the last stage that lies by `--inside-share`
+  (0.8) of the tolerance its answers are held to, so that no check catches it: `scale` (every
+  answer times 1 + that), `bias` (plus one fixed direction of that size: a lie that adds up), and
+  `bf16-bias` (every replica of the last stage in bf16, the liar's bias sized by the bf16 bound).
+  What it did to the validation loss (vs clean, same steps) and that nobody was banned: what a liar
+  staying just inside the bound can do.
 
 What the figures do not show: a few steps of a tiny model on a busy shared machine (the load is
-recorded); one seed; the liar's stage is 0 (the last stage's fused forward+backward is never
-checked); the clean baseline has two replicas of stage 0 where the lying runs have three; the
-throughput of 0.05 and 0.2 is measured after the 0 run on the same swarm, in sequence.
+recorded); one seed; each row its own swarm, whose start differs in timing, not in weights (every
+replica starts from the same seeded weights); inside-bound lies over a longer run (more steps give
+a consistent bias more time).
 """
 
 from __future__ import annotations
@@ -41,9 +49,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
 from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.trainer.spot_checks import CHECK_PRECISION, tolerance  # noqa: E402
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
-MODES = ("scale", "noise", "replay", "stale")
+KINDS = ("scale", "noise", "replay", "stale")
+SIZES = {"noise": 0.03}  # --fault-garbage-size per kind (0.05 otherwise)
+# row -> (the liar's stage, its lie, the calls it lies on)
+MODES = {
+    **{f"last-{kind}": (1, kind, "all") for kind in KINDS},
+    **{f"first-{kind}": (0, kind, "all") for kind in KINDS},
+    "backward": (0, "scale", "backward"),
+}
+INSIDE = ("scale", "bias", "bf16-bias")
 GOAL_LOSS_REL = 0.02
 SEED = "3"
 
@@ -97,10 +114,10 @@ def train(
     }
 
 
-def honest_swarm(local: LocalSwarm) -> list[ManagedProcess]:
+def honest_swarm(local: LocalSwarm, last_args: tuple[str, ...] = ()) -> list[ManagedProcess]:
     local.start_bootstrap()
     peers = [local.start_peer(0, name="peer-s0-a"), local.start_peer(0, name="peer-s0-b")]
-    peers.append(local.start_peer(1, name="peer-s1"))
+    peers += [local.start_peer(1, *last_args, name="peer-s1-a"), local.start_peer(1, *last_args, name="peer-s1-b")]
     return peers
 
 
@@ -113,31 +130,30 @@ def clean_runs(args, root: str) -> list[dict]:
         baseline = train(local, args, workdir, "clean", 0.0, steps=args.steps, evaluate=True)
         runs.append({"run": "clean", **baseline})
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "contributions"}), flush=True)
-        for fraction in (0.0, *args.cost_fractions):
+        for fraction in args.cost_fractions and (0.0, *args.cost_fractions):
             cost = train(local, args, workdir, f"cost-{fraction}", fraction, steps=args.cost_steps, evaluate=False)
             runs.append({"run": f"cost verify {fraction}", **cost})
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "contributions"}), flush=True)
     return runs
 
 
-def lying_run(mode: str, args, root: str) -> dict:
-    workdir = os.path.join(root, f"{mode}-{args.routing}")
+def liar_run(
+    name: str, args, root: str, stage: int, liar_args: list[str], fraction: float, last_args: tuple[str, ...] = ()
+) -> dict:
+    """A fresh swarm with one liar (`liar_args`) beside the honest replicas of `stage`, one trainer."""
+    workdir = os.path.join(root, f"{name}-{args.routing}")
     os.makedirs(workdir)
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
-        honest = honest_swarm(local)
-        liar = local.start_peer(
-            0, "--fault-garbage", mode, "--fault-garbage-rate", "1.0", "--no-load-state", name="peer-s0-liar"
-        )
+        honest = honest_swarm(local, last_args)
+        own = last_args if stage == 1 else ()
+        liar = local.start_peer(stage, *own, *liar_args, name=f"peer-s{stage}-liar")
         local.wait_online([*honest, liar], timeout_s=300)
-        run = {
-            "run": f"liar {mode}",
-            "mode": mode,
-            **train(local, args, workdir, mode, args.detect_fraction, steps=args.steps, evaluate=True),
-        }
+        run = {"run": name, **train(local, args, workdir, name, fraction, steps=args.steps, evaluate=True)}
         liar_id = peer_id(liar)
         counts = run["contributions"].get(liar_id or "", {})
         run.update(
             liar=liar_id,
+            liar_stage=stage,
             liar_banned=liar_id in run["banned_peers"],
             # every call the liar answered came before its ban (none goes to it after)
             liar_calls_until_detection=counts.get("calls_answered"),
@@ -147,6 +163,25 @@ def lying_run(mode: str, args, root: str) -> dict:
         )
     print(json.dumps({k: v for k, v in run.items() if k != "contributions"}), flush=True)
     return run
+
+
+def lying_run(mode: str, args, root: str) -> dict:
+    stage, kind, calls = MODES[mode]
+    liar_args = ["--fault-garbage", kind, "--fault-garbage-rate", "1.0", "--fault-garbage-calls", calls]
+    liar_args += ["--fault-garbage-size", str(SIZES.get(kind, 0.05))]
+    return {"mode": mode, **liar_run(mode, args, root, stage, liar_args, args.detect_fraction)}
+
+
+def inside_run(kind: str, args, root: str) -> dict:
+    """A liar of the last stage lying by `--inside-share` of its tolerance: never caught."""
+    bf16 = kind.startswith("bf16-")
+    precision = "bf16" if bf16 else "fp32"
+    size = args.inside_share * tolerance("none", (precision, CHECK_PRECISION))
+    lie = kind.removeprefix("bf16-")
+    liar_args = ["--fault-garbage", lie, "--fault-garbage-rate", "1.0", "--fault-garbage-size", f"{size:.6f}"]
+    last_args = ("--precision", "bf16") if bf16 else ()
+    run = liar_run(f"inside-{kind}", args, root, 1, liar_args, args.detect_fraction, last_args)
+    return {"inside": kind, "lie_size": size, **run}
 
 
 def judge(runs: list[dict]) -> None:
@@ -161,20 +196,25 @@ def judge(runs: list[dict]) -> None:
         if run["run"].startswith("cost") and cost_base is not None and cost_base["finished"] and run is not cost_base:
             run["tokens_ratio"] = round(run["tokens_per_s"] / cost_base["tokens_per_s"], 3)
             run["median_step_ratio"] = round(run["median_step_tokens_per_s"] / cost_base["median_step_tokens_per_s"], 3)
-        if "mode" in run and clean["final_eval_loss"] and run["final_eval_loss"] is not None:
+        if ("mode" in run or "inside" in run) and clean["final_eval_loss"] and run["final_eval_loss"] is not None:
             rel = (run["final_eval_loss"] - clean["final_eval_loss"]) / clean["final_eval_loss"]
             run["eval_loss_rel_diff"] = round(rel, 4)
-            run["meets_goal"] = bool(run["liar_banned"] and abs(rel) <= GOAL_LOSS_REL and not run["honest_banned"])
+            if "mode" in run:
+                run["meets_goal"] = bool(run["liar_banned"] and abs(rel) <= GOAL_LOSS_REL and not run["honest_banned"])
+            else:  # a lie inside the bound: nobody banned; its effect on the loss is the figure
+                run["meets_goal"] = not run["banned_peers"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--inside", nargs="*", default=list(INSIDE), choices=INSIDE)
+    parser.add_argument("--inside-share", type=float, default=0.8, help="of the tolerance, the inside lies' size")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-batches", type=int, default=2)
     parser.add_argument("--detect-fraction", type=float, default=0.2, help="--verify-fraction of the lying runs")
     parser.add_argument("--cost-steps", type=int, default=20, help="steps of each throughput run")
-    parser.add_argument("--cost-fractions", type=float, nargs="*", default=[0.05, 0.2])
+    parser.add_argument("--cost-fractions", type=float, nargs="*", default=[])
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per trainer")
     parser.add_argument("--routing", nargs="+", default=["hub"], choices=("hub", "direct"), dest="routings")
     parser.add_argument("--out", default="benchmarks/out/lies.json")
@@ -185,13 +225,12 @@ def main() -> int:
         for routing in args.routings:
             args.routing = routing
             group = clean_runs(args, root)
-            for mode in args.modes:
+            rows = [(lying_run, mode, "mode") for mode in args.modes] + [(inside_run, k, "inside") for k in args.inside]
+            for run_row, name, key in rows:
                 try:
-                    group.append(lying_run(mode, args, root))
-                except Exception as e:  # a swarm that could not start: say so, go on with the next mode
-                    group.append(
-                        {"run": f"liar {mode}", "mode": mode, "finished": False, "error": f"{type(e).__name__}: {e}"}
-                    )
+                    group.append(run_row(name, args, root))
+                except Exception as e:  # a swarm that could not start: say so, go on with the next row
+                    group.append({"run": name, key: name, "finished": False, "error": f"{type(e).__name__}: {e}"})
             judge(group)
             runs += [{"routing": routing, **run} for run in group]
     write_report(

@@ -74,15 +74,18 @@ def format_contributions(contributions: dict[str, ReportedContribution]) -> str:
     """One line per peer that served the trainer: its counts, and why it was banned."""
     lines = [
         f"contributions to the trainer (its report): {len(contributions)} peers",
-        f"{'stage':>5}  {'peer':<14} {'samples':>8} {'answered':>8} {'failed':>6} {'verified':>8} {'mismatch':>8} "
-        f"{'busy':>5}  banned",
+        f"{'stage':>5}  {'peer':<14} {'samples':>8} {'answered':>8} {'failed':>6} {'checked':>7} {'mismatch':>8} "
+        f"{'disputes':>8} {'ok samples':>10} {'busy':>5}  banned",
     ]
     for peer_id, c in sorted(contributions.items(), key=lambda item: (item[1].stage, -item[1].samples_served)):
         lines.append(
             f"{c.stage:>5}  {'…' + peer_id[-12:]:<14} {c.samples_served:>8} {c.calls_answered:>8} {c.calls_failed:>6} "
-            f"{c.calls_verified:>8} {c.mismatches:>8} {'-' if c.utilization is None else f'{c.utilization:.0%}':>5}  "
-            f"{c.banned or '-'}"
+            f"{c.calls_verified:>7} {c.mismatches:>8} {c.disputes:>8} {c.samples_verified:>10} "
+            f"{'-' if c.utilization is None else f'{c.utilization:.0%}':>5}  {c.banned or '-'}"
         )
+    lines.append(
+        f"{'':>5}  checked: spot checks its answer took part in; ok samples: samples of its own calls a check found right"
+    )
     return "\n".join(lines)
 
 

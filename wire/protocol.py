@@ -43,6 +43,7 @@ bad request from a dead peer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Annotated, Literal, TypeVar
 
@@ -88,6 +89,15 @@ MAX_CHAIN_STAGES = 256  # stages one chained call may still route through
 MAX_CHAIN_CANDIDATES = 8  # replicas named for one stage of a chained call's route (the first preferred)
 MAX_PEER_ID_CHARS = 128
 MAX_HOP_PIECES = 16  # streams one chained call's tensors may cross on (ChainRequest.pieces)
+GRAD_SAMPLE_SIZE = 128  # entries of a backward's parameter gradient sampled for spot checks (grad_sample)
+# what a hop record's side (HopRecordRequest.side) is handed out as: the tensor's name in the answer
+HOP_RECORD_NAMES = {
+    "received": "inputs",
+    "sent": "outputs",
+    "grad_received": "grad_outputs",
+    "grad_sent": "grad_inputs",
+}
+MAX_SAMPLED_STAGES = 32  # a chain's answer carries the gradient samples of at most this many stages
 
 
 class ProtocolError(ValueError):
@@ -182,6 +192,13 @@ class RequestHeader(BaseModel):
     evaluate: bool = False
     # the caller's credential for the run (dht/authority.py), when the peer's run has an authority
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    # backward only: answer `grad_sample` too (a run that spot-checks asks it of every backward)
+    grad_sample: bool = False
+    # a spot check's recompute (swarm/trainer/spot_checks.py): the same answer as the call checked,
+    # computed in `check_precision` on the parameters training computes on, nothing kept, cached or
+    # counted (a backward adds nothing to the gradients)
+    check: bool = False
+    check_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 class ComputeBusy(BaseModel):
@@ -207,6 +224,9 @@ class ResponseHeader(BaseModel):
     busy: ComputeBusy | None = None  # the peer's compute clock when it answered
     error: str | None = Field(default=None, max_length=4096)
     error_kind: Annotated[Failure | None, BeforeValidator(_answer_kind)] = None
+    # a backward asked for it: GRAD_SAMPLE_SIZE fixed entries of the parameter gradient this call
+    # computed (peers/compute/grad_sample.py), what a spot check of a backward compares beside its tensors
+    grad_sample: list[float] | None = Field(default=None, max_length=GRAD_SAMPLE_SIZE)
 
 
 def _codec_name(value: object) -> object:
@@ -259,6 +279,7 @@ class ChainRequest(BaseModel):
     response_codec: CodecName = "none"
     response_codec_params: dict[str, int | float | str] = Field(default_factory=dict, max_length=8)
     # the trainer spot-checks some of its chains: keep what crosses each hop (peers/serving/hop_records.py)
+    # and answer each stage's gradient sample (ChainResponse.grad_samples)
     keep_records: bool = False
     # the call's tensor parts cross on `pieces` streams: this one, then `pieces - 1` RPC_CHAIN_PIECE
     # streams from the same caller that name `hop_id` (ChainPiece); the answer's parts come back the
@@ -320,13 +341,29 @@ class ChainResponse(BaseModel):
     handler_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     # each `served_by` peer's compute clock when it answered (the same order; empty from older peers)
     busy: list[ComputeBusy] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    # with keep_records: the gradient sample of each stage served (as `served_by`), of the first
+    # MAX_SAMPLED_STAGES of them
+    grad_samples: list[Annotated[list[float], Field(max_length=GRAD_SAMPLE_SIZE)]] = Field(
+        default_factory=list, max_length=MAX_SAMPLED_STAGES
+    )
+
+    def samples_problem(self) -> str | None:
+        """Why an answer of a chain that keeps records lacks a gradient sample it owes (one per
+        stage served, up to MAX_SAMPLED_STAGES, each non-empty and finite), or None."""
+        owed = min(len(self.served_by), MAX_SAMPLED_STAGES)
+        if len(self.grad_samples) != owed:
+            return f"it carries {len(self.grad_samples)} gradient samples for {owed} stages"
+        if not all(sample and all(math.isfinite(v) for v in sample) for sample in self.grad_samples):
+            return "a gradient sample is empty or holds NaN or inf"
+        return None
 
 
 class HopRecordRequest(BaseModel):
     """A trainer asks a peer what crossed one of its chain's hops for microbatch `microbatch_id`:
-    the activations it `received` from the stage before, or `sent` to the stage after, as they
+    the activations it `received` from the stage before, or `sent` to the stage after, the gradient
+    it `grad_received` from the stage after, or `grad_sent` back to the stage before, as they
     crossed the wire (peers/serving/hop_records.py). Answered with a `ResponseHeader` and that
-    tensor, named "inputs" or "outputs", or an error; only to the trainer that drove the chain."""
+    tensor, named after the side, or an error; only to the trainer that drove the chain."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
@@ -334,7 +371,7 @@ class HopRecordRequest(BaseModel):
     stage: int = Field(ge=0)
     num_stages: int = Field(ge=1)
     microbatch_id: str = Field(min_length=1, max_length=128)
-    side: Literal["received", "sent"]
+    side: Literal["received", "sent", "grad_received", "grad_sent"]
     credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
 
 

@@ -289,10 +289,14 @@ PANELS = [
             target("swarm_trainer_peer_calls_verified", "", instant=True, table=True),
             target("swarm_trainer_peer_mismatches", "", instant=True, table=True),
             target("swarm_trainer_peer_banned", "", instant=True, table=True),
+            target("swarm_trainer_peer_samples_verified", "", instant=True, table=True),
+            target("swarm_trainer_peer_disputes", "", instant=True, table=True),
         ],
         description="Per peer (id's last 8 characters) and stage, since the trainer started: training samples "
         "served (backward calls answered), calls answered and failed, spot checks its answer took part in, mismatches (it disagreed and "
-        "was not the majority), banned (1; the reason is in the trainer's report and `swarm status --report`). "
+        "was not the majority), banned (1; the reason is in the trainer's report and `swarm status --report`), "
+        "samples checked right (of its own calls: the useful work a check has shown) and disputes (its answer and "
+        "one other differed with no third replica to tell). "
         "At most 32 peers per trainer: the banned first, then those that served most.",
         w=16,
         h=8,
@@ -310,6 +314,8 @@ PANELS = [
                         "Value #D": "verified",
                         "Value #E": "mismatches",
                         "Value #F": "banned",
+                        "Value #G": "samples checked right",
+                        "Value #H": "disputes",
                     },
                 },
             },
@@ -324,9 +330,13 @@ PANELS = [
                 f"sum by (stage) (rate(swarm_trainer_verify_mismatches_total[{RATE}]))", "mismatches stage {{stage}}"
             ),
             target(f"sum by (stage) (increase(swarm_trainer_verify_bans_total[{RATE}]))", "bans stage {{stage}}"),
+            target(
+                f"sum by (stage) (increase(swarm_trainer_verify_disputes_total[{RATE}]))", "disputes stage {{stage}}"
+            ),
         ],
-        description="Forward calls also sent to a second replica (--verify-fraction), those whose answers "
-        "differed, and replicas banned for the run by a check.",
+        description="Calls also recomputed by a second replica (--verify-fraction: forwards, the last stage's "
+        "fused calls, backwards), those whose answers differed, replicas banned for the run by a check, and "
+        "disputes (two answers apart with no third replica to ask: nobody banned).",
         w=8,
     ),
     row("Averaging, rebalancing, checkpoints"),

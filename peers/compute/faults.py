@@ -2,9 +2,12 @@
 fails a fraction of its calls, or returns garbage while computing correctly inside: obvious garbage
 (NaNs, a wrong shape), which the trainer's answer check catches, or plausible lies (issue #25) that
 only a spot check can catch: outputs scaled by 1 + `--fault-garbage-size`, outputs plus noise of that
-relative size, an earlier answer of the same shape replayed, or answers computed from the weights
-frozen at start-up while the real ones train. A replica can also lie to its groupmates in the
-averaging all-reduce (`--fault-averaging`): its contribution multiplied by 10 or negated. And a peer
+relative size, or one fixed direction of that size (bias), an earlier answer of the same shape
+replayed, or answers computed from the weights frozen at start-up while the real ones train; on
+every call or on backward calls alone (`--fault-garbage-calls`), a backward's lie being in all it
+makes: its input gradient, its loss, and the parameter gradient it adds and samples. A replica
+can also lie to its groupmates in the averaging all-reduce (`--fault-averaging`): its contribution
+multiplied by 10 or negated. And a peer
 can hold one call mid-hop (`--fault-hold forward|backward`): it has received the hop's tensors and
 does not answer, logging that it holds them, so a test can SIGKILL it at exactly that moment. Or it
 can lose one answer on the way back (`--fault-lose-answer N`): the Nth backward call is computed and
@@ -26,9 +29,12 @@ from peers.compute.stage_runtime import StageRuntime, ThroughputMeter, WrongStag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from process.config import ConfigError, option
 
-GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "replay", "stale")
+GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "bias", "replay", "stale")
+# --fault-garbage-calls: which calls lie (a backward's lie is in every answer it makes: its input
+# gradient, its loss, and the parameter gradient it adds and samples)
+GARBAGE_CALLS = ("all", "forward", "backward")
 # Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
-PLAUSIBLE_KINDS = ("scale", "noise", "replay", "stale")
+PLAUSIBLE_KINDS = ("scale", "noise", "bias", "replay", "stale")
 # --fault-averaging: what the replica's contribution to the all-reduce is multiplied by
 AVERAGING_LIES = {"none": 1.0, "scale": 10.0, "flip": -1.0}
 # How the extra time of a slowed compute is spent:
@@ -55,16 +61,24 @@ LOST_ANSWER_MESSAGE = "lost the answer to backward call {call} after adding it (
 logger = logging.getLogger(__name__)
 
 
+def bias_direction(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The one direction of `shape` a `bias` liar pushes every answer of that shape along (unit norm,
+    the same on every call: a lie that adds up step after step instead of averaging out)."""
+    direction = torch.randn(shape, generator=torch.Generator().manual_seed(0xB1A5 + sum(shape)), dtype=dtype)
+    return direction / direction.norm().clamp_min(1e-30)
+
+
 def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator | None = None):
     """What a broken peer sends instead of `value` (a tensor, a loss, or None), for the kinds that
-    need nothing but the value: nan, shape, scale (times 1 + size) and noise (plus Gaussian noise of
-    norm `size` times the value's norm; a loss is scaled instead)."""
+    need nothing but the value: nan, shape, scale (times 1 + size), noise (plus Gaussian noise of
+    norm `size` times the value's norm) and bias (plus `bias_direction` times that norm); a loss is
+    scaled instead."""
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):
         if kind == "nan":
             return float("nan")
-        return value * (1.0 + size) if kind in ("scale", "noise") else value
+        return value * (1.0 + size) if kind in ("scale", "noise", "bias") else value
     if kind == "nan":
         return torch.full_like(value, float("nan"))
     if kind == "scale":
@@ -72,6 +86,8 @@ def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator 
     if kind == "noise":
         noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
         return value + noise * (size * value.norm() / noise.norm().clamp_min(1e-30))
+    if kind == "bias":
+        return value + bias_direction(tuple(value.shape), value.dtype).to(value.device) * (size * value.norm())
     if kind == "shape":
         return value[..., :-1].contiguous()  # one value short in the last dimension
     raise ValueError(f"garbled() cannot make {kind!r} answers: it needs the runtime (FaultyStageRuntime)")
@@ -107,11 +123,17 @@ class FaultSettings:
         "none",
         help="testing only: answer with garbage while computing correctly inside (nan: NaN values; "
         "shape: one value short; scale: outputs times 1 + --fault-garbage-size; noise: plus noise of "
-        "that relative size; replay: the previous answer of the same shape; stale: computed from the "
-        "weights frozen at start-up)",
+        "that relative size; bias: plus one fixed direction of that relative size; replay: the previous "
+        "answer of the same shape; stale: computed from the weights frozen at start-up)",
         choices=list(GARBAGE_KINDS),
     )
     fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
+    fault_garbage_calls: str = option(
+        "all",
+        help="testing only: which calls --fault-garbage lies on (backward: the input gradient, the loss, and "
+        "the parameter gradient it adds and samples; a spot check's recompute lies as the call it checks)",
+        choices=list(GARBAGE_CALLS),
+    )
     fault_garbage_size: float = option(
         0.05, help="testing only: relative size of --fault-garbage scale and noise (a fraction of the output's norm)"
     )
@@ -167,6 +189,8 @@ class FaultSettings:
             raise ConfigError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
         if not self.fault_claim_speedup >= 1.0:
             raise ConfigError("--fault-claim-speedup must be >= 1")
+        if self.fault_garbage_calls not in GARBAGE_CALLS:
+            raise ConfigError(f"--fault-garbage-calls must be one of {', '.join(GARBAGE_CALLS)}")
         if self.fault_garbage not in GARBAGE_KINDS or not 0.0 <= self.fault_garbage_rate <= 1.0:
             raise ConfigError(
                 f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
@@ -265,9 +289,11 @@ class FaultyStageRuntime:
         # replay: the latest true answer per (rpc, shape), handed out in place of the next one
         self._earlier: dict[tuple[str, tuple], object] = {}
         # stale: the weights as they were at start-up, which the answers come from while the real ones train
-        self._frozen = (
-            copy.deepcopy(runtime.module).requires_grad_(False) if settings.fault_garbage == "stale" else None
-        )
+        self._frozen = copy.deepcopy(runtime.module) if settings.fault_garbage == "stale" else None
+        if self._frozen is not None:  # its trainable parameters' gradients are the stale lie a backward adds
+            trainable = set(runtime.param_names)
+            for name, param in self._frozen.named_parameters():
+                param.requires_grad_(name in trainable)
         self._hold_calls = 0  # calls at --fault-hold's point so far (one is held, once)
         self._backward_calls = 0  # backward calls computed so far (--fault-lose-answer loses one answer)
 
@@ -328,8 +354,11 @@ class FaultyStageRuntime:
             logger.warning(HOLD_MESSAGE.format(microbatch_id=microbatch_id, point=point))
             time.sleep(self._settings.fault_hold_s)
 
-    def _garbage_now(self) -> bool:
-        return self._settings.fault_garbage != "none" and self._rng.random() < self._settings.fault_garbage_rate
+    def _garbage_now(self, rpc: str) -> bool:
+        settings = self._settings
+        if settings.fault_garbage == "none" or settings.fault_garbage_calls not in ("all", rpc):
+            return False
+        return self._rng.random() < settings.fault_garbage_rate
 
     def _garbled(self, value):
         return garbled(
@@ -351,7 +380,7 @@ class FaultyStageRuntime:
     ) -> torch.Tensor:
         self._hold_if_due("forward", microbatch_id)
         outputs = self._run(self._runtime.forward, microbatch_id, inputs, targets, tokens)
-        if not self._garbage_now():
+        if not self._garbage_now("forward"):
             return outputs
         kind = self._settings.fault_garbage
         if kind == "replay":
@@ -360,27 +389,66 @@ class FaultyStageRuntime:
             return self._stale(inputs, targets, tokens=tokens)[0]
         return self._garbled(outputs)
 
-    def backward(self, microbatch_id: str, inputs: torch.Tensor, **kwargs):
-        self._hold_if_due("forward" if self._runtime.is_last else "backward", microbatch_id)
-        grad_inputs, loss = self._run(self._runtime.backward, microbatch_id, inputs, **kwargs)
-        if not self._garbage_now():
-            return grad_inputs, loss
+    def backward(self, microbatch_id: str, inputs: torch.Tensor | None, **kwargs):
+        grad_inputs, loss, _ = self.backward_sampled(microbatch_id, inputs, sample=False, **kwargs)
+        return grad_inputs, loss
+
+    def backward_sampled(self, microbatch_id: str, inputs: torch.Tensor | None, *, sample: bool = True, **kwargs):
+        """The runtime's backward; when it lies, every answer lies alike: the input gradient, the loss,
+        and the parameter gradient it adds (the accumulation's increase, replaced) and samples."""
+        runtime = self._runtime
+        self._hold_if_due("forward" if runtime.is_last else "backward", microbatch_id)
+        if not self._garbage_now("backward"):
+            return self._run(runtime.backward_sampled, microbatch_id, inputs, sample=sample, **kwargs)
+        before = [grad_sum.clone() for grad_sum in runtime.grad_sums]
+        counted = runtime.samples_accumulated
+        grad_inputs, loss, _ = self._run(runtime.backward_sampled, microbatch_id, inputs, sample=False, **kwargs)
+        added = runtime.samples_accumulated - counted  # 0: a repeat, or the runtime stepped (its own schedule)
+        honest = [(after - earlier) / max(added, 1) for after, earlier in zip(runtime.grad_sums, before)]
         kind = self._settings.fault_garbage
         if kind == "replay":
             shape = None if inputs is None else tuple(inputs.shape)
-            return self._replayed("backward", (grad_inputs, loss), shape)
-        if kind == "stale":
+            grad_inputs, loss, lied = self._replayed("backward", (grad_inputs, loss, honest), shape)
+        elif kind == "stale":
             if inputs is None:  # served from the activation cache, which the real forward filled: honest
-                return grad_inputs, loss
-            _, stale_grad, stale_loss = self._stale(
-                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True, tokens=kwargs.get("tokens")
+                lied = honest
+            else:
+                _, grad_inputs, loss, lied = self._stale(
+                    inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=True, tokens=kwargs.get("tokens")
+                )
+        else:
+            grad_inputs, loss, lied = self._garbled(grad_inputs), self._garbled(loss), self._garbled_grads(honest)
+        if added > 0:
+            for grad_sum, earlier, grad in zip(runtime.grad_sums, before, lied):
+                grad_sum.copy_(earlier + grad * added)
+        return grad_inputs, loss, runtime.sample_of(lied) if sample else None
+
+    def recompute(self, rpc: str, inputs: torch.Tensor, **kwargs):
+        """A spot check's recompute (the runtime's), lying as the call it checks would."""
+        answer, loss, sampled = self._run(self._runtime.recompute, rpc, inputs, **kwargs)
+        if not self._garbage_now(rpc):
+            return answer, loss, sampled
+        kind = self._settings.fault_garbage
+        if kind == "replay":
+            return self._replayed(f"recompute-{rpc}", (answer, loss, sampled), tuple(inputs.shape))
+        if kind == "stale":
+            grad = rpc == "backward"
+            outputs, grad_inputs, stale_loss, grads = self._stale(
+                inputs, kwargs.get("targets"), kwargs.get("grad_outputs"), grad=grad, tokens=kwargs.get("tokens")
             )
-            return stale_grad, stale_loss
-        return self._garbled(grad_inputs), self._garbled(loss)
+            if not grad:
+                return (None, stale_loss, None) if self._runtime.is_last else (outputs, None, None)
+            return grad_inputs, stale_loss, self._runtime.sample_of(grads)
+        lied = None if sampled is None else self._garbled(torch.tensor(sampled, dtype=torch.float64)).tolist()
+        return self._garbled(answer), self._garbled(loss), lied
+
+    def _garbled_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameter gradient a lying backward adds: each tensor garbled as an answer would be."""
+        return [self._garbled(grad) for grad in grads]
 
     def _stale(self, inputs, targets=None, grad_outputs=None, *, grad: bool = False, tokens=None):
-        """(outputs, input gradient, loss) of the weights frozen at start-up, as the runtime would
-        send them."""
+        """(outputs, input gradient, loss, parameter gradients) of the weights frozen at start-up, as
+        the runtime would send them (the gradients only with `grad`)."""
         runtime = self._runtime
         inputs, targets = inputs.to(runtime.device), None if targets is None else targets.to(runtime.device)
         tokens = None if tokens is None else tokens.to(runtime.device)
@@ -388,12 +456,20 @@ class FaultyStageRuntime:
         with torch.enable_grad() if grad else torch.no_grad():
             outputs = self._frozen(leaf, targets, tokens=tokens)
             loss = float(outputs.detach()) if runtime.is_last else None
-            input_grad = None
-            if grad and leaf.requires_grad:
+            input_grad, param_grads = None, None
+            if grad:
                 grad_outputs = None if grad_outputs is None else grad_outputs.to(runtime.device)
-                (input_grad,) = torch.autograd.grad(outputs, leaf, grad_outputs=grad_outputs)
-                input_grad = runtime._to_wire(input_grad)
-        return runtime._to_wire(outputs.detach()), input_grad, loss
+                trainable = dict(self._frozen.named_parameters())
+                params = [trainable[name] for name in runtime.param_names]
+                targets_of_grad = ([leaf] if leaf.requires_grad else []) + params
+                seed = torch.ones_like(outputs) if runtime.is_last else grad_outputs
+                grads = torch.autograd.grad(outputs, targets_of_grad, grad_outputs=seed, allow_unused=True)
+                if leaf.requires_grad:
+                    input_grad = runtime._to_wire(grads[0])
+                param_grads = [
+                    torch.zeros_like(p) if g is None else g for p, g in zip(params, grads[len(grads) - len(params) :])
+                ]
+        return runtime._to_wire(outputs.detach()), input_grad, loss, param_grads
 
 
 _BURN_MATRIX_SIZE = 128  # one product takes well under a millisecond: the deadline is overshot by little

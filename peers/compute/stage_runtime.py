@@ -10,6 +10,9 @@ queues the next microbatch's kernels while this one's results are still on their
 Gradients are accumulated weighted by each microbatch's sample count and divided by the samples
 seen when the optimizer steps, so the update equals the one a single process would make on the
 mean loss of the same samples, however they were cut into microbatches or spread over calls.
+A spot check's recompute (`recompute`) answers what a training call answered, in the precision
+asked, keeping nothing; a backward can also answer a fixed sample of the parameter gradient it
+computed (`backward_sampled`, peers/compute/grad_sample.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from models.lora import add_adapters, trainable_state_dict
 from models.stages import StageModule, boundary_width, build_stage
 from peers.compute import devices
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint, serialize_state
+from peers.compute.grad_sample import SamplePlan, sample_plan, take_sample
 from peers.compute.lr_schedule import DECAYS, LearningRateSchedule
 from peers.compute.memory_budget import activation_bytes
 from peers.compute.weight_prediction import optimizer_update
@@ -328,7 +332,32 @@ class StageRuntime:
         batch_size: int | None = None,
         tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, float | None]:
-        """Accumulate parameter gradients for one microbatch and return (input gradients, loss).
+        """`backward_sampled` without the gradient sample: (input gradients, loss)."""
+        grad_inputs, loss, _ = self.backward_sampled(
+            microbatch_id,
+            inputs,
+            grad_outputs=grad_outputs,
+            targets=targets,
+            batch_size=batch_size,
+            tokens=tokens,
+            sample=False,
+        )
+        return grad_inputs, loss
+
+    def backward_sampled(
+        self,
+        microbatch_id: str,
+        inputs: torch.Tensor | None,
+        *,
+        grad_outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        batch_size: int | None = None,
+        tokens: torch.Tensor | None = None,
+        sample: bool = True,
+    ) -> tuple[torch.Tensor | None, float | None, list[float] | None]:
+        """Accumulate parameter gradients for one microbatch and return (input gradients, loss,
+        the sample of the parameter gradient it computed: peers/compute/grad_sample.py; None
+        unless `sample`).
         The last stage takes `targets` and computes the loss itself; other stages take the
         gradient of the loss with respect to their outputs. Steps the optimizer once
         `target_batch_size` samples have been accumulated.
@@ -386,10 +415,61 @@ class StageRuntime:
         else:
             self.backward_repeats += 1
         loss = self.host_value(outputs) if self.is_last else None
+        sampled = self.sample_of(grads[len(grad_targets) - len(self.params) :]) if sample else None
         self.throughput.observe(batch_size, time.perf_counter() - start)
         if self.auto_step and self.samples_accumulated >= self.settings.target_batch_size:
             self.step()
-        return input_grad, loss
+        return input_grad, loss, sampled
+
+    def sample_of(self, param_grads: list[torch.Tensor | None]) -> list[float]:
+        """The fixed sample (peers/compute/grad_sample.py) of a gradient of this stage's trainable parameters."""
+        if self._sample_plan is None or len(self._sample_plan.positions) != len(self.params):
+            self._sample_plan = sample_plan([p.numel() for p in self.params])
+        return take_sample(param_grads, self._sample_plan)
+
+    def recompute(
+        self,
+        rpc: str,
+        inputs: torch.Tensor,
+        *,
+        targets: torch.Tensor | None = None,
+        grad_outputs: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        precision: str = "fp32",
+    ) -> tuple[torch.Tensor | None, float | None, list[float] | None]:
+        """A spot check's recompute of a training call: the answer `forward` (outputs; the loss on
+        the last stage) or `backward_sampled` (input gradients, loss, gradient sample) would give,
+        computed in `precision` on the parameters training computes on (weight prediction's point
+        included), without caching, accumulating, stepping or counting anything."""
+        batch_size = inputs.shape[0]
+        self.check_inputs(batch_size, inputs)
+        if self.is_last:
+            self.check_targets(batch_size, targets)
+        elif rpc == "backward":
+            self.check_grad_outputs(batch_size, grad_outputs)
+        tokens = self.check_tokens(batch_size, tokens)
+        try:
+            devices.check_precision(self.device, precision)
+        except devices.DeviceError as e:
+            raise BadRequestError(f"cannot recompute in {precision}: {e}") from None
+        inputs, targets, tokens = self._to_device(inputs), self._to_device(targets), self._to_device(tokens)
+        weights = self._training_weights()
+        if rpc == "forward":
+            with torch.no_grad(), devices.autocast(self.device, precision):
+                outputs = self._train_forward(inputs, targets, tokens, weights)
+            return (None, float(outputs), None) if self.is_last else (self._to_wire(outputs), None, None)
+        leaf = inputs if inputs.dtype == torch.int64 else inputs.detach().requires_grad_(True)
+        with torch.enable_grad(), devices.autocast(self.device, precision):
+            outputs = self._train_forward(leaf, targets, tokens, weights)
+        wants_input_grad = leaf.dtype != torch.int64
+        grad_targets = ([leaf] if wants_input_grad else []) + (self.params if weights is None else weights)
+        seed = torch.ones_like(outputs) if self.is_last else self._to_device(grad_outputs)
+        scale = 2.0**16 if precision == "fp16" else 1.0  # fp16: small gradients must not flush to zero
+        grads = torch.autograd.grad(outputs, grad_targets, grad_outputs=seed * scale, allow_unused=True)
+        grads = [None if g is None else g / scale for g in grads]
+        input_grad = self._to_wire(grads[0]) if wants_input_grad else None
+        loss = float(outputs.detach()) if self.is_last else None
+        return input_grad, loss, self.sample_of(grads[len(grad_targets) - len(self.params) :])
 
     def _scaled_grads(
         self, outputs: torch.Tensor, grad_targets: list[torch.Tensor], grad_outputs: torch.Tensor | None
@@ -570,6 +650,7 @@ class StageRuntime:
         self.params = [p for _, p in named]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.predicted_update = None
+        self._sample_plan: SamplePlan | None = None  # grad_sample.py's, for `params`
 
     def _training_weights(self) -> list[torch.Tensor] | None:
         """What training forwards compute on: None for the parameters themselves, or with weight

@@ -47,10 +47,12 @@ TCP connection, never in pieces: TCP has no per-stream window to fit. A connecti
 mid-hop fails the hop as a broken stream does.
 
 Spot checks: in a chain whose trainer spot-checks (`keep_records`), a peer keeps what it received
-from the stage before and what it sent to the replica of the next stage that answered (`HopRecords`,
+from the stage before and what it sent to the replica of the next stage that answered, and the
+gradients that came back from that replica and that it sent back in turn (`HopRecords`,
 peers/serving/hop_records.py, within `--hop-record-mb`), and `rpc_hop_record`
 hands a record to the trainer that drove the chain, which checks a stage's replica from what its
-neighbours say crossed (swarm/trainer/chain_call.py, `ChainCaller.audit`).
+neighbours say crossed (swarm/trainer/chain_call.py, `ChainCaller.audit`); each stage's answer
+carries the sample of the parameter gradient it computed (`grad_samples`, with the later stages').
 
 Security: a chained call is refused (WRONG_STAGE) unless it names the model, the number of stages and
 the stage this peer serves. In a run with an authority, the trainer's credential rides along every
@@ -100,8 +102,10 @@ from wire.messages import (
     write_response,
 )
 from wire.protocol import (
+    HOP_RECORD_NAMES,
     MAX_CHAIN_STAGES,
     MAX_HOP_PIECES,
+    MAX_SAMPLED_STAGES,
     RPC_CHAIN_PIECE,
     RPC_TRAIN_CHAIN,
     ChainPiece,
@@ -209,14 +213,17 @@ class ChainService:
             if header.keep_records and header.stage > 0:  # the stage before's outputs as they crossed
                 self.records.keep(header.microbatch_id, "received", header.trainer_id, encoded["inputs"])
             tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
+            sample = header.keep_records  # a run that spot-checks: each stage's gradient sample comes back
             if header.stage == header.num_stages - 1:
-                (grad_inputs, loss), compute_s = await self._on_compute(
+                (grad_inputs, loss, grad_sample), compute_s = await self._on_compute(
                     header,
                     BACKWARD,
-                    lambda r: r.backward(header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens),
+                    lambda r: r.backward_sampled(
+                        header.microbatch_id, inputs, targets=tensors.get("targets"), tokens=tokens, sample=sample
+                    ),
                 )
                 grad_inputs, loss = await on_host([grad_inputs, loss])
-                served_by, failed_over, busy_after = [], [], []
+                served_by, failed_over, busy_after, grad_samples = [], [], [], []
             else:
                 outputs, forward_s = await self._on_compute(
                     header, FORWARD, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
@@ -229,13 +236,16 @@ class ChainService:
                     encoded.get("targets"),
                     tokens=carried if runtime.config.subspace_rank > 0 else None,
                 )
-                (grad_inputs, _), backward_s = await self._on_compute(
+                (grad_inputs, _, grad_sample), backward_s = await self._on_compute(
                     header,
                     BACKWARD,
-                    lambda r: r.backward(header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens),
+                    lambda r: r.backward_sampled(
+                        header.microbatch_id, inputs, grad_outputs=grad_outputs, tokens=tokens, sample=sample
+                    ),
                 )
                 (grad_inputs,) = await on_host([grad_inputs])
                 loss, served_by, busy_after = answer.loss, list(answer.served_by), list(answer.busy)
+                grad_samples = list(answer.grad_samples)
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
                 compute_s = forward_s + backward_s
             samples = header.batch_size
@@ -243,6 +253,8 @@ class ChainService:
                 outputs = (
                     [] if grad_inputs is None else [("grad_inputs", self._encode_gradient(grad_inputs, header, caller))]
                 )
+            if header.keep_records and outputs:  # the gradient as it goes back to the stage before
+                self.records.keep(header.microbatch_id, "grad_sent", header.trainer_id, outputs[0][1])
             response = ChainResponse(
                 loss=loss,
                 served_by=[self.peer_id, *served_by],
@@ -250,6 +262,7 @@ class ChainService:
                 compute_s=compute_s,
                 handler_s=time.perf_counter() - arrived,
                 busy=[busy_reading(serving), *busy_after][:MAX_CHAIN_STAGES],
+                grad_samples=[grad_sample, *grad_samples][:MAX_SAMPLED_STAGES] if grad_sample is not None else [],
             )
             serving.served_one()
             if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
@@ -371,7 +384,7 @@ class ChainService:
                     f"(it keeps the last {self.records.max_bytes >> 20} MiB)"
                 )
             header = ResponseHeader()
-            outputs = [("inputs" if wanted.side == "received" else "outputs", tensor)]
+            outputs = [(HOP_RECORD_NAMES[wanted.side], tensor)]
         except (ProtocolError, NotAuthorizedError) as e:
             header, outputs = (
                 ResponseHeader(
@@ -579,11 +592,16 @@ class ChainService:
                     raise BadRequestError(f"it says stages were served by {len(response.served_by)} peers")
                 if next_stage == header.num_stages - 1 and response.loss is None:
                     raise BadRequestError("the last stage answered no loss")
+                if header.keep_records and response.samples_problem() is not None:
+                    raise BadRequestError(response.samples_problem())
             except (ProtocolError, BadRequestError) as e:
                 attempts.failed(peer_id, Failure.GARBAGE, f"{peer_id[-8:]}: a malformed answer: {e}")
                 continue
             if header.keep_records:
                 self.records.keep(header.microbatch_id, "sent", header.trainer_id, dict(sent)["inputs"])
+                self.records.keep(
+                    header.microbatch_id, "grad_received", header.trainer_id, answer.encoded()["grad_inputs"]
+                )
             self.codecs.observe(
                 peer_id,
                 next_stage,

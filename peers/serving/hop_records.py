@@ -4,13 +4,16 @@ Under hub routing the trainer holds every stage's inputs and outputs, so a spot 
 stage's inputs to a second replica and compares the answers (swarm/trainer/spot_checks.py). Under
 direct routing they go from peer to peer and the trainer sees neither. So each peer of a chain
 keeps, per microbatch, the activations it **received** from the stage before and the ones it
-**sent** to the replica of the next stage that answered, each exactly as it crossed the wire (the
-sender's codec, encoded). To check the replica P that served stage s, the trainer asks *P's
-neighbours*, never P: the replica before it for what it sent P (stage 0's inputs are the
-trainer's own tokens), the replica after it for what it received from P. P cannot tell a checked
-microbatch from another when it answers (the trainer asks after the chain has answered), and
-cannot make its neighbours report other tensors than the ones that crossed. Neighbours that
-collude with it are not caught, as a checker that colludes is not under hub routing.
+**sent** to the replica of the next stage that answered, and the gradients it **grad_received**
+back from that replica and **grad_sent** back to the stage before, each exactly as it crossed the
+wire (the sender's codec, encoded). To check the replica P that served stage s, the trainer asks
+*P's neighbours*, never P: the replica before it for what it sent P and got back from it (stage
+0's inputs are the trainer's own tokens), the replica after it for what it received from P and
+sent back to it. P cannot tell a checked microbatch from another when it answers (the trainer
+asks after the chain has answered), and cannot make its neighbours report other tensors than the
+ones that crossed. Neighbours that collude with it are not caught, as a checker that colludes is
+not under hub routing; a neighbour that reports another tensor than the one that crossed gets P
+banned (the check recomputes from what it says).
 
 Peers keep records only of chains whose trainer spot-checks (the chain request's `keep_records`:
 it says the run checks some chains, not which), in arrival order within `max_bytes` (`--hop-record-mb`;
@@ -24,8 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from wire.compression import EncodedTensor
+from wire.protocol import HOP_RECORD_NAMES
 
-SIDES = ("received", "sent")
+SIDES = tuple(HOP_RECORD_NAMES)
 
 
 @dataclass(frozen=True)

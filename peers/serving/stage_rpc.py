@@ -115,19 +115,21 @@ class StageRpcService:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
                 priority = BACKWARD if rpc == "backward" else FORWARD  # 1F1B: a backward waits less
-                (outputs, loss), compute_started, compute_s = await asyncio.wrap_future(
+                (outputs, loss, grad_sample), compute_started, compute_s = await asyncio.wrap_future(
                     submit_at(self.compute, priority, compute_timed, serving, self._compute, header, tensors)
                 )
             phases.add("queue", compute_started - decoded_at)
             *tensors_out, loss = await on_host([tensor for _, tensor in outputs] + [loss])
             outputs = [(name, tensor) for (name, _), tensor in zip(outputs, tensors_out)]
-            queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
+            queue_s, samples = compute_started - arrived, 0 if header.evaluate or header.check else header.batch_size
             with phases.timed("encode"):
                 encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
             if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
                 lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
-            response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s, busy=busy_reading(serving))
+            response = ResponseHeader(
+                loss=loss, compute_s=compute_s, queue_s=queue_s, busy=busy_reading(serving), grad_sample=grad_sample
+            )
             serving.served_one()
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
             kind = Failure.CACHE_MISS
@@ -210,7 +212,8 @@ class StageRpcService:
             raise WrongStageError(f"this peer serves stage {runtime.stage}, not stage {header.stage}")
 
     def _compute(self, header: RequestHeader, tensors: dict[str, torch.Tensor]):
-        """Runs on the compute thread (where a move swaps the runtime: read it once, here)."""
+        """Runs on the compute thread (where a move swaps the runtime: read it once, here). Returns
+        the named tensors to answer, the loss and the gradient sample (a backward that asked for it)."""
         runtime = self.serving.runtime
         if header.stage != runtime.stage:  # the peer moved while this request waited for the thread
             raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
@@ -218,34 +221,51 @@ class StageRpcService:
         if header.inputs_cached and header.rpc == "backward":
             if inputs is not None:
                 raise BadRequestError("inputs_cached is set, yet the request carries 'inputs'")
-            grad_inputs, loss = runtime.backward(
+            if header.check:
+                raise BadRequestError("a spot check's recompute carries its inputs (inputs_cached is set)")
+            grad_inputs, loss, grad_sample = runtime.backward_sampled(
                 header.microbatch_id,
                 None,
                 batch_size=header.batch_size,
                 grad_outputs=tensors.get("grad_outputs"),
                 targets=tensors.get("targets"),
+                sample=header.grad_sample,
             )  # the token ids, too, come from the cached forward
-            return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
+            return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss, grad_sample
         if inputs is None:
             raise BadRequestError("the request carries no 'inputs' tensor")
         if inputs.shape[:1] != (header.batch_size,):
             raise BadRequestError(f"batch_size says {header.batch_size}, inputs have shape {tuple(inputs.shape)}")
+        if header.check:
+            if header.evaluate:
+                raise BadRequestError("a request is a spot check's recompute or a validation pass, not both")
+            answer, loss, grad_sample = runtime.recompute(
+                header.rpc,
+                inputs,
+                targets=tensors.get("targets"),
+                grad_outputs=tensors.get("grad_outputs"),
+                tokens=tensors.get("tokens"),
+                precision=header.check_precision,
+            )
+            name = "outputs" if header.rpc == "forward" else "grad_inputs"
+            return ([(name, answer)] if answer is not None else []), loss, grad_sample
         if header.rpc == "forward" and header.evaluate:
             outputs = runtime.evaluate(inputs, tensors.get("targets"), tensors.get("tokens"))
-            return ([], runtime.host_value(outputs)) if runtime.is_last else ([("outputs", outputs)], None)
+            return ([], runtime.host_value(outputs), None) if runtime.is_last else ([("outputs", outputs)], None, None)
         if header.rpc == "forward":
             outputs = runtime.forward(header.microbatch_id, inputs, tensors.get("targets"), tensors.get("tokens"))
             if runtime.is_last:
-                return [], runtime.host_value(outputs)
-            return [("outputs", outputs)], None
-        grad_inputs, loss = runtime.backward(
+                return [], runtime.host_value(outputs), None
+            return [("outputs", outputs)], None, None
+        grad_inputs, loss, grad_sample = runtime.backward_sampled(
             header.microbatch_id,
             inputs,
             grad_outputs=tensors.get("grad_outputs"),
             targets=tensors.get("targets"),
             tokens=tensors.get("tokens"),
+            sample=header.grad_sample,
         )
-        return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss
+        return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss, grad_sample
 
 
 def compute_timed(serving: ServingState, compute, *args):

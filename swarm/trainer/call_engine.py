@@ -59,11 +59,17 @@ class CallCounters:
         0  # backwards (hub) or chains (direct) lost in transit, asked of the same replicas again
     )
     # spot checks (stage_call.py's verify, chain_call.py's audit)
-    calls_verified: int = 0  # forward calls answered by a second replica too
-    verify_mismatches: int = 0  # ... whose answers differed beyond the codec's error
+    calls_verified: int = 0  # calls answered by a second replica too (its recompute)
+    calls_verified_by_call: dict[str, int] = field(default_factory=dict)  # ... by kind: forward, backward, last
+    verify_mismatches: int = 0  # ... whose answers differed beyond the tolerance
     verify_calls: int = 0  # extra calls the spot checks made (second and third replicas), answered or not
+    verify_third_opinions: int = 0  # recomputes asked after a mismatch (a third replica's on; at once, or later)
+    verify_disputes: int = 0  # mismatches with no third replica to ask: held, nobody banned
+    verify_disputes_settled: int = 0  # ... a third replica answered later, before the replicas stepped
+    verify_disputes_unresolved: int = 0  # ... none could (listed in the report's `disputes`)
     verify_records_missing: int = 0  # chains (direct routing) picked for a check whose hop records could not be had
-    verify_largest_agreeing_difference: float = 0.0  # the tolerance's margin: the most two agreeing answers differed
+    verify_largest_agreeing_share: float = 0.0  # the tolerance's margin: the largest share of it two agreeing used
+    verify_largest_agreeing_difference: float = 0.0  # ... and the relative difference that was
     banned_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why it was banned for the run
     # commits (schedule.py)
     commits: int = 0  # replicas that stepped on our commit (sync, or periodic every K steps)

@@ -23,8 +23,9 @@ It also names the replicas its hops failed over from and how (`failed_over`, als
 failed): each one the route named is counted as a failed call of that kind (`failures_by_kind`,
 the metrics, the replica's ledger entry) and routed around for a short ban (a stage ban for a wrong
 stage) only: a chain's answer is peers' words about each other, no proof of more.
-`ChainCaller.audit` spot-checks a stage of a chain that answered, from what the stage's neighbours
-say crossed its hops (peers/serving/hop_records.py).
+`ChainCaller.audit` spot-checks a call of a stage (its forward or its backward) in a chain that
+answered, from what the stage's neighbours say crossed its hops (peers/serving/hop_records.py) and
+the gradient sample the chain's answer carried.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.trainer.call_engine import Blame
 from swarm.trainer.chain_route import (
@@ -63,6 +64,7 @@ ROUTE_ALTERNATES = 2  # replicas named after the preferred one, per stage
 class ChainAnswer:
     loss: float
     served_by: list[str]  # the replica that served each stage
+    grad_samples: list[list[float]] = field(default_factory=list)  # each stage's gradient sample (spot checks)
 
 
 class ChainCaller:
@@ -78,38 +80,65 @@ class ChainCaller:
         return await self.caller.engine.drive(ChainWork(self, microbatch_id, mb, failures), failures)
 
     async def audit(
-        self, stage: int, microbatch_id: str, mb: Microbatch, served_by: list[str], *, send_tokens: bool
+        self, stage: int, call: str, microbatch_id: str, mb: Microbatch, chain: ChainAnswer, *, send_tokens: bool
     ) -> None:
-        """Spot-check the replica that served `stage` (not the last) in a chain that answered. Its
-        inputs as the replica before it sent them (stage 0: this trainer's tokens) and its outputs as
-        the replica after it received them (peers/serving/hop_records.py: its neighbours tell, not the
-        replica) make the forward call a hub spot check makes, and `StageCaller.verify` asks a second
-        replica of the stage for it, and a third on a mismatch. The chain's gradients are applied by
-        then: a replica in the minority is banned for the run, so a lie costs the microbatches it
-        served before it was caught (a hub check replaces the lying answer first). A record that
-        cannot be fetched (evicted, the neighbour gone) leaves the chain unchecked, counted."""
-        caller = self.caller
+        """Spot-check the replica that served `stage` in a chain that answered: its forward (`call`
+        "forward", a stage before the last) or its backward ("backward": on the last stage its fused
+        call). What it computed on is what its neighbours say they sent it (peers/serving/hop_records.py:
+        the activations from the replica before it, stage 0's from this trainer's tokens; the gradient
+        from the replica after it, the last stage's from the targets), and its answer what they say
+        they received from it (its outputs; its input gradient) and what the chain carried back (its
+        loss, its gradient sample): the request and answer a hub spot check has, which
+        `StageCaller.verify` asks a second replica to recompute, and a third on a mismatch. The
+        chain's gradients are applied by then: a replica in the minority is banned for the run, so a
+        lie costs the microbatches it served before it was caught (a hub check replaces the lying
+        answer first). A record that cannot be fetched (evicted, the neighbour gone) leaves the call
+        unchecked, counted."""
+        caller, served_by, last = self.caller, chain.served_by, self.view.num_stages - 1
+        outputs, response, codec = {}, ResponseHeader(), ("none", ())
         try:
             if stage == 0:
                 inputs = encode_tensor(mb.inputs, "none")  # what the chain's first call carried
             else:
                 inputs, _ = await self._hop_record(served_by[stage - 1], stage - 1, microbatch_id, "sent", mb.size)
-            outputs, decoded = await self._hop_record(
-                served_by[stage + 1], stage + 1, microbatch_id, "received", mb.size
-            )
-            codec = outputs.header.codec
-            relative_error_bound(codec)  # a codec with no known error bound cannot be held to a tolerance
+            request = [("inputs", inputs)]
+            if call == "forward":
+                sent, decoded = await self._hop_record(
+                    served_by[stage + 1], stage + 1, microbatch_id, "received", mb.size
+                )
+                outputs["outputs"] = (sent, decoded)
+            else:
+                if stage == last:
+                    request.append(("targets", encode_tensor(mb.targets, "none")))
+                else:
+                    grad_outputs, _ = await self._hop_record(
+                        served_by[stage + 1], stage + 1, microbatch_id, "grad_sent", mb.size
+                    )
+                    request.append(("grad_outputs", grad_outputs))
+                if stage > 0:
+                    outputs["grad_inputs"] = await self._hop_record(
+                        served_by[stage - 1], stage - 1, microbatch_id, "grad_received", mb.size
+                    )
+                sample = chain.grad_samples[stage] if stage < len(chain.grad_samples) else None
+                response = ResponseHeader(loss=chain.loss if stage == last else None, grad_sample=sample)
+            if outputs:
+                codec = (next(iter(outputs.values()))[0].header.codec, ())
+                relative_error_bound(codec[0])  # a codec with no known error bound cannot be held to a tolerance
         except (PeerCallError, CodecError) as e:
             caller.counters.verify_records_missing += 1
-            logger.warning(f"stage {stage}: {microbatch_id} not spot-checked: no record of its hop ({e})")
+            logger.warning(f"stage {stage}: {microbatch_id}'s {call} not spot-checked: no record of its hop ({e})")
             return
-        request = [("inputs", inputs)]
         if send_tokens and stage > 0:
             request.append(("tokens", encode_tensor(mb.inputs, "none")))
         answer = StageAnswer(
-            {"outputs": decoded}, ResponseHeader(), served_by[stage], {"outputs": outputs}, (codec, ()), tuple(request)
+            {name: decoded for name, (_, decoded) in outputs.items()},
+            response,
+            served_by[stage],
+            {name: sent for name, (sent, _) in outputs.items()},
+            codec,
+            tuple(request),
         )
-        await caller.verify(stage, microbatch_id, mb.size, answer)
+        await caller.verify(stage, microbatch_id, mb.size, answer, call=call, step=mb.step)
 
     async def _hop_record(self, peer_id: str, stage: int, microbatch_id: str, side: str, batch_size: int):
         """`StageClient.hop_record`, asked once more when the stream broke or its answer came short (lost
@@ -220,6 +249,8 @@ class ChainWork:
         )
         caller.phases.add("call", time.perf_counter() - called)
         wrong = check_served_by(route, result.served_by)
+        if wrong is None and caller.spot_checks.fraction > 0.0:
+            wrong = result.samples_problem
         if wrong is not None:
             raise ChainCallError(route[0][0], Failure.GARBAGE, wrong, stage=0, failed_peers=[route[0][0]])
         return result
@@ -253,7 +284,7 @@ class ChainWork:
             engine.note_answered(peer_id, stage, "backward", self.mb.size)
         for stage, (peer_id, busy) in enumerate(zip(result.served_by, result.busy)):
             engine.contributions.busy(peer_id, stage, (busy.busy_s, busy.clock_s))
-        return ChainAnswer(result.loss, result.served_by)
+        return ChainAnswer(result.loss, result.served_by, result.grad_samples)
 
     def unavailable(self, waited_s: float, attempts: Attempts) -> StageUnavailableError:
         empty = [s for s, n in enumerate(self.view.live_replicas()) if not n] or [0]

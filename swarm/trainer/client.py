@@ -25,6 +25,7 @@ from wire.data_plane import DataPlaneClient
 from wire.failures import Failure, caller_failure
 from wire.messages import Received, read_response, read_unary, unary_request, write_request
 from wire.protocol import (
+    HOP_RECORD_NAMES,
     RPC_BACKWARD,
     RPC_COMMIT,
     RPC_FORWARD,
@@ -86,6 +87,8 @@ class ChainResult:
     failed_over: list[HopFailover]  # replicas a hop failed on before another of their stage answered, and how
     moved: int  # payload bytes, both ways
     busy: list[ComputeBusy] = field(default_factory=list)  # each served_by peer's compute clock, as stated
+    grad_samples: list[list[float]] = field(default_factory=list)  # each stage's gradient sample (keep_records)
+    samples_problem: str | None = None  # ... why they are not the ones owed (ChainResponse.samples_problem)
 
 
 class StageClient:
@@ -144,11 +147,15 @@ class StageClient:
         inputs_cached: bool = False,
         evaluate: bool = False,
         max_answer_bytes: int | None = None,
+        grad_sample: bool = False,
+        check_precision: str | None = None,
     ) -> CallResult:
         """One forward or backward call. `inputs_cached` (backward): no inputs are sent, the peer
         reuses those of its forward, or fails with Failure.CACHE_MISS. `max_answer_bytes`: an answer
         whose tensors would decode to more is garbage, refused at its header (a malicious replica's
-        top-k header may declare a gigabyte in a few bytes)."""
+        top-k header may declare a gigabyte in a few bytes). `grad_sample` (backward): the answer
+        carries the sample of its parameter gradient; `check_precision`: a spot check's recompute in
+        that precision (nothing kept on the peer)."""
         request = write_request(
             RequestHeader(
                 rpc=rpc,
@@ -162,6 +169,9 @@ class StageClient:
                 inputs_cached=inputs_cached,
                 evaluate=evaluate,
                 credential=self.credential,
+                grad_sample=grad_sample,
+                check=check_precision is not None,
+                check_precision=check_precision or "fp32",
             ),
             tensors,
         )
@@ -186,9 +196,10 @@ class StageClient:
     async def hop_record(
         self, peer_id: str, *, stage: int, microbatch_id: str, side: str, timeout_s: float, max_answer_bytes: int
     ) -> tuple[EncodedTensor, torch.Tensor]:
-        """Direct routing's spot checks: what `peer_id`, serving `stage`, `side` ("received" or
-        "sent") for `microbatch_id` in a chain this trainer drove, as it crossed the wire
-        (peers/serving/hop_records.py), and decoded (within `max_answer_bytes`). Raises PeerCallError."""
+        """Direct routing's spot checks: what `peer_id`, serving `stage`, `side` (received, sent,
+        grad_received, grad_sent) for `microbatch_id` in a chain this trainer drove, as it crossed
+        the wire (peers/serving/hop_records.py), and decoded (within `max_answer_bytes`). Raises
+        PeerCallError."""
         header = HopRecordRequest(
             model=self.model,
             stage=stage,
@@ -202,7 +213,7 @@ class StageClient:
         )
         if answer.header.error is not None:
             raise PeerCallError(peer_id, caller_failure(answer.header.error_kind), answer.header.error)
-        name = "inputs" if side == "received" else "outputs"
+        name = HOP_RECORD_NAMES[side]
         try:
             tensor = answer.encoded().get(name)
             if tensor is None:
@@ -287,7 +298,13 @@ class StageClient:
             self.bytes.record_sent(item)
         moved = sum(item.nbytes for _, item in tensors)
         return ChainResult(
-            float(response.loss), list(response.served_by), list(response.failed_over), moved, list(response.busy)
+            float(response.loss),
+            list(response.served_by),
+            list(response.failed_over),
+            moved,
+            list(response.busy),
+            [list(sample) for sample in response.grad_samples],
+            response.samples_problem() if keep_records else None,
         )
 
     async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:

@@ -175,10 +175,10 @@ class CompressionSettings:
 class VerificationSettings:
     verify_fraction: float = option(
         0.0,
-        help="send this fraction of forward calls (drawn with --seed) to a second replica of the stage too, "
-        "and a third when the answers differ beyond the codec's error; a replica in the minority is banned "
-        "for the run (for sync averaging only: periodic replicas differ between rounds); with --routing direct, "
-        "each stage's forward in this fraction of chains, checked after the chain answered from what the "
+        help="spot checks: have a second replica of the stage recompute this fraction of the training "
+        "compute (forwards, the last stage's loss and gradient, backwards; drawn with --seed), and more "
+        "when the answers differ beyond the tolerance; the replicas in the minority are banned for the run "
+        "(sync replicas only); with --routing direct, checked after the chain answered, from what the "
         "stage's neighbours say crossed its hops",
     )
 

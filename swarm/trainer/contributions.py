@@ -2,13 +2,16 @@
 
 Per peer id: the samples it served (those of the backward calls it answered: the calls whose
 gradients enter its optimizer step, on the last stage the fused forward+backward; each training
-sample counts once per stage, so a stage's replicas' counts add up to the samples trained; the extra
-forwards of spot checks and validation passes are calls answered, not samples served), the calls it answered and the calls that failed, the spot
-checks its answer took part in (`calls_verified`: as the replica checked or as a checker) and those
-in which its answer was not shown right (`mismatches`: it disagreed with another answer and was in
-the minority, or nobody could tell who was right), the ban, if any, with its reason, and how busy
-its compute was between its first answer to this trainer and its latest (`utilization`, from the
-compute clock its answers carry, peers/compute/utilization.py: its own word, shown, never routed on).
+sample counts once per stage, so a stage's replicas' counts add up to the samples trained; the
+recomputes of spot checks and validation passes are calls answered, not samples served), the calls
+it answered and the calls that failed, the spot checks its answer took part in (`calls_verified`:
+as the replica checked or as a checker), those in which its answer was not shown right
+(`mismatches`: it disagreed with another answer and was in the minority, or nobody could tell who
+was right), the samples of its own calls that checks found right (`samples_verified`), the checks
+in which it and one other replica differed with no third to tell (`disputes`), the ban, if any,
+with its reason, and how busy its compute was between its first answer to this trainer and its
+latest (`utilization`, from the compute clock its answers carry, peers/compute/utilization.py: its
+own word, shown, never routed on).
 
 It is the trainer's own view: what a peer answered to *this* trainer, counted on this trainer's
 clock. Nothing here is signed or published; a peer's count in another trainer's ledger differs.
@@ -34,6 +37,8 @@ class PeerContribution:
     calls_failed: int = 0
     calls_verified: int = 0
     mismatches: int = 0
+    samples_verified: int = 0  # samples of its own calls a check found right: useful work shown
+    disputes: int = 0  # checks where its answer and one other differed, with no third to tell
     banned: str | None = None  # why it was banned (the latest ban), None if never
     utilization: float | None = None  # its compute's busy fraction since its first answer (None: not known)
 
@@ -59,15 +64,34 @@ class ContributionLedger:
         """A call to `peer_id` failed (timeout, transport, refusal, garbage...)."""
         self._touch(peer_id, stage).calls_failed += 1
 
-    def verified(self, stage: int, peers: Iterable[str], *, agreed: bool, majority: Iterable[str] = ()) -> None:
+    def verified(
+        self,
+        stage: int,
+        peers: Iterable[str],
+        *,
+        agreed: bool,
+        majority: Iterable[str] = (),
+        checked: str | None = None,
+        samples: int = 0,
+    ) -> None:
         """A spot check compared the answers of `peers`. When they did not all agree, those not in
-        `majority` (the replicas whose answers agreed against a minority) count a mismatch."""
+        `majority` (the replicas whose answers agreed against a minority) count a mismatch. The
+        `checked` replica (whose call of `samples` samples was checked) counts them as verified
+        samples when its answer was right."""
         majority = set(majority)
         for peer_id in peers:
             entry = self._touch(peer_id, stage)
             entry.calls_verified += 1
-            if not agreed and peer_id not in majority:
+            right = agreed or peer_id in majority
+            if not right:
                 entry.mismatches += 1
+            if peer_id == checked and right:
+                entry.samples_verified += samples
+
+    def disputed(self, stage: int, peers: Iterable[str]) -> None:
+        """Two replicas' answers to a check differed and no third could tell which was right (yet)."""
+        for peer_id in peers:
+            self._touch(peer_id, stage).disputes += 1
 
     def busy(self, peer_id: str, stage: int, reading: tuple[float, float] | None) -> None:
         """`peer_id`'s compute clock as an answer carried it: (busy seconds, clock seconds)."""
@@ -132,6 +156,8 @@ class ReportedContribution(BaseModel):
     calls_failed: int = Field(ge=0)
     calls_verified: int = Field(ge=0)
     mismatches: int = Field(ge=0)
+    samples_verified: int = Field(default=0, ge=0)  # absent from reports before issue #59
+    disputes: int = Field(default=0, ge=0)
     banned: str | None = Field(default=None, max_length=1000)
     utilization: float | None = Field(default=None, ge=0.0, le=1.0)
 

@@ -30,6 +30,14 @@ PEER_COUNTS = {  # ContributionLedger field -> (gauge name, help)
         "swarm_trainer_peer_mismatches",
         "Spot checks where the peer's answer disagreed and was not the majority's",
     ),
+    "samples_verified": (
+        "swarm_trainer_peer_samples_verified",
+        "Samples of the peer's own calls that a spot check found right (useful work shown)",
+    ),
+    "disputes": (
+        "swarm_trainer_peer_disputes",
+        "Spot checks where the peer's answer and one other differed with no third replica to tell",
+    ),
 }
 
 
@@ -116,19 +124,25 @@ class TrainerMetrics:
         # spot checks (swarm/trainer/spot_checks.py): their cost is these extra calls
         self.calls_verified = Counter(
             "swarm_trainer_calls_verified_total",
-            "Forward calls also sent to a second replica to compare the answers (--verify-fraction)",
+            "Calls also recomputed by a second replica to compare the answers (--verify-fraction)",
             ["stage"],
             registry=r,
         )
         self.verify_mismatches = Counter(
             "swarm_trainer_verify_mismatches_total",
-            "Verified calls whose two answers differed beyond the codec's error (a third replica is asked)",
+            "Verified calls whose two answers differed beyond the tolerance (a third replica is asked)",
             ["stage"],
             registry=r,
         )
         self.verify_bans = Counter(
             "swarm_trainer_verify_bans_total",
             "Replicas banned for the run: their answer was in the minority of a spot check",
+            ["stage"],
+            registry=r,
+        )
+        self.verify_disputes = Counter(
+            "swarm_trainer_verify_disputes_total",
+            "Spot checks whose two answers differed with no third replica to ask (nobody banned)",
             ["stage"],
             registry=r,
         )
@@ -173,7 +187,7 @@ class TrainerMetrics:
             self.live_replicas.labels(stage=str(stage))
             for rpc in ("forward", "backward"):
                 self.calls.labels(stage=str(stage), rpc=rpc)
-            for counter in (self.calls_verified, self.verify_mismatches, self.verify_bans):
+            for counter in (self.calls_verified, self.verify_mismatches, self.verify_bans, self.verify_disputes):
                 counter.labels(stage=str(stage))
 
     def set_contributions(self, contributions: dict[str, dict]) -> None:
@@ -189,7 +203,7 @@ class TrainerMetrics:
                 continue
             exported.add(labels)
             for field, gauge in self.peer_counts.items():
-                gauge.labels(*labels).set(counts[field])
+                gauge.labels(*labels).set(counts.get(field, 0))
             self.peer_banned.labels(*labels).set(1 if counts["banned"] else 0)
         for labels in self._exported_peers - exported:  # a peer that moved stage, or fell out of the top
             for gauge in (*self.peer_counts.values(), self.peer_banned):

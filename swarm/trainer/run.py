@@ -89,8 +89,12 @@ class TrainingReport(CallCounters):
     stopped_early: bool = False  # stopped by SIGTERM/SIGINT before its last step
     foreign_peers_skipped: int = 0  # peers whose records announced another model: never routed to
     # peer id -> what it did for this trainer: samples_served, calls_answered, calls_failed,
-    # calls_verified, mismatches, stage, banned (reason or None); swarm/trainer/contributions.py
+    # calls_verified, mismatches, samples_verified, disputes, stage, banned (reason or None);
+    # swarm/trainer/contributions.py
     contributions: dict[str, dict] = field(default_factory=dict)
+    # spot checks whose two answers differed with no third replica to tell which was right, the latest
+    # (swarm/trainer/spot_checks.py `Dispute`): stage, call, microbatch_id, peers, share, step
+    disputes: list[dict] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -450,6 +454,7 @@ def _fill_report(
     report.banned_peers = {**earlier_bans, **counters.banned_peers}
     report.foreign_peers_skipped = len(schedule.view.foreign_peers)
     report.contributions = schedule.caller.contributions.merge(earlier_contributions or {})
+    report.disputes = [dataclasses.asdict(d) for d in schedule.caller.disputes_unresolved]
 
 
 async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:

@@ -3,11 +3,12 @@
 `StepSchedule.run_step` streams a step's microbatches through the stages, at most `max_in_flight`
 at once: each goes forward through stages 0..S-2, takes a fused forward+backward on the last stage
 (which owns the loss), and goes backward through S-2..0, every call through `StageCaller`
-(swarm/trainer/stage_call.py, which fails over); a fraction of the forward calls is spot-checked
-on a second replica (`StageCaller.verify`). With `--routing direct` a microbatch is instead one
-chained call that the peers pass on stage to stage (`ChainCaller`, swarm/trainer/chain_call.py),
-and a chain that answered has each stage's forward spot-checked in the same fraction, from what the
-stage's neighbours say crossed its hops (`ChainCaller.audit`). Nothing is dropped: a microbatch either finishes
+(swarm/trainer/stage_call.py, which fails over); a fraction of the calls (forwards, the last
+stage's, backwards) is spot-checked by a second replica's recompute (`StageCaller.verify`). With
+`--routing direct` a microbatch is instead one chained call that the peers pass on stage to stage
+(`ChainCaller`, swarm/trainer/chain_call.py), and a chain that answered has each stage's calls
+spot-checked in the same fraction, from what the stage's neighbours say crossed its hops
+(`ChainCaller.audit`). Disputes of a step's checks are settled before its commit. Nothing is dropped: a microbatch either finishes
 or the run stops with the error that stopped it. Then the step is committed on the replicas that
 average (sync, or periodic every K steps), so that they step together.
 """
@@ -29,8 +30,9 @@ from swarm.trainer.discovery import SwarmView
 from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
 from swarm.trainer.global_step import step_id as global_step_id
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.spot_checks import CallSampler
+from swarm.trainer.spot_checks import CACHED_BACKWARD_WEIGHT, CallSampler, calls_to_check, check_weight
 from swarm.trainer.stage_call import Payload, StageCaller
+from wire.compression import EncodedTensor
 from wire.failures import Failure
 from wire.protocol import CommitResponse
 
@@ -111,6 +113,15 @@ def replicas_to_repair(answers: dict[str, CommitResponse]) -> list[CatchUp]:
     ]
 
 
+def backward_request(
+    sent: tuple[tuple[str, EncodedTensor], ...], forward_sent: tuple[tuple[str, EncodedTensor], ...]
+) -> tuple[tuple[str, EncodedTensor], ...]:
+    """Everything a backward computed on, as sent: its own request, and when it was served from the
+    replica's activation cache (sent without its inputs) the inputs and token ids its forward was sent."""
+    names = {name for name, _ in sent}
+    return tuple(item for item in forward_sent if item[0] not in names) + tuple(sent)
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -153,6 +164,7 @@ class StepSchedule:
         self.metrics: TrainerMetrics = caller.metrics
         self.max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
+        self.checks_open = True  # False while a shared step is over but ours are in flight (`_check`)
         # samples each replica served (answered a backward for) in this step, by stage: the commit
         # caps each replica's weight in the sync average at its count
         self._served: dict[int, dict[str, int]] = {}
@@ -176,18 +188,23 @@ class StepSchedule:
             # served its forward (and cached it, so that the backward need not resend the inputs).
             stage_inputs = [Payload(mb.inputs)]
             served_by: list[str] = []
+            forward_requests = []  # what each stage's forward was sent: a cached backward's inputs
+            check = self._check  # --verify-fraction: a call picked is recomputed by a second replica too
             for stage in range(self.num_stages - 1):
                 tensors = [("inputs", stage_inputs[-1]), *self._tokens(stage, stage_inputs[0])]
                 answer = await call(stage, "forward", microbatch_id, mb.size, tensors, failures)
-                if self.caller.spot_checks.pick():  # --verify-fraction: asked of a second replica too
-                    answer = await self.caller.verify(stage, microbatch_id, mb.size, answer)
+                if check():
+                    answer = await self.caller.verify(stage, microbatch_id, mb.size, answer, step=mb.step)
                 stage_inputs.append(answer.payload("outputs"))
                 served_by.append(answer.peer_id)
+                forward_requests.append(answer.request)
             last = self.num_stages - 1
             tensors = [("inputs", stage_inputs[last]), ("targets", Payload(mb.targets))]
             tensors += self._tokens(last, stage_inputs[0])
             answer = await call(last, "backward", microbatch_id, mb.size, tensors, failures)
             self._count_served(last, answer.peer_id, mb.size)
+            if check():  # the last stage's fused call: its loss, input gradient and gradient sample
+                answer = await self.caller.verify(last, microbatch_id, mb.size, answer, call="backward", step=mb.step)
             response = answer.response
             for stage in reversed(range(last)):
                 tensors = [("inputs", stage_inputs[stage]), ("grad_outputs", answer.payload("grad_inputs"))]
@@ -196,6 +213,11 @@ class StepSchedule:
                     stage, "backward", microbatch_id, mb.size, tensors, failures, cached_on=served_by[stage]
                 )
                 self._count_served(stage, answer.peer_id, mb.size)
+                if check(CACHED_BACKWARD_WEIGHT):  # its input gradient and sample, from all it used
+                    request = backward_request(answer.request, forward_requests[stage])
+                    answer = await self.caller.verify(
+                        stage, microbatch_id, mb.size, answer, call="backward", request=request, step=mb.step
+                    )
             self._finished(failures)
             return float(response.loss)
 
@@ -204,11 +226,18 @@ class StepSchedule:
         answer = await self.chains.run(microbatch_id, mb, failures)
         for stage, peer_id in enumerate(answer.served_by):
             self._count_served(stage, peer_id, mb.size)
-        for stage in range(self.num_stages - 1):  # --verify-fraction: each stage's forward, as under hub routing
-            if self.caller.spot_checks.pick():
-                await self.chains.audit(stage, microbatch_id, mb, answer.served_by, send_tokens=self.send_tokens)
+        for stage, call in calls_to_check(self.num_stages):  # --verify-fraction: each call, as under hub routing
+            if self._check(check_weight(stage, call, self.num_stages)):
+                await self.chains.audit(stage, call, microbatch_id, mb, answer, send_tokens=self.send_tokens)
         self._finished(failures)
         return answer.loss
+
+    def _check(self, weight: float = 1.0) -> bool:
+        """Whether to spot-check the call at hand (`CallSampler.pick`, drawn for every call, so that the
+        same run picks the same calls): not while the step is over for the run and another trainer
+        may commit it, which would step the replicas between the call and its recompute."""
+        picked = self.caller.spot_checks.pick(weight)
+        return picked and self.checks_open
 
     def _tokens(self, stage: int, tokens: Payload) -> list[tuple[str, Payload]]:
         """The token ids as a named tensor for `stage`, where it needs them (never stage 0: they are its inputs)."""
@@ -268,6 +297,7 @@ class StepSchedule:
         the mean loss over our samples and their number."""
         tasks: dict[asyncio.Task, Microbatch] = {}
         finished: list[tuple[float, int]] = []
+        self.checks_open = True
         try:
             while not progress.status().over:
                 if len(tasks) < self.max_in_flight and progress.may_send():
@@ -288,7 +318,9 @@ class StepSchedule:
                 if done:
                     await progress.publish()
                 await progress.refresh()
-            # ours in flight finish (the replicas accumulate them into this step, or the next)
+            # ours in flight finish (the replicas accumulate them into this step, or the next), unchecked:
+            # another trainer may commit the step while they are in flight
+            self.checks_open = False
             for task, mb in list(tasks.items()):
                 finished.append((await task, mb.size))
                 progress.note(mb.size, self._served)
@@ -327,6 +359,8 @@ class StepSchedule:
         replica (default: what this trainer saw each replica serve since the last commit)."""
         own, self._served = self._served, {}
         served = own if served is None else served
+        if self.caller.held and not flush:  # before the replicas step: this step's disputes, to a third replica
+            await self.caller.settle_disputes(max(dispute.step for dispute, _, _ in self.caller.held))
         groups = [
             (stage, mode, group)
             for stage, records in enumerate(self.view.records)

@@ -1,65 +1,50 @@
-"""Spot checks of replicas' answers (issue #25), as pure decisions: which forward call to verify, how
-far apart two honest answers may be, and who is in the minority.
+"""Spot checks of replicas' answers (issues #25, #59), as pure decisions: which call to check, how far
+apart two honest answers may be, who is in the minority, and when a third opinion is needed.
 
-A replica can lie plausibly: answer with the right shape and finite values (which the answer check,
-`stage_call.check_answer`, lets through) that are not what its weights compute: outputs scaled by
-1.05, plus noise, an old answer replayed, answers from stale weights. The trainer cannot recompute a
-stage (it holds no weights), but replicas of one stage hold the same parameters between commits
-(sync averaging), so the same request must get the same answer from each. A fraction
-(`--verify-fraction`) of forward calls, drawn by a seeded RNG, is sent again, unchanged (the same
-encoded inputs, the same answer codec), to a second replica; answers further apart than the
-tolerance go to a third, and a replica whose answer agrees with neither of two agreeing others is
-banned for the run. Two answers that disagree with no third replica to ask decide nothing: each
-could be the liar.
-
-The tolerance, relative to the larger answer's norm: `TIGHT` plus twice the answer codec's relative
-error bound (wire.compression.RELATIVE_ERROR_BOUNDS: each answer may be that far from what its
-replica computed): 1e-3 uncompressed, 3e-3 with fp16, 0.041 with int8, 0.241 with int4. `TIGHT` is
-1e-3, not the 1e-4 that float nondeterminism alone would need, because sync replicas do not hold
-bit-identical parameters: hivemind's all-reduce leaves last-bit differences that AdamW turns into
-full-size steps on noise-level gradients, so replicas part a little more every step (validation
-losses through two routes measured 1.3e-4 and 4.7e-3 apart, tests/integration/test_corpus.py), and
-`--averaging-compression fp16/int8` leaves them 6e-5 / 1.6e-3 apart after one step
-(peers/replicas/averaging.py). A report's `verify_largest_agreeing_difference` shows the margin left
-in a run. A lie of 5% (`--fault-garbage-size` 0.05) is caught with every codec but int4 (which lets
-lies of up to ~24% through) and top-k.
-top-k's bound is 1 (it drops the rest of the tensor), which makes every answer pass: under
-`--codec topk` spot checks catch nothing plausible. Replicas that average periodically (not in
-sync), or not at all, hold other parameters, and so do replicas outside a run's averaging group:
-a check only asks replicas that average in sync in the first one's group (`comparable_replicas`,
-from their records), and verifies nothing on stages without two of them. Replicas computing in
-fp16/bf16 autocast (`--precision`, announced in their records) differ by more than 1e-3, so they
-are not checked at all (the tolerance is for float32): spot checks need float32 peers. Nor are
-replicas one step late with `--weight-prediction local-step` (also in their records): each computes
-a step on the parameters plus the update its own gradients make, so honest replicas answer apart
-(`unchecked_because`).
-
-Under direct routing the trainer never holds a stage's inputs or outputs: a chain that answered
-is checked afterwards, its stage's inputs and outputs as the stage's neighbours in the chain say they
-crossed (peers/serving/hop_records.py, swarm/trainer/chain_call.py `ChainCaller.audit`), with the
-same decisions as here; the lie has been applied to its microbatch by then.
-
-What a check does not catch: a liar that lies only when it is not checked cannot know which calls
-are checked (a checked call is an ordinary forward, with the same microbatch id), but it can lie on
-backward calls, which are never checked, or collude with the replica asked to verify it.
+A fraction (`--verify-fraction`) of the training compute is checked: a stage's forward (outputs),
+the last stage's fused call (loss, input gradient, gradient sample) and a backward (input gradient,
+gradient sample: peers/compute/grad_sample.py), each recomputed by another replica of the stage in
+float32 from the same request. Two answers agree when every component is within `tolerance`:
+`TIGHT` + the error of each answer's precision (`PRECISION_ERRORS`, measured; the checked one's as
+its replica announces it, a recompute's none) + twice the answer codec's error bound for tensors
+that crossed in it. `judge` finds the majority among up to `MAX_OPINIONS` answers and bans the
+rest; two answers that disagree with no third to ask are a `Dispute`, held for a `third_opinion`.
+Only sync replicas of one averaging group that compute on their own parameters are compared
+(`comparable_replicas`, `unchecked_because`). The reasoning and the measurements:
+docs/design/trainer.md, benchmarks/RESULTS.md ("Every answer checkable").
 """
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
 import torch
 
 from wire.compression import relative_error_bound
 
-TIGHT = 1e-3  # relative difference two honest sync replicas may show with an exact codec (see above)
+TIGHT = 1e-3  # relative difference two honest float32 sync replicas may show with an exact codec
+# What an answer computed in autocast to this precision may differ from a float32 recompute of it,
+# relative: measured on the stages served (benchmarks/precision_bounds.py: bf16 at most 4.8e-3, fp16
+# 6.5e-4 over tiny and small, their mean + 7 sd below these bounds).
+PRECISION_ERRORS = {"fp32": 0.0, "bf16": 0.015, "fp16": 0.003}
+CHECK_PRECISION = "fp32"  # what a checker recomputes in: the strictest, so that its own error adds nothing
+CODED = ("outputs", "grad_inputs")  # components that cross the wire in the answer codec (the others: floats)
 
 
-def tolerance(codec: str) -> float:
-    """How far apart (relative to the larger norm) two honest answers sent with `codec` may be."""
-    return TIGHT + 2.0 * relative_error_bound(codec)
+def precision_error(precision: str) -> float:
+    """The error a precision's answers may show against float32 ('': not stated, as older peers: fp32;
+    an unknown name is held to float32: announcing it buys nothing)."""
+    return PRECISION_ERRORS.get(precision, 0.0)
+
+
+def tolerance(codec: str, precisions: tuple[str, str] = ("fp32", "fp32"), *, coded: bool = True) -> float:
+    """How far apart (relative to the larger norm) two honest answers may be: computed in
+    `precisions`, sent with `codec` (`coded`: the component crossed the wire in it)."""
+    codec_term = 2.0 * relative_error_bound(codec) if coded else 0.0
+    return TIGHT + precision_error(precisions[0]) + precision_error(precisions[1]) + codec_term
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,17 +57,37 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if difference == 0.0 else difference / scale if scale > 0.0 else float("inf")
 
 
-def computes_in_float32(precision: str) -> bool:
-    """Whether a record's precision is what the tolerance is for ('': not stated, as older peers)."""
-    return precision in ("", "fp32")
+@dataclass(frozen=True)
+class Answer:
+    """What a check compares of one replica's answer: its components by name ("outputs",
+    "grad_inputs", "loss" as a 0-d tensor, "grad_sample") and the precision it was computed in."""
+
+    components: Mapping[str, torch.Tensor]
+    precision: str = "fp32"
+
+
+def as_answer(value: Answer | torch.Tensor) -> Answer:
+    return value if isinstance(value, Answer) else Answer({"outputs": value})
+
+
+def difference(a: Answer, b: Answer, codec: str) -> tuple[float, float]:
+    """The largest share of its tolerance a component of two answers uses (> 1: they disagree), and
+    that component's relative difference. A component one answer has and the other lacks: inf."""
+    share, raw = 0.0, 0.0
+    for name in set(a.components) | set(b.components):
+        if name not in a.components or name not in b.components:
+            return float("inf"), float("inf")
+        d = relative_difference(a.components[name], b.components[name])
+        allowed = tolerance(codec, (a.precision, b.precision), coded=name in CODED)
+        if d / allowed > share:
+            share, raw = d / allowed, d
+    return share, raw
 
 
 def unchecked_because(precision: str = "", weight_prediction: str = "") -> str | None:
-    """Why a replica's answers cannot be held to another's within the tolerance, from its record
-    (None: they can): half precision, or each step computed on parameters predicted from its own
-    gradients (`--weight-prediction local-step`: honest replicas then answer a little apart)."""
-    if not computes_in_float32(precision):
-        return f"computes in {precision} (the tolerance is for float32 peers)"
+    """Why a replica's answers cannot be held to another's, from its record (None: they can): each
+    step computed on parameters predicted from its own gradients (`--weight-prediction local-step`:
+    honest replicas then answer apart). Its precision is no reason: the bound takes it in."""
     if weight_prediction == "local-step":
         return "computes each step on parameters predicted from its own gradients (--weight-prediction local-step)"
     return None
@@ -110,9 +115,10 @@ def comparable_replicas(
 
 
 class CallSampler:
-    """Which forward calls to verify (or, with another `purpose`, which microbatches to pick for it):
-    each with probability `fraction`, from an RNG seeded by the run's seed and the purpose, so the
-    same run picks the same calls (in the order the pipeline asks), each purpose its own."""
+    """Which calls to check (or, with another `purpose`, which microbatches to pick for it): each
+    with probability `fraction` (times the call's `weight`), from an RNG seeded by the run's seed and
+    the purpose, so the same run picks the same calls (in the order the pipeline asks), each purpose
+    its own."""
 
     def __init__(self, fraction: float, *, seed: int = 0, purpose: str = "spot-checks"):
         if not 0.0 <= fraction <= 1.0:
@@ -120,8 +126,27 @@ class CallSampler:
         self.fraction = fraction
         self._rng = random.Random(f"{purpose}:{seed}")
 
-    def pick(self) -> bool:
-        return self.fraction > 0.0 and self._rng.random() < self.fraction
+    def pick(self, weight: float = 1.0) -> bool:
+        return self.fraction > 0.0 and self._rng.random() < self.fraction * weight
+
+
+# A check's recompute of a backward served from the replica's activation cache redoes its forward:
+# about 3 units of compute (forward 1, backward 2) for a call of 2. Picked with this weight, the
+# checks recompute the fraction --verify-fraction of the training compute, whatever the call.
+CACHED_BACKWARD_WEIGHT = 2.0 / 3.0
+
+
+def check_weight(stage: int, call: str, num_stages: int) -> float:
+    """The weight `CallSampler.pick` gives a call: a backward before the last stage (served from the
+    activation cache) `CACHED_BACKWARD_WEIGHT`, any other call 1 (its recompute costs what it did)."""
+    return CACHED_BACKWARD_WEIGHT if call == "backward" and stage < num_stages - 1 else 1.0
+
+
+def calls_to_check(num_stages: int) -> list[tuple[int, str]]:
+    """Every training call of one microbatch that a check may pick, in the pipeline's order:
+    (stage, "forward") for each stage but the last, then (stage, "backward") from the last (its
+    fused forward+backward) down to stage 0."""
+    return [(s, "forward") for s in range(num_stages - 1)] + [(s, "backward") for s in reversed(range(num_stages))]
 
 
 @dataclass(frozen=True)
@@ -129,15 +154,18 @@ class Verdict:
     """What answers to one request say about who answered.
 
     agreed: whether every answer agrees with every other.
-    minority: replicas whose answer agrees with no other while the others agree among themselves.
+    minority: replicas whose answers agree with none of the majority's (`judge`).
     trusted: the replica whose answer the pipeline goes on with: the first (the call the pipeline
         made) unless it is in the minority; then one of the majority.
+    largest_agreeing_share: the largest share of the tolerance two agreeing answers used (<= 1),
+    largest_agreeing_difference: ... and that component's relative difference.
     """
 
     agreed: bool
     minority: tuple[str, ...]
     trusted: str
-    largest_agreeing_difference: float = 0.0  # the largest difference of two answers within the tolerance
+    largest_agreeing_difference: float = 0.0
+    largest_agreeing_share: float = 0.0
 
     @property
     def decided(self) -> bool:
@@ -145,25 +173,73 @@ class Verdict:
         return self.agreed or bool(self.minority)
 
 
-def judge(answers: Mapping[str, torch.Tensor], tolerance: float) -> Verdict:
-    """The verdict on two or three answers to one request (replica -> its answer, the pipeline's
-    own call first). A replica is in the minority when its answer is further than `tolerance` from
-    every other, and the others all agree with each other: with two answers that disagree, or three
-    that disagree pairwise (or agree in a chain: a with b, b with c, not a with c), nobody is."""
-    if not 2 <= len(answers) <= 3:
-        raise ValueError(f"a verdict needs two or three answers, got {len(answers)}")
+MAX_OPINIONS = 5  # answers one check may gather (the call's own and recomputes) before it gives up deciding
+
+
+def judge(answers: Mapping[str, Answer | torch.Tensor], tolerance_or_codec: float | str) -> Verdict:
+    """The verdict on two to MAX_OPINIONS answers to one request (replica -> its answer, the
+    pipeline's own call first). `tolerance_or_codec`: the answer codec (tolerances per component and
+    precision, `difference`), or one tolerance for bare tensors. The majority is a group of at least
+    two answers that all agree with each other, larger than any group the other answers form, and
+    agreeing with none of them: those others are the minority. Two answers that disagree, three
+    that disagree pairwise or agree in a chain (a with b, b with c, not a with c), or two groups of
+    two: nobody is."""
+    if not 2 <= len(answers) <= MAX_OPINIONS:
+        raise ValueError(f"a verdict needs two to {MAX_OPINIONS} answers, got {len(answers)}")
     peers = list(answers)
-    differences = {(p, q): relative_difference(answers[p], answers[q]) for p in peers for q in peers if p != q}
-    close = {pair: difference <= tolerance for pair, difference in differences.items()}
-    spread = max((d for pair, d in differences.items() if close[pair]), default=0.0)
+    shares: dict[tuple[str, str], tuple[float, float]] = {}
+    for p in peers:
+        for q in peers:
+            if p == q:
+                continue
+            if isinstance(tolerance_or_codec, str):
+                shares[(p, q)] = difference(as_answer(answers[p]), as_answer(answers[q]), tolerance_or_codec)
+            else:
+                d = relative_difference(
+                    as_answer(answers[p]).components["outputs"], as_answer(answers[q]).components["outputs"]
+                )
+                shares[(p, q)] = (d / tolerance_or_codec if tolerance_or_codec > 0 else float("inf") * d, d)
+    close = {pair: share <= 1.0 for pair, (share, _) in shares.items()}
+    agreeing = [shares[pair] for pair in shares if close[pair]]
+    share, spread = max(agreeing, default=(0.0, 0.0))
+
+    def verdict(agreed: bool, minority: tuple[str, ...], trusted: str) -> Verdict:
+        return Verdict(agreed, minority, trusted, largest_agreeing_difference=spread, largest_agreeing_share=share)
+
+    def agree(group) -> bool:
+        return all(close[(p, q)] for p in group for q in group if p != q)
+
     if all(close.values()):
-        return Verdict(agreed=True, minority=(), trusted=peers[0], largest_agreeing_difference=spread)
-    for outlier in peers:
-        rest = [p for p in peers if p != outlier]
-        if len(rest) < 2:
-            break
-        rest_agree = all(close[(p, q)] for p in rest for q in rest if p != q)
-        if rest_agree and not any(close[(outlier, p)] for p in rest):
-            trusted = peers[0] if peers[0] != outlier else rest[0]
-            return Verdict(agreed=False, minority=(outlier,), trusted=trusted, largest_agreeing_difference=spread)
-    return Verdict(agreed=False, minority=(), trusted=peers[0], largest_agreeing_difference=spread)
+        return verdict(True, (), peers[0])
+    for size in range(len(peers) - 1, 1, -1):
+        for group in itertools.combinations(peers, size):
+            rest = [p for p in peers if p not in group]
+            if not agree(group) or any(close[(p, q)] for p in rest for q in group):
+                continue
+            if any(agree(other) for n in range(size, len(rest) + 1) for other in itertools.combinations(rest, n)):
+                continue  # another group as large: no majority
+            return verdict(False, tuple(rest), peers[0] if peers[0] in group else group[0])
+    return verdict(False, (), peers[0])
+
+
+@dataclass(frozen=True)
+class Dispute:
+    """Two replicas' answers to one checked call that disagree, with no third to ask yet: held until
+    a third opinion can be had before the replicas step again, then reported if none could."""
+
+    stage: int
+    call: str  # "forward" or "backward" (the last stage's: its fused call)
+    microbatch_id: str
+    peers: tuple[str, str]  # the checked replica, its checker
+    share: float  # the share of the tolerance their answers' difference used (> 1)
+    step: int  # the trainer's step it was answered in: a third opinion must come from the same
+
+
+def third_opinion(dispute: Dispute, comparable: Iterable[str], excluded: Set[str], step: int) -> str | None:
+    """Whom to ask for a third opinion on `dispute`: a replica comparable with the checked one
+    (`comparable_replicas`) outside the dispute and `excluded` (banned, refusing us), while the
+    stage is still at the dispute's step (after a step the parameters moved on: nobody can)."""
+    if step != dispute.step:
+        return None
+    candidates = sorted(set(comparable) - set(dispute.peers) - set(excluded))
+    return candidates[0] if candidates else None

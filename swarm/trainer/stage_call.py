@@ -8,9 +8,10 @@ sends encoded tensors and decodes the answer), and check the answer. The engine 
 call on another replica (or asks the same one again: a backward lost in transit), by the rules of
 wire/call_rules.py, and waits for the stage when no replica can take it.
 
-`StageCaller.verify` is the spot check (issue #25): the same request sent again to a second replica,
-and to a third when the answers differ; the decisions (which call, the tolerance, the minority) are
-pure: swarm/trainer/spot_checks.py.
+`StageCaller.verify` is the spot check (issues #25, #59): a call's request sent again, as a float32
+recompute, to a second replica, and to more when the answers differ; two that differ with no third
+replica are a dispute, held until the step's commit (`settle_disputes`). The decisions (which call,
+the tolerance, the minority, the third opinion) are pure: swarm/trainer/spot_checks.py.
 
 Encoding lives here and only here. A `Payload` is a tensor together with the encodings made or
 received of it so far, one per codec choice: each is made once (a retry, or the backward that
@@ -34,15 +35,32 @@ from swarm.trainer.config import FailoverSettings
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.failures import StageUnavailableError
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.spot_checks import CallSampler, comparable_replicas, judge, tolerance, unchecked_because
+from swarm.trainer.spot_checks import (
+    CHECK_PRECISION,
+    MAX_OPINIONS,
+    Answer,
+    CallSampler,
+    Dispute,
+    Verdict,
+    comparable_replicas,
+    difference,
+    judge,
+    third_opinion,
+    unchecked_because,
+)
 from wire.call_rules import Attempts, penalty_for
 from wire.compression import CodecChoice, EncodedTensor, ErrorFeedback
 from wire.compression.policy import CodecPolicy
 from wire.failures import Failure
-from wire.protocol import ResponseHeader
+from wire.protocol import GRAD_SAMPLE_SIZE, ResponseHeader
 from wire.tensors import encode_tensor
 
 logger = logging.getLogger(__name__)
+
+MAX_HELD_DISPUTES = 256  # disputes held for a third opinion within a step, the latest kept
+MAX_REPORTED_DISPUTES = 50  # unresolved disputes the report lists, the latest kept
+# a checked call's kind, as the report counts it, and as a ban's reason names it
+KIND_NAMES = {"forward": "forward", "backward": "backward", "last": "last stage's (loss and input gradient)"}
 
 
 def codec_key(choice: CodecChoice) -> tuple:
@@ -70,6 +88,27 @@ class StageAnswer:
     def payload(self, name: str) -> Payload:
         """Output `name`, to send on to the next stage in the encoding it came in."""
         return Payload(self.outputs[name], {self.received_codec: self.received[name]} if name in self.received else {})
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One spot check: the call checked, the request to resend, the answer under check."""
+
+    stage: int
+    call: str  # the rpc: "forward" or "backward" (the last stage's fused call is a backward)
+    microbatch_id: str
+    batch_size: int
+    request: tuple[tuple[str, EncodedTensor], ...]
+    answer: StageAnswer
+    step: int
+
+    @property
+    def codec(self) -> str:
+        return self.answer.received_codec[0]
+
+    def kind(self, num_stages: int) -> str:
+        """forward, backward, or last (the last stage's fused call)."""
+        return "last" if self.call == "backward" and self.stage == num_stages - 1 else self.call
 
 
 def answer_bytes_limit(numel_out: int) -> int:
@@ -105,8 +144,11 @@ class StageCaller:
         self.codecs = codecs or CodecPolicy("none")
         self.phases: PhaseTimes = getattr(client, "phases", None) or PhaseTimes()  # the trainer's, by phase
         self.feedback = ErrorFeedback()  # top-k gradient residuals, one per destination stage
-        self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which forward calls to verify
+        self.spot_checks = CallSampler(verify_fraction, seed=seed)  # which calls to check
         self.told_unchecked: set[str] = set()  # replicas whose answers cannot be compared, told once
+        # disputes (two answers apart, no third replica to ask) held for a third opinion within their step
+        self.held: list[tuple[Dispute, _Check, dict[str, StageAnswer]]] = []
+        self.disputes_unresolved: list[Dispute] = []  # ... and those none could settle, the latest
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
     def _encode(
@@ -148,41 +190,81 @@ class StageCaller:
         work = StageWork(self, stage, rpc, microbatch_id, batch_size, tensors, cached_on=cached_on, evaluate=evaluate)
         return await self.engine.drive(work, [] if failures is None else failures)
 
-    async def verify(self, stage: int, microbatch_id: str, batch_size: int, answer: StageAnswer) -> StageAnswer:
-        """Spot-check a forward `answer`: send its request, unchanged, to another replica of the stage,
-        and to a third when the two answers differ beyond the answer codec's error. A replica whose
-        answer is in the minority is banned for the run. Returns the answer to go on with: `answer`,
-        unless its replica was in the minority. Without another replica (or when the other fails) the
-        call stays unverified; failures of the extra calls are noted like any other."""
-        codec = answer.received_codec[0]
-        allowed = tolerance(codec)
-        answers, by_peer = {answer.peer_id: answer.outputs["outputs"]}, {answer.peer_id: answer}
-        second = await self._ask_another(stage, microbatch_id, batch_size, answer, avoid=set(answers))
+    async def verify(
+        self,
+        stage: int,
+        microbatch_id: str,
+        batch_size: int,
+        answer: StageAnswer,
+        *,
+        call: str = "forward",
+        request: tuple[tuple[str, EncodedTensor], ...] | None = None,
+        step: int = 0,
+    ) -> StageAnswer:
+        """Spot-check `answer` to a `call` ("forward", or "backward": on the last stage its fused
+        call): send its request (`request`, default the answer's own: every tensor the replica computed
+        on, as sent) to another replica of the stage as a float32 recompute, and to a third when the
+        two answers differ beyond the tolerance, and on while they settle nothing, up to MAX_OPINIONS
+        answers (swarm/trainer/spot_checks.py). The replicas in the minority are banned for the run; two answers that differ with no third replica to ask
+        are a dispute, held until one can be asked (`settle_disputes`). Returns the answer to go on
+        with: `answer`, unless its replica was in the minority. Without another replica (or when the
+        other fails) the call stays unverified; failures of the extra calls are noted like any other."""
+        check = _Check(stage, call, microbatch_id, batch_size, tuple(request or answer.request), answer, step)
+        by_peer = {answer.peer_id: answer}
+        second = await self._ask_another(check, avoid=set(by_peer))
         if second is None:  # no other replica, or it failed: unverified
             return answer
-        answers[second.peer_id], by_peer[second.peer_id] = second.outputs["outputs"], second
-        verdict = judge(answers, allowed)
-        self._note_spread(verdict.largest_agreeing_difference)
+        by_peer[second.peer_id] = second
+        verdict = self._judge(check, by_peer)
         self.counters.calls_verified += 1
+        kind = check.kind(self.view.num_stages)
+        self.counters.calls_verified_by_call[kind] = self.counters.calls_verified_by_call.get(kind, 0) + 1
         self.metrics.calls_verified.labels(stage=str(stage)).inc()
         if verdict.agreed:
-            self.contributions.verified(stage, answers, agreed=True)
+            self.contributions.verified(stage, by_peer, agreed=True, checked=answer.peer_id, samples=batch_size)
             return answer
         self.counters.verify_mismatches += 1
         self.metrics.verify_mismatches.labels(stage=str(stage)).inc()
-        third = await self._ask_another(stage, microbatch_id, batch_size, answer, avoid=set(answers))
-        if third is not None:
-            answers[third.peer_id], by_peer[third.peer_id] = third.outputs["outputs"], third
-            verdict = judge(answers, allowed)
-            self._note_spread(verdict.largest_agreeing_difference)
-        majority = set(answers) - set(verdict.minority) if verdict.minority else set()
-        self.contributions.verified(stage, answers, agreed=verdict.agreed, majority=majority)
+        while not verdict.decided and len(by_peer) < MAX_OPINIONS:  # more opinions until a majority shows
+            another = await self._ask_another(check, avoid=set(by_peer))
+            if another is None:
+                break
+            by_peer[another.peer_id] = another
+            verdict = self._judge(check, by_peer)
+            self.counters.verify_third_opinions += 1
+        if len(by_peer) == 2:  # nobody to ask yet: held, asked later if a third can answer (settle_disputes)
+            share, _ = difference(*(self._compared(check, a) for a in by_peer.values()), check.codec)
+            dispute = Dispute(stage, kind, microbatch_id, (answer.peer_id, second.peer_id), share, step)
+            self._hold(dispute, check, by_peer)
+            return answer
+        return by_peer[self._settle(check, by_peer, verdict)]
+
+    def _judge(self, check: _Check, by_peer: dict[str, StageAnswer]) -> Verdict:
+        verdict = judge({p: self._compared(check, a) for p, a in by_peer.items()}, check.codec)
+        counters = self.counters
+        if verdict.largest_agreeing_share > counters.verify_largest_agreeing_share:
+            counters.verify_largest_agreeing_share = verdict.largest_agreeing_share
+            counters.verify_largest_agreeing_difference = verdict.largest_agreeing_difference
+        return verdict
+
+    def _settle(self, check: _Check, by_peer: dict[str, StageAnswer], verdict: Verdict) -> str:
+        """Three answers judged: the minority banned for the run, each counted; the replica trusted."""
+        stage, kind = check.stage, check.kind(self.view.num_stages)
+        majority = set(by_peer) - set(verdict.minority) if verdict.minority else set()
+        self.contributions.verified(
+            stage,
+            by_peer,
+            agreed=verdict.agreed,
+            majority=majority,
+            checked=check.answer.peer_id,
+            samples=check.batch_size,
+        )
         for peer_id in verdict.minority:
             if peer_id in self.counters.banned_peers:  # caught by a check in flight at the same time
                 continue
             reason = (
-                f"stage {stage}: its forward answer to {microbatch_id} differed from {len(answers) - 1} agreeing "
-                f"replicas' beyond the {codec} codec's tolerance {allowed:.2g}"
+                f"stage {stage}: its {KIND_NAMES[kind]} answer to {check.microbatch_id} differed from "
+                f"{len(majority)} agreeing replicas' beyond the tolerance ({check.codec} codec)"
             )
             self.view.violations.lied(peer_id, reason)
             self.counters.banned_peers[peer_id] = reason
@@ -191,71 +273,129 @@ class StageCaller:
             logger.warning(f"{reason}; banned {peer_id[-8:]} for the run")
         if not verdict.decided:
             logger.warning(
-                f"stage {stage}: replicas {sorted(p[-8:] for p in answers)} answered {microbatch_id} differently "
-                f"and no replica is in the minority; nobody banned"
+                f"stage {stage}: replicas {sorted(p[-8:] for p in by_peer)} answered {check.microbatch_id} "
+                f"differently and no replica is in the minority; nobody banned"
             )
-        return by_peer[verdict.trusted]
+        return verdict.trusted
 
-    def _note_spread(self, difference: float) -> None:
-        counters = self.counters
-        counters.verify_largest_agreeing_difference = max(counters.verify_largest_agreeing_difference, difference)
+    def _hold(self, dispute: Dispute, check: _Check, by_peer: dict[str, StageAnswer]) -> None:
+        """Two answers that disagree, nobody to ask: each counts a dispute; kept for a third opinion."""
+        self.counters.verify_disputes += 1
+        self.metrics.verify_disputes.labels(stage=str(check.stage)).inc()
+        self.contributions.disputed(check.stage, dispute.peers)
+        self.held.append((dispute, check, dict(by_peer)))
+        del self.held[:-MAX_HELD_DISPUTES]
+        logger.warning(
+            f"stage {check.stage}: replicas {dispute.peers[0][-8:]} and {dispute.peers[1][-8:]} answered the "
+            f"{KIND_NAMES[dispute.call]} call {check.microbatch_id} differently ({dispute.share:.1f}x the "
+            f"tolerance) and no third replica can tell which is right yet: held, nobody banned"
+        )
 
-    async def _ask_another(
-        self, stage: int, microbatch_id: str, batch_size: int, asked: StageAnswer, avoid: set[str]
-    ) -> StageAnswer | None:
-        """`asked`'s request (the same encoded tensors, the same answer codec) sent to one replica of
-        `stage` outside `avoid` that averages in sync with `asked`'s; None when none can take it or it fails (no retry: a spot check is
-        an extra, not a call the pipeline needs)."""
+    async def settle_disputes(self, step: int) -> None:
+        """Before the replicas step past `step`: each dispute held from it asked of a third replica
+        that can answer now (one joined, or came back), and judged; the rest reported unresolved."""
+        held, self.held = self.held, []
+        for dispute, check, by_peer in held:
+            third = None
+            if dispute.step == step:
+                excluded = self.engine.excluded(check.stage)
+                candidates = self._comparable(check.stage, check.answer.peer_id)
+                if third_opinion(dispute, candidates, excluded, step) is not None:
+                    third = await self._ask_another(check, avoid=set(by_peer))
+            if third is None:  # nobody could tell: a mismatch for each of the two
+                self.contributions.verified(check.stage, by_peer, agreed=False)
+                self.counters.verify_disputes_unresolved += 1
+                self.disputes_unresolved.append(dispute)
+                del self.disputes_unresolved[:-MAX_REPORTED_DISPUTES]
+                continue
+            by_peer[third.peer_id] = third
+            self.counters.verify_third_opinions += 1
+            self.counters.verify_disputes_settled += 1
+            self._settle(check, by_peer, self._judge(check, by_peer))
+
+    def _compared(self, check: _Check, answer: StageAnswer) -> Answer:
+        """What a check compares of `answer`: the components of its call, computed in the precision
+        its replica announced (the pipeline's call), or in the check's (a recompute)."""
+        components: dict[str, torch.Tensor] = {}
+        for name in ("outputs", "grad_inputs"):
+            if name in answer.outputs:
+                components[name] = answer.outputs[name]
+        if check.call == "backward":
+            if answer.response.loss is not None:
+                components["loss"] = torch.tensor(float(answer.response.loss), dtype=torch.float64)
+            if answer.response.grad_sample is not None:
+                components["grad_sample"] = torch.tensor(answer.response.grad_sample, dtype=torch.float64)
+        if answer is check.answer:
+            record = next((r for r in self.view.records[check.stage] if r.peer_id == answer.peer_id), None)
+            return Answer(components, record.precision if record is not None else "fp32")
+        return Answer(components, CHECK_PRECISION)
+
+    def _comparable(self, stage: int, first: str) -> set[str]:
+        records = self.view.records[stage]
+        averaging = {r.peer_id: r.averaging for r in records}
+        unchecked = {r.peer_id: unchecked_because(r.precision, r.weight_prediction) for r in records}
+        reason = unchecked.get(first)
+        if reason is not None and first not in self.told_unchecked:
+            self.told_unchecked.add(first)
+            logger.warning(f"stage {stage}: replica {first[-8:]} {reason}: its answers are not spot-checked")
+        return comparable_replicas(first, averaging, self.view.averaging_members(stage), unchecked)
+
+    async def _ask_another(self, check: _Check, avoid: set[str]) -> StageAnswer | None:
+        """`check`'s request (the same encoded tensors, the same answer codec), as a float32 recompute,
+        to one replica of its stage outside `avoid` that averages in sync with the checked one's; None
+        when none can take it or it fails (no retry: a spot check is an extra, not a call the pipeline
+        needs)."""
+        stage, batch_size = check.stage, check.batch_size
         scheduler = self.view.schedulers[stage]
-        averaging = {r.peer_id: r.averaging for r in self.view.records[stage]}
-        unchecked = {r.peer_id: unchecked_because(r.precision, r.weight_prediction) for r in self.view.records[stage]}
-        reason = unchecked.get(asked.peer_id)
-        if reason is not None and asked.peer_id not in self.told_unchecked:
-            self.told_unchecked.add(asked.peer_id)
-            logger.warning(f"stage {stage}: replica {asked.peer_id[-8:]} {reason}: its answers are not spot-checked")
-        comparable = comparable_replicas(asked.peer_id, averaging, self.view.averaging_members(stage), unchecked)
-        exclude = self.view.bans.banned() | self.view.violations.banned(stage) | avoid | self.not_allowed_by.keys()
+        comparable = self._comparable(stage, check.answer.peer_id)
+        exclude = self.engine.excluded(stage) | avoid
         exclude |= set(scheduler.keys_s()) - comparable
         exclude |= self.view.newcomers[stage].excluded(set(scheduler.keys_s()) - exclude)
-        peer_id = scheduler.choose("forward", batch_size, exclude=exclude)
+        peer_id = scheduler.choose(check.call, batch_size, exclude=exclude)
         if peer_id is None:
             return None
         self.view.newcomers[stage].called(peer_id)  # counts against the newcomers' share like any call
         self.counters.verify_calls += 1
-        codec, params = asked.received_codec
+        codec, params = check.answer.received_codec
         numel_out = batch_size * self.seq_len * self.d_model
         started = time.perf_counter()
         try:
             result = await self.client.exchange(
                 peer_id,
-                rpc="forward",
+                rpc=check.call,
                 stage=stage,
-                microbatch_id=microbatch_id,
+                microbatch_id=check.microbatch_id,
                 batch_size=batch_size,
-                tensors=list(asked.request),
-                timeout_s=self.timeouts.timeout_s(stage, "forward"),
+                tensors=list(check.request),
+                timeout_s=self.timeouts.timeout_s(stage, check.call),
                 response_codec=CodecChoice(codec, dict(params)),
                 max_answer_bytes=answer_bytes_limit(numel_out),
+                grad_sample=check.call == "backward",
+                check_precision=CHECK_PRECISION,
             )
             check_answer(
                 peer_id,
                 stage,
-                "forward",
+                check.call,
                 num_stages=self.view.num_stages,
                 expected_shape=(batch_size, self.seq_len, self.d_model),
                 outputs=result.outputs,
                 loss=result.response.loss,
+                grad_sample=result.response.grad_sample if check.call == "backward" else (),
             )
         except PeerCallError as e:
-            self.engine.note_failure("forward", self.failed_call(stage, peer_id, e, started, time.perf_counter()))
+            self.engine.note_failure(check.call, self.failed_call(stage, peer_id, e, started, time.perf_counter()))
             self.counters.calls_retried += 1
             return None
         done = time.perf_counter()
-        self.timeouts.observe(stage, "forward", done - started)
-        self.metrics.observe_call(stage=stage, rpc="forward", duration_s=done - started)
-        self.answered_call(stage, "forward", peer_id, batch_size, result, started, done, from_cache=False)
+        self.timeouts.observe(stage, check.call, done - started)
+        self.metrics.observe_call(stage=stage, rpc=check.call, duration_s=done - started)
+        # a recompute: the replica's routing measure and link timing as for any call; no sample served
+        self.answered_call(
+            stage, check.call, peer_id, batch_size, result, started, done, from_cache=False, served=False
+        )
         return StageAnswer(
-            result.outputs, result.response, peer_id, result.received, asked.received_codec, asked.request
+            result.outputs, result.response, peer_id, result.received, check.answer.received_codec, check.request
         )
 
     def answered_call(
@@ -269,8 +409,10 @@ class StageCaller:
         done: float,
         *,
         from_cache: bool,
+        served: bool = True,
     ) -> None:
-        """A replica's answer, settled: its routing measure, its link's timing, the counters."""
+        """A replica's answer, settled: its routing measure, its link's timing, the counters (not
+        `served`: a spot check's recompute, which trains nothing)."""
         service_s = self.service.finished(peer_id, started, done)
         elapsed, response = done - started, result.response
         # Routing trusts only what this trainer measured: the time the call kept the replica busy on
@@ -286,7 +428,7 @@ class StageCaller:
         self.codecs.observe(
             peer_id, stage, nbytes=result.moved, transfer_s=transfer_s, compute_s=compute_s, batch_size=batch_size
         )
-        self.engine.note_answered(peer_id, stage, rpc, batch_size)
+        self.engine.note_answered(peer_id, stage, rpc if served else "check", batch_size)
         busy = response.busy
         self.contributions.busy(peer_id, stage, None if busy is None else (busy.busy_s, busy.clock_s))
 
@@ -338,6 +480,8 @@ class StageWork:
         self.adds_work = rpc == "backward"  # its gradients are added: a lost answer is asked again first
         self.waiting_for = f"a live replica of stage {stage}"
         self.numel_out = batch_size * caller.seq_len * caller.d_model
+        # a run that spot-checks asks every backward for its gradient sample (not only those checked)
+        self.wants_sample = rpc == "backward" and not evaluate and caller.spot_checks.fraction > 0.0
 
     def choose(self, exclude) -> _Asked | None:
         view = self.caller.view
@@ -391,6 +535,7 @@ class StageWork:
                     inputs_cached=skip_inputs,
                     evaluate=self.evaluate,
                     max_answer_bytes=answer_bytes_limit(self.numel_out),
+                    grad_sample=self.wants_sample,
                 )
                 caller.phases.add("call", time.perf_counter() - called)
                 break
@@ -409,6 +554,7 @@ class StageWork:
             expected_shape=(self.batch_size, caller.seq_len, caller.d_model),
             outputs=result.outputs,
             loss=result.response.loss,
+            grad_sample=result.response.grad_sample if self.wants_sample else (),
         )
         if skip_inputs:
             caller.counters.backward_inputs_skipped += 1
@@ -448,9 +594,11 @@ def check_answer(
     expected_shape: tuple[int, int, int],
     outputs: dict[str, torch.Tensor],
     loss: float | None,
+    grad_sample: list[float] | None | tuple = (),
 ) -> None:
     """Refuse answers that break the contract: a peer returning garbage is treated as failed
-    (`PeerCallError` of kind GARBAGE)."""
+    (`PeerCallError` of kind GARBAGE). `grad_sample`: the answer's gradient sample when one was
+    asked for (None: missing; the default `()`: none asked)."""
     is_last = stage == num_stages - 1
     name = "outputs" if rpc == "forward" else "grad_inputs"
     needs_tensor = not (rpc == "forward" and is_last) and not (rpc == "backward" and stage == 0)
@@ -463,3 +611,9 @@ def check_answer(
             raise PeerCallError(peer_id, Failure.GARBAGE, f"{name} contain NaN or inf")
     if is_last and (loss is None or not math.isfinite(loss)):
         raise PeerCallError(peer_id, Failure.GARBAGE, f"the last stage returned loss {loss}")
+    if grad_sample != ():
+        if grad_sample is None or not 0 < len(grad_sample) <= GRAD_SAMPLE_SIZE:
+            got = None if grad_sample is None else f"{len(grad_sample)} entries"
+            raise PeerCallError(peer_id, Failure.GARBAGE, f"expected a gradient sample, got {got}")
+        if not all(math.isfinite(v) for v in grad_sample):
+            raise PeerCallError(peer_id, Failure.GARBAGE, "the gradient sample holds NaN or inf")

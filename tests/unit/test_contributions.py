@@ -69,9 +69,9 @@ def test_a_resumed_run_adds_its_counts_to_the_earlier_reports():
                  "mismatches": 1, "banned": "lied"},
     }  # fmt: skip
     merged = ledger.merge(earlier)
-    assert merged["a"] == {
+    assert merged["a"] == {  # an earlier report without samples_verified and disputes (before issue #59)
         "stage": 1, "samples_served": 14, "calls_answered": 6, "calls_failed": 2, "calls_verified": 2,
-        "mismatches": 0, "banned": None,
+        "mismatches": 0, "samples_verified": 0, "disputes": 0, "banned": None,
     }  # fmt: skip
     assert merged["gone"] == earlier["gone"] and merged["gone"] is not earlier["gone"]
     assert ledger.merge(earlier) == merged  # merging again from the same base gives the same: no double count
@@ -95,11 +95,35 @@ def test_the_report_carries_contributions_and_status_reads_them_back(tmp_path):
     assert read["QmLiar00000000000000LIAR"].mismatches == 1 and read["QmHonest0000000000000001"].samples_served == 8
     lines = format_contributions(read).splitlines()
     assert lines[0] == "contributions to the trainer (its report): 2 peers"
-    header = ["stage", "peer", "samples", "answered", "failed", "verified", "mismatch", "busy", "banned"]
-    assert lines[1].split() == header
-    assert lines[2].split() == ["0", "…000000000001", "8", "1", "0", "1", "1", "92%", "-"]  # most samples first
-    assert lines[3].split()[:8] == ["0", "…00000000LIAR", "2", "1", "0", "1", "1", "-"]
+    assert lines[1].split() == [
+        *("stage", "peer", "samples", "answered", "failed", "checked", "mismatch", "disputes", "ok", "samples"),
+        *("busy", "banned"),
+    ]
+    assert lines[2].split() == [
+        "0",
+        "…000000000001",
+        "8",
+        "1",
+        "0",
+        "1",
+        "1",
+        "0",
+        "0",
+        "92%",
+        "-",
+    ]  # most samples first
+    assert lines[3].split()[:10] == ["0", "…00000000LIAR", "2", "1", "0", "1", "1", "0", "0", "-"]
     assert lines[3].endswith("stage 0: its forward answer differed")
+
+
+def test_samples_a_check_found_right_count_for_the_checked_replica_and_disputes_for_both():
+    ledger = ContributionLedger()
+    ledger.verified(0, ["a", "b"], agreed=True, checked="a", samples=4)  # a's call of 4 samples, right
+    ledger.verified(0, ["liar", "a", "b"], agreed=False, majority={"a", "b"}, checked="liar", samples=4)
+    ledger.verified(0, ["b", "liar", "a"], agreed=False, majority={"a", "b"}, checked="b", samples=2)
+    ledger.disputed(1, ("c", "d"))
+    counts = {p: (e["samples_verified"], e["disputes"]) for p, e in ledger.snapshot().items()}
+    assert counts == {"a": (4, 0), "b": (2, 0), "liar": (0, 0), "c": (0, 1), "d": (0, 1)}
 
 
 @pytest.mark.parametrize(

@@ -238,6 +238,8 @@ def _counts(stage: int, samples: int, banned: str | None = None) -> dict:
         "calls_failed": 1,
         "calls_verified": 2,
         "mismatches": 1 if banned else 0,
+        "samples_verified": 0 if banned else samples // 4,
+        "disputes": 0,
         "banned": banned,
     }
 
@@ -260,6 +262,9 @@ def test_peer_contribution_gauges_are_bounded_and_follow_the_ledger():
     top_stage = str((EXPORTED_PEERS + 7) % 2)
     assert sample(r, "swarm_trainer_peer_samples_served", peer=top[-8:], stage=top_stage) == EXPORTED_PEERS + 17
     assert sample(r, "swarm_trainer_peer_banned", peer=top[-8:], stage=top_stage) == 0
+    assert (
+        sample(r, "swarm_trainer_peer_samples_verified", peer=top[-8:], stage=top_stage) == (EXPORTED_PEERS + 17) // 4
+    )
     assert sample(r, "swarm_trainer_peer_samples_served", peer="ABCD0000", stage="0") is None  # served least
 
     m.set_contributions({top: _counts(1 - int(top_stage), samples=5)})  # moved stage; the rest gone

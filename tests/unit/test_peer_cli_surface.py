@@ -36,6 +36,7 @@ PEER_FLAGS = {
     "--checkpoint-dir",
     "--checkpoint-period-s",
     "--device",
+    "--fault-garbage-calls",  # added deliberately: which calls a garbage fault lies in (issue #59)
     "--fault-averaging",  # added deliberately: a replica lying in the all-reduce (issue #25)
     "--fault-hold",  # added deliberately: hold one call mid-hop, for the kill tests (issue #23)
     "--fault-hold-after",
@@ -135,6 +136,7 @@ PEER_VARIABLES = {
     "SWARM_CHECKPOINT_PERIOD_S",
     "SWARM_DEVICE",
     "SWARM_FAULT_AVERAGING",  # added deliberately (issue #25)
+    "SWARM_FAULT_GARBAGE_CALLS",  # added deliberately (issue #59)
     "SWARM_FAULT_HOLD",  # added deliberately (issue #23)
     "SWARM_FAULT_HOLD_AFTER",
     "SWARM_FAULT_HOLD_S",

@@ -42,6 +42,7 @@ class ScriptedClient:
         inputs_cached=False,
         evaluate=False,
         max_answer_bytes=None,
+        grad_sample=False,
     ):
         self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached})
         if inputs_cached and peer_id in self.missing:
@@ -124,6 +125,7 @@ class ScriptedStages:
         inputs_cached=False,
         evaluate=False,
         max_answer_bytes=None,
+        grad_sample=False,
     ):
         self.calls.append(
             {"stage": stage, "rpc": rpc, "tensors": dict(tensors), "inputs_cached": inputs_cached, "evaluate": evaluate}

@@ -1,5 +1,6 @@
-"""Spot checks (issue #25): the pure decisions (swarm/trainer/spot_checks.py) and StageCaller.verify
-against scripted replicas, one of which lies plausibly. No network, no DHT."""
+"""Spot checks (issues #25, #59): the pure decisions (swarm/trainer/spot_checks.py) and
+StageCaller.verify against scripted replicas, one of which lies plausibly, on every kind of call: a
+forward, the last stage's fused call, a backward. No network, no DHT."""
 
 from __future__ import annotations
 
@@ -15,16 +16,23 @@ from swarm.trainer.config import FailoverSettings
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.routing import ReplicaInfo
-from swarm.trainer.schedule import StepSchedule
+from swarm.trainer.schedule import StepSchedule, backward_request
 from swarm.trainer.spot_checks import (
+    PRECISION_ERRORS,
+    TIGHT,
+    Answer,
     CallSampler,
+    Dispute,
+    calls_to_check,
     comparable_replicas,
+    difference,
     judge,
     relative_difference,
+    third_opinion,
     tolerance,
     unchecked_because,
 )
-from swarm.trainer.stage_call import Payload, StageCaller
+from swarm.trainer.stage_call import Payload, StageCaller, check_answer
 from wire.compression import RELATIVE_ERROR_BOUNDS, decode, encode
 from wire.protocol import ResponseHeader
 from wire.tensors import decode_tensors, encode_tensor
@@ -110,24 +118,56 @@ def test_three_answers_apart_or_in_a_chain_decide_nothing():
 
 
 class ScriptedReplicas:
-    """Stage 0 of 2: every replica answers a forward with 2 * inputs + 1 (as the same weights would),
-    the `liars` with that times 1.05; `failing` replicas raise."""
+    """Every replica computes what the same weights would: a forward 2 * inputs + 1; a backward of
+    the last stage (it gets targets) the input gradient inputs / 2, the loss 3 + mean(inputs) and a
+    gradient sample of the inputs' first 16 values / 10; a backward of stage 0 (it gets grad_outputs)
+    no input gradient and the sample of (inputs * grad_outputs). The `liars` answer all of it times
+    1.05, the `noisy` with relative noise `noise` (another machine's rounding); `failing` raise."""
 
-    def __init__(self, liars=(), failing=()):
-        self.liars, self.failing, self.calls = set(liars), set(failing), []
+    def __init__(self, liars=(), failing=(), noisy=(), noise=0.0):
+        self.liars, self.failing, self.noisy, self.noise, self.calls = set(liars), set(failing), set(noisy), noise, []
+        self._generator = torch.Generator().manual_seed(5)
+        self.cached: dict[tuple[str, str], torch.Tensor] = {}  # (replica, microbatch) -> its forward's inputs
 
-    async def exchange(self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, response_codec, **_):
+    def _told(self, peer_id, value: torch.Tensor) -> torch.Tensor:
+        if peer_id in self.liars:
+            return value * 1.05
+        if peer_id in self.noisy:
+            jitter = torch.randn(value.shape, generator=self._generator, dtype=value.dtype)
+            return value + jitter * (self.noise * value.norm() / jitter.norm())
+        return value
+
+    async def exchange(self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, response_codec, **kw):
         from swarm.trainer.client import PeerCallError
         from wire.failures import Failure
 
-        self.calls.append({"peer": peer_id, "rpc": rpc, "tensors": dict(tensors), "codec": response_codec.codec})
+        self.calls.append(
+            {"peer": peer_id, "rpc": rpc, "stage": stage, "tensors": dict(tensors), "codec": response_codec.codec, **kw}
+        )
         if peer_id in self.failing:
             raise PeerCallError(peer_id, Failure.TRANSPORT, "stream reset")
-        inputs = decode_tensors(dict(tensors))["inputs"]
-        outputs = (2 * inputs + 1) * (1.05 if peer_id in self.liars else 1.0)
-        encoded = encode_tensor(outputs, response_codec.codec, response_codec.params)
-        decoded = decode_tensors({"outputs": encoded})
-        return CallResult(decoded, {"outputs": encoded}, ResponseHeader(compute_s=0.01), 100)
+        given = decode_tensors(dict(tensors))
+        if kw.get("inputs_cached"):  # a backward on the replica that served the forward (not a recompute)
+            if (peer_id, microbatch_id) not in self.cached:
+                raise PeerCallError(peer_id, Failure.CACHE_MISS, "no cached forward")
+            given["inputs"] = self.cached[(peer_id, microbatch_id)]
+        inputs = given["inputs"]
+        if rpc == "forward" and not kw.get("check_precision"):
+            self.cached[(peer_id, microbatch_id)] = inputs
+        if rpc == "forward":
+            outputs = {"outputs": self._told(peer_id, 2 * inputs + 1)}
+            header = ResponseHeader(compute_s=0.01)
+        elif "targets" in given:
+            outputs = {"grad_inputs": self._told(peer_id, inputs / 2)}
+            loss = float(self._told(peer_id, torch.tensor(3.0 + float(inputs.mean()), dtype=torch.float64)))
+            sample = self._told(peer_id, inputs.flatten()[:16].double() / 10).tolist()
+            header = ResponseHeader(loss=loss, grad_sample=sample, compute_s=0.01)
+        else:
+            outputs = {}
+            sample = self._told(peer_id, (inputs * given["grad_outputs"]).flatten()[:16].double()).tolist()
+            header = ResponseHeader(grad_sample=sample, compute_s=0.01)
+        encoded = {n: encode_tensor(t, response_codec.codec, response_codec.params) for n, t in outputs.items()}
+        return CallResult(decode_tensors(encoded), encoded, header, 100)
 
 
 def serve(
@@ -239,34 +279,28 @@ def test_two_replicas_that_disagree_ban_nobody_and_a_lone_one_is_not_verified():
     assert kept is answer and alone.counters.calls_verified == 0 and alone.counters.verify_calls == 0
 
 
-@pytest.mark.parametrize(
-    ("averaging", "precision", "prediction"),
-    [("periodic", "", ""), ("none", "", ""), ("sync", "bf16", ""), ("sync", "fp16", ""), ("sync", "", "local-step")],
-)
-def test_replicas_whose_answers_may_differ_are_not_compared(averaging, precision, prediction):
-    """Replicas that do not average in sync hold other parameters (between rounds, or always),
-    autocast answers differ beyond the float32 tolerance, and replicas predicting their next
-    parameters from their own gradients compute on different ones: a check would ban an honest
-    replica."""
+@pytest.mark.parametrize(("averaging", "prediction"), [("periodic", ""), ("none", ""), ("sync", "local-step")])
+def test_replicas_whose_answers_may_differ_are_not_compared(averaging, prediction):
+    """Replicas that do not average in sync hold other parameters (between rounds, or always), and
+    replicas predicting their next parameters from their own gradients compute on different ones: a
+    check would ban an honest replica."""
     client = ScriptedReplicas(liars={"peer-liar"})
-    caller = make_caller(
-        client, ["peer-a", "peer-liar"], averaging=averaging, precision=precision, weight_prediction=prediction
-    )
+    caller = make_caller(client, ["peer-a", "peer-liar"], averaging=averaging, weight_prediction=prediction)
     answer, kept = forward_then_verify(caller, order=("peer-a", "peer-liar"))
     assert kept is answer and len(client.calls) == 1 and caller.counters.calls_verified == 0
 
 
-def test_a_replica_in_half_precision_is_named_once_as_never_checked(caplog):
+def test_a_replica_predicting_from_its_own_gradients_is_named_once_as_never_checked(caplog):
     client = ScriptedReplicas(liars=set())
-    caller = make_caller(client, ["peer-a", "peer-b"], precision="bf16")
+    caller = make_caller(client, ["peer-a", "peer-b"], weight_prediction="local-step")
     with caplog.at_level(logging.WARNING):
         forward_then_verify(caller, order=("peer-a", "peer-b"))
         forward_then_verify(caller, order=("peer-a", "peer-b"))
     told = [r.getMessage() for r in caplog.records if "not spot-checked" in r.getMessage()]
-    assert len(told) == 1 and "computes in bf16" in told[0], told
+    assert len(told) == 1 and "local-step" in told[0], told
 
 
-def test_comparable_replicas_compute_in_float32_on_their_parameters():
+def test_comparable_replicas_are_sync_replicas_on_their_parameters_in_any_precision():
     averaging = {"a": "sync", "b": "sync", "c": "sync", "d": "sync", "e": "sync", "f": "sync"}
     records = {  # '': an older peer's record (float32, no prediction)
         "a": ("fp32", "last-update"),
@@ -277,11 +311,10 @@ def test_comparable_replicas_compute_in_float32_on_their_parameters():
         "f": ("fp32", "none"),
     }
     unchecked = {peer: unchecked_because(*record) for peer, record in records.items()}
-    assert comparable_replicas("a", averaging, unchecked=unchecked) == {"b", "f"}
-    assert comparable_replicas("b", averaging, unchecked=unchecked) == {"a", "f"}
-    assert comparable_replicas("c", averaging, unchecked=unchecked) == set()
+    assert comparable_replicas("a", averaging, unchecked=unchecked) == {"b", "c", "d", "f"}
+    assert comparable_replicas("c", averaging, unchecked=unchecked) == {"a", "b", "d", "f"}
     assert comparable_replicas("e", averaging, unchecked=unchecked) == set()
-    assert "bf16" in unchecked["c"] and "local-step" in unchecked["e"]
+    assert unchecked["c"] is None and "local-step" in unchecked["e"]
 
 
 def test_comparable_replicas_average_in_sync_in_the_same_group():
@@ -312,48 +345,106 @@ def test_the_check_asks_for_the_first_answers_codec_and_judges_with_its_toleranc
     assert caller.counters.verify_mismatches == 1 and list(caller.counters.banned_peers) == ["peer-liar"]
 
 
-def test_the_schedule_verifies_forward_calls_and_goes_on_with_the_majority():
-    """Two stages: stage 0's forward is checked, and the liar's answer never reaches stage 1."""
-
-    class TwoStages(ScriptedReplicas):
-        async def exchange(self, peer_id, *, rpc, stage, microbatch_id, batch_size, tensors, response_codec, **kw):
-            if stage == 0 and rpc == "forward":
-                return await super().exchange(
-                    peer_id,
-                    rpc=rpc,
-                    stage=stage,
-                    microbatch_id=microbatch_id,
-                    batch_size=batch_size,
-                    tensors=tensors,
-                    response_codec=response_codec,
-                )
-            self.calls.append({"peer": peer_id, "rpc": rpc, "stage": stage, "tensors": dict(tensors)})
-            grad = torch.ones(batch_size, T, D)
-            outputs = {"grad_inputs": grad} if stage == 1 else {}
-            encoded = {n: encode_tensor(t) for n, t in outputs.items()}
-            return CallResult(outputs, encoded, ResponseHeader(loss=2.0 if stage == 1 else None, compute_s=0.01), 100)
-
-    client = TwoStages(liars={"peer-liar"})
+def two_stage_schedule(client, first: tuple[str, ...], last: tuple[str, ...], verify_fraction=1.0):
     view = SwarmView(None, model="tiny", num_stages=2)
     caller = StageCaller(
-        view, client, d_model=D, seq_len=T, failover=FailoverSettings(max_retries=2), verify_fraction=1.0
+        view,
+        client,
+        d_model=D,
+        seq_len=T,
+        failover=FailoverSettings(max_retries=2, stage_wait_timeout_s=1.0),
+        verify_fraction=verify_fraction,
     )
-    serve(view, 0, ("peer-a", "peer-b", "peer-liar"))
-    serve(view, 1, ("peer-last",))
-    schedule = StepSchedule(caller, max_in_flight=1, run_id="run", routing="hub")
+    serve(view, 0, first)
+    serve(view, 1, last)
+    return caller, StepSchedule(caller, max_in_flight=1, run_id="run", routing="hub")
+
+
+def run_microbatches(schedule: StepSchedule, count: int) -> list[float]:
     microbatches = [
         Microbatch(step=0, index=i, inputs=activations(i), targets=torch.zeros(B, T, dtype=torch.long))
-        for i in range(4)
+        for i in range(count)
     ]
 
     async def run():
         return [await schedule.run_microbatch(mb) for mb in microbatches]
 
-    assert asyncio.run(run()) == [2.0] * 4
-    assert caller.counters.calls_verified == 4 and list(caller.counters.banned_peers) == ["peer-liar"]
-    sent_on = [decode_tensors({"inputs": c["tensors"]["inputs"]})["inputs"] for c in client.calls if c.get("stage")]
-    assert len(sent_on) == 4  # what stage 1 got is always the honest answer
-    assert all(any(torch.allclose(x, 2 * activations(i) + 1) for i in range(4)) for x in sent_on)
+    return asyncio.run(run())
+
+
+def test_the_schedule_checks_a_forward_and_goes_on_with_the_majority():
+    """Two stages, every call checked: the liar of stage 0 is banned (on whichever call it served
+    first), and its answer never reaches stage 1."""
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller, schedule = two_stage_schedule(client, ("peer-a", "peer-b", "peer-liar"), ("peer-last",))
+    losses = run_microbatches(schedule, 4)
+    assert list(caller.counters.banned_peers) == ["peer-liar"]
+    sent_on = [decode_tensors(dict(c["tensors"]))["inputs"] for c in client.calls if c["stage"] == 1]
+    assert sent_on and all(any(torch.allclose(x, 2 * activations(i) + 1) for i in range(4)) for x in sent_on)
+    assert losses == [pytest.approx(3.0 + float((2 * activations(i) + 1).mean())) for i in range(4)]
+
+
+def test_the_last_stages_fused_call_is_checked_on_its_loss_gradient_and_sample_and_its_liar_banned():
+    """The last stage's replicas: one scales its loss, input gradient and gradient sample. A check
+    recomputes the call on another replica (a float32 recompute: nothing kept there), a third
+    settles it; the honest gradient goes back to stage 0."""
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller, schedule = two_stage_schedule(client, ("peer-first",), ("peer-a", "peer-b", "peer-liar"))
+    run_microbatches(schedule, 6)
+    counters = caller.counters
+    assert list(counters.banned_peers) == ["peer-liar"], counters.banned_peers
+    assert "last stage's" in counters.banned_peers["peer-liar"]
+    assert counters.calls_verified_by_call.get("last", 0) >= 1
+    checks = [c for c in client.calls if c.get("check_precision")]
+    assert checks and all(c["check_precision"] == "fp32" and c["grad_sample"] for c in checks)
+    assert all(c["stage"] == 1 and "targets" in c["tensors"] for c in checks)
+    # every backward of the run asks for its gradient sample (the checked one cannot be told apart)
+    assert all(c["grad_sample"] for c in client.calls if c["rpc"] == "backward" and not c.get("check_precision"))
+    # what stage 0's backward was sent is always an honest gradient
+    for call in client.calls:
+        if call["stage"] == 0 and call["rpc"] == "backward" and not call.get("check_precision"):
+            grad = decode_tensors({"g": call["tensors"]["grad_outputs"]})["g"]
+            assert any(torch.allclose(grad, (2 * activations(i) + 1) / 2) for i in range(6))
+    ledger = caller.contributions
+    assert ledger.get("peer-liar").mismatches >= 1 and ledger.get("peer-liar").samples_verified == 0
+    assert ledger.get("peer-a").samples_verified + ledger.get("peer-b").samples_verified >= B
+
+
+def test_a_backward_of_the_first_stage_is_checked_on_its_gradient_sample():
+    """Stage 0's backward answers no input gradient (its inputs are token ids); its check compares the
+    sample of the parameter gradient it computed, recomputed from its inputs (cached on the replica:
+    the forward's, as sent) and the gradient it was sent."""
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller, schedule = two_stage_schedule(client, ("peer-a", "peer-b", "peer-liar"), ("peer-last",))
+    caller.spot_checks = CallSampler(1.0)
+    run_microbatches(schedule, 6)
+    assert list(caller.counters.banned_peers) == ["peer-liar"]
+    rechecked = [c for c in client.calls if c.get("check_precision") and c["rpc"] == "backward" and c["stage"] == 0]
+    assert rechecked and all({"inputs", "grad_outputs"} <= set(c["tensors"]) for c in rechecked)
+    assert caller.counters.calls_verified_by_call.get("backward", 0) >= 1
+
+
+def test_a_backward_served_from_the_cache_is_rechecked_with_the_inputs_its_forward_was_sent():
+    forward = (("inputs", encode_tensor(activations(1))), ("tokens", encode_tensor(torch.zeros(2, 3))))
+    cached = (("grad_outputs", encode_tensor(activations(2))),)
+    assert [n for n, _ in backward_request(cached, forward)] == ["inputs", "tokens", "grad_outputs"]
+    sent = (("inputs", encode_tensor(activations(3))), ("grad_outputs", cached[0][1]))
+    assert backward_request(sent, forward)[1:] == sent and backward_request(sent, forward)[0][0] == "tokens"
+
+
+def test_an_answer_announced_in_bf16_is_held_to_the_bf16_bound_against_a_float32_recompute():
+    """An honest bf16 replica's answer differs from the float32 recompute by its rounding (here 0.5%:
+    passes); a replica announcing bf16 that lies by 3% is caught all the same."""
+    for noise, caught in ((0.005, False), (0.03, True)):
+        client = ScriptedReplicas(noisy={"peer-bf16"}, noise=noise)
+        caller = make_caller(client, ["peer-bf16", "peer-a", "peer-b"], precision="bf16")
+        answer, kept = forward_then_verify(caller, order=("peer-bf16", "peer-a", "peer-b"))
+        assert (list(caller.counters.banned_peers) == ["peer-bf16"]) is caught, (noise, caller.counters.banned_peers)
+    # announced float32, the same 0.5% is a lie
+    client = ScriptedReplicas(noisy={"peer-c"}, noise=0.005)
+    caller = make_caller(client, ["peer-c", "peer-a", "peer-b"])
+    forward_then_verify(caller, order=("peer-c", "peer-a", "peer-b"))
+    assert list(caller.counters.banned_peers) == ["peer-c"]
 
 
 def test_the_ledger_counts_each_replicas_samples_checks_mismatches_and_ban():
@@ -376,9 +467,130 @@ def test_the_ledger_counts_each_replicas_samples_checks_mismatches_and_ban():
     assert ledger.get("peer-a").calls_answered == 3
 
 
-def test_an_undecided_check_counts_a_mismatch_for_both_replicas():
+def test_two_replicas_that_disagree_are_a_dispute_held_for_a_third_and_reported_if_none_comes():
     caller = make_caller(ScriptedReplicas(liars={"peer-liar"}), ["peer-a", "peer-liar"])
     forward_then_verify(caller, order=("peer-a", "peer-liar"))
+    assert caller.counters.verify_disputes == 1 and caller.counters.banned_peers == {} and len(caller.held) == 1
+    asyncio.run(caller.settle_disputes(0))  # the step ends, no third replica: unresolved, reported
+    assert caller.counters.verify_disputes_unresolved == 1 and not caller.held
+    (dispute,) = caller.disputes_unresolved
+    assert dispute.peers == ("peer-a", "peer-liar") and dispute.call == "forward" and dispute.share > 1
     for peer in ("peer-a", "peer-liar"):
         entry = caller.contributions.get(peer)
-        assert (entry.calls_verified, entry.mismatches, entry.banned) == (1, 1, None)
+        assert (entry.calls_verified, entry.mismatches, entry.disputes, entry.banned) == (1, 1, 1, None)
+
+
+def test_a_held_dispute_is_settled_by_a_replica_that_joins_before_the_step_ends():
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller = make_caller(client, ["peer-a", "peer-liar"])
+    forward_then_verify(caller, order=("peer-liar", "peer-a"))
+    assert caller.counters.banned_peers == {} and len(caller.held) == 1
+    serve(caller.view, 0, ["peer-a", "peer-liar", "peer-new"])  # a third replica joins the stage
+    asyncio.run(caller.settle_disputes(0))
+    assert list(caller.counters.banned_peers) == ["peer-liar"]
+    assert caller.counters.verify_disputes_settled == 1 and caller.counters.verify_third_opinions == 1
+    assert client.calls[-1]["peer"] == "peer-new" and client.calls[-1]["check_precision"] == "fp32"
+    assert caller.contributions.get("peer-a").samples_verified == 0  # a's answer was the checker's, not its call
+
+
+def test_the_schedule_settles_its_steps_disputes_before_committing(monkeypatch):
+    """run_step commits; a dispute of the step is settled (or reported) before the replicas step."""
+    client = ScriptedReplicas(liars={"peer-liar"})
+    caller, schedule = two_stage_schedule(client, ("peer-a", "peer-liar"), ("peer-last",))
+    held_at_commit = []
+
+    async def commit(step_id, groups, *args, **kwargs):  # no replica to commit to in this test
+        held_at_commit.append(len(caller.held))
+        return {}
+
+    monkeypatch.setattr(schedule, "_commit", commit)
+    microbatches = [
+        Microbatch(step=3, index=i, inputs=activations(i), targets=torch.zeros(B, T, dtype=torch.long))
+        for i in range(2)
+    ]
+    asyncio.run(schedule.run_step(microbatches))
+    assert caller.counters.verify_disputes >= 1 and held_at_commit == [0]  # settled before the commit
+    assert caller.counters.verify_disputes_unresolved == caller.counters.verify_disputes  # nobody to ask
+    assert all(d.step == 3 for d in caller.disputes_unresolved) and caller.counters.banned_peers == {}
+
+
+# ---------------------------------------------------------------- pure decisions of issue #59
+
+
+def test_the_tolerance_adds_each_answers_precision_error_and_the_codec_only_for_coded_tensors():
+    assert tolerance("none", ("bf16", "fp32")) == pytest.approx(TIGHT + PRECISION_ERRORS["bf16"])
+    assert tolerance("none", ("bf16", "bf16")) == pytest.approx(TIGHT + 2 * PRECISION_ERRORS["bf16"])
+    assert tolerance("int8", ("fp32", "fp32"), coded=False) == pytest.approx(TIGHT)
+    assert tolerance("none", ("tf32", "fp32")) == pytest.approx(TIGHT)  # an unknown precision buys nothing
+    assert 0.0 < PRECISION_ERRORS["fp16"] < PRECISION_ERRORS["bf16"] < 0.03  # a 3% lie exceeds every bound
+
+
+def test_two_answers_agree_when_every_component_is_within_its_tolerance():
+    honest = {"grad_inputs": activations(1), "loss": torch.tensor(4.0), "grad_sample": activations(2).flatten()}
+    same = Answer({k: v * (1 + 2e-4) for k, v in honest.items()})
+    loss_lie = Answer({**honest, "loss": torch.tensor(4.0 * 1.05)})
+    no_sample = Answer({k: v for k, v in honest.items() if k != "grad_sample"})
+    share, raw = difference(Answer(honest), same, "none")
+    assert share < 1.0 and raw == pytest.approx(2e-4, rel=1e-2)
+    assert difference(Answer(honest), loss_lie, "none")[0] > 1.0  # one component off is a disagreement
+    assert difference(Answer(honest), no_sample, "none")[0] == float("inf")  # a missing component too
+    # the loss and the sample travel as floats: int8's bound does not widen them
+    assert difference(Answer(honest), Answer({**honest, "loss": torch.tensor(4.0 * 1.01)}), "int8")[0] > 1.0
+    bf16 = Answer({k: v * 1.008 for k, v in honest.items()}, precision="bf16")
+    assert (
+        difference(bf16, Answer(honest), "none")[0]
+        < 1.0
+        < difference(Answer(bf16.components), Answer(honest), "none")[0]
+    )
+    verdict = judge({"a": Answer(honest), "b": same, "c": loss_lie}, "none")
+    assert verdict.minority == ("c",) and 0 < verdict.largest_agreeing_share < 1
+
+
+def test_a_majority_of_two_or_more_bans_every_answer_it_disagrees_with_and_a_tie_bans_nobody():
+    base = activations()
+    several = {"h1": base, "l1": base * 1.05, "h2": base * (1 + 1e-4), "l2": base * 0.9, "l3": base * 1.2}
+    verdict = judge(several, tolerance("none"))
+    assert set(verdict.minority) == {"l1", "l2", "l3"} and verdict.trusted == "h1"
+    colluding = {"h1": base, "c1": base * 1.05, "h2": base, "c2": base * 1.05}  # two against two
+    assert not judge(colluding, tolerance("none")).decided
+    first_lies = {"l1": base * 1.05, "h1": base, "l2": base * 0.9, "h2": base}
+    assert judge(first_lies, tolerance("none")).trusted == "h1"
+    with pytest.raises(ValueError):
+        judge({p: base for p in "abcdef"}, tolerance("none"))
+
+
+def test_a_check_asks_on_until_a_majority_shows():
+    """Among two honest replicas and three liars (each its own lie), the liars' answers agree with
+    nothing: the check asks on until two agree, and bans every liar it asked."""
+    client = ScriptedReplicas(liars={"l1"})
+    client.liars = set()
+    factors = {"l1": 1.05, "l2": 0.9, "l3": 1.2}
+    original = client._told
+    client._told = lambda peer, value: value * factors[peer] if peer in factors else original(peer, value)
+    caller = make_caller(client, ["l1", "l2", "l3", "h1", "h2"])
+    forward_then_verify(caller, order=("l1", "l2", "l3", "h1", "h2"))
+    assert set(caller.counters.banned_peers) == {"l1", "l2", "l3"}
+    assert caller.counters.verify_third_opinions == 3 and caller.counters.verify_calls == 4
+
+
+def test_every_call_of_a_microbatch_can_be_checked_in_the_pipelines_order():
+    assert calls_to_check(2) == [(0, "forward"), (1, "backward"), (0, "backward")]
+    assert calls_to_check(3) == [(0, "forward"), (1, "forward"), (2, "backward"), (1, "backward"), (0, "backward")]
+
+
+def test_a_third_opinion_comes_from_another_comparable_replica_of_the_same_step():
+    dispute = Dispute(stage=1, call="backward", microbatch_id="m", peers=("a", "b"), share=3.0, step=7)
+    assert third_opinion(dispute, {"a", "b", "c", "d"}, excluded={"c"}, step=7) == "d"
+    assert third_opinion(dispute, {"a", "b"}, excluded=set(), step=7) is None  # nobody else
+    assert third_opinion(dispute, {"a", "b", "c"}, excluded=set(), step=8) is None  # the parameters moved on
+
+
+def test_an_answer_that_owes_a_gradient_sample_must_carry_a_finite_one():
+    from swarm.trainer.client import PeerCallError
+
+    kwargs = dict(num_stages=2, expected_shape=(B, T, D), outputs={}, loss=None)
+    check_answer("p", 0, "backward", grad_sample=[0.1, 0.2], **kwargs)
+    check_answer("p", 0, "backward", **kwargs)  # none asked
+    for bad in (None, [], [float("nan")], [0.0] * 129):
+        with pytest.raises(PeerCallError, match="gradient sample"):
+            check_answer("p", 0, "backward", grad_sample=bad, **kwargs)
