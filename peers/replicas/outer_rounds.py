@@ -161,13 +161,21 @@ def fragment_bounds(num_values: int, fragments: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-@dataclass(frozen=True)
+@dataclass
 class Contribution:
-    """One member's payload in a round, as a receiver holds it."""
+    """One member's payload in a round, as a receiver holds it (decoded once, however many read it)."""
 
     sender: str
     weight: float
     payload: EncodedTensor
+    _decoded: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def values(self, numel: int) -> torch.Tensor:
+        if self._decoded is None:
+            self._decoded = decode_pseudo_gradient(self.payload, numel)
+        elif self._decoded.numel() != numel:
+            raise CodecError(f"a pseudo-gradient of {numel} values was expected, got {self._decoded.numel()}")
+        return self._decoded
 
 
 @dataclass
@@ -186,7 +194,7 @@ def mean_pseudo_gradient(contributions: Sequence[Contribution], numel: int, robu
     ordered = sorted(contributions, key=lambda c: c.sender)
     if len({c.sender for c in ordered}) != len(ordered):
         raise ValueError("a round holds two payloads of one sender")
-    parts = [decode_pseudo_gradient(c.payload, numel) for c in ordered]
+    parts = [c.values(numel) for c in ordered]
     weights = [c.weight if math.isfinite(c.weight) and c.weight > 0 else 1e-9 for c in ordered]
     return robust_mean(parts, weights, robust).value
 
