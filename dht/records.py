@@ -36,7 +36,7 @@ class PeerRecord(BaseModel):
     protocol: int = Field(ge=0, default=PROTOCOL_VERSION)
     expires_at: float = Field(description="DHT time after which the record is stale")
     metrics_addr: str | None = Field(default=None, max_length=256)
-    averaging: str = Field(default="none", max_length=16, description="none, sync or periodic")
+    averaging: str = Field(default="none", max_length=16, description="none, sync, periodic or outer")
     precision: str = Field(
         default="", pattern="^(|fp32|bf16|fp16)$", description="what the peer computes in ('' = not stated: fp32)"
     )

@@ -34,7 +34,7 @@ disable_created_metrics()  # no `*_created` series: they double the series count
 # From a tiny model on loopback (milliseconds) to a large stage over a slow link (tens of seconds).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PEER_STATES = ("joining", "online", "offline", "standby")
-AVERAGING_MODES = ("sync", "periodic")  # the label values of the averaging metrics
+AVERAGING_MODES = ("sync", "periodic", "outer")  # the label values of the averaging metrics
 
 
 # --- collectors read at scrape time --------------------------------------------------------------

@@ -28,13 +28,14 @@ from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.delayed_sync import DelayedGradientSync
+from peers.replicas.outer_averaging import OuterAveraging
 from process.config import ConfigError
 
 
 @dataclass
 class BuiltStage:
     runtime: StageRuntime | FaultyStageRuntime
-    averaging: GradientSync | ParameterAveraging | None
+    averaging: GradientSync | ParameterAveraging | OuterAveraging | None
 
 
 @dataclass
@@ -147,6 +148,18 @@ class StageBuilder:
                 **matchmaking,
                 robust=replicas.robust_averaging,
             )
+        elif replicas.averaging == "outer":
+            averaging = OuterAveraging(
+                runtime,
+                schedule=replicas.outer_schedule,
+                settings=replicas.outer_step_settings,
+                codec=replicas.outer_codec_settings,
+                robust=replicas.robust_averaging,
+                timeout_s=replicas.averaging_timeout_s,
+                on_round=self.on_averaging_round,
+            )
+            if members is not None:
+                averaging.set_members(members)
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)
 

@@ -87,7 +87,7 @@ from peers.replicas.robust_mean import ROBUST_METHODS
 
 logger = logging.getLogger(__name__)
 
-AVERAGING_MODES = ("none", "sync", "periodic")
+AVERAGING_MODES = ("none", "sync", "periodic", "outer")
 REMEMBERED_OUTCOMES = 64  # commits whose answers a replica keeps for repeats
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,

@@ -246,15 +246,19 @@ class OuterRounds:
     def finish(self, fragment: int, flat: torch.Tensor, contributions: Sequence[Contribution] | None) -> bool:
         """End the round in flight of `fragment`: with every member's payload (this replica's among
         them), the outer step, and `flat`'s slice rebased onto the new anchor (in place); None (the
-        round failed): nothing changes but the error feedback. Returns whether it was applied."""
+        round failed): nothing changes but the error feedback. Returns whether it was applied. A
+        payload that does not decode raises CodecError and leaves the round in flight."""
         state = self.fragments[fragment]
-        begun, state.in_flight = state.in_flight, None
-        if begun is None:
+        if state.in_flight is None:
             raise RuntimeError(f"fragment {fragment} has no round in flight")
-        if contributions is None:
+        # decoded first: a payload that does not decode (CodecError) leaves the round in flight
+        gradient = (
+            None if contributions is None else mean_pseudo_gradient(contributions, state.anchor.numel(), self.robust)
+        )
+        begun, state.in_flight = state.in_flight, None
+        if gradient is None:
             self.coder.settle(fragment, begun.sent, delivered=False)
             return False
-        gradient = mean_pseudo_gradient(contributions, state.anchor.numel(), self.robust)
         self.coder.settle(fragment, begun.sent, delivered=True)
         (state.anchor,) = outer_update([state.anchor], [gradient], [state.velocity], self.settings)
         values = self.view(flat, fragment)

@@ -26,9 +26,12 @@ from hivemind.utils import get_dht_time
 from dht.announce import fetch_stage_records_async
 from dht.records import PeerState
 from peers.compute.checkpoint import CheckpointError
+from peers.compute.stage_runtime import REPLICA_STATE_KEY
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.delayed_sync import DelayedGradientSync
+from peers.replicas.outer_averaging import OuterAveraging
+from peers.replicas.outer_exchange import OuterExchange
 from peers.replicas.state_transfer import StateExports, download_state, state_bytes_bound
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
@@ -60,6 +63,15 @@ class ReplicaSyncService:
         self.authorize = authorize or (lambda *args, **kwargs: None)
         self.credential = credential
         self.members = members  # a run with an authority: who may average with us, kept fresh
+        self.outer = OuterExchange(  # `--averaging outer`: the rounds' RPC and commit
+            averaging=lambda: serving.averaging,
+            p2p=dht.replicate_p2p,
+            peer_id=peer_id,
+            model=model,
+            compute=compute,
+            authorize=self.authorize,
+            credential=credential,
+        )
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -86,11 +98,16 @@ class ReplicaSyncService:
             averaging = serving.averaging
             if commit.catch_up_from is not None:
                 await self.catch_up(
-                    commit.catch_up_from, to_steps=commit.catch_up_to, drop_gradients=commit.catch_up_drops_gradients
+                    commit.catch_up_from,
+                    to_steps=commit.catch_up_to,
+                    drop_gradients=commit.catch_up_drops_gradients,
+                    to_rounds=commit.catch_up_rounds,
                 )
-                return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
+                return unary_response(self._caught_up(serving.averaging))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
+            if isinstance(averaging, OuterAveraging):
+                return unary_response(await self.outer_commit(averaging, commit))
             loop = asyncio.get_running_loop()
             delayed = isinstance(averaging, DelayedGradientSync)
             if commit.flush and not delayed:  # only a delayed update has anything to flush
@@ -145,6 +162,38 @@ class ReplicaSyncService:
             response = CommitResponse(error=str(e))
         return unary_response(response)
 
+    async def outer_commit(self, averaging: OuterAveraging, commit: CommitRequest) -> CommitResponse:
+        """`--averaging outer`: the local step, then the rounds due (peers/replicas/outer_exchange.py);
+        a flush awaits and applies the rounds still in flight. The members: those the commit names."""
+        if commit.flush:
+            outcome = await self.outer.flush(averaging)
+        else:
+            outcome = await self.outer.commit(averaging, commit.step_id, commit.samples or [self.peer_id])
+            if outcome.applied:
+                print(
+                    f"outer round with {outcome.group_size - 1} other replica(s) (rounds applied "
+                    f"{averaging.outer_rounds}; {outcome.steps_done} steps done)",
+                    flush=True,
+                )
+        return CommitResponse(
+            stepped=outcome.stepped,
+            averaged=outcome.applied > 0,
+            group_size=outcome.group_size,
+            samples=outcome.samples,
+            steps_done=outcome.steps_done,
+            pending=outcome.pending,
+            outer_rounds=averaging.outer_rounds,
+            anchor=averaging.anchor_digest(),
+        )
+
+    def _caught_up(self, averaging) -> CommitResponse:
+        steps_done = self.serving.runtime.steps_done
+        if isinstance(averaging, OuterAveraging):
+            return CommitResponse(
+                steps_done=steps_done, outer_rounds=averaging.outer_rounds, anchor=averaging.anchor_digest()
+            )
+        return CommitResponse(steps_done=steps_done)
+
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
         """Stream this stage's parameters and optimizer state to a joining replica."""
         serving = self.serving
@@ -169,7 +218,9 @@ class ReplicaSyncService:
         for message in write_state(header, data):
             yield message
 
-    async def catch_up(self, source: str, *, to_steps: int | None = None, drop_gradients: bool = True) -> None:
+    async def catch_up(
+        self, source: str, *, to_steps: int | None = None, drop_gradients: bool = True, to_rounds: int | None = None
+    ) -> None:
         """Sync averaging's repair (the trainer asks for it): this replica missed a round that `source`,
         a replica of the same stage, completed, so the replicas' parameters parted. Load its state
         (parameters, optimizer state and step count) on the compute thread, before the next step's
@@ -177,8 +228,11 @@ class ReplicaSyncService:
         holds already. Nothing is done when this replica has done `to_steps` steps (what the trainer
         saw `source` at) already, and nothing is loaded that is not ahead of this replica: with several
         trainers, two may ask for the same repair, or a round may have moved both replicas on since."""
-        runtime = self.serving.runtime
-        if to_steps is not None and runtime.steps_done >= to_steps:
+        runtime, averaging = self.serving.runtime, self.serving.averaging
+        outer = isinstance(averaging, OuterAveraging)  # its replicas take the same steps: compared by rounds
+        if outer and to_rounds is not None and averaging.outer_rounds > to_rounds:
+            return
+        if not outer and to_steps is not None and runtime.steps_done >= to_steps:
             return
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
@@ -195,13 +249,18 @@ class ReplicaSyncService:
             raise ProtocolError(f"could not load the state of replica {source[-8:]} to catch up: {e}") from None
 
         def load() -> bool:
-            if downloaded[0].steps_done <= runtime.steps_done:
+            if outer:  # the rounds the source applied, at least those this replica has (anchors apart)
+                if averaging.rounds_of_state(downloaded[2].get(REPLICA_STATE_KEY)) < averaging.outer_rounds:
+                    return False
+            elif downloaded[0].steps_done <= runtime.steps_done:
                 return False
             if drop_gradients:
                 runtime.discard_accumulated()
             runtime.import_state(downloaded, self.model, f"state from replica {source[-8:]}")
             return True
 
+        if outer:
+            self.outer.cancel()  # this replica's rounds in flight began from the anchor it drops
         if not await asyncio.get_running_loop().run_in_executor(self.compute, load):
             return
         logger.info(

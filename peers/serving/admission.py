@@ -72,6 +72,7 @@ POLICY: dict[str, tuple[str, ...]] = {
     "state": ROLES,  # download a stage's parameters and optimizer state (a peer: of its stage)
     "evaluate": ROLES,
     "chain": ("peer",),  # pass a trainer's chained call on to the next stage (direct routing)
+    "average": ("peer",),  # send a replica of its stage a pseudo-gradient (outer rounds)
 }
 
 

@@ -98,6 +98,33 @@ def replicas_to_repair(answers: dict[str, CommitResponse]) -> list[CatchUp]:
     ]
 
 
+@dataclass(frozen=True)
+class OuterCatchUp:
+    """An outer-rounds replica whose anchor is not its group's (`outer_replicas_to_repair`)."""
+
+    peer_id: str
+    source: str  # the replica with the most rounds applied, whose state it loads
+    rounds: int  # the rounds the source had applied when it answered
+
+
+def outer_replicas_to_repair(answers: dict[str, CommitResponse]) -> list[OuterCatchUp]:
+    """The replicas of one outer-rounds group whose anchor differs from that of the replica with the
+    most rounds applied (ties: the anchor most of them hold, then the first peer id): a round that
+    failed on one side only, or a joiner that missed the round in flight when it loaded its state."""
+    if len(answers) < 2:
+        return []
+    holding: dict[str | None, int] = {}
+    for answer in answers.values():
+        holding[answer.anchor] = holding.get(answer.anchor, 0) + 1
+    source = min(answers, key=lambda p: (-answers[p].outer_rounds, -holding[answers[p].anchor], p))
+    ahead = answers[source]
+    return [
+        OuterCatchUp(peer_id, source, ahead.outer_rounds)
+        for peer_id, answer in sorted(answers.items())
+        if answer.anchor != ahead.anchor
+    ]
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -312,7 +339,7 @@ class StepSchedule:
         groups = [
             (stage, mode, group)
             for stage, records in enumerate(self.view.records)
-            for mode in (("sync",) if flush else ("sync", "periodic"))
+            for mode in (("sync", "outer") if flush else ("sync", "periodic", "outer"))
             for group in commit_groups(
                 [r.peer_id for r in records if r.averaging == mode], self.view.averaging_members(stage)
             )
@@ -325,6 +352,9 @@ class StepSchedule:
         )
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
+        outer = {stage: group for stage, mode, group in groups if mode == "outer" and len(group) > 1}
+        if outer:
+            await self._repair_outer_anchors(step_id, outer, sync_answers, timeout_s)
         if clip is None:  # with clipping nobody has stepped yet: the repair follows the second phase
             await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
         if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
@@ -411,8 +441,11 @@ class StepSchedule:
                     group_size=len(group),
                     timeout_s=timeout_s,
                     # a flush's own round (a failed last one, again) is weighed by what each replica holds
+                    # (outer rounds: the round's members, each replica's samples beside it)
                     samples=(
-                        {p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" and not flush else None
+                        {p: served.get(stage, {}).get(p, 0) for p in group}
+                        if mode in ("sync", "outer") and not flush
+                        else None
                     ),
                     flush=flush,
                     clip_phase=clip_phase if mode == "sync" else None,
@@ -431,13 +464,59 @@ class StepSchedule:
             elif isinstance(result, BaseException):
                 raise result
             else:
-                if mode == "sync":
+                if mode in ("sync", "outer"):  # (a stage's groups are of one mode, see commit_groups)
                     sync_answers.setdefault(stage, {})[peer_id] = result
                 if result.stepped:
                     self.counters.commits += 1
                     if result.averaged:
                         self.counters.averaged_commits += 1
         return sync_answers
+
+    async def _repair_outer_anchors(
+        self,
+        step_id: str,
+        outer: dict[int, list[str]],
+        answers: dict[int, dict[str, CommitResponse]],
+        timeout_s: float,
+    ) -> None:
+        """Outer-rounds replicas whose anchor is not their group's load the state of the replica with
+        the most rounds applied (`outer_replicas_to_repair`), before the next step. A repair that
+        fails bans the replica."""
+        repairs = [
+            (stage, repair)
+            for stage, group in outer.items()
+            for repair in outer_replicas_to_repair({p: a for p, a in answers.get(stage, {}).items() if p in group})
+        ]
+        for stage, repair in repairs:
+            logger.warning(
+                f"stage {stage}: replica {repair.peer_id[-8:]} holds another anchor than {repair.source[-8:]} "
+                f"({answers[stage][repair.peer_id].outer_rounds} outer rounds against {repair.rounds}); "
+                f"it loads {repair.source[-8:]}'s state"
+            )
+        results = await asyncio.gather(
+            *[
+                self.client.commit(
+                    repair.peer_id,
+                    stage=stage,
+                    step_id=f"{step_id}:catch-up",
+                    group_size=1,
+                    timeout_s=timeout_s,
+                    catch_up_from=repair.source,
+                    catch_up_rounds=repair.rounds,
+                )
+                for stage, repair in repairs
+            ],
+            return_exceptions=True,
+        )
+        for (stage, repair), result in zip(repairs, results):
+            if isinstance(result, PeerCallError):
+                logger.warning(f"stage {stage}: replica {repair.peer_id[-8:]} could not catch up: {result}")
+                self.view.bans.ban(repair.peer_id)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self.counters.catch_ups += 1
+                answers[stage][repair.peer_id] = result
 
     async def _repair_missed_rounds(
         self,
