@@ -19,6 +19,21 @@ class PeerState(str, Enum):
     STANDBY = "standby"  # backup pool: holds a copy of this stage's state, serves nothing until it takes over
 
 
+class OuterRoundsRecord(BaseModel):
+    """The outer-round settings a replica runs (`--averaging outer`): a replica that joins its stage
+    with `--averaging auto` takes the same, so that their rounds meet."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    every_steps: int = Field(ge=1, le=1_000_000)
+    fragments: int = Field(default=1, ge=1, le=4096)
+    overlap: bool = False
+    codec: str = Field(default="none", max_length=16)
+    topk_fraction: float = Field(default=0.01, gt=0.0, le=1.0, allow_inf_nan=False)
+    outer_lr: float = Field(default=0.7, ge=0.0, le=100.0, allow_inf_nan=False)
+    outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0, allow_inf_nan=False)
+
+
 class PeerRecord(BaseModel):
     """What a peer says about itself. Unknown fields are ignored so newer peers can add fields
     without breaking older readers; known fields are type-checked strictly."""
@@ -59,6 +74,8 @@ class PeerRecord(BaseModel):
     averaging_rounds_failed: int = Field(
         default=0, ge=0, description="rounds that failed (no group in time, or the all-reduce broke off)"
     )
+    averaging_reason: str = Field(default="", max_length=400, description="why this averaging (--averaging auto)")
+    outer: OuterRoundsRecord | None = Field(default=None, description="outer mode: its settings")
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

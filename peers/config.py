@@ -216,8 +216,9 @@ class ReplicaSettings:
         "step, identical parameters), outer (step alone, and every --averaging-every-steps steps "
         "exchange compressed pseudo-gradients and take an outer step together: DiLoCo, for slow "
         "links), periodic (average parameters every --averaging-period-s or "
-        "--averaging-every-steps), none (independent copies that diverge; for experiments)",
-        choices=["none", "sync", "periodic", "outer"],
+        "--averaging-every-steps), auto (sync or outer, chosen from the measured links as the stage is "
+        "built: peers/replicas/averaging_auto.py), none (independent copies that diverge; for experiments)",
+        choices=["none", "sync", "periodic", "outer", "auto"],
     )
     averaging_period_s: float | None = option(
         None,
@@ -332,7 +333,7 @@ class ReplicaSettings:
                 raise ConfigError(
                     "--averaging-period-s and --averaging-every-steps both set the averaging schedule; give one"
                 )
-            if self.averaging not in ("periodic", "outer"):
+            if self.averaging not in ("periodic", "outer", "auto"):
                 raise ConfigError(
                     "--averaging-every-steps schedules periodic or outer averaging: use it with --averaging "
                     "periodic or outer"
@@ -344,7 +345,7 @@ class ReplicaSettings:
                 raise ConfigError("outer rounds come every --averaging-every-steps steps, not --averaging-period-s")
         elif self.averaging_period_s is None:
             self.averaging_period_s = DEFAULT_AVERAGING_PERIOD_S
-        if self.averaging == "outer":
+        if self.averaging in ("outer", "auto"):
             try:
                 self.outer_schedule  # noqa: B018 - every / fragments checked
                 self.outer_codec_settings  # noqa: B018
@@ -355,7 +356,7 @@ class ReplicaSettings:
             raise ConfigError("averaging_period_s must be positive")
         if (self.outer_lr is not None and self.outer_lr < 0) or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
-        if self.outer_lr and self.averaging not in ("periodic", "outer"):
+        if self.outer_lr and self.averaging not in ("periodic", "outer", "auto"):
             raise ConfigError("--outer-lr is an outer step of periodic or outer averaging: use it with one of them")
         if self.averaging_matchmaking_s is not None and self.averaging_matchmaking_s <= 0:
             raise ConfigError("--averaging-matchmaking-s must be positive")

@@ -27,9 +27,12 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.averaging_auto import resolve_auto
 from peers.replicas.delayed_sync import DelayedGradientSync
 from peers.replicas.outer_averaging import OuterAveraging
 from process.config import ConfigError
+
+AUTO_STEP_SAMPLES = 16  # --averaging auto: the samples a replica computes in a step, to weigh a round against
 
 
 @dataclass
@@ -101,7 +104,20 @@ class StageBuilder:
                 runtime.restore(path, config.model)
                 print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
         runtime.measure_throughput()
-        replicas = config.replicas
+        replicas, reason = config.replicas, ""
+        if replicas.averaging == "auto":  # settled now, from the stage's replicas or the measured links
+            replicas, reason = resolve_auto(
+                replicas,
+                dht=self.dht,
+                model=config.model,
+                stage=stage,
+                num_stages=config.num_stages,
+                peer_id=self.dht.peer_id.to_base58(),
+                num_values=sum(p.numel() for p in runtime.params),
+                # a replica's share of a trainer's default batch (32 samples, two replicas)
+                step_s=AUTO_STEP_SAMPLES / max(float(runtime.throughput.value), 1e-9),
+            )
+            print(f"stage {stage}: --averaging auto: {replicas.averaging} ({reason})", flush=True)
         averaging = None
         # a run with an authority: only credentialed replicas average (filled in by the host)
         members = () if config.authority.run is not None else None
@@ -160,6 +176,8 @@ class StageBuilder:
             )
             if members is not None:
                 averaging.set_members(members)
+        if averaging is not None:
+            averaging.reason = reason
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)
 

@@ -164,6 +164,7 @@ class ReplicaAveraging:
     a timeout, and the count of rounds, failures and bytes (reported through `on_round`)."""
 
     mode = ""
+    reason = ""  # why this mode (`--averaging auto`), as the peer's record states it
     closing = False  # set by `close`: no round begins, and rounds cut short are not failures to warn of
 
     def __init__(

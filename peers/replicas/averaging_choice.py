@@ -40,6 +40,8 @@ class OuterOption:
     overlap: bool = False
     fragments: int = 1
     topk_fraction: float = 0.01
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     @property
     def label(self) -> str:

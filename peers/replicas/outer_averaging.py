@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dht.records import OuterRoundsRecord
 from peers.compute.stage_runtime import StageRuntime
 from peers.replicas.averaging import AveragingRound
 from peers.replicas.outer_rounds import BegunRound, Contribution, OuterRounds, OuterSchedule, PseudoGradientCodec
@@ -59,6 +60,7 @@ class Begun:
 
 class OuterAveraging:
     mode = "outer"
+    reason = ""  # why this mode (`--averaging auto`), as the peer's record states it
 
     def __init__(
         self,
@@ -152,6 +154,18 @@ class OuterAveraging:
         while len(self.outcomes) > REMEMBERED_COMMITS:
             self.outcomes.popitem(last=False)
         return outcome
+
+    def settings_record(self) -> OuterRoundsRecord:
+        """What the peer's record says of these rounds (a replica joining with `--averaging auto` takes them)."""
+        return OuterRoundsRecord(
+            every_steps=self.schedule.every_steps,
+            fragments=self.schedule.fragments,
+            overlap=self.schedule.overlap,
+            codec=self.codec.codec,
+            topk_fraction=self.codec.topk_fraction,
+            outer_lr=self.settings.lr,
+            outer_momentum=self.settings.momentum,
+        )
 
     def in_flight(self) -> list[BegunRound]:
         return self.state.in_flight()
