@@ -76,6 +76,9 @@ class PeerRecord(BaseModel):
     )
     averaging_reason: str = Field(default="", max_length=400, description="why this averaging (--averaging auto)")
     outer: OuterRoundsRecord | None = Field(default=None, description="outer mode: its settings")
+    gloo: str | None = Field(
+        default=None, max_length=64, pattern=r"^[0-9.]+:[0-9]+$", description="exact sync over gloo: its rendezvous"
+    )
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

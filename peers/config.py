@@ -39,6 +39,7 @@ from peers.compute.stage_runtime import OptimizerSettings
 from peers.compute.weight_prediction import WEIGHT_PREDICTIONS
 from peers.placement.link_probe import ProbeSettings
 from peers.replicas.averaging_schedule import AveragingSchedule
+from peers.replicas.gloo_allreduce import AVERAGING_TRANSPORTS
 from peers.replicas.outer_rounds import OUTER_CODECS, OuterSchedule, PseudoGradientCodec
 from peers.replicas.outer_step import OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
@@ -316,6 +317,14 @@ class ReplicaSettings:
         "benchmarks/RESULTS.md measures each)",
         choices=list(WEIGHT_PREDICTIONS),
     )
+    averaging_transport: str = option(
+        "auto",
+        help="exact sync's all-reduce: gloo (torch.distributed's, at about the wire's cost; only in a run "
+        "without an authority, since gloo authenticates nobody), hivemind (its averager), or auto (default: "
+        "gloo for exact sync without an authority when the peer announces an address, else hivemind; "
+        "peers/replicas/gloo_allreduce.py)",
+        choices=list(AVERAGING_TRANSPORTS),
+    )
     robust_averaging: str = option(
         "clip",
         help="how a replica averages the part of the all-reduce it reduces, in groups of 3 or more: clip "
@@ -582,6 +591,10 @@ class PeerConfig:
             self.split_boundaries = ",".join(map(str, _memory_split(config, self.num_stages)))
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
+        if self.replicas.averaging_transport == "gloo" and self.authority.run is not None:
+            raise ConfigError(
+                "--averaging-transport gloo authenticates nobody: a run with an authority (--run) averages over hivemind"
+            )
         if self.placement.standby:
             if self.stage not in (None, AUTO_STAGE):
                 raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")

@@ -349,6 +349,9 @@ class CommitRequest(BaseModel):
     catch_up_drops_gradients: bool = True
     # ... outer rounds: the rounds that replica had applied; a replica that has applied as many does nothing
     catch_up_rounds: int | None = Field(default=None, ge=0)
+    # exact sync over gloo: the rendezvous ("ip:port") of the round's leader, the first of the named
+    # replicas by peer id (peers/replicas/gloo_allreduce.py); None: hivemind's averager
+    gloo_rendezvous: str | None = Field(default=None, max_length=64, pattern=r"^[0-9.]+:[0-9]+$")
     # sync averaging with a one-step delay (`--sync-delay 1`): the run's steps are over; apply the
     # update still in flight and start no new round (replicas without a delay answer at once)
     flush: bool = False

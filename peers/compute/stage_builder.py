@@ -29,6 +29,7 @@ from peers.placement.split_claim import split_tag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_auto import resolve_auto
 from peers.replicas.delayed_sync import DelayedGradientSync
+from peers.replicas.gloo_allreduce import GlooRounds, announced_host
 from peers.replicas.outer_averaging import OuterAveraging
 from process.config import ConfigError
 
@@ -51,6 +52,29 @@ class StageBuilder:
     device: torch.device = torch.device("cpu")
     available_bytes: int | None = None  # memory this peer may use; None: no check
     memory_source: str = "--memory-limit-gb"
+    gloo: GlooRounds | None = None  # exact sync over gloo: this peer's rendezvous, made on first use
+
+    def uses_gloo(self, replicas) -> bool:
+        """Whether exact sync all-reduces over gloo (`--averaging-transport`, auto: exact sync in a run
+        without an authority, on an address the peer announces)."""
+        transport = replicas.averaging_transport
+        if transport == "hivemind" or replicas.sync_delay or replicas.averaging_groups != "trainer":
+            return False
+        if replicas.averaging_compression not in (None, "none"):  # gloo sends float32: a codec stays on hivemind
+            return False
+        if transport == "auto" and self.config.authority.run is not None:
+            return False
+        network = self.config.network
+        return announced_host(network.announce_maddrs, network.host_maddrs) is not None
+
+    def gloo_rounds(self) -> GlooRounds:
+        """This peer's gloo rendezvous (one, whatever stage it serves), started on first use."""
+        if self.gloo is None:
+            network = self.config.network
+            host = announced_host(network.announce_maddrs, network.host_maddrs)
+            self.gloo = GlooRounds(host, timeout_s=self.config.replicas.averaging_timeout_s)
+            print(f"exact sync all-reduces over gloo; rendezvous at {self.gloo.address}", flush=True)
+        return self.gloo
 
     def build(self, stage: int) -> BuiltStage:
         """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
@@ -125,6 +149,7 @@ class StageBuilder:
             {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
         )
         if replicas.averaging == "sync":
+            gloo = {"gloo": self.gloo_rounds()} if self.uses_gloo(replicas) else {}
             miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
             # with the delay: exact until it begins (by default, once the warmup is over)
@@ -148,6 +173,7 @@ class StageBuilder:
                 robust=replicas.robust_averaging,
                 named_groups=replicas.averaging_groups == "trainer",
                 **delay,
+                **gloo,
             )
         elif replicas.averaging == "periodic":
             lie = config.faults.fault_averaging

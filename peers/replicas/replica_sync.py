@@ -65,7 +65,7 @@ class ReplicaSyncService:
         self.members = members  # a run with an authority: who may average with us, kept fresh
         self.outer = OuterExchange(  # `--averaging outer`: the rounds' RPC and commit
             averaging=lambda: serving.averaging,
-            p2p=dht.replicate_p2p,
+            p2p=lambda: dht.replicate_p2p(),
             peer_id=peer_id,
             model=model,
             compute=compute,
@@ -118,7 +118,12 @@ class ReplicaSyncService:
                     if delayed:  # the round in flight ends in the averager's process: wait off the compute thread
                         await loop.run_in_executor(None, averaging.wait_in_flight)
                     flush = {"flush": commit.flush} if delayed else {}
-                    call = partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples, **flush)
+                    call = partial(
+                        with_rendezvous,
+                        averaging,
+                        commit.gloo_rendezvous,
+                        partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples, **flush),
+                    )
                 else:
                     call = partial(averaging.apply_prepared, commit.step_id, commit.clip_scale or 1.0)
                 outcome = await loop.run_in_executor(self.compute, call)
@@ -134,8 +139,9 @@ class ReplicaSyncService:
                     commit.samples,
                 )
             elif isinstance(averaging, GradientSync):
+                call = partial(averaging.commit, commit.step_id, commit.group_size, commit.samples)
                 outcome = await loop.run_in_executor(
-                    self.compute, averaging.commit, commit.step_id, commit.group_size, commit.samples
+                    self.compute, with_rendezvous, averaging, commit.gloo_rendezvous, call
                 )
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
@@ -368,3 +374,9 @@ class ReplicaSyncService:
                 else:
                     averaging.abandon(control)
             await asyncio.sleep(1.0)
+
+
+def with_rendezvous(averaging, rendezvous: str | None, call):
+    """`call()` on the compute thread, the commit's gloo rendezvous (if any) handed to `averaging` first."""
+    averaging.rendezvous = rendezvous
+    return call()

@@ -85,6 +85,7 @@ class Announcer:
             averaging=averaging.mode if averaging is not None else self.averaging_mode,  # auto: as settled
             averaging_reason=getattr(averaging, "reason", "")[:400],
             outer=settings,
+            gloo=averaging.gloo.address if getattr(averaging, "gloo", None) is not None else None,
             precision=serving.runtime.precision,
             weight_prediction=serving.runtime.weight_prediction,
             metrics_addr=self.metrics_addr,

@@ -125,6 +125,15 @@ def outer_replicas_to_repair(answers: dict[str, CommitResponse]) -> list[OuterCa
     ]
 
 
+def gloo_leader(records, group: list[str]) -> str | None:
+    """Exact sync over gloo: the rendezvous of the group's first replica by peer id, when every one
+    of them announces one (peers/replicas/gloo_allreduce.py); None: hivemind's averager."""
+    addresses = {r.peer_id: r.gloo for r in records}
+    if len(group) < 2 or not all(addresses.get(p) for p in group):
+        return None
+    return addresses[min(group)]
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -450,6 +459,7 @@ class StepSchedule:
                     flush=flush,
                     clip_phase=clip_phase if mode == "sync" else None,
                     clip_scale=clip_scale if mode == "sync" else None,
+                    gloo_rendezvous=gloo_leader(self.view.records[stage], group) if mode == "sync" else None,
                 ),
             )
             for stage, mode, group in groups

@@ -28,6 +28,7 @@ from wire.protocol import (
     RPC_COMMIT,
     RPC_FORWARD,
     RPC_HOP_RECORD,
+    RPC_OUTER_ROUND,
     RPC_PROBE,
     RPC_STATE,
     RPC_TRAIN_CHAIN,
@@ -47,6 +48,7 @@ EVERY_RPC = {
     RPC_HOP_RECORD,
     RPC_COMMIT,
     RPC_STATE,
+    RPC_OUTER_ROUND,
     RPC_PROBE,
     RPC_REACHABILITY,
 }
