@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dht.records import OuterRoundsRecord
-from peers.compute.stage_runtime import StageRuntime
+from peers.compute.stage_runtime import REPLICA_STATE_KEY, StageRuntime
 from peers.replicas.averaging import AveragingRound
 from peers.replicas.outer_rounds import BegunRound, Contribution, OuterRounds, OuterSchedule, PseudoGradientCodec
 from peers.replicas.outer_step import OuterSettings
@@ -174,6 +174,7 @@ class OuterAveraging:
     def state_dict(self) -> dict:
         fragments = self.state.fragments
         return {
+            "names": list(self.runtime.param_names),  # the flat buffer's tensors, in order (`agreed_state`)
             "every_steps": self.schedule.every_steps,
             "fragments": self.schedule.fragments,
             "anchors": [f.anchor.clone() for f in fragments],
@@ -233,3 +234,22 @@ class OuterAveraging:
 
     def shutdown(self) -> None:
         self.close()
+
+
+def agreed_state(module_state: dict, optimizer_state: dict) -> tuple[dict, int] | None:
+    """A downloaded or saved state of an outer-rounds replica with its trainable tensors replaced by
+    the anchors, the values every replica of the stage agrees on after its last round (its own
+    tensors hold what it learned since), and the rounds applied; None for a state of another mode."""
+    rounds = optimizer_state.get(REPLICA_STATE_KEY) if isinstance(optimizer_state, dict) else None
+    if not rounds or "names" not in rounds:
+        return None
+    flat = torch.cat([a.reshape(-1) for a in rounds["anchors"]])
+    names = list(rounds["names"])
+    if any(name not in module_state for name in names) or sum(module_state[n].numel() for n in names) != flat.numel():
+        return None
+    agreed, offset = dict(module_state), 0
+    for name in names:
+        tensor = module_state[name]
+        agreed[name] = flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.dtype)
+        offset += tensor.numel()
+    return agreed, sum(int(n) for n in rounds["rounds_applied"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peers.compute.stage_runtime import REPLICA_STATE_KEY
+from peers.replicas.outer_averaging import agreed_state
 from peers.replicas.outer_rounds import (
     Contribution,
     OuterRounds,
@@ -16,6 +18,7 @@ from peers.replicas.outer_rounds import (
     mean_pseudo_gradient,
 )
 from peers.replicas.outer_step import OuterSettings
+from swarm.export.assemble import agreed_part
 from wire.compression import CodecError, relative_error_bound
 
 PLAIN = OuterSettings(lr=1.0, momentum=0.0)  # the outer step that is the plain average
@@ -236,3 +239,20 @@ def test_robust_rounds_bound_a_lying_member():
     robust = mean_pseudo_gradient(contributions, 1000, "clip")
     honest_mean = torch.stack(honest).mean(0)
     assert float((robust - honest_mean).norm()) < 0.1 * float((plain - honest_mean).norm())
+
+
+def test_an_export_takes_an_outer_replicas_anchor_and_says_after_which_round():
+    module_state = {"w": torch.ones(2, 3), "b": torch.ones(3), "mask": torch.zeros(4)}  # mask: a buffer
+    anchors = [torch.arange(5.0), torch.arange(5.0, 9.0)]  # two fragments of the 9 trainable values
+    optimizer_state = {
+        "state": {},
+        REPLICA_STATE_KEY: {"names": ["w", "b"], "anchors": anchors, "rounds_applied": [3, 2]},
+    }
+    state, rounds = agreed_state(module_state, optimizer_state)
+    assert rounds == 5 and torch.equal(state["w"], torch.arange(6.0).view(2, 3))
+    assert torch.equal(state["b"], torch.arange(6.0, 9.0)) and torch.equal(state["mask"], module_state["mask"])
+    assert (
+        agreed_part(module_state, optimizer_state, "replica …x")[1]
+        == "replica …x (the anchor of its outer rounds, after 5)"
+    )
+    assert agreed_state(module_state, {"state": {}}) is None  # another mode's state: its own tensors
