@@ -212,13 +212,14 @@ class ReplicaSettings:
     whether a joiner first copies a live replica's state."""
 
     averaging: str = option(
-        "sync",
-        help="how replicas of a stage agree: sync (default: average gradients on each trainer "
+        "auto",
+        help="how replicas of a stage agree: sync (average gradients on each trainer "
         "step, identical parameters), outer (step alone, and every --averaging-every-steps steps "
         "exchange compressed pseudo-gradients and take an outer step together: DiLoCo, for slow "
         "links), periodic (average parameters every --averaging-period-s or "
-        "--averaging-every-steps), auto (sync or outer, chosen from the measured links as the stage is "
-        "built: peers/replicas/averaging_auto.py), none (independent copies that diverge; for experiments)",
+        "--averaging-every-steps), auto (default: the mode the stage's replicas run, else sync or outer "
+        "chosen from the measured links as the stage is built, sync where no link is measured; "
+        "peers/replicas/averaging_auto.py), none (independent copies that diverge; for experiments)",
         choices=["none", "sync", "periodic", "outer", "auto"],
     )
     averaging_period_s: float | None = option(

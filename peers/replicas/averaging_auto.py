@@ -4,7 +4,7 @@ move) and then kept.
 - A stage whose online replicas average already (sync or outer) keeps its mode: the new replica
   takes theirs, outer rounds with the settings their records carry, so that their rounds meet.
 - The first replica of a stage measures its link to others (the link probe's echoes, to up to
-  three online peers of the model, the stage's first) and lets averaging_choice.py choose from the
+  two online peers of the model, the stage's first) and lets averaging_choice.py choose from the
   slowest: exact sync on fast links, outer rounds on slow ones. The link to a partner that comes
   later is not known yet; the links to the swarm's other peers stand for it.
 - Nobody to measure (the swarm's first peers start together): exact sync.
@@ -27,8 +27,12 @@ from wire.compression import LinkEstimate
 
 logger = logging.getLogger(__name__)
 
-PROBED_PEERS = 3
-STARTUP_PROBE = ProbeSettings(timeout_s=10.0, tiny_repeats=3, bulk_max_bytes=1 << 20)
+PROBED_PEERS = 2
+# short: sync needs a link that carries a stage's gradient in a tenth of a step, which one echo of up
+# to 1 MiB tells apart from a home link without measuring it closely
+STARTUP_PROBE = ProbeSettings(
+    timeout_s=10.0, tiny_repeats=2, bulk_start_bytes=64 << 10, bulk_max_bytes=1 << 20, bulk_target_s=0.1
+)
 
 
 def adopted(records: list[PeerRecord]) -> tuple[str, OuterRoundsRecord | None] | None:
