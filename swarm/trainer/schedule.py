@@ -525,7 +525,7 @@ class StepSchedule:
             elif isinstance(result, BaseException):
                 raise result
             else:
-                self.counters.catch_ups += 1
+                self.counters.replica_catch_ups += 1
                 answers[stage][repair.peer_id] = result
 
     async def _repair_missed_rounds(
