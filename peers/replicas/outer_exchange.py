@@ -248,7 +248,7 @@ class OuterExchange:
         for fragment, (begun_after, task) in sorted(self.pending.items()):
             if schedule.applied_after(begun_after) <= steps_done:
                 del self.pending[fragment]
-                ok = await self._apply(averaging, fragment, begun_after, await task)
+                ok = await self._apply(averaging, fragment, begun_after, await outcome_of(task))
                 applied, failed = applied + ok, failed + (not ok)
         for fragment in schedule.begins_after(steps_done):
             if fragment in self.pending:  # not yet applied (a step count that jumped: a loaded state)
@@ -258,7 +258,7 @@ class OuterExchange:
             if schedule.overlap:
                 self.pending[fragment] = (steps_done, task)
             else:
-                ok = await self._apply(averaging, fragment, steps_done, await task)
+                ok = await self._apply(averaging, fragment, steps_done, await outcome_of(task))
                 applied, failed = applied + ok, failed + (not ok)
         result = OuterOutcome(
             True,
@@ -275,7 +275,7 @@ class OuterExchange:
         """After the trainer's last step: the overlapped rounds in flight, awaited and applied."""
         applied = failed = 0
         for fragment, (begun_after, task) in sorted(self.pending.items()):
-            ok = await self._apply(averaging, fragment, begun_after, await task)
+            ok = await self._apply(averaging, fragment, begun_after, await outcome_of(task))
             applied, failed = applied + ok, failed + (not ok)
         self.pending.clear()
         return OuterOutcome(False, 0, averaging.runtime.steps_done, applied=applied, failed=failed)
@@ -289,3 +289,16 @@ class OuterExchange:
         for _, task in self.pending.values():
             task.cancel()
         self.pending.clear()
+
+
+async def outcome_of(task: asyncio.Task) -> list[Contribution] | None:
+    """A round's exchange, or None (a failed round) when it was cancelled (a catch-up dropped it) or broke."""
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # the commit itself is being cancelled: pass it on
+            raise
+        return None
+    except Exception as e:  # noqa: BLE001 - the round fails; the commit goes on
+        logger.warning(f"an outer round's exchange broke: {type(e).__name__}: {e}")
+        return None
