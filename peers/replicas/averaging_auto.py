@@ -19,6 +19,8 @@ import dataclasses
 import logging
 from collections import Counter
 
+from hivemind.p2p import P2P
+
 from dht.announce import fetch_stage_records
 from dht.records import OuterRoundsRecord, PeerRecord, PeerState
 from peers.placement.link_probe import ProbeSettings, measure_link
@@ -74,14 +76,24 @@ def outer_record(replicas) -> OuterRoundsRecord:
     )
 
 
+async def _daemon_maddr(_dht, node):
+    return node.p2p.daemon_listen_maddr
+
+
 async def slowest_link(dht, peers: list[str]) -> LinkEstimate | None:
-    p2p = await dht.replicate_p2p()
+    """The slowest of the links to `peers` (the first PROBED_PEERS), on a p2pd client of this probe's
+    own: hivemind's `replicate_p2p` keeps the first client it makes for the whole process, and one made
+    in this short-lived event loop would be dead in the peer's (the peer then never came online)."""
+    p2p = await P2P.replicate(dht.run_coroutine(_daemon_maddr))
     measured = []
-    for peer in peers[:PROBED_PEERS]:
-        try:
-            measured.append(await measure_link(p2p, peer, STARTUP_PROBE))
-        except Exception as e:  # noqa: BLE001 - a peer that does not answer a probe is not measured
-            logger.info(f"--averaging auto: probing {peer[-8:]} failed: {type(e).__name__}: {e}")
+    try:
+        for peer in peers[:PROBED_PEERS]:
+            try:
+                measured.append(await measure_link(p2p, peer, STARTUP_PROBE))
+            except Exception as e:  # noqa: BLE001 - a peer that does not answer a probe is not measured
+                logger.info(f"--averaging auto: probing {peer[-8:]} failed: {type(e).__name__}: {e}")
+    finally:
+        await p2p.shutdown()
     if not measured:
         return None
     slowest = min(measured, key=lambda m: m.bandwidth_gbps)

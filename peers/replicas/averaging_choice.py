@@ -5,7 +5,10 @@ does not. Pure: a link estimate, the stage's size and step time in, a choice wit
 The rule, for a stage of `num_values` float32 values, `group_size` replicas, a step of `step_s`
 seconds of compute, a link of bandwidth B and one-way latency L, and a loss budget:
 1. exact sync, if its all-reduce (2 (n - 1) / n x 4 x num_values bytes each way, 2 (n - 1) latencies)
-   takes at most `sync_share` (10%) of a step: the swarm then stays the one-process update;
+   takes at most `sync_share` (10%) of a step, or the link carries at least `FAST_LINK_BYTES_PER_S`
+   (400 Mbit/s: loopback and LAN, as the link probe measures them through p2pd; home links carry
+   10-100): the swarm then stays the one-process update, and on such links a round's cost is CPU,
+   which exact sync over gloo keeps near the wire's (gloo_allreduce.py);
 2. otherwise outer rounds: among the settings whose measured validation-loss cost against exact sync
    (`MEASURED_OUTER_COSTS`, benchmarks/RESULTS.md) fits the budget, the one whose rounds cost the step
    the least time, ties to the lower loss cost, then to fewer bytes. A round of one fragment sends
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from wire.compression import LinkEstimate
 
 DEFAULT_SYNC_SHARE = 0.1  # of a step that exact sync's all-reduce may take
+FAST_LINK_BYTES_PER_S = 400e6 / 8  # a link at least this fast keeps exact sync whatever the step
 DEFAULT_LOSS_BUDGET = 0.01  # validation loss against exact sync: 1%
 
 
@@ -103,6 +107,14 @@ def choose_averaging(
         why = "no link to another replica is measured" if link is None else "the stage has one replica"
         return AveragingChoice("sync", f"exact sync: {why}")
     sync_s = sync_round_s(num_values, group_size, link)
+    if link.bandwidth_bytes_per_s >= FAST_LINK_BYTES_PER_S:
+        return AveragingChoice(
+            "sync",
+            f"exact sync: a fast link ({link.bandwidth_bytes_per_s * 8 / 1e6:,.0f} Mbit/s; its all-reduce takes "
+            f"~{sync_s * 1e3:.0f} ms)",
+            round_s=sync_s,
+            step_share=sync_s / step_s,
+        )
     if sync_s <= sync_share * step_s:
         return AveragingChoice(
             "sync",

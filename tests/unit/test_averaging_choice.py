@@ -31,6 +31,14 @@ def test_fast_links_keep_exact_sync(link):
     choice = choose(link)
     assert choice.mode == "sync" and choice.step_share <= 0.1, choice
     assert "exact sync" in choice.reason and "ms" in choice.reason
+    # even for a stage whose step is too short for any link to carry its all-reduce in a tenth of it
+    assert choose(link, step_s=1e-3).mode == "sync"
+
+
+def test_a_link_short_of_fast_keeps_sync_only_when_the_step_hides_it():
+    medium = LinkEstimate(bandwidth_bytes_per_s=200e6 / 8, latency_s=2e-3)  # 200 Mbit/s: ~0.8 s a small round
+    assert choose(medium, step_s=10.0).mode == "sync"
+    assert choose(medium, step_s=1.0).mode == "outer"
 
 
 def test_a_home_link_takes_outer_rounds_the_cheapest_loss_that_fits():
