@@ -316,14 +316,17 @@ class ReplicaAveraging:
         if gathered is None:
             self.record_failure()
             return None
-        each_way = allreduce_bytes_each_way(self.num_values, len(gathered), self.wire_bytes_per_value)
+        self.record_success(len(gathered))
+        return gathered
+
+    def record_success(self, group_size: int) -> None:
+        each_way = allreduce_bytes_each_way(self.num_values, group_size, self.wire_bytes_per_value)
         self.rounds += 1
         self.bytes_sent += each_way
         self.bytes_received += each_way
         self._report(
-            AveragingRound(self.mode, ok=True, group_size=len(gathered), sent_bytes=each_way, received_bytes=each_way)
+            AveragingRound(self.mode, ok=True, group_size=group_size, sent_bytes=each_way, received_bytes=each_way)
         )
-        return gathered
 
     def _remember(self, step_id: str, outcome: AveragingOutcome) -> AveragingOutcome:
         self.outcomes[step_id] = outcome
@@ -497,13 +500,7 @@ class GradientSync(ReplicaAveraging):
             if not ok:
                 self.record_failure()
                 return None
-        each_way = allreduce_bytes_each_way(self.num_values, len(weights), self.wire_bytes_per_value)
-        self.rounds += 1
-        self.bytes_sent += each_way
-        self.bytes_received += each_way
-        self._report(
-            AveragingRound(self.mode, ok=True, group_size=len(weights), sent_bytes=each_way, received_bytes=each_way)
-        )
+        self.record_success(len(weights))
         return {PeerID.from_base58(p): w for p, w in weights.items()}
 
     def prepare(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:

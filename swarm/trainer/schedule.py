@@ -503,30 +503,13 @@ class StepSchedule:
                 f"({answers[stage][repair.peer_id].outer_rounds} outer rounds against {repair.rounds}); "
                 f"it loads {repair.source[-8:]}'s state"
             )
-        results = await asyncio.gather(
-            *[
-                self.client.commit(
-                    repair.peer_id,
-                    stage=stage,
-                    step_id=f"{step_id}:catch-up",
-                    group_size=1,
-                    timeout_s=timeout_s,
-                    catch_up_from=repair.source,
-                    catch_up_rounds=repair.rounds,
-                )
-                for stage, repair in repairs
-            ],
-            return_exceptions=True,
+        caught_up = await self._catch_up(
+            step_id,
+            [(stage, repair.peer_id, {"catch_up_rounds": repair.rounds}, repair.source) for stage, repair in repairs],
+            timeout_s,
         )
-        for (stage, repair), result in zip(repairs, results):
-            if isinstance(result, PeerCallError):
-                logger.warning(f"stage {stage}: replica {repair.peer_id[-8:]} could not catch up: {result}")
-                self.view.bans.ban(repair.peer_id)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                self.counters.replica_catch_ups += 1
-                answers[stage][repair.peer_id] = result
+        for stage, peer_id, result in caught_up:
+            answers[stage][peer_id] = result
 
     async def _repair_missed_rounds(
         self,
@@ -553,29 +536,42 @@ class StepSchedule:
                 f"({answers[stage][repair.peer_id].steps_done} steps against {repair.to_steps}); "
                 f"it loads {repair.source[-8:]}'s state"
             )
+        calls = [
+            (stage, r.peer_id, {"catch_up_to": r.to_steps, "catch_up_drops_gradients": r.drops_gradients}, r.source)
+            for stage, r in repairs
+        ]
+        for stage, peer_id, result in await self._catch_up(step_id, calls, timeout_s):
+            previous = answers[stage][peer_id]
+            answers[stage][peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
+
+    async def _catch_up(
+        self, step_id: str, calls: list[tuple[int, str, dict, str]], timeout_s: float
+    ) -> list[tuple[int, str, CommitResponse]]:
+        """Have each replica ((stage, peer id, the commit's catch-up fields, the source)) load its source's
+        state; the answers of those that did. A replica whose catch-up fails is banned."""
         results = await asyncio.gather(
             *[
                 self.client.commit(
-                    repair.peer_id,
+                    peer_id,
                     stage=stage,
                     step_id=f"{step_id}:catch-up",
                     group_size=1,
                     timeout_s=timeout_s,
-                    catch_up_from=repair.source,
-                    catch_up_to=repair.to_steps,
-                    catch_up_drops_gradients=repair.drops_gradients,
+                    catch_up_from=source,
+                    **fields,
                 )
-                for stage, repair in repairs
+                for stage, peer_id, fields, source in calls
             ],
             return_exceptions=True,
         )
-        for (stage, repair), result in zip(repairs, results):
+        caught_up = []
+        for (stage, peer_id, _, _), result in zip(calls, results):
             if isinstance(result, PeerCallError):
-                logger.warning(f"stage {stage}: replica {repair.peer_id[-8:]} could not catch up: {result}")
-                self.view.bans.ban(repair.peer_id)
+                logger.warning(f"stage {stage}: replica {peer_id[-8:]} could not catch up: {result}")
+                self.view.bans.ban(peer_id)
             elif isinstance(result, BaseException):
                 raise result
             else:
                 self.counters.replica_catch_ups += 1
-                previous = answers[stage][repair.peer_id]
-                answers[stage][repair.peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
+                caught_up.append((stage, peer_id, result))
+        return caught_up
