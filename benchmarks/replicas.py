@@ -118,7 +118,7 @@ def _run_in(
     name: str,
     args,
     replicas: int,
-    averaging: str,
+    averaging: str | None,
     extra_peer_args: tuple[str, ...],
     extra_trainer_args: tuple[str, ...],
 ) -> dict:
@@ -133,8 +133,7 @@ def _run_in(
         "1",
         "--lr",
         str(args.lr),
-        "--averaging",
-        averaging,
+        *(["--averaging", averaging] if averaging is not None else []),  # None: the peers' default
         *schedule,
         "--no-load-state",
         *extra_peer_args,

@@ -16,6 +16,14 @@ probed before anything is measured. On the same topology, data, model and steps 
 (`--runs` picks a subset; `fp16` and `topk` are swarm with those fixed codecs, e.g. to compare
 every codec on a mixed fast/slow topology such as `benchmarks/topologies/mixed4.json`.)
 
+Replica rows (issue #56), on a topology with a second host per stage (`stage<i>b`, e.g.
+`benchmarks/topologies/world2x2.json`): `replicas-<mode>` runs two replicas per stage, one on each
+host, with direct routing and `--replica-codec` activations, and the peers' `--averaging`:
+`replicas-none` (no averaging: the speed reference), `replicas-sync` (exact sync), `replicas-outer`
+and `replicas-outer-overlap` (outer rounds every `--outer-every` steps with `--outer-codec`, waited
+for or overlapped). The table also says what `--averaging auto` would choose from each stage's
+probed replica link (peers/replicas/averaging_choice.py), and each row's speed against no averaging.
+
 Direct routing (`swarm train --routing direct`, issue #23): `direct-<codec>` (direct-none,
 direct-int8, direct-adaptive, ...) is the swarm run with that codec where each peer sends its
 activations straight to the next stage's peer and the gradients come back the same way (the
@@ -66,7 +74,10 @@ from benchmarks.netem.probe import verify_links  # noqa: E402
 from benchmarks.netem.topology import TopologyError, load_topology  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
+from models.stages import build_stage  # noqa: E402
+from peers.replicas.averaging_choice import choose_averaging  # noqa: E402
 from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
+from wire.compression import LinkEstimate  # noqa: E402
 
 GPIPE_PORT = 29500
 ONE_STREAM = "/one-stream"  # a direct run's suffix: each hop on one stream (--hop-piece-kb 0)
@@ -80,6 +91,7 @@ RUNS = (
     *(f"direct-{codec}" for codec in HUB_CODECS),
     "direct-kill",
 )
+REPLICA_RUNS = ("replicas-none", "replicas-sync", "replicas-outer", "replicas-outer-overlap")
 
 
 @dataclass
@@ -122,6 +134,10 @@ class Settings:
     kill_stage: int
     kill_at_step: int
     run_timeout_s: float
+    replica_hosts: dict[int, str] = field(default_factory=dict)  # stage -> its second replica's host
+    replica_codec: str = "int8"
+    outer_every: int = 5
+    outer_codec: str = "int8"
 
     @property
     def tokens_per_step(self) -> int:
@@ -279,6 +295,8 @@ def _step_marker(step: int, steps: int) -> str:
 def _known_run(run: str) -> bool:
     """A run of RUNS, or a swarm run of a codec with a subspace model (`direct-int4+fixed:32`), or a
     direct run with one stream per hop (`direct-none/one-stream`)."""
+    if run in REPLICA_RUNS:
+        return True
     if run.startswith("direct-") and run.endswith(ONE_STREAM):
         run = run.removesuffix(ONE_STREAM)
     base, plus, subspace = run.partition("+")
@@ -397,11 +415,15 @@ def run_swarm(
     kill_only: bool = False,
     subspace: str = "",
     one_stream: bool = False,
+    averaging: list[str] | None = None,
+    replica_name: str = "",
 ) -> RunResult:
     """A swarm run. `faults`: standby replicas, the slow stage's peer slowed and the kill stage's peer
     SIGKILLed; `kill_only` (with `faults`): nobody slowed. `subspace` ("fixed:32"): a subspace model,
     its K coefficients per token in `codec` on the wire."""
-    if routing == "direct":
+    if replica_name:
+        name = replica_name
+    elif routing == "direct":
         name = "direct kill" if faults else f"direct {codec}"
     else:
         name = "swarm faults" if faults else f"swarm {codec}"
@@ -416,6 +438,7 @@ def run_swarm(
     _say(
         f"\n== {name}: trainer on {s.trainer_host}, peers on {s.stage_hosts}"
         + (f" + standby {s.standby_hosts}" if faults else "")
+        + (f" + replicas {s.replica_hosts}, {' '.join(averaging)}" if averaging is not None else "")
         + f", {routing} routing"
     )
     report_path = os.path.join(workdir, f"{name.replace(' ', '-').replace(':', '')}.json")
@@ -435,8 +458,10 @@ def run_swarm(
             placements = [(stage, host) for stage, host in enumerate(s.stage_hosts)]
             if faults:
                 placements += sorted(s.standby_hosts.items())
+            if averaging is not None:  # a replica row: the second replica of every stage
+                placements += sorted(s.replica_hosts.items())
             for stage, host in placements:
-                extra = ["--host-maddrs", net.maddr(host)]
+                extra = ["--host-maddrs", net.maddr(host), *(averaging or [])]
                 if faults and not kill_only and host == s.stage_hosts[s.slow_stage]:
                     extra += ["--fault-slowdown", str(s.slowdown)]
                 peers[host] = swarm.start_peer(stage, *extra, name=f"peer-{host}", prefix=net.exec_prefix(host))
@@ -529,7 +554,37 @@ def probe_pairs(s: Settings) -> list[tuple[str, str]]:
     for a, b in zip(s.stage_hosts, s.stage_hosts[1:]):
         if (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
+    for stage, host in sorted(s.replica_hosts.items()):  # replica rows: trainer <-> the second replicas,
+        for pair in [(s.trainer_host, host), (s.stage_hosts[stage], host)]:  # and each stage's replica link
+            if pair[0] != pair[1] and pair not in pairs and pair[::-1] not in pairs:
+                pairs.append(pair)
     return pairs
+
+
+def replica_averaging_args(run: str, s: Settings) -> list[str]:
+    """The peers' averaging flags of a replica row."""
+    mode = run.removeprefix("replicas-")
+    if mode in ("none", "sync"):
+        return ["--averaging", mode]
+    outer = ["--averaging", "outer", "--averaging-every-steps", str(s.outer_every), "--outer-codec", s.outer_codec]
+    return outer + (["--outer-overlap"] if mode == "outer-overlap" else [])
+
+
+def auto_choices(s: Settings, probes, step_s: float) -> dict[str, str]:
+    """What `--averaging auto` would choose for each stage from its probed replica link, for a step of
+    `step_s` (the no-averaging row's, when it ran)."""
+    config = get_model_config(s.model)
+    choices = {}
+    for stage, host in sorted(s.replica_hosts.items()):
+        link = next((p for p in probes if {p.src, p.dst} == {s.stage_hosts[stage], host}), None)
+        if link is None:
+            continue
+        values = sum(t.numel() for t in build_stage(config, stage, len(s.stage_hosts), seed=0).parameters())
+        mbit = min(link.forward_mbit, link.reverse_mbit)
+        estimate = LinkEstimate(bandwidth_bytes_per_s=mbit * 1e6 / 8, latency_s=link.rtt_ms / 2e3)
+        choice = choose_averaging(num_values=values, group_size=2, step_s=step_s, link=estimate)
+        choices[str(stage)] = f"{choice.mode}: {choice.reason}"
+    return choices
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -561,6 +616,24 @@ def print_cpu_breakdown(results: list[RunResult]) -> None:
         _say(f"  {r.name:<15} {parts or '-'}")
 
 
+def summarize_replica_rows(results: list[RunResult], s: Settings, probes) -> dict:
+    """Each replica row's tokens/s against no averaging, and what `--averaging auto` would choose."""
+    none = next((r for r in results if r.name == "replicas none" and r.tokens_per_s), None)
+    step_s = s.tokens_per_step / none.tokens_per_s if none else 1.0
+    ratios = {
+        r.name: (r.tokens_per_s / none.tokens_per_s if none and r.tokens_per_s else None)
+        for r in results
+        if r.name.startswith("replicas ")
+    }
+    choices = auto_choices(s, probes, step_s)
+    _say("\nreplica rows: tokens/s against no averaging")
+    for name, ratio in ratios.items():
+        _say(f"  {name:<24} {_fmt(ratio, '.2f')}x")
+    for stage, choice in choices.items():
+        _say(f"  --averaging auto, stage {stage} (step {step_s:.2f} s): {choice}")
+    return {"vs_none": ratios, "auto_choices": choices, "step_s": step_s}
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -587,6 +660,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-timeout-s", type=float, default=420.0)
     parser.add_argument("--out", default="benchmarks/out/wan.json")
     parser.add_argument("--kill-codec", default="int8", help="the codec of the direct-kill run")
+    parser.add_argument("--replica-codec", default="int8", help="replica rows: the activations' codec (direct routing)")
+    parser.add_argument("--outer-every", type=int, default=5, help="replica rows: outer rounds every this many steps")
+    parser.add_argument("--outer-codec", default="int8", help="replica rows: the outer rounds' codec")
     return parser.parse_args(argv)
 
 
@@ -613,6 +689,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     standby = {i: f"standby{i}" for i in (args.slow_stage, args.kill_stage) if f"standby{i}" in topology.hosts}
+    replica_runs = [run for run in runs if run in REPLICA_RUNS]
+    replica_hosts = {i: f"stage{i}b" for i in range(args.stages) if f"stage{i}b" in topology.hosts}
+    if replica_runs and len(replica_hosts) != args.stages:
+        print(
+            "wan: error: the replica rows need hosts stage<i>b for every stage (a topology like world2x2)",
+            file=sys.stderr,
+        )
+        return 2
     settings = Settings(
         model=args.model,
         steps=args.steps,
@@ -627,11 +711,15 @@ def main(argv: list[str] | None = None) -> int:
         kill_stage=args.kill_stage,
         kill_at_step=args.kill_at_step or args.steps // 2,
         run_timeout_s=args.run_timeout_s,
+        replica_hosts=replica_hosts if replica_runs else {},
+        replica_codec=args.replica_codec,
+        outer_every=args.outer_every,
+        outer_codec=args.outer_codec,
     )
     if ("faults" in runs or "direct-kill" in runs) and args.kill_stage not in standby:
         print(f"wan: error: the kill runs need a host standby{args.kill_stage} in the topology", file=sys.stderr)
         return 2
-    used = {"trainer", *stage_hosts, *standby.values()}
+    used = {"trainer", *stage_hosts, *standby.values(), *settings.replica_hosts.values()}
     topology = topology.with_hosts({h: r for h, r in topology.hosts.items() if h in used})
 
     # SIGTERM (and SIGHUP) unwind like Ctrl-C, so the network and every process are torn down.
@@ -649,6 +737,19 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if run in ("gpipe", "gpipe-kill"):
                         results.append(run_gpipe(net, settings, workdir, kill=run == "gpipe-kill"))
+                    elif run in REPLICA_RUNS:
+                        results.append(
+                            run_swarm(
+                                net,
+                                settings,
+                                workdir,
+                                codec=settings.replica_codec,
+                                faults=False,
+                                routing="direct",
+                                averaging=replica_averaging_args(run, settings),
+                                replica_name=run.replace("-", " "),
+                            )
+                        )
                     elif run.startswith("direct-"):
                         kill = run == "direct-kill"
                         base, _, subspace = run.removesuffix(ONE_STREAM).partition("+")
@@ -707,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print_table(results, next((r for r in results if r.name == "gpipe"), None))
     print_cpu_breakdown(results)
+    replica_summary = summarize_replica_rows(results, settings, probes) if replica_runs else {}
     out = {
         "benchmark": "wan",
         "command": " ".join(["benchmarks/wan.py", *(argv or sys.argv[1:])]),
@@ -717,6 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started,
         "links": [asdict(p) for p in probes],
         "results": [asdict(r) for r in results],
+        "replica_rows": replica_summary,
         "workdir": workdir,
     }
     write_report(args.out, out)

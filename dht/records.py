@@ -19,6 +19,21 @@ class PeerState(str, Enum):
     STANDBY = "standby"  # backup pool: holds a copy of this stage's state, serves nothing until it takes over
 
 
+class OuterRoundsRecord(BaseModel):
+    """The outer-round settings a replica runs (`--averaging outer`): a replica that joins its stage
+    with `--averaging auto` takes the same, so that their rounds meet."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    every_steps: int = Field(ge=1, le=1_000_000)
+    fragments: int = Field(default=1, ge=1, le=4096)
+    overlap: bool = False
+    codec: str = Field(default="none", max_length=16)
+    topk_fraction: float = Field(default=0.01, gt=0.0, le=1.0, allow_inf_nan=False)
+    outer_lr: float = Field(default=0.7, ge=0.0, le=100.0, allow_inf_nan=False)
+    outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0, allow_inf_nan=False)
+
+
 class PeerRecord(BaseModel):
     """What a peer says about itself. Unknown fields are ignored so newer peers can add fields
     without breaking older readers; known fields are type-checked strictly."""
@@ -36,7 +51,7 @@ class PeerRecord(BaseModel):
     protocol: int = Field(ge=0, default=PROTOCOL_VERSION)
     expires_at: float = Field(description="DHT time after which the record is stale")
     metrics_addr: str | None = Field(default=None, max_length=256)
-    averaging: str = Field(default="none", max_length=16, description="none, sync or periodic")
+    averaging: str = Field(default="none", max_length=16, description="none, sync, periodic or outer")
     precision: str = Field(
         default="", pattern="^(|fp32|bf16|fp16)$", description="what the peer computes in ('' = not stated: fp32)"
     )
@@ -61,6 +76,11 @@ class PeerRecord(BaseModel):
     )
     utilization: float = Field(
         default=0.0, ge=0.0, le=1.0, description="the busy fraction of its compute over the last minute"
+    )
+    averaging_reason: str = Field(default="", max_length=400, description="why this averaging (--averaging auto)")
+    outer: OuterRoundsRecord | None = Field(default=None, description="outer mode: its settings")
+    gloo: str | None = Field(
+        default=None, max_length=64, pattern=r"^[0-9.]+:[0-9]+$", description="exact sync over gloo: its rendezvous"
     )
 
     def to_wire(self) -> dict[str, Any]:

@@ -40,6 +40,8 @@ from peers.compute.stage_runtime import OptimizerSettings
 from peers.compute.weight_prediction import WEIGHT_PREDICTIONS
 from peers.placement.link_probe import ProbeSettings
 from peers.replicas.averaging_schedule import AveragingSchedule
+from peers.replicas.gloo_allreduce import AVERAGING_TRANSPORTS
+from peers.replicas.outer_rounds import OUTER_CODECS, OuterSchedule, PseudoGradientCodec
 from peers.replicas.outer_step import OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
 from process.config import ConfigError, option, section
@@ -48,6 +50,10 @@ from wire.protocol import STATE_REQUEST_INTERVAL_S
 
 AUTO_STAGE = "auto"
 DEFAULT_AVERAGING_PERIOD_S = 30.0
+# outer mode's defaults (benchmarks/RESULTS.md, "Outer rounds: the in-process convergence table")
+DEFAULT_OUTER_EVERY_STEPS = 100
+DEFAULT_OUTER_CODEC = "int8"
+DEFAULT_OUTER_LR = 0.7
 MEMORY_SPLIT = "memory"  # --split-boundaries memory: the parameter-balanced split
 
 
@@ -207,11 +213,15 @@ class ReplicaSettings:
     whether a joiner first copies a live replica's state."""
 
     averaging: str = option(
-        "sync",
-        help="how replicas of a stage agree: sync (default: average gradients on each trainer "
-        "step, identical parameters), periodic (average parameters every --averaging-period-s or "
-        "--averaging-every-steps), none (independent copies that diverge; for experiments)",
-        choices=["none", "sync", "periodic"],
+        "auto",
+        help="how replicas of a stage agree: sync (average gradients on each trainer "
+        "step, identical parameters), outer (step alone, and every --averaging-every-steps steps "
+        "exchange compressed pseudo-gradients and take an outer step together: DiLoCo, for slow "
+        "links), periodic (average parameters every --averaging-period-s or "
+        "--averaging-every-steps), auto (default: the mode the stage's replicas run, else sync or outer "
+        "chosen from the measured links as the stage is built, sync where no link is measured; "
+        "peers/replicas/averaging_auto.py), none (independent copies that diverge; for experiments)",
+        choices=["none", "sync", "periodic", "outer", "auto"],
     )
     averaging_period_s: float | None = option(
         None,
@@ -226,7 +236,8 @@ class ReplicaSettings:
         "right after every this many local steps; each replica then steps on "
         "the trainer's commit (on its share of the trainer's batch), and the "
         "commit waits for the round (hivemind bounds its matchmaking and its "
-        "all-reduce by --averaging-timeout-s each)",
+        "all-reduce by --averaging-timeout-s each). Outer mode: the steps between "
+        f"two rounds of each fragment (default {DEFAULT_OUTER_EVERY_STEPS})",
     )
     averaging_compression: str | None = option(
         None,
@@ -236,12 +247,37 @@ class ReplicaSettings:
         "(measured after one step at lr 0.5: fp16 6e-5, int8 1.6e-3)",
         choices=["none", "fp16", "int8"],
     )
-    outer_lr: float = option(
-        0.0,
-        help="periodic mode: outer learning rate of a DiLoCo-style Nesterov step on the "
-        "averaged parameter delta after each round (DiLoCo: 0.7); 0 = off, plain averaging",
+    outer_lr: float | None = option(
+        None,
+        help="periodic and outer modes: outer learning rate of a DiLoCo-style Nesterov step on the "
+        "averaged parameter delta after each round (DiLoCo: 0.7); 0 = off, plain averaging (default: "
+        f"0 for periodic, {DEFAULT_OUTER_LR:g} for outer)",
     )
-    outer_momentum: float = option(0.9, help="periodic mode: momentum of the outer step (with --outer-lr)")
+    outer_momentum: float = option(0.9, help="periodic and outer modes: momentum of the outer step (with --outer-lr)")
+    outer_codec: str = option(
+        DEFAULT_OUTER_CODEC,
+        help="outer mode: the codec of the pseudo-gradients a round exchanges: none (float32), fp16, int8, "
+        "int4 or topk (--outer-topk-fraction of the values, with error feedback); every replica ends a round "
+        "with the same parameters whatever the codec (benchmarks/RESULTS.md measures each)",
+        choices=list(OUTER_CODECS),
+    )
+    outer_topk_fraction: float = option(0.01, help="outer mode with --outer-codec topk: the fraction of values sent")
+    outer_error_feedback: str = option(
+        "auto",
+        help="outer mode: keep what the codec dropped and send it with the next round: on, off, or auto "
+        "(on for topk only)",
+        choices=["auto", "on", "off"],
+    )
+    outer_overlap: bool = option(
+        False,
+        help="outer mode: a round is exchanged while the next --averaging-every-steps / --outer-fragments "
+        "steps compute, and applied after them (Streaming DiLoCo); off: the commit waits for the round",
+    )
+    outer_fragments: int = option(
+        1,
+        help="outer mode: rounds carry this many slices of the stage's values in turn, one every "
+        "--averaging-every-steps / this many steps, so each round sends that much less",
+    )
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
     averaging_matchmaking_s: float | None = option(
         None,
@@ -283,6 +319,14 @@ class ReplicaSettings:
         "benchmarks/RESULTS.md measures each)",
         choices=list(WEIGHT_PREDICTIONS),
     )
+    averaging_transport: str = option(
+        "auto",
+        help="exact sync's all-reduce: gloo (torch.distributed's, at about the wire's cost; only in a run "
+        "without an authority, since gloo authenticates nobody), hivemind (its averager), or auto (default: "
+        "gloo for exact sync without an authority when the peer announces an address, else hivemind; "
+        "peers/replicas/gloo_allreduce.py)",
+        choices=list(AVERAGING_TRANSPORTS),
+    )
     robust_averaging: str = option(
         "clip",
         help="how a replica averages the part of the all-reduce it reduces, in groups of 3 or more: clip "
@@ -300,21 +344,31 @@ class ReplicaSettings:
                 raise ConfigError(
                     "--averaging-period-s and --averaging-every-steps both set the averaging schedule; give one"
                 )
-            if self.averaging != "periodic":
+            if self.averaging not in ("periodic", "outer", "auto"):
                 raise ConfigError(
-                    "--averaging-every-steps schedules periodic averaging: use it with --averaging periodic"
+                    "--averaging-every-steps schedules periodic or outer averaging: use it with --averaging "
+                    "periodic or outer"
                 )
             if self.averaging_every_steps < 1:
                 raise ConfigError("--averaging-every-steps must be at least 1")
+        elif self.averaging == "outer":
+            if self.averaging_period_s is not None:
+                raise ConfigError("outer rounds come every --averaging-every-steps steps, not --averaging-period-s")
         elif self.averaging_period_s is None:
             self.averaging_period_s = DEFAULT_AVERAGING_PERIOD_S
+        if self.averaging in ("outer", "auto"):
+            try:
+                self.outer_schedule  # noqa: B018 - every / fragments checked
+                self.outer_codec_settings  # noqa: B018
+            except ValueError as e:
+                raise ConfigError(f"--averaging outer: {e}") from None
         _positive(self, "averaging_timeout_s")
         if self.averaging_period_s is not None and self.averaging_period_s <= 0:
             raise ConfigError("averaging_period_s must be positive")
-        if self.outer_lr < 0 or not 0.0 <= self.outer_momentum < 1.0:
+        if (self.outer_lr is not None and self.outer_lr < 0) or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError("--outer-lr must be >= 0 (0 = off) and --outer-momentum within [0, 1)")
-        if self.outer_lr > 0 and self.averaging != "periodic":
-            raise ConfigError("--outer-lr is an outer step of periodic averaging: use it with --averaging periodic")
+        if self.outer_lr and self.averaging not in ("periodic", "outer", "auto"):
+            raise ConfigError("--outer-lr is an outer step of periodic or outer averaging: use it with one of them")
         if self.averaging_matchmaking_s is not None and self.averaging_matchmaking_s <= 0:
             raise ConfigError("--averaging-matchmaking-s must be positive")
         if self.sync_delay not in (0, 1):
@@ -337,7 +391,24 @@ class ReplicaSettings:
     @property
     def outer(self) -> OuterSettings | None:
         """The outer step after each periodic round, or None with --outer-lr 0 (plain averaging)."""
-        return OuterSettings(lr=self.outer_lr, momentum=self.outer_momentum) if self.outer_lr > 0 else None
+        return OuterSettings(lr=self.outer_lr, momentum=self.outer_momentum) if self.outer_lr else None
+
+    @property
+    def outer_schedule(self) -> OuterSchedule:
+        """Outer mode: when each fragment's round begins, and whether it is applied late."""
+        every = self.averaging_every_steps or DEFAULT_OUTER_EVERY_STEPS
+        return OuterSchedule(every_steps=every, fragments=self.outer_fragments, overlap=self.outer_overlap)
+
+    @property
+    def outer_step_settings(self) -> OuterSettings:
+        """Outer mode's outer step (--outer-lr 0: the plain average, lr 1 without momentum)."""
+        lr = DEFAULT_OUTER_LR if self.outer_lr is None else self.outer_lr
+        return OuterSettings(lr=lr, momentum=self.outer_momentum) if lr else OuterSettings(lr=1.0, momentum=0.0)
+
+    @property
+    def outer_codec_settings(self) -> PseudoGradientCodec:
+        feedback = {"auto": None, "on": True, "off": False}[self.outer_error_feedback]
+        return PseudoGradientCodec(self.outer_codec, topk_fraction=self.outer_topk_fraction, error_feedback=feedback)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -551,6 +622,10 @@ class PeerConfig:
             self.split_boundaries = ",".join(map(str, _memory_split(config, self.num_stages)))
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
+        if self.replicas.averaging_transport == "gloo" and self.authority.run is not None:
+            raise ConfigError(
+                "--averaging-transport gloo authenticates nobody: a run with an authority (--run) averages over hivemind"
+            )
         if self.placement.standby:
             if self.stage not in (None, AUTO_STAGE):
                 raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")

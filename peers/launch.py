@@ -128,7 +128,6 @@ def run_peer(config: PeerConfig) -> None:
             claimants={r.peer_id for r in judging_records(live, **judged_by)} if access else None,
         )
         stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
-        metrics.set_averaging_mode(config.replicas.averaging)
         builder = StageBuilder(
             config,
             model_config,
@@ -140,6 +139,7 @@ def run_peer(config: PeerConfig) -> None:
             memory_source=source,
         )
         built = builder.build(stage)
+        metrics.set_averaging_mode(getattr(built.averaging, "mode", config.replicas.averaging))  # auto: as settled
         if config.faults.enabled:
             print(f"fault injection on: {config.faults}", flush=True)
         # bitsandbytes (int8) is not loaded here: it costs ~2 s of CPU at start, and most runs never

@@ -52,7 +52,7 @@ PHASES = {
     "hop_wait": "direct routing: waiting for the next stage's answer (its hop, its compute, the chain after it)",
     "hop_decode": "direct routing: the next stage's gradient decoded",
 }
-AVERAGING_MODES = ("sync", "periodic")  # the label values of the averaging metrics
+AVERAGING_MODES = ("sync", "periodic", "outer")  # the label values of the averaging metrics
 
 
 # --- collectors read at scrape time --------------------------------------------------------------

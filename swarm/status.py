@@ -19,6 +19,7 @@ from dht.node import NetworkConfig, start_dht
 from dht.records import PeerRecord, PeerState
 from process.config import option
 from swarm.trainer.contributions import ReportedContribution, ReportError, read_reported_contributions
+from swarm.trainer.stage_averaging import averaging_summary
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -63,6 +64,8 @@ def format_table(model: str, stages: dict[int, list[PeerRecord]]) -> str:
                 f"{r.metrics_addr or '-'}"
             )
         lines.append(f"{'':>5}  stage {stage}: {len(online)} online, {sum(r.throughput for r in online):.1f} samples/s")
+        if online:
+            lines.append(f"{'':>5}  stage {stage}: averaging {averaging_summary(online)}")
     lines.append(f"{'':>5}  busy: the fraction of the last minute the peer's compute was busy")
     lines.append(f"{'':>5}  rounds: averaging rounds with the stage's other replicas, completed/failed")
     lines.extend(independent_replica_warnings(stages))

@@ -42,6 +42,7 @@ from wire.protocol import (
     CommitRequest,
     Header,
     HopRecordRequest,
+    OuterRoundRequest,
     ProbeRequest,
     ProtocolError,
     RequestHeader,
@@ -63,6 +64,7 @@ _UIDS = {
     StateRequest: "state",
     ProbeRequest: "probe",
     HopRecordRequest: "hop_record",
+    OuterRoundRequest: "outer_round",
 }
 
 

@@ -19,6 +19,9 @@ The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.Expert
     RPC_DATA_PLANE             unary  -> unary   DataPlaneRequest -> DataPlaneOffer
                                                  (where and how to reach the peer's data plane, which
                                                  carries the streamed RPCs above: wire/data_plane.py)
+    RPC_OUTER_ROUND            stream -> stream  OuterRoundRequest + one tensor -> OuterRoundResponse
+                                                 (outer rounds: a replica's pseudo-gradient to another
+                                                 replica of its stage, peers/replicas/outer_exchange.py)
 
 A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
 `tensors` field of that message and the ones after it, in the order the header's `tensors` list
@@ -72,6 +75,7 @@ RPC_TRAIN_CHAIN = "swarm.train_chain"  # direct routing: forward on, backward ba
 RPC_HOP_RECORD = "swarm.hop_record"  # direct routing's spot checks: what a peer received or sent in a chain
 RPC_CHAIN_PIECE = "swarm.chain_piece"  # direct routing: a piece of a chained call's tensors on a stream of its own
 RPC_DATA_PLANE = "swarm.data_plane"  # the port, certificate and caller token of the peer's data plane
+RPC_OUTER_ROUND = "swarm.outer_round"  # outer rounds: a replica's pseudo-gradient to its stage's other replicas
 
 MAX_HEADER_BYTES = 64 << 10  # one encoded header
 MAX_TENSORS = 4  # tensors in one request or response
@@ -398,6 +402,11 @@ class CommitRequest(BaseModel):
     # ... whether its accumulated gradients are in that replica's update (a round that failed on this
     # side only) and are dropped; otherwise (it fell behind without taking part) they are kept
     catch_up_drops_gradients: bool = True
+    # ... outer rounds: the rounds that replica had applied; a replica that has applied as many does nothing
+    catch_up_rounds: int | None = Field(default=None, ge=0)
+    # exact sync over gloo: the rendezvous ("ip:port") of the round's leader, the first of the named
+    # replicas by peer id (peers/replicas/gloo_allreduce.py); None: hivemind's averager
+    gloo_rendezvous: str | None = Field(default=None, max_length=64, pattern=r"^[0-9.]+:[0-9]+$")
     # sync averaging with a one-step delay (`--sync-delay 1`): the run's steps are over; apply the
     # update still in flight and start no new round (replicas without a delay answer at once)
     flush: bool = False
@@ -421,6 +430,10 @@ class CommitResponse(BaseModel):
     pending: bool = False
     # a "prepare" commit that this replica averaged and holds: the averaged gradient's squared norm
     grad_norm_sq: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    # outer rounds: the rounds this replica has applied (all fragments), and a digest of its anchors;
+    # replicas of a group that agree answer the same (the trainer repairs one that does not)
+    outer_rounds: int = Field(default=0, ge=0)
+    anchor: str | None = Field(default=None, max_length=64)
     error: str | None = Field(default=None, max_length=4096)
 
 
@@ -472,6 +485,31 @@ class DataPlaneOffer(BaseModel):
     fingerprint: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     token: str = Field(default="", max_length=128)
     expires_in_s: float = Field(default=0.0, ge=0.0, le=86400.0)
+    error: str | None = Field(default=None, max_length=1024)
+
+
+class OuterRoundRequest(BaseModel):
+    """One replica's pseudo-gradient for one round of its stage's outer rounds (the tensor
+    "pseudo_gradient": a fragment's values, 1-D float32, in any codec of the wire)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    fragment: int = Field(ge=0, le=4096)
+    begun_after: int = Field(ge=0, description="the local step count the round began after: its key")
+    group: str = Field(min_length=1, max_length=64, description="digest of the round's members, as the sender has them")
+    anchor: str = Field(min_length=1, max_length=64, description="digest of the sender's anchor of the fragment")
+    weight: float = Field(gt=0.0, allow_inf_nan=False, description="samples the sender served in the period")
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_request
+
+
+class OuterRoundResponse(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    accepted: bool = False
     error: str | None = Field(default=None, max_length=1024)
 
 

@@ -216,7 +216,12 @@ class RoundMissingSync(GradientSync):
         self.miss_round = miss_round
 
     def finish_round(self, control):
-        gathered = super().finish_round(control)
+        return self._maybe_missed(super().finish_round(control))
+
+    def _gloo_round(self, *args):  # exact sync over gloo (peers/replicas/gloo_allreduce.py)
+        return self._maybe_missed(super()._gloo_round(*args))
+
+    def _maybe_missed(self, gathered):
         if gathered is not None and self.rounds == self.miss_round:
             print(f"fault: taking averaging round {self.rounds} as failed (--fault-miss-sync-round)", flush=True)
             return None
@@ -263,6 +268,14 @@ class LyingContribution:
         if self._honest is None:
             self._lie()
         gathered = super().finish_round(control)
+        if gathered is None:
+            self._tell_the_truth()
+        self._honest = None
+        return gathered
+
+    def _gloo_round(self, *args):  # exact sync over gloo: the lie goes into the flat buffer gloo sends
+        self._lie()
+        gathered = super()._gloo_round(*args)
         if gathered is None:
             self._tell_the_truth()
         self._honest = None

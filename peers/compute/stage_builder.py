@@ -27,14 +27,19 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.replicas.averaging_auto import resolve_auto
 from peers.replicas.delayed_sync import DelayedGradientSync
+from peers.replicas.gloo_allreduce import GlooRounds, announced_host
+from peers.replicas.outer_averaging import OuterAveraging
 from process.config import ConfigError
+
+AUTO_STEP_SAMPLES = 16  # --averaging auto: the samples a replica computes in a step, to weigh a round against
 
 
 @dataclass
 class BuiltStage:
     runtime: StageRuntime | FaultyStageRuntime
-    averaging: GradientSync | ParameterAveraging | None
+    averaging: GradientSync | ParameterAveraging | OuterAveraging | None
 
 
 @dataclass
@@ -47,6 +52,29 @@ class StageBuilder:
     device: torch.device = torch.device("cpu")
     available_bytes: int | None = None  # memory this peer may use; None: no check
     memory_source: str = "--memory-limit-gb"
+    gloo: GlooRounds | None = None  # exact sync over gloo: this peer's rendezvous, made on first use
+
+    def uses_gloo(self, replicas) -> bool:
+        """Whether exact sync all-reduces over gloo (`--averaging-transport`, auto: exact sync in a run
+        without an authority, on an address the peer announces)."""
+        transport = replicas.averaging_transport
+        if transport == "hivemind" or replicas.sync_delay or replicas.averaging_groups != "trainer":
+            return False
+        if replicas.averaging_compression not in (None, "none"):  # gloo sends float32: a codec stays on hivemind
+            return False
+        if transport == "auto" and self.config.authority.run is not None:
+            return False
+        network = self.config.network
+        return announced_host(network.announce_maddrs, network.host_maddrs) is not None
+
+    def gloo_rounds(self) -> GlooRounds:
+        """This peer's gloo rendezvous (one, whatever stage it serves), started on first use."""
+        if self.gloo is None:
+            network = self.config.network
+            host = announced_host(network.announce_maddrs, network.host_maddrs)
+            self.gloo = GlooRounds(host, timeout_s=self.config.replicas.averaging_timeout_s)
+            print(f"exact sync all-reduces over gloo; rendezvous at {self.gloo.address}", flush=True)
+        return self.gloo
 
     def build(self, stage: int) -> BuiltStage:
         """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
@@ -100,7 +128,20 @@ class StageBuilder:
                 runtime.restore(path, config.model)
                 print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
         runtime.measure_throughput()
-        replicas = config.replicas
+        replicas, reason = config.replicas, ""
+        if replicas.averaging == "auto":  # settled now, from the stage's replicas or the measured links
+            replicas, reason = resolve_auto(
+                replicas,
+                dht=self.dht,
+                model=config.model,
+                stage=stage,
+                num_stages=config.num_stages,
+                peer_id=self.dht.peer_id.to_base58(),
+                num_values=sum(p.numel() for p in runtime.params),
+                # a replica's share of a trainer's default batch (32 samples, two replicas)
+                step_s=AUTO_STEP_SAMPLES / max(float(runtime.throughput.value), 1e-9),
+            )
+            print(f"stage {stage}: --averaging auto: {replicas.averaging} ({reason})", flush=True)
         averaging = None
         # a run with an authority: only credentialed replicas average (filled in by the host)
         members = () if config.authority.run is not None else None
@@ -108,6 +149,7 @@ class StageBuilder:
             {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
         )
         if replicas.averaging == "sync":
+            gloo = {"gloo": self.gloo_rounds()} if self.uses_gloo(replicas) else {}
             miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
             # with the delay: exact until it begins (by default, once the warmup is over)
@@ -131,6 +173,7 @@ class StageBuilder:
                 robust=replicas.robust_averaging,
                 named_groups=replicas.averaging_groups == "trainer",
                 **delay,
+                **gloo,
             )
         elif replicas.averaging == "periodic":
             lie = config.faults.fault_averaging
@@ -147,6 +190,20 @@ class StageBuilder:
                 **matchmaking,
                 robust=replicas.robust_averaging,
             )
+        elif replicas.averaging == "outer":
+            averaging = OuterAveraging(
+                runtime,
+                schedule=replicas.outer_schedule,
+                settings=replicas.outer_step_settings,
+                codec=replicas.outer_codec_settings,
+                robust=replicas.robust_averaging,
+                timeout_s=replicas.averaging_timeout_s,
+                on_round=self.on_averaging_round,
+            )
+            if members is not None:
+                averaging.set_members(members)
+        if averaging is not None:
+            averaging.reason = reason
         served = FaultyStageRuntime(runtime, config.faults, seed=config.seed) if config.faults.enabled else runtime
         return BuiltStage(served, averaging)
 

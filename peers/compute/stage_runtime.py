@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 COUNTED_IDS_KEPT = 4096
 
 
+REPLICA_STATE_KEY = "swarm_replica_state"  # in a saved or sent optimizer state: StageRuntime.replica_state
+
+
 class BadRequestError(ValueError):
     """The request cannot be served as sent (shape, dtype, values); the caller must fix it."""
 
@@ -218,6 +221,10 @@ class StageRuntime:
         self.predicted_update: list[torch.Tensor] | None = None
         # the predicted point and what it was made from: (the parameters' versions, the point, the update)
         self._predicted: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # what the replicas' agreement keeps beside the optimizer (outer rounds' anchors; an object with
+        # `state_dict`/`load_state_dict`), saved and sent with the optimizer's state under REPLICA_STATE_KEY
+        self.replica_state = None
+        self.loaded_replica_state: dict | None = None  # what the last import held for it, before it existed
 
     @property
     def is_last(self) -> bool:
@@ -686,13 +693,20 @@ class StageRuntime:
         meta = CheckpointMeta(
             model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done
         )
-        return serialize_state(meta, trainable_state_dict(self.module), self.optimizer.state_dict())
+        return serialize_state(meta, trainable_state_dict(self.module), self.optimizer_state())
 
     def save(self, path: str, model_name: str) -> None:
         meta = CheckpointMeta(
             model=model_name, stage=self.stage, num_stages=self.num_stages, steps_done=self.steps_done
         )
-        save_checkpoint(path, meta, trainable_state_dict(self.module), self.optimizer.state_dict())
+        save_checkpoint(path, meta, trainable_state_dict(self.module), self.optimizer_state())
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's state dict, with the replicas' agreement state beside it (if any)."""
+        state = self.optimizer.state_dict()
+        if self.replica_state is not None:
+            state = {**state, REPLICA_STATE_KEY: self.replica_state.state_dict()}
+        return state
 
     def restore(self, path: str, model_name: str) -> None:
         """Load a checkpoint of this very stage; raises CheckpointError otherwise."""
@@ -712,10 +726,16 @@ class StageRuntime:
             with torch.no_grad():  # in place: averagers may share these tensors' memory
                 for name, value in trainable_state_dict(self.module).items():
                     value.copy_(module_state[name])
+            optimizer_state = dict(optimizer_state)
+            replica_state = optimizer_state.pop(REPLICA_STATE_KEY, None)
             self.optimizer.load_state_dict(optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{source} does not fit this stage: {e}") from None
         self.steps_done = meta.steps_done
+        if self.replica_state is not None:
+            self.replica_state.load_state_dict(replica_state)
+        else:  # a checkpoint restored before the averaging that keeps it is built: it takes it then
+            self.loaded_replica_state = replica_state
         self.predicted_update = None  # the update that led to the loaded state is not known here
 
     def measure_throughput(self, batch_size: int = 4, repeats: int = 5, budget_s: float = 1.0) -> float:

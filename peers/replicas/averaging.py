@@ -77,17 +77,19 @@ from hivemind.compression import (
     Float16Compression,
     NoCompression,
 )
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from peers.compute.stage_runtime import StageRuntime
 from peers.replicas.averaging_members import MIN_WEIGHT, MemberAverager, capped_weight, named_group_id
 from peers.replicas.averaging_schedule import AveragingSchedule
+from peers.replicas.gloo_allreduce import GlooRounds
 from peers.replicas.outer_step import OuterOptimizer, OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
 
 logger = logging.getLogger(__name__)
 
-AVERAGING_MODES = ("none", "sync", "periodic")
+AVERAGING_MODES = ("none", "sync", "periodic", "outer")
 REMEMBERED_OUTCOMES = 64  # commits whose answers a replica keeps for repeats
 # step ids a replica remembers as committed: a trainer repeats an unanswered commit within seconds;
 # unbounded, 100,000 commits of made-up step ids grew the set by 17 MiB (issue #60)
@@ -187,6 +189,7 @@ class ReplicaAveraging:
     a timeout, and the count of rounds, failures and bytes (reported through `on_round`)."""
 
     mode = ""
+    reason = ""  # why this mode (`--averaging auto`), as the peer's record states it
     closing = False  # set by `close`: no round begins, and rounds cut short are not failures to warn of
 
     def __init__(
@@ -258,7 +261,9 @@ class ReplicaAveraging:
                 f"(the DHT process is {state})"
             ) from None
         with self.averager.get_tensors() as (flat,):  # after hivemind moved it to shared memory
-            self.buffers = shaped_like(flat, like)
+            self.flat, self.buffers = flat, shaped_like(flat, like)
+        self.tensor_sizes = [t.numel() for t in like]
+        self.robust = robust
         self.rounds = self.failed_rounds = 0
         self.bytes_sent = self.bytes_received = 0
         # rounds begun and not yet finished: `shutdown` cancels them, so that a thread waiting in
@@ -336,14 +341,17 @@ class ReplicaAveraging:
         if gathered is None:
             self.record_failure()
             return None
-        each_way = allreduce_bytes_each_way(self.num_values, len(gathered), self.wire_bytes_per_value)
+        self.record_success(len(gathered))
+        return gathered
+
+    def record_success(self, group_size: int) -> None:
+        each_way = allreduce_bytes_each_way(self.num_values, group_size, self.wire_bytes_per_value)
         self.rounds += 1
         self.bytes_sent += each_way
         self.bytes_received += each_way
         self._report(
-            AveragingRound(self.mode, ok=True, group_size=len(gathered), sent_bytes=each_way, received_bytes=each_way)
+            AveragingRound(self.mode, ok=True, group_size=group_size, sent_bytes=each_way, received_bytes=each_way)
         )
-        return gathered
 
     def _remember(self, step_id: str, outcome: AveragingOutcome) -> AveragingOutcome:
         self.outcomes[step_id] = outcome
@@ -397,6 +405,8 @@ class GradientSync(ReplicaAveraging):
     """`sync` mode: all replicas apply the same sample-weighted mean gradient on every commit."""
 
     mode = "sync"
+    gloo: GlooRounds | None = None  # exact sync over gloo (`__init__`)
+    rendezvous: str | None = None  # the gloo leader the commit being handled names
 
     def __init__(
         self,
@@ -411,11 +421,15 @@ class GradientSync(ReplicaAveraging):
         members: Collection[str] | None = None,
         robust: str = "clip",
         named_groups: bool = False,
+        gloo: GlooRounds | None = None,
     ):
         """`named_groups`: a commit that names its group (the replicas and what each served) skips
-        hivemind's matchmaking (peers/replicas/averaging_members.py); False: matchmaking always."""
+        hivemind's matchmaking (peers/replicas/averaging_members.py); False: matchmaking always.
+        `gloo`: this peer's gloo rounds; a commit that names its group and a rendezvous then
+        all-reduces over gloo instead of hivemind (peers/replicas/gloo_allreduce.py)."""
         self.runtime = runtime
         self.named_groups = named_groups
+        self.gloo = gloo
         runtime.auto_step = False
         self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
         super().__init__(  # the buffers: the stage's gradients, averaged
@@ -470,10 +484,14 @@ class GradientSync(ReplicaAveraging):
         gathered = None
         if group_size > 1:
             self.averager.set_weight_caps(caps)
-            # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
-            gathered = self._all_reduce(
-                group_size, weight=max(float(local_samples), MIN_WEIGHT), named=self.named_group(step_id, caps)
-            )
+            rendezvous, self.rendezvous = self.rendezvous, None
+            if self.gloo is not None and rendezvous and step_id and self.named_group(step_id, caps):
+                gathered = self._gloo_round(rendezvous, step_id, caps)
+            else:
+                # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
+                gathered = self._all_reduce(
+                    group_size, weight=max(float(local_samples), MIN_WEIGHT), named=self.named_group(step_id, caps)
+                )
             if gathered is None and not self.closing:
                 # Stepping on local gradients would part this replica from the others for good (sync
                 # mode never averages parameters). Skipping keeps them equal: the gradients stay
@@ -488,6 +506,27 @@ class GradientSync(ReplicaAveraging):
             return AveragingOutcome(gathered is not None, len(gathered or {0: 0}), 0, stepped=False)
         total = samples_in_round(gathered, caps) if gathered else local_samples
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
+
+    def _gloo_round(self, rendezvous: str, step_id: str, caps: Mapping[str, int]) -> dict | None:
+        """The named group's round over gloo, weighted by the trainer's counts: hivemind's gathered
+        data (peer -> weight), or None when it failed (counted as hivemind's are)."""
+        weights = {p: float(n) for p, n in caps.items()}
+        if sum(weights.values()) > 0:
+            with self.held_buffers():
+                ok = self.gloo.average(
+                    self.flat,
+                    leader=rendezvous,
+                    step_id=step_id,
+                    me=self.averager.peer_id.to_base58(),
+                    weights=weights,
+                    robust=self.robust,
+                    tensor_sizes=self.tensor_sizes,
+                )
+            if not ok:
+                self.record_failure()
+                return None
+        self.record_success(len(weights))
+        return {PeerID.from_base58(p): w for p, w in weights.items()}
 
     def prepare(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
         """Clipping by the global norm, first phase: average as `commit` does, but hold the mean

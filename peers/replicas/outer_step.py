@@ -41,10 +41,20 @@ def outer_step(
     """New parameters from the anchor and the averaged parameters; updates `velocity` in place."""
     if not len(anchor) == len(average) == len(velocity):
         raise ValueError("anchor, average and velocity must hold the same tensors")
+    with torch.no_grad():
+        return outer_update(anchor, [a - avg for a, avg in zip(anchor, average)], velocity, settings)
+
+
+def outer_update(
+    anchor: list[torch.Tensor], gradient: list[torch.Tensor], velocity: list[torch.Tensor], settings: OuterSettings
+) -> list[torch.Tensor]:
+    """New parameters from the anchor and the outer gradient g itself (the replicas' mean pseudo-gradient,
+    as outer rounds exchange it, peers/replicas/outer_rounds.py); updates `velocity` in place."""
+    if not len(anchor) == len(gradient) == len(velocity):
+        raise ValueError("anchor, gradient and velocity must hold the same tensors")
     new = []
     with torch.no_grad():
-        for a, avg, v in zip(anchor, average, velocity):
-            g = a - avg
+        for a, g, v in zip(anchor, gradient, velocity):
             v.mul_(settings.momentum).add_(g)
             new.append(a - settings.lr * (g + settings.momentum * v))
     return new

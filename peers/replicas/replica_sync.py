@@ -29,10 +29,13 @@ from dht.announce import fetch_stage_records_async
 from dht.authority import RunAuthority, credentialed_records
 from dht.records import PeerRecord, PeerState
 from peers.compute.checkpoint import CheckpointError
+from peers.compute.stage_runtime import REPLICA_STATE_KEY
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.delayed_sync import DelayedGradientSync
 from peers.replicas.donor_choice import STEP_SLACK, StateOffer, choose_donors, refusals, shuffled, step_bound
+from peers.replicas.outer_averaging import OuterAveraging
+from peers.replicas.outer_exchange import OuterExchange
 from peers.replicas.state_transfer import StateExports, download_state, fetch_offer, state_bytes_bound
 from peers.serving.admission import caller_id
 from peers.serving.serving_state import ServingState
@@ -74,6 +77,15 @@ class ReplicaSyncService:
         self.rng = rng or random.SystemRandom()
         self._members_seen: dict[str, tuple[int, float]] = {}  # peer -> (stage, when) seen credentialed
         self._sync_replicas: tuple[tuple[int, int], float, tuple[PeerRecord, ...]] | None = None  # (stage, at, records)
+        self.outer = OuterExchange(  # `--averaging outer`: the rounds' RPC and commit
+            averaging=lambda: serving.averaging,
+            p2p=lambda: dht.replicate_p2p(),
+            peer_id=peer_id,
+            model=model,
+            compute=compute,
+            authorize=self.authorize,
+            credential=credential,
+        )
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -100,14 +112,19 @@ class ReplicaSyncService:
             averaging = serving.averaging
             if commit.catch_up_from is not None:
                 await self.catch_up(
-                    commit.catch_up_from, to_steps=commit.catch_up_to, drop_gradients=commit.catch_up_drops_gradients
+                    commit.catch_up_from,
+                    to_steps=commit.catch_up_to,
+                    drop_gradients=commit.catch_up_drops_gradients,
+                    to_rounds=commit.catch_up_rounds,
                 )
-                return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
+                return unary_response(self._caught_up(serving.averaging))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
             elif commit.samples and getattr(averaging, "named_groups", False):
                 await self.check_named_group(commit)  # without a member list: only live replicas
             commit = commit.model_copy(update={"group_size": await self.bounded_group_size(commit.group_size)})
+            if isinstance(averaging, OuterAveraging):
+                return unary_response(await self.outer_commit(averaging, commit))
             loop = asyncio.get_running_loop()
             delayed = isinstance(averaging, DelayedGradientSync)
             if commit.flush and not delayed:  # only a delayed update has anything to flush
@@ -118,7 +135,12 @@ class ReplicaSyncService:
                     if delayed:  # the round in flight ends in the averager's process: wait off the compute thread
                         await loop.run_in_executor(None, averaging.wait_in_flight)
                     flush = {"flush": commit.flush} if delayed else {}
-                    call = partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples, **flush)
+                    call = partial(
+                        with_rendezvous,
+                        averaging,
+                        commit.gloo_rendezvous,
+                        partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples, **flush),
+                    )
                 else:
                     call = partial(averaging.apply_prepared, commit.step_id, commit.clip_scale or 1.0)
                 outcome = await loop.run_in_executor(self.compute, call)
@@ -134,8 +156,9 @@ class ReplicaSyncService:
                     commit.samples,
                 )
             elif isinstance(averaging, GradientSync):
+                call = partial(averaging.commit, commit.step_id, commit.group_size, commit.samples)
                 outcome = await loop.run_in_executor(
-                    self.compute, averaging.commit, commit.step_id, commit.group_size, commit.samples
+                    self.compute, with_rendezvous, averaging, commit.gloo_rendezvous, call
                 )
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
@@ -161,6 +184,38 @@ class ReplicaSyncService:
         except ProtocolError as e:
             response = CommitResponse(error=str(e))
         return unary_response(response)
+
+    async def outer_commit(self, averaging: OuterAveraging, commit: CommitRequest) -> CommitResponse:
+        """`--averaging outer`: the local step, then the rounds due (peers/replicas/outer_exchange.py);
+        a flush awaits and applies the rounds still in flight. The members: those the commit names."""
+        if commit.flush:
+            outcome = await self.outer.flush(averaging)
+        else:
+            outcome = await self.outer.commit(averaging, commit.step_id, commit.samples or [self.peer_id])
+            if outcome.applied:
+                print(
+                    f"outer round with {outcome.group_size - 1} other replica(s) (rounds applied "
+                    f"{averaging.outer_rounds}; {outcome.steps_done} steps done)",
+                    flush=True,
+                )
+        return CommitResponse(
+            stepped=outcome.stepped,
+            averaged=outcome.applied > 0,
+            group_size=outcome.group_size,
+            samples=outcome.samples,
+            steps_done=outcome.steps_done,
+            pending=outcome.pending,
+            outer_rounds=averaging.outer_rounds,
+            anchor=averaging.anchor_digest(),
+        )
+
+    def _caught_up(self, averaging) -> CommitResponse:
+        steps_done = self.serving.runtime.steps_done
+        if isinstance(averaging, OuterAveraging):
+            return CommitResponse(
+                steps_done=steps_done, outer_rounds=averaging.outer_rounds, anchor=averaging.anchor_digest()
+            )
+        return CommitResponse(steps_done=steps_done)
 
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context):
         """Stream this stage's parameters and optimizer state to a joining replica."""
@@ -188,7 +243,9 @@ class ReplicaSyncService:
         for message in write_state(header, data):
             yield message
 
-    async def catch_up(self, source: str, *, to_steps: int | None = None, drop_gradients: bool = True) -> None:
+    async def catch_up(
+        self, source: str, *, to_steps: int | None = None, drop_gradients: bool = True, to_rounds: int | None = None
+    ) -> None:
         """Sync averaging's repair (the trainer asks for it): this replica missed a round that `source`,
         a replica of the same stage, completed, so the replicas' parameters parted. Load its state
         (parameters, optimizer state and step count) on the compute thread, before the next step's
@@ -196,8 +253,11 @@ class ReplicaSyncService:
         holds already. Nothing is done when this replica has done `to_steps` steps (what the trainer
         saw `source` at) already, and nothing is loaded that is not ahead of this replica: with several
         trainers, two may ask for the same repair, or a round may have moved both replicas on since."""
-        runtime = self.serving.runtime
-        if to_steps is not None and runtime.steps_done >= to_steps:
+        runtime, averaging = self.serving.runtime, self.serving.averaging
+        outer = isinstance(averaging, OuterAveraging)  # its replicas take the same steps: compared by rounds
+        if outer and to_rounds is not None and averaging.outer_rounds > to_rounds:
+            return
+        if not outer and to_steps is not None and runtime.steps_done >= to_steps:
             return
         request = StateRequest(
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
@@ -228,13 +288,18 @@ class ReplicaSyncService:
             )
 
         def load() -> bool:
-            if downloaded[0].steps_done <= runtime.steps_done:
+            if outer:  # the rounds the source applied, at least those this replica has (anchors apart)
+                if averaging.rounds_of_state(downloaded[2].get(REPLICA_STATE_KEY)) < averaging.outer_rounds:
+                    return False
+            elif downloaded[0].steps_done <= runtime.steps_done:
                 return False
             if drop_gradients:
                 runtime.discard_accumulated()
             runtime.import_state(downloaded, self.model, f"state from replica {source[-8:]}")
             return True
 
+        if outer:
+            self.outer.cancel()  # this replica's rounds in flight began from the anchor it drops
         if not await asyncio.get_running_loop().run_in_executor(self.compute, load):
             return
         logger.info(
@@ -366,14 +431,14 @@ class ReplicaSyncService:
 
     async def bounded_group_size(self, group_size: int) -> int:
         """A commit's group size, at most the replicas this one could average with (the members, with
-        a run authority; else the sync or periodic replicas the DHT shows), itself included. A round
+        a run authority; else the averaging replicas the DHT shows), itself included. A round
         waits for its group until its timeout, on the compute thread: a commit declaring 4,096
         replicas froze stage 1's compute for 30 s (issue #60)."""
         if group_size <= 1:
             return group_size
         if self.members is not None:
             return min(group_size, len(self.members.members) + 1)
-        return min(group_size, len(await self.sync_replicas(modes=("sync", "periodic")) | {self.peer_id}))
+        return min(group_size, len(await self.sync_replicas(modes=("sync", "periodic", "outer")) | {self.peer_id}))
 
     async def check_named_group(self, commit: CommitRequest) -> None:
         """A commit that names its group (sync, `samples`) without a run authority names only sync
@@ -436,3 +501,9 @@ class ReplicaSyncService:
                 else:
                     averaging.abandon(control)
             await asyncio.sleep(1.0)
+
+
+def with_rendezvous(averaging, rendezvous: str | None, call):
+    """`call()` on the compute thread, the commit's gloo rendezvous (if any) handed to `averaging` first."""
+    averaging.rendezvous = rendezvous
+    return call()

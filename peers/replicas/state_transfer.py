@@ -201,7 +201,7 @@ def snapshot_state(runtime, model: str) -> tuple[CheckpointMeta, dict, dict]:
         model=model, stage=runtime.stage, num_stages=runtime.num_stages, steps_done=runtime.steps_done
     )
     module_state = {name: tensor.detach().clone() for name, tensor in trainable_state_dict(runtime.module).items()}
-    return meta, module_state, copy.deepcopy(runtime.optimizer.state_dict())
+    return meta, module_state, copy.deepcopy(runtime.optimizer_state())
 
 
 __all__ = [

@@ -76,6 +76,7 @@ POLICY: dict[str, tuple[str, ...]] = {
     "evaluate": ROLES,
     "chain": ("peer",),  # pass a trainer's chained call on to the next stage (direct routing)
     "connect": ROLES,  # be told how to reach the data plane (wire/data_plane.py); in a private run only
+    "average": ("peer",),  # send a replica of its stage a pseudo-gradient (outer rounds)
 }
 
 

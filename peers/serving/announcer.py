@@ -70,6 +70,8 @@ class Announcer:
     def record(self, *, stage: int | None = None, state: PeerState | None = None) -> PeerRecord:
         """This peer's record; `stage`/`state` override what it serves now (a move announces both)."""
         serving = self.serving
+        averaging = serving.averaging
+        settings = averaging.settings_record() if hasattr(averaging, "settings_record") else None
         return PeerRecord(
             peer_id=self.peer_id,
             model=self.model,
@@ -80,7 +82,10 @@ class Announcer:
             load=float(serving.in_flight),
             version=software_version(),
             expires_at=get_dht_time() + self.ttl_s,
-            averaging=self.averaging_mode,
+            averaging=averaging.mode if averaging is not None else self.averaging_mode,  # auto: as settled
+            averaging_reason=getattr(averaging, "reason", "")[:400],
+            outer=settings,
+            gloo=averaging.gloo.address if getattr(averaging, "gloo", None) is not None else None,
             precision=serving.runtime.precision,
             weight_prediction=serving.runtime.weight_prediction,
             metrics_addr=self.metrics_addr,

@@ -74,6 +74,7 @@ from wire.protocol import (
     RPC_DATA_PLANE,
     RPC_FORWARD,
     RPC_HOP_RECORD,
+    RPC_OUTER_ROUND,
     RPC_PROBE,
     RPC_STATE,
     RPC_TRAIN_CHAIN,
@@ -297,6 +298,14 @@ class PeerHost:
             ),
             Rpc(RPC_COMMIT, replicas.rpc_commit, replicas.refused_commit, carries_credential=True),
             Rpc(RPC_STATE, replicas.rpc_state, replicas.refused_state, stream_output=True, carries_credential=True),
+            Rpc(
+                RPC_OUTER_ROUND,
+                replicas.outer.rpc_outer_round,
+                replicas.outer.refused,
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
             # Other peers measure their link to us (echoes bounded by the probe's own size limit)...
             Rpc(
                 RPC_PROBE,

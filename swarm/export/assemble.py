@@ -19,6 +19,7 @@ import torch
 from models.config import GPTConfig
 from models.init_weights import global_name
 from models.stages import build_full_model
+from peers.replicas.outer_averaging import agreed_state
 
 EMBEDDING_WEIGHT = "embedding.tok.weight"
 HEAD_WEIGHT = "head.out.weight"
@@ -51,6 +52,16 @@ class StagePart:
 class ReplicaChoice:
     part: StagePart
     disagreement: str | None  # one line when the replicas of the stage differ, else None
+
+
+def agreed_part(module_state: dict, optimizer_state: dict, source: str) -> tuple[dict, str]:
+    """A replica's tensors as the export takes them: an outer-rounds replica's anchors (what its
+    stage's replicas agree on at their last round, which the source then names), else its own."""
+    agreed = agreed_state(module_state, optimizer_state)
+    if agreed is None:
+        return module_state, source
+    state, rounds = agreed
+    return state, f"{source} (the anchor of its outer rounds, after {rounds})"
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

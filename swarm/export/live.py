@@ -20,7 +20,7 @@ from dht.records import PeerRecord, PeerState
 from dht.split_agreement import fetch_split_records_async, split_in_force
 from peers.compute.checkpoint import CheckpointError
 from peers.replicas.state_transfer import download_state
-from swarm.export.assemble import ExportError, StagePart, choose_replica
+from swarm.export.assemble import ExportError, StagePart, agreed_part, choose_replica
 from wire.protocol import ProtocolError, StateRequest
 
 logger = logging.getLogger(__name__)
@@ -90,9 +90,12 @@ async def download_parts(
                 source = f"replica …{record.peer_id[-8:]}"
                 bar.set_postfix_str(f"stage {stage}, {source}")
                 try:
-                    meta, module_state, _ = await download_state(p2p, record.peer_id, request, timeout_s=timeout_s)
+                    meta, module_state, optimizer_state = await download_state(
+                        p2p, record.peer_id, request, timeout_s=timeout_s
+                    )
                     if (meta.model, meta.stage, meta.num_stages) != (model, stage, num_stages):
                         raise ProtocolError(f"it sent {meta.model} stage {meta.stage}/{meta.num_stages}")
+                    module_state, source = agreed_part(module_state, optimizer_state, source)
                     parts.setdefault(stage, []).append(
                         StagePart(stage, num_stages, meta.steps_done, module_state, source)
                     )

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from models.stages import equal_boundaries
 from peers.compute.checkpoint import CheckpointError, load_checkpoint
-from swarm.export.assemble import ExportError, StagePart
+from swarm.export.assemble import ExportError, StagePart, agreed_part
 
 _CHECKPOINT = re.compile(r"^(?P<model>.+)-stage(?P<stage>\d+)of(?P<n>\d+)(?:-split(?P<split>\d+(?:-\d+)+))?\.ckpt$")
 
@@ -58,10 +58,11 @@ def read_checkpoint_parts(
     ((num_stages, boundaries),) = splits
     parts: dict[int, list[StagePart]] = {}
     for path, stage, n, _ in found:
-        meta, module_state, _ = load_checkpoint(path)  # CheckpointError for a damaged file
+        meta, module_state, optimizer_state = load_checkpoint(path)  # CheckpointError for a damaged file
         if (meta.model, meta.stage, meta.num_stages) != (model, stage, n):
             raise CheckpointError(
                 f"checkpoint {path!r} holds {meta.model} stage {meta.stage}/{meta.num_stages}, not what its name says"
             )
-        parts.setdefault(stage, []).append(StagePart(stage, n, meta.steps_done, module_state, path))
+        module_state, source = agreed_part(module_state, optimizer_state, path)
+        parts.setdefault(stage, []).append(StagePart(stage, n, meta.steps_done, module_state, source))
     return parts, boundaries

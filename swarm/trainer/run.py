@@ -46,6 +46,7 @@ from swarm.trainer.global_step import SharedProgress
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
+from swarm.trainer.stage_averaging import averaging_by_stage
 from swarm.trainer.stage_call import StageCaller
 from wire.compression.policy import CodecPolicy
 from wire.transport_stats import TRANSPORTS
@@ -95,6 +96,8 @@ class TrainingReport(CallCounters):
     # spot checks whose two answers differed with no third replica to tell which was right, the latest
     # (swarm/trainer/spot_checks.py `Dispute`): stage, call, microbatch_id, peers, share, step
     disputes: list[dict] = field(default_factory=list)
+    # how each stage's replicas agree (mode, outer rounds' settings) and why, as their records say at the end
+    averaging_by_stage: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str, *, model: str) -> TrainingReport:
@@ -200,6 +203,8 @@ async def train(
         f"{len(data.train):,} tokens of data (vocabulary {data.vocab_size:,}), "
         f"batch {batches.batch_size} x {model_config.seq_len} tokens"
     )
+    for stage, summary in averaging_by_stage(dict(enumerate(view.records))).items():
+        say(f"stage {stage}: averaging {summary}")
     report.num_stages = num_stages
     refresher = asyncio.create_task(view.refresh_forever(config.discovery.refresh_period_s))
     earlier_contributions = dict(report.contributions)  # a resumed run's, counted on top
@@ -450,6 +455,7 @@ def _fill_report(
         setattr(report, counter.name, copy.deepcopy(getattr(counters, counter.name)))
     report.microbatches_lost = counters.microbatches_sent - counters.microbatches_done
     report.grad_norms = [round(norm, 6) for norm in schedule.grad_norms]
+    report.averaging_by_stage = averaging_by_stage(dict(enumerate(schedule.view.records)))
     # a resumed run keeps the bans its report recorded (the trainer's own bans start afresh)
     report.banned_peers = {**earlier_bans, **counters.banned_peers}
     report.foreign_peers_skipped = len(schedule.view.foreign_peers)

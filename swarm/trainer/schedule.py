@@ -122,6 +122,42 @@ def backward_request(
     return tuple(item for item in forward_sent if item[0] not in names) + tuple(sent)
 
 
+@dataclass(frozen=True)
+class OuterCatchUp:
+    """An outer-rounds replica whose anchor is not its group's (`outer_replicas_to_repair`)."""
+
+    peer_id: str
+    source: str  # the replica with the most rounds applied, whose state it loads
+    rounds: int  # the rounds the source had applied when it answered
+
+
+def outer_replicas_to_repair(answers: dict[str, CommitResponse]) -> list[OuterCatchUp]:
+    """The replicas of one outer-rounds group whose anchor differs from that of the replica with the
+    most rounds applied (ties: the anchor most of them hold, then the first peer id): a round that
+    failed on one side only, or a joiner that missed the round in flight when it loaded its state."""
+    if len(answers) < 2:
+        return []
+    holding: dict[str | None, int] = {}
+    for answer in answers.values():
+        holding[answer.anchor] = holding.get(answer.anchor, 0) + 1
+    source = min(answers, key=lambda p: (-answers[p].outer_rounds, -holding[answers[p].anchor], p))
+    ahead = answers[source]
+    return [
+        OuterCatchUp(peer_id, source, ahead.outer_rounds)
+        for peer_id, answer in sorted(answers.items())
+        if answer.anchor != ahead.anchor
+    ]
+
+
+def gloo_leader(records, group: list[str]) -> str | None:
+    """Exact sync over gloo: the rendezvous of the group's first replica by peer id, when every one
+    of them announces one (peers/replicas/gloo_allreduce.py); None: hivemind's averager."""
+    addresses = {r.peer_id: r.gloo for r in records}
+    if len(group) < 2 or not all(addresses.get(p) for p in group):
+        return None
+    return addresses[min(group)]
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -364,7 +400,7 @@ class StepSchedule:
         groups = [
             (stage, mode, group)
             for stage, records in enumerate(self.view.records)
-            for mode in (("sync",) if flush else ("sync", "periodic"))
+            for mode in (("sync", "outer") if flush else ("sync", "periodic", "outer"))
             for group in commit_groups(
                 [r.peer_id for r in records if r.averaging == mode and not self._avoided(stage, r.peer_id)],
                 self.view.averaging_members(stage),
@@ -384,6 +420,9 @@ class StepSchedule:
         )
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
+        outer = {stage: group for stage, mode, group in groups if mode == "outer" and len(group) > 1}
+        if outer:
+            await self._repair_outer_anchors(step_id, outer, sync_answers, timeout_s)
         if clip is None:  # with clipping nobody has stepped yet: the repair follows the second phase
             await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
         if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
@@ -489,12 +528,16 @@ class StepSchedule:
                     group_size=len(group),
                     timeout_s=timeout_s,
                     # a flush's own round (a failed last one, again) is weighed by what each replica holds
+                    # (outer rounds: the round's members, each replica's samples beside it)
                     samples=(
-                        {p: served.get(stage, {}).get(p, 0) for p in group} if mode == "sync" and not flush else None
+                        {p: served.get(stage, {}).get(p, 0) for p in group}
+                        if mode in ("sync", "outer") and not flush
+                        else None
                     ),
                     flush=flush,
                     clip_phase=clip_phase if mode == "sync" else None,
                     clip_scale=clip_scale if mode == "sync" else None,
+                    gloo_rendezvous=gloo_leader(self.view.records[stage], group) if mode == "sync" else None,
                 ),
             )
             for stage, mode, group in groups
@@ -510,13 +553,42 @@ class StepSchedule:
             elif isinstance(result, BaseException):
                 raise result
             else:
-                if mode == "sync":
+                if mode in ("sync", "outer"):  # (a stage's groups are of one mode, see commit_groups)
                     sync_answers.setdefault(stage, {})[peer_id] = result
                 if result.stepped:
                     self.counters.commits += 1
                     if result.averaged:
                         self.counters.averaged_commits += 1
         return sync_answers
+
+    async def _repair_outer_anchors(
+        self,
+        step_id: str,
+        outer: dict[int, list[str]],
+        answers: dict[int, dict[str, CommitResponse]],
+        timeout_s: float,
+    ) -> None:
+        """Outer-rounds replicas whose anchor is not their group's load the state of the replica with
+        the most rounds applied (`outer_replicas_to_repair`), before the next step. A repair that
+        fails bans the replica."""
+        repairs = [
+            (stage, repair)
+            for stage, group in outer.items()
+            for repair in outer_replicas_to_repair({p: a for p, a in answers.get(stage, {}).items() if p in group})
+        ]
+        for stage, repair in repairs:
+            logger.warning(
+                f"stage {stage}: replica {repair.peer_id[-8:]} holds another anchor than {repair.source[-8:]} "
+                f"({answers[stage][repair.peer_id].outer_rounds} outer rounds against {repair.rounds}); "
+                f"it loads {repair.source[-8:]}'s state"
+            )
+        caught_up = await self._catch_up(
+            step_id,
+            [(stage, repair.peer_id, {"catch_up_rounds": repair.rounds}, repair.source) for stage, repair in repairs],
+            timeout_s,
+        )
+        for stage, peer_id, result in caught_up:
+            answers[stage][peer_id] = result
 
     async def _repair_missed_rounds(
         self,
@@ -550,30 +622,43 @@ class StepSchedule:
                 f"({answers[stage][repair.peer_id].steps_done} steps against {repair.to_steps}); "
                 f"it loads {repair.source[-8:]}'s state"
             )
+        calls = [
+            (stage, r.peer_id, {"catch_up_to": r.to_steps, "catch_up_drops_gradients": r.drops_gradients}, r.source)
+            for stage, r in repairs
+        ]
+        for stage, peer_id, result in await self._catch_up(step_id, calls, timeout_s):
+            previous = answers[stage][peer_id]
+            answers[stage][peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
+            self._steps_seen.setdefault(stage, {})[peer_id] = result.steps_done
+
+    async def _catch_up(
+        self, step_id: str, calls: list[tuple[int, str, dict, str]], timeout_s: float
+    ) -> list[tuple[int, str, CommitResponse]]:
+        """Have each replica ((stage, peer id, the commit's catch-up fields, the source)) load its source's
+        state; the answers of those that did. A replica whose catch-up fails is banned."""
         results = await asyncio.gather(
             *[
                 self.client.commit(
-                    repair.peer_id,
+                    peer_id,
                     stage=stage,
                     step_id=f"{step_id}:catch-up",
                     group_size=1,
                     timeout_s=timeout_s,
-                    catch_up_from=repair.source,
-                    catch_up_to=repair.to_steps,
-                    catch_up_drops_gradients=repair.drops_gradients,
+                    catch_up_from=source,
+                    **fields,
                 )
-                for stage, repair in repairs
+                for stage, peer_id, fields, source in calls
             ],
             return_exceptions=True,
         )
-        for (stage, repair), result in zip(repairs, results):
+        caught_up = []
+        for (stage, peer_id, _, _), result in zip(calls, results):
             if isinstance(result, PeerCallError):
-                logger.warning(f"stage {stage}: replica {repair.peer_id[-8:]} could not catch up: {result}")
-                self.view.bans.ban(repair.peer_id)
+                logger.warning(f"stage {stage}: replica {peer_id[-8:]} could not catch up: {result}")
+                self.view.bans.ban(peer_id)
             elif isinstance(result, BaseException):
                 raise result
             else:
                 self.counters.replica_catch_ups += 1
-                previous = answers[stage][repair.peer_id]
-                answers[stage][repair.peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
-                self._steps_seen.setdefault(stage, {})[repair.peer_id] = result.steps_done
+                caught_up.append((stage, peer_id, result))
+        return caught_up

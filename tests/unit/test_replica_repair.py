@@ -2,7 +2,7 @@
 how the members of a sync round decide to step (peers/replicas/averaging.py)."""
 
 from peers.replicas.averaging import round_has_samples
-from swarm.trainer.schedule import CatchUp, replicas_to_repair
+from swarm.trainer.schedule import CatchUp, OuterCatchUp, outer_replicas_to_repair, replicas_to_repair
 from wire.protocol import CommitResponse
 
 
@@ -62,3 +62,18 @@ def test_a_step_count_that_jumped_since_the_last_commit_is_not_believed():
     assert set(plausible_steps(answers, {})) == {"honest", "forger"}  # never seen: any count (a new trainer)
     believed = plausible_steps({"a": answer(24), "b": answer(20)}, {"a": 20, "b": 20})
     assert replicas_to_repair(believed) == [CatchUp("b", "a", 24, drops_gradients=False)]  # 4 in a step: retries
+
+
+def outer(rounds: int, anchor: str) -> CommitResponse:
+    return CommitResponse(steps_done=10, stepped=True, outer_rounds=rounds, anchor=anchor)
+
+
+def test_outer_replicas_whose_anchor_differs_load_the_state_of_the_one_with_most_rounds():
+    """A round applied on one side only: the replica without it loads the state of the one with it."""
+    assert outer_replicas_to_repair({"a": outer(3, "x"), "b": outer(3, "x")}) == []
+    assert outer_replicas_to_repair({"a": outer(3, "x"), "b": outer(2, "y")}) == [OuterCatchUp("b", "a", 3)]
+    # equal counts, anchors apart (e.g. a joiner that loaded its state while a round was in flight):
+    # the anchor most of them hold wins, then the first peer id
+    three = {"a": outer(4, "y"), "b": outer(4, "x"), "c": outer(4, "x")}
+    assert outer_replicas_to_repair(three) == [OuterCatchUp("a", "b", 4)]
+    assert outer_replicas_to_repair({"a": outer(4, "y"), "b": outer(4, "x")}) == [OuterCatchUp("b", "a", 4)]

@@ -19,6 +19,9 @@ class Runtime:
         self.module = torch.nn.Linear(8, 8)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=0.1)
 
+    def optimizer_state(self) -> dict:  # as StageRuntime's, without a replica state
+        return self.optimizer.state_dict()
+
     def step(self) -> None:
         self.module(torch.randn(4, 8)).sum().backward()
         self.optimizer.step()

@@ -3,7 +3,7 @@ version and metrics address."""
 
 from __future__ import annotations
 
-from dht.records import PeerRecord, PeerState
+from dht.records import OuterRoundsRecord, PeerRecord, PeerState
 from swarm.status import format_table
 
 
@@ -52,7 +52,22 @@ def test_the_table_lists_peers_per_stage_with_their_metrics_address():
     ]
     assert lines[3].split()[-1] == "-" and "offline" in lines[3]
     assert "stage 0: 1 online, 120.0 samples/s" in lines[4]
-    assert lines[5].split() == ["1", "(no", "peers)"]
+    assert "stage 0: averaging none" in lines[5]
+    assert lines[6].split() == ["1", "(no", "peers)"]
+
+
+def test_each_stage_says_how_its_replicas_agree_and_why():
+    outer = OuterRoundsRecord(every_steps=100, codec="int8", overlap=True)
+    a = record("QmAAAAAAAAAAAAAAAAA0", 0).model_copy(
+        update={"averaging": "outer", "outer": outer, "averaging_reason": "exact sync's all-reduce would take ~4 s"}
+    )
+    b = record("QmBBBBBBBBBBBBBBBBB1", 1).model_copy(update={"averaging": "sync"})
+    text = format_table("tiny", {0: [a], 1: [b]})
+    assert (
+        "stage 0: averaging outer (every 100 steps, int8, overlapped, outer lr 0.7 momentum 0.9): exact sync's "
+        "all-reduce would take ~4 s" in text
+    )
+    assert "stage 1: averaging sync" in text
 
 
 def test_a_stage_whose_replicas_do_not_average_is_warned_about():

@@ -42,6 +42,20 @@ class ErrorFeedback:
                 self._residuals[key] = new_residual
         return encoded
 
+    def restore(self, key: Hashable, undelivered: torch.Tensor) -> None:
+        """Add ``undelivered`` (what ``compress`` encoded for ``key`` but never reached its receivers,
+        decoded) back into the residual, so that the next ``compress`` of ``key`` sends it."""
+        if not undelivered.is_floating_point():
+            return
+        compute_dtype = torch.promote_types(undelivered.dtype, torch.float32)
+        with self._lock:
+            residual = self._residuals.get(key)
+            added = undelivered.detach().cpu().to(compute_dtype, copy=True)
+            if residual is not None and residual.shape == added.shape:
+                added += residual
+            if bool(torch.isfinite(added).all()):
+                self._residuals[key] = added
+
     def residual_norm(self, key: Hashable) -> float:
         """L2 norm of the stored residual for ``key`` (0.0 when there is none)."""
         with self._lock:
