@@ -317,12 +317,10 @@ class RunAccessConfig:
         "credentials its owner signed may change the weights; unset: no run authority (anyone may)",
     )
     credential: str | None = option(
-        None, help="this process's credential for the run (from `swarm run issue`); needs --run and --identity-path"
+        None,
+        help="this process's credential for the run (from `swarm run issue`; it names the run), with the "
+        "--identity-path it was issued to",
     )
-
-    def __post_init__(self) -> None:
-        if self.credential is not None and self.run is None:
-            raise ConfigError("--credential needs --run (the run's public file it was issued for)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,12 +332,22 @@ class RunAccess:
     held: Credential | None  # what it says
 
 
-def load_run_access(config: RunAccessConfig, *, peer_id: str, roles: tuple[str, ...] = ROLES) -> RunAccess | None:
-    """The run of `config` for the process running as `peer_id` in one of `roles`, its own credential
-    checked (so a wrong, expired or another identity's credential fails at start-up, not on every call)."""
-    if config.run is None:
+def load_run_access(
+    config: RunAccessConfig, *, peer_id: str, roles: tuple[str, ...] = ROLES, run: RunInfo | None = None
+) -> RunAccess | None:
+    """The run of `config` (or `run`, a run known from its spec) for the process running as `peer_id`
+    in one of `roles`, its own credential checked (so a wrong, expired or another identity's credential
+    fails at start-up, not on every call). None: the process takes part in no run with an authority."""
+    if run is None and config.run is not None:
+        run = load_run(config.run)
+    if run is None:
+        if config.credential is not None:
+            raise RunFileError(
+                f"--credential {config.credential}: this swarm serves no run with an owner for it to be a "
+                "credential of (give the run's file with --run)"
+            )
         return None
-    authority = RunAuthority(load_run(config.run))
+    authority = RunAuthority(run)
     if config.credential is None:
         return RunAccess(authority, None, None)
     data = read_credential(config.credential)

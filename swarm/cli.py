@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from process.config import ConfigError, add_config_arguments, describe, from_sources
+from process.config import ConfigError, add_config_arguments, describe, from_sources, given_options
 from process.lifetime import EXIT_SIGNALLED, StopRequested, bind_children_to_parent
 from process.stale_sockets import remove_stale_sockets
 
@@ -87,6 +87,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dht.authority import CredentialError
     from dht.model_match import ModelMismatchError
     from dht.node import BootstrapError
+    from dht.run_specs import SpecError
     from dht.split_agreement import SplitConflictError
     from models.balanced_split import BalancedSplitError
     from models.config import UnknownModelError
@@ -126,6 +127,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         GenerateError,
         VocabularyError,
         CredentialError,
+        SpecError,
     )
 
 
@@ -139,10 +141,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from peers.config import PeerConfig
     from peers.launch import run_peer
 
-    config = from_sources(PeerConfig, args)
-    if verbose(args):
-        print(describe(config), flush=True)
-    run_peer(config)
+    # the options the user set; the others come from the run's spec (peers/settle.py prints the result)
+    run_peer(from_sources(PeerConfig, args), given_options(PeerConfig, args), verbose=verbose(args))
     return 0
 
 
@@ -239,7 +239,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from peers.config import PeerConfig
+    from peers.config import VOLUNTEER_OPTIONS, PeerConfig
     from swarm.bootstrap import BootstrapConfig
     from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(
             name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
-        add_config_arguments(p, config_cls)
+        # a volunteer's `swarm peer --help` lists where and how much; --help-all lists the rest
+        add_config_arguments(p, config_cls, brief=VOLUNTEER_OPTIONS if name == "peer" else None)
         p.add_argument(
             "--verbose",
             action=argparse.BooleanOptionalAction,

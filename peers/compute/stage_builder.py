@@ -47,6 +47,8 @@ class StageBuilder:
     device: torch.device = torch.device("cpu")
     available_bytes: int | None = None  # memory this peer may use; None: no check
     memory_source: str = "--memory-limit-gb"
+    schedule: Callable[[], object] | None = None  # the run's learning rates (its spec's versions), for new runtimes
+    members_only: bool = False  # a run with an authority: only credentialed replicas average (filled in by the host)
 
     def build(self, stage: int) -> BuiltStage:
         """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
@@ -99,11 +101,12 @@ class StageBuilder:
             if os.path.exists(path):
                 runtime.restore(path, config.model)
                 print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
+        if self.schedule is not None:
+            runtime.follow_schedule(self.schedule())
         runtime.measure_throughput()
         replicas = config.replicas
         averaging = None
-        # a run with an authority: only credentialed replicas average (filled in by the host)
-        members = () if config.authority.run is not None else None
+        members = () if self.members_only else None
         matchmaking = (
             {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
         )

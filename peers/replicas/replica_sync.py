@@ -51,15 +51,18 @@ class ReplicaSyncService:
         authorize: Callable[..., None] | None = None,
         credential: str | None = None,
         members: AveragingMembers | None = None,
+        follower=None,
     ):
         """`authorize(caller, credential, action, stage=...)`: raises unless the caller may (the
-        admission guard's); `credential`: this peer's own, presented when it downloads state."""
+        admission guard's); `credential`: this peer's own, presented when it downloads state;
+        `follower`: the run's spec (peers/serving/run_follower.py), whose version a commit names."""
         self.serving, self.compute, self.dht = serving, compute, dht
         self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
         self.state_exports = StateExports()  # rate-limited per caller, serialized once per step
         self.authorize = authorize or (lambda *args, **kwargs: None)
         self.credential = credential
         self.members = members  # a run with an authority: who may average with us, kept fresh
+        self.follower = follower
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -91,6 +94,14 @@ class ReplicaSyncService:
                 return unary_response(CommitResponse(steps_done=serving.runtime.steps_done))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
+            if self.follower is not None and commit.spec_version:
+                # the step follows the spec version the trainer names, so its replicas step on one schedule
+                if not await self.follower.ensure(commit.spec_version):
+                    raise ProtocolError(
+                        f"this peer has not found version {commit.spec_version} of run {self.follower.run_id}'s "
+                        f"spec (it knows version {self.follower.version})"
+                    )
+                serving.runtime.follow_schedule(self.follower.schedule(commit.spec_version))
             loop = asyncio.get_running_loop()
             delayed = isinstance(averaging, DelayedGradientSync)
             if commit.flush and not delayed:  # only a delayed update has anything to flush

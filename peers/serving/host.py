@@ -28,7 +28,7 @@ import hivemind
 from hivemind.proto import runtime_pb2
 
 from dht.announce import fetch_stage_records_async
-from dht.authority import credential_summary, load_run_access
+from dht.authority import RunAccess, credential_summary, load_run_access
 from dht.reachability import (
     DIAL_BACK_FAILED,
     RPC_REACHABILITY,
@@ -56,6 +56,7 @@ from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.announcer import Announcer
 from peers.serving.chain_rpc import ChainService
 from peers.serving.checkpointer import Checkpointer
+from peers.serving.run_follower import RunFollower
 from peers.serving.serving_state import ServingState
 from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
@@ -86,7 +87,11 @@ class PeerHost:
         metrics_addr: str | None = None,
         split: SplitRecord | None = None,
         builder: StageBuilder | None = None,
+        run_access: RunAccess | None = None,
+        follower: RunFollower | None = None,
     ):
+        """`run_access`: the run's authority and this peer's credential (default: from --run);
+        `follower`: the run's spec, which the peer announces and follows to new versions."""
         self.config, self.dht = config, dht
         self.peer_id = dht.peer_id.to_base58()
         self.metrics = metrics = metrics or PeerMetrics()
@@ -94,7 +99,13 @@ class PeerHost:
         self.serving = serving = ServingState(runtime, averaging, metrics)
         limits = config.serving
         # the run's authority (--run) and this peer's own credential, checked against its identity
-        self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
+        if run_access is None:
+            run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
+        self.run_access = run_access
+        self.follower = follower
+        if follower is not None:  # a new version's schedule: followed by the steps that do not name one
+            follower.on_version = lambda spec: serving.runtime.follow_schedule(spec.schedule())
+            follower.steps_done = lambda: serving.runtime.steps_done
         credential = run_access.credential.decode() if run_access and run_access.credential else None
         if run_access is not None:
             run = run_access.authority.run
@@ -169,6 +180,7 @@ class PeerHost:
             authorize=self.guard.authorize,
             credential=credential,
             members=self.members,
+            follower=follower,
         )
         self.announcer = Announcer(
             serving,
@@ -181,6 +193,7 @@ class PeerHost:
             metrics_addr=metrics_addr,
             split=split,
             credential=credential,
+            run=follower,
         )
         self.checkpointer = (
             Checkpointer(
@@ -318,6 +331,7 @@ class PeerHost:
         )
         checkpointer = asyncio.create_task(self.checkpointer.run(stop)) if self.checkpointer is not None else None
         members = asyncio.create_task(self.members.run(stop)) if self.members is not None else None
+        following = asyncio.create_task(self.follower.run(stop)) if self.follower is not None else None
         averaging = serving.averaging
         averager = (  # by steps, rounds follow the trainer's commits (rpc_commit)
             asyncio.create_task(self.replicas.average_parameters_forever(stop))
@@ -341,10 +355,12 @@ class PeerHost:
         try:
             await stop.wait()
         finally:
-            await self._stop_in_order(rebalancer, reachability, announcer, prober, members, averager, checkpointer)
+            await self._stop_in_order(
+                rebalancer, reachability, announcer, prober, members, averager, checkpointer, following
+            )
 
     async def _stop_in_order(
-        self, rebalancer, reachability, announcer, prober, members, averager, checkpointer
+        self, rebalancer, reachability, announcer, prober, members, averager, checkpointer, following=None
     ) -> None:
         """The one way a serving peer stops: what it holds first (a move under way finishes, then the
         checkpoint is saved), then what others read (offline on the DHT, the split released); the
@@ -364,7 +380,7 @@ class PeerHost:
             await self.checkpointer.save_now()
             print(f"checkpoint saved to {self.checkpointer.path()}", flush=True)
         serving.set_state(PeerState.OFFLINE)
-        for task in (announcer, prober, members):
+        for task in (announcer, prober, members, following):
             if task is not None:
                 await self._unless_alone(task)
         await self._unless_alone(self.announcer.announce_final())
