@@ -16,11 +16,10 @@ trainer's failures by kind, its calls by peer, and what the attackers' requests 
 within 2% of clean, peak RSS < 200 MB above clean.
 
 Attacks:
-- lying_replica: a stage-1 replica 10x slower than the honest one (`--fault-slowdown 10
-  --fault-slowdown-mode device`) that announces 1000x its throughput and reports compute times 1000x
-  shorter (`--fault-claim-speedup 1000`). Before #30: it drew 479 of 480 calls, throughput / 10.
+- lying_replica: a stage-1 replica 10x slower than the honest one (`--faults slowdown=10,slowdown_mode=device`) that announces 1000x its throughput and reports compute times 1000x
+  shorter (`--faults claim_speedup=1000`). Before #30: it drew 479 of 480 calls, throughput / 10.
 - fake_wrong_stage: `--fakes` stage-1 records announcing 1000x throughput whose peers answer every
-  call "wrong stage" (`--fault-wrong-stage`). Before: never banned, throughput / 100 with nine.
+  call "wrong stage" (`--faults wrong_stage`). Before: never banned, throughput / 100 with nine.
 - outsider_averaging, size_bomb, junk_subkeys, junk_rpcs: the clients of benchmarks/attack_clients.py
   (see there), started before the trainer and running until the swarm stops.
 """
@@ -41,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
-from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.local_swarm import LocalSwarm, ManagedProcess, fault_args  # noqa: E402
 from tests.integration.test_run_authority import Run  # noqa: E402
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
@@ -113,12 +112,12 @@ def no_attack(swarm: Swarm) -> list[ManagedProcess]:
 
 
 def lying_replica(swarm: Swarm) -> list[ManagedProcess]:
-    slow = ("--fault-slowdown", "10", "--fault-slowdown-mode", "device", "--fault-claim-speedup", "1000")
+    slow = fault_args(slowdown=10, slowdown_mode="device", claim_speedup=1000)
     return [swarm.stranger(1, *slow, name="peer-s1-liar")]
 
 
 def fake_wrong_stage(swarm: Swarm) -> list[ManagedProcess]:
-    fake = ("--fault-wrong-stage", "--fault-claim-speedup", "1000")
+    fake = fault_args(wrong_stage=True, claim_speedup=1000)
     return [swarm.stranger(1, *fake, name=f"peer-s1-fake{i}") for i in range(swarm.args.fakes)]
 
 

@@ -14,8 +14,7 @@ replicas of stage 0 and one of stage 1; the trainer trains `--steps` steps of 8 
   the same swarm (its weights trained on further: throughput only), trainers of `--cost-steps`
   steps with `--verify-fraction` 0, 0.05 and 0.2, in that order: the cost of the checks (tokens/s,
   and the median of the steps' own rates, which one stalled averaging round does not move).
-- scale, noise, replay, stale: a third replica of stage 0 started with `--fault-garbage MODE
-  --fault-garbage-rate 1` (size 0.05: every answer a lie), and a trainer with `--verify-fraction`
+- scale, noise, replay, stale: a third replica of stage 0 started with `--faults garbage=MODE,garbage_rate=1` (size 0.05: every answer a lie), and a trainer with `--verify-fraction`
   `--detect-fraction` (default 0.2). Per mode: whether the liar was banned, the calls it answered
   before it was (its `contributions` in the report: after the ban no call goes to it), the checks
   that took, the validation loss against the clean run's (goal: within 2%), microbatches lost.
@@ -40,7 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
-from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.local_swarm import LocalSwarm, ManagedProcess, fault_args  # noqa: E402
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
 MODES = ("scale", "noise", "replay", "stale")
@@ -125,9 +124,7 @@ def lying_run(mode: str, args, root: str) -> dict:
     os.makedirs(workdir)
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
         honest = honest_swarm(local)
-        liar = local.start_peer(
-            0, "--fault-garbage", mode, "--fault-garbage-rate", "1.0", "--no-load-state", name="peer-s0-liar"
-        )
+        liar = local.start_peer(0, *fault_args(garbage=mode, garbage_rate=1.0), "--no-load-state", name="peer-s0-liar")
         local.wait_online([*honest, liar], timeout_s=300)
         run = {
             "run": f"liar {mode}",

@@ -365,6 +365,18 @@ def load_run_access(
     return RunAccess(authority, data, held)
 
 
+def credential_run_id(path: str | None) -> str | None:
+    """The run id a credential file names (unverified: its signature is checked once the run's key is known)."""
+    if path is None:
+        return None
+    try:
+        return Credential.model_validate_json(
+            SignedCredential.model_validate_json(read_credential(path)).payload
+        ).run_id
+    except ValidationError:
+        raise RunFileError(f"--credential {path}: not a credential file (`swarm run issue` writes one)") from None
+
+
 def credential_summary(credential: Credential) -> str:
     stage = f" for stage {credential.stage}" if credential.stage is not None else ""
     left_h = (credential.expires_at - time.time()) / 3600

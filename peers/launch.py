@@ -18,17 +18,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records
-from dht.authority import (
-    Credential,
-    CredentialError,
-    RunAccess,
-    RunAccessConfig,
-    RunInfo,
-    SignedCredential,
-    load_run,
-    load_run_access,
-    read_credential,
-)
+from dht.authority import RunAccess, RunAccessConfig, RunInfo, credential_run_id, load_run, load_run_access
 from dht.model_match import check_same_model, check_same_vocabulary
 from dht.node import protect_models, start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
@@ -179,7 +169,7 @@ def join_run(
     peer_id = dht.peer_id.to_base58()
     authority = config.authority
     run_file = load_run(authority.run) if authority.run is not None else None
-    wanted_run = run_file.run_id if run_file is not None else _credential_run_id(authority)
+    wanted_run = run_file.run_id if run_file is not None else credential_run_id(authority.credential)
     choose = dict(
         run_id=wanted_run,
         owner_key=run_file.owner_public_key if run_file is not None else None,
@@ -222,17 +212,6 @@ def join_run(
         info = RunInfo(run_id=settled.spec.run_id, owner_public_key=signed.signer_key, private=settled.spec.private)
     access = load_run_access(RunAccessConfig(run=None, credential=authority.credential), peer_id=peer_id, run=info)
     return settled, signed, access
-
-
-def _credential_run_id(authority: RunAccessConfig) -> str | None:
-    """The run id a --credential names (its signature is checked once the run's key is known)."""
-    if authority.credential is None:
-        return None
-    try:
-        signed = SignedCredential.model_validate_json(read_credential(authority.credential))
-        return Credential.model_validate_json(signed.payload).run_id
-    except ValueError:
-        raise CredentialError(f"--credential {authority.credential}: not a credential file") from None
 
 
 def _stages_that_fit(settled: SettledPeer, available: int, source: str, device: torch.device) -> list[int]:

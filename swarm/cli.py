@@ -155,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise _missing_initial_peers("a trainer", "swarm train")
     if verbose(args):
         print(describe(config), flush=True)
-    report = run_trainer(config)
+    report = run_trainer(config, given=given_options(TrainerConfig, args))
     print(done_line(report), flush=True)
     return EXIT_SIGNALLED if report.stopped_early else 0
 
@@ -223,7 +223,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_run_create(args: argparse.Namespace) -> int:
     from swarm.run_authority import RunCreateConfig, run_create
 
-    return run_create(from_sources(RunCreateConfig, args))
+    return run_create(from_sources(RunCreateConfig, args), given_options(RunCreateConfig, args))
+
+
+def cmd_run_update(args: argparse.Namespace) -> int:
+    from swarm.run_authority import RunUpdateConfig, run_update
+
+    return run_update(from_sources(RunUpdateConfig, args))
 
 
 def cmd_run_issue(args: argparse.Namespace) -> int:
@@ -249,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
-    from swarm.run_authority import RunCreateConfig, RunIssueConfig
+    from swarm.run_authority import RunCreateConfig, RunIssueConfig, RunUpdateConfig
     from swarm.status import StatusConfig
     from swarm.trainer.config import TrainerConfig
 
@@ -315,10 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(targets, MonitorConfig)
     targets.set_defaults(handler=cmd_monitor_targets)
-    run = sub.add_parser("run", help="a run's owner: create the run, issue credentials to its trainers and peers")
+    run = sub.add_parser("run", help="a run's owner: create the run and its spec, update it, issue credentials")
     run_sub = run.add_subparsers(dest="run_command", required=True, metavar="TOOL")
     for name, handler, config_cls, help_text in (
-        ("create", cmd_run_create, RunCreateConfig, "create a run: its owner key and its public run file"),
+        ("create", cmd_run_create, RunCreateConfig, "create a run: its owner key, run file and signed spec"),
+        ("update", cmd_run_update, RunUpdateConfig, "publish a new version of the run's learning-rate schedule"),
         ("issue", cmd_run_issue, RunIssueConfig, "sign a credential for one trainer or peer of the run"),
     ):
         p = run_sub.add_parser(name, help=help_text, description=help_text)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from peers.compute.faults import FaultSettings
+from process.config import packed_text
 from process.fork_server import ForkServer
 from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
 
@@ -33,6 +35,13 @@ SWARM_MODULES = (
 
 class LocalSwarmError(RuntimeError):
     pass
+
+
+def fault_args(**faults) -> list[str]:
+    """The peer flags that inject `faults` (peers/compute/faults.py's FaultSettings fields without
+    `fault_`, e.g. slowdown=3, slowdown_mode="busy"): the peer's one developer option, `--faults`."""
+    settings = FaultSettings(**{f"fault_{name}": value for name, value in faults.items()})
+    return ["--faults", packed_text(settings, prefix="fault_")]
 
 
 def start_fork_server() -> ForkServer:

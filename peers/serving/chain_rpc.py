@@ -236,7 +236,7 @@ class ChainService:
                 handler_s=time.perf_counter() - arrived,
             )
             serving.served_one()
-            if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
+            if isinstance(runtime, FaultyStageRuntime):  # --faults lose_answer: this stage's backward is added
                 lost = runtime.answer_lost("backward")
         except ChainHopError as e:
             serving.requests_failed += 1
@@ -287,7 +287,7 @@ class ChainService:
             )
         try:
             if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
-                raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
+                raise InjectedLostAnswer("the answer to this chained call was lost (--faults lose_answer)")
             first, *others = response_pieces(response, outputs, pieces, stages.bytes)
             # a gradient goes back to the caller in turn with the others on that link, every piece of it
             async with self.turns.turn(caller) if outputs else nullcontext():

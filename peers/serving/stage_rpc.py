@@ -111,9 +111,9 @@ class StageRpcService:
                 )
             queue_s, samples = compute_started - arrived, 0 if header.evaluate else header.batch_size
             encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
-            if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
+            if isinstance(serving.runtime, FaultyStageRuntime):  # --faults claim_speedup: a replica that lies
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
-                lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
+                lost = serving.runtime.answer_lost(rpc)  # --faults lose_answer
             response = ResponseHeader(loss=loss, compute_s=compute_s, queue_s=queue_s)
             serving.served_one()
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
@@ -170,7 +170,7 @@ class StageRpcService:
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
         if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
-            raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--fault-lose-answer)")
+            raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--faults lose_answer)")
         for message in write_response(response, encoded_outputs, self.bytes):
             yield message
 

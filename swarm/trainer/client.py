@@ -86,6 +86,7 @@ class StageClient:
         """`credential`: this trainer's run credential (dht/authority.py), sent in every request header."""
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
         self.credential = credential
+        self.spec_version = 0  # the version of the run's spec each commit names (swarm/trainer/settle.py)
         self.bytes = ByteCounter()
         self.streams = StreamPool()  # streams to the peers, kept open from call to call
 
@@ -316,6 +317,7 @@ class StageClient:
                 flush=flush,
                 clip_phase=clip_phase,
                 clip_scale=clip_scale,
+                spec_version=self.spec_version,
             )
         )
         try:

@@ -21,7 +21,7 @@ full-size steps on noise-level gradients, so replicas part a little more every s
 losses through two routes measured 1.3e-4 and 4.7e-3 apart, tests/integration/test_corpus.py), and
 `--averaging-compression fp16/int8` leaves them 6e-5 / 1.6e-3 apart after one step
 (peers/replicas/averaging.py). A report's `verify_largest_agreeing_difference` shows the margin left
-in a run. A lie of 5% (`--fault-garbage-size` 0.05) is caught with every codec but int4 (which lets
+in a run. A lie of 5% (`--faults garbage_size` 0.05) is caught with every codec but int4 (which lets
 lies of up to ~24% through) and top-k.
 top-k's bound is 1 (it drops the rest of the tensor), which makes every answer pass: under
 `--codec topk` spot checks catch nothing plausible. Replicas that average periodically (not in

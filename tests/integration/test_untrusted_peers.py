@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from swarm.local_swarm import fault_args
+
 pytestmark = pytest.mark.slow
 
 FAKES = 3
@@ -36,8 +38,7 @@ def test_fake_wrong_stage_records_are_banned_after_their_first_answers(make_swar
     honest = [swarm.start_peer(0), swarm.start_peer(1)]
     swarm.wait_online(honest)
     fakes = [
-        swarm.start_peer(1, "--fault-wrong-stage", "--fault-claim-speedup", "1000", "--no-load-state")
-        for _ in range(FAKES)
+        swarm.start_peer(1, *fault_args(wrong_stage=True, claim_speedup=1000), "--no-load-state") for _ in range(FAKES)
     ]
     swarm.wait_online(fakes)
     report_path = tmp_path / "report.json"
