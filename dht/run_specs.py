@@ -153,12 +153,13 @@ def known_runs(announcements: Iterable[SpecAnnouncement]) -> list[KnownRun]:
     payloads of one version, which an honest owner never signs, goes to the lower digest), sorted by run id."""
     best: dict[tuple[str, str], tuple[SignedSpec, SpecHeader]] = {}
     announcers: dict[tuple[str, str], set[str]] = {}
-    checked: dict[str, bool] = {}
+    checked: dict[tuple[str, str, str], bool] = {}  # one RSA verification per signed text
     for announcement in announcements:
         spec = announcement.spec
-        if spec.digest not in checked:
-            checked[spec.digest] = spec.signed_by_key()
-        if not checked[spec.digest]:
+        signed = (spec.digest, spec.signature, spec.signer_key)
+        if signed not in checked:
+            checked[signed] = spec.signed_by_key()
+        if not checked[signed]:
             continue
         try:
             header = spec.header()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Collection
 
 import torch
@@ -42,6 +43,8 @@ from process.atomic_files import remove_stale_temporaries
 from process.config import ConfigError, describe
 from process.lifetime import stop_events_in_loop
 from process.metrics_http import advertised_metrics_addr, serve_metrics
+
+SPEC_CLAIM_WAIT_S = 1.0  # the first peer of a swarm with no owner: from stating its spec to reading others'
 
 
 def run_peer(config: PeerConfig, given: Collection[str] = frozenset(), *, verbose: bool = False) -> None:
@@ -165,7 +168,7 @@ def join_run(
 ) -> tuple[SettledPeer, SignedSpec, RunAccess | None]:
     """Find the run this peer joins, settle its configuration against the run's spec, and announce the
     spec it serves; the first peer of a swarm with no owner signs its own settings as the spec. Also
-    the run's authority: from --run's file, or from the spec of a run with an owner."""
+    the run's authority: from --run's file, or from the spec of a private run."""
     peer_id = dht.peer_id.to_base58()
     authority = config.authority
     run_file = load_run(authority.run) if authority.run is not None else None
@@ -191,7 +194,9 @@ def join_run(
         signed = sign_spec(identity_of(dht).private_key, spec_payload(settled.spec))
         announce_spec(dht, signed)
         # Another first peer may have stated its settings at the same moment: the earlier claim stands
-        # (both apply the same rule to the same records), and this one takes it, or stops.
+        # (both apply the same rule to the same records), and this one takes it, or stops. The pause
+        # lets a claim made before ours but stored after our read reach the DHT first.
+        time.sleep(SPEC_CLAIM_WAIT_S)
         winner = run_in_force(fetch_runs(dht), model=settled.spec.model, vouching=choose["vouching"])
         if winner is not None and winner.spec.digest != signed.digest:
             settled = settle(
@@ -208,7 +213,7 @@ def join_run(
     else:
         announce_spec(dht, signed)
     info = run_file
-    if info is None and settled.spec.owned:  # the run's authority, from its spec
+    if info is None and settled.spec.private:  # a private run's authority binds every peer: from its spec
         info = RunInfo(run_id=settled.spec.run_id, owner_public_key=signed.signer_key, private=settled.spec.private)
     access = load_run_access(RunAccessConfig(run=None, credential=authority.credential), peer_id=peer_id, run=info)
     return settled, signed, access

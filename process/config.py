@@ -202,6 +202,7 @@ def _hide_all_but(parser: argparse.ArgumentParser, shown: set[str]) -> None:
     for action in parser._actions:
         if action.option_strings and action.dest not in shown and action.dest != "help":
             hidden.append((action, "help", action.help))
+            action.full_help = action.help  # what --help-all shows
             action.help = argparse.SUPPRESS
     for group in parser._action_groups:
         if group._group_actions and all(a.help is argparse.SUPPRESS for a in group._group_actions):

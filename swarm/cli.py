@@ -141,8 +141,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from peers.config import PeerConfig
     from peers.launch import run_peer
 
+    config = from_sources(PeerConfig, args)
+    if not config.network.initial_peers:
+        raise _missing_initial_peers("a peer", "swarm peer")
     # the options the user set; the others come from the run's spec (peers/settle.py prints the result)
-    run_peer(from_sources(PeerConfig, args), given_options(PeerConfig, args), verbose=verbose(args))
+    run_peer(config, given_options(PeerConfig, args), verbose=verbose(args))
     return 0
 
 

@@ -189,6 +189,11 @@ class LocalSwarm:
         ]
         return self._spawn(name, args, prefix)
 
+    def start_volunteer(self, *args: str, name: str | None = None) -> ManagedProcess:
+        """A peer started as a volunteer starts one: `--initial-peers` and `args`, the run's spec says the rest."""
+        name = name or f"peer-v{sum(p.name.startswith('peer-v') for p in self.processes)}"
+        return self._spawn(name, ["peer", "--initial-peers", *self.initial_peers, *args])
+
     def wait_online(self, processes: list[ManagedProcess], timeout_s: float = 120.0) -> None:
         """Wait until each peer printed that it is online (its first announcement follows at once)."""
         deadline = time.monotonic() + timeout_s
@@ -203,10 +208,12 @@ class LocalSwarm:
                 raise LocalSwarmError(f"{[p.name for p in pending]} not online within {timeout_s} s")
             time.sleep(0.2)
 
-    def start_trainer(self, *args: str, name: str = "trainer", prefix: list[str] = ()) -> ManagedProcess:
-        return self._spawn(
-            name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *args], prefix
-        )
+    def start_trainer(
+        self, *args: str, name: str = "trainer", prefix: list[str] = (), named: bool = True
+    ) -> ManagedProcess:
+        """`swarm train` on this swarm; `named=False`: without --model (the run's spec names it)."""
+        model = ["--model", self.model] if named else []
+        return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, *model, *args], prefix)
 
     def start_monitor(self, *args: str, name: str = "monitor") -> ManagedProcess:
         """`swarm monitor targets` on this swarm's DHT (pass --out FILE and any other flags)."""

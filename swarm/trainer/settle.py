@@ -37,7 +37,7 @@ class SettledTrainer:
     model: GPTConfig  # the model trained, with the data's vocabulary
     spec: RunSpec | None  # None: no spec on the DHT, the flags say everything
     signed: SignedSpec | None = None
-    run: RunInfo | None = None  # the run's authority, from its spec (a run with an owner)
+    run: RunInfo | None = None  # the run's authority, from its spec (a private run)
 
 
 def find_spec(dht: hivemind.DHT, config: TrainerConfig, given: Collection[str]) -> SignedSpec | None:
