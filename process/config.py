@@ -35,6 +35,8 @@ import types
 import typing
 from typing import Any, TypeVar
 
+import pydantic
+
 T = TypeVar("T")
 ENV_PREFIX = "SWARM_"
 
@@ -340,8 +342,6 @@ def record_model(cls: type, *, exclude: typing.Collection[str] = (), name: str |
     """A strict pydantic model of the options of the config section `cls` (a record's copy of a
     section: same names, types, defaults and choices; an unknown key or a value of the wrong type is
     refused). Its `settings()` builds `cls` from it, and validating it runs `cls`'s own checks."""
-    import pydantic  # here: the rest of this module needs no pydantic
-
     hints = typing.get_type_hints(cls)
     fields: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
