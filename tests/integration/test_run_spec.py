@@ -83,14 +83,16 @@ def test_a_run_created_with_a_spec_is_joined_with_one_line(make_swarm, tmp_path,
 
 
 def test_a_new_version_is_followed_by_every_replica_at_its_step(make_swarm, tmp_path, swarm_cli):
-    swarm = make_swarm(num_stages=2)
-    swarm.start_bootstrap()
+    """The run's bootstrap node announces its spec (`swarm dht --run`); a version from step 4 with another
+    learning rate is published while the run is at step 3, and every replica of both stages steps at the
+    new rate from step 4, the stage-0 replicas to equal parameters."""
     run = tmp_path / "run"
     created = swarm_cli(
-        "run", "create", "--out", str(run), "--model", "tiny", "--num-stages", "2", "--optimizer", "sgd",
-        "--lr", "0.05", "--initial-peers", *swarm.initial_peers,
+        "run", "create", "--out", str(run), "--model", "tiny", "--num-stages", "2", "--optimizer", "sgd", "--lr", "0.05"
     )  # fmt: skip
     assert created.returncode == 0, created.stderr
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap(60.0, "--run", str(run))
     folders = {name: tmp_path / name for name in ("a", "b", "c")}
     peers = [
         swarm.start_volunteer("--stage", "0", "--checkpoint-dir", str(folders["a"])),

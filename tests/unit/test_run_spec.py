@@ -171,3 +171,24 @@ def test_a_spec_file_with_an_unknown_key_table_or_type_is_refused_in_one_line(tm
 def test_signed_specs_fit_the_dht_value_cap():
     signed = SignedSpec(payload=spec_payload(own_spec()), signature="x" * 344, signer_key="y" * 400)
     assert len(json.dumps(signed.model_dump())) < 8 << 10
+
+
+def test_a_trainer_takes_the_spec_and_is_refused_a_contradicting_flag(keys, tmp_path):
+    from types import SimpleNamespace
+
+    from swarm.trainer.config import TrainerConfig
+    from swarm.trainer.settle import settle_trainer
+
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    data = SimpleNamespace(vocab_size=256, folder=str(tmp_path), tokenizer_path=str(tokenizer))
+    signed = sign_spec(
+        keys[0], spec_payload(own_spec(num_stages=2, optim=PeerConfig().optim.__class__(target_batch_size=16)))
+    )
+    trainer = settle_trainer(TrainerConfig(), set(), signed, data)
+    assert (trainer.config.model, trainer.config.num_stages, trainer.config.schedule.batch_size) == ("tiny", 2, 16)
+    assert settle_trainer(TrainerConfig(), {"batch_size"}, signed, data).config.schedule.batch_size == 32
+    with pytest.raises(SpecConflictError, match=r"--num-stages 3 \(the run's: 2\)"):
+        settle_trainer(TrainerConfig(num_stages=3), {"num_stages"}, signed, data)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        settle_trainer(TrainerConfig(), set(), signed, SimpleNamespace(**{**vars(data), "vocab_size": 300}))
