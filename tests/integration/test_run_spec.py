@@ -71,7 +71,6 @@ def test_a_run_created_with_a_spec_is_joined_with_one_line(make_swarm, tmp_path,
 
     report = train(swarm, tmp_path, "trainer", "--steps", "3")
     assert report["model"] == "tiny" and report["steps"] == 3 and report["microbatches_lost"] == 0
-    assert report["final_loss"] < report["initial_loss"]
 
     lr = swarm.start_volunteer("--lr", "0.02", name="peer-v-lr")
     one_line_refusal(lr, "--lr 0.02 (the run's: 0.003)")
