@@ -168,7 +168,8 @@ def join_run(
 ) -> tuple[SettledPeer, SignedSpec, RunAccess | None]:
     """Find the run this peer joins, settle its configuration against the run's spec, and announce the
     spec it serves; the first peer of a swarm with no owner signs its own settings as the spec. Also
-    the run's authority: from --run's file, or from the spec of a private run."""
+    the run's authority: from --run's file, or from the spec (of a private run, or of the run
+    --credential is for)."""
     peer_id = dht.peer_id.to_base58()
     authority = config.authority
     run_file = load_run(authority.run) if authority.run is not None else None
@@ -213,7 +214,8 @@ def join_run(
     else:
         announce_spec(dht, signed)
     info = run_file
-    if info is None and settled.spec.private:  # a private run's authority binds every peer: from its spec
+    # from its spec: a private run's authority (it binds every peer), or the run a credential is for
+    if info is None and settled.spec.owned and (settled.spec.private or authority.credential is not None):
         info = RunInfo(run_id=settled.spec.run_id, owner_public_key=signed.signer_key, private=settled.spec.private)
     access = load_run_access(RunAccessConfig(run=None, credential=authority.credential), peer_id=peer_id, run=info)
     return settled, signed, access

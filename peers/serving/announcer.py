@@ -56,8 +56,8 @@ class Announcer:
         credential: str | None = None,
         run=None,
     ):
-        self.credential = credential
-        self.following = run  # the run's spec (peers/serving/run_follower.py): its id and version are announced  # this peer's run credential: replicas read it to let us average with them
+        self.credential = credential  # this peer's run credential: replicas read it to let us average with them
+        self.following = run  # the run's spec (peers/serving/run_follower.py): its id and version are announced
         self.serving, self.dht, self.settings = serving, dht, settings
         self.peer_id, self.model, self.averaging_mode = peer_id, model, averaging_mode
         self.metrics, self.metrics_addr, self.split = metrics, metrics_addr, split

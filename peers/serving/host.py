@@ -99,7 +99,7 @@ class PeerHost:
         self.serving = serving = ServingState(runtime, averaging, metrics)
         limits = config.serving
         # the run's authority (--run) and this peer's own credential, checked against its identity
-        if run_access is None:
+        if run_access is None and config.authority.run is not None:
             run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
         self.run_access = run_access
         self.follower = follower

@@ -38,7 +38,7 @@ class SettledTrainer:
     model: GPTConfig  # the model trained, with the data's vocabulary
     spec: RunSpec | None  # None: no spec on the DHT, the flags say everything
     signed: SignedSpec | None = None
-    run: RunInfo | None = None  # the run's authority, from its spec (a private run)
+    run: RunInfo | None = None  # the run's authority, from its spec (a private run, or a credential's)
 
 
 def find_spec(dht: hivemind.DHT, config: TrainerConfig, given: Collection[str]) -> SignedSpec | None:
