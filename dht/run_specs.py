@@ -2,9 +2,9 @@
 
 A run's spec (peers/run_spec.py: model, split, optimizer, schedule, averaging, codec) travels as a
 `SignedSpec`: its JSON text, signed by the run's owner key (dht/authority.py) or, in a swarm with no
-owner, by the node key of the peer that started it. Every peer re-announces the spec it serves under
-`swarm/runs` (subkey: its own peer id, dht/signing.py), so a spec lives as long as its run. Here only
-the spec's header (`SpecHeader`) is read. Which run a process joins (`run_in_force`, pure):
+owner, by the node key of the peer that started it. Every peer re-announces the spec it serves
+under the runs key (dht/keys.py; subkey: its own peer id), so a spec lives as long as its run. Here
+only the spec's header (`SpecHeader`) is read. Which run a process joins (`run_in_force`, pure):
 - given its run (--run, or its credential's run id), that run only;
 - else a run its --initial-peers announce themselves;
 - else the only run; several runs of one model with no owner: the earliest claim (then the signer's

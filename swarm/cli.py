@@ -20,8 +20,9 @@ from process.stale_sockets import remove_stale_sockets
 EXIT_USAGE = 2
 
 
-# Flags every role has besides its configuration's (not part of any config dataclass).
-PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose"})
+# Flags besides a role's configuration's (not part of any config dataclass): every role's --verbose,
+# and --help-all where --help lists a few flags (`swarm peer`).
+PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose", "--help-all"})
 PROCESS_VARIABLES = frozenset({"SWARM_VERBOSE"})
 QUIET_LIBRARIES = ("bitsandbytes",)  # warn about optional kernels we never use; shown at SWARM_LOGLEVEL=INFO/DEBUG
 # Library warnings that say nothing a user can act on; shown at SWARM_LOGLEVEL=INFO/DEBUG. asyncio's

@@ -14,7 +14,6 @@ from swarm.cli import PROCESS_FLAGS, build_parser
 
 PEER_FLAGS = {
     "--faults",  # issue #58: the fault injection of tests and benchmarks, one developer option (was 14 --fault-*)
-    "--help-all",  # issue #58: `--help` lists a volunteer's flags, this every flag
     "--run",  # issue #30: the run authority
     "--credential",
     "--activation-cache-size",
