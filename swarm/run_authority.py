@@ -310,7 +310,8 @@ def _with_options(config: RunCreateConfig, values: dict[str, typing.Any]) -> Run
         names = {f.name for f in dataclasses.fields(section_cls)}
         inner = {k: v for k, v in values.items() if k in names}
         if inner:
-            current = dataclasses.asdict(getattr(config, table))
+            section_now = getattr(config, table)
+            current = {f.name: getattr(section_now, f.name) for f in dataclasses.fields(section_now) if f.init}
             changes[table] = section_cls(**(current | inner))
     return dataclasses.replace(config, **changes)
 

@@ -192,3 +192,22 @@ def test_a_trainer_takes_the_spec_and_is_refused_a_contradicting_flag(keys, tmp_
         settle_trainer(TrainerConfig(num_stages=3), {"num_stages"}, signed, data)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
         settle_trainer(TrainerConfig(), set(), signed, SimpleNamespace(**{**vars(data), "vocab_size": 300}))
+
+
+def test_an_owners_spec_takes_its_flags_over_its_file(tmp_path):
+    from process.config import from_sources, given_options
+    from swarm.cli import build_parser
+    from swarm.run_authority import RunCreateConfig, owner_spec
+
+    spec_file = tmp_path / "run.toml"
+    spec_file.write_text(
+        '[source]\nmodel = "tiny"\nnum_stages = 3\n[optim]\nlr = 3e-4\nwarmup_steps = 10\n'
+        '[replicas]\naveraging = "periodic"\naveraging_every_steps = 2\n[compression]\ncodec = "int8"\n'
+    )
+    args = build_parser().parse_args(
+        ["run", "create", "--out", str(tmp_path / "run"), "--spec", str(spec_file), "--lr", "5e-4"]
+    )
+    spec = owner_spec(from_sources(RunCreateConfig, args, env={}), given_options(RunCreateConfig, args, env={}))
+    assert spec.owned and spec.model == "tiny" and spec.split.boundaries == (0, 1, 2, 3)
+    assert (spec.optim.lr, spec.optim.warmup_steps) == (5e-4, 10)  # the flag over the file
+    assert (spec.replicas.averaging, spec.replicas.averaging_every_steps, spec.codec.codec) == ("periodic", 2, "int8")
