@@ -23,7 +23,7 @@ from dht.authority import RunAccess, RunAccessConfig, RunInfo, credential_run_id
 from dht.model_match import check_same_model, check_same_vocabulary
 from dht.node import protect_models, start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
-from dht.run_specs import SignedSpec, SpecError, announce_spec, fetch_runs, run_in_force, sign_spec, vouching_peers
+from dht.run_specs import SignedSpec, announce_spec, fetch_runs, run_in_force, sign_spec, vouching_peers
 from dht.signing import identity_of
 from models.hf_format import weight_files
 from models.model_source import model_hash
@@ -35,7 +35,7 @@ from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics
 from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
-from peers.run_spec import parse_spec, read_spec, spec_payload
+from peers.run_spec import parse_spec, read_owner_spec, spec_payload
 from peers.serving.host import PeerHost
 from peers.serving.run_follower import RunFollower
 from peers.settle import SettledPeer, settle
@@ -183,9 +183,7 @@ def join_run(
     chosen = run_in_force(fetch_runs(dht), **choose)
     signed = chosen.spec if chosen is not None else None
     if signed is None and run_file is not None and os.path.isdir(authority.run):
-        signed = read_spec(authority.run)  # the owner's own folder: its spec, not yet on the DHT
-        if signed is not None and signed.signer_key != run_file.owner_public_key:
-            raise SpecError(f"the spec in {authority.run} is not signed by the owner of run {run_file.run_id!r}")
+        signed = read_owner_spec(authority.run, run_file.owner_public_key)  # the owner's folder, not yet on the DHT
     if signed is None and wanted_run is not None:  # a run with an authority but no spec: its peers' settings
         chosen = run_in_force(fetch_runs(dht), model=choose["model"], vouching=choose["vouching"])
         signed = chosen.spec if chosen is not None and not chosen.header.owned else None

@@ -319,6 +319,17 @@ def write_spec(run_dir: str, signed: SignedSpec) -> str:
     return path
 
 
+def read_owner_spec(run_dir: str, owner_key: str) -> SignedSpec | None:
+    """The spec kept in a run's folder if its owner (`owner_key`) signed it (None: the folder has none);
+    SpecError for a bad file or a signature that is not the owner's."""
+    signed = read_spec(run_dir)
+    if signed is not None and (signed.signer_key != owner_key or not signed.signed_by_key()):
+        raise SpecError(
+            f"the spec in {run_dir} is not signed by the owner of the run: it was changed, or is another run's"
+        )
+    return signed
+
+
 def read_spec(run_dir: str) -> SignedSpec | None:
     """The signed spec kept in a run's folder (None: the folder has none); SpecError for a bad file."""
     path = os.path.join(run_dir, SPEC_FILE) if os.path.isdir(run_dir) else run_dir

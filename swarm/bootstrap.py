@@ -11,9 +11,10 @@ import os
 import threading
 import time
 
+from dht.authority import load_run
 from dht.node import NetworkConfig, start_dht
 from dht.run_specs import SPEC_TTL_S, SpecError, announce_spec
-from peers.run_spec import parse_spec, read_spec
+from peers.run_spec import parse_spec, read_owner_spec
 from process.atomic_files import remove_stale_temporaries, write_atomically
 from process.config import option
 from process.lifetime import ShutdownSignals
@@ -43,6 +44,7 @@ def run_bootstrap(config: BootstrapConfig) -> int:
     models = [*config.models, *([spec[1].model] if spec and spec[1].model not in config.models else [])]
     dht = start_dht(config, models=models)
     try:
+        announced = _announce_run(dht, config.run, (None, 0.0)) if config.run else None  # before the address is out
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         print("DHT bootstrap node is up. Join it with:", flush=True)
         for maddr in maddrs:
@@ -51,7 +53,6 @@ def run_bootstrap(config: BootstrapConfig) -> int:
             write_atomically(config.maddrs_file, "\n".join(maddrs) + "\n")
         stop = threading.Event()
         ShutdownSignals(stop.set, what="stopping the DHT node").install()
-        announced = (None, 0.0)  # (the spec's text, when) last announced
         while not stop.wait(1.0):  # a timed wait: the main thread runs the signal handler between waits
             if config.run:
                 announced = _announce_run(dht, config.run, announced)
@@ -63,7 +64,7 @@ def run_bootstrap(config: BootstrapConfig) -> int:
 
 def _run_spec(run_dir: str):
     """(signed, parsed) spec of the run's folder; SpecError (one line) when it has none or a bad one."""
-    signed = read_spec(run_dir)
+    signed = read_owner_spec(run_dir, load_run(run_dir).owner_public_key)
     if signed is None:
         raise SpecError(f"--run {run_dir}: no spec.json there (`swarm run create` writes one)")
     return signed, parse_spec(signed)

@@ -54,7 +54,7 @@ from peers.run_spec import (
     file_sha256,
     first_error,
     parse_spec,
-    read_spec,
+    read_owner_spec,
     spec_payload,
     write_spec,
 )
@@ -346,7 +346,7 @@ def run_update(config: RunUpdateConfig) -> int:
     """Sign the next version of the run's spec, publish it, then keep it in the run's folder."""
     run = load_run(config.run_dir)
     owner_key = load_owner_key(config.run_dir, run)
-    signed = read_spec(config.run_dir)
+    signed = read_owner_spec(config.run_dir, run.owner_public_key)  # a changed spec.json is refused
     if signed is None:
         raise SpecError(f"{config.run_dir} has no spec.json: `swarm run create` writes it")
     spec = parse_spec(signed)

@@ -23,7 +23,7 @@ from dht.authority import RunInfo, credential_run_id, load_run
 from dht.model_match import VocabularyMismatchError
 from dht.run_specs import SignedSpec, SpecError, fetch_runs, fetch_runs_async, run_in_force, vouching_peers
 from models.config import GPTConfig
-from peers.run_spec import RunSpec, file_sha256, parse_spec, read_spec
+from peers.run_spec import RunSpec, file_sha256, parse_spec, read_owner_spec
 from peers.settle import SpecConflictError
 from process.config import option_values, replace_options
 from swarm.trainer.config import TrainerConfig
@@ -56,10 +56,7 @@ def find_spec(dht: hivemind.DHT, config: TrainerConfig, given: Collection[str]) 
     if chosen is not None:
         return chosen.spec
     if run_file is not None and os.path.isdir(authority.run):  # the owner's own folder
-        signed = read_spec(authority.run)
-        if signed is not None and signed.signer_key != run_file.owner_public_key:
-            raise SpecError(f"the spec in {authority.run} is not signed by the owner of run {run_file.run_id!r}")
-        return signed
+        return read_owner_spec(authority.run, run_file.owner_public_key)
     return None
 
 

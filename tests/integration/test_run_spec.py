@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -192,18 +193,23 @@ def test_bad_specs_and_data_get_one_line_and_nothing_written(make_swarm, tmp_pat
 
 
 def test_a_trainer_checks_its_datas_tokenizer_against_the_spec(make_swarm, tmp_path, swarm_cli):
-    texts = {"a": "to be or not to be, that is the question " * 400, "b": "all the world's a stage " * 400}
-    for name, text in texts.items():
-        (tmp_path / f"{name}.txt").write_text(text)
+    for seed, name in enumerate("ab"):  # two corpora of made-up words: two BPEs of one size, other merges
+        rng = random.Random(seed)
+        words = [
+            "".join(rng.choice("abcdefghijklmnop"[seed * 4 :]) for _ in range(rng.randint(2, 7))) for _ in range(400)
+        ]
+        (tmp_path / f"{name}.txt").write_text(" ".join(rng.choice(words) for _ in range(30_000)))
         made = swarm_cli("data", "prepare", str(tmp_path / f"{name}.txt"), "--out", str(tmp_path / name),
                          "--tokenizer", "bpe:300")  # fmt: skip
         assert made.returncode == 0, made.stderr
+    vocab = {json.loads((tmp_path / name / "meta.json").read_text())["vocab_size"] for name in "ab"}
+    assert len(vocab) == 1, vocab  # one vocabulary: only the tokenizers differ
     swarm = make_swarm(num_stages=2)
     swarm.start_bootstrap()
     run = tmp_path / "run"
     created = swarm_cli("run", "create", "--out", str(run), "--model", "tiny", "--tokenizer", str(tmp_path / "a"),
                         "--initial-peers", *swarm.initial_peers)  # fmt: skip
-    assert created.returncode == 0 and "vocabulary 300" in created.stdout, created.stdout + created.stderr
+    assert created.returncode == 0 and f"vocabulary {vocab.pop()}" in created.stdout, created.stdout + created.stderr
     peers = [swarm.start_volunteer("--stage", "0"), swarm.start_volunteer("--stage", "1")]
     swarm.wait_online(peers)
     report = train(swarm, tmp_path, "right", "--steps", "1", "--data", str(tmp_path / "a"))
