@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dht.model_match import ModelMismatchError
 from dht.run_specs import SpecError
 from models.balanced_split import BalancedSplitError, memory_balanced_boundaries
 from models.config import GPTConfig
@@ -28,7 +29,7 @@ from models.stages import equal_boundaries, split_from_boundaries, stage_spec
 from peers.compute import memory_budget
 from peers.compute.devices import resolve_precision
 from peers.config import AUTO_STAGE, MEMORY_SPLIT, PeerConfig
-from peers.run_spec import RunSpec, file_sha256, model_kind, spec_of_peer, spec_options
+from peers.run_spec import RunSpec, file_sha256, spec_of_peer, spec_options
 from process.config import ConfigError, option_values, replace_options
 
 
@@ -205,19 +206,24 @@ def _text(value: Any) -> str:
 def _spec_model(config: PeerConfig, spec: RunSpec) -> GPTConfig:
     """The run's model as this peer can build it; refused in one line when it cannot (no folder, a
     module that does not import) or when what it builds differs from the run's (another fingerprint)."""
-    wanted = spec.model_config_resolved
-    kind = spec.source.kind
-    if kind == "folder" and config.model_dir is None:
+    if spec.source.kind == "folder" and config.model_dir is None:
         raise SpecError(
             f"run {spec.run_id!r} trains the Hugging Face folder model {spec.model!r} (fingerprint "
             f"{spec.source.fingerprint}): start this peer with --model-dir DIR, the folder with its weights"
         )
-    if kind == "folder":
-        built = resolve_model(spec.model, config.model_dir)
-    elif kind == "user":
-        built = resolve_model(spec.model)  # imports the module: UserModelError (one line) when it cannot
-    else:
-        built = wanted  # a named config needs nothing of this machine's
+    if spec.source.kind == "named" and config.model_dir is not None:
+        raise SpecError(f"run {spec.run_id!r} trains the named model {spec.model}; leave out --model-dir")
+    return check_own_model(spec, config.model_dir, who="peer")
+
+
+def check_own_model(spec: RunSpec, model_dir: str | None, *, who: str) -> GPTConfig:
+    """The run's model, checked against this machine's copy where it has one (a folder's config, a
+    user architecture's code): ModelMismatchError (one line) when that copy is another model."""
+    wanted = spec.model_config_resolved
+    kind = spec.source.kind
+    if kind == "named" or (kind == "folder" and model_dir is None):
+        return wanted
+    built = resolve_model(spec.model, model_dir) if kind == "folder" else resolve_model(spec.model)
     built = dataclasses.replace(
         built,
         name=wanted.name,
@@ -226,15 +232,15 @@ def _spec_model(config: PeerConfig, spec: RunSpec) -> GPTConfig:
         subspace_rank=wanted.subspace_rank,
         subspace_kind=wanted.subspace_kind,
     )
-    if kind != "named" and model_fingerprint(built) != spec.source.fingerprint:
-        where = f"the folder {config.model_dir}" if kind == "folder" else f"the module of {spec.model}"
-        raise SpecError(
-            f"{where} holds another model (fingerprint {model_fingerprint(built)}) than run {spec.run_id!r} trains "
-            f"({spec.source.fingerprint}): every peer needs the same {'folder contents' if kind == 'folder' else 'code'}"
+    mine = model_fingerprint(built)
+    if mine != spec.source.fingerprint:
+        where = f"the folder {model_dir}" if kind == "folder" else f"this {who}'s code of {spec.model}"
+        raise ModelMismatchError(
+            f"{where} is another model: its fingerprint {mine} differs from the one run {spec.run_id!r} trains "
+            f"({spec.source.fingerprint}); every peer and trainer needs the same "
+            f"{'folder contents' if kind == 'folder' else 'code'}"
         )
-    if kind == "named" and model_kind(config) != "named" and config.model_dir is not None:
-        raise SpecError(f"run {spec.run_id!r} trains the named model {spec.model}; leave out --model-dir")
-    return wanted if kind == "named" else built
+    return built
 
 
 def _check_init_weights(config: PeerConfig, spec: RunSpec) -> None:

@@ -23,8 +23,9 @@ from dht.authority import RunInfo, credential_run_id, load_run
 from dht.model_match import VocabularyMismatchError
 from dht.run_specs import SignedSpec, SpecError, fetch_runs, fetch_runs_async, run_in_force, vouching_peers
 from models.config import GPTConfig
+from models.interface import UserModelError
 from peers.run_spec import RunSpec, file_sha256, parse_spec, read_owner_spec
-from peers.settle import SpecConflictError
+from peers.settle import SpecConflictError, check_own_model
 from process.config import option_values, replace_options
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.data import PreparedData, model_for_data
@@ -71,12 +72,17 @@ def settle_trainer(
     spec = parse_spec(signed)
     _refuse_contradictions(config, given, spec)
     model = spec.model_config_resolved
+    if spec.source.kind != "named":  # this trainer's copy of the model, if it has one, is the run's
+        try:
+            check_own_model(spec, config.model_dir, who="trainer")
+        except UserModelError:
+            pass  # a trainer holds no weights: it needs no code of a user architecture
     # a named model's vocabulary is the data's; a model folder keeps its own, which the data's ids must fit
     fits = data.vocab_size <= model.vocab_size if spec.source.kind == "folder" else data.vocab_size == model.vocab_size
     if not fits:
         raise VocabularyMismatchError(
-            f"the data in {data.folder} has a vocabulary of {data.vocab_size:,} tokens, but run {spec.run_id!r} "
-            f"trains {spec.model} with {model.vocab_size:,}: prepare the data with the run's tokenizer"
+            f"the data in {data.folder} has a vocabulary of {data.vocab_size} tokens, but run {spec.run_id!r} "
+            f"trains {spec.model} with {model.vocab_size}: prepare the data with the run's tokenizer"
         )
     wanted = spec.source.tokenizer_sha256
     if wanted and file_sha256(data.tokenizer_path) != wanted:
