@@ -366,7 +366,7 @@ def run_update(config: RunUpdateConfig) -> int:
             ),
             default=0,
         )
-        if config.from_step < at:
+        if config.from_step < at:  # the step as the peers last announced it (every few seconds)
             raise SpecError(
                 f"--from-step {config.from_step} is a past step: run {spec.run_id} is at step {at} already; "
                 f"give --from-step {at} or later"

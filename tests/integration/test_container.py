@@ -343,17 +343,17 @@ def test_a_peer_inside_the_container_serves_a_trainer_outside_it(peer_image, mak
     swarm.wait_online([host_peer])
     volume, name = containers("volume"), containers("container")
     assert run(["podman", "volume", "create", volume], timeout_s=60).returncode == 0
-    volunteer = [
-        *PODMAN_RUN,
-        "--detach",
-        "--network",
-        "host",
-        "-v",
-        f"{volume}:/data",
-        "-e",
-        "SWARM_INITIAL_PEERS=" + " ".join(swarm.initial_peers),
-    ]
-    started = run([*volunteer[:2], "--name", name, *volunteer[2:], peer_image], timeout_s=120)
+
+    def volunteer(container: str) -> list[str]:
+        """README's one command: the address and nothing else (the volume and the network are podman's)."""
+        joined = "SWARM_INITIAL_PEERS=" + " ".join(swarm.initial_peers)
+        return [*PODMAN_RUN, "--detach", "--name", container, "--network", "host", "-v", f"{volume}:/data"] + [
+            "-e",
+            joined,
+            peer_image,
+        ]
+
+    started = run(volunteer(name), timeout_s=120)
     assert started.returncode == 0, started.stderr
     log = wait_for_log(name, " online:", timeout_s=180)
     peer_id = re.search(r"peer (\S+) online:", log).group(1)
@@ -388,6 +388,6 @@ def test_a_peer_inside_the_container_serves_a_trainer_outside_it(peer_image, mak
     # The volume keeps the identity (same peer id) and the stage's checkpoint across a new container,
     # started the same one way: it takes stage 0 again (the stage with no peer) and restores it.
     again = containers("container")
-    assert run([*volunteer[:2], "--name", again, *volunteer[2:], peer_image], timeout_s=120).returncode == 0
+    assert run(volunteer(again), timeout_s=120).returncode == 0
     log = wait_for_log(again, " online:", timeout_s=180)
     assert f"peer {peer_id} online:" in log and "restored stage 0 from /data/checkpoints/" in log

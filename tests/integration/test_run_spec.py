@@ -19,6 +19,8 @@ import re
 import pytest
 import torch
 
+from dht.announce import fetch_stage_records
+from dht.node import NetworkConfig, start_dht
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from tests.hf_models import make_hf_folder
 from tests.integration.polling import wait_for
@@ -101,6 +103,18 @@ def test_a_new_version_is_followed_by_every_replica_at_its_step(make_swarm, tmp_
     ]
     swarm.wait_online(peers)
     train(swarm, tmp_path, "first", "--steps", "3")
+    # `swarm run update` reads the run's step from the peers' records, renewed every few seconds
+    reader = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+    try:
+        wait_for(
+            lambda: (
+                min((r.steps_done for s in range(2) for r in fetch_stage_records(reader, "tiny", s)), default=0) >= 3
+            ),
+            timeout_s=60,
+            what="every replica announcing its 3 steps",
+        )
+    finally:
+        reader.shutdown()
 
     kept = (run / "spec.json").read_text()
     past = swarm_cli("run", "update", "--run-dir", str(run), "--from-step", "1", "--lr", "0.01",
