@@ -61,14 +61,14 @@ class RunFollower:
     async def refresh(self) -> bool:
         """Look for a later version of this run; True when one was adopted."""
         async with self._lock:
-            runs = await fetch_runs_async(self.dht)
-            for run in runs or ():
+            known = self.version
+            for run in await fetch_runs_async(self.dht) or ():
                 if run.identity != (self.spec.run_id, self.signed.signer_key) or run.header.version <= self.version:
                     continue
                 if run.spec.digest in self._ignored:
                     continue
                 self._adopt(run.spec)
-            return False if runs is None else True
+            return self.version > known
 
     def _adopt(self, signed: SignedSpec) -> None:
         try:
