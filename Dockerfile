@@ -8,8 +8,9 @@
 # no CUDA base image: PyPI's torch wheels carry the CUDA runtime, the host gives the driver
 # (`docker run --gpus all`).
 #
-# Configuration: every `swarm peer` flag is also an environment variable (--initial-peers is
-# SWARM_INITIAL_PEERS, --stage is SWARM_STAGE, ...); flags after the image name still work.
+# Configuration: `-e SWARM_INITIAL_PEERS=...` is all a volunteer gives: the run's spec says what to
+# train and the peer picks its stage. Every `swarm peer` flag is also an environment variable
+# (--stage is SWARM_STAGE, ...); flags after the image name still work.
 
 ARG BASE_IMAGE=debian:bookworm-slim
 
@@ -59,7 +60,7 @@ COPY swarm/ swarm/
 RUN pip install --no-cache-dir --no-deps --no-index --no-build-isolation . \
  && rm -rf build ./*.egg-info
 
-# Defaults for a container; SWARM_INITIAL_PEERS and SWARM_STAGE are the volunteer's to give.
+# Defaults for a container; SWARM_INITIAL_PEERS is the volunteer's to give.
 # Listen on every interface of the container, so that `-p` port maps reach the peer. The metrics
 # settings take effect where the peer has --metrics-port/--metrics-host (the metrics issue).
 ENV SWARM_HOST_MADDRS=/ip4/0.0.0.0/tcp/31337 \

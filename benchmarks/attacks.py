@@ -20,11 +20,11 @@ peer, and what the attackers' requests got. Goals (issues #30 and #60): tokens/s
 final loss within 2% of clean, peak RSS < 200 MB above clean on every process.
 
 Attacks (issue #30):
-- lying_replica: a stage-1 replica 10x slower than the honest one (`--fault-slowdown 10
-  --fault-slowdown-mode device`) that announces 1000x its throughput and reports compute times 1000x
-  shorter (`--fault-claim-speedup 1000`). Issue #60: under direct routing it drew 239 of 240 chains.
+- lying_replica: a stage-1 replica 10x slower than the honest one (`--faults
+  slowdown=10,slowdown_mode=device`) that announces 1000x its throughput and reports compute times 1000x
+  shorter (`--faults claim_speedup=1000`). Issue #60: under direct routing it drew 239 of 240 chains.
 - fake_wrong_stage: `--fakes` stage-1 records announcing 1000x throughput whose peers answer every
-  call "wrong stage" (`--fault-wrong-stage`).
+  call "wrong stage" (`--faults wrong_stage`).
 - outsider_averaging, size_bomb, junk_subkeys, junk_rpcs: the clients of benchmarks/attack_clients.py.
 Attacks (issue #60):
 - stalling_sybils, stalling_sybils_join: three stage-1 sybils whose compute sleeps 100,000x (they take
@@ -62,12 +62,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report_file import write_report  # noqa: E402
 from dht.authority import issue, load_owner_key, load_run, write_credential  # noqa: E402
 from dht.signing import load_identity, new_identity_file  # noqa: E402
-from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.local_swarm import LocalSwarm, ManagedProcess, fault_args  # noqa: E402
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
 PERIODIC_ARGS = ["--averaging", "periodic", "--averaging-every-steps", "2"]
 GOAL_TOKENS_RATIO, GOAL_LOSS_REL, GOAL_RSS_MB = 0.8, 0.02, 200.0
-STALL = ("--fault-slowdown", "100000", "--fault-slowdown-mode", "sleep", "--fault-claim-speedup", "1e8")
+STALL = tuple(fault_args(slowdown=100000.0, slowdown_mode="sleep", claim_speedup=1e8))
 SYBILS = 3
 
 
@@ -160,12 +160,12 @@ def nothing(swarm: Swarm) -> list[ManagedProcess]:
 
 
 def lying_replica(swarm: Swarm) -> list[ManagedProcess]:
-    slow = ("--fault-slowdown", "10", "--fault-slowdown-mode", "device", "--fault-claim-speedup", "1000")
+    slow = fault_args(slowdown=10, slowdown_mode="device", claim_speedup=1000)
     return [swarm.stranger(1, *slow, name="peer-s1-liar")]
 
 
 def fake_wrong_stage(swarm: Swarm) -> list[ManagedProcess]:
-    fake = ("--fault-wrong-stage", "--fault-claim-speedup", "1000")
+    fake = fault_args(wrong_stage=True, claim_speedup=1000)
     return [swarm.stranger(1, *fake, name=f"peer-s1-fake{i}") for i in range(swarm.args.fakes)]
 
 

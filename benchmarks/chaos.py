@@ -32,7 +32,7 @@ from dht.node import NetworkConfig, start_dht  # noqa: E402
 from dht.records import PeerState  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from peers.compute.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, fault_args  # noqa: E402
 from swarm.trainer.client import PeerCallError, StageClient  # noqa: E402
 from wire.compression import CodecChoice  # noqa: E402
 from wire.failures import Failure  # noqa: E402
@@ -133,7 +133,7 @@ def main() -> int:
                 name = f"s{stage}r{replica}"
                 folder = os.path.join(workdir, f"ckpt-{name}")
                 slots[name] = (stage, folder, swarm.start_peer(stage, "--checkpoint-dir", folder))
-        garbage = swarm.start_peer(1, "--fault-garbage", "nan", "--fault-garbage-rate", "0.5", name="peer-garbage")
+        garbage = swarm.start_peer(1, *fault_args(garbage="nan", garbage_rate=0.5), name="peer-garbage")
         swarm.wait_online([p for _, _, p in slots.values()] + [garbage])
         bad = BadClient(swarm.initial_peers, args.model, 2, args.bad_request_period_s, args.seed)
         bad.thread.start()

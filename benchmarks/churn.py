@@ -17,7 +17,7 @@ in steady state with the same number of identical peers per stage: D's 3 + 2 wer
 E's 2 + 2 in A. The capacity of a set is the tokens/s of steps that completed in its reference
 phase, after the first --settle-s seconds (the ramp-up of a join). A "start" phase begins when
 the new peer is online (it loads the stage's state from a replica first). Every peer runs with
---fault-slowdown (default 10): its compute is followed by 9x as much sleep, as on a volunteer
+--faults slowdown (default 10): its compute is followed by 9x as much sleep, as on a volunteer
 device 10x slower than one core of this machine, so that a peer's capacity is its own and not a
 slice of the machine's two cores (otherwise a kill frees CPU for the survivors and looks free).
 The default model is `tiny` so that steps are short (a stall shows at sub-second resolution) even
@@ -227,7 +227,7 @@ def _peer_key(process) -> str | None:
 
 def run(args) -> dict:
     from models.config import get_model_config
-    from swarm.local_swarm import LocalSwarm
+    from swarm.local_swarm import LocalSwarm, fault_args
 
     seq_len = get_model_config(args.model).seq_len
     tokens_per_step = args.batch_size * seq_len
@@ -240,8 +240,7 @@ def run(args) -> dict:
         "1",
         "--announce-period-s",
         str(args.announce_period_s),
-        "--fault-slowdown",
-        str(args.slowdown),
+        *fault_args(slowdown=args.slowdown),
     ]
     observations: list[tuple[int, float]] = []
     calls_at: dict[str, dict] = {}
@@ -421,7 +420,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--max-in-flight", type=int, default=8)
-    parser.add_argument("--slowdown", type=float, default=10.0, help="every peer's --fault-slowdown")
+    parser.add_argument("--slowdown", type=float, default=10.0, help="every peer's --faults slowdown")
     parser.add_argument("--phase-s", type=float, default=45.0, help="seconds per phase (5 phases + warm-up)")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument(

@@ -13,7 +13,7 @@ same seed and measures the validation loss after the last step.
 - clean: no liar, `--verify-fraction 0`: the baseline of validation loss. Then, on the same swarm
   (its weights trained on further: throughput only), trainers of `--cost-steps` steps at each of
   `--cost-fractions` (default none: benchmarks/verify_cost.py measures the cost on a bigger swarm).
-- caught lies (`--modes`): a third replica lies on every answer, at `--fault-garbage-size` 0.05
+- caught lies (`--modes`): a third replica lies on every answer, at `--faults garbage_size=0.05`
   (noise 0.03), and a trainer checks at `--detect-fraction` (default 0.2). `last-*` rows: the liar
   serves the last stage (its fused call: loss, input gradient, gradient sample); `first-*` rows: it
   serves stage 0 (its forwards and backwards); `backward`: a stage-0 replica that lies on its
@@ -48,12 +48,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
-from swarm.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.local_swarm import LocalSwarm, ManagedProcess, fault_args  # noqa: E402
 from swarm.trainer.spot_checks import CHECK_PRECISION, tolerance  # noqa: E402
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]  # averaging: the default (sync)
 KINDS = ("scale", "noise", "replay", "stale")
-SIZES = {"noise": 0.03}  # --fault-garbage-size per kind (0.05 otherwise)
+SIZES = {"noise": 0.03}  # --faults garbage_size per kind (0.05 otherwise)
 # row -> (the liar's stage, its lie, the calls it lies on)
 MODES = {
     **{f"last-{kind}": (1, kind, "all") for kind in KINDS},
@@ -167,8 +167,7 @@ def liar_run(
 
 def lying_run(mode: str, args, root: str) -> dict:
     stage, kind, calls = MODES[mode]
-    liar_args = ["--fault-garbage", kind, "--fault-garbage-rate", "1.0", "--fault-garbage-calls", calls]
-    liar_args += ["--fault-garbage-size", str(SIZES.get(kind, 0.05))]
+    liar_args = fault_args(garbage=kind, garbage_rate=1.0, garbage_calls=calls, garbage_size=SIZES.get(kind, 0.05))
     return {"mode": mode, **liar_run(mode, args, root, stage, liar_args, args.detect_fraction)}
 
 
@@ -178,7 +177,7 @@ def inside_run(kind: str, args, root: str) -> dict:
     precision = "bf16" if bf16 else "fp32"
     size = args.inside_share * tolerance("none", (precision, CHECK_PRECISION))
     lie = kind.removeprefix("bf16-")
-    liar_args = ["--fault-garbage", lie, "--fault-garbage-rate", "1.0", "--fault-garbage-size", f"{size:.6f}"]
+    liar_args = fault_args(garbage=lie, garbage_rate=1.0, garbage_size=round(size, 6))
     last_args = ("--precision", "bf16") if bf16 else ()
     run = liar_run(f"inside-{kind}", args, root, 1, liar_args, args.detect_fraction, last_args)
     return {"inside": kind, "lie_size": size, **run}

@@ -6,7 +6,7 @@ line in that file is kept).
     nice -n 10 .venv/bin/python benchmarks/profiled_split.py [--part all|split|planner] [--steps 12]
 
 Split part: the model is profiled in this process (`models.profile`); for each scenario (stage
-speeds: a slower device is emulated with the peers' `--fault-slowdown`, which sleeps the extra
+speeds: a slower device is emulated with the peers' `--faults slowdown`, which sleeps the extra
 time, so it costs no CPU) the balanced split and the equal split are each run as a real loopback
 swarm (one peer per stage, one torch thread each). Reported per split: the slowest stage's
 compute time per microbatch, measured in-process on the same stage runtimes the peers use
@@ -41,7 +41,7 @@ from models.profile import profile_model  # noqa: E402
 from models.stages import equal_boundaries  # noqa: E402
 from peers.compute.faults import FaultSettings, FaultyStageRuntime  # noqa: E402
 from peers.compute.stage_runtime import OptimizerSettings, StageRuntime  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, fault_args  # noqa: E402
 from swarm.planner.opfence import opfence_plan  # noqa: E402
 from swarm.planner.search import search_plan  # noqa: E402
 from swarm.planner.topology import load_topology  # noqa: E402
@@ -118,7 +118,7 @@ def swarm_tokens_per_s(
         for stage in range(num_stages):
             extra = ["--split-boundaries", flag]
             if speeds[stage] != 1.0:
-                extra += ["--fault-slowdown", str(1 / speeds[stage])]
+                extra += fault_args(slowdown=1 / speeds[stage])
             peers.append(swarm.start_peer(stage, *extra))
             swarm.wait_online(peers[-1:])  # the first peer states the split, the others match it
         trainer = swarm.start_trainer(
@@ -309,7 +309,7 @@ def write_results(result: dict, command: str) -> None:
             f"Model `{args['model']}`, one peer per stage (1 torch thread each), batch {args['batch_size']} "
             f"in microbatches of {args['microbatch_size']}, {args['steps']} timed steps after {args['warmup']} "
             f"warm-up steps, {args['repetitions']} run(s) per split (values separated by /). A slower device is "
-            "emulated by `--fault-slowdown` on that stage's peer. 'Predicted' = the profile's stage times; "
+            "emulated by `--faults slowdown` on that stage's peer. 'Predicted' = the profile's stage times; "
             "'measured' = forward + backward of one microbatch on each stage's runtime in this process "
             "(median of "
             f"{args['stage_repeats']}), slowdown included.",

@@ -4,7 +4,7 @@ after its peers rebalance themselves to 2:2, next to the same start with rebalan
     flock /tmp/swarm-bench.lock timeout 900 nice -n 5 .venv/bin/python benchmarks/rebalance_loopback.py \
         --out benchmarks/out/rebalance_loopback.json
 
-Making the bottleneck real on a small machine: every peer runs with `--fault-slowdown S` (default
+Making the bottleneck real on a small machine: every peer runs with `--faults slowdown=S` (default
 60), so each compute takes S times as long, the extra time slept. The peers then behave like four
 machines, each S times slower than a share of this CPU, instead of four processes fighting over
 the same 2 cores (where adding a replica to a stage adds no compute at all). With
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, fault_args  # noqa: E402
 
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ .*replicas \[(\d+), (\d+)\]")
 METRICS_URL = re.compile(r"metrics on (http://\S+)")
@@ -79,10 +79,7 @@ def run_swarm(args, *, rebalance: bool, stages: tuple[int, ...] = (0, 0, 0, 1)) 
         "1",
         "--announce-period-s",
         "2",
-        "--fault-slowdown",
-        str(args.slowdown),
-        "--fault-slowdown-mode",
-        args.slowdown_mode,
+        *fault_args(slowdown=args.slowdown, slowdown_mode=args.slowdown_mode),
     ]
     if rebalance:
         peer_args += ["--rebalance-period-s", str(args.rebalance_period_s), "--rebalance-min-gain", "0.2"]
@@ -181,12 +178,12 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--max-in-flight", type=int, default=8)
-    parser.add_argument("--slowdown", type=float, default=60.0, help="--fault-slowdown of every peer")
+    parser.add_argument("--slowdown", type=float, default=60.0, help="--faults slowdown of every peer")
     parser.add_argument(
         "--slowdown-mode",
         default="device",
         choices=["device", "sleep"],
-        help="--fault-slowdown-mode of every peer (runs 1-5 and r1 in RESULTS.md used sleep)",
+        help="--faults slowdown_mode of every peer (runs 1-5 and r1 in RESULTS.md used sleep)",
     )
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)

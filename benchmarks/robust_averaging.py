@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/robust_averaging.py --steps 20 --out benchmarks/out/robust_averaging.json
 
 One run: a 2-stage `tiny` swarm on loopback in sync mode, three replicas of stage 0 (in the poisoned
-runs one of them started with `--fault-averaging scale|flip`: its gradients x10 or negated in the
+runs one of them started with `--faults averaging=scale|flip`: its gradients x10 or negated in the
 all-reduce) and one of stage 1; the trainer takes `--steps` steps and measures the validation loss
 through the swarm at the end (the same validation batches in every run). Every peer of a run uses the
 same `--robust-averaging`.
@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, fault_args  # noqa: E402
 
 CASES = [("none", "clip"), ("scale", "none"), ("scale", "clip"), ("flip", "none"), ("flip", "clip")]
 
@@ -35,7 +35,7 @@ def one_run(lie: str, robust: str, args: argparse.Namespace, workdir: str) -> di
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=peer_args) as swarm:
         swarm.start_bootstrap()
         peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1)]
-        lying = ["--fault-averaging", lie] if lie != "none" else []
+        lying = fault_args(averaging=lie) if lie != "none" else []
         peers.append(swarm.start_peer(0, "--no-load-state", *lying))
         swarm.wait_online(peers)
         trainer = swarm.start_trainer(

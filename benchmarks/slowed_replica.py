@@ -6,7 +6,7 @@ clearly less, nothing is lost) and the ratio lives here.
     .venv/bin/python benchmarks/slowed_replica.py --runs 3 --out benchmarks/out/slowed_replica.json
 
 One run: a 2-stage `small` swarm on loopback, one stage-0 peer, two stage-1 peers of which one is
-slowed 3x with `--fault-slowdown-mode busy` (it spends its extra time computing, so load on the
+slowed 3x with `--faults slowdown_mode=busy` (it spends its extra time computing, so load on the
 machine hits both replicas alike); a trainer does warm-up steps, then counted steps of 8
 microbatches of one sample. The ratio is the slowed replica's stage-1 calls over its partner's,
 counted after the warm-up from the trainer's report (rewritten after every step).
@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, fault_args  # noqa: E402
 
 GOAL = (1 / 3 * 0.8, 1 / 3 * 1.2)
 
@@ -51,7 +51,7 @@ def one_run(warmup_steps: int, counted_steps: int, workdir: str) -> dict:
         swarm.start_bootstrap()
         first = swarm.start_peer(0)
         fast = swarm.start_peer(1)
-        slow = swarm.start_peer(1, "--fault-slowdown", "3", "--fault-slowdown-mode", "busy")
+        slow = swarm.start_peer(1, *fault_args(slowdown=3, slowdown_mode="busy"))
         swarm.wait_online([first, fast, slow])
         trainer = swarm.start_trainer(
             *("--steps", str(warmup_steps + counted_steps), "--batch-size", "8", "--microbatch-size", "1"),

@@ -76,7 +76,7 @@ from benchmarks.report_file import write_report  # noqa: E402
 from models.config import get_model_config  # noqa: E402
 from models.stages import build_stage  # noqa: E402
 from peers.replicas.averaging_choice import choose_averaging  # noqa: E402
-from swarm.local_swarm import LocalSwarm, LocalSwarmError  # noqa: E402
+from swarm.local_swarm import LocalSwarm, LocalSwarmError, fault_args  # noqa: E402
 from wire.compression import LinkEstimate  # noqa: E402
 
 GPIPE_PORT = 29500
@@ -463,7 +463,7 @@ def run_swarm(
             for stage, host in placements:
                 extra = ["--host-maddrs", net.maddr(host), *(averaging or [])]
                 if faults and not kill_only and host == s.stage_hosts[s.slow_stage]:
-                    extra += ["--fault-slowdown", str(s.slowdown)]
+                    extra += fault_args(slowdown=s.slowdown)
                 peers[host] = swarm.start_peer(stage, *extra, name=f"peer-{host}", prefix=net.exec_prefix(host))
             swarm.wait_online(list(peers.values()), timeout_s=180.0)
             _say(f"   {len(peers)} peers online after {time.monotonic() - started:.0f} s")

@@ -318,12 +318,10 @@ class RunAccessConfig:
         "process issues itself one); unset: no run authority (anyone may)",
     )
     credential: str | None = option(
-        None, help="this process's credential for the run (from `swarm run issue`); needs --run and --identity-path"
+        None,
+        help="this process's credential for the run (from `swarm run issue`; it names the run), with the "
+        "--identity-path it was issued to",
     )
-
-    def __post_init__(self) -> None:
-        if self.credential is not None and self.run is None:
-            raise ConfigError("--credential needs --run (the run's public file it was issued for)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,18 +340,27 @@ NO_RUN_WARNING = (
 SELF_ISSUED_VALID_S = 30 * 86400.0  # a credential the owner's own process issues itself at start-up
 
 
-def load_run_access(config: RunAccessConfig, *, peer_id: str, roles: tuple[str, ...] = ROLES) -> RunAccess | None:
-    """The run of `config` for the process running as `peer_id` in one of `roles`, its own credential
-    checked (so a wrong, expired or another identity's credential fails at start-up, not on every call).
+def load_run_access(
+    config: RunAccessConfig, *, peer_id: str, roles: tuple[str, ...] = ROLES, run: RunInfo | None = None
+) -> RunAccess | None:
+    """The run of `config` (or `run`, a run known from its spec) for the process running as `peer_id`
+    in one of `roles`, its own credential checked (so a wrong, expired or another identity's credential
+    fails at start-up, not on every call). None: the process takes part in no run with an authority.
     A process of the run's owner (`--run` names the run's folder, which holds the owner key) without
     `--credential` issues itself one, for `roles[0]`: the owner's peers and trainers need no
     `swarm run issue` (that is how `swarm demo` and every local swarm run, LocalSwarm)."""
-    if config.run is None:
+    if run is None and config.run is not None:
+        run = load_run(config.run)
+    if run is None:
+        if config.credential is not None:
+            raise RunFileError(
+                f"--credential {config.credential}: this swarm serves no run with an owner for it to be a "
+                "credential of (give the run's file with --run)"
+            )
         return None
-    run = load_run(config.run)
     authority = RunAuthority(run)
     if config.credential is None:
-        owner_key = _owner_key_beside(config.run, run)
+        owner_key = _owner_key_beside(config.run, run) if config.run is not None else None
         if owner_key is None:
             return RunAccess(authority, None, None)
         signed = issue(owner_key, run, role=roles[0], peer_id=peer_id, valid_for_s=SELF_ISSUED_VALID_S)
@@ -380,6 +387,18 @@ def _owner_key_beside(run_path: str, run: RunInfo) -> RSAPrivateKey | None:
     if not os.path.isfile(os.path.join(folder, OWNER_KEY_FILE)):
         return None
     return load_owner_key(folder, run)
+
+
+def credential_run_id(path: str | None) -> str | None:
+    """The run id a credential file names (unverified: its signature is checked once the run's key is known)."""
+    if path is None:
+        return None
+    try:
+        return Credential.model_validate_json(
+            SignedCredential.model_validate_json(read_credential(path)).payload
+        ).run_id
+    except ValidationError:
+        raise RunFileError(f"--credential {path}: not a credential file (`swarm run issue` writes one)") from None
 
 
 def credential_summary(credential: Credential) -> str:

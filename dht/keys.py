@@ -59,3 +59,9 @@ def plan_key(model: str) -> str:
     """The key under which `swarm plan --publish` stores placement plans (subkey: the planner's
     peer id; the newest unexpired plan is the current one)."""
     return f"swarm/{model}/plan"
+
+
+def runs_key() -> str:
+    """The key under which every peer announces the signed spec of the run it serves (subkey:
+    `peer_subkey`; dht/run_specs.py), so that a process that knows only an address finds its run."""
+    return "swarm/runs"

@@ -138,6 +138,22 @@ def start_dht(network: NetworkConfig, *, client_mode: bool = False, models: Coll
     return dht
 
 
+def protect_models(
+    dht: hivemind.DHT, network: NetworkConfig, models: Collection[str], *, num_stages: int, client_mode: bool = False
+) -> None:
+    """Guard the keys of `models` (split into `num_stages`) too from now on: a process that learned
+    its model from the run's spec. (The rules travel to the DHT's process through a pipe that does
+    not take the thousands of stage keys `start_dht` guards: only this split's.)"""
+    rules = protected_keys(
+        models,
+        allowed_peers=network.allowed_peers,
+        plan_signers=network.plan_signers,
+        max_stages=num_stages,
+        runs=False,
+    )
+    dht.add_validators([SwarmRecordValidator(rules, cap_subkeys=not client_mode)])
+
+
 async def with_p2p_client(dht: hivemind.DHT, main: Coroutine[Any, Any, T]) -> T:
     """Await `main`, a role's whole async main, with this process's client of the DHT node's p2pd
     open (hivemind's `replicate_p2p`, which returns the same one to every later call in the process),

@@ -2,7 +2,8 @@
 
 hivemind calls a node's record validators when another node asks it to store a record and when a
 node it asked returns one (a dictionary that holds one refused entry is dropped whole). On the keys
-of the models a node knows (`protected_keys`: every stage key, the split, links, move-claim, plan and progress keys),
+of the models a node knows (`protected_keys`: every stage key, the split, links, move-claim, plan and progress keys)
+and on the runs key (the runs' specs, dht/run_specs.py),
 `SwarmRecordValidator` refuses
 - a plain value (it would replace the whole dictionary of subkeys, hiding every peer under it);
 - a subkey that is not `<peer id>[owner:<RSA key>]` with the key hashing to that peer id (unsigned
@@ -40,7 +41,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from dht.keys import links_key, moves_key, parse_peer_subkey, plan_key, progress_key, split_key, stage_key
+from dht.keys import links_key, moves_key, parse_peer_subkey, plan_key, progress_key, runs_key, split_key, stage_key
 from dht.signing import peer_id_of
 
 MAX_PROTECTED_STAGES = 1024  # stage keys guarded per model (a PlanRecord allows as many stages)
@@ -48,6 +49,7 @@ CLOCK_SKEW_S = 60.0  # how far ahead of ours another node's clock may run
 MAX_RECORD_TTL_S = 3600.0  # stage, split and link records are renewed every few seconds to minutes
 MAX_PLAN_TTL_S = 7 * 86400.0  # `swarm plan --plan-ttl-s` (default an hour)
 MAX_PROGRESS_TTL_S = 600.0  # a trainer renews its progress record every step
+MAX_SPEC_TTL_S = 7 * 86400.0  # a run's owner publishes its spec for days (`swarm run create --initial-peers`)
 MAX_MOVE_CLAIM_TTL_S = 3600.0  # a move claim lives a few rebalancing periods (peers/placement/rebalance.py)
 _REGULAR_VALUE = MSGPackSerializer.dumps(None)  # hivemind's subkey tag of a value without subkeys
 
@@ -56,7 +58,7 @@ _REGULAR_VALUE = MSGPackSerializer.dumps(None)  # hivemind's subkey tag of a val
 class KeyRules:
     """What one protected key accepts."""
 
-    kind: str  # "stage", "split", "links", "moves", "plan" or "progress"
+    kind: str  # "stage", "split", "links", "moves", "plan", "progress" or "runs"
     max_subkeys: int
     max_value_bytes: int
     max_ttl_s: float
@@ -69,9 +71,11 @@ def protected_keys(
     allowed_peers: Collection[str] = (),
     plan_signers: Collection[str] = (),
     max_stages: int = MAX_PROTECTED_STAGES,
+    runs: bool = True,
 ) -> dict[bytes, KeyRules]:
-    """The DHT ids (as hivemind hands them to validators) of every key of `models`, with their rules.
-    A private swarm's `allowed_peers` sign every record; `plan_signers` (else the allowed peers) sign plans."""
+    """The DHT ids (as hivemind hands them to validators) of every key of `models` (and the runs key,
+    with `runs`), with their rules. A private swarm's `allowed_peers` sign every record;
+    `plan_signers` (else the allowed peers) sign plans."""
     peers = frozenset(allowed_peers) or None
     planners = frozenset(plan_signers) or peers
     stage = KeyRules(
@@ -91,7 +95,11 @@ def protected_keys(
     )
     # trainers are not among a private swarm's peers: any trainer signs its own progress subkey
     progress = KeyRules("progress", max_subkeys=256, max_value_bytes=64 << 10, max_ttl_s=MAX_PROGRESS_TTL_S)
-    rules = {}
+    # the runs' specs: any announcer of a run (a peer, its owner) signs its own subkey
+    specs = KeyRules(
+        "runs", max_subkeys=1024, max_value_bytes=32 << 10, max_ttl_s=MAX_SPEC_TTL_S, allowed_signers=peers
+    )
+    rules = {_key_id(runs_key()): specs} if runs else {}
     for model in models:
         for s in range(max_stages):
             rules[_key_id(stage_key(model, s))] = stage

@@ -70,6 +70,8 @@ class PeerRecord(BaseModel):
     steps_done: int = Field(
         default=0, ge=0, description="optimizer steps the served copy holds (a standby compares its copy with it)"
     )
+    run_id: str = Field(default="", max_length=64, description="the run whose spec the peer serves ('' = not stated)")
+    spec_version: int = Field(default=0, ge=0, description="the version of the run's spec it follows (0 = not stated)")
     averaging_rounds: int = Field(default=0, ge=0, description="rounds averaged with other replicas of the stage")
     averaging_rounds_failed: int = Field(
         default=0, ge=0, description="rounds that failed (no group in time, or the all-reduce broke off)"

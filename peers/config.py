@@ -19,7 +19,10 @@ checks only the rules that span sections.
     probing        link measurements for the live planner (peers/placement/link_probe.py)
     checkpointing  where and how often the stage is saved
     metrics        the Prometheus endpoint
-    faults         fault injection, for tests (peers/compute/faults.py)
+    faults         fault injection, for tests and benchmarks: one hidden option, `--faults k=v,...`
+
+A peer's configuration is validated here and never resolved: nothing is read from disk or the DHT.
+peers/settle.py settles what the peer serves (the run's spec plus these flags), once, at start-up.
 """
 
 from __future__ import annotations
@@ -29,12 +32,9 @@ import dataclasses
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from dht.record_policy import MAX_RECORD_TTL_S
-from models.balanced_split import BalancedSplitError, memory_balanced_boundaries
-from models.config import GPTConfig, lora_rank, model_names_help
-from models.model_source import resolve_model
-from models.stages import stage_spec
+from models.config import lora_rank, model_names_help
 from models.subspace_options import SubspaceSettings
-from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISIONS
+from peers.compute.devices import DEVICE_CHOICES_HELP, PRECISION_CHOICES
 from peers.compute.faults import FaultSettings
 from peers.compute.stage_runtime import OptimizerSettings
 from peers.compute.weight_prediction import WEIGHT_PREDICTIONS
@@ -44,7 +44,7 @@ from peers.replicas.gloo_allreduce import AVERAGING_TRANSPORTS
 from peers.replicas.outer_rounds import OUTER_CODECS, OuterSchedule, PseudoGradientCodec
 from peers.replicas.outer_step import OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
-from process.config import ConfigError, option, section
+from process.config import ConfigError, option, packed_section, section
 from process.metrics_http import validate_metrics_options
 from wire.protocol import STATE_REQUEST_INTERVAL_S
 
@@ -55,19 +55,22 @@ DEFAULT_OUTER_EVERY_STEPS = 100
 DEFAULT_OUTER_CODEC = "int8"
 DEFAULT_OUTER_LR = 0.7
 MEMORY_SPLIT = "memory"  # --split-boundaries memory: the parameter-balanced split
-
-
-def _memory_split(config: GPTConfig, num_stages: int) -> tuple[int, ...]:
-    try:
-        return memory_balanced_boundaries(
-            block_parameters=config.block_parameters(),
-            n_layers=config.n_layers,
-            embedding_parameters=config.embedding_parameters(),
-            head_parameters=config.head_parameters(),
-            num_stages=num_stages,
-        )
-    except BalancedSplitError as e:
-        raise ConfigError(f"--split-boundaries memory: {e}") from None
+# What `swarm peer --help` lists: where the peer is and how much it gives. The run's spec says what to
+# train; every other flag still works and `swarm peer --help-all` lists them.
+VOLUNTEER_OPTIONS = (
+    "initial_peers",
+    "run",
+    "credential",
+    "stage",
+    "host_maddrs",
+    "announce_maddrs",
+    "identity_path",
+    "device",
+    "memory_limit_gb",
+    "checkpoint_dir",
+    "metrics_port",
+    "verbose",
+)
 
 
 def _positive(section: object, *names: str) -> None:
@@ -88,10 +91,10 @@ class ComputeSettings:
 
     device: str = option("auto", help=f"where the stage computes: {DEVICE_CHOICES_HELP}")
     precision: str = option(
-        "fp32",
-        help="compute precision (bf16/fp16: autocast; weights and optimizer stay fp32; "
-        "the wire format is the codec's either way)",
-        choices=list(PRECISIONS),
+        "auto",
+        help="compute precision (auto: bf16 on a GPU that has it, else fp32; bf16/fp16: autocast; weights "
+        "and optimizer stay fp32; the wire format is the codec's either way)",
+        choices=list(PRECISION_CHOICES),
     )
     num_threads: int = option(1, help="torch compute threads")
     memory_limit_gb: float | None = option(
@@ -354,8 +357,6 @@ class ReplicaSettings:
         elif self.averaging == "outer":
             if self.averaging_period_s is not None:
                 raise ConfigError("outer rounds come every --averaging-every-steps steps, not --averaging-period-s")
-        elif self.averaging_period_s is None:
-            self.averaging_period_s = DEFAULT_AVERAGING_PERIOD_S
         if self.averaging in ("outer", "auto"):
             try:
                 self.outer_schedule  # noqa: B018 - every / fragments checked
@@ -386,7 +387,7 @@ class ReplicaSettings:
         """When periodic averaging rounds happen: by steps if --averaging-every-steps, else by time."""
         if self.averaging_every_steps is not None:
             return AveragingSchedule(every_steps=self.averaging_every_steps)
-        return AveragingSchedule(period_s=self.averaging_period_s)
+        return AveragingSchedule(period_s=self.averaging_period_s or DEFAULT_AVERAGING_PERIOD_S)
 
     @property
     def outer(self) -> OuterSettings | None:
@@ -569,10 +570,9 @@ class PeerConfig:
         "all",
         help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
     )
-    stage: str | int | None = option(
-        None,
-        help="pipeline stage this peer serves, 0-based, or `auto`: the stage that "
-        "needs a peer most (see peers/placement/stage_choice.py)",
+    stage: str | int = option(
+        AUTO_STAGE,
+        help="the pipeline stage to serve, 0-based, or auto: the stage that needs a peer most and fits in memory",
     )
     num_stages: int = option(2, help="number of pipeline stages the model is split into")
     seed: int = option(0, help="seed of the initial weights; every peer of a swarm must use the same")
@@ -607,19 +607,21 @@ class PeerConfig:
     probing: ProbingSettings = section(ProbingSettings, help="link measurements for `swarm plan --from-dht`")
     checkpointing: CheckpointSettings = section(CheckpointSettings, help="saving and restoring the stage")
     metrics: MetricsSettings = section(MetricsSettings, help="the Prometheus endpoint")
-    faults: FaultSettings = section(FaultSettings, help="fault injection, for tests and benchmarks")
+    faults: FaultSettings = packed_section(
+        FaultSettings,
+        prefix="fault_",
+        help="developer: fault injection for tests and benchmarks, e.g. slowdown=3,fail_rate=0.1 (the fields "
+        "of peers/compute/faults.py's FaultSettings without fault_)",
+    )
     subspace: SubspaceSettings = section(SubspaceSettings, help="what crosses between stages: K coefficients per token")
 
     def __post_init__(self) -> None:
-        config = resolve_model(self.model, self.model_dir, self.vocab_size)
-        self.model = config.name
+        """Syntax and the rules between options only: the model, the split and the stage are settled
+        against the run's spec at start-up (peers/settle.py), where files and the DHT are read."""
         try:
             lora_rank(self.trainable)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        config = self.subspace.apply(config)
-        if self.split_boundaries is not None and self.split_boundaries.strip() == MEMORY_SPLIT:
-            self.split_boundaries = ",".join(map(str, _memory_split(config, self.num_stages)))
         if self.model_dir is not None and self.init_weights is not None:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
         if self.replicas.averaging_transport == "gloo" and self.authority.run is not None:
@@ -627,18 +629,18 @@ class PeerConfig:
                 "--averaging-transport gloo authenticates nobody: a run with an authority (--run) averages over hivemind"
             )
         if self.placement.standby:
-            if self.stage not in (None, AUTO_STAGE):
+            if self.stage != AUTO_STAGE:
                 raise ConfigError("--standby chooses its stage itself: leave out --stage (or say --stage auto)")
-            self.stage = AUTO_STAGE
-        if self.stage is None:
-            raise ConfigError("--stage is required (the pipeline stage to serve, 0-based, or auto)")
         if self.stage != AUTO_STAGE:
             try:
                 self.stage = int(self.stage)
             except ValueError:
                 raise ConfigError(f"--stage {self.stage!r}: expected a stage number or auto") from None
-        # StageSplitError for a bad stage or split (auto: the split is checked on stage 0)
-        stage_spec(config, 0 if self.stage == AUTO_STAGE else self.stage, self.num_stages, self.requested_boundaries)
+            if self.stage < 0:
+                raise ConfigError(f"--stage {self.stage}: stages are numbered from 0")
+        if self.num_stages < 1:
+            raise ConfigError(f"--num-stages {self.num_stages}: a model has at least one stage")
+        self.requested_boundaries  # noqa: B018 - refuses malformed --split-boundaries now, in one line
         if self.num_layers is not None:
             if self.split_boundaries is not None:
                 raise ConfigError("--num-layers and --split-boundaries both choose the split; give one")
@@ -656,7 +658,8 @@ class PeerConfig:
 
     @property
     def requested_boundaries(self) -> tuple[int, ...] | None:
-        if self.split_boundaries is None:
+        """The boundaries --split-boundaries names (None: none given, or `memory`, which the model decides)."""
+        if self.split_boundaries is None or self.split_boundaries.strip() == MEMORY_SPLIT:
             return None
         try:
             return tuple(int(part) for part in self.split_boundaries.replace(" ", "").split(","))

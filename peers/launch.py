@@ -1,26 +1,32 @@
 """Starting a peer: from a `PeerConfig` to a serving `PeerHost`.
 
-The order matters: the metrics endpoint first (a taken port fails fast), then the DHT, the split
-agreement, the stage (restored from a checkpoint if there is one), its throughput measurement, the
-averager, and finally the host, which runs until SIGINT/SIGTERM and then announces offline.
+The order matters: the metrics endpoint first (a taken port fails fast), then the DHT, the run (its
+spec read from the DHT, the effective configuration settled against it once and printed:
+peers/settle.py; the first peer of a swarm with no owner publishes its own), the split agreement, the
+stage (chosen among those that fit in memory unless given, restored from a checkpoint if there is
+one), its throughput measurement, the averager, and finally the host, which runs until
+SIGINT/SIGTERM and then announces offline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
+import time
+from collections.abc import Collection
 
 import torch
+from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records
-from dht.authority import load_run_access
+from dht.authority import RunAccess, RunAccessConfig, RunInfo, credential_run_id, load_run, load_run_access
 from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign, judging_records
-from dht.node import start_dht, with_p2p_client
+from dht.node import protect_models, start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
-from models.config import GPTConfig
+from dht.run_specs import SignedSpec, announce_spec, fetch_runs, run_in_force, sign_spec, vouching_peers
+from dht.signing import identity_of
 from models.hf_format import weight_files
-from models.model_source import model_hash, resolve_model
+from models.model_source import model_hash
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.devices import check_optimizer, describe_device, resolve_device
@@ -29,28 +35,23 @@ from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics
 from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
+from peers.run_spec import parse_spec, read_owner_spec, spec_payload
 from peers.serving.host import PeerHost
+from peers.serving.run_follower import RunFollower
+from peers.settle import SettledPeer, settle
 from process.atomic_files import remove_stale_temporaries
-from process.config import ConfigError
+from process.config import ConfigError, describe
 from process.lifetime import stop_events_in_loop
 from process.metrics_http import advertised_metrics_addr, serve_metrics
 
+SPEC_CLAIM_WAIT_S = 1.0  # the first peer of a swarm with no owner: from stating its spec to reading others'
 
-def run_peer(config: PeerConfig) -> None:
-    """Start the DHT node, measure the stage, serve until SIGINT/SIGTERM, then announce offline."""
+
+def run_peer(config: PeerConfig, given: Collection[str] = frozenset(), *, verbose: bool = False) -> None:
+    """Start the DHT node, join the run, measure the stage, serve until SIGINT/SIGTERM, then announce
+    offline. `given`: the options the user set (the others may come from the run's spec)."""
     torch.set_num_threads(config.compute.num_threads)
-    model_config = config.subspace.apply(
-        dataclasses.replace(
-            resolve_model(config.model, config.model_dir, config.vocab_size), trainable=config.trainable
-        )
-    )
     device = resolve_device(config.compute.device)
-    print(
-        f"device: {describe_device(device)} (--device {config.compute.device}); "
-        f"precision {config.compute.precision}; optimizer {config.optim.optimizer}",
-        flush=True,
-    )
-    check_optimizer(config.optim.optimizer, device)
     if config.checkpointing.checkpoint_dir and os.path.isdir(config.checkpointing.checkpoint_dir):
         for path in remove_stale_temporaries(config.checkpointing.checkpoint_dir):  # a killed save's leftovers
             print(f"removed {path}, left by an interrupted checkpoint save", flush=True)
@@ -58,25 +59,7 @@ def run_peer(config: PeerConfig) -> None:
         weight_files(config.model_dir)
     if config.init_weights and not os.path.isfile(config.init_weights):
         raise ConfigError(f"--init-weights {config.init_weights!r}: no such file")
-    if config.replicas.averaging == "none":
-        print(
-            "warning: --averaging none: replicas of this stage will train separate, diverging copies "
-            "(no one model at the end); leave out --averaging (sync) unless this is an experiment",
-            flush=True,
-        )
     available, source = _memory_available(config, device)
-    config = _resolve_num_layers(config, model_config, available, device)
-    # Refuse before joining anything when the requested stage cannot fit (--stage auto: checked on stage 0
-    # here, and again on the stage it picks).
-    first_guess = 0 if config.stage == AUTO_STAGE else config.stage
-    check_stage_memory(
-        config,
-        model_config,
-        stage_spec(model_config, first_guess, config.num_stages, config.requested_boundaries),
-        available,
-        source,
-        device,
-    )
     metrics = PeerMetrics()
     # before the DHT: a taken port fails fast
     endpoint = serve_metrics(metrics.registry, config.metrics.metrics_host, config.metrics.metrics_port)
@@ -91,17 +74,35 @@ def run_peer(config: PeerConfig) -> None:
             f"metrics on {endpoint.url} (announced as {metrics_addr or 'nothing: no reachable address known'})",
             flush=True,
         )
-    dht = start_dht(config.network, models=[config.model])
-    print(
-        f"peer {dht.peer_id.to_base58()} starting: {config.model}, stage "
-        f"{'auto' if config.stage == AUTO_STAGE else config.stage} of {config.num_stages}, "
-        f"averaging {config.replicas.averaging}, checkpoints {config.checkpointing.checkpoint_dir or 'off'} "
-        f"(--verbose prints the whole configuration)",
-        flush=True,
-    )
+    named = [config.model] if "model" in given else []
+    dht = start_dht(config.network, models=named)
     try:
-        # a wrong, expired or another identity's credential stops the peer here, before the stage is built
-        access = load_run_access(config.authority, peer_id=dht.peer_id.to_base58(), roles=("peer",))
+        peer_id = dht.peer_id.to_base58()
+        settled, signed, access = join_run(dht, config, given, device=device, available_bytes=available)
+        config, model_config = settled.config, settled.model
+        if config.model not in named:  # the model's keys are guarded from now on (dht/record_policy.py)
+            protect_models(dht, config.network, [config.model], num_stages=config.num_stages)
+        print(
+            f"peer {peer_id} starting: {config.model}, stage "
+            f"{'auto' if config.stage == AUTO_STAGE else config.stage} of {config.num_stages} "
+            f"(--verbose prints the whole configuration)\n{settled.describe()}",
+            flush=True,
+        )
+        if verbose:
+            print(describe(config), flush=True)
+        print(
+            f"device: {describe_device(device)} (--device {config.compute.device}); "
+            f"precision {config.compute.precision}; optimizer {config.optim.optimizer}",
+            flush=True,
+        )
+        check_optimizer(config.optim.optimizer, device)
+        if config.replicas.averaging == "none":
+            print(
+                "warning: averaging none: replicas of this stage will train separate, diverging copies "
+                "(no one model at the end); leave out --averaging (sync) unless this is an experiment",
+                flush=True,
+            )
+        fitting = _stages_that_fit(settled, available, source, device)
         judged_by = dict(
             authority=access.authority if access else None, credentialed=bool(access and access.credential)
         )
@@ -119,15 +120,16 @@ def run_peer(config: PeerConfig) -> None:
         split = claim_split(
             dht,
             model=config.model,
-            peer_id=dht.peer_id.to_base58(),
-            requested=config.requested_boundaries,
+            peer_id=peer_id,
+            requested=settled.boundaries,
             num_stages=config.num_stages,
             n_layers=model_config.n_layers,
             ttl_s=config.announcing.record_ttl_s,
             # in a run, only the claims of the peers whose records judge this one (dht/model_match.py)
             claimants={r.peer_id for r in judging_records(live, **judged_by)} if access else None,
         )
-        stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht)
+        stage = config.stage if config.stage != AUTO_STAGE else _auto_stage(config, dht, fitting)
+        follower = RunFollower(dht, signed, settled.spec)
         builder = StageBuilder(
             config,
             model_config,
@@ -137,6 +139,8 @@ def run_peer(config: PeerConfig) -> None:
             device=device,
             available_bytes=available,
             memory_source=source,
+            schedule=follower.schedule,
+            members_only=access is not None,
         )
         built = builder.build(stage)
         metrics.set_averaging_mode(getattr(built.averaging, "mode", config.replicas.averaging))  # auto: as settled
@@ -156,6 +160,8 @@ def run_peer(config: PeerConfig) -> None:
                     metrics_addr=metrics_addr,
                     split=split,
                     builder=builder,
+                    run_access=access,
+                    follower=follower,
                 )
             )
         )
@@ -165,7 +171,81 @@ def run_peer(config: PeerConfig) -> None:
             endpoint.close()
 
 
-def _auto_stage(config: PeerConfig, dht) -> int:
+def join_run(
+    dht, config: PeerConfig, given: Collection[str], *, device: torch.device, available_bytes: int
+) -> tuple[SettledPeer, SignedSpec, RunAccess | None]:
+    """Find the run this peer joins, settle its configuration against the run's spec, and announce the
+    spec it serves; the first peer of a swarm with no owner signs its own settings as the spec. Also
+    the run's authority: from --run's file, or from the spec (of a private run, or of the run
+    --credential is for)."""
+    peer_id = dht.peer_id.to_base58()
+    authority = config.authority
+    run_file = load_run(authority.run) if authority.run is not None else None
+    wanted_run = run_file.run_id if run_file is not None else credential_run_id(authority.credential)
+    choose = dict(
+        run_id=wanted_run,
+        owner_key=run_file.owner_public_key if run_file is not None else None,
+        model=config.model if "model" in given else None,
+        vouching=vouching_peers(config.network.initial_peers),
+    )
+    chosen = run_in_force(fetch_runs(dht), **choose)
+    signed = chosen.spec if chosen is not None else None
+    if signed is None and run_file is not None and os.path.isdir(authority.run):
+        signed = read_owner_spec(authority.run, run_file.owner_public_key)  # the owner's folder, not yet on the DHT
+    if signed is None and wanted_run is not None:  # a run with an authority but no spec: its peers' settings
+        chosen = run_in_force(fetch_runs(dht), model=choose["model"], vouching=choose["vouching"])
+        signed = chosen.spec if chosen is not None and not chosen.header.owned else None
+    spec = parse_spec(signed) if signed is not None else None
+    settled = settle(config, given, spec, device=device, available_bytes=available_bytes, created_at=get_dht_time())
+    if settled.made_here:
+        signed = sign_spec(identity_of(dht).private_key, spec_payload(settled.spec))
+        announce_spec(dht, signed)
+        # Another first peer may have stated its settings at the same moment: the earlier claim stands
+        # (both apply the same rule to the same records), and this one takes it, or stops. The pause
+        # lets a claim made before ours but stored after our read reach the DHT first.
+        time.sleep(SPEC_CLAIM_WAIT_S)
+        winner = run_in_force(fetch_runs(dht), model=settled.spec.model, vouching=choose["vouching"])
+        if winner is not None and winner.spec.digest != signed.digest:
+            settled = settle(
+                config,
+                given,
+                parse_spec(winner.spec),
+                device=device,
+                available_bytes=available_bytes,
+                created_at=get_dht_time(),
+            )
+            signed = winner.spec
+            announce_spec(dht, signed)
+            print(f"joining run {settled.spec.run_id}, started by peer {signed.signer_id[-8:]} just before", flush=True)
+    else:
+        announce_spec(dht, signed)
+    info = run_file
+    # from its spec: a private run's authority (it binds every peer), or the run a credential is for
+    if info is None and settled.spec.owned and (settled.spec.private or authority.credential is not None):
+        info = RunInfo(run_id=settled.spec.run_id, owner_public_key=signed.signer_key, private=settled.spec.private)
+    access = load_run_access(RunAccessConfig(run=None, credential=authority.credential), peer_id=peer_id, run=info)
+    return settled, signed, access
+
+
+def _stages_that_fit(settled: SettledPeer, available: int, source: str, device: torch.device) -> list[int]:
+    """The stages this peer can hold (every stage is checked; an explicit --stage only that one).
+    None fit: MemoryBudgetError, one line, for the smallest stage."""
+    config, model = settled.config, settled.model
+    stages = range(config.num_stages) if config.stage == AUTO_STAGE else [config.stage]
+    fitting, refusals = [], []
+    for stage in stages:
+        spec = stage_spec(model, stage, config.num_stages, settled.boundaries)
+        try:
+            check_stage_memory(config, model, spec, available, source, device)
+            fitting.append(stage)
+        except memory_budget.MemoryBudgetError as e:
+            refusals.append(e)
+    if not fitting:
+        raise refusals[0]
+    return fitting
+
+
+def _auto_stage(config: PeerConfig, dht, fitting: Collection[int]) -> int:
     """--stage auto / --standby: read every stage's records once and pick (peers/placement/stage_choice.py)."""
     records = [r for s in range(config.num_stages) for r in fetch_stage_records(dht, config.model, s)]
     # A plan published by `swarm plan --from-dht --publish` that names this peer wins over the greedy choice.
@@ -177,15 +257,20 @@ def _auto_stage(config: PeerConfig, dht) -> int:
             f"the published plan names stage {planned}, but this swarm has {config.num_stages}: ignoring it", flush=True
         )
         planned = None
+    if planned is not None and planned not in fitting:
+        print(f"the published plan names stage {planned}, which does not fit in this peer's memory", flush=True)
+        planned = None
     if planned is not None:
         print(f"auto: the published plan puts this peer on stage {planned}", flush=True)
     stage = (
         choose_standby_stage(records, config.num_stages)
         if config.placement.standby
-        else choose_stage(records, config.num_stages, my_throughput=0.0, planned_stage=planned)
+        else choose_stage(records, config.num_stages, my_throughput=0.0, planned_stage=planned, fits=fitting)
     )
+    fit = "" if len(fitting) == config.num_stages else f"; stages that fit: {', '.join(map(str, fitting))}"
     print(
-        f"{'standby for' if config.placement.standby else 'auto: joining'} stage {stage} (from {len(records)} records)",
+        f"{'standby for' if config.placement.standby else 'auto: joining'} stage {stage} "
+        f"(from {len(records)} records{fit})",
         flush=True,
     )
     return stage
@@ -205,29 +290,3 @@ def _memory_available(config: PeerConfig, device: torch.device) -> tuple[int, st
     if config.compute.memory_limit_gb is not None:
         return int(config.compute.memory_limit_gb * memory_budget.GiB), "--memory-limit-gb"
     return memory_budget.available_memory_bytes(device), f"the memory free on {device}"
-
-
-def _resolve_num_layers(
-    config: PeerConfig, model_config: GPTConfig, available: int, device: torch.device
-) -> PeerConfig:
-    """--num-layers N|auto sets --num-stages (equal split with at most N blocks per stage)."""
-    if config.num_layers is None:
-        return config
-    if config.num_layers == "auto":
-        num_stages = memory_budget.fewest_stages_that_fit(
-            model_config,
-            0 if config.stage == AUTO_STAGE else config.stage,
-            available,
-            optimizer=config.optim.optimizer,
-            precision=config.compute.precision,
-            batch_size=config.compute.max_batch_size,
-            device_type=device.type,
-        )
-    else:
-        num_stages = memory_budget.blocks_per_stage_to_num_stages(model_config.n_layers, int(config.num_layers))
-    print(
-        f"--num-layers {config.num_layers}: {config.model} split into {num_stages} stage(s) of at most "
-        f"{-(-model_config.n_layers // num_stages)} block(s)",
-        flush=True,
-    )
-    return dataclasses.replace(config, num_stages=num_stages)

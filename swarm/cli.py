@@ -13,15 +13,16 @@ import logging
 import os
 import sys
 
-from process.config import ConfigError, add_config_arguments, describe, from_sources
+from process.config import ConfigError, add_config_arguments, describe, from_sources, given_options
 from process.lifetime import EXIT_SIGNALLED, StopRequested, bind_children_to_parent
 from process.stale_sockets import remove_stale_sockets
 
 EXIT_USAGE = 2
 
 
-# Flags every role has besides its configuration's (not part of any config dataclass).
-PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose"})
+# Flags besides a role's configuration's (not part of any config dataclass): every role's --verbose,
+# and --help-all where --help lists a few flags (`swarm peer`).
+PROCESS_FLAGS = frozenset({"--verbose", "--no-verbose", "--help-all"})
 PROCESS_VARIABLES = frozenset({"SWARM_VERBOSE"})
 QUIET_LIBRARIES = ("bitsandbytes",)  # warn about optional kernels we never use; shown at SWARM_LOGLEVEL=INFO/DEBUG
 # Library warnings that say nothing a user can act on; shown at SWARM_LOGLEVEL=INFO/DEBUG. asyncio's
@@ -87,6 +88,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dht.authority import CredentialError
     from dht.model_match import ModelMismatchError
     from dht.node import BootstrapError
+    from dht.run_specs import SpecError
     from dht.split_agreement import SplitConflictError
     from models.balanced_split import BalancedSplitError
     from models.config import UnknownModelError
@@ -126,6 +128,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         GenerateError,
         VocabularyError,
         CredentialError,
+        SpecError,
     )
 
 
@@ -140,9 +143,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from peers.launch import run_peer
 
     config = from_sources(PeerConfig, args)
-    if verbose(args):
-        print(describe(config), flush=True)
-    run_peer(config)
+    if not config.network.initial_peers:
+        raise _missing_initial_peers("a peer", "swarm peer")
+    # the options the user set; the others come from the run's spec (peers/settle.py prints the result)
+    run_peer(config, given_options(PeerConfig, args), verbose=verbose(args))
     return 0
 
 
@@ -155,7 +159,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise _missing_initial_peers("a trainer", "swarm train")
     if verbose(args):
         print(describe(config), flush=True)
-    report = run_trainer(config)
+    report = run_trainer(config, given=given_options(TrainerConfig, args))
     print(done_line(report), flush=True)
     return EXIT_SIGNALLED if report.stopped_early else 0
 
@@ -223,7 +227,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_run_create(args: argparse.Namespace) -> int:
     from swarm.run_authority import RunCreateConfig, run_create
 
-    return run_create(from_sources(RunCreateConfig, args))
+    return run_create(from_sources(RunCreateConfig, args), given_options(RunCreateConfig, args))
+
+
+def cmd_run_update(args: argparse.Namespace) -> int:
+    from swarm.run_authority import RunUpdateConfig, run_update
+
+    return run_update(from_sources(RunUpdateConfig, args))
 
 
 def cmd_run_issue(args: argparse.Namespace) -> int:
@@ -239,7 +249,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from peers.config import PeerConfig
+    from peers.config import VOLUNTEER_OPTIONS, PeerConfig
     from swarm.bootstrap import BootstrapConfig
     from swarm.data.prepare import PrepareConfig
     from swarm.demo import DemoConfig
@@ -249,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.monitor import MonitorConfig
     from swarm.planner.plan_cli import PlanConfig, run_plan
     from swarm.profile_cli import ProfileConfig
-    from swarm.run_authority import RunCreateConfig, RunIssueConfig
+    from swarm.run_authority import RunCreateConfig, RunIssueConfig, RunUpdateConfig
     from swarm.status import StatusConfig
     from swarm.trainer.config import TrainerConfig
 
@@ -279,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(
             name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
-        add_config_arguments(p, config_cls)
+        # a volunteer's `swarm peer --help` lists where and how much; --help-all lists the rest
+        add_config_arguments(p, config_cls, brief=VOLUNTEER_OPTIONS if name == "peer" else None)
         p.add_argument(
             "--verbose",
             action=argparse.BooleanOptionalAction,
@@ -314,10 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(targets, MonitorConfig)
     targets.set_defaults(handler=cmd_monitor_targets)
-    run = sub.add_parser("run", help="a run's owner: create the run, issue credentials to its trainers and peers")
+    run = sub.add_parser("run", help="a run's owner: create the run and its spec, update it, issue credentials")
     run_sub = run.add_subparsers(dest="run_command", required=True, metavar="TOOL")
     for name, handler, config_cls, help_text in (
-        ("create", cmd_run_create, RunCreateConfig, "create a run: its owner key and its public run file"),
+        ("create", cmd_run_create, RunCreateConfig, "create a run: its owner key, run file and signed spec"),
+        ("update", cmd_run_update, RunUpdateConfig, "publish a new version of the run's learning-rate schedule"),
         ("issue", cmd_run_issue, RunIssueConfig, "sign a credential for one trainer or peer of the run"),
     ):
         p = run_sub.add_parser(name, help=help_text, description=help_text)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dht.authority import RUN_FILE, create_run, issue, load_owner_key, load_run
+from peers.compute.faults import FaultSettings
+from process.config import packed_text
 from process.fork_server import ForkServer
 from process.lifetime import die_with_parent, kill_leftovers, process_tree, start_time
 
@@ -41,6 +43,13 @@ SWARM_MODULES = (
 
 class LocalSwarmError(RuntimeError):
     pass
+
+
+def fault_args(**faults) -> list[str]:
+    """The peer flags that inject `faults` (peers/compute/faults.py's FaultSettings fields without
+    `fault_`, e.g. slowdown=3, slowdown_mode="busy"): the peer's one developer option, `--faults`."""
+    settings = FaultSettings(**{f"fault_{name}": value for name, value in faults.items()})
+    return ["--faults", packed_text(settings, prefix="fault_")]
 
 
 def start_fork_server() -> ForkServer:
@@ -217,6 +226,11 @@ class LocalSwarm:
         ]
         return self._spawn(name, args, prefix)
 
+    def start_volunteer(self, *args: str, name: str | None = None) -> ManagedProcess:
+        """A peer started as a volunteer starts one: `--initial-peers` and `args`, the run's spec says the rest."""
+        name = name or f"peer-v{sum(p.name.startswith('peer-v') for p in self.processes)}"
+        return self._spawn(name, ["peer", "--initial-peers", *self.initial_peers, *args])
+
     def wait_online(self, processes: list[ManagedProcess], timeout_s: float = 120.0) -> None:
         """Wait until each peer printed that it is online (its first announcement follows at once)."""
         deadline = time.monotonic() + timeout_s
@@ -232,13 +246,13 @@ class LocalSwarm:
             time.sleep(0.2)
 
     def start_trainer(
-        self, *args: str, name: str = "trainer", prefix: list[str] = (), stranger: bool = False
+        self, *args: str, name: str = "trainer", prefix: list[str] = (), stranger: bool = False, named: bool = True
     ) -> ManagedProcess:
-        """A trainer: the run's owner's, or a `stranger`'s (its training calls are refused)."""
+        """A trainer: the run's owner's, or a `stranger`'s (its training calls are refused);
+        `named=False`: without --model (the run's spec names it)."""
         run = self.run_args(*args, stranger=stranger)
-        return self._spawn(
-            name, ["train", "--initial-peers", *self.initial_peers, "--model", self.model, *run, *args], prefix
-        )
+        model = ["--model", self.model] if named else []
+        return self._spawn(name, ["train", "--initial-peers", *self.initial_peers, *model, *run, *args], prefix)
 
     def start_monitor(self, *args: str, name: str = "monitor") -> ManagedProcess:
         """`swarm monitor targets` on this swarm's DHT (pass --out FILE and any other flags)."""

@@ -415,6 +415,9 @@ class CommitRequest(BaseModel):
     # "apply" steps on the prepared gradient times `clip_scale` (the same for every stage)
     clip_phase: Literal["prepare", "apply"] | None = None
     clip_scale: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    # the version of the run's spec this step follows (peers/run_spec.py): every replica steps on that
+    # version's learning-rate schedule (0: not stated; a replica then follows the latest it knows)
+    spec_version: int = Field(default=0, ge=0)
 
 
 class CommitResponse(BaseModel):

@@ -39,6 +39,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("plan",): "swarm.planner.plan_config:PlanConfig",
     ("monitor", "targets"): "swarm.monitor:MonitorConfig",
     ("run", "create"): "swarm.run_authority:RunCreateConfig",
+    ("run", "update"): "swarm.run_authority:RunUpdateConfig",
     ("run", "issue"): "swarm.run_authority:RunIssueConfig",
 }
 

@@ -61,6 +61,16 @@ def peak_memory_bytes(device: torch.device) -> float:
     return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
 
 
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """`auto` -> bf16 on a CUDA GPU that has it (autocast; weights and optimizer stay fp32), else fp32."""
+    if requested != "auto":
+        return requested
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
 def check_precision(device: torch.device, precision: str) -> None:
     if precision not in PRECISIONS:
         raise DeviceError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")

@@ -1,19 +1,19 @@
 """Fault injection for tests and benchmarks: a stage runtime that is slower than it should be,
 fails a fraction of its calls, or returns garbage while computing correctly inside: obvious garbage
 (NaNs, a wrong shape), which the trainer's answer check catches, or plausible lies (issue #25) that
-only a spot check can catch: outputs scaled by 1 + `--fault-garbage-size`, outputs plus noise of that
+only a spot check can catch: outputs scaled by 1 + `--faults garbage_size`, outputs plus noise of that
 relative size, or one fixed direction of that size (bias), an earlier answer of the same shape
 replayed, or answers computed from the weights frozen at start-up while the real ones train; on
-every call or on backward calls alone (`--fault-garbage-calls`), a backward's lie being in all it
+every call or on backward calls alone (`--faults garbage_calls`), a backward's lie being in all it
 makes: its input gradient, its loss, and the parameter gradient it adds and samples. A replica
-can also lie to its groupmates in the averaging all-reduce (`--fault-averaging`): its contribution
+can also lie to its groupmates in the averaging all-reduce (`--faults averaging`): its contribution
 multiplied by 10 or negated. And a peer
-can hold one call mid-hop (`--fault-hold forward|backward`): it has received the hop's tensors and
+can hold one call mid-hop (`--faults hold=forward|backward`): it has received the hop's tensors and
 does not answer, logging that it holds them, so a test can SIGKILL it at exactly that moment. Or it
-can lose one answer on the way back (`--fault-lose-answer N`): the Nth backward call is computed and
+can lose one answer on the way back (`--faults lose_answer=N`): the Nth backward call is computed and
 added to the gradients, then its stream fails instead of answering, as when a connection drops after
-the work was done. Only built when a `--fault-*` flag is set, so the normal code path never branches
-on it."""
+the work was done. Only built when `--faults` (the peer's one developer option) sets a fault, so the
+normal code path never branches on it."""
 
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ from peers.replicas.averaging import GradientSync, ParameterAveraging
 from process.config import ConfigError, option
 
 GARBAGE_KINDS = ("none", "nan", "shape", "scale", "noise", "bias", "replay", "stale")
-# --fault-garbage-calls: which calls lie (a backward's lie is in every answer it makes: its input
+# --faults garbage_calls: which calls lie (a backward's lie is in every answer it makes: its input
 # gradient, its loss, and the parameter gradient it adds and samples)
 GARBAGE_CALLS = ("all", "forward", "backward")
 # Answers of the right shape and plausible values: what a spot check, not the answer check, must catch.
 PLAUSIBLE_KINDS = ("scale", "noise", "bias", "replay", "stale")
-# --fault-averaging: what the replica's contribution to the all-reduce is multiplied by
+# --faults averaging: what the replica's contribution to the all-reduce is multiplied by
 AVERAGING_LIES = {"none": 1.0, "scale": 10.0, "flip": -1.0}
 # How the extra time of a slowed compute is spent:
 # - sleep: waiting, off the CPU, (slowdown - 1) x the compute's wall time. Simple, but on shared cores
@@ -51,12 +51,12 @@ AVERAGING_LIES = {"none": 1.0, "scale": 10.0, "flip": -1.0}
 #   multiplied (with `sleep`, the same static swarm ran at 322 and 431 tok/s four minutes apart on the
 #   shared machine, and a layout with more peers computing at once paid for their contention `slowdown` times).
 SLOWDOWN_MODES = ("sleep", "busy", "device")
-# --fault-hold: where a call is held without an answer. forward: the inputs of a forward hop have
+# --faults hold: where a call is held without an answer. forward: the inputs of a forward hop have
 # arrived (a forward call, or the last stage's fused forward+backward, which answers the forward hop);
 # backward: the gradient of a backward hop has arrived (a backward call on a stage before the last).
 HOLD_POINTS = ("none", "forward", "backward")
-HOLD_MESSAGE = "holding microbatch {microbatch_id} in its {point} (injected by --fault-hold)"
-LOST_ANSWER_MESSAGE = "lost the answer to backward call {call} after adding it (injected by --fault-lose-answer)"
+HOLD_MESSAGE = "holding microbatch {microbatch_id} in its {point} (injected by --faults hold)"
+LOST_ANSWER_MESSAGE = "lost the answer to backward call {call} after adding it (injected by --faults lose_answer)"
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +94,15 @@ def garbled(value, kind: str, *, size: float = 0.05, generator: torch.Generator 
 
 
 class InjectedFault(RuntimeError):
-    """A failure injected on purpose (`--fault-fail-rate`)."""
+    """A failure injected on purpose (`--faults fail_rate`)."""
 
 
 class InjectedLostAnswer(ConnectionError):
-    """The stream of a call fails after the call was computed (`--fault-lose-answer`): not an answer."""
+    """The stream of a call fails after the call was computed (`--faults lose_answer`): not an answer."""
 
 
 class InjectedWrongStageError(WrongStageError):
-    """A "wrong stage" answer injected on purpose (`--fault-wrong-stage`): a fake record's peer."""
+    """A "wrong stage" answer injected on purpose (`--faults wrong_stage`): a fake record's peer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,30 +112,30 @@ class FaultSettings:
     fault_slowdown: float = option(1.0, help="testing only: make every compute this many times slower")
     fault_slowdown_mode: str = option(
         "sleep",
-        help="testing only: spend --fault-slowdown's extra time asleep (a "
+        help="testing only: spend --faults slowdown's extra time asleep (a "
         "separate slower device), busy computing (a slower device sharing this "
         "machine's CPU with the other peers), or as a device: each call lasts "
-        "--fault-slowdown x the CPU time it used (others' load not multiplied)",
+        "--faults slowdown x the CPU time it used (others' load not multiplied)",
         choices=list(SLOWDOWN_MODES),
     )
     fault_fail_rate: float = option(0.0, help="testing only: fail this fraction of calls")
     fault_garbage: str = option(
         "none",
         help="testing only: answer with garbage while computing correctly inside (nan: NaN values; "
-        "shape: one value short; scale: outputs times 1 + --fault-garbage-size; noise: plus noise of "
+        "shape: one value short; scale: outputs times 1 + --faults garbage_size; noise: plus noise of "
         "that relative size; bias: plus one fixed direction of that relative size; replay: the previous "
         "answer of the same shape; stale: computed from the weights frozen at start-up)",
         choices=list(GARBAGE_KINDS),
     )
-    fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --fault-garbage")
+    fault_garbage_rate: float = option(1.0, help="testing only: fraction of calls answered with --faults garbage")
     fault_garbage_calls: str = option(
         "all",
-        help="testing only: which calls --fault-garbage lies on (backward: the input gradient, the loss, and "
+        help="testing only: which calls --faults garbage lies on (backward: the input gradient, the loss, and "
         "the parameter gradient it adds and samples; a spot check's recompute lies as the call it checks)",
         choices=list(GARBAGE_CALLS),
     )
     fault_garbage_size: float = option(
-        0.05, help="testing only: relative size of --fault-garbage scale and noise (a fraction of the output's norm)"
+        0.05, help="testing only: relative size of --faults garbage=scale and noise (a fraction of the output's norm)"
     )
     fault_miss_sync_round: int = option(
         0,
@@ -157,13 +157,13 @@ class FaultSettings:
     )
     fault_hold: str = option(
         "none",
-        help="testing only: hold one call mid-hop without answering, for --fault-hold-s, and log it (forward: "
+        help="testing only: hold one call mid-hop without answering, for --faults hold_s, and log it (forward: "
         "with a forward hop's inputs received; backward: with a backward hop's gradient received), after "
-        "--fault-hold-after such calls were answered; a test kills the peer then",
+        "--faults hold_after such calls were answered; a test kills the peer then",
         choices=list(HOLD_POINTS),
     )
-    fault_hold_after: int = option(0, help="testing only: --fault-hold's calls answered before the one held")
-    fault_hold_s: float = option(300.0, help="testing only: how long --fault-hold holds its call")
+    fault_hold_after: int = option(0, help="testing only: --faults hold's calls answered before the one held")
+    fault_hold_s: float = option(300.0, help="testing only: how long --faults hold holds its call")
     fault_lose_answer: int = option(
         0,
         help="testing only: compute the Nth backward call and add its gradients, then fail its stream "
@@ -184,31 +184,31 @@ class FaultSettings:
 
     def __post_init__(self) -> None:
         if self.fault_slowdown < 1.0 or not 0.0 <= self.fault_fail_rate <= 1.0:
-            raise ConfigError("--fault-slowdown must be >= 1 and --fault-fail-rate within [0, 1]")
+            raise ConfigError("--faults slowdown must be >= 1 and --faults fail_rate within [0, 1]")
         if self.fault_slowdown_mode not in SLOWDOWN_MODES:
-            raise ConfigError(f"--fault-slowdown-mode must be one of {', '.join(SLOWDOWN_MODES)}")
+            raise ConfigError(f"--faults slowdown_mode must be one of {', '.join(SLOWDOWN_MODES)}")
         if not self.fault_claim_speedup >= 1.0:
-            raise ConfigError("--fault-claim-speedup must be >= 1")
+            raise ConfigError("--faults claim_speedup must be >= 1")
         if self.fault_garbage_calls not in GARBAGE_CALLS:
-            raise ConfigError(f"--fault-garbage-calls must be one of {', '.join(GARBAGE_CALLS)}")
+            raise ConfigError(f"--faults garbage_calls must be one of {', '.join(GARBAGE_CALLS)}")
         if self.fault_garbage not in GARBAGE_KINDS or not 0.0 <= self.fault_garbage_rate <= 1.0:
             raise ConfigError(
-                f"--fault-garbage must be one of {', '.join(GARBAGE_KINDS)} and --fault-garbage-rate within [0, 1]"
+                f"--faults garbage must be one of {', '.join(GARBAGE_KINDS)} and --faults garbage_rate within [0, 1]"
             )
         if not 0.0 <= self.fault_garbage_size < float("inf"):
-            raise ConfigError("--fault-garbage-size must be a finite number >= 0")
+            raise ConfigError("--faults garbage_size must be a finite number >= 0")
         if self.fault_averaging not in AVERAGING_LIES:
-            raise ConfigError(f"--fault-averaging must be one of {', '.join(AVERAGING_LIES)}")
+            raise ConfigError(f"--faults averaging must be one of {', '.join(AVERAGING_LIES)}")
         if self.fault_hold not in HOLD_POINTS or self.fault_hold_after < 0 or not self.fault_hold_s >= 0:
             raise ConfigError(
-                f"--fault-hold must be one of {', '.join(HOLD_POINTS)}, --fault-hold-after and --fault-hold-s >= 0"
+                f"--faults hold must be one of {', '.join(HOLD_POINTS)}, --faults hold_after and --faults hold_s >= 0"
             )
         if self.fault_lose_answer < 0:
-            raise ConfigError("--fault-lose-answer must be >= 0 (0: off)")
+            raise ConfigError("--faults lose_answer must be >= 0 (0: off)")
 
 
 class RoundMissingSync(GradientSync):
-    """Sync averaging that misses one round on its side (`--fault-miss-sync-round N`): the all-reduce
+    """Sync averaging that misses one round on its side (`--faults miss_sync_round=N`): the all-reduce
     completes for the partners, and this replica takes it as failed, so it does not step."""
 
     def __init__(self, *args, miss_round: int, **kwargs):
@@ -223,14 +223,14 @@ class RoundMissingSync(GradientSync):
 
     def _maybe_missed(self, gathered):
         if gathered is not None and self.rounds == self.miss_round:
-            print(f"fault: taking averaging round {self.rounds} as failed (--fault-miss-sync-round)", flush=True)
+            print(f"fault: taking averaging round {self.rounds} as failed (--faults miss_sync_round)", flush=True)
             return None
         return gathered
 
 
 class LyingContribution:
     """A replica averaging (mixed into GradientSync or ParameterAveraging) that hands the all-reduce
-    its tensors multiplied by `factor` (`--fault-averaging`). The all-reduce then writes the group's
+    its tensors multiplied by `factor` (`--faults averaging`). The all-reduce then writes the group's
     average over them, so after a round this replica holds what its groupmates hold; after a failed
     one its honest values are put back. The lie is made just before the all-reduce can read the
     tensors: when the round starts (sync, periodic by steps: the compute thread, which the all-reduce
@@ -283,11 +283,11 @@ class LyingContribution:
 
 
 class LyingGradientSync(LyingContribution, GradientSync):
-    """Sync averaging that sends its gradients multiplied (`--fault-averaging`)."""
+    """Sync averaging that sends its gradients multiplied (`--faults averaging`)."""
 
 
 class LyingParameterAveraging(LyingContribution, ParameterAveraging):
-    """Periodic averaging that sends its parameters multiplied (`--fault-averaging`)."""
+    """Periodic averaging that sends its parameters multiplied (`--faults averaging`)."""
 
 
 class FaultyStageRuntime:
@@ -307,8 +307,8 @@ class FaultyStageRuntime:
             trainable = set(runtime.param_names)
             for name, param in self._frozen.named_parameters():
                 param.requires_grad_(name in trainable)
-        self._hold_calls = 0  # calls at --fault-hold's point so far (one is held, once)
-        self._backward_calls = 0  # backward calls computed so far (--fault-lose-answer loses one answer)
+        self._hold_calls = 0  # calls at --faults hold's point so far (one is held, once)
+        self._backward_calls = 0  # backward calls computed so far (--faults lose_answer loses one answer)
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -322,7 +322,7 @@ class FaultyStageRuntime:
         )
 
     def claimed_times(self, compute_s: float, queue_s: float) -> tuple[float, float]:
-        """The (compute, queue) seconds to report: with --fault-claim-speedup, compute time passed off as queueing."""
+        """The (compute, queue) seconds to report: with --faults claim_speedup, compute time passed off as queueing."""
         claimed_s = compute_s / self._settings.fault_claim_speedup
         return claimed_s, queue_s + compute_s - claimed_s
 
@@ -330,7 +330,7 @@ class FaultyStageRuntime:
         if self._settings.fault_wrong_stage:
             raise InjectedWrongStageError(f"this peer serves another stage than {self._runtime.stage} (injected)")
         if self._rng.random() < self._settings.fault_fail_rate:
-            raise InjectedFault("injected failure (--fault-fail-rate)")
+            raise InjectedFault("injected failure (--faults fail_rate)")
         extra = self._settings.fault_slowdown - 1.0
         if self._settings.fault_slowdown_mode == "busy":
             started_cpu_s = time.thread_time()
@@ -347,7 +347,7 @@ class FaultyStageRuntime:
         return result
 
     def answer_lost(self, rpc: str) -> bool:
-        """Whether the answer to this call, just computed, is lost on the way back (--fault-lose-answer):
+        """Whether the answer to this call, just computed, is lost on the way back (--faults lose_answer):
         the caller then fails the call's stream instead of answering."""
         if rpc != "backward" or self._settings.fault_lose_answer == 0:
             return False
@@ -358,8 +358,8 @@ class FaultyStageRuntime:
         return True
 
     def _hold_if_due(self, point: str, microbatch_id: str) -> None:
-        """At --fault-hold's point, after --fault-hold-after calls: say so, then hold this call (the
-        compute thread) for --fault-hold-s without answering."""
+        """At --faults hold's point, after --faults hold_after calls: say so, then hold this call (the
+        compute thread) for --faults hold_s without answering."""
         if self._settings.fault_hold != point:
             return
         self._hold_calls += 1

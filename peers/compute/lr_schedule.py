@@ -48,4 +48,32 @@ class LearningRateSchedule:
         return self.lr * (self.floor + (1.0 - self.floor) * shape)
 
 
-__all__ = ["DECAYS", "LearningRateSchedule"]
+@dataclass(frozen=True)
+class ScheduleHistory:
+    """The learning rate of a run across the versions of its spec: `base` from step 0, then each
+    change from its step on (changes sorted by step; rate(step) is the latest change's rate at that
+    step, so a change that takes over mid-warmup continues at the step count, not from its start)."""
+
+    base: LearningRateSchedule
+    changes: tuple[tuple[int, LearningRateSchedule], ...] = ()
+
+    def __post_init__(self) -> None:
+        steps = [step for step, _ in self.changes]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"schedule changes must take effect at increasing steps, got {steps}")
+
+    def schedule_at(self, step: int) -> LearningRateSchedule:
+        for from_step, schedule in reversed(self.changes):
+            if step >= from_step:
+                return schedule
+        return self.base
+
+    def in_force_from(self, step: int) -> int:
+        """The step from which the schedule in force at `step` applies (0: the base)."""
+        return next((from_step for from_step, _ in reversed(self.changes) if step >= from_step), 0)
+
+    def rate(self, step: int) -> float:
+        return self.schedule_at(step).rate(step)
+
+
+__all__ = ["DECAYS", "LearningRateSchedule", "ScheduleHistory"]

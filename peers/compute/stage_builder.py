@@ -52,6 +52,8 @@ class StageBuilder:
     device: torch.device = torch.device("cpu")
     available_bytes: int | None = None  # memory this peer may use; None: no check
     memory_source: str = "--memory-limit-gb"
+    schedule: Callable[[], object] | None = None  # the run's learning rates (its spec's versions), for new runtimes
+    members_only: bool = False  # a run with an authority: only credentialed replicas average (filled in by the host)
     gloo: GlooRounds | None = None  # exact sync over gloo: this peer's rendezvous, made on first use
 
     def uses_gloo(self, replicas) -> bool:
@@ -62,7 +64,7 @@ class StageBuilder:
             return False
         if replicas.averaging_compression not in (None, "none"):  # gloo sends float32: a codec stays on hivemind
             return False
-        if transport == "auto" and self.config.authority.run is not None:
+        if transport == "auto" and self.members_only:  # a run with an authority: hivemind's averager
             return False
         network = self.config.network
         return announced_host(network.announce_maddrs, network.host_maddrs) is not None
@@ -127,6 +129,8 @@ class StageBuilder:
             if os.path.exists(path):
                 runtime.restore(path, config.model)
                 print(f"restored stage {stage} from {path} ({runtime.steps_done} steps done)", flush=True)
+        if self.schedule is not None:
+            runtime.follow_schedule(self.schedule())
         runtime.measure_throughput()
         replicas, reason = config.replicas, ""
         if replicas.averaging == "auto":  # settled now, from the stage's replicas or the measured links
@@ -143,8 +147,7 @@ class StageBuilder:
             )
             print(f"stage {stage}: --averaging auto: {replicas.averaging} ({reason})", flush=True)
         averaging = None
-        # a run with an authority: only credentialed replicas average (filled in by the host)
-        members = () if config.authority.run is not None else None
+        members = () if self.members_only else None
         matchmaking = (
             {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
         )

@@ -190,7 +190,8 @@ class StageRuntime:
         self.module: StageModule = build_stage(config, stage, num_stages, seed, boundaries).to(device)
         self.settings = optimizer
         self.optimizer = optimizer.build(self.module.parameters(), device)
-        self.schedule = optimizer.schedule()
+        self.schedule = optimizer.schedule()  # or the run's ScheduleHistory (`follow_schedule`)
+        self._schedule_from = 0  # the step from which the schedule in force at the last step applies
         self._set_trainable()
         self.samples_accumulated = 0
         self.steps_skipped = 0  # optimizer steps skipped for non-finite gradients
@@ -608,8 +609,10 @@ class StageRuntime:
             before = [p.detach().clone() for p in self.params] if self.weight_prediction == "last-update" else None
             for param, grad in zip(self.params, mean_gradients):
                 param.grad = grad.clone()
-            for group in self.optimizer.param_groups:  # the schedule follows the run's step (steps_done)
-                group["lr"] = self.schedule.rate(self.steps_done)
+            rate = self.schedule.rate(self.steps_done)  # the schedule follows the run's step (steps_done)
+            self._say_schedule_change(rate)
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if before is not None:
@@ -620,6 +623,22 @@ class StageRuntime:
         self._close_accumulation()
         self.cache.clear()
         self.steps_done += 1
+
+    def follow_schedule(self, schedule) -> None:
+        """The learning rate of each step from now on: a `LearningRateSchedule` or the run's
+        `ScheduleHistory` (its spec's versions, peers/compute/lr_schedule.py)."""
+        self.schedule = schedule
+
+    def _say_schedule_change(self, rate: float) -> None:
+        """Log the step at which a later version's schedule takes over (what the replicas agree on)."""
+        since = getattr(self.schedule, "in_force_from", lambda step: 0)(self.steps_done)
+        if since != self._schedule_from:
+            self._schedule_from = since
+            print(
+                f"stage {self.stage}: step {self.steps_done} at learning rate {rate:.6g} (the schedule of step "
+                f"{since} on)",
+                flush=True,
+            )
 
     def stop_predicting(self) -> None:
         """The next training forwards run on the parameters themselves (an exact step comes next)."""

@@ -93,7 +93,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -430,9 +430,11 @@ def claim_verdict(mine: ClaimView, claims: Sequence[ClaimView], now: float) -> C
     return ClaimVerdict(True, f"no earlier claim takes this move's place ({len(ahead)} earlier claim(s) live)")
 
 
-def choose_initial_stage(replicas: Sequence[ReplicaView], num_stages: int, my_throughput: float) -> int:
+def choose_initial_stage(
+    replicas: Sequence[ReplicaView], num_stages: int, my_throughput: float, *, candidates: Collection[int] | None = None
+) -> int:
     """Stage for a peer started with ``--stage auto``: the one whose addition raises the
-    bottleneck most, i.e. the thinnest stage (ties: lowest index)."""
+    bottleneck most, i.e. the thinnest stage (ties: lowest index), among ``candidates`` (None: any)."""
     if not math.isfinite(my_throughput) or my_throughput < 0:
         raise ValueError(f"my_throughput must be finite and >= 0, got {my_throughput}")
     totals = stage_throughputs(replicas, num_stages)
@@ -440,7 +442,10 @@ def choose_initial_stage(replicas: Sequence[ReplicaView], num_stages: int, my_th
     def bottleneck_if_added(stage: int) -> float:
         return min(t + my_throughput if s == stage else t for s, t in enumerate(totals))
 
-    return min(range(num_stages), key=lambda s: (-bottleneck_if_added(s), totals[s], s))
+    stages = range(num_stages) if candidates is None else sorted(s for s in candidates if 0 <= s < num_stages)
+    if not stages:
+        raise ValueError(f"no candidate stage among {num_stages}")
+    return min(stages, key=lambda s: (-bottleneck_if_added(s), totals[s], s))
 
 
 def next_check_delay_s(period_s: float, rng: random.Random) -> float:

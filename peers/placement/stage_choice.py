@@ -6,7 +6,7 @@ calls these. The decisions themselves live in peers/placement/rebalance.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from dht.records import MoveClaim, PeerRecord, PeerState
 from peers.placement.rebalance import ClaimView, ReplicaView, choose_initial_stage, choose_standby_target
@@ -58,19 +58,25 @@ def claim_view(claim: MoveClaim) -> ClaimView:
 
 
 def choose_stage(
-    records: Iterable[PeerRecord], num_stages: int, my_throughput: float, *, planned_stage: int | None = None
+    records: Iterable[PeerRecord],
+    num_stages: int,
+    my_throughput: float,
+    *,
+    planned_stage: int | None = None,
+    fits: Collection[int] | None = None,
 ) -> int:
     """The stage a peer started with ``--stage auto`` joins.
 
     ``planned_stage``: the stage a planner-published plan on the DHT names for this peer (issue
     #8); when given it wins, so that peers follow the plan rather than each its own greedy choice.
-    Otherwise the stage whose gain raises the swarm's bottleneck most (``choose_initial_stage``).
+    Otherwise the stage whose gain raises the swarm's bottleneck most (``choose_initial_stage``),
+    among ``fits`` (the stages that fit in the peer's memory; None: any).
     """
     if planned_stage is not None:
         if not 0 <= planned_stage < num_stages:
             raise ValueError(f"the plan names stage {planned_stage}, outside [0, {num_stages})")
         return planned_stage
-    return choose_initial_stage(replica_views(records, num_stages), num_stages, my_throughput)
+    return choose_initial_stage(replica_views(records, num_stages), num_stages, my_throughput, candidates=fits)
 
 
 def choose_standby_stage(records: Iterable[PeerRecord], num_stages: int) -> int:

@@ -62,11 +62,13 @@ class ReplicaSyncService:
         members: AveragingMembers | None = None,
         authority: RunAuthority | None = None,
         rng: random.Random | None = None,
+        follower=None,
     ):
         """`authorize(caller, credential, action, stage=...)`: raises unless the caller may (the
         admission guard's); `credential`: this peer's own, presented when it downloads state;
         `authority`: the run's, whose credentialed replicas alone are asked for state; `rng`: the
-        order donors are asked in (default: the system's randomness, which no peer can steer)."""
+        order donors are asked in (default: the system's randomness, which no peer can steer);
+        `follower`: the run's spec (peers/serving/run_follower.py), whose version a commit names."""
         self.serving, self.compute, self.dht = serving, compute, dht
         self.peer_id, self.model, self.averaging_timeout_s = peer_id, model, averaging_timeout_s
         self.state_exports = StateExports()  # rate-limited per caller, serialized once per step
@@ -86,6 +88,7 @@ class ReplicaSyncService:
             authorize=self.authorize,
             credential=credential,
         )
+        self.follower = follower
 
     @staticmethod
     def refused_commit(error: Exception, waited_s: float) -> runtime_pb2.ExpertResponse:
@@ -122,6 +125,14 @@ class ReplicaSyncService:
                 await self.members.refresh_if_short(commit.group_size)
             elif commit.samples and getattr(averaging, "named_groups", False):
                 await self.check_named_group(commit)  # without a member list: only live replicas
+            if self.follower is not None and commit.spec_version:
+                # the step follows the spec version the trainer names, so its replicas step on one schedule
+                if not await self.follower.ensure(commit.spec_version):
+                    raise ProtocolError(
+                        f"this peer has not found version {commit.spec_version} of run {self.follower.run_id}'s "
+                        f"spec (it knows version {self.follower.version})"
+                    )
+                serving.runtime.follow_schedule(self.follower.schedule(commit.spec_version))
             commit = commit.model_copy(update={"group_size": await self.bounded_group_size(commit.group_size)})
             if isinstance(averaging, OuterAveraging):
                 return unary_response(await self.outer_commit(averaging, commit))

@@ -64,7 +64,7 @@ its weight cap (sync mode) bounds its share, nothing bounds its size. Spot check
 (swarm/trainer/spot_checks.py) catch lies in forward and backward answers, not in averaging.
 
 Also not covered here: the peer that reduces a part sends every sender the averaged part back, so
-a replica that lies as a reducer (rather than as a sender, which `--fault-averaging` simulates)
+a replica that lies as a reducer (rather than as a sender, which `--faults averaging` simulates)
 decides the 1/n of the values it reduces. Catching that needs the reduction itself verified (as in
 BTARD, Gorbunov et al. 2022), which is not done.
 """

@@ -54,8 +54,10 @@ class Announcer:
         metrics_addr: str | None = None,
         split: SplitRecord | None = None,
         credential: str | None = None,
+        run=None,
     ):
         self.credential = credential  # this peer's run credential: replicas read it to let us average with them
+        self.following = run  # the run's spec (peers/serving/run_follower.py): its id and version are announced
         self.serving, self.dht, self.settings = serving, dht, settings
         self.peer_id, self.model, self.averaging_mode = peer_id, model, averaging_mode
         self.metrics, self.metrics_addr, self.split = metrics, metrics_addr, split
@@ -93,6 +95,8 @@ class Announcer:
             vocab_size=serving.runtime.config.vocab_size,
             credential=self.credential,
             steps_done=serving.runtime.steps_done,
+            run_id=self.following.run_id if self.following is not None else "",
+            spec_version=self.following.version if self.following is not None else 0,
             averaging_rounds=serving.averaging.rounds if serving.averaging is not None else 0,
             averaging_rounds_failed=serving.averaging.failed_rounds if serving.averaging is not None else 0,
             utilization=round(serving.compute_clock.utilization(UTILIZATION_WINDOW_S), 4),

@@ -265,7 +265,7 @@ class ChainService:
                 grad_samples=[grad_sample, *grad_samples][:MAX_SAMPLED_STAGES] if grad_sample is not None else [],
             )
             serving.served_one()
-            if isinstance(runtime, FaultyStageRuntime):  # --fault-lose-answer: this stage's backward is added
+            if isinstance(runtime, FaultyStageRuntime):  # --faults lose_answer: this stage's backward is added
                 lost = runtime.answer_lost("backward")
         except ChainHopError as e:
             serving.requests_failed += 1
@@ -316,7 +316,7 @@ class ChainService:
             )
         try:
             if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
-                raise InjectedLostAnswer("the answer to this chained call was lost (--fault-lose-answer)")
+                raise InjectedLostAnswer("the answer to this chained call was lost (--faults lose_answer)")
             with serving.phases.timed("serialize"):
                 first, *others = response_pieces(response, outputs, pieces, stages.bytes)
             # a gradient goes back to the caller in turn with the others on that link, every piece of it

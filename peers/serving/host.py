@@ -30,7 +30,7 @@ import hivemind
 from hivemind.proto import runtime_pb2
 
 from dht.announce import fetch_stage_records_async
-from dht.authority import NO_RUN_WARNING, credential_summary, load_run_access
+from dht.authority import NO_RUN_WARNING, RunAccess, credential_summary, load_run_access
 from dht.reachability import (
     DIAL_BACK_FAILED,
     RPC_REACHABILITY,
@@ -61,6 +61,7 @@ from peers.serving.announcer import Announcer
 from peers.serving.chain_rpc import ChainService
 from peers.serving.checkpointer import Checkpointer
 from peers.serving.data_plane_offers import DataPlaneOffers
+from peers.serving.run_follower import RunFollower
 from peers.serving.serving_state import ServingState
 from peers.serving.stage_rpc import StageRpcService
 from process.version import software_version
@@ -96,7 +97,11 @@ class PeerHost:
         metrics_addr: str | None = None,
         split: SplitRecord | None = None,
         builder: StageBuilder | None = None,
+        run_access: RunAccess | None = None,
+        follower: RunFollower | None = None,
     ):
+        """`run_access`: the run's authority and this peer's credential (default: from --run);
+        `follower`: the run's spec, which the peer announces and follows to new versions."""
         self.config, self.dht = config, dht
         self.peer_id = dht.peer_id.to_base58()
         self.metrics = metrics = metrics or PeerMetrics()
@@ -106,7 +111,13 @@ class PeerHost:
         )
         limits = config.serving
         # the run's authority (--run) and this peer's own credential, checked against its identity
-        self.run_access = run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
+        if run_access is None and config.authority.run is not None:
+            run_access = load_run_access(config.authority, peer_id=self.peer_id, roles=("peer",))
+        self.run_access = run_access
+        self.follower = follower
+        if follower is not None:  # a new version's schedule: followed by the steps that do not name one
+            follower.on_version = lambda spec: serving.runtime.follow_schedule(spec.schedule())
+            follower.steps_done = lambda: serving.runtime.steps_done
         credential = run_access.credential.decode() if run_access and run_access.credential else None
         if run_access is None:
             print(f"warning: {NO_RUN_WARNING}", flush=True)
@@ -188,6 +199,7 @@ class PeerHost:
             credential=credential,
             members=self.members,
             authority=run_access.authority if run_access else None,
+            follower=follower,
         )
         self.announcer = Announcer(
             serving,
@@ -200,6 +212,7 @@ class PeerHost:
             metrics_addr=metrics_addr,
             split=split,
             credential=credential,
+            run=follower,
         )
         self.checkpointer = (
             Checkpointer(
@@ -378,6 +391,7 @@ class PeerHost:
         )
         checkpointer = asyncio.create_task(self.checkpointer.run(stop)) if self.checkpointer is not None else None
         members = asyncio.create_task(self.members.run(stop)) if self.members is not None else None
+        following = asyncio.create_task(self.follower.run(stop)) if self.follower is not None else None
         averaging = serving.averaging
         averager = (  # by steps, rounds follow the trainer's commits (rpc_commit)
             asyncio.create_task(self.replicas.average_parameters_forever(stop))
@@ -402,10 +416,12 @@ class PeerHost:
         try:
             await stop.wait()
         finally:
-            await self._stop_in_order(rebalancer, reachability, announcer, prober, members, averager, checkpointer)
+            await self._stop_in_order(
+                rebalancer, reachability, announcer, prober, members, averager, checkpointer, following
+            )
 
     async def _stop_in_order(
-        self, rebalancer, reachability, announcer, prober, members, averager, checkpointer
+        self, rebalancer, reachability, announcer, prober, members, averager, checkpointer, following=None
     ) -> None:
         """The one way a serving peer stops: what it holds first (a move under way finishes, then the
         checkpoint is saved), then what others read (offline on the DHT, the split released); the
@@ -425,7 +441,7 @@ class PeerHost:
             await self.checkpointer.save_now()
             print(f"checkpoint saved to {self.checkpointer.path()}", flush=True)
         serving.set_state(PeerState.OFFLINE)
-        for task in (announcer, prober, members):
+        for task in (announcer, prober, members, following):
             if task is not None:
                 await self._unless_alone(task)
         await self._unless_alone(self.announcer.announce_final())

@@ -124,9 +124,9 @@ class StageRpcService:
             queue_s, samples = compute_started - arrived, 0 if header.evaluate or header.check else header.batch_size
             with phases.timed("encode"):
                 encoded_outputs = [(name, self._encode_output(name, tensor, header)) for name, tensor in outputs]
-            if isinstance(serving.runtime, FaultyStageRuntime):  # --fault-claim-speedup: a replica that lies
+            if isinstance(serving.runtime, FaultyStageRuntime):  # --faults claim_speedup: a replica that lies
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
-                lost = serving.runtime.answer_lost(rpc)  # --fault-lose-answer
+                lost = serving.runtime.answer_lost(rpc)  # --faults lose_answer
             response = ResponseHeader(
                 loss=loss, compute_s=compute_s, queue_s=queue_s, busy=busy_reading(serving), grad_sample=grad_sample
             )
@@ -185,7 +185,7 @@ class StageRpcService:
                 failure_kind=getattr(failed_as, "value", failed_as),
             )
         if lost:  # the stream fails: hivemind ends it with an error, which the caller sees as a transport failure
-            raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--fault-lose-answer)")
+            raise InjectedLostAnswer(f"the answer to this {rpc} was lost (--faults lose_answer)")
         for message in timed_messages(serving.phases, write_response(response, encoded_outputs, self.bytes)):
             yield message
 

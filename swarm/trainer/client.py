@@ -99,6 +99,7 @@ class StageClient:
         `data_plane`: call peers over their data plane when it reaches them (else p2pd only)."""
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
         self.credential = credential
+        self.spec_version = 0  # the version of the run's spec each commit names (swarm/trainer/settle.py)
         self.bytes = ByteCounter()
         # the data plane's connections or p2pd's streams to the peers, kept open from call to call
         self.phases = PhaseTimes()  # the trainer's phases (swarm/trainer/metrics.py, TRAINER_PHASES)
@@ -348,6 +349,7 @@ class StageClient:
                 flush=flush,
                 clip_phase=clip_phase,
                 clip_scale=clip_scale,
+                spec_version=self.spec_version,
             )
         )
         try:

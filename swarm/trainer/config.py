@@ -24,7 +24,6 @@ import os
 from dht.authority import RunAccessConfig
 from dht.node import NetworkConfig
 from models.config import lora_rank, model_names_help
-from models.model_source import resolve_model
 from models.subspace_options import SubspaceSettings
 from process.config import ConfigError, option, section
 from process.metrics_http import validate_metrics_options
@@ -231,7 +230,7 @@ class TrainerConfig:
     subspace: SubspaceSettings = section(SubspaceSettings, help="what crosses between stages: K coefficients per token")
 
     def __post_init__(self) -> None:
-        self.model = self.subspace.apply(resolve_model(self.model, self.model_dir)).name
+        """Syntax only: the model is settled against the run's spec at start (swarm/trainer/settle.py)."""
         try:
             lora_rank(self.trainable)
         except ValueError as e:

@@ -21,8 +21,16 @@ from dataclasses import asdict, dataclass, field
 import hivemind
 import torch
 
-from dht.authority import NO_RUN_WARNING, ROLES, RunAccess, RunAccessConfig, credential_summary, load_run_access
-from dht.node import start_dht, with_p2p_client
+from dht.authority import (
+    NO_RUN_WARNING,
+    ROLES,
+    RunAccess,
+    RunAccessConfig,
+    RunInfo,
+    credential_summary,
+    load_run_access,
+)
+from dht.node import protect_models, start_dht, with_p2p_client
 from dht.signing import identity_of
 from models.config import GPTConfig
 from models.model_source import model_hash
@@ -40,12 +48,13 @@ from swarm.trainer.config import (
     TrainerConfig,
     VerificationSettings,
 )
-from swarm.trainer.data import MicrobatchSampler, ValidationBatches, model_for_data, model_tokenizer, open_data
+from swarm.trainer.data import MicrobatchSampler, ValidationBatches, model_tokenizer, open_data
 from swarm.trainer.discovery import SwarmView, discover_num_stages, read_split, wait_for_every_stage
 from swarm.trainer.global_step import SharedProgress
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.progress import StepProgress, TrainingProgress
 from swarm.trainer.schedule import StepSchedule
+from swarm.trainer.settle import find_spec, follow_versions, settle_trainer
 from swarm.trainer.stage_averaging import averaging_by_stage
 from swarm.trainer.stage_call import StageCaller
 from wire.compression.policy import CodecPolicy
@@ -100,7 +109,7 @@ class TrainingReport(CallCounters):
     averaging_by_stage: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: str, *, model: str) -> TrainingReport:
+    def load(cls, path: str, *, model: str | None = None) -> TrainingReport:
         """The report of an earlier run, to resume it; raises ResumeError if it cannot be used."""
         try:
             with open(path) as f:
@@ -108,7 +117,7 @@ class TrainingReport(CallCounters):
             report = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
         except (OSError, ValueError, TypeError) as e:
             raise ResumeError(f"cannot resume from {path!r}: {e}") from None
-        if report.model != model:
+        if model is not None and report.model != model:
             raise ResumeError(f"{path!r} is a report of {report.model}, not {model}")
         report.completed = report.stopped_early = False
         return report
@@ -126,23 +135,33 @@ async def train(
     metrics: TrainerMetrics | None = None,
     stop: asyncio.Event | None = None,
     alone: asyncio.Event | None = None,
+    given: frozenset[str] | set[str] = frozenset(),
 ) -> TrainingReport:
     """Train for `config.schedule.steps` steps, filling `report` as it goes (it stays valid on failure).
     Once `stop` is set, no new step starts; the step in flight gets `stop_timeout_s` to finish (none
-    once `alone` is set: the process that started this one died), and the report says `stopped_early`."""
+    once `alone` is set: the process that started this one died), and the report says `stopped_early`.
+    `given`: the options the user set (the others may come from the run's spec)."""
     stop = stop or asyncio.Event()
     metrics = metrics or TrainerMetrics()
-    batches, reporting = config.schedule, config.reporting
+    reporting = config.reporting
     # A bar only where our lines go straight to a terminal; a caller's own `say` gets plain lines.
     progress = TrainingProgress(
-        batches.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
+        config.schedule.steps, log_every=reporting.log_every, say=say, interactive=say is print and sys.stdout.isatty()
     )
     say = progress.say
     data = open_data(config.corpus.data, tokenizer=model_tokenizer(config.model_dir) or "bytes", say=say)
-    # The model's vocabulary is the data's: the peers must serve the same (checked on discovery).
-    model_config = config.subspace.apply(
-        dataclasses.replace(model_for_data(config.model, config.model_dir, data), trainable=config.trainable)
-    )
+    # The run's spec and this trainer's flags, settled once: the model (its vocabulary must be the
+    # data's), the stages, the codec, the batch.
+    settled = settle_trainer(config, given, find_spec(dht, config, given), data)
+    config, model_config = settled.config, settled.model
+    batches = config.schedule
+    if settled.spec is not None:
+        say(settled.spec.describe())
+        if "model" not in given:
+            protect_models(dht, config.network, [config.model], num_stages=config.num_stages, client_mode=True)
+    if report.model not in ("", config.model):
+        raise ResumeError(f"{reporting.report!r} is a report of {report.model}, not {config.model}")
+    report.model = config.model
     sampler = MicrobatchSampler(
         data.train,
         seq_len=model_config.seq_len,
@@ -183,7 +202,7 @@ async def train(
             data_source=f"data {data.folder}",
             metrics=metrics,
             say=say,
-            access=run_access(config.authority, dht, say, roles=("trainer",)),
+            access=run_access(config.authority, dht, say, roles=("trainer",), run=settled.run),
             data_plane=config.transport.data_plane,
         ),
     )
@@ -191,6 +210,15 @@ async def train(
         progress.close()
         report.stopped_early = True
         return report
+    following = None
+    if settled.spec is not None:  # each commit names the version of the run's spec its step follows
+        schedule.client.spec_version = settled.spec.version
+
+        def new_version(spec) -> None:
+            schedule.client.spec_version = spec.version
+            say(f"run {spec.run_id} version {spec.version}: {spec.changes[-1].describe()}")
+
+        following = asyncio.create_task(follow_versions(dht, settled, new_version, stop))
     schedule.grad_norms = list(report.grad_norms)  # a resumed run's norms go on
     view, caller, num_stages = schedule.view, schedule.caller, schedule.num_stages
     metrics.set_run(
@@ -290,15 +318,19 @@ async def train(
     finally:
         progress.close()
         refresher.cancel()
+        if following is not None:
+            following.cancel()
         schedule.client.close()  # the peers' handlers of our kept streams end now, not when idle
         _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
     return report
 
 
-def run_access(config: RunAccessConfig, dht: hivemind.DHT, say, *, roles: tuple[str, ...] = ROLES) -> RunAccess | None:
-    """This process's run (--run) and credential (--credential, checked against its peer id and
-    `roles`), or None."""
-    access = load_run_access(config, peer_id=dht.peer_id.to_base58(), roles=roles)
+def run_access(
+    config: RunAccessConfig, dht: hivemind.DHT, say, *, roles: tuple[str, ...] = ROLES, run: RunInfo | None = None
+) -> RunAccess | None:
+    """This process's run (--run, or `run`, known from its spec) and credential (--credential,
+    checked against its peer id and `roles`), or None."""
+    access = load_run_access(config, peer_id=dht.peer_id.to_base58(), roles=roles, run=run)
     if access is None:
         if "trainer" in roles:
             say(f"warning: {NO_RUN_WARNING}")
@@ -463,15 +495,15 @@ def _fill_report(
     report.disputes = [dataclasses.asdict(d) for d in schedule.caller.disputes_unresolved]
 
 
-async def _train_until_signalled(config, dht, report, say, metrics) -> TrainingReport:
+async def _train_until_signalled(config, dht, report, say, metrics, given) -> TrainingReport:
     stop, alone = stop_events_in_loop(
         what="finishing the step in flight, then writing the report",
         what_alone="abandoning the step in flight, then writing the report",
     )
-    return await train(config, dht, report, say, metrics=metrics, stop=stop, alone=alone)
+    return await train(config, dht, report, say, metrics=metrics, stop=stop, alone=alone, given=given)
 
 
-def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
+def run_trainer(config: TrainerConfig, say=print, given: frozenset[str] | set[str] = frozenset()) -> TrainingReport:
     """Join the DHT as a client, train, write the report (also after an error or Ctrl-C)."""
     # The trainer only encodes, decodes and checks tensors: one torch thread. More threads spin
     # against the peers' compute on shared cores (measured: int8 encode 4.6 ms with 1 thread,
@@ -484,22 +516,22 @@ def run_trainer(config: TrainerConfig, say=print) -> TrainingReport:
     )  # before the DHT: fails fast
     if endpoint:
         say(f"metrics on {endpoint.url}")
-    report = TrainingReport(model=config.model, num_stages=config.num_stages or 0)
+    report = TrainingReport(model="", num_stages=config.num_stages or 0)  # the model: once settled
     if reporting.resume:
-        report = TrainingReport.load(reporting.report, model=config.model)
+        report = TrainingReport.load(reporting.report)
         report.resumed_from_step = report.steps
     if reporting.report and os.path.isdir(os.path.dirname(os.path.abspath(reporting.report))):
         report_path = os.path.abspath(reporting.report)  # a killed run's half-written report
         remove_stale_temporaries(os.path.dirname(report_path), f"{os.path.basename(report_path)}.tmp.*")
-    dht = start_dht(config.network, client_mode=True, models=[config.model])
+    dht = start_dht(config.network, client_mode=True, models=[config.model] if "model" in given else [])
     schedule = config.schedule
     say(
-        f"trainer {dht.peer_id.to_base58()} starting: {config.model}, {schedule.steps} steps of {schedule.batch_size} "
-        f"samples, data {config.corpus.data or 'the default corpus'}, report {reporting.report or 'none'} "
+        f"trainer {dht.peer_id.to_base58()} starting: {schedule.steps} steps, data "
+        f"{config.corpus.data or 'the default corpus'}, report {reporting.report or 'none'} "
         f"(--verbose prints the whole configuration)"
     )
     try:
-        asyncio.run(with_p2p_client(dht, _train_until_signalled(config, dht, report, say, metrics)))
+        asyncio.run(with_p2p_client(dht, _train_until_signalled(config, dht, report, say, metrics, given)))
     finally:
         if reporting.report:  # first: what must outlive the trainer, before the DHT's stop (up to 3 s)
             report.write(reporting.report)

@@ -16,6 +16,8 @@ import re
 
 import pytest
 
+from swarm.local_swarm import fault_args
+
 pytestmark = pytest.mark.slow
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]
@@ -32,9 +34,7 @@ def peer_id(process) -> str:
 
 
 def lie(kind: str, size: str, calls: str = "all") -> list[str]:
-    return ["--fault-garbage", kind, "--fault-garbage-size", size, "--fault-garbage-rate", "1.0"] + (
-        ["--fault-garbage-calls", calls] if calls != "all" else []
-    )
+    return fault_args(garbage=kind, garbage_size=float(size), garbage_rate=1.0, garbage_calls=calls)
 
 
 @pytest.fixture(scope="module")

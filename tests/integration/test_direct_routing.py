@@ -16,6 +16,7 @@ import torch
 
 from dht.node import NetworkConfig, start_dht
 from models.config import get_model_config
+from swarm.local_swarm import fault_args
 from swarm.trainer.client import ChainCallError, StageClient
 from tests.integration.polling import trainer_step, wait_for
 from tests.integration.processes import stop_together
@@ -101,7 +102,7 @@ def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swa
     assert report["backward_inputs_skipped"] == 0  # no call went through the trainer: every one was chained
 
 
-# A stage-1 replica of three stages is SIGKILLed at the moment it holds a microbatch (--fault-hold):
+# A stage-1 replica of three stages is SIGKILLed at the moment it holds a microbatch (--faults hold):
 # forward, with the stage-0 peer's activations received and not yet answered; backward, with the
 # stage-2 peer's gradient received, after stage 2 already added that microbatch's gradients. Stage 0
 # fails over to the other stage-1 replica, which sends the microbatch to stage 2 again: stage 2
@@ -130,9 +131,7 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
     # hang: held after 6 forwards, when the trainer's chain timeout is learned from 5 answered chains
     # (not its 60 s initial value, which the run would otherwise wait out)
     held_after = "6" if hold == "hang" else "3"
-    victim = swarm.start_peer(
-        1, "--fault-hold", "forward" if hold == "hang" else hold, "--fault-hold-after", held_after
-    )
+    victim = swarm.start_peer(1, *fault_args(hold="forward" if hold == "hang" else hold, hold_after=int(held_after)))
     # The trainer must prefer the victim, or it is sent too few microbatches to hold one. Routes
     # follow the announced speeds, measured at start-up, and a measurement taken under load can come
     # out at a fifth of its partner's (main's CI: 357 against 1,842 samples/s, beside another test
@@ -140,7 +139,7 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
     # asleep for the extra time, and announces that.
     swarm.wait_online([victim])
     first, last = swarm.start_peer(0), swarm.start_peer(2)
-    other = swarm.start_peer(1, "--fault-slowdown", "8")
+    other = swarm.start_peer(1, *fault_args(slowdown=8))
     swarm.wait_online([first, other, last])
     report_path = tmp_path / "report.json"
     steps = 8
@@ -149,7 +148,7 @@ def test_a_replica_holding_a_microbatch_mid_hop_killed_or_hung_loses_nothing_and
         *("--refresh-period-s", "1", "--routing", "direct", "--report", str(report_path), *transport_args),
     )
     wait_for(
-        lambda: "injected by --fault-hold" in victim.log(),
+        lambda: "injected by --faults hold" in victim.log(),
         180,
         f"the victim to hold a microbatch ({hold})",
         while_running=[trainer, victim],
@@ -234,14 +233,14 @@ def test_sync_replicas_fed_by_chains_average_to_the_one_process_step(make_swarm,
     """Two stage-0 replicas each serve part of the batch through chains; the trainer counts what each
     served from the chains' `served_by`, which caps each one's weight in the sync round: counted
     wrong, the averaged step would not be the one-process step. answers-lost: each stage-0 replica
-    adds its first chain's gradients and then its stream breaks (--fault-lose-answer); the trainer
+    adds its first chain's gradients and then its stream breaks (--faults lose_answer); the trainer
     drives that chain again along the same route, whose replicas answer without adding it twice.
     hub-timed: half the microbatches go through the trainer (--hub-timing-fraction 0.5), the rest
     through chains, in one step."""
     swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
     swarm.start_bootstrap()
     lose_answer = variant == "answers-lost"
-    fault = ["--fault-lose-answer", "1"] if lose_answer else []
+    fault = fault_args(lose_answer=1) if lose_answer else []
     timing = ["--hub-timing-fraction", "0.5"] if variant == "hub-timed" else []
     peers = [
         swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"), *fault),

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from swarm.local_swarm import fault_args
 from tests.integration.polling import trainer_step, wait_for
 
 pytestmark = pytest.mark.slow
@@ -71,13 +72,13 @@ def test_a_replica_slowed_3x_gets_clearly_less_and_nothing_is_lost(make_swarm, t
     close its share comes to the ideal third is a timing, measured by benchmarks/slowed_replica.py
     (a loaded CI run once put this ratio outside +-20% of a third when it was asserted here).
 
-    The slowed peer spends its extra time computing (`--fault-slowdown-mode busy`), so load that
+    The slowed peer spends its extra time computing (`--faults slowdown_mode=busy`), so load that
     hits both peers alike leaves it 3x slower than its partner."""
     swarm = make_swarm(model="small", num_stages=2, peer_args=["--target-batch-size", "8"])
     swarm.start_bootstrap()
     first = swarm.start_peer(0)
     fast = swarm.start_peer(1)
-    slow = swarm.start_peer(1, "--fault-slowdown", "3", "--fault-slowdown-mode", "busy")
+    slow = swarm.start_peer(1, *fault_args(slowdown=3, slowdown_mode="busy"))
     swarm.wait_online([first, fast, slow])
     report_path = tmp_path / "report.json"
     # Counted after a warm-up: a peer's first calls pay one-off costs (allocations, first-time code

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from swarm.local_swarm import fault_args
+
 pytestmark = pytest.mark.slow
 
 STEPS = 6
@@ -57,8 +59,8 @@ def test_peers_returning_nan_or_wrong_shapes_are_banned_and_the_loss_is_unaffect
     clean_trainer = clean.start_trainer(*TRAIN_ARGS, "--routing", routing, "--report", str(tmp_path / "clean.json"))
     dirty.wait_online(good)
     # Started after the good ones, so they load the same initial state; every answer is garbage.
-    nan_peer = dirty.start_peer(1, "--fault-garbage", "nan", "--no-load-state")
-    shape_peer = dirty.start_peer(1, "--fault-garbage", "shape", "--no-load-state")
+    nan_peer = dirty.start_peer(1, *fault_args(garbage="nan"), "--no-load-state")
+    shape_peer = dirty.start_peer(1, *fault_args(garbage="shape"), "--no-load-state")
     clean_report = finish(clean_trainer, tmp_path / "clean.json")
     clean.stop()
     dirty.wait_online([nan_peer, shape_peer])

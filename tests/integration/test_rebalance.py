@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from process.lifetime import EXIT_SIGNALLED
+from swarm.local_swarm import fault_args
 from tests.integration.polling import wait_for
 
 pytestmark = pytest.mark.slow
@@ -102,7 +103,7 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
     # 40x, because its start-up measure can come out 3x to 8x its partners' together (tiny's last stage is
     # the faster: peers starting together on 2 cores measured 291 and 573 samples/s against its 2,671, and
     # under a CI run's load 97 and 84 against its 1,442, which 6x did not cover).
-    peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1, "--fault-slowdown", "40")]
+    peers = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1, *fault_args(slowdown=40))]
     swarm.wait_online(peers)
     standby = swarm.start_peer(
         "auto",

@@ -13,6 +13,7 @@ from models.config import get_model_config
 from models.stages import build_full_model, stage_spec
 from peers.compute.checkpoint import checkpoint_path, load_checkpoint
 from peers.compute.stage_runtime import OptimizerSettings
+from swarm.local_swarm import fault_args
 from swarm.trainer.data import MicrobatchSampler, open_data
 from tests.integration.polling import scrape, wait_for
 from tests.integration.processes import stop_together
@@ -145,7 +146,7 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     swarm.start_bootstrap()
     peers = [
         swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a")),
-        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"), "--fault-miss-sync-round", "2"),
+        swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "b"), *fault_args(miss_sync_round=2)),
         swarm.start_peer(1),
     ]
     swarm.wait_online(peers)
@@ -173,7 +174,7 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
     max_norm = reference_grad_norm(config) / 4 if clipped else None
     swarm = make_swarm(
         num_stages=2,
-        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", "--fault-miss-sync-round", "1"],
+        peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync", *fault_args(miss_sync_round=1)],
     )
     swarm.start_bootstrap()
     peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / d)) for d in "ab"] + [swarm.start_peer(1)]
@@ -196,13 +197,13 @@ def test_a_sync_round_that_failed_on_every_replica_is_committed_again(make_swarm
 
 def test_a_backward_whose_answer_was_lost_is_asked_again_of_the_same_replica(make_swarm, tmp_path):
     """Each stage-0 replica adds its first backward, then loses the answer on the way back (its stream
-    fails: --fault-lose-answer). Retried on the other replica, both would hold that microbatch's
+    fails: --faults lose_answer). Retried on the other replica, both would hold that microbatch's
     gradients, and the averaged step would count it twice (the round's weight caps cannot take out
     what is already summed). The trainer asks the same replica again first; it answers the repeat
     without adding it, and the step is still one process's step."""
     swarm = make_swarm(num_stages=2, peer_args=["--optimizer", "sgd", "--lr", "0.5", "--averaging", "sync"])
     swarm.start_bootstrap()
-    peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / d), "--fault-lose-answer", "1") for d in "ab"]
+    peers = [swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / d), *fault_args(lose_answer=1)) for d in "ab"]
     peers.append(swarm.start_peer(1))
     swarm.wait_online(peers)
     report = run_trainer(

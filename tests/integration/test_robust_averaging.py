@@ -1,4 +1,4 @@
-"""A replica that lies in its stage's all-reduce (`--fault-averaging`: its gradients x10, or
+"""A replica that lies in its stage's all-reduce (`--faults averaging`: its gradients x10, or
 negated) among three sync replicas: the honest replicas reduce its contribution robustly
 (`--robust-averaging clip`, the default; peers/replicas/robust_mean.py), so the stage's update stays
 within the documented bound of the honest one, and every replica still holds the same parameters
@@ -14,6 +14,7 @@ import torch
 from models.config import get_model_config
 from models.stages import build_full_model
 from peers.compute.stage_runtime import OptimizerSettings
+from swarm.local_swarm import fault_args
 from swarm.trainer.data import MicrobatchSampler, open_data
 from tests.integration.processes import stop_together
 from tests.integration.test_replicas import assert_same_params, run_trainer, stage_params
@@ -48,7 +49,7 @@ def one_process_update(data: str) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 
 def test_a_replica_scaling_its_gradients_in_the_all_reduce_moves_no_honest_update(make_swarm, tmp_path):
-    """Three sync replicas of stage 0, one sending its gradients x10 (`--fault-averaging scale`;
+    """Three sync replicas of stage 0, one sending its gradients x10 (`--faults averaging=scale`;
     `flip` and other lies: tests/unit/test_robust_mean.py, test_fault_lies.py). Without the clip the
     stage would step on (1 + 9 w_liar / W) x the gradient; with it, the step is the one-process step."""
     data = one_text_repeated(tmp_path)
@@ -56,7 +57,7 @@ def test_a_replica_scaling_its_gradients_in_the_all_reduce_moves_no_honest_updat
     swarm.start_bootstrap()
     dirs = [tmp_path / name for name in ("a", "b", "liar")]
     honest = [swarm.start_peer(0, "--checkpoint-dir", str(d)) for d in dirs[:2]]
-    liar = swarm.start_peer(0, "--checkpoint-dir", str(dirs[2]), "--no-load-state", "--fault-averaging", "scale")
+    liar = swarm.start_peer(0, "--checkpoint-dir", str(dirs[2]), "--no-load-state", *fault_args(averaging="scale"))
     last = swarm.start_peer(1)
     processes = [*honest, liar, last]
     swarm.wait_online(processes)

@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from swarm.local_swarm import fault_args
+
 pytestmark = pytest.mark.slow
 
 PEER_ARGS = ["--target-batch-size", "8", "--lr", "3e-3"]
@@ -27,7 +29,7 @@ def train_beside_a_scaling_liar(make_swarm, tmp_path, honest_stages: list[int], 
     swarm = make_swarm(num_stages=num_stages, peer_args=PEER_ARGS)
     swarm.start_bootstrap()
     honest = [swarm.start_peer(stage) for stage in honest_stages]
-    liar = swarm.start_peer(liar_stage, "--fault-garbage", "scale", "--fault-garbage-rate", "1.0", "--no-load-state")
+    liar = swarm.start_peer(liar_stage, *fault_args(garbage="scale", garbage_rate=1.0), "--no-load-state")
     swarm.wait_online([*honest, liar])
     report_path = tmp_path / "report.json"
     trainer = swarm.start_trainer(
@@ -79,7 +81,7 @@ def test_each_other_plausible_lie_is_banned_with_nothing_lost(make_swarm, tmp_pa
     honest = [swarm.start_peer(0), swarm.start_peer(0), swarm.start_peer(1)]
     swarm.wait_online(honest)
     for mode in ("noise", "replay", "stale"):
-        liar = swarm.start_peer(0, "--fault-garbage", mode, "--fault-garbage-rate", "1.0", name=f"liar-{mode}")
+        liar = swarm.start_peer(0, *fault_args(garbage=mode, garbage_rate=1.0), name=f"liar-{mode}")
         swarm.wait_online([liar])
         report_path = tmp_path / f"report-{mode}.json"
         trainer = swarm.start_trainer(

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from swarm.local_swarm import fault_args
 from tests.integration.polling import trainer_step, wait_for
 
 pytestmark = pytest.mark.slow
@@ -38,8 +39,7 @@ def test_fake_wrong_stage_records_are_banned_after_their_first_answers(make_swar
     honest = [swarm.start_peer(0), swarm.start_peer(1)]
     swarm.wait_online(honest)
     fakes = [
-        swarm.start_peer(1, "--fault-wrong-stage", "--fault-claim-speedup", "1000", "--no-load-state")
-        for _ in range(FAKES)
+        swarm.start_peer(1, *fault_args(wrong_stage=True, claim_speedup=1000), "--no-load-state") for _ in range(FAKES)
     ]
     swarm.wait_online(fakes)
     report_path = tmp_path / "report.json"
@@ -72,9 +72,7 @@ def test_a_replica_overstating_its_speed_gets_no_more_than_its_measured_share_of
     swarm.start_bootstrap()
     honest = [swarm.start_peer(0), swarm.start_peer(1)]
     swarm.wait_online(honest)
-    liar = swarm.start_peer(
-        1, "--fault-slowdown", "10", "--fault-slowdown-mode", "device", "--fault-claim-speedup", "1000"
-    )
+    liar = swarm.start_peer(1, *fault_args(slowdown=10.0, slowdown_mode="device", claim_speedup=1000.0))
     swarm.wait_online([liar])
     report_path = tmp_path / "report.json"
     trainer = swarm.start_trainer(
@@ -110,7 +108,7 @@ def test_replicas_that_stall_are_banned_for_long_after_a_second_timeout(make_swa
         *["--routing", routing],
     )
     wait_for(lambda: trainer_step(trainer) >= 5, 180, "the trainer's fifth step", while_running=[trainer])
-    stall = ("--fault-slowdown", "100000", "--fault-slowdown-mode", "sleep", "--fault-claim-speedup", "1e8")
+    stall = fault_args(slowdown=100000.0, slowdown_mode="sleep", claim_speedup=1e8)
     sybils = [swarm.start_peer(1, *stall, "--averaging", "none", "--no-load-state") for _ in range(SYBILS)]
     assert trainer.popen.wait(timeout=600) == 0, trainer.log()[-3000:]
     report = json.loads(report_path.read_text())

@@ -1,4 +1,4 @@
-"""--fault-hold (peers/compute/faults.py): a peer holds one call mid-hop and says so, for the tests
+"""--faults hold (peers/compute/faults.py): a peer holds one call mid-hop and says so, for the tests
 that SIGKILL it at that moment (tests/integration/test_direct_routing.py)."""
 
 import time
@@ -13,7 +13,7 @@ from process.config import ConfigError
 
 
 def test_fault_hold_holds_one_call_at_its_point_after_the_calls_it_lets_through(caplog):
-    """--fault-hold forward|backward: the (after+1)th call at that point is held and logged, once;
+    """--faults hold=forward|backward: the (after+1)th call at that point is held and logged, once;
     a last stage's fused forward+backward counts as the forward hop it answers."""
     config = get_model_config("tiny")
     x = torch.randint(0, config.vocab_size, (2, config.seq_len))
@@ -28,7 +28,7 @@ def test_fault_hold_holds_one_call_at_its_point_after_the_calls_it_lets_through(
         held.backward(microbatch, x, grad_outputs=grad)
         durations.append(time.perf_counter() - started)
     assert durations[1] >= 0.3  # the second backward, once
-    assert caplog.text.count("injected by --fault-hold") == 1
+    assert caplog.text.count("injected by --faults hold") == 1
     assert HOLD_MESSAGE.format(microbatch_id="b", point="backward") in caplog.text
     last = FaultyStageRuntime(StageRuntime(config, 1, 2), FaultSettings(fault_hold="forward", fault_hold_s=0.3))
     started = time.perf_counter()

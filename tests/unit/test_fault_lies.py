@@ -151,7 +151,7 @@ def test_a_replica_lying_in_the_all_reduce_sends_its_tensors_multiplied_and_keep
 def test_fault_averaging_accepts_only_its_lies():
     assert FaultSettings(fault_averaging="flip").fault_averaging == "flip"
     assert not FaultSettings(fault_averaging="scale").enabled  # the stage runtime is not wrapped for it
-    with pytest.raises(ConfigError, match="--fault-averaging"):
+    with pytest.raises(ConfigError, match="--faults averaging"):
         FaultSettings(fault_averaging="negate")
 
 

@@ -86,5 +86,5 @@ def test_burn_cpu_counts_this_threads_cpu_time():
 
 
 def test_an_unknown_slowdown_mode_is_refused():
-    with pytest.raises(ValueError, match="--fault-slowdown-mode"):
+    with pytest.raises(ValueError, match="--faults slowdown_mode"):
         FaultSettings(fault_slowdown=3.0, fault_slowdown_mode="spin")

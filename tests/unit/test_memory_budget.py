@@ -125,21 +125,21 @@ def test_the_activation_cache_stays_within_its_byte_budget():
     assert list(runtime.cache) == ["mb3", "mb4"]  # two microbatches of 2 samples fit, the oldest went
 
 
-def test_num_layers_sets_the_number_of_stages_at_start_up(capsys):
+def test_num_layers_sets_the_number_of_stages_when_the_peer_starts_a_swarm(capsys):
     from peers.config import ComputeSettings, PeerConfig
-    from peers.launch import _resolve_num_layers
+    from peers.settle import _split_by_layers as _resolve_num_layers
 
     config = get_model_config("gpt2-124m")
     fixed = _resolve_num_layers(
-        PeerConfig(model="gpt2-124m", stage=0, num_layers="5"), config, 64 * GiB, torch.device("cpu")
+        PeerConfig(model="gpt2-124m", stage=0, num_layers="5"), config, torch.device("cpu"), 64 * GiB
     )
     assert fixed.num_stages == 3  # 12 blocks, at most 5 per stage
     budget = estimate_stage_memory(config, split_layers(12, 4)[1], batch_size=1).total_bytes
     auto = _resolve_num_layers(
         PeerConfig(model="gpt2-124m", stage=1, num_layers="auto", compute=ComputeSettings(max_batch_size=1)),
         config,
-        budget,
         torch.device("cpu"),
+        budget,
     )
     assert (
         auto.num_stages

@@ -1,6 +1,7 @@
 """The peer's command-line surface is frozen: every flag and SWARM_* variable `swarm peer` had when its
 configuration was flat (59 fields and the network's 8) keeps its name now that `PeerConfig` is nested
-by section. A flag may be added here on purpose; none may disappear or be renamed by accident."""
+by section. A flag may be added here on purpose; none may disappear or be renamed by accident (the
+14 --fault-* flags became one developer option, --faults, on purpose: issue #58)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from process.config import env_variables, options
 from swarm.cli import PROCESS_FLAGS, build_parser
 
 PEER_FLAGS = {
+    "--faults",  # issue #58: the fault injection of tests and benchmarks, one developer option (was 14 --fault-*)
     "--run",  # issue #30: the run authority
     "--credential",
     "--activation-cache-size",
@@ -36,22 +38,6 @@ PEER_FLAGS = {
     "--checkpoint-dir",
     "--checkpoint-period-s",
     "--device",
-    "--fault-garbage-calls",  # added deliberately: which calls a garbage fault lies in (issue #59)
-    "--fault-averaging",  # added deliberately: a replica lying in the all-reduce (issue #25)
-    "--fault-hold",  # added deliberately: hold one call mid-hop, for the kill tests (issue #23)
-    "--fault-hold-after",
-    "--fault-hold-s",
-    "--fault-lose-answer",  # added deliberately: an answer lost after the work was done (the orphan backward)
-    "--fault-claim-speedup",  # added deliberately: a replica lying about its speed (issue #30)
-    "--fault-fail-rate",
-    "--fault-garbage",
-    "--fault-garbage-rate",
-    "--fault-garbage-size",  # added deliberately: the size of the plausible lies scale and noise (issue #25)
-    "--fault-miss-sync-round",  # added deliberately: a replica whose all-reduce fails on its side only
-    "--fault-slowdown",
-    "--fault-slowdown-mode",
-    "--fault-wrong-stage",  # added deliberately: a fake record answering 'wrong stage' (issue #30)
-    "--no-fault-wrong-stage",
     "--host-maddrs",
     "--lr-decay",  # added deliberately: the learning-rate schedule (issue #22)
     "--lr-decay-steps",
@@ -122,6 +108,7 @@ PEER_FLAGS = {
     "--weight-decay",
 }
 PEER_VARIABLES = {
+    "SWARM_FAULTS",  # issue #58
     "SWARM_RUN",
     "SWARM_CREDENTIAL",
     "SWARM_ACTIVATION_CACHE_SIZE",
@@ -142,21 +129,6 @@ PEER_VARIABLES = {
     "SWARM_CHECKPOINT_DIR",
     "SWARM_CHECKPOINT_PERIOD_S",
     "SWARM_DEVICE",
-    "SWARM_FAULT_AVERAGING",  # added deliberately (issue #25)
-    "SWARM_FAULT_GARBAGE_CALLS",  # added deliberately (issue #59)
-    "SWARM_FAULT_HOLD",  # added deliberately (issue #23)
-    "SWARM_FAULT_HOLD_AFTER",
-    "SWARM_FAULT_HOLD_S",
-    "SWARM_FAULT_LOSE_ANSWER",  # added deliberately
-    "SWARM_FAULT_FAIL_RATE",
-    "SWARM_FAULT_CLAIM_SPEEDUP",
-    "SWARM_FAULT_GARBAGE",
-    "SWARM_FAULT_GARBAGE_RATE",
-    "SWARM_FAULT_GARBAGE_SIZE",  # added deliberately (issue #25)
-    "SWARM_FAULT_MISS_SYNC_ROUND",
-    "SWARM_FAULT_SLOWDOWN",
-    "SWARM_FAULT_SLOWDOWN_MODE",
-    "SWARM_FAULT_WRONG_STAGE",
     "SWARM_HOST_MADDRS",
     "SWARM_LR_DECAY",
     "SWARM_LR_DECAY_STEPS",

@@ -130,5 +130,5 @@ def test_every_plausible_backward_lie_shows_in_the_gradient_sample(kind):
 
 
 def test_fault_garbage_calls_accepts_only_its_kinds():
-    with pytest.raises(ConfigError, match="--fault-garbage-calls"):
+    with pytest.raises(ConfigError, match="--faults garbage_calls"):
         FaultSettings(fault_garbage="scale", fault_garbage_calls="commit")

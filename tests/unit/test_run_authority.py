@@ -28,7 +28,6 @@ from dht.records import PeerRecord, PeerState
 from dht.signing import load_identity, new_identity_file
 from peers.replicas.averaging_members import capped_weight, credentialed_members, declared_weights, median_weight
 from peers.serving.admission import AdmissionGuard, NotAuthorizedError
-from process.config import ConfigError
 from wire.request_limits import PenaltyBox
 
 
@@ -116,8 +115,8 @@ def test_files_round_trip_and_start_up_checks(world, tmp_path):
     with pytest.raises(RunFileError, match="is a trainer credential; this process needs a peer"):  # given to a peer
         load_run_access(RunAccessConfig(run=str(root / "open"), credential=path), peer_id=ids["alice"], roles=("peer",))
     assert load_run_access(RunAccessConfig(), peer_id=ids["alice"]) is None
-    with pytest.raises(ConfigError, match="needs --run"):
-        RunAccessConfig(credential=path)
+    with pytest.raises(RunFileError, match="no run with an owner"):  # a credential names a run it can find
+        load_run_access(RunAccessConfig(credential=path), peer_id=ids["alice"])
     with pytest.raises(RunFileError, match="not a run file"):
         load_run(path)
     with pytest.raises(RunFileError, match="exists already"):

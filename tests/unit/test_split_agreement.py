@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dht.records import SplitRecord, parse_split_records
 from dht.split_agreement import SplitConflictError, choose_split, earlier_conflicting_claim, split_in_force
 from models.stages import StageSplitError
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
+from peers.settle import settle
 from process.config import ConfigError
 
 
@@ -87,14 +89,23 @@ def test_of_two_racing_claims_the_later_withdraws():
     assert earlier_conflicting_claim(second, [claim("a", (0, 1, 3), since=1.0, active=False)]) is None
 
 
+def _split(**options) -> tuple[int, ...]:
+    """The split a peer with these options serves when it starts a swarm (peers/settle.py)."""
+    config = PeerConfig(**options)
+    return settle(
+        config, {"model"}, None, device=torch.device("cpu"), available_bytes=1 << 40, created_at=0.0
+    ).boundaries
+
+
 def test_peer_config_reads_split_boundaries():
     config = PeerConfig(model="tiny", stage=1, num_stages=2, split_boundaries="0,1,3")
-    assert config.requested_boundaries == (0, 1, 3)
+    assert config.requested_boundaries == (0, 1, 3) and _split(model="tiny", stage=1, split_boundaries="0,1,3")
     assert PeerConfig(model="tiny", stage=1, num_stages=2).requested_boundaries is None
+    assert _split(model="tiny", stage=1, num_stages=2) == (0, 2, 3)
     with pytest.raises(StageSplitError, match="describe 2 stages, not 3"):
-        PeerConfig(model="tiny", stage=1, num_stages=3, split_boundaries="0,1,3")
+        _split(model="tiny", stage=1, num_stages=3, split_boundaries="0,1,3")
     with pytest.raises(StageSplitError, match="strictly increase"):
-        PeerConfig(model="tiny", stage=0, num_stages=2, split_boundaries="0,3,3")
+        _split(model="tiny", stage=0, num_stages=2, split_boundaries="0,3,3")
     with pytest.raises(ConfigError, match="comma-separated"):
         PeerConfig(model="tiny", stage=0, num_stages=2, split_boundaries="zero,1,3")
 
@@ -108,17 +119,11 @@ def test_split_boundaries_memory_gives_the_end_stages_fewer_blocks():
     """`--split-boundaries memory` resolves, at start-up, to the split balancing the stages'
     parameters: for a gpt2-350m-shaped model (vocabulary matrices of 51M parameters on each end,
     3.1M per block) the end stages get 4 blocks and the middle ones 8, as benchmarks/import.py measured."""
-    config = PeerConfig(model="gpt2-350m", stage=3, num_stages=4, split_boundaries="memory")
-    assert config.requested_boundaries == (0, 4, 12, 20, 24)
+    assert _split(model="gpt2-350m", stage=3, num_stages=4, split_boundaries="memory") == (0, 4, 12, 20, 24)
     # with no vocabulary to speak of it is the equal split
-    assert PeerConfig(model="tiny", stage=0, num_stages=3, split_boundaries="memory").requested_boundaries == (
-        0,
-        1,
-        2,
-        3,
-    )
+    assert _split(model="tiny", stage=0, num_stages=3, split_boundaries="memory") == (0, 1, 2, 3)
 
 
 def test_split_boundaries_memory_with_more_stages_than_blocks_is_one_line():
     with pytest.raises(ConfigError, match="--split-boundaries memory: cannot split 3 blocks into 5 stages"):
-        PeerConfig(model="tiny", stage=0, num_stages=5, split_boundaries="memory")
+        _split(model="tiny", stage=0, num_stages=5, split_boundaries="memory")
