@@ -19,7 +19,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records
-from dht.authority import RunAccess, RunAccessConfig, RunInfo, credential_run_id, load_run, load_run_access
+from dht.authority import RunAccess, RunInfo, credential_run_id, load_run, load_run_access
 from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign, judging_records
 from dht.node import protect_models, start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
@@ -223,7 +223,8 @@ def join_run(
     # from its spec: a private run's authority (it binds every peer), or the run a credential is for
     if info is None and settled.spec.owned and (settled.spec.private or authority.credential is not None):
         info = RunInfo(run_id=settled.spec.run_id, owner_public_key=signed.signer_key, private=settled.spec.private)
-    access = load_run_access(RunAccessConfig(run=None, credential=authority.credential), peer_id=peer_id, run=info)
+    # --run's folder holding the owner key: this process issues itself a credential (dht/authority.py)
+    access = load_run_access(authority, peer_id=peer_id, roles=("peer",), run=info)
     return settled, signed, access
 
 
