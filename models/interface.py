@@ -6,38 +6,17 @@ A model is a chain of three kinds of parts, which the pipeline cuts between bloc
     block i     hidden states (B, T, C)    -> hidden states (B, T, C)           blocks 0..n_layers-1, any stage
     head        hidden states (B, T, C)    -> logits (B, T, vocab_size)         last stage only
 
-The last stage adds the loss itself (mean next-token cross-entropy of the logits against the
-targets, models/gpt.py `language_model_loss`), so a head returns logits, never a loss. T is
-`seq_len` and C is `d_model`: they fix the shape of the activations sent between stages (the wire
-shapes a peer checks before any compute); `vocab_size` bounds the token ids. The built-in "gpt"
-and "llama" architectures are such chains (models/stages.py `_COMPONENTS`).
+The last stage adds the loss (models/gpt.py `language_model_loss`), so a head returns logits. T is
+`seq_len` and C is `d_model`; `vocab_size` bounds the token ids. Your own architecture: a function
+without arguments that returns `ModelParts` (sizes and a factory per part), named as
+`--model package.module:function` and importable on every peer.
 
-Your own architecture: a function without arguments that returns `ModelParts`, named on the command
-line as `--model package.module:function` (the module must be importable on every peer, e.g. from
-the working directory or PYTHONPATH):
+Each factory builds its part under its own seeded random state, so a stage built alone holds the
+weights of the same slice of the whole model; factories must draw random numbers from torch's
+default generator only. The fingerprint peers announce (models/identity.py) hashes the defining
+module's source (`definition_hash`); code it imports is not covered.
 
-    def my_model() -> ModelParts:
-        return ModelParts(vocab_size=256, seq_len=32, d_model=64, n_layers=4,
-                          embedding=lambda: MyEmbedding(...), block=lambda i: MyBlock(...),
-                          head=lambda: MyHead(...))
-
-Each part is made by its own factory, so a peer builds only its own stage's parts. Weights:
-every part is built under its own seeded random state (the peer's `--seed`, the part's place in
-the chain), so the default PyTorch initialisation of whatever modules the factory creates is
-deterministic, and a stage built alone holds exactly the weights of the same slice of the whole
-model, whatever the split. Factories must therefore draw their random numbers from torch's
-default generator (as `nn.Linear` and friends do) and nothing else.
-
-Every peer must run the same code: the fingerprint peers announce (models/identity.py) includes a
-hash of the source of the module that defines the function (`definition_hash`), so a peer or
-trainer with another definition under the same name is refused. Only that module is hashed: code
-it imports from elsewhere is not covered.
-
-The workload estimator (models/profile.py) measures the parts like the built-in ones, so the
-balanced split and OP-Fence place them from measured figures. What is not measured but estimated
-from the config: a peer's memory check (peers/compute/memory_budget.py) counts the parameters of
-the parts exactly (`parameter_counts`, block 0 standing for every block) but estimates activation
-memory with the GPT formula for width `d_model`.
+An example, and what the memory check estimates rather than measures: docs/design/models.md.
 """
 
 from __future__ import annotations

@@ -4,34 +4,16 @@ boundary, plus the token ids the next stage rebuilds the rest from.
 Two kinds (`GPTConfig.subspace_kind`), both exact: the split model computes what the unsplit one
 with the same option computes.
 
-fixed (after Pluralis' subspace networks, arXiv 2506.01260): one orthonormal basis U (d x K),
-drawn from the seed and K, is a buffer on every stage (never trained, never sent, never in a
-checkpoint). Every block's attention and MLP outputs are projected onto span(U), and the
-embedding is a fixed, untrained, seeded part F(ids) (a buffer, the same on every stage) plus the
-trainable embedding projected onto span(U). So the residual stream anywhere is F(ids) + U c: a
-sender sends c = U^T (h - F(ids)), a receiver rebuilds h = F(ids) + U c. Only the weights are
-constrained, so `fold_fixed_subspace` turns the model into a standard one (U U^T folded into the
-output projections, F added to the embeddings).
+- fixed (after Pluralis' subspace networks): one seeded orthonormal basis U (d x K), a buffer on
+  every stage, and a fixed seeded embedding part F(ids); the residual stream is F(ids) + U c, so a
+  sender sends c = U^T (h - F(ids)). `fold_fixed_subspace` turns the model into a standard one.
+- learned (after MAPL): each boundary has a trained projection P on the sending side, and a lift
+  Q plus token (and position) anchors on the receiving side: h' = Q c + A[ids]. P and Q stay
+  orthonormal structurally (`OrthonormalColumns`).
 
-learned (after MAPL, arXiv 2606.05484): at each boundary the sender holds a projection P (d x K)
-and sends c = P^T h; the receiver holds its own lift Q (d x K) and token (and, for "gpt",
-position) anchors A and rebuilds h' = Q c + A[ids] (+ A_pos[t]). P and Q are kept orthonormal
-structurally (`OrthonormalColumns`: each is the Q factor of a stored matrix the optimizer trains,
-so any optimizer step leaves them on the Stiefel manifold; no hook after the step; MAPL takes
-Riemannian steps on the manifold instead). P and Q start equal (the same seeded
-draw) and the anchors at zero, so at initialisation h' = P P^T h. Where this departs from MAPL:
-MAPL uses one projection on both sides (its up-projection is the down-projection's transpose) and
-factorised anchors; here the two sides own separate matrices (each stage trains only its own
-parameters, no matrix is shared between peers) and the anchors are a full (vocab x d) table. The
-unsplit model with the same boundaries holds the same bottlenecks, so it is the same function.
-
-Measured (benchmarks/RESULTS.md, "The convergence table in one process": 4 stages, 2M tokens,
-validation loss against the uncompressed model): `small` fixed +10.7% / +7.0% and learned +16.9% /
-+5.3% at K = 16 / 32 (one seed); `medium` fixed -0.8% / +0.8% and learned +16.1% / +26.1% (seed 0;
-fixed at K = 16 spans -0.8% to +7.0% over three seeds). A learned boundary costs only where there is
-one: at 2 stages (one boundary) `small` learned costs +1.6% at K = 32, and with int8 on the
-coefficients +1.05% to +1.60% at K = 28 over three seeds (33.5x fewer bytes than fp32), where a
-fixed subspace costs the same at any split. "fixed" is the default kind: its export loads in `transformers`.
+"fixed" is the default kind: its export loads in `transformers`. The math, where it departs from
+MAPL, and what each costs in loss (benchmarks/RESULTS.md, "The convergence table in one
+process"): docs/design/models.md.
 """
 
 from __future__ import annotations

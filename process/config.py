@@ -1,29 +1,19 @@
 """Configuration dataclasses -> command-line flags and environment variables, written once.
 
-Each process kind (DHT node, peer, trainer, planner) has one kw-only dataclass, nested by section
-(torchtitan-style): a field made with `section(SomeSettings)` holds another config dataclass, whose
-own fields become flags in a help group of that name. Leaf fields carry their help text in
-`metadata`; flags (`--field-name`) and environment variables (`SWARM_FIELD_NAME`) are derived from
-the leaf field's name alone, so a flag keeps its name when its field moves into a section (leaf
-names are unique across a config; `add_config_arguments` refuses duplicates). Precedence: CLI flag >
-environment variable > dataclass default. Each section validates its own fields in
+Each process kind has one kw-only dataclass, nested by section: a field made with
+`section(SomeSettings)` holds another config dataclass, whose fields become flags in a help group.
+Leaf fields carry their help in `metadata`; the flag (`--field-name`) and the variable
+(`SWARM_FIELD_NAME`) come from the leaf field's name alone (unique across a config). Precedence:
+CLI flag > environment variable > dataclass default. Each section validates its own fields in
 `__post_init__`; the process config checks the rules that span sections.
-
-    @dataclasses.dataclass(kw_only=True)
-    class Averaging:
-        averaging_timeout_s: float = option(30.0, help="give up a round after this many seconds")
-
-    @dataclasses.dataclass(kw_only=True)
-    class PeerConfig:
-        stage: int = option(0, help="pipeline stage to serve")
-        averaging: Averaging = section(Averaging, help="how replicas of a stage agree")
 
     config = from_sources(PeerConfig, parser.parse_args())  # config.averaging.averaging_timeout_s
 
-`packed_section` gives a whole section as one option (`--faults slowdown=3,fail_rate=0.1`), for
-developer settings that must not crowd a user's flags; `given_options` says which options a user set
-(a flag or a variable), so that a process can tell its user's choices from its defaults; `brief=`
-shows a few flags in `--help` and the rest behind `--help-all`.
+`packed_section` gives a whole section as one option (`--faults slowdown=3,fail_rate=0.1`);
+`given_options` says which options a user set; `brief=` shows a few flags in `--help` and the
+rest behind `--help-all`.
+
+A worked example: docs/design/process.md.
 """
 
 from __future__ import annotations

@@ -1,50 +1,22 @@
 """hivemind's protobuf streams, read with a size bound on every message and a deadline on every read.
 
-hivemind's own stream handler (`P2P.add_protobuf_handler` with streams) reads each message whole,
-whatever length its 8-byte prefix declares, before the handler sees it, and waits for the next one
-forever: one 512 MiB message is buffered before any limit or allow list is checked, and a stream
-that never finishes holds what it sent for good. The same framing is read here message by message,
-on demand: a message whose prefix declares more than `max_message_bytes` is refused
-(`MessageTooLargeError`) before its body is read, and a read that takes over `read_timeout_s`
-ends the stream (`StreamDeadlineError`). Both are `ProtocolError`s, raised from the request
-iterator into the handler, which answers them as it answers any bad request.
+hivemind's own stream handler reads each message whole, whatever length its prefix declares, and
+waits for the next forever. Here the same framing is read message by message: a message whose
+prefix declares more than `max_message_bytes` is refused before its body is read
+(`MessageTooLargeError`), and a read that takes over `read_timeout_s` ends the stream
+(`StreamDeadlineError`); both are `ProtocolError`s.
 
     serve_bounded(p2p, name, handler, request_type, limits, stream_input=...)   a peer's RPC
     await iterate_bounded(p2p, peer_id, name, requests, response_type, limits)  calling one
     await iterate_bounded(..., pool=StreamPool())                               on a kept stream
     await call_on_streams(p2p, peer_id, [(name, messages), ...], ...)          one call on several
 
-On the wire this is hivemind's framing (a marker byte, an 8-byte big-endian length, the protobuf),
-with one addition: a handler ends its answers with hivemind's end marker (an empty error), as a
-caller ends its requests, and then waits for the caller to close the stream before closing its
-own side. A handler that closed first could lose the tail of its answer without any error: when
-the handler's end of a libp2p stream closes, its p2pd resets the stream, and the caller's p2pd
-drops what it had received but not yet handed to the caller (measured with two real daemons: 3 of
-2,400 four-message answers came back a message short, `benchmarks/stream_tail.py`). The caller reads
-up to the marker and closes first, so nothing is in flight when the handler closes. A plain hivemind
-caller reads the marker as an error with an empty message; a caller of this module's earlier
-versions (which read until the stream closed) reads it as the end.
+On the wire: hivemind's framing, plus an end marker after a handler's answers; the caller reads up
+to it and closes first, so no answer loses its tail. A stream carries one call after another
+(`idle_timeout_s`), and `StreamPool` keeps streams that ended a call cleanly for the next call to
+the same peer and RPC. `call_on_streams` sends one call's pieces on streams of their own.
 
-A stream carries one call after another. A handler that answered a call reads what it left of the
-request (a refusal answers before reading it all) up to the caller's end marker, then waits,
-instead of for the close, up to `idle_timeout_s` for the next call's first message on the same
-stream, and serves it as a new call (the admission guard and limits apply to each call as to the
-first). A caller that closes after its answer, as every caller did before, ends the stream as
-before. `StreamPool` is the caller's side: it keeps a stream that ended its call cleanly and hands
-it to the next call to the same peer and RPC. What that buys is the start of each stream: a fresh
-libp2p stream is opened through p2pd and starts with yamux's 256 KiB flow-control window, so a
-larger message waits a round trip mid-transfer on every call. Measured on an emulated 96 ms,
-17 Mbit/s link, 8 messages of 512 KiB sent one at a time: 2.42 s on fresh streams, 2.26 s on one
-kept stream, the first answered after 0.52 s and 0.40 s (benchmarks/link_streams.py, "warm
-stream"; benchmarks/RESULTS.md, "Kept streams"). A peer that dies also breaks the streams kept to
-it at once, so its callers fail over without waiting for their timeouts.
-
-One call may also cross on several streams at once (`call_on_streams`: direct routing's hops in
-pieces, ChainRequest.pieces). A stream may have only its window of bytes in flight before the
-receiver's window update comes back, and that update queues behind whatever the other direction
-carries: a hop's 512 KiB sent while gradients flow back waited for it (benchmarks/RESULTS.md, "Both
-directions of one link at once"). Pieces of about 128 KiB, each on a stream of its own, fit the
-window and never wait for one.
+Why, with the measurements: docs/design/wire.md.
 """
 
 from __future__ import annotations

@@ -2,46 +2,22 @@
 and the limits a receiver enforces. `wire.messages` turns these headers (and tensors) into
 hivemind protobuf messages and back.
 
-The RPCs (hivemind P2P protobuf handlers; every message is a `runtime_pb2.ExpertRequest` or
-`ExpertResponse` whose `metadata` carries a msgpack-encoded header):
+The RPCs (hivemind P2P protobuf handlers; a message's `metadata` carries a msgpack header):
+`RPC_FORWARD`, `RPC_BACKWARD` (hub routing), `RPC_COMMIT`, `RPC_STATE`, `RPC_PROBE`,
+`RPC_TRAIN_CHAIN`, `RPC_HOP_RECORD` and `RPC_CHAIN_PIECE` (direct routing), `RPC_DATA_PLANE`
+(wire/data_plane.py) and `RPC_OUTER_ROUND` (peers/replicas/outer_exchange.py).
 
-    RPC_FORWARD, RPC_BACKWARD  stream -> stream  RequestHeader + tensors -> ResponseHeader + tensors
-    RPC_COMMIT                 unary  -> unary   CommitRequest -> CommitResponse
-    RPC_STATE                  unary  -> stream  StateRequest -> StateHeader + the state in chunks
-    RPC_PROBE                  stream -> stream  ProbeRequest + payload -> ProbeResponse + the payload
-    RPC_TRAIN_CHAIN            stream -> stream  ChainRequest + tensors -> ChainResponse + tensors
-                                                 (direct routing; a peer calls the next stage's peer)
-    RPC_HOP_RECORD             unary  -> stream  HopRecordRequest -> ResponseHeader + one tensor
-                                                 (direct routing's spot checks: what crossed a hop)
-    RPC_CHAIN_PIECE            stream -> stream  ChainPiece + parts -> parts
-                                                 (a piece of a chained call's tensors, and of its answer,
-                                                 on a stream of its own: ChainRequest.pieces)
-    RPC_DATA_PLANE             unary  -> unary   DataPlaneRequest -> DataPlaneOffer
-                                                 (where and how to reach the peer's data plane, which
-                                                 carries the streamed RPCs above: wire/data_plane.py)
-    RPC_OUTER_ROUND            stream -> stream  OuterRoundRequest + one tensor -> OuterRoundResponse
-                                                 (outer rounds: a replica's pseudo-gradient to another
-                                                 replica of its stage, peers/replicas/outer_exchange.py)
+A stream's first message carries the header; tensor parts (each at most 1 MiB) follow in the order
+the header's `tensors` list them, each described by its codec's `TensorHeader`.
 
-A stream's first message carries the header; tensor parts (each at most 1 MiB) ride in the
-`tensors` field of that message and the ones after it, in the order the header's `tensors` list
-them. Each tensor is described by the codec's `TensorHeader` (`wire.compression`: codec, shape,
-dtype, number of parts, decode parameters) under its name ("inputs", "targets", "tokens",
-"grad_outputs", "outputs", "grad_inputs"; "tokens" are the microbatch's token ids, which the later
-stages of a subspace model need beside their inputs); on the wire, `tensors` is a list of
-`{"name": ..., **TensorHeader}`.
+Everything a receiver reads comes from an untrusted peer: decoding a header validates it against
+`MAX_NUMEL`, `MAX_TENSOR_BYTES`, `MAX_NDIM`, `MAX_PARTS` and the codec's limits, checks what its
+tensors decode to before the parts are read (`wire.tensors.check_decoded_bytes`), and raises
+`ProtocolError` and nothing else. Unknown header fields are ignored. A peer answers a request it
+refuses or fails with `ResponseHeader.error` and `error_kind` (`wire.failures.ANSWERS`), never by
+dropping the stream.
 
-Everything a receiver reads comes from an untrusted peer. Decoding a header validates it against
-the limits below and the codec's (`MAX_NUMEL`, `MAX_TENSOR_BYTES`, `MAX_NDIM`, `MAX_PARTS`, parameter
-limits); every malformed input raises `ProtocolError` and nothing else. What the tensors a header
-lists decode to (shape times dtype size, whatever the codec) is checked against the receiver's limit
-at the header, before the parts are read (`wire.tensors.check_decoded_bytes`); each stream message is
-at most 4 MiB, refused from its length prefix (`wire.bounded_streams`). Unknown header fields are ignored, so a
-newer peer may add some.
-
-A peer answers a request it refuses or fails with `ResponseHeader.error` and `error_kind` (a
-`wire.failures.Failure` from `ANSWERS`), never by dropping the stream, so the trainer can tell a
-bad request from a dead peer.
+Each RPC's messages, in a table: docs/design/wire.md.
 """
 
 from __future__ import annotations

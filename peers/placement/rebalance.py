@@ -1,91 +1,21 @@
 """Which stage a peer should serve: pure decisions over a snapshot of the swarm's announcements.
 
 A pipeline runs at the speed of its slowest stage, and a stage's throughput is the sum of its
-serving replicas' throughputs (samples/s). Every function here takes a snapshot of announced
-records (``ReplicaView``), does no I/O, and returns the same answer for the same snapshot in any
-order, so every peer that reads the same snapshot reaches the same conclusion about who moves.
+serving (``online`` or ``joining``) replicas' samples/s. Every function takes a snapshot of
+announced records (``ReplicaView``), does no I/O, and gives the same answer for the same snapshot,
+so peers that read one snapshot agree on who moves.
 
-Rules, in one place:
+- ``plan_rebalance``: one deterministic water-filling plan (the thinnest stage takes a peer from
+  the fullest); only online peers move, a stage keeps at least one online replica, and the plan is
+  carried out only if its bottleneck beats today's by more than ``min_gain``.
+- ``claim_verdict``: a peer the plan names claims its move on the DHT and moves only if its claim
+  wins, so racing snapshots do not move two peers where one was meant.
+- ``peers_settling``, ``SettleWatch``: after a material move, no planning for ``SETTLE_PERIODS``
+  and no move back for ``RETURN_PERIODS`` (unless a stage lost a replica).
+- ``next_check_delay_s`` spreads checks in time; ``stages_that_lost_replicas`` triggers a check
+  as soon as a stage loses a replica.
 
-- **Serving** means ``online`` or ``joining``. A joining peer is downloading its stage's state
-  and will serve within seconds to minutes; counting it stops a second peer from rushing to a
-  stage that is already being refilled (the herd a stale view would otherwise cause).
-- **Never leave a stage without a replica**: a stage may only give up peers while it keeps at
-  least one *online* replica. Joining replicas do not count here, because they may be
-  downloading the stage's state from the very replica that would leave.
-- **Only online peers move**; a joining peer finishes its download first.
-- **Coordinated plan (the herd rule).** From one snapshot, ``plan_rebalance`` builds a single
-  deterministic plan by water-filling: repeatedly the thinnest stage (ties: lowest index)
-  receives one peer from the fullest stage (ties: lowest index) that can give one without
-  sinking to the thinnest's level; the mover is the peer of that stage that best evens the two,
-  i.e. maximises ``min(donor - x, thinnest + x)``; ties go to the *slower* peer (its departure
-  hurts its stage least), then to the lower ``peer_id``. A peer moves only if it is in the
-  plan, so peers reading the same snapshot move as one coordinated set, never as a herd; peers
-  reading a later snapshot see earlier movers as ``joining`` at their new stage and plan
-  around them.
-- **Claims before moves** (``claim_verdict``). Snapshots taken seconds apart, before either move
-  is visible, can each name another peer as the mover: throughputs are re-announced every few
-  seconds and swing, so in tests/integration/test_rebalance.py two of three stage-0 peers each
-  found itself the mover (their throughputs had swung from 912 to 1,651 and from 704 to 1,060
-  samples/s), both moved, and one moved back. So a peer the plan names first claims its move on
-  the DHT (a ``MoveClaim``: from, to, and how many moves its plan makes out of ``from`` and into
-  ``to``), waits ``MOVE_CLAIM_WAIT_S``, reads the claims back and moves only if its claim wins;
-  a loser withdraws its claim and plans again at its next check, from a fresh snapshot. Claims
-  are ordered by ``(since, peer_id)``; a claim loses to an earlier live one that moves the other
-  way through one of its stages, and wins only while fewer earlier claims leave its source stage
-  than every one of those claims' plans (and its own) moves out of it, and likewise for the
-  claims entering its target stage. Both stages count: a plan that needs one move out of stage
-  0 gets one mover even when two snapshots named different peers, two plans that each fill stage
-  2 from a different stage still fill it once, and a plan of N moves out of (into) a stage lets
-  its first N claimants go. Every peer that reads the same claims reaches the same verdicts;
-  the claim wait is twice the longest store a claimant accepts, so that of two racing claims the
-  later one's reader always sees the earlier one (claimants' clocks must agree to well within the
-  wait, as for the split's claims). A claim lives a few check periods (``move_claim_ttl_s``); a
-  winner's claim is never withdrawn: a peer whose snapshot predates the winner's move may claim
-  the same move while it is under way, and must find the winner's claim ahead of its own.
-- **Safety of any partial plan.** Donors are ranked and limited by their *online* throughput
-  (joining replicas do not serve yet), a stage that has received never donates and vice versa,
-  and the plan is cut after the last move that raised the bottleneck. So every donor's online
-  replicas stay above the current bottleneck: any subset of the plan, applied in any order
-  (peers check at different times), lowers neither the bottleneck counting joining replicas
-  nor the one of what is serving right now.
-- **Hysteresis**: the plan is carried out only if its final bottleneck beats the current one by
-  more than ``min_gain`` (relative). The gain is judged for the plan, not for one move: with
-  hundreds of peers per stage a single move changes the bottleneck by well under 1%, so a
-  per-move margin would freeze a large swarm. Being stateless, the rule keeps the swarm within
-  ``min_gain`` of what a rebalance can reach, not at it; see benchmarks/RESULTS.md ("Stage rebalancing under churn") for
-  the measured trade-off between ``min_gain``, moves and throughput.
-- **Settling after a move** (``peers_settling``, ``SettleWatch``): a peer that sees another peer
-  move (serving at another stage than at its last look) with a material share of its new stage
-  (at least ``settle_share(min_gain)`` = max(``min_gain``, ``SETTLE_SHARE``) of the stage's
-  throughput), or that moved itself, does not plan for ``SETTLE_PERIODS`` check periods after
-  it. A move changes what the replicas measure: the mover downloads state from a replica of its
-  new stage, the stages' averaging groups change size, and the throughputs announced right then
-  (each an EMA of served requests) can swing by 2x on a busy machine, enough for a second peer
-  to plan a move that the settled swarm undoes (seen in tests/integration/test_rebalance.py,
-  where a mover is a quarter of its stage). In a large swarm one peer is a sliver of its stage:
-  with ``min_gain`` (1%) as the share, some mover was always that large, and the rule held back
-  every periodic check of a simulated 1,000-peer swarm (benchmarks/RESULTS.md, "The settle rule
-  in the simulation"); at 10% it holds back few there. Checks after a lost replica do not wait.
-- **No quick return** (``SettleWatch.return_barred_s``): after a peer made or saw a material move
-  from stage a to stage b, it makes no move from b to a for ``RETURN_PERIODS`` check periods,
-  unless a stage lost a replica. The plan that made the move was right for the throughputs it
-  read; a plan that undoes it soon after reads throughputs measured over a few seconds of the new
-  layout, and replicas of one stage on a busy machine announce throughputs up to 2.7x apart. In
-  tests/integration/test_rebalance.py the mover went 0 -> 1 on a +62% plan and, 20 s later (the
-  settle time was 6 s), back 1 -> 0 on a +36% plan in which it was the slower of stage 1's two
-  replicas (either of them could have been). A reverse move that real throughputs call for still
-  happens, some periods later.
-- **Randomised checks** (``next_check_delay_s``) spread peers' checks in time so that few of
-  them act on the same snapshot in the first place.
-- **A check as soon as a stage loses a replica** (``stages_that_lost_replicas``): between two
-  looks at the swarm, a peer that served a stage stopped serving it (``offline`` record, or its
-  record expired; a planned move to another stage is not a loss: the plan that made it kept the
-  stage above the bottleneck). Every peer then checks within ``loss_check_delay_s`` instead of waiting
-  for its randomised period; since only the peers named in the snapshot's plan move, the peers
-  that react together move as one coordinated set. In a shrinking swarm this is where the
-  periodic checks lost most (benchmarks/RESULTS.md: the named peer's next check was 150-450 s
-  away while the bottleneck stayed short).
+Every rule with the runs that made it: docs/design/placement.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """A peer changing the stage it serves: rebalancing moves and the standby (backup-pool) peer.
 
 `StageMoves` is a service of the peer (peers/serving/host.py builds it): it swaps the stage of the
-peer's `ServingState`, builds the next stage with the launcher's `StageBuilder`, announces through the
-`Announcer` and copies the new stage's state with `ReplicaSyncService`. Decisions are the pure
-functions of peers/placement/rebalance.py over the views of peers/placement/stage_choice.py; this
-module only fetches, waits and swaps.
+peer's `ServingState`, builds the next stage with the launcher's `StageBuilder`, announces through
+the `Announcer` and copies the new stage's state with `ReplicaSyncService`. Decisions are the pure
+functions of peers/placement/rebalance.py; this module only fetches, waits and swaps.
 
-A move, in order:
-0. claim it on the DHT (dht/move_claims.py), wait `MOVE_CLAIM_WAIT_S`, read the claims back and go
-   on only if the claim rule (`claim_verdict`, peers/placement/rebalance.py) lets this peer move:
-   two peers whose snapshots each named themselves the mover then agree on one (a loser withdraws
-   its claim and plans again at its next check; the winner's claim lapses on its own);
-1. announce `joining` at the new stage (other peers' plans count us there, so no second peer
-   rushes in), then `offline` at the old one (trainers stop routing there at their next refresh);
-2. build the new stage's runtime off the compute thread while the old one keeps serving the
-   requests still arriving; keep serving the old stage until no request has been in flight for a
-   second (trainers have re-read the DHT), 10 s at most; then download the new stage's state from a
-   live replica (last, so that the copy is not out of date by the replicas' steps during the drain);
-3. swap runtimes *on the compute thread*: requests computed before the swap finish on the old
-   stage; a request for the old stage that reaches the thread later fails with `wrong_stage`
-   (peers/serving/stage_rpc.py), and the trainer fails it over to another replica;
-4. announce `online` at the new stage.
+A move, in order: claim it on the DHT and go on only if the claim wins (`claim_verdict`);
+announce `joining` at the new stage, then `offline` at the old one; build the new runtime while
+the old one drains its requests (10 s at most), then download the new stage's state; swap the
+runtimes on the compute thread (a late request for the old stage fails with `wrong_stage` and
+fails over); announce `online`.
 
 When to check: every `--rebalance-period-s` (randomised), and within `--rebalance-loss-delay-s` of
-seeing a stage lose a replica (the swarm is re-read every `--rebalance-loss-watch-s`).
+seeing a stage lose a replica. Each step's reasons: docs/design/placement.md.
 """
 
 from __future__ import annotations

@@ -1,59 +1,21 @@
 """Keeping the replicas of one stage in agreement, on hivemind's DecentralizedAverager.
 
 Two modes (`--averaging`):
-* `sync`: replicas do not step on their own. When the trainer has finished a step it sends every
-  replica a commit; the replicas all-reduce their mean gradients weighted by the samples each saw
-  (so the result is the mean gradient over every sample of the step, as in one process) and then
-  all step with it: their parameters stay identical. If the round fails, no replica steps; the
-  gradients carry over to the next commit. A round can also fail on one side only (an all-reduce
-  that ends at its deadline for one member after the others got their parts): the trainer sees one
-  replica stepped and another not, and has the latter drop its gradients (they are in the other's
-  update) and load the other's state (`CommitRequest.catch_up_from`, peers/replicas/replica_sync.py).
-  With several trainers, whose commits reach the replicas in different orders, every member of a
-  round decides to step or not from what all of them declared (`round_has_samples`), never from its
-  own trainer's view; and a trainer that sees a replica's step count behind another's has it catch
-  up (a joiner that loaded a state one step old averages once with the others, then is repaired).
-  Rounds are not keyed by the step count: a behind replica would then meet no one, and every
-  replica of its stage would wait out the averaging timeout before the repair.
-* `periodic`: each replica steps on its own gradients and they average their parameters on a
-  schedule (peers/replicas/averaging_schedule.py), one of:
-  - every `averaging_period_s` seconds (aligned to DHT time, so replicas meet without
-    coordination); each replica steps on its own once it holds `target_batch_size` samples, so
-    rounds and steps are not aligned;
-  - every `averaging_every_steps` = K local steps: each replica steps on the trainer's commit (on
-    the samples of the step it served, like `sync` but without averaging gradients), so all
-    replicas take step K at the same commit, and the round runs right after it, before the commit
-    is answered. The trainer thus waits for the round (bounded by the averaging timeout), and the
-    next step's forwards all see averaged parameters. A round that fails or finds no partner is
-    logged and counted as failed; the local step it followed stands.
-  Optimizer state is not averaged. Optionally (`--outer-lr`) the average is not taken as is: an
-  outer Nesterov step on the averaged parameter delta follows (DiLoCo, see peers/replicas/outer_step.py).
+* `sync` (`GradientSync`): on the trainer's commit the replicas all-reduce their gradients weighted
+  by the samples each saw, then all step: their parameters stay identical, the update one process
+  would make. A failed round steps no replica and the gradients carry over; a round that failed on
+  one side only is repaired by the trainer (`CommitRequest.catch_up_from`, peers/replicas/replica_sync.py).
+* `periodic`: each replica steps on its own gradients and they average parameters every
+  `averaging_period_s` seconds or after every `averaging_every_steps` local steps
+  (peers/replicas/averaging_schedule.py); `--outer-lr` adds an outer step (peers/replicas/outer_step.py).
 
-Compression (`--averaging-compression`, default none): hivemind's butterfly all-reduce sends each
-groupmate its part of our tensors and, once that part is averaged, the difference between the
-average and the groupmate's own part, both compressed; the part a replica averages itself never
-crosses the wire and stays exact. So with fp16 (2 bytes a value) or int8 (blockwise 8-bit, about
-1 byte a value) the traffic shrinks, but the replicas then agree only up to the codec's rounding of
-those differences (measured after one sync step of the tiny model with SGD at lr 0.5: fp16 6e-5
-apart, int8 1.6e-3); uncompressed, they agree exactly. Hence none by default.
+`--averaging-compression` shrinks the traffic (the replicas then agree up to the codec's rounding);
+`--robust-averaging` bounds a liar (peers/replicas/robust_mean.py). Each round's traffic is counted
+(`AveragingRound`). hivemind all-reduces CPU tensors: each mode hands it one flat CPU buffer, on
+any device. Every method runs on the peer's compute thread, so no forward or backward sees tensors
+halfway through a round.
 
-Robust reduction (`--robust-averaging`, default clip): in a round of three or more replicas, each
-part of the all-reduce is averaged so that one replica lying in it (gradients or parameters scaled,
-negated) moves the result at most a few times the honest replicas' spread; when no contribution
-stands out the result is the plain mean (peers/replicas/robust_mean.py has the bound).
-
-Traffic is counted per round (`AveragingRound`, exported as Prometheus counters): with a group of
-n replicas and equal parts, each replica sends (and receives) 2 (n - 1) / n of its values, at the
-codec's serialized size measured on its own tensors at start-up.
-
-Buffers: hivemind's averager all-reduces CPU tensors, and sends every tensor it averages as parts
-of its own (a message for every bias and norm). So each mode hands it one flat CPU buffer, on any
-device, with a view per parameter into it: in `sync` mode the gradients' (`averaged_gradients`
-hands the mean back on the stage's device), in `periodic` mode a copy of the parameters, taken just
-before each all-reduce and written back after it.
-
-Every method here runs on the peer's compute thread, so no forward or backward ever sees
-tensors halfway through an averaging round.
+The reasoning and the measurements: docs/design/replicas.md.
 """
 
 from __future__ import annotations

@@ -1,51 +1,23 @@
 """Who may average with a stage's replicas, and how much each may weigh.
 
-hivemind's `DecentralizedAverager` lets anyone who finds the group key on the DHT join a round, send
-its part with any weight, and download the state. `MemberAverager` is that averager with two checks,
-both applied in the averager's own process:
+`MemberAverager` is hivemind's `DecentralizedAverager` with these checks, applied in the averager's
+own process:
 
 - membership: with a member list (a run with an authority, dht/authority.py), only listed peers may
-  join a group this replica leads, send it parts or download its state, and a group that names
-  anyone else is abandoned before any tensor moves (so an outsider that leads a group gets nothing
-  either). `AveragingMembers` keeps the list: the peers whose DHT record carries a peer credential
-  of the run for this stage (the record is signed by the peer itself, dht/signing.py, and the
-  credential names that peer, so neither can be borrowed).
-- whole rounds only: hivemind's all-reduce that loses a partner's averaged part keeps the local
-  values of that part and reports success (a replica half-averaged: in sync mode its parameters
-  part from its partners' for good); here such a round fails, so that the trainer's repair
-  (sync) or the next round (periodic) brings the replicas back together. Likewise a reducer that
-  lost a sender midway answers the parts it would average without it with an error, so the round
-  fails on every side instead of passing a partial average as a whole one
-  (`reduce_whole_parts_only`); and a sender keeps its stream open until it has every averaged
-  part, so that the reducer's closing stream cannot cut off the last of them (`_exchange_with`).
-  A round fails fast too: a replica answers the parts of a round it refused or has ended with an
-  error at once (`_end`), and holds the stream open behind that answer until the sender ends it
-  (`_refuse`), and a sender whose exchange with a groupmate failed stops waiting for
-  that groupmate's parts; hivemind has no message for either, so the others waited out the
-  round's timeout (30 s).
-- weight caps: in sync mode the trainer's commit says how many samples it saw each replica serve in
-  the step (`CommitRequest.samples`); a part sent with a larger weight is averaged with the cap
-  instead, so no replica can outweigh what it did. Where the trainer counted nothing (periodic
-  rounds, a flush), no member weighs more than the group's median declared weight
-  (`median_weight`, from what each declared in matchmaking): one member declaring 1e6 among
-  members declaring 1 weighs 1 (before: the robust reduction's centre, the coordinate-wise median,
-  became the result, which is the liar's value wherever it lies between the honest ones: 41% of
-  the values in tests/integration/test_robust_averaging.py).
-- groups named by the trainer (`--averaging-groups trainer`, the default for sync): a sync commit
-  names its group (the replicas the trainer committed the step on, with what each served), so
-  the round skips hivemind's matchmaking, which took about 0.5 s and more CPU time than the
-  all-reduce itself on every step (benchmarks/RESULTS.md): every replica of the commit builds the
-  same group from it (`named_group_id`: the step and the peers), and a part that arrives before
-  this replica has begun the round waits for it instead of being turned away.
-- robust reduction (`--robust-averaging`, default clip): where three or more replicas are live
-  (`expect_group`), a group of two is abandoned: a pair gets the plain mean, and a member that keeps
-  leading groups of two moved its partner halfway to its value each round. The part this replica
-  reduces is not the plain weighted mean of what its groupmates sent but a robust mean of them
-  (peers/replicas/robust_mean.py: a group of three or more bounds how far one liar moves it, and
-  equals the plain mean when nobody's contribution stands out). `RobustPartReducer` keeps every
-  sender's part until all have arrived, then reduces them at once.
+  join a group this replica leads, send it parts or download its state, and a group naming anyone
+  else is abandoned before any tensor moves. `AveragingMembers` keeps the list: peers whose signed
+  DHT record carries a peer credential of the run for this stage.
+- whole rounds only: a round that lost a partner's part fails instead of leaving a replica
+  half-averaged (`reduce_whole_parts_only`, `_exchange_with`), and fails fast (`_end`, `_refuse`).
+- weight caps: a part weighs at most the samples the trainer saw its sender serve
+  (`CommitRequest.samples`), or, where the trainer counted nothing, the group's `median_weight`.
+- groups named by the trainer (`--averaging-groups trainer`): a sync commit names its group
+  (`named_group_id`), so the round skips hivemind's matchmaking.
+- robust reduction (`RobustPartReducer`, peers/replicas/robust_mean.py); where three or more
+  replicas are live (`expect_group`), a group of two is abandoned.
 
-Without a member list (no run authority), anyone may join, as with hivemind's own averager.
+Without a member list, anyone may join, as with hivemind's own averager.
+Why each check exists, with what it cost before: docs/design/replicas.md.
 """
 
 from __future__ import annotations

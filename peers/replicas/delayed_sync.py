@@ -1,47 +1,22 @@
 """Sync averaging with a one-step delay (`--averaging sync --sync-delay 1`): agreement overlapped
 with compute, as hivemind's Optimizer does with `delay_optimizer_step` / `delay_grad_averaging`.
 
-The exact barrier (`GradientSync`, peers/replicas/averaging.py) answers the trainer's commit only
-once the replicas have all-reduced the step's gradients and stepped, so the next step's first
-microbatch waits for a whole round. Here the commit of step t, on the compute thread:
-1. moves step t's accumulated gradients aside (the accumulation starts afresh);
-2. finishes the round of step t-1 (started at the previous commit; the RPC handler has already
-   waited for it off the compute thread) and applies its averaged gradient with one optimizer step;
-3. puts step t's gradients in the averager's buffers and starts their round, which matchmakes and
-   all-reduces in the averager's own process while the trainer runs step t+1;
-and answers at once, with the outcome of step t-1's round (`pending`: step t's is in flight).
+The commit of step t, on the compute thread: moves step t's gradients aside, finishes the round of
+step t-1 and applies its averaged gradient with one optimizer step, starts step t's round in the
+averager's process, and answers at once with step t-1's outcome (`pending` for step t). So every
+update lands exactly one step late, on every replica alike, and a one-process run with the same
+delay computes the same parameters.
 
-So step t+1's forwards and backwards run on the parameters after update t-1: every update is
-applied exactly one step late, on every replica alike (a deterministic schedule, not a race), and a
-one-process run with the same delay computes the same parameters (tests/integration/test_replicas.py).
-A replica alone in its stage delays its own step the same way.
-The stage's first steps take the exact barrier (`--sync-delay-from`, by default the learning-rate
-warmup's steps): a late update costs most while AdamW's moments form (benchmarks/RESULTS.md, "The
-delay after the warmup"). Every replica of a stage steps on the same rounds, so all of them begin
-the delay at the same step.
-With weight prediction (`--weight-prediction`, peers/compute/weight_prediction.py) step t+1
-computes instead on the parameters plus a guess at the update they lack (StageRuntime._train_forward):
-the last update applied (`last-update`), or the update the optimizer would make from this replica's
-own gradients of step t, which it holds while the group averages them (`local-step`; alone in its
-stage, that is the exact schedule). benchmarks/RESULTS.md measures each against the exact schedule. The trainer's last commit leaves one
-round in flight: the trainer then sends a flush (`CommitRequest.flush`), which finishes and applies
-it and starts nothing (if that round failed, the flush averages its gradients again, at once).
+- The first steps take the exact barrier (`--sync-delay-from`, by default the warmup's steps).
+- Weight prediction (`--weight-prediction`, peers/compute/weight_prediction.py) computes each step
+  on the parameters plus a guess at the update they lack.
+- The trainer's last commit is followed by a flush (`CommitRequest.flush`) that applies the last
+  round; with `--clip-grad-norm`, `prepare` and `apply_prepared` clip the update applied.
+- A failed round puts its gradients back into the accumulation; a one-sided failure is repaired
+  by the trainer as in exact mode.
 
-With clipping by the global norm (the trainer's `--clip-grad-norm`) the commit has two phases, as
-in exact mode: `prepare` ends the round in flight and holds its update, answering the update's
-squared norm; `apply_prepared` applies it scaled by the trainer's factor, before the next step's
-first forward. The norm and the clip are those of the update applied, one step late like it.
-
-A round that fails puts its gradients back into the accumulation: they join the next step's round
-(no replica steps on them alone, so the replicas stay equal). One that fails on one side only
-shows in the answers as it does in exact mode (one replica stepped after averaging, another did not),
-and the trainer's repair applies: the replica that missed it drops its accumulation (exactly the
-carried gradients, which its partner's update holds) and loads its partner's state; its round of
-the next step, already in flight with the partner's, goes on.
-
-Not covered: a replica that joins mid-run downloads parameters without the update in flight on the
-others, and a stage move drops the round in flight; with a delay both leave that replica one update
-apart from the others (exact mode has neither gap).
+Not covered: a replica that joins mid-run, or a stage move, leaves that replica one update apart.
+The schedule step by step, and what it costs: docs/design/replicas.md.
 """
 
 from __future__ import annotations

@@ -1,72 +1,21 @@
 """Averaging that one lying replica cannot drag far: the reduction of one part of the replicas'
-all-reduce (peers/replicas/averaging_members.py applies it where hivemind's reducer averages each
-sender's part, `--robust-averaging`).
+all-reduce (peers/replicas/averaging_members.py applies it, `--robust-averaging`).
 
-Senders x_1..x_n (one part each, the same shape), weights w_i > 0 (W their sum). With n >= 3, up to
-f = floor((n - 1) / 2) of them may lie (B, total weight W_B); the honest ones H have the weighted
-mean mu_H. Both methods start from c, the coordinate-wise median of the parts (unweighted): with
-fewer than half the senders lying, each coordinate of c lies within the honest senders' range of
-that coordinate, so ||c - mu_H|| <= R_H, the norm of the honest senders' coordinate-wise range
-(max - min per coordinate), whatever the liars send.
+Senders x_1..x_n of one part with weights w_i. Both methods start from c, the coordinate-wise
+median of the parts, which lies within the honest senders' range while fewer than half lie.
 
-`clip` (the default): one step of CenteredClip (Karimireddy, He and Jaggi 2021, "Learning from
-History for Byzantine Robust Optimization") from c. A sender's deviation is measured against its
-weight, z_i = sqrt(w_i) ||x_i - c|| (the mean of w_i samples has noise ~ 1 / sqrt(w_i), so honest
-replicas that served unequal shares of a step have alike z), and clipped to its own radius
-tau / sqrt(w_i), with tau = F x the (n - f)-th smallest z_i and F = clip_factor(d) = 2 + 8 / sqrt(d)
-for a part of d values (a part is one tensor, or up to 128 Ki values of it; a bias of 32 values needs
-the larger margin, its distances scatter more). Where hivemind's part of a flat buffer spans several
-tensors (sync averaging sends a stage's gradients as one buffer), each tensor's piece of it is
-reduced on its own (`robust_mean_by_segment`), so the bound below holds tensor by tensor:
+- `clip` (the default): one step of CenteredClip (Karimireddy, He and Jaggi 2021) from c, each
+  deviation measured as sqrt(w_i) ||x_i - c|| and clipped beyond `clip_factor(d)` times the
+  (n - f)-th smallest; with nothing clipped the result is the plain weighted mean, computed as
+  hivemind computes it. `robust_mean_by_segment` reduces each tensor's piece of a flat buffer alone.
+- `trim`: the coordinate-wise trimmed mean (never exactly the mean).
+- A group of two or fewer, or senders of negligible weight: the plain weighted mean; negligible
+  senders take no part.
 
-    result = c + sum_i w_i * clip(x_i - c, tau / sqrt(w_i)) / W,   clip(v, r) = v * min(1, r / ||v||)
-
-- Honest inputs: when no z_i exceeds tau (the usual case: honest z are alike), nothing is clipped
-  and the result is the plain weighted mean, computed as hivemind computes it (sum of w_i x_i over
-  W), so sync replicas still equal one process to float rounding. Measured on the `tiny` model's
-  initial weights, six batches, every tensor, three replicas serving 2/2/2, 3/2/1 and 4/1/1 of six
-  microbatches: the largest z_(3) / z_(2) was 2.9 (a 32-value bias; F = 3.4 there), so none was
-  clipped (without the sqrt(w) and the small-part margin, 37 of 738 tensors were).
-- Liars (up to f of n >= 3): tau <= F max_h z_h (the (n - f)-th smallest z is at most the largest
-  honest one). If no honest sender is clipped, since
-  result - mu_H = (W_B / W)(c - mu_H) + sum_b w_b clip(x_b - c, tau / sqrt(w_b)) / W,
-
-      ||result - mu_H|| <= (W_B / W) max_h ||x_h - c|| + (sum_b sqrt(w_b) / W) tau,
-
-  which for equal weights is <= (1 + F) (W_B / W) max_h ||x_h - c|| <= (1 + F) (W_B / W) R_H.
-  In any case ||result - c|| <= tau sum_i sqrt(w_i) / W <= F sqrt(n w_max / W) max_h ||x_h - c||
-  (Cauchy-Schwarz), so for equal weights ||result - mu_H|| <= (1 + F) R_H. A liar thus moves the
-  result by at most a few times the honest replicas' own spread, however large its lie (x10, a
-  flipped sign, 1e30, NaN); without the clip it moves it by (W_B / W) ||x_b - mu_H||, without limit.
-  The weights are bounded too: in sync mode the trainer caps each replica's weight at the samples it
-  saw it serve (`MemberAverager`); where the trainer counted nothing (periodic mode, where every
-  replica sends weight 1), no sender weighs more than the group's median declared weight, so a
-  liar declaring 1e6 weighs 1 and the bounds hold for equal weights.
-- What it does not give: a lie no larger than the honest spread passes (a flipped gradient of a
-  replica whose gradients are mostly noise looks like one more noisy replica; it moves the result
-  no more than an honest replica's noise does). An honest replica whose deviation is far out of line
-  with the others' is clipped: the result is then not exactly the mean (still the same on every
-  replica, and within the bound).
-
-Senders of negligible weight (below NEGLIGIBLE_WEIGHT_SHARE of the largest: in sync mode, a replica
-that served no sample of the step and sends zeros) take no part: they would move the plain mean by
-less than that share, but as a part far from the others they would pull the median and get honest
-ones clipped. n above counts the others.
-
-`trim`: the coordinate-wise trimmed mean: per coordinate, the f largest and f smallest values are
-dropped and the rest averaged with their weights. Each coordinate of the result lies within the
-honest senders' range, so ||result - mu_H|| <= R_H, but it is not the mean even when nobody lies
-(with three senders it is the median), which is why `clip` is the default.
-
-A group of two (or fewer): nothing to compare against, since either sender may be the liar; both
-methods return the plain weighted mean. A liar in a pair moves the result by (w_b / W) ||x_b - x_h||:
-its weight cap (sync mode) bounds its share, nothing bounds its size. Spot checks
-(swarm/trainer/spot_checks.py) catch lies in forward and backward answers, not in averaging.
-
-Also not covered here: the peer that reduces a part sends every sender the averaged part back, so
-a replica that lies as a reducer (rather than as a sender, which `--faults averaging` simulates)
-decides the 1/n of the values it reduces. Catching that needs the reduction itself verified (as in
-BTARD, Gorbunov et al. 2022), which is not done.
+Bound: with up to f = floor((n - 1) / 2) liars among n >= 3 (equal weights), the result stays
+within (1 + F) times the honest replicas' coordinate-wise range of their mean, however large the
+lie. Not covered: a lie within the honest spread, and a replica lying as a reducer.
+The proof, the measurements and the limits: docs/design/replicas.md.
 """
 
 from __future__ import annotations

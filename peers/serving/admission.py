@@ -3,27 +3,17 @@
 `AdmissionGuard` wraps each handler the peer registers (peers/serving/host.py). A caller is refused,
 before anything it sent is decoded, when
 - the swarm is private (`--allowed-peers`) and the caller is not on the list (`NotAllowedError`);
-- the caller sent too many bad requests lately (`RateLimitedError`, wire/request_limits.py's
-  `PenaltyBox`; handlers report bad requests with `penalize`);
-- its request carries more tensor bytes than the RPC accepts (`RequestTooLargeError`,
-  `--max-request-mb`): a streamed request is cut off there;
-- its requests in flight would hold more bytes than the caller's or the peer's budget, or a request
-  takes longer to arrive than the peer waits (`InFlightBudgetError`, `RequestDeadlineError`:
-  wire/request_limits.py's `InFlightBytes`, `--max-in-flight-mb`, `--request-deadline-s`).
-- the peer's run has an authority (`--run`, dht/authority.py) and the caller holds no credential
-  that allows what it asks (`NotAuthorizedError`). The credential rides in the request's header, so
-  handlers ask `authorize` once they have read the header, before any tensor is decoded or any
-  state changes. What each action needs is `POLICY`; in a private run an RPC whose header carries
-  no credential (probe, dial-back) is served only to callers that presented a valid one before.
-Streamed RPCs are read with wire/bounded_streams.py: a message larger than a stream message can be
-is refused before it is buffered, and every read has a deadline. The same guarded handlers serve the
-streamed RPCs on the peer's data plane (wire/data_plane.py, `register_data_plane`), which reads
-within the same limits and names the caller by the peer id its token was issued to over p2pd, so
-every check above holds there as it does over p2pd.
-A refused caller of a streamed RPC is read to the end (up to the size limit) before the answer, since
-answering before the caller finished sending resets the stream and the caller would see a reset, not
-the reason. The answer itself is the RPC's own: each registration names a `refuse` function that
-turns the error into the message(s) that RPC answers a bad request with.
+- it sent too many bad requests lately (`RateLimitedError`, wire/request_limits.py's `PenaltyBox`);
+- its request carries more tensor bytes than the RPC accepts (`RequestTooLargeError`);
+- its requests in flight would exceed the budget, or a request arrives too slowly
+  (`InFlightBudgetError`, `RequestDeadlineError`);
+- the peer's run has an authority and the caller's credential does not allow what it asks
+  (`NotAuthorizedError`, `POLICY`; handlers call `authorize` once they have read the header).
+The same guarded handlers serve the peer's data plane (wire/data_plane.py). A refused caller of a
+streamed RPC is read to the end before the answer, which is the RPC's own (each registration's
+`refuse` function).
+
+Details: docs/design/serving.md.
 """
 
 from __future__ import annotations

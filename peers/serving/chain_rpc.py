@@ -1,65 +1,25 @@
 """Direct routing's RPC: one microbatch's training pass, from this peer's stage to the last, stage to stage.
 
-`ChainService.rpc_train_chain` serves a `ChainRequest` (wire/protocol.py): it computes this stage's
-forward on the compute thread (`StageRuntime.forward`, which caches the graph), sends the outputs to
-the next stage's first candidate of the request's route (peer to peer, with a timeout), and if that
-call fails tries the route's next candidate for that stage (it still holds its activations); with the
-gradient it got back it runs its own backward (`StageRuntime.backward`, which reuses the cached graph)
-and answers the loss, its `grad_inputs` (none on stage 0) and which peer served each stage. The last
-stage runs the fused forward+backward that owns the loss. The route is the trainer's choice
-(swarm/trainer/chain_route.py): the handler only walks the candidates in order.
+`ChainService.rpc_train_chain` serves a `ChainRequest` (wire/protocol.py): it runs this stage's
+forward on the compute thread, sends the outputs to the next stage's first candidate of the
+trainer's route (swarm/trainer/chain_route.py), tries the route's next candidate when that hop
+fails, runs its own backward on the gradient that comes back and answers the loss, its
+`grad_inputs` and which peer served each stage (`served_by`). The last stage runs the fused
+forward+backward that owns the loss.
 
-Codecs per hop: the request carries the run's codec (`codec`, passed along) and the codec its
-caller wants the gradient in (`response_codec`). This peer encodes its outputs for the next replica
-and asks it for the gradient in what `HopCodecs` (peers/serving/hop_codecs.py, pure) chooses for
-that link, the run's fixed codec or the adaptive policy's choice from this peer's timing of its
-hops (each answer says how long the replica's handler took and how long it computed, so the link's
-share of the call is known). Top-k gradients keep their error-feedback residual here, with the
-sender, per caller. Integer tensors (tokens, targets) always travel as they are.
+- Codecs per hop: the sender encodes its outputs and asks for the gradient in what `HopCodecs`
+  (peers/serving/hop_codecs.py) chooses for the link; integer tensors travel as they are.
+- Exactly once: a replica counts a microbatch's gradients at most once (`StageRuntime.backward`
+  keeps the ids it counted), and a call whose stream broke is asked again of the same replica
+  first (wire/call_rules.py, `asks_again`).
+- Hops larger than `piece_bytes` (`--hop-piece-kb`) cross on several streams at once
+  (peers/serving/hop_pieces.py); a hop over the data plane is one call on one TCP connection.
+- Spot checks: with `keep_records` a peer keeps what crossed its hops (`HopRecords`) and
+  `rpc_hop_record` hands a record to the trainer that drove the chain.
+- Security: a chain must name this peer's model, stage count and stage; in a run with an
+  authority the trainer's credential rides along every hop; held tensors count in `--max-in-flight-mb`.
 
-Exactly once, and never applied twice. A replica accumulates one microbatch's gradients at most once:
-`StageRuntime.backward` keeps the microbatch ids it counted (`accumulated_ids` in this step,
-`counted_earlier` for the steps before, bounded) and answers a repeated backward without adding it
-again, also when the repeat arrives after the replica stepped (tests/integration/test_direct_routing.py
-kills a replica holding a microbatch mid-hop, forward and backward). A chain keeps the trainer's
-microbatch id on every hop and on every attempt (a hop's failover and the trainer's re-drive alike), so a replica that already
-ran the backward of a microbatch whose answer was then lost (the peer above it died, a timeout)
-answers the repeat without counting it twice. What a replica cannot know is that another replica
-of its stage served the same microbatch in an attempt that failed further up: then both hold its
-gradients. So a call whose stream broke (the answer may be lost after the work was done) is made
-again to the same replica before any other: by a hop to the same candidate, by the trainer along the
-same route (`swarm.trainer.chain_call`), as hub routing asks a backward lost in transit of the same
-replica: one rule set for every caller (wire/call_rules.py, `asks_again`). A timeout of a call that
-waits on the stages after it is not asked again (the chain below may be hung), and an orphan is then
-still possible. The trainer counts the samples each replica served from the one
-chain answer that succeeded (`served_by`), and the sync round caps each replica's weight at that count, so the orphan
-attempt weighs no more than it does with hub routing. The trainer counts the microbatch once, when a
-chain answers.
-
-Hops in pieces: a hop's tensors, and the gradient answered, cross on several streams at once when
-they are larger than `piece_bytes` (`--hop-piece-kb`, 128 KiB by default): each piece under a fresh
-stream's window, so none waits for a window update that queues behind the gradients coming back on
-the same link (wire/bounded_streams.py, `call_on_streams`). The receiver takes the pieces in order
-before it computes (peers/serving/hop_pieces.py); a piece that does not come fails the call as its
-stream breaking would, and the failover and exactly-once rules above apply unchanged. A hop to a
-peer this one reaches over the data plane (wire/data_plane.py, `self.transport`) is one call on one
-TCP connection, never in pieces: TCP has no per-stream window to fit. A connection that breaks
-mid-hop fails the hop as a broken stream does.
-
-Spot checks: in a chain whose trainer spot-checks (`keep_records`), a peer keeps what it received
-from the stage before and what it sent to the replica of the next stage that answered, and the
-gradients that came back from that replica and that it sent back in turn (`HopRecords`,
-peers/serving/hop_records.py, within `--hop-record-mb`), and `rpc_hop_record`
-hands a record to the trainer that drove the chain, which checks a stage's replica from what its
-neighbours say crossed (swarm/trainer/chain_call.py, `ChainCaller.audit`); each stage's answer
-carries the sample of the parameter gradient it computed (`grad_samples`, with the later stages').
-
-Security: a chained call is refused (WRONG_STAGE) unless it names the model, the number of stages and
-the stage this peer serves. In a run with an authority, the trainer's credential rides along every
-hop: a call straight from the trainer needs the trainer's credential bound to the caller; a call
-from a peer needs the trainer's credential bound to the trainer it names and the calling peer's own
-peer credential. What a chain holds while it waits for the stages after it (its inputs and outputs)
-is counted in the peer's budget of decoded bytes (`--max-in-flight-mb`), refused when over.
+Why, and the limits of exactly-once: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """Direct routing (`swarm train --routing direct`): one microbatch as one chained call, with re-drives.
 
-`ChainCaller.run` picks a route (swarm/trainer/chain_route.py: for every stage a preferred replica
-and alternates) and sends the microbatch's tokens and targets to the route's stage-0 replica; each
-peer sends its outputs straight to the next stage's replica and the gradient comes back the same way
-(peers/serving/chain_rpc.py), so each boundary's link carries the activation once forward and its
-gradient once back. A hop that fails is retried by the sending peer on the route's next candidate
-for that stage. When the chain fails beyond those (or the stage-0 replica does), the replicas that
-failed are banned and the microbatch is re-driven from the start on a new route, with the same
-microbatch id: a replica that already ran that microbatch's backward in a failed attempt answers a
-repeat without accumulating it twice (the argument, and its limits, are in chain_rpc.py's docstring).
-A call whose stream broke is re-driven once along the same route first (`charge_route`): its
-replicas may have added the microbatch before the answer was lost, and only they can answer it
-without adding it again.
-The attempts, the waits for the swarm and the counters are the call engine's, which hub routing
-shares (swarm/trainer/call_engine.py, by the rules of wire/call_rules.py): this module is the
-`ChainWork` it drives. After `max_retries` failed attempts it waits for the swarm, refreshing the
-view, and stops the run after `stage_wait_timeout_s` rather than lose the microbatch.
+`ChainCaller.run` picks a route (swarm/trainer/chain_route.py) and sends the microbatch's tokens
+and targets to its stage-0 replica; the peers pass the activations on and the gradients back
+(peers/serving/chain_rpc.py), and a failed hop is retried by the sending peer on the route's next
+candidate. When the chain fails beyond those, its failed replicas are banned and the microbatch is
+re-driven on a new route with the same id; a call whose stream broke is first re-driven along the
+same route (`charge_route`). The attempts, the waits for the swarm and the counters are the call
+engine's (swarm/trainer/call_engine.py): this module is the `ChainWork` it drives.
 
-The answer names the replica that served each stage (`served_by`): the schedule counts each one's
-samples from it, for the sync round's weight caps, exactly as from hub routing's backward answers.
-It also names the replicas its hops failed over from and how (`failed_over`, also on a chain that
-failed): each one the route named is counted as a failed call of that kind (`failures_by_kind`,
-the metrics, the replica's ledger entry) and routed around for a short ban (a stage ban for a wrong
-stage) only: a chain's answer is peers' words about each other, no proof of more.
-`ChainCaller.audit` spot-checks a call of a stage (its forward or its backward) in a chain that
-answered, from what the stage's neighbours say crossed its hops (peers/serving/hop_records.py) and
-the gradient sample the chain's answer carried.
+The answer names the replica that served each stage (`served_by`, for the sync round's weight
+caps) and the replicas its hops failed over from (`failed_over`), each counted as a failed call and
+routed around for a short ban only. `ChainCaller.audit` spot-checks a stage's call from what its
+neighbours say crossed its hops (peers/serving/hop_records.py).
+
+The exactly-once argument and its limits: docs/design/trainer.md.
 """
 
 from __future__ import annotations

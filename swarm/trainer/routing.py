@@ -1,35 +1,19 @@
 """Replica choice for one pipeline stage: SWARM's interleaved weighted round-robin.
 
-Every replica of the stage has a key: the busy time, in seconds, that the trainer expects to have
-queued on it. ``choose`` gives a task to the replica with the smallest key and adds the task's
-expected duration, ``samples * cost(task) * seconds_per_sample``, to that key. All keys then
-advance at the same rate, so each replica receives work in proportion to its throughput: a
-replica twice as fast takes twice the samples, interleaved rather than in bursts.
-
-Keys are measured from a frontier, the key of the latest pick, which is held at 0: after each
-pick every key drops by the winner's old key and is clamped at 0. Keys therefore stay within one
-task's duration of each other and never grow without bound, and a replica that sat out some picks
-(excluded, banned) cannot bank credit: it resumes at the frontier instead of being flooded. A new
-replica enters at the current minimum key for the same reason.
+Every replica of the stage has a key: the busy time the trainer expects to have queued on it.
+``choose`` gives a task to the replica with the smallest key and adds the task's expected duration,
+``samples * cost(task) * seconds_per_sample``; so each replica receives work in proportion to its
+throughput, interleaved. Keys are measured from the latest pick's (held at 0), so a replica that
+sat out picks banks no credit, and a new replica enters at the minimum key.
 
 Throughput is an EMA (``ema_alpha``) of measured seconds per forward-equivalent sample; a backward
-pass counts as ``backward_cost`` forward samples, or one fewer on the replica that served the
-microbatch's forward and still holds its activations (no recompute): a backward goes back there
-when that replica is expected to finish it no later than the least busy one. The EMA is over seconds per sample rather than
-samples per second so that the expected busy time stays unbiased when measurements are noisy.
-
-The value the peer announced on the DHT is only a prior, used until the trainer has measured the
-peer itself: it comes from a start-up benchmark on other batch shapes, often taken while other
-processes competed for the CPU, and can be off by 2x; and a liar may announce anything. So a prior
-is believed up to a ceiling: the fastest measured replica of the stage, or, while none is measured,
-`PRIOR_SPREAD` times the slowest announcement (a replica announcing 1000x its partner drew 239 of
-240 chains under direct routing, where nothing else measures it, issue #60). The first measurement replaces it,
-and the n-th measurement weighs ``max(ema_alpha, 1/n)`` (a plain mean until ``n = 1/ema_alpha``,
-the EMA after). A plain EMA seeded with the announcement would keep ``(1-alpha)**n`` of a wrong
-prior: 28% after 12 calls at alpha 0.1, and a slow replica gets few calls, so its wrong prior
-would decide its share for most of a short run.
+costs ``backward_cost`` samples, one fewer on the replica that holds its forward's activations.
+The throughput a peer announced is only a prior, believed up to the fastest measured replica of
+the stage (or `PRIOR_SPREAD` times the slowest announcement); the first measurement replaces it,
+and the n-th weighs ``max(ema_alpha, 1/n)``.
 
 Pure: no I/O, no asyncio, time only from the injected clock.
+Why each rule: docs/design/trainer.md.
 """
 
 from __future__ import annotations

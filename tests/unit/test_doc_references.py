@@ -208,3 +208,14 @@ def test_the_checks_catch_what_they_are_for():
 
 
 KNOWN_FLAGS = known_flags()
+
+
+# A module's docstring states its contract; the reasoning lives in docs/design/ (GUIDE, issue #57).
+DOCSTRING_MAX_LINES = 25
+# `--help` is one sentence per flag; the details live in the generated reference (docs/reference/).
+HELP_MAX_CHARS = 200
+
+
+def test_no_production_module_docstring_runs_over_25_lines():
+    lines = {name: len(text.strip().splitlines()) for name, text in module_docstrings().items()}
+    assert {name: n for name, n in lines.items() if n > DOCSTRING_MAX_LINES} == {}

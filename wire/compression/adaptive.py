@@ -1,43 +1,22 @@
 """Link-adaptive codec choice: our own design of FusionLLM's AdaTopK idea.
 
-FusionLLM compresses with top-k only on slow links, harder the slower the link; its exact rules
-are not public. Ours, for one tensor of ``tensor_nbytes`` bytes crossing a link with estimated
-bandwidth ``B``, given a target time ``T`` for putting it on the wire (the caller derives it from
-the compute the receiving stage spends on the same microbatch, see ``wire.compression.policy``):
+`choose_codec` picks the codec for one tensor of ``tensor_nbytes`` bytes on a link of estimated
+bandwidth ``B``, given a target time ``T`` to put it on the wire (``wire.compression.policy``
+derives it from the receiving stage's compute):
 
-1. the serialization time ``bytes(c) / B`` of codec ``c`` is what the link costs. The link's
-   latency is not in it: no codec shortens it;
-2. among the (near-)lossless codecs "none", "fp16", "int8" (fp16 rel. error ~2e-4, int8
-   ~0.01-0.02; "fp16" is skipped for 16-bit tensors, where it saves nothing), take the one with
-   the least estimated time to move the tensor, ``cpu(c) * numel + bytes(c) / B``, where
-   ``cpu(c)`` is the codec's encode + decode time per value on one CPU thread (measured:
-   none ~1 ns, fp16 ~1 ns, int8 ~19 ns). So int8 below ~450 Mbit/s, fp16 up to ~40 Gbit/s,
-   none above: compressing pays as soon as it saves more transfer time than it costs CPU, since
-   each microbatch's calls run one after another and every call's transfer delays it. Ties go to
-   the less lossy codec. Codecs whose serialization exceeds ``topk_slack * T`` are not
-   candidates;
-3. so "int8" stays in use up to ``topk_slack * T`` (default 4x the target): a link somewhat
-   slower than the target costs some throughput, while top-k costs convergence (measured on the
-   emulated world-wide network, issue #6: top-k on every slow link raised the loss after 10
-   steps from 3.66 to 4.13-4.22);
-4. on a slower link (int8 over ``topk_slack * T``), "int4" if it fits ``topk_slack * T``: about
-   half int8's bytes (0.53 per value) at ~0.11 relative error, every value kept, where top-k at
-   the same bytes (~9% of the values) drops the rest;
-5. only on a very slow link (int4 over ``topk_slack * T``) use "topk" with the fraction whose
-   bytes fill ``topk_slack * T * B`` (``6 * fraction`` bytes per value: float16 value + int32
-   index), clamped to ``[min_fraction, 1]``. The floor depends on the tensor's role: gradients
-   go through ``ErrorFeedback``, which later resends what top-k drops, so they may go down to
-   0.1%; activations have no such correction, so they keep at least 5%. When even the floor
-   misses the budget, the choice says so through ``estimated_transfer_s`` (latency included).
+1. among "none", "fp16" and "int8", the least estimated time ``cpu(c) * numel + bytes(c) / B``
+   (ties: the less lossy), among those within ``topk_slack * T``;
+2. on a slower link, "int4" if it fits ``topk_slack * T``;
+3. only on a very slow link, "topk" with the fraction that fills the budget, no lower than
+   ``min_fraction`` (0.1% for gradients, which have error feedback; 5% for activations).
 
-The rule is monotone: more bandwidth or a longer target never yields a choice that sends fewer
-bytes (a more compressed codec that wins at some bandwidth also wins at every lower one). :class:`LinkBandwidthMeter` turns measured transfers into ``LinkEstimate``s.
+The rule is monotone: more bandwidth or a longer target never yields fewer bytes.
+``LinkBandwidthMeter`` turns measured transfers into ``LinkEstimate``s. A loss budget
+(``allowed``, from ``codecs_within`` and ``MEASURED_LOSS_COSTS``) bounds the choice: where no
+allowed codec fits the target, the most compressed of them is used, so a slow link costs time,
+never loss; codecs without a measurement (top-k) are never chosen under a budget.
 
-A loss budget bounds what the rule may choose (``allowed`` in ``choose_codec``, from
-``codecs_within``): only codecs whose measured validation-loss cost (``MEASURED_LOSS_COSTS``, for
-activations and gradients apart) fits the budget are candidates, and where none of them fits the
-link's target the most compressed of them is used anyway: the link then costs time, never loss.
-Codecs without a measurement (top-k) are never chosen under a budget.
+The thresholds and the measurements behind them: docs/design/wire.md.
 """
 
 from __future__ import annotations

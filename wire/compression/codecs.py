@@ -1,34 +1,21 @@
 """Four of the codecs: "none", "fp16", "int8" and "topk" ("int4" is in `wire.compression.int4`).
 
-==========  =====================================  ==========================  ==================
-codec       wire format (parts)                    bytes per float32 value     error
-==========  =====================================  ==========================  ==================
-none        raw values (integers: see below)       4                           exact
-fp16        raw float16 of x * 2**-exponent        2                           ~5e-4 per value
-int8        hivemind BLOCKWISE_8BIT (bitsandbytes)  ~1.001                      ~0.01-0.02 rel. L2
-int4        float16 scale per 64 values, 4-bit      0.53125                     ~0.11 rel. L2, each
-            codes two per byte                                                 value <= scale/14
-topk        raw 16-bit values, then int32 indices  6 * fraction                kept values as fp16,
-                                                                               the rest zero
-==========  =====================================  ==========================  ==================
+    codec  bytes per float32 value  error
+    none   4                        exact
+    fp16   2                        ~5e-4 per value
+    int8   ~1.001                   ~0.01-0.02 rel. L2 (hivemind BLOCKWISE_8BIT)
+    topk   6 * fraction             kept values as fp16, the rest zero
 
 Policies every codec follows:
 
-- Non-floating tensors (token ids, masks) are sent losslessly by the lossy codecs: they delegate
-  to "none", and the header says "none", so byte accounting and decoding see what was sent.
-- "none" sends an int64/int32/int16 tensor as the narrowest integer type that holds its range,
-  shifted by an offset (header params `narrow`, `offset`): token ids of a vocabulary under 256
-  take 1 byte each, under 65,536 two, instead of int64's eight. Decoding restores the dtype.
-- float16 and bfloat16 values are sent as their own 16 bits where a codec sends 16-bit values,
-  so "fp16" is lossless for them and bfloat16 never overflows float16's range.
+- Non-floating tensors go losslessly, as "none"; "none" sends integers as the narrowest type that
+  holds their range, shifted by an offset (token ids of a 256-token vocabulary: 1 byte each).
+- float16 and bfloat16 values go as their own 16 bits, so "fp16" is lossless for them.
 - float32/float64 values sent as float16 are first scaled by a power of two (the header's
-  ``exponent``) that puts the largest finite magnitude in [2**14, 2**15): scaling by 2**e is
-  exact, nothing finite overflows, and small values (gradients of ~1e-6) keep float16's full
-  11-bit precision instead of falling into its subnormal range. inf and nan go through as they are.
-  The exponent is clamped to [-100, 100], so this holds while the largest magnitude is within
-  [2**-86, 2**115] (~1e-26 to ~4e34); beyond, tiny tensors flush toward zero, huge ones overflow.
-- "int8" cannot represent inf or nan (bitsandbytes turns a whole 4096-value block into inf); a
-  tensor holding them is sent with "fp16" instead, so a diverging run shows its nans downstream.
+  ``exponent``, clamped to [-100, 100]) that puts the largest finite magnitude in [2**14, 2**15).
+- "int8" cannot carry inf or nan: such a tensor is sent with "fp16" instead.
+
+Each format and its limits: docs/design/wire.md.
 """
 
 from __future__ import annotations

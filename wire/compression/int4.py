@@ -1,34 +1,18 @@
 """Blockwise 4-bit codec ("int4"): per block of ``block`` values one float16 scale, and one signed
 4-bit code per value, two codes per byte. Our own code, not bitsandbytes'.
 
-Wire format (all parts raw, ``compression=NONE``, so any part is a valid hivemind tensor):
+Wire format (all parts raw, ``compression=NONE``): ``ceil(numel / block)`` float16 scales, then
+``ceil(numel / 2)`` uint8 bytes of codes (low nibble first); header params ``{"block", "exponent"}``
+(scales times ``2**exponent``, the rule of "fp16"). A nibble ``c`` in 1..15 decodes to
+``(c - 8) * scale / 7``; nibble 0 is rejected, except as the padding of an odd-length tensor.
 
-- ``ceil(numel / block)`` float16 scales, then ``ceil(numel / 2)`` uint8 bytes of codes;
-- header params ``{"block": int, "exponent": int}``: the block size (in [MIN_BLOCK, MAX_BLOCK])
-  and a power of two ``2**exponent`` every scale is multiplied by, so that scales of any float32
-  magnitude fit float16 (the same ±100 clamp and the same rule as "fp16": the largest scale lies in
-  [2**14, 2**15) after dividing by ``2**exponent``);
-- value ``i`` is the ``(i % 2)``-th nibble (low nibble first) of byte ``i // 2``; a nibble ``c`` in
-  1..15 stands for the level ``q = c - 8`` in -7..7, and decodes to ``q * scale / 7``. Nibble 0
-  never encodes a value: a decoder rejects it, except as the high nibble of the last byte of an
-  odd-length tensor, which must be 0 (padding).
+Error bound: a block's scale is its absmax rounded up to float16, and every decoded value is within
+``scale / 14`` of the original (plus the rounding to the tensor's dtype): a relative L2 error of
+~0.11 on normal-like data (``RELATIVE_ERROR_BOUNDS["int4"]``). Bytes per value ``1/2 + 2/block``:
+0.53125 at the default 64, 7.5x fewer than float32.
 
-Encoding: a block's scale is its largest magnitude ``absmax`` rounded *up* to float16 (times
-``2**exponent``), so no value exceeds it, and each value is rounded to the nearest of the 15
-levels. **Error bound**: every decoded value is within ``scale / 14`` of the original (half a level
-step), where ``scale`` is its block's decoded scale, at most ``absmax * (1 + 2**-10)`` (one float16
-rounding step up; for blocks more than ~2**24 times smaller than the tensor's largest block, the
-scale is a float16 subnormal and may exceed absmax by up to ``2**(exponent - 24)``), plus the final
-rounding to the tensor's dtype (bfloat16: 2**-8 of the value). For normal-like data and
-post-LayerNorm activations that is a relative L2 error of ~0.11 (``RELATIVE_ERROR_BOUNDS["int4"]``,
-0.12); a block holding an outlier loses its small values to the coarse levels (3 of 64 channels at
-20x the rest: 0.19).
-
-Bytes per value: ``1/2 + 2/block``: 0.53125 with the default block of 64, 7.5x fewer than float32.
-
-As "int8": non-floating tensors go losslessly as "none"; a tensor holding inf or nan goes as
-"fp16" (4 bits cannot carry them), and one whose magnitudes overflow the clamped float16 scales
-(beyond ~2**115) as "none".
+As "int8": non-floating tensors go as "none"; inf or nan go as "fp16"; magnitudes beyond the
+clamped scales go as "none". The exact bound and its edge cases: docs/design/wire.md.
 """
 
 from __future__ import annotations
