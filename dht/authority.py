@@ -313,9 +313,8 @@ class RunAccessConfig:
 
     run: str | None = option(
         None,
-        help="the run's public file (run.json from `swarm run create`, or its folder): only holders of "
-        "credentials its owner signed may change the weights (the owner's folder, holding owner.key: this "
-        "process issues itself one); unset: no run authority (anyone may)",
+        help="the run's public file (run.json from `swarm run create`) or the owner's folder (this process then issues "
+        "itself a credential); unset: no run authority, anyone may train",
     )
     credential: str | None = option(
         None,

@@ -217,8 +217,7 @@ MODEL_CONFIGS: dict[str, GPTConfig] = {
 def model_names_help() -> str:
     """The built-in models, for a --model flag's help."""
     return (
-        f"a built-in model ({', '.join(MODEL_CONFIGS)}), a Hugging Face folder's name with --model-dir, "
-        f"or module.path:function for your own architecture"
+        f"a built-in model ({', '.join(MODEL_CONFIGS)}), module.path:function (your own) or, with --model-dir, its name"
     )
 
 

@@ -124,9 +124,8 @@ class ServingLimits:
     )
     max_in_flight_mb: float = option(
         256.0,
-        help="bytes all requests being read or served may hold at once, in MiB (as received, and again "
-        "once decoded); one caller's may hold a quarter (at least --max-request-mb); past that a request "
-        "is refused as busy, to be sent elsewhere",
+        help="bytes all requests being read or served may hold at once, in MiB; one caller's may hold a quarter; past "
+        "that a request is refused as busy",
     )
     request_deadline_s: float = option(
         120.0,
@@ -140,9 +139,8 @@ class ServingLimits:
     )
     hop_piece_kb: int = option(
         128,
-        help="direct routing: a hop's activations (and the gradient answered) larger than this many KiB cross "
-        "on several streams at once, in pieces of about this size, each under a new stream's 256 KiB window "
-        "(peers/serving/hop_pieces.py; a tensor's parts are at least 8 KiB); 0 = one stream per hop",
+        help="direct routing: a hop larger than this many KiB crosses on several streams at once, in pieces of about "
+        "this size (0 = one stream per hop)",
     )
     bad_request_burst: int = option(10, help="bad requests a caller may send in a row before it is refused for a while")
     bad_request_refill_per_s: float = option(
@@ -217,13 +215,8 @@ class ReplicaSettings:
 
     averaging: str = option(
         "auto",
-        help="how replicas of a stage agree: sync (average gradients on each trainer "
-        "step, identical parameters), outer (step alone, and every --averaging-every-steps steps "
-        "exchange compressed pseudo-gradients and take an outer step together: DiLoCo, for slow "
-        "links), periodic (average parameters every --averaging-period-s or "
-        "--averaging-every-steps), auto (default: the mode the stage's replicas run, else sync or outer "
-        "chosen from the measured links as the stage is built, sync where no link is measured; "
-        "peers/replicas/averaging_auto.py), none (independent copies that diverge; for experiments)",
+        help="how replicas of a stage agree: auto (default: the stage's mode, else sync or outer from the measured "
+        "links), sync (average gradients every step), outer (DiLoCo rounds), periodic or none",
         choices=["none", "sync", "periodic", "outer", "auto"],
     )
     averaging_period_s: float | None = option(
@@ -235,33 +228,25 @@ class ReplicaSettings:
     )
     averaging_every_steps: int | None = option(
         None,
-        help="periodic mode: instead of a period, average parameters "
-        "right after every this many local steps; each replica then steps on "
-        "the trainer's commit (on its share of the trainer's batch), and the "
-        "commit waits for the round (hivemind bounds its matchmaking and its "
-        "all-reduce by --averaging-timeout-s each). Outer mode: the steps between "
-        f"two rounds of each fragment (default {DEFAULT_OUTER_EVERY_STEPS})",
+        help="periodic mode: average parameters right after every this many local steps, instead of a period; "
+        f"outer mode: the steps between two rounds of each fragment (default {DEFAULT_OUTER_EVERY_STEPS})",
     )
     averaging_compression: str | None = option(
         None,
-        help="averaging traffic: none (default; replicas agree exactly), "
-        "fp16 (half the bytes) or int8 (blockwise 8-bit, a quarter); compressed, "
-        "replicas agree only up to the codec's rounding of their differences "
-        "(measured after one step at lr 0.5: fp16 6e-5, int8 1.6e-3)",
+        help="averaging traffic: none (default; replicas agree exactly), fp16 or int8 (fewer bytes; the replicas then "
+        "agree only up to the codec's rounding)",
         choices=["none", "fp16", "int8"],
     )
     outer_lr: float | None = option(
         None,
-        help="periodic and outer modes: outer learning rate of a DiLoCo-style Nesterov step on the "
-        "averaged parameter delta after each round (DiLoCo: 0.7); 0 = off, plain averaging (default: "
-        f"0 for periodic, {DEFAULT_OUTER_LR:g} for outer)",
+        help="periodic and outer modes: the learning rate of a DiLoCo-style Nesterov outer step after each round "
+        f"(0 = plain averaging; default: 0 for periodic, {DEFAULT_OUTER_LR:g} for outer)",
     )
     outer_momentum: float = option(0.9, help="periodic and outer modes: momentum of the outer step (with --outer-lr)")
     outer_codec: str = option(
         DEFAULT_OUTER_CODEC,
-        help="outer mode: the codec of the pseudo-gradients a round exchanges: none (float32), fp16, int8, "
-        "int4 or topk (--outer-topk-fraction of the values, with error feedback); every replica ends a round "
-        "with the same parameters whatever the codec (benchmarks/RESULTS.md measures each)",
+        help="outer mode: the codec of the pseudo-gradients a round exchanges: none, fp16, int8, int4 or topk "
+        "(--outer-topk-fraction of the values, with error feedback)",
         choices=list(OUTER_CODECS),
     )
     outer_topk_fraction: float = option(0.01, help="outer mode with --outer-codec topk: the fraction of values sent")
@@ -284,59 +269,42 @@ class ReplicaSettings:
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
     averaging_matchmaking_s: float | None = option(
         None,
-        help="how long hivemind's matchmaking gathers a round's group, in seconds (default 0.5 for sync "
-        "and periodic by steps, 1.0 by time); a round takes about this long plus the all-reduce "
-        "(benchmarks/RESULTS.md), too short and groups may not form on a loaded machine",
+        help="how long hivemind's matchmaking gathers a round's group, in seconds (default 0.5 for sync and periodic "
+        "by steps, 1.0 by time)",
     )
     averaging_groups: str = option(
         "trainer",
-        help="sync mode: how a round's group forms: trainer (default: the group the trainer's commit "
-        "names, at once; measured 1.26x faster exact sync, see benchmarks/RESULTS.md) or matchmaking "
-        "(hivemind's, about --averaging-matchmaking-s a round; a commit without its group, e.g. a "
-        "flush, always match-makes)",
+        help="sync mode: how a round's group forms: trainer (default: the group the trainer's commit names, at once) "
+        "or matchmaking (hivemind's, about --averaging-matchmaking-s a round)",
         choices=["trainer", "matchmaking"],
     )
     sync_delay: int = option(
         0,
-        help="sync mode: 0 = each commit waits for the replicas' all-reduce and step (exact, as one "
-        "process); 1 = the commit answers at once and the averaged update is applied at the next "
-        "commit, so the next step computes on parameters one update old (overlapped; see "
-        "peers/replicas/delayed_sync.py and benchmarks/RESULTS.md)",
+        help="sync mode: 0 = each commit waits for the replicas' all-reduce and step (exact); 1 = the update is "
+        "applied at the next commit, one step late, overlapped with compute",
         choices=[0, 1],
     )
     sync_delay_from: int | None = option(
         None,
-        help="with --sync-delay 1, the stage's steps before this one are exact and the delay begins "
-        "with it (default: the end of the learning-rate warmup, --warmup-steps; 0: from the first "
-        "step). A one-step-late update costs most in the first steps: on `small` over 100 steps, "
-        "the held-out loss ended 2.6 percent above the exact schedule's with the delay from the first "
-        "step, 0.09 percent with it from the end of a 10-step warmup (benchmarks/RESULTS.md)",
+        help="with --sync-delay 1, the step the delay begins with; the steps before it are exact (default: the end of "
+        "the warmup, --warmup-steps; 0: from the first step)",
     )
     weight_prediction: str = option(
         "local-step",
-        help="with --sync-delay 1, where each step computes (the optimizer always steps the real parameters): "
-        "local-step = on the parameters plus the update this replica's own gradients of the step in flight "
-        "make (alone in its stage, the exact schedule; replicas then compute on parameters a little apart, so "
-        "the trainer's spot checks skip them); last-update = plus the last update applied (as PipeMare and "
-        "SpecTrain); none = on the parameters one update old (peers/compute/weight_prediction.py; "
-        "benchmarks/RESULTS.md measures each)",
+        help="with --sync-delay 1, what each step computes on: local-step (the parameters plus this replica's own "
+        "update of the step in flight), last-update (plus the last update applied) or none",
         choices=list(WEIGHT_PREDICTIONS),
     )
     averaging_transport: str = option(
         "auto",
-        help="exact sync's all-reduce: gloo (torch.distributed's, at about the wire's cost; only in a run "
-        "without an authority, since gloo authenticates nobody), hivemind (its averager), or auto (default: "
-        "gloo for exact sync without an authority when the peer announces an address, else hivemind; "
-        "peers/replicas/gloo_allreduce.py)",
+        help="exact sync's all-reduce: gloo (torch.distributed's; only without a run authority), hivemind (its "
+        "averager) or auto (default: gloo where it may, else hivemind)",
         choices=list(AVERAGING_TRANSPORTS),
     )
     robust_averaging: str = option(
         "clip",
-        help="how a replica averages the part of the all-reduce it reduces, in groups of 3 or more: clip "
-        "(default: CenteredClip around the coordinate-wise median; the plain mean unless a contribution "
-        "stands out, and one liar moves the result at most a few times the honest spread), trim "
-        "(coordinate-wise trimmed mean; never exactly the mean), none (plain weighted mean). A group of "
-        "two cannot tell the liar: plain mean (peers/replicas/robust_mean.py)",
+        help="how a replica reduces its part of the all-reduce in groups of 3 or more: clip (default: CenteredClip, "
+        "bounds one liar), trim (trimmed mean) or none (plain weighted mean)",
         choices=list(ROBUST_METHODS),
     )
     load_state: bool = option(True, help="on start, download the stage's current state from a live replica")
@@ -418,16 +386,13 @@ class PlacementSettings:
 
     rebalance_period_s: float = option(
         0.0,
-        help="check about this often (randomised in [0.5, 1.5] x) whether moving to "
-        "another stage raises the swarm's bottleneck, and move if so (0 = never move); "
-        "no move for 2 periods after another peer's move of a material share of a stage is seen, "
-        "and no move back to the stage a peer left for 10 periods (unless a stage lost a replica)",
+        help="check about this often (randomised) whether moving to another stage raises the swarm's bottleneck, and "
+        "move if so (0 = never move)",
     )
     rebalance_loss_watch_s: float = option(
         5.0,
-        help="with --rebalance-period-s: also re-read the swarm this often "
-        "and, when a stage lost a replica since the last look, check within "
-        "--rebalance-loss-delay-s instead of at the next period (0 = periodic only)",
+        help="with --rebalance-period-s: also re-read the swarm this often, and check within --rebalance-loss-delay-s "
+        "when a stage lost a replica (0 = periodic only)",
     )
     rebalance_loss_delay_s: float = option(
         10.0,
@@ -553,8 +518,7 @@ class MetricsSettings:
 class PeerConfig:
     model: str = option(
         "small",
-        help=f"{model_names_help()}; with --model-dir, the swarm's name for the folder's model "
-        "(default: the folder's name)",
+        help=f"{model_names_help()} (default: the folder's)",
     )
     model_dir: str | None = option(
         None,
@@ -568,7 +532,8 @@ class PeerConfig:
     )
     trainable: str = option(
         "all",
-        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
+        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; "
+        "needs peft); every peer and the trainer of a swarm must use the same",
     )
     stage: str | int = option(
         AUTO_STAGE,
@@ -583,10 +548,8 @@ class PeerConfig:
     )
     split_boundaries: str | None = option(
         None,
-        help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm "
-        "profile`), or memory (the split whose stages hold equal shares of the parameters: "
-        "the end stages, which hold the vocabulary matrices, get fewer blocks); "
-        "default: the swarm's split, or the equal split",
+        help="block boundaries of the stage split, e.g. 0,4,6 (from `swarm profile`), or memory (equal shares of the "
+        "parameters); default: the swarm's split, or the equal split",
     )
     init_weights: str | None = option(
         None,

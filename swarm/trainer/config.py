@@ -84,17 +84,14 @@ class ScheduleSettings:
     max_in_flight: int = option(8, help="microbatches in the pipeline at once")
     routing: str = option(
         DEFAULT_ROUTING,
-        help="how activations travel: direct (the trainer sends a microbatch to a stage-0 replica, each peer "
-        "sends its outputs straight to a replica of the next stage and the gradients come back the same way; "
-        "each hop's sender applies --codec) or hub (every stage's call goes from and back to the trainer: "
-        "twice the link bytes, but a spot-checked lie is caught before its microbatch is applied)",
+        help="how activations travel: direct (peer to peer, each boundary once) or hub (every call from and back to "
+        "the trainer: twice the bytes, a lie caught before it is applied)",
         choices=ROUTINGS,
     )
     hub_timing_fraction: float = option(
         0.0,
-        help="with --routing direct: route this fraction of microbatches (drawn with --seed) through the "
-        "trainer, as hub routing does, so that the trainer times every stage's replicas on its own clock "
-        "stage by stage; 0: by the trainer's times of whole chains alone",
+        help="with --routing direct: send this fraction of the microbatches through the trainer, as hub routing does, "
+        "so that it times every stage's replicas itself (0: off)",
     )
     stop_timeout_s: float = option(
         30.0,
@@ -102,11 +99,8 @@ class ScheduleSettings:
     )
     clip_grad_norm: float = option(
         0.0,
-        help="clip each step's gradient to this norm over every stage together, as one process's "
-        "clip_grad_norm_ would (0 = off). Sync replicas average, report their gradient's norm and step "
-        "once the trainer sends the scale: one more round trip a step; replicas of other modes do not clip. "
-        "Several trainers of one run compute the same scale from the same answers (a replica answers a "
-        "step's repeated commit with its first answer), and a replica steps on the first scale it gets",
+        help="clip each step's gradient to this norm over every stage together, as one process's clip_grad_norm_ would "
+        "(0 = off; sync replicas only; one more round trip a step)",
     )
 
     def __post_init__(self) -> None:
@@ -156,9 +150,8 @@ class CompressionSettings:
     topk_fraction: float = option(0.1, help="fraction of values top-k keeps (with --codec topk)")
     codec_loss_budget: float = option(
         0.02,
-        help="with --codec adaptive: the validation-loss cost (0.02: 2%% worse at equal tokens) the chosen "
-        "codecs may add, from their measured costs on activations and gradients; a slow link then costs "
-        "time instead (inf: no budget, top-k on the slowest links)",
+        help="with --codec adaptive: the validation-loss cost the chosen codecs may add (0.02: 2%% worse at equal "
+        "tokens; inf: no budget)",
     )
 
     def __post_init__(self) -> None:
@@ -174,11 +167,8 @@ class CompressionSettings:
 class VerificationSettings:
     verify_fraction: float = option(
         0.0,
-        help="spot checks: have a second replica of the stage recompute this fraction of the training "
-        "compute (forwards, the last stage's loss and gradient, backwards; drawn with --seed), and more "
-        "when the answers differ beyond the tolerance; the replicas in the minority are banned for the run "
-        "(sync replicas only); with --routing direct, checked after the chain answered, from what the "
-        "stage's neighbours say crossed its hops",
+        help="spot checks: the fraction of the training compute a second replica recomputes (more replicas when "
+        "answers differ); the replicas in the minority are banned for the run",
     )
 
     def __post_init__(self) -> None:
@@ -213,7 +203,8 @@ class TrainerConfig:
     )
     trainable: str = option(
         "all",
-        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; needs peft); every peer and the trainer of a swarm must use the same",
+        help="what is trained: all (every weight) or lora:R (rank-R LoRA adapters on the blocks, base weights frozen; "
+        "needs peft); every peer and the trainer of a swarm must use the same",
     )
     num_stages: int | None = option(None, help="number of stages (default: read from the peers' records)")
     network: NetworkConfig = section(NetworkConfig, help="joining the swarm's DHT")

@@ -219,3 +219,9 @@ HELP_MAX_CHARS = 200
 def test_no_production_module_docstring_runs_over_25_lines():
     lines = {name: len(text.strip().splitlines()) for name, text in module_docstrings().items()}
     assert {name: n for name, n in lines.items() if n > DOCSTRING_MAX_LINES} == {}
+
+
+def test_no_help_text_of_an_option_runs_over_200_characters():
+    texts = {name: " ".join(text.split()) for name, text in help_texts().items() if " --" in name}
+    assert len(texts) > 300
+    assert {name: len(text) for name, text in texts.items() if len(text) > HELP_MAX_CHARS} == {}
