@@ -72,8 +72,11 @@ def test_a_run_created_with_a_spec_is_joined_with_one_line(make_swarm, tmp_path,
     for peer in (first, second):
         assert "lr 0.003, warmup 2 steps" in peer.log() and "signed by its owner" in peer.log()
 
-    report = train(swarm, tmp_path, "trainer", "--steps", "3")
+    # the run's owner trains it (its folder: the trainer issues itself a credential); it takes the spec too
+    report = train(swarm, tmp_path, "trainer", "--steps", "3", "--run", str(run), named=False)
     assert report["model"] == "tiny" and report["steps"] == 3 and report["microbatches_lost"] == 0
+    trainer_log = next(p for p in swarm.processes if p.name == "trainer").log()
+    assert "lr 0.003, warmup 2 steps" in trainer_log and "signed by its owner" in trainer_log, trainer_log[-3000:]
 
     lr = swarm.start_volunteer("--lr", "0.02", name="peer-v-lr")
     one_line_refusal(lr, "--lr 0.02 (the run's: 0.003)")
@@ -96,13 +99,16 @@ def test_a_new_version_is_followed_by_every_replica_at_its_step(make_swarm, tmp_
     swarm = make_swarm(num_stages=2)
     swarm.start_bootstrap(60.0, "--run", str(run))
     folders = {name: tmp_path / name for name in ("a", "b", "c")}
+    # In a run with an owner, replicas average only with the run's members (issue #60): the owner's peers
+    # (given its folder, each issues itself a credential), which take the spec like any peer.
+    owners = ("--run", str(run))
     peers = [
-        swarm.start_volunteer("--stage", "0", "--checkpoint-dir", str(folders["a"])),
-        swarm.start_volunteer("--stage", "0", "--checkpoint-dir", str(folders["b"])),
-        swarm.start_volunteer("--stage", "1", "--checkpoint-dir", str(folders["c"])),
+        swarm.start_volunteer(*owners, "--stage", "0", "--checkpoint-dir", str(folders["a"])),
+        swarm.start_volunteer(*owners, "--stage", "0", "--checkpoint-dir", str(folders["b"])),
+        swarm.start_volunteer(*owners, "--stage", "1", "--checkpoint-dir", str(folders["c"])),
     ]
     swarm.wait_online(peers)
-    train(swarm, tmp_path, "first", "--steps", "3")
+    train(swarm, tmp_path, "first", "--steps", "3", *owners, named=False)
     # `swarm run update` reads the run's step from the peers' records, renewed every few seconds
     reader = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
     try:
@@ -126,7 +132,7 @@ def test_a_new_version_is_followed_by_every_replica_at_its_step(make_swarm, tmp_
                        "--initial-peers", *swarm.initial_peers)  # fmt: skip
     assert update.returncode == 0 and "version 2: lr 0.01 from step 4" in update.stdout, update.stderr
 
-    report = train(swarm, tmp_path, "second", "--steps", "3")
+    report = train(swarm, tmp_path, "second", "--steps", "3", *owners, named=False)
     assert report["microbatches_lost"] == 0
     for peer in peers:  # every replica of every stage steps at 0.01 from step 4 on, and not before
         said = "step 4 at learning rate 0.01 (the schedule of step 4 on)"
@@ -143,7 +149,7 @@ def test_a_swarm_with_no_owner_holds_later_peers_to_its_first_peers_settings(mak
     """The issue's measurement: a third peer joined stage 0 with --lr 0.02 beside its partner at 1e-3 and
     trained another model for 30 steps unnoticed. Now it is refused at start, and a peer given
     nothing but --initial-peers takes the first peer's settings."""
-    swarm = make_swarm(num_stages=2)
+    swarm = make_swarm(num_stages=2, run=False)
     swarm.start_bootstrap()
     first, last = swarm.start_peer(0), swarm.start_peer(1)
     swarm.wait_online([first, last])
@@ -160,7 +166,7 @@ def test_a_swarm_with_no_owner_holds_later_peers_to_its_first_peers_settings(mak
 
 
 def test_two_first_peers_that_race_agree_on_one_run(make_swarm):
-    swarm = make_swarm(num_stages=2)
+    swarm = make_swarm(num_stages=2, run=False)
     swarm.start_bootstrap()
     racing = [swarm.start_peer(0, "--lr", "0.001"), swarm.start_peer(1, "--lr", "0.002")]
     outcome = {}
@@ -185,6 +191,16 @@ def test_bad_specs_and_data_get_one_line_and_nothing_written(make_swarm, tmp_pat
     missing = swarm_cli("run", "create", "--out", str(tmp_path / "r2"), "--model", "nonexistent")
     assert missing.returncode == 2 and "unknown model 'nonexistent'" in missing.stderr
     assert not (tmp_path / "r2").exists()
+    for text, words in (
+        ('model = "nonexistent"', "unknown model 'nonexistent'"),
+        ('model_dir = "/nope"', "no such folder"),
+    ):
+        spec_file = tmp_path / "missing.toml"
+        spec_file.write_text(f"[source]\n{text}\n")
+        result = swarm_cli("run", "create", "--out", str(tmp_path / "r3"), "--spec", str(spec_file))
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert len([line for line in result.stderr.splitlines() if "error:" in line]) == 1
+        assert not (tmp_path / "r3").exists()
 
     swarm = make_swarm(num_stages=2)
     swarm.start_bootstrap()
@@ -194,8 +210,16 @@ def test_bad_specs_and_data_get_one_line_and_nothing_written(make_swarm, tmp_pat
     signed = json.loads((run / "spec.json").read_text())
     signed["payload"] = signed["payload"].replace('"lr":0.001', '"lr":0.5')
     (run / "spec.json").write_text(json.dumps(signed))
-    forged = swarm.start_volunteer("--run", str(run), name="peer-v-forged")
+    forged = swarm.start_volunteer("--run", str(run), "--checkpoint-dir", str(tmp_path / "kept"), name="peer-v-forged")
     one_line_refusal(forged, "not signed by the owner")
+    assert not (tmp_path / "kept").exists()  # nothing written
+    # ... nor does its owner publish a version of it: one line, and spec.json is left as it was
+    kept = (run / "spec.json").read_text()
+    update = swarm_cli("run", "update", "--run-dir", str(run), "--from-step", "5", "--lr", "0.01",
+                       "--initial-peers", *swarm.initial_peers)  # fmt: skip
+    assert update.returncode == 2 and "not signed by the owner" in update.stderr, update.stderr
+    assert len([line for line in update.stderr.splitlines() if "error:" in line]) == 1
+    assert (run / "spec.json").read_text() == kept
     # a run whose model is a Hugging Face folder: a peer without it is refused in one line
     folder = tmp_path / "gpt2-folder"
     make_hf_folder(folder, "gpt2")
@@ -226,7 +250,10 @@ def test_a_trainer_checks_its_datas_tokenizer_against_the_spec(make_swarm, tmp_p
     assert created.returncode == 0 and f"vocabulary {vocab.pop()}" in created.stdout, created.stdout + created.stderr
     peers = [swarm.start_volunteer("--stage", "0"), swarm.start_volunteer("--stage", "1")]
     swarm.wait_online(peers)
-    report = train(swarm, tmp_path, "right", "--steps", "1", "--data", str(tmp_path / "a"))
+    owners = ("--run", str(run))
+    report = train(swarm, tmp_path, "right", "--steps", "1", "--data", str(tmp_path / "a"), *owners, named=False)
     assert report["steps"] == 1
-    wrong = swarm.start_trainer(*TRAIN, "--steps", "1", "--data", str(tmp_path / "b"), name="wrong", named=False)
+    wrong = swarm.start_trainer(
+        *TRAIN, "--steps", "1", "--data", str(tmp_path / "b"), *owners, name="wrong", named=False
+    )
     one_line_refusal(wrong, "tokenized with another tokenizer", "swarm data prepare --tokenizer")
