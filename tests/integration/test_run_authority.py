@@ -148,8 +148,9 @@ async def _join_averaging(p2p, peer_id: str):
 def test_a_private_run_refuses_an_outsider_every_call_that_touches_the_weights(make_swarm, tmp_path, swarm_cli):
     run = Run(tmp_path, private=True)
     # direct routing's hops in pieces (--hop-piece-kb 4: the targets on a stream of their own); a
-    # piece's stream carries no credential, and the call that takes it is authorized
-    swarm = make_swarm(num_stages=2, peer_args=["--hop-piece-kb", "4"])
+    # piece's stream carries no credential, and the call that takes it is authorized. Pieces exist on
+    # p2pd only (a data plane hop is one call), so the peers keep to p2pd here.
+    swarm = make_swarm(num_stages=2, peer_args=["--hop-piece-kb", "4", "--no-data-plane"])
     swarm.start_bootstrap()
     first = swarm.start_peer(0, *run.args("first", "peer", stage=0))
     last = swarm.start_peer(1, *run.args("last", "peer", stage=1))
