@@ -262,7 +262,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64, 256, 1536], help="microbatch sizes")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS), help="none: only --path rows")
     parser.add_argument("--path", action="append", default=[], help="another row: NAME=TRAINER ARGS")
     parser.add_argument("--samples", type=int, default=2048, help="timed samples per size (4 to 20 steps)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -273,6 +273,8 @@ def main() -> int:
     args = parser.parse_args()
 
     paths = parse_paths(args.paths, args.path)
+    if not paths:
+        raise SystemExit("no rows: give --paths or --path")
     config = get_model_config(args.model)
     hop_bytes = config.seq_len * boundary_width(config) * 4  # per sample, float32 on the wire
     load_before = os.getloadavg()
