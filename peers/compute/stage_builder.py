@@ -192,6 +192,7 @@ class StageBuilder:
                 members=members,
                 **matchmaking,
                 robust=replicas.robust_averaging,
+                named_groups=replicas.averaging_groups == "trainer",
             )
         elif replicas.averaging == "outer":
             averaging = OuterAveraging(

@@ -573,8 +573,12 @@ class ParameterAveraging(ReplicaAveraging):
         on_round: Callable[[AveragingRound], None] | None = None,
         members: Collection[str] | None = None,
         robust: str = "clip",
+        named_groups: bool = False,
     ):
+        """`named_groups`: by steps, a round's group is the replicas the trainer's commit names (no
+        matchmaking, so no member the trainer did not commit to can join or break it); False: matchmaking."""
         self.runtime, self.rounds_schedule = runtime, schedule
+        self.named_groups = named_groups
         self.outer = OuterOptimizer(outer) if outer is not None else None
         if schedule.by_steps:
             runtime.auto_step = False  # one local step per trainer commit, so replicas count steps together
@@ -602,11 +606,12 @@ class ParameterAveraging(ReplicaAveraging):
         only commits change the step count in this mode)."""
         return self.rounds_schedule.due_after_step(self.runtime.steps_done + 1)
 
-    def commit(self, step_id: str, group_size: int) -> AveragingOutcome:
+    def commit(self, step_id: str, group_size: int, replicas: Collection[str] | None = None) -> AveragingOutcome:
         """By steps: take the local step on what this replica accumulated during the trainer's step,
         then, after every K-th step, average parameters with the other replicas (`group_size` of
         them, this one included). A repeated commit (a trainer retry) steps only once. A replica
-        that saw no sample of the step still counts it, so its step count stays aligned."""
+        that saw no sample of the step still counts it, so its step count stays aligned.
+        `replicas`: the group the commit names (this one among them), equal weights, no matchmaking."""
         if not self._first_commit_of(step_id):
             return AveragingOutcome(False, 1, 0, stepped=False)
         samples = self.runtime.samples_accumulated
@@ -616,12 +621,23 @@ class ParameterAveraging(ReplicaAveraging):
             self.runtime.count_empty_step()
         if not self.rounds_schedule.due_after_step(self.runtime.steps_done) or group_size < 2:
             return AveragingOutcome(False, 1, samples, stepped=True)
+        named = self.named_group(replicas)
         self._copy_parameters_in()
-        gathered = self._all_reduce(group_size, weight=1.0)
+        gathered = self._all_reduce(len(named[1]) if named else group_size, weight=1.0, named=named)
         outer_stepped = self._after_round(gathered)
         return AveragingOutcome(
             gathered is not None, len(gathered) if gathered else 1, samples, stepped=True, outer_stepped=outer_stepped
         )
+
+    def named_group(self, replicas: Collection[str] | None) -> tuple[bytes, dict] | None:
+        """The round's group as a commit names it: keyed by the step count (the same on every replica
+        at its K-th step, whichever trainer's commit that was), each member weighing 1; None
+        (matchmaking) without names, with `named_groups` off, or a list without this replica."""
+        if not self.named_groups or not replicas or len(replicas) < 2:
+            return None
+        if self.averager.peer_id.to_base58() not in replicas:
+            return None
+        return named_group_id(f"periodic:{self.runtime.steps_done}", replicas), {p: 1.0 for p in replicas}
 
     def schedule(self, group_size: int, scheduled_time: float) -> StepControl | None:
         """By time: look for the other replicas in the background; the compute thread goes on

@@ -123,7 +123,7 @@ class ReplicaSyncService:
                 return unary_response(self._caught_up(serving.averaging))
             if self.members is not None:  # a replica that joined since the last refresh is let in now
                 await self.members.refresh_if_short(commit.group_size)
-            elif commit.samples and getattr(averaging, "named_groups", False):
+            elif commit.samples and getattr(averaging, "named_groups", False) and not by_time(averaging):
                 await self.check_named_group(commit)  # without a member list: only live replicas
             if self.follower is not None and commit.spec_version:
                 # the step follows the spec version the trainer names, so its replicas step on one schedule
@@ -174,7 +174,8 @@ class ReplicaSyncService:
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
                 group_size = await self.periodic_group_size() if averaging.round_due_after_next_step() else 1
-                outcome = await loop.run_in_executor(self.compute, averaging.commit, commit.step_id, group_size)
+                named = list(commit.samples) if commit.samples else None  # the group the trainer committed to
+                outcome = await loop.run_in_executor(self.compute, averaging.commit, commit.step_id, group_size, named)
                 if outcome.averaged:
                     self._print_round(outcome)
             else:  # no averaging, or periodic by time: replicas step on their own, nothing to do
@@ -458,12 +459,13 @@ class ReplicaSyncService:
         naming 4,095 made-up peers held this replica's compute thread for the round's whole timeout
         (30 s, issue #60); with a run authority the member list refuses such a group at once."""
         named = set(commit.samples) - {self.peer_id}
-        unknown = named - await self.sync_replicas()
+        modes = (getattr(self.serving.averaging, "mode", "sync"),)  # sync, or periodic (its groups by steps)
+        unknown = named - await self.sync_replicas(modes=modes)
         if unknown:
-            unknown -= await self.sync_replicas(max_age_s=0.0)
+            unknown -= await self.sync_replicas(max_age_s=0.0, modes=modes)
         if unknown:
             raise ProtocolError(
-                f"the commit names {len(unknown)} peer(s) that are no sync replica of stage "
+                f"the commit names {len(unknown)} peer(s) that are no {modes[0]} replica of stage "
                 f"{self.serving.runtime.stage} ({', '.join(sorted(p[-8:] for p in unknown)[:4])})"
             )
 
@@ -512,6 +514,11 @@ class ReplicaSyncService:
                 else:
                     averaging.abandon(control)
             await asyncio.sleep(1.0)
+
+
+def by_time(averaging) -> bool:
+    """Periodic averaging on a clock: its rounds follow no commit (nor the group one names)."""
+    return isinstance(averaging, ParameterAveraging) and not averaging.rounds_schedule.by_steps
 
 
 def with_rendezvous(averaging, rendezvous: str | None, call):

@@ -528,10 +528,11 @@ class StepSchedule:
                     group_size=len(group),
                     timeout_s=timeout_s,
                     # a flush's own round (a failed last one, again) is weighed by what each replica holds
-                    # (outer rounds: the round's members, each replica's samples beside it)
+                    # (outer rounds: the round's members, each replica's samples beside it; periodic: the
+                    # members of a round that follows the step, which then needs no matchmaking)
                     samples=(
                         {p: served.get(stage, {}).get(p, 0) for p in group}
-                        if mode in ("sync", "outer") and not flush
+                        if mode in ("sync", "outer", "periodic") and not flush
                         else None
                     ),
                     flush=flush,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import types
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from peers.replicas.averaging import (
     shaped_like,
     wire_bytes_per_value,
 )
-from peers.replicas.averaging_members import part_size_for_group
+from peers.replicas.averaging_members import named_group_id, part_size_for_group
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.delayed_sync import DelayedGradientSync
 
@@ -140,6 +141,7 @@ class _ControlledPeriodic(ParameterAveraging):
     def __init__(self, runtime: StageRuntime, every_steps: int, round_result):
         self.runtime, self.rounds_schedule, self.outer = runtime, AveragingSchedule(every_steps=every_steps), None
         self.committed, self.round_result, self.rounds_tried = set(), round_result, []
+        self.named_groups, self.named = False, []
         runtime.auto_step = False
         self.averager = self  # get_tensors() below stands in for the averager's lock
         self.buffers = [torch.zeros_like(p) for p in runtime.params]
@@ -150,6 +152,7 @@ class _ControlledPeriodic(ParameterAveraging):
 
     def _all_reduce(self, group_size: int, weight: float, named=None):
         self.rounds_tried.append((self.runtime.steps_done, group_size))
+        self.named.append(named)
         return self.round_result()
 
 
@@ -162,6 +165,26 @@ def test_periodic_by_steps_steps_on_every_commit_and_averages_after_every_kth():
     assert second.stepped and second.samples == 0 and runtime.steps_done == 2
     assert second.averaged and averaging.rounds_tried == [(2, 2)]
     assert averaging.commit("run:1", group_size=2).stepped is False and runtime.steps_done == 2  # a retry
+
+
+def test_periodic_by_steps_averages_in_the_group_the_commit_names():
+    """Issue #60: a member the trainer never committed to (a credentialed averager joining the
+    stage's matchmaking) broke every round, each held to its timeout while the trainer waited. By
+    steps, the round's group is the replicas the commit names: no matchmaking, equal weights, one
+    group id for the K-th step on every replica (whichever trainer's commit it was)."""
+    runtime = _runtime_with_gradients()
+    averaging = _ControlledPeriodic(runtime, every_steps=1, round_result=lambda: {"me": 1.0, "b": 1.0, "c": 1.0})
+    averaging.named_groups, averaging.peer_id = True, types.SimpleNamespace(to_base58=lambda: "me")
+    averaging.commit("run:0", group_size=5, replicas=["me", "b", "c"])
+    group_id, weights = averaging.named[0]
+    assert weights == {"me": 1.0, "b": 1.0, "c": 1.0} and averaging.rounds_tried == [(1, 3)]  # not the 5 it saw
+    assert group_id == named_group_id("periodic:1", ["c", "b", "me"])
+    averaging.commit("run:1", group_size=2, replicas=["b", "c"])  # a list without this replica: matchmaking
+    averaging.commit("run:2", group_size=2, replicas=None)  # a commit that names nobody: matchmaking
+    assert averaging.named[1:] == [None, None]
+    averaging.named_groups = False  # --averaging-groups matchmaking
+    averaging.commit("run:3", group_size=3, replicas=["me", "b", "c"])
+    assert averaging.named[3] is None
 
 
 def test_a_failed_periodic_round_keeps_the_local_step_and_a_lone_replica_does_not_try():
