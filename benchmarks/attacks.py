@@ -45,6 +45,7 @@ Attacks (issue #60):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -318,12 +319,21 @@ def main() -> int:
     parser.add_argument("--pause-s", type=float, default=0.2, help="attack clients' pause between rounds")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     parser.add_argument("--out", default="benchmarks/out/attacks.json")
+    parser.add_argument(
+        "--keep-logs", metavar="DIR", help="run in DIR and keep every run's logs (default: a temporary folder)"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     configs = {ATTACKS[a].config for a in args.attacks}
     names = [BASELINES[c] for c in BASELINES if c in configs] + args.attacks
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="swarm-attacks-") as root:
+    if args.keep_logs:
+        os.makedirs(args.keep_logs, exist_ok=True)
+    with (
+        contextlib.nullcontext(args.keep_logs)
+        if args.keep_logs
+        else tempfile.TemporaryDirectory(prefix="swarm-attacks-") as root
+    ):
         for name in names:
             try:
                 run = one_run(name, args, os.path.join(root, name))
