@@ -459,7 +459,7 @@ class ReplicaSyncService:
         naming 4,095 made-up peers held this replica's compute thread for the round's whole timeout
         (30 s, issue #60); with a run authority the member list refuses such a group at once."""
         named = set(commit.samples) - {self.peer_id}
-        modes = (getattr(self.serving.averaging, "mode", "sync"),)  # sync, or periodic (its groups by steps)
+        modes = (getattr(getattr(self.serving, "averaging", None), "mode", "sync"),)  # sync, or periodic by steps
         unknown = named - await self.sync_replicas(modes=modes)
         if unknown:
             unknown -= await self.sync_replicas(max_age_s=0.0, modes=modes)
