@@ -120,6 +120,22 @@ def _groups(cls: type) -> list[tuple[str, str, type]]:
     return found
 
 
+def details_pages() -> dict[str, str]:
+    """`--flag` -> the page (relative to reference/) whose "Options in detail" gives its whole text,
+    where `--help` gives one sentence."""
+    found = {}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        text = page.read_text()
+        if "\n## Options in detail\n" not in text:
+            continue
+        section = text.split("\n## Options in detail\n", 1)[1].split("\n## ", 1)[0]
+        link = "../" + page.relative_to(ROOT / "docs").as_posix() + "#options-in-detail"
+        for line in section.splitlines():
+            if line.startswith("- `--"):
+                found[line[3:].split("`", 1)[0]] = link
+    return found
+
+
 def command_page(words: tuple[str, ...], sub: argparse.ArgumentParser, summary: str, cls: type) -> str:
     """The markdown page of one command."""
     from process.config import _section_class, options
@@ -144,6 +160,7 @@ def command_page(words: tuple[str, ...], sub: argparse.ArgumentParser, summary: 
         lines += [f"| `{a.metavar or a.dest}` | {_cell(a.help or '')} |" for a in positionals]
         lines.append("")
     hints_cache: dict[type, dict] = {}
+    details = details_pages()
     for name, section_help, section_cls in _groups(cls):
         hints = hints_cache.setdefault(section_cls, typing.get_type_hints(section_cls))
         rows = []
@@ -157,6 +174,7 @@ def command_page(words: tuple[str, ...], sub: argparse.ArgumentParser, summary: 
             env = "SWARM_" + field.name.upper()
             shown = f"`{flag}`" + (f" / `--no-{flag[2:]}`" if f"--no-{flag[2:]}" in actions else "")
             hidden = " *(not in `--help`)*" if action.help == argparse.SUPPRESS else ""
+            hidden += f" [In full]({details[flag]})." if flag in details else ""
             rows.append(
                 f"| {shown} | `{env}` | {_type_text(hints[field.name], field)} | {_default_text(field)} | "
                 f"{_cell(field.metadata.get('help', ''))}{hidden} |"

@@ -52,3 +52,13 @@ def test_a_command_or_flag_the_reference_does_not_describe_fails_the_build(hook,
     monkeypatch.setitem(hook.COMMANDS, ("peer",), "swarm.trainer.config:TrainerConfig")
     with pytest.raises(hook.ReferenceError, match=r"`swarm peer`'s flags differ from TrainerConfig's options"):
         hook.reference_pages()
+
+
+def test_an_option_whose_whole_text_is_on_a_page_links_to_it(hook):
+    """`--help` gives one sentence; a concept or guide page's "Options in detail" the whole text, and
+    the reference row of that flag links there."""
+    details = hook.details_pages()
+    assert "--averaging" in details and details["--averaging"].endswith("concepts/replicas.md#options-in-detail")
+    peer = hook.reference_pages()["reference/peer.md"]
+    row = next(line for line in peer.splitlines() if line.startswith("| `--averaging` |"))
+    assert "[In full](../concepts/replicas.md#options-in-detail)" in row
