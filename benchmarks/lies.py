@@ -21,6 +21,8 @@ same seed and measures the validation loss after the last step.
   banned, the calls it answered before it was (its `contributions`: after the ban none goes to
   it), the checks that took, the validation loss against the clean run's (goal: within 2%),
   microbatches lost.
+- `--pair`: the last stage is the `last-scale` liar and one honest replica: two answers that differ
+  ban nobody; per row the disputes reported, the calls the liar answered, the loss against clean.
 - lies inside the bound (`--inside`): a third replica of the last stage that lies by `--inside-share`
   (0.8) of the tolerance its answers are held to, so that no check catches it: `scale` (every
   answer times 1 + that), `bias` (plus one fixed direction of that size: a lie that adds up), and
@@ -60,6 +62,8 @@ MODES = {
     **{f"first-{kind}": (0, kind, "all") for kind in KINDS},
     "backward": (0, "scale", "backward"),
 }
+# a last stage of the liar and one honest replica: every mismatch a dispute, nobody to settle it
+PAIR = "pair-last-scale"
 INSIDE = ("scale", "bias", "bf16-bias")
 GOAL_LOSS_REL = 0.02
 SEED = "3"
@@ -107,6 +111,8 @@ def train(
         "verify_mismatches": report.get("verify_mismatches"),
         "verify_calls": report.get("verify_calls"),
         "verify_records_missing": report.get("verify_records_missing"),
+        "verify_disputes": report.get("verify_disputes"),
+        "verify_disputes_unresolved": report.get("verify_disputes_unresolved"),
         "verify_largest_agreeing_difference": report.get("verify_largest_agreeing_difference"),
         "banned_peers": report.get("banned_peers", {}),
         "contributions": report.get("contributions", {}),
@@ -114,10 +120,10 @@ def train(
     }
 
 
-def honest_swarm(local: LocalSwarm, last_args: tuple[str, ...] = ()) -> list[ManagedProcess]:
+def honest_swarm(local: LocalSwarm, last_args: tuple[str, ...] = (), last_replicas: int = 2) -> list[ManagedProcess]:
     local.start_bootstrap()
     peers = [local.start_peer(0, name="peer-s0-a"), local.start_peer(0, name="peer-s0-b")]
-    peers += [local.start_peer(1, *last_args, name="peer-s1-a"), local.start_peer(1, *last_args, name="peer-s1-b")]
+    peers += [local.start_peer(1, *last_args, name=f"peer-s1-{'ab'[i]}") for i in range(last_replicas)]
     return peers
 
 
@@ -138,13 +144,20 @@ def clean_runs(args, root: str) -> list[dict]:
 
 
 def liar_run(
-    name: str, args, root: str, stage: int, liar_args: list[str], fraction: float, last_args: tuple[str, ...] = ()
+    name: str,
+    args,
+    root: str,
+    stage: int,
+    liar_args: list[str],
+    fraction: float,
+    last_args: tuple[str, ...] = (),
+    last_replicas: int = 2,
 ) -> dict:
     """A fresh swarm with one liar (`liar_args`) beside the honest replicas of `stage`, one trainer."""
     workdir = os.path.join(root, f"{name}-{args.routing}")
     os.makedirs(workdir)
     with LocalSwarm(workdir=workdir, model="tiny", num_stages=2, peer_args=PEER_ARGS) as local:
-        honest = honest_swarm(local, last_args)
+        honest = honest_swarm(local, last_args, last_replicas)
         own = last_args if stage == 1 else ()
         liar = local.start_peer(stage, *own, *liar_args, name=f"peer-s{stage}-liar")
         local.wait_online([*honest, liar], timeout_s=300)
@@ -171,6 +184,12 @@ def lying_run(mode: str, args, root: str) -> dict:
     return {"mode": mode, **liar_run(mode, args, root, stage, liar_args, args.detect_fraction)}
 
 
+def pair_run(name: str, args, root: str) -> dict:
+    """The liar of `last-scale` beside one honest replica of the last stage: disputes, no ban."""
+    liar_args = fault_args(garbage="scale", garbage_rate=1.0, garbage_size=0.05)
+    return {"pair": name, **liar_run(name, args, root, 1, liar_args, args.detect_fraction, last_replicas=1)}
+
+
 def inside_run(kind: str, args, root: str) -> dict:
     """A liar of the last stage lying by `--inside-share` of its tolerance: never caught."""
     bf16 = kind.startswith("bf16-")
@@ -195,11 +214,17 @@ def judge(runs: list[dict]) -> None:
         if run["run"].startswith("cost") and cost_base is not None and cost_base["finished"] and run is not cost_base:
             run["tokens_ratio"] = round(run["tokens_per_s"] / cost_base["tokens_per_s"], 3)
             run["median_step_ratio"] = round(run["median_step_tokens_per_s"] / cost_base["median_step_tokens_per_s"], 3)
-        if ("mode" in run or "inside" in run) and clean["final_eval_loss"] and run["final_eval_loss"] is not None:
+        if (
+            ("mode" in run or "inside" in run or "pair" in run)
+            and clean["final_eval_loss"]
+            and run["final_eval_loss"] is not None
+        ):
             rel = (run["final_eval_loss"] - clean["final_eval_loss"]) / clean["final_eval_loss"]
             run["eval_loss_rel_diff"] = round(rel, 4)
             if "mode" in run:
                 run["meets_goal"] = bool(run["liar_banned"] and abs(rel) <= GOAL_LOSS_REL and not run["honest_banned"])
+            elif "pair" in run:  # two answers apart ban nobody: each is a dispute, reported
+                run["meets_goal"] = not run["banned_peers"] and bool(run["verify_disputes"])
             else:  # a lie inside the bound: nobody banned; its effect on the loss is the figure
                 run["meets_goal"] = not run["banned_peers"]
 
@@ -208,6 +233,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--inside", nargs="*", default=list(INSIDE), choices=INSIDE)
+    parser.add_argument("--pair", action="store_true", help=f"also the {PAIR} row (a liar and one honest replica)")
     parser.add_argument("--inside-share", type=float, default=0.8, help="of the tolerance, the inside lies' size")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-batches", type=int, default=2)
@@ -225,6 +251,7 @@ def main() -> int:
             args.routing = routing
             group = clean_runs(args, root)
             rows = [(lying_run, mode, "mode") for mode in args.modes] + [(inside_run, k, "inside") for k in args.inside]
+            rows += [(pair_run, PAIR, "pair")] if args.pair else []
             for run_row, name, key in rows:
                 try:
                     group.append(run_row(name, args, root))
