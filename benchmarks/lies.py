@@ -2,38 +2,24 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/lies.py --steps 6 --out benchmarks/out/lies.json
 
-`--routing hub direct` runs every row under each routing in turn (direct: the microbatch goes peer to
-peer, and a check asks the checked replica's neighbours what crossed its hops, after the chain
-answered: peers/serving/hop_records.py).
+Every row is a fresh `tiny` swarm on loopback with main's defaults (sync averaging), two honest
+replicas of each stage, a trainer of `--steps` steps of 8 samples (microbatches of 2, one seed) and
+the validation loss after the last step; `--routing hub direct` runs every row under each routing.
+- clean: no liar, `--verify-fraction 0`: the baseline; then, on that swarm, throughput runs of
+  `--cost-steps` at each of `--cost-fractions` (default none: see benchmarks/verify_cost.py).
+- caught lies (`--modes`): a third replica lies on every answer (`garbage_size` 0.05, noise 0.03),
+  checked at `--detect-fraction`: `last-*` at the last stage (loss, input gradient, gradient
+  sample), `first-*` at stage 0, `backward` a stage-0 replica lying on its backwards alone. Per
+  row: banned or not, the calls the liar answered before its ban, its checks, the loss against the
+  clean run's (goal: within 2%), microbatches lost.
+- `--pair`: the `last-scale` liar beside ONE honest replica: disputes reported, nobody banned.
+- lies inside the bound (`--inside`): a last-stage liar at `--inside-share` (0.8) of its tolerance:
+  `scale`, `bias` (one fixed direction: a lie that adds up), `bf16-bias` (the stage in bf16, the
+  bias sized by the bf16 bound): its effect on the loss, with nobody banned.
 
-Every swarm is a fresh `tiny` one on loopback with main's defaults (sync averaging): two honest
-replicas of each stage; the trainer trains `--steps` steps of 8 samples (microbatches of 2) with the
-same seed and measures the validation loss after the last step.
-
-- clean: no liar, `--verify-fraction 0`: the baseline of validation loss. Then, on the same swarm
-  (its weights trained on further: throughput only), trainers of `--cost-steps` steps at each of
-  `--cost-fractions` (default none: benchmarks/verify_cost.py measures the cost on a bigger swarm).
-- caught lies (`--modes`): a third replica lies on every answer, at `--faults garbage_size=0.05`
-  (noise 0.03), and a trainer checks at `--detect-fraction` (default 0.2). `last-*` rows: the liar
-  serves the last stage (its fused call: loss, input gradient, gradient sample); `first-*` rows: it
-  serves stage 0 (its forwards and backwards); `backward`: a stage-0 replica that lies on its
-  backward calls alone (its gradient sample and what it adds). Per row: whether the liar was
-  banned, the calls it answered before it was (its `contributions`: after the ban none goes to
-  it), the checks that took, the validation loss against the clean run's (goal: within 2%),
-  microbatches lost.
-- `--pair`: the last stage is the `last-scale` liar and one honest replica: two answers that differ
-  ban nobody; per row the disputes reported, the calls the liar answered, the loss against clean.
-- lies inside the bound (`--inside`): a third replica of the last stage that lies by `--inside-share`
-  (0.8) of the tolerance its answers are held to, so that no check catches it: `scale` (every
-  answer times 1 + that), `bias` (plus one fixed direction of that size: a lie that adds up), and
-  `bf16-bias` (every replica of the last stage in bf16, the liar's bias sized by the bf16 bound).
-  What it did to the validation loss (vs clean, same steps) and that nobody was banned: what a liar
-  staying just inside the bound can do.
-
-What the figures do not show: a few steps of a tiny model on a busy shared machine (the load is
-recorded); one seed; each row its own swarm, whose start differs in timing, not in weights (every
-replica starts from the same seeded weights); inside-bound lies over a longer run (more steps give
-a consistent bias more time).
+Not shown: a few steps of a tiny model on a busy shared machine (the load is recorded); one seed;
+each row its own swarm (its start differs in timing, not in weights); inside-bound lies over a
+longer run (more steps give a consistent bias more time).
 """
 
 from __future__ import annotations
