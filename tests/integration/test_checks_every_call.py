@@ -83,9 +83,9 @@ def test_liars_at_the_last_stage_and_a_lying_backward_at_stage_0_are_banned_and_
             kind,
             reason,
         )
-        assert (
-            report["contributions"][liar]["mismatches"] >= 1 and report["contributions"][liar]["samples_verified"] == 0
-        )
+        counts = report["contributions"][liar]
+        # the backward liar answers its forwards honestly: a check of one finds its samples right
+        assert counts["mismatches"] >= 1 and (kind == "backward" or counts["samples_verified"] == 0), (kind, counts)
     for process in honest:
         counts = report["contributions"][peer_id(process)]
         assert counts["banned"] is None and counts["mismatches"] == 0, counts
