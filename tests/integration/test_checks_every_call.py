@@ -79,13 +79,13 @@ def test_liars_at_the_last_stage_and_a_lying_backward_at_stage_0_are_banned_and_
     assert set(report["banned_peers"]) == set(liar_ids.values()), (liar_ids, report["banned_peers"])
     for kind, liar in liar_ids.items():
         reason = report["banned_peers"][liar]
-        assert ("stage 0: its backward" if kind == "backward" else "stage 1: its last stage's") in reason, (
-            kind,
-            reason,
-        )
+        # The swarm serves both routings in turn: a liar the first trainer banned got no commits since,
+        # so its parameters lag and the second trainer may catch the backward liar on a forward.
+        assert ("stage 0: its" if kind == "backward" else "stage 1: its last stage's") in reason, (kind, reason)
         counts = report["contributions"][liar]
-        # the backward liar answers its forwards honestly: a check of one finds its samples right
-        assert counts["mismatches"] >= 1 and (kind == "backward" or counts["samples_verified"] == 0), (kind, counts)
+        # Checks can find some of a liar's samples right: the backward liar answers its forwards
+        # honestly, and a stale liar's frozen weights equal the training ones until the first step.
+        assert counts["mismatches"] >= 1, (kind, counts)
     for process in honest:
         counts = report["contributions"][peer_id(process)]
         assert counts["banned"] is None and counts["mismatches"] == 0, counts

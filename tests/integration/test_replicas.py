@@ -420,7 +420,7 @@ def test_periodic_replicas_are_equal_right_after_an_averaging_round(make_swarm, 
         swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "a")),
         swarm.start_peer(0, *periodic, "--checkpoint-dir", str(tmp_path / "b")),
     ]
-    last = swarm.start_peer(1)
+    last = swarm.start_peer(1, *periodic)  # the run's spec holds one averaging mode for every stage
     swarm.wait_online([*replicas, last])
     run_trainer(swarm, tmp_path, "--steps", "4", "--batch-size", "8", "--microbatch-size", "2")
     by_steps = "--averaging-every-steps" in schedule
@@ -497,8 +497,11 @@ def test_a_killed_peer_restarts_from_its_checkpoint(make_swarm, tmp_path):
     assert_same_params(saved, stage_params(tmp_path / "a", 0), atol=0)
 
 
-def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path, swarm_cli):
+def test_damaged_checkpoints_are_refused_with_a_clear_error(make_swarm, tmp_path, swarm_cli):
     from peers.compute.stage_runtime import StageRuntime
+
+    swarm = make_swarm(num_stages=2, run=False)  # a peer joins a running swarm: a bootstrap node to join
+    swarm.start_bootstrap()
 
     good = str(tmp_path / "good")
     StageRuntime(get_model_config("tiny"), 0, 2).save(good, "tiny")
@@ -509,7 +512,11 @@ def test_damaged_checkpoints_are_refused_with_a_clear_error(tmp_path, swarm_cli)
         ckpt.mkdir()
         with open(checkpoint_path(str(ckpt), "tiny", 0, 2), "wb") as f:
             f.write(damaged)
-        run = swarm_cli("peer", "--model", "tiny", "--stage", "0", "--checkpoint-dir", str(ckpt), timeout=120)
+        run = swarm_cli(
+            *("peer", "--initial-peers", *swarm.initial_peers, "--model", "tiny", "--num-stages", "2"),
+            *("--stage", "0", "--checkpoint-dir", str(ckpt)),
+            timeout=120,
+        )
         assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
         assert re.search(r"corrupted or truncated|not a swarm checkpoint", run.stderr), run.stderr
 
