@@ -42,7 +42,7 @@ from dht.authority import (
 from dht.node import NetworkConfig, start_dht
 from dht.record_policy import MAX_SPEC_TTL_S
 from dht.run_specs import SpecError, announce_spec, sign_spec
-from dht.signing import IdentityError, load_identity
+from dht.signing import IdentityError, load_identity, new_identity_file
 from models.subspace_options import SubspaceSettings
 from peers.compute.stage_runtime import OptimizerSettings
 from peers.config import PeerConfig, ReplicaSettings
@@ -190,7 +190,9 @@ class RunIssueConfig:
     )
     peer_id: str | None = option(None, help="the holder's peer id (it prints it at start-up)")
     holder_identity: str | None = option(
-        None, help="instead of --peer-id: the holder's identity file (--identity-path), whose peer id is read"
+        None,
+        help="instead of --peer-id: the holder's identity file (its --identity-path), whose peer id is read; "
+        "made if it does not exist yet",
     )
     stage: int | None = option(None, help="peer credentials: the only stage it may average and download (default: any)")
     expires: str = option("7d", help="how long the credential is valid: e.g. 90s, 30m, 12h, 7d")
@@ -391,9 +393,19 @@ def run_issue(config: RunIssueConfig) -> int:
     peer_id = config.peer_id
     if config.holder_identity is not None:
         try:
-            peer_id = load_identity(config.holder_identity).peer_id
+            if os.path.exists(config.holder_identity):
+                peer_id = load_identity(config.holder_identity).peer_id
+            else:
+                peer_id = new_identity_file(config.holder_identity).peer_id
+                print(
+                    f"made the identity file {config.holder_identity} (peer {peer_id}): give it to its holder "
+                    "with the credential, as its --identity-path",
+                    flush=True,
+                )
         except IdentityError as e:
             raise RunFileError(str(e)) from None
+        except OSError as e:
+            raise RunFileError(f"cannot write the identity file {config.holder_identity!r}: {e.strerror}") from None
     try:
         signed = issue(
             owner_key,

@@ -28,6 +28,7 @@ from dht.records import PeerRecord, PeerState
 from dht.signing import load_identity, new_identity_file
 from peers.replicas.averaging_members import capped_weight, credentialed_members, declared_weights, median_weight
 from peers.serving.admission import AdmissionGuard, NotAuthorizedError
+from swarm.run_authority import RunIssueConfig, run_issue
 from wire.request_limits import PenaltyBox
 
 
@@ -230,3 +231,19 @@ def test_the_owners_own_process_issues_itself_a_credential_and_a_stranger_gets_n
     (tmp_path / "public" / "run.json").write_text((root / "open" / "run.json").read_text())
     stranger = load_run_access(RunAccessConfig(run=str(tmp_path / "public" / "run.json")), peer_id=ids["mallory"])
     assert stranger.credential is None and stranger.held is None
+
+
+def test_run_issue_makes_the_holders_identity_file_when_there_is_none(tmp_path, capsys):
+    """Issue #57: `swarm run issue --holder-identity peer.key` needed a key that no command made."""
+    create_run(str(tmp_path / "run"), private=False)
+    key, out = tmp_path / "peer0.key", tmp_path / "peer0.cred"
+    config = RunIssueConfig(run_dir=str(tmp_path / "run"), role="peer", holder_identity=str(key), out=str(out))
+    assert run_issue(config) == 0
+    made = load_identity(str(key)).peer_id
+    assert f"made the identity file {key} (peer {made})" in capsys.readouterr().out
+    authority = RunAuthority(load_run(str(tmp_path / "run")))
+    assert authority.verify(read_credential(str(out)), peer_id=made, roles=("peer",)) is not None
+    # a second credential for the same holder reads the file it made, never replaces it
+    again = RunIssueConfig(run_dir=str(tmp_path / "run"), role="peer", holder_identity=str(key), out=str(out) + "2")
+    assert run_issue(again) == 0 and load_identity(str(key)).peer_id == made
+    assert "made the identity file" not in capsys.readouterr().out
