@@ -243,7 +243,7 @@ class ReplicaSyncService:
                 raise ProtocolError(
                     f"this peer serves {self.model} stage {serving.runtime.stage}/{serving.runtime.num_stages}"
                 )
-            refusal = self.state_exports.refusal(caller_id(context))
+            refusal = self.state_exports.refusal(caller_id(context), offer=wanted.digest_only)
             if refusal is not None:
                 raise ProtocolError(refusal)
             data, steps_done, digest = await self.state_exports.export(serving.runtime, self.model, self.compute)

@@ -143,17 +143,22 @@ class StateExports:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.requests = PenaltyBox(burst=burst, refill_per_s=refill_per_s, clock=clock)
+        # a digest-only offer (donor choice) has a budget of its own: a joiner's offer and its download
+        # then spend one token each, and a standby refreshing every interval keeps up
+        self.offers = PenaltyBox(burst=burst, refill_per_s=refill_per_s, clock=clock)
         self.max_age_s, self._clock = max_age_s, clock
         self._cached: tuple[tuple, float, bytes, str] | None = None  # (runtime, stage, steps), made at, bytes, digest
         self._exporting: asyncio.Future | None = None
         self.exports = 0  # serializations made (the others reused one)
 
-    def refusal(self, caller: str) -> str | None:
-        """Why `caller` may not have the state now (its request is counted either way), or None."""
-        if not self.requests.allows(caller):
-            wait_s = self.requests.seconds_until_allowed(caller)
+    def refusal(self, caller: str, *, offer: bool = False) -> str | None:
+        """Why `caller` may not have the state (or, `offer`, its digest) now (its request is counted
+        either way), or None."""
+        box = self.offers if offer else self.requests
+        if not box.allows(caller):
+            wait_s = box.seconds_until_allowed(caller)
             return f"too many state requests from {caller[-8:]}; ask again in {wait_s:.0f} s"
-        self.requests.penalize(caller)  # every request spends a token
+        box.penalize(caller)  # every request spends a token
         return None
 
     def _fresh(self, key: tuple) -> tuple[bytes, int, str] | None:

@@ -74,7 +74,7 @@ async def refused_on_the_port(port: int, data: bytes) -> bytes:
 
 def test_strangers_are_refused_on_the_port_and_a_known_caller_meets_the_guard_and_the_bounds(make_swarm):
     config = get_model_config("tiny")
-    swarm = make_swarm(num_stages=2)
+    swarm = make_swarm(num_stages=2, run=False)  # the test's own client holds no credential of a run
     swarm.start_bootstrap()
     peer = swarm.start_peer(1, "--request-deadline-s", str(READ_DEADLINE_S), "--bad-request-burst", "4")
     swarm.wait_online([peer])

@@ -16,6 +16,14 @@ from models.stages import build_full_model
 from tests.integration.test_bad_input import assert_one_line_error
 
 
+@pytest.fixture(scope="module")
+def bootstrap(module_swarm) -> list[str]:
+    """The address of a bootstrap node: a peer joins a running swarm before it checks the rest."""
+    swarm = module_swarm(num_stages=2, run=False)
+    swarm.start_bootstrap()
+    return swarm.initial_peers
+
+
 @pytest.mark.parametrize(
     "args, fragments",
     [
@@ -32,14 +40,14 @@ from tests.integration.test_bad_input import assert_one_line_error
         (["peer", "--model", "tiny", "--stage", "0", "--num-layers", "many"], ["--num-layers 'many'"]),
     ],
 )
-def test_peers_refuse_what_cannot_work_in_one_line(swarm_cli, args, fragments):
-    assert_one_line_error(swarm_cli(*args), *fragments)
+def test_peers_refuse_what_cannot_work_in_one_line(swarm_cli, bootstrap, args, fragments):
+    assert_one_line_error(swarm_cli(*args, "--initial-peers", *bootstrap), *fragments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cuda_on_a_cpu_machine_is_refused(swarm_cli):
+def test_cuda_on_a_cpu_machine_is_refused(swarm_cli, bootstrap):
     assert_one_line_error(
-        swarm_cli("peer", "--model", "tiny", "--stage", "0", "--device", "cuda"),
+        swarm_cli("peer", "--model", "tiny", "--stage", "0", "--device", "cuda", "--initial-peers", *bootstrap),
         "torch sees no CUDA GPU",
         "--device cpu or auto",
     )

@@ -113,13 +113,18 @@ def test_a_swarm_served_from_a_folder_computes_transformers_loss(make_swarm, tmp
     assert "Traceback" not in trainer.log()
 
 
-def test_a_bad_folder_stops_a_peer_in_one_line(tmp_path, swarm_cli):
+def test_a_bad_folder_stops_a_peer_in_one_line(tmp_path, swarm_cli, make_swarm):
+    swarm = make_swarm(num_stages=2, run=False)  # a peer joins a running swarm before it reads the folder
+    swarm.start_bootstrap()
     (tmp_path / "empty").mkdir()
     bad = {"config.json": {"model_type": "bert", "hidden_size": 32}}
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps(bad["config.json"]))
-    for folder, expected in [("empty", "not a model folder"), ("bert", "model_type 'bert' is not supported")]:
-        result = swarm_cli("peer", "--model-dir", str(tmp_path / folder), "--stage", "0", timeout=120)
+    for folder, expected in [("empty", "has no model.safetensors"), ("bert", "model_type 'bert' is not supported")]:
+        result = swarm_cli(
+            *("peer", "--model-dir", str(tmp_path / folder), "--stage", "0", "--initial-peers", *swarm.initial_peers),
+            timeout=120,
+        )
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], result.stderr
