@@ -456,7 +456,10 @@ class FaultyStageRuntime:
         return self._garbled(answer), self._garbled(loss), lied
 
     def _garbled_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The parameter gradient a lying backward adds: each tensor garbled as an answer would be."""
+        """The parameter gradient a lying backward adds: each tensor garbled as an answer would be; a
+        wrong shape is the answer's alone (the accumulation keeps its shape), so that one adds honestly."""
+        if self._settings.fault_garbage == "shape":
+            return grads
         return [self._garbled(grad) for grad in grads]
 
     def _stale(self, inputs, targets=None, grad_outputs=None, *, grad: bool = False, tokens=None):

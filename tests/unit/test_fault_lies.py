@@ -50,6 +50,25 @@ def test_scale_multiplies_the_outputs_by_one_plus_size():
     assert torch.allclose(lie, expected * 1.1, rtol=1e-5, atol=1e-6)
 
 
+def test_a_wrong_shape_is_in_the_answer_alone_and_the_liar_still_trains():
+    """garbage=shape on a backward: the input gradient comes one value short, the step it takes is
+    an honest one (a parameter gradient cannot change shape in the accumulation)."""
+    optimizer = OptimizerSettings(target_batch_size=2 * BATCH, optimizer="sgd", lr=0.5)
+    honest = StageRuntime(CONFIG, 1, 3, optimizer=optimizer)
+    liar = FaultyStageRuntime(StageRuntime(CONFIG, 1, 3, optimizer=optimizer), FaultSettings(fault_garbage="shape"))
+    grad_outputs = torch.ones(BATCH, CONFIG.seq_len, CONFIG.d_model)
+    for microbatch, seed in (("a", 0), ("b", 1)):  # the second fills the target batch: a step
+        inputs = activations(seed)
+        honest.forward(microbatch, inputs)
+        liar.forward(microbatch, inputs)
+        expected, _ = honest.backward(microbatch, inputs, grad_outputs=grad_outputs)
+        lie, _ = liar.backward(microbatch, inputs, grad_outputs=grad_outputs)
+        assert lie.shape == (*expected.shape[:-1], expected.shape[-1] - 1)
+    assert liar.steps_done == honest.steps_done == 1
+    for mine, theirs in zip(liar.module.parameters(), honest.module.parameters()):
+        assert torch.allclose(mine, theirs)
+
+
 def test_noise_adds_noise_of_the_given_relative_size():
     honest, liar = pair("noise", fault_garbage_size=0.05)
     inputs = activations(0)
