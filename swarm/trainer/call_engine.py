@@ -67,6 +67,9 @@ class CallCounters:
     verify_disputes: int = 0  # mismatches with no third replica to ask: held, nobody banned
     verify_disputes_settled: int = 0  # ... a third replica answered later, before the replicas stepped
     verify_disputes_unresolved: int = 0  # ... none could (listed in the report's `disputes`)
+    verify_undecided: int = (
+        0  # checks of three or more answers in which no minority showed: each a mismatch, nobody banned
+    )
     verify_records_missing: int = 0  # chains (direct routing) picked for a check whose hop records could not be had
     verify_largest_agreeing_share: float = 0.0  # the tolerance's margin: the largest share of it two agreeing used
     verify_largest_agreeing_difference: float = 0.0  # ... and the relative difference that was

@@ -110,6 +110,10 @@ class ContributionLedger:
     def get(self, peer_id: str) -> PeerContribution | None:
         return self._peers.get(peer_id)
 
+    def check_records(self, peer_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """peer id -> (mismatches, checks) of those of `peer_ids` checked so far."""
+        return {p: (e.mismatches, e.calls_verified) for p in peer_ids if (e := self._peers.get(p)) is not None}
+
     def snapshot(self) -> dict[str, dict]:
         """peer id -> its counts (a copy, for the report and the metrics)."""
         return {peer_id: asdict(entry) for peer_id, entry in self._peers.items()}

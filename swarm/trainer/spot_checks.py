@@ -9,6 +9,7 @@ float32 from the same request. Two answers agree when every component is within 
 its replica announces it, a recompute's none) + twice the answer codec's error bound for tensors
 that crossed in it. `judge` finds the majority among up to `MAX_OPINIONS` answers and bans the
 rest; two answers that disagree with no third to ask are a `Dispute`, held for a `third_opinion`.
+A further opinion comes from the replicas checks contradicted least (`least_contradicted`).
 Only sync replicas of one averaging group that compute on their own parameters are compared
 (`comparable_replicas`, `unchecked_because`). The reasoning and the measurements:
 docs/design/trainer.md, benchmarks/RESULTS.md ("Every answer checkable").
@@ -220,6 +221,17 @@ def judge(answers: Mapping[str, Answer | torch.Tensor], tolerance_or_codec: floa
                 continue  # another group as large: no majority
             return verdict(False, tuple(rest), peers[0] if peers[0] in group else group[0])
     return verdict(False, (), peers[0])
+
+
+def least_contradicted(candidates: Iterable[str], records: Mapping[str, tuple[int, int]]) -> set[str]:
+    """Whom a check asks for a further opinion once two answers disagree: the candidates whose answers
+    checks have contradicted least so far (`records`: replica -> (mismatches, checks); a replica
+    never checked has a rate of 0). A liar's every check is a mismatch, an honest replica's only the
+    undecided ones it was in, so an opinion that can settle the check comes sooner; ties are left
+    to the scheduler."""
+    rates = {p: records.get(p, (0, 0))[0] / max(records.get(p, (0, 0))[1], 1) for p in candidates}
+    lowest = min(rates.values(), default=0.0)
+    return {p for p, rate in rates.items() if rate <= lowest}
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from swarm.trainer.spot_checks import (
     comparable_replicas,
     difference,
     judge,
+    least_contradicted,
     third_opinion,
     unchecked_because,
 )
@@ -226,7 +227,7 @@ class StageCaller:
         self.counters.verify_mismatches += 1
         self.metrics.verify_mismatches.labels(stage=str(stage)).inc()
         while not verdict.decided and len(by_peer) < MAX_OPINIONS:  # more opinions until a majority shows
-            another = await self._ask_another(check, avoid=set(by_peer))
+            another = await self._ask_another(check, avoid=set(by_peer), least_contradicted_first=True)
             if another is None:
                 break
             by_peer[another.peer_id] = another
@@ -272,6 +273,7 @@ class StageCaller:
             self.metrics.verify_bans.labels(stage=str(stage)).inc()
             logger.warning(f"{reason}; banned {peer_id[-8:]} for the run")
         if not verdict.decided:
+            self.counters.verify_undecided += 1
             logger.warning(
                 f"stage {stage}: replicas {sorted(p[-8:] for p in by_peer)} answered {check.microbatch_id} "
                 f"differently and no replica is in the minority; nobody banned"
@@ -301,7 +303,7 @@ class StageCaller:
                 excluded = self.engine.excluded(check.stage)
                 candidates = self._comparable(check.stage, check.answer.peer_id)
                 if third_opinion(dispute, candidates, excluded, step) is not None:
-                    third = await self._ask_another(check, avoid=set(by_peer))
+                    third = await self._ask_another(check, avoid=set(by_peer), least_contradicted_first=True)
             if third is None:  # nobody could tell: a mismatch for each of the two
                 self.contributions.verified(check.stage, by_peer, agreed=False)
                 self.counters.verify_disputes_unresolved += 1
@@ -340,9 +342,12 @@ class StageCaller:
             logger.warning(f"stage {stage}: replica {first[-8:]} {reason}: its answers are not spot-checked")
         return comparable_replicas(first, averaging, self.view.averaging_members(stage), unchecked)
 
-    async def _ask_another(self, check: _Check, avoid: set[str]) -> StageAnswer | None:
+    async def _ask_another(
+        self, check: _Check, avoid: set[str], *, least_contradicted_first: bool = False
+    ) -> StageAnswer | None:
         """`check`'s request (the same encoded tensors, the same answer codec), as a float32 recompute,
-        to one replica of its stage outside `avoid` that averages in sync with the checked one's; None
+        to one replica of its stage outside `avoid` that averages in sync with the checked one's, among
+        those checks contradicted least when `least_contradicted_first` (a further opinion); None
         when none can take it or it fails (no retry: a spot check is an extra, not a call the pipeline
         needs)."""
         stage, batch_size = check.stage, check.batch_size
@@ -351,6 +356,9 @@ class StageCaller:
         exclude = self.engine.excluded(stage) | avoid
         exclude |= set(scheduler.keys_s()) - comparable
         exclude |= self.view.newcomers[stage].excluded(set(scheduler.keys_s()) - exclude)
+        if least_contradicted_first:
+            candidates = set(scheduler.keys_s()) - exclude
+            exclude |= candidates - least_contradicted(candidates, self.contributions.check_records(candidates))
         peer_id = scheduler.choose(check.call, batch_size, exclude=exclude)
         if peer_id is None:
             return None

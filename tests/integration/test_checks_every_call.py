@@ -88,7 +88,9 @@ def test_liars_at_the_last_stage_and_a_lying_backward_at_stage_0_are_banned_and_
         assert counts["mismatches"] >= 1, (kind, counts)
     for process in honest:
         counts = report["contributions"][peer_id(process)]
-        assert counts["banned"] is None and counts["mismatches"] == 0, counts
+        # An honest replica counts a mismatch only in a check no majority decided: one honest answer
+        # among four liars' (five opinions at most, the liars not yet banned), each lie its own.
+        assert counts["banned"] is None and counts["mismatches"] <= report["verify_undecided"], counts
     assert sum(report["contributions"][peer_id(p)]["samples_verified"] for p in honest) > 0
     # every kind of call was checked, and honest float32 replicas stayed well within the bound
     assert {"forward", "backward", "last"} <= set(report["calls_verified_by_call"]), report["calls_verified_by_call"]

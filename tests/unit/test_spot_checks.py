@@ -27,6 +27,7 @@ from swarm.trainer.spot_checks import (
     comparable_replicas,
     difference,
     judge,
+    least_contradicted,
     relative_difference,
     third_opinion,
     tolerance,
@@ -571,6 +572,32 @@ def test_a_check_asks_on_until_a_majority_shows():
     forward_then_verify(caller, order=("l1", "l2", "l3", "h1", "h2"))
     assert set(caller.counters.banned_peers) == {"l1", "l2", "l3"}
     assert caller.counters.verify_third_opinions == 3 and caller.counters.verify_calls == 4
+
+
+def test_a_check_whose_five_opinions_show_no_majority_bans_nobody_and_counts_undecided():
+    """One honest answer and four liars' (each its own lie), a second honest replica left unasked:
+    five opinions and no two agree, so nobody is banned and each of the five counts a mismatch."""
+    client = ScriptedReplicas()
+    factors = {"l1": 1.05, "l2": 0.9, "l3": 1.2, "l4": 0.8}
+    original = client._told
+    client._told = lambda peer, value: value * factors[peer] if peer in factors else original(peer, value)
+    caller = make_caller(client, ["h1", "l1", "l2", "l3", "l4", "h2"])
+    forward_then_verify(caller, order=("h1", "l1", "l2", "l3", "l4", "h2"))
+    assert caller.counters.banned_peers == {} and caller.counters.verify_undecided == 1
+    ledger = caller.contributions.snapshot()
+    assert [ledger[p]["mismatches"] for p in ("h1", "l1", "l2", "l3", "l4")] == [1] * 5
+    assert "h2" not in ledger or ledger["h2"]["calls_verified"] == 0
+    # the next check asks the replica checks have contradicted least: h2, with h1 a majority
+    forward_then_verify(caller, order=("l1", "l2", "l3", "l4", "h1", "h2"))
+    assert set(caller.counters.banned_peers) >= {"l1"} and not {"h1", "h2"} & set(caller.counters.banned_peers)
+
+
+def test_a_further_opinion_comes_from_the_replicas_contradicted_least():
+    records = {"liar": (4, 4), "honest": (1, 5), "unlucky": (1, 1)}
+    assert least_contradicted(["liar", "honest", "unlucky", "new"], records) == {"new"}
+    assert least_contradicted(["liar", "honest", "unlucky"], records) == {"honest"}
+    assert least_contradicted(["liar", "unlucky"], records) == {"liar", "unlucky"}
+    assert least_contradicted([], records) == set()
 
 
 def test_every_call_of_a_microbatch_can_be_checked_in_the_pipelines_order():
