@@ -10,14 +10,13 @@ failed for this microbatch, refused us) are never named. The peers only walk the
 
 `settle_route` hands each preferred replica's charge back once the chain answered, with the
 trainer's own time of the whole chain as the measure of every replica that served it (its share
-per stage: the elapsed time over the number of stages), or as a failure where the stage was served
-by an alternate or the chain failed. So a replica's speed is what the chains through it took on the
-trainer's clock, whatever it announces: a replica 10x slower makes its chains slower and draws
-fewer of them (before issue #60 chains were settled without a measurement, so the announced
-throughput decided, and a replica announcing 1000x drew 239 of 240 chains). The chain's other
-stages are in every measurement of a stage's replicas alike, so a slow replica's share is somewhat
-above its share by its own speed. The microbatches `--hub-timing-fraction` sends through the
-trainer are timed stage by stage as well (swarm/trainer/schedule.py).
+per stage: what it was expected to take plus an even share of the chain's surprise,
+`chain_shares`), or as a failure where the stage was served by an alternate or the chain failed.
+So a replica's speed is what the chains through it took on the trainer's clock, whatever it
+announces: a replica 10x slower makes its chains slower and draws fewer of them (before issue #60
+chains were settled without a measurement, so the announced throughput decided, and a replica
+announcing 1000x drew 239 of 240 chains). The microbatches `--hub-timing-fraction` sends through
+the trainer are timed stage by stage as well (swarm/trainer/schedule.py).
 
 Pure: no I/O, no asyncio.
 """
@@ -82,15 +81,44 @@ def settle_route(
     elapsed_s: float = 0.0,
 ) -> None:
     """Settle what `choose_route` charged: a preferred replica that served its stage is settled with
-    the chain's `elapsed_s` (the trainer's clock; 0: no measurement) over the number of stages as its
-    time, one that did not (an alternate served, or the chain failed: an empty `served_by`) as a
-    failure, which keeps the time it was tied up."""
-    per_stage_s = max(elapsed_s, 0.0) / max(len(route), 1)
+    its share of the chain's `elapsed_s` (the trainer's clock; 0: no measurement, see `chain_shares`),
+    one that did not (an alternate served, or the chain failed: an empty `served_by`) as a failure,
+    which keeps the time it was tied up."""
+    expected = [
+        scheduler.expected_s(candidates[0], CHAIN_TASK, batch_size) if scheduler.measured(candidates[0]) else None
+        for scheduler, candidates in zip(schedulers, route)
+    ]
+    shares_s = chain_shares(max(elapsed_s, 0.0), expected)
     for stage, (scheduler, candidates) in enumerate(zip(schedulers, route)):
         if stage < len(served_by) and served_by[stage] == candidates[0]:
-            scheduler.report_success(candidates[0], CHAIN_TASK, batch_size, per_stage_s)
+            scheduler.report_success(candidates[0], CHAIN_TASK, batch_size, shares_s[stage])
         else:
             scheduler.report_failure(candidates[0])
+
+
+MIN_CHAIN_SHARE = 0.05  # the least share of a chain's time a stage's replica is settled with
+
+
+def chain_shares(elapsed_s: float, expected_s: Sequence[float | None]) -> list[float]:
+    """Each stage's share of a chain that took `elapsed_s`, from what its replica was expected to take
+    as measured (None: not measured yet, only announced): with every stage measured, its expectation
+    plus an even share of the surprise (elapsed minus the sum expected); otherwise the stages not
+    measured share evenly what the measured ones were not expected to take (all of it when none is).
+    Each within [MIN_CHAIN_SHARE x elapsed, elapsed]. The shares settle where every chain's stages
+    add up to its time, and a replica's expected time differs from its stage's others by what its
+    chains took more or less: an even split of every chain halved that difference over two stages
+    (a 3x slower replica drew 36 chains against 60)."""
+    if elapsed_s <= 0.0 or not expected_s:
+        return [0.0] * len(expected_s)
+    unknown = [e is None for e in expected_s]
+    known_s = sum(e for e in expected_s if e is not None)
+    if any(unknown):
+        rest_s = (elapsed_s - known_s) / sum(unknown)
+        shares = [rest_s if e is None else e for e in expected_s]
+    else:
+        surprise_s = (elapsed_s - known_s) / len(expected_s)
+        shares = [e + surprise_s for e in expected_s]
+    return [min(max(share, MIN_CHAIN_SHARE * elapsed_s), elapsed_s) for share in shares]
 
 
 def failovers_in_route(route: Sequence[Sequence[str]], failovers: Sequence[HopFailover]) -> list[HopFailover]:

@@ -237,6 +237,11 @@ class ReplicaScheduler:
             return None
         return samples * self._task_cost(task) * replica.seconds_per_sample
 
+    def measured(self, peer_id: str) -> bool:
+        """Whether `peer_id`'s throughput is measured (False: the announced prior, or not known)."""
+        replica = self._replicas.get(peer_id)
+        return replica is not None and replica.measurements > 0
+
     def throughputs(self) -> dict[str, float]:
         """Current estimate per replica, in forward samples per second, by peer_id."""
         return {p: 1.0 / self._replicas[p].seconds_per_sample for p in sorted(self._replicas)}

@@ -62,11 +62,6 @@ def test_sigkill_of_a_replica_loses_nothing(make_swarm, tmp_path):
     assert survivor_calls > killed_calls_after
 
 
-@pytest.mark.xfail(
-    reason="known failure since the 2026-12-02 merge (issue #60's chain-time routing): direct routing splits a "
-    "chain's time evenly over its stages, so a 3x slower compute drew 36 calls against 60 (not under half)",
-    strict=False,
-)
 def test_a_replica_slowed_3x_gets_clearly_less_and_nothing_is_lost(make_swarm, tmp_path):
     """The trainer judges a replica by the time the peer reports it spent computing (or on the wire,
     if longer), not by round trips that also hold its wait behind our other requests, and its first

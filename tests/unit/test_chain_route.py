@@ -7,7 +7,15 @@ import pytest
 
 from peers.serving.chain_rpc import hop_timeout_s
 from process.config import ConfigError, from_sources
-from swarm.trainer.chain_route import charge_route, check_served_by, choose_route, failovers_in_route, settle_route
+from swarm.trainer.chain_route import (
+    MIN_CHAIN_SHARE,
+    chain_shares,
+    charge_route,
+    check_served_by,
+    choose_route,
+    failovers_in_route,
+    settle_route,
+)
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.routing import ReplicaInfo, ReplicaScheduler
 from wire.protocol import HopFailover
@@ -19,6 +27,31 @@ class Clock:
 
     def __call__(self):
         return self.now
+
+
+def test_a_replica_3x_slower_than_its_partner_draws_its_share_by_its_own_speed():
+    """Stage 0's one replica takes as long as stage 1's fast one, the slow one 3x that. By its own
+    speed the slow replica draws a quarter of the chains; splitting each chain's time evenly over
+    the stages halved the difference, a third; settled by expectation plus surprise, a quarter."""
+    stages = schedulers({"s0": 1.0}, {"fast": 1.0, "slow": 1.0})
+    served = {"fast": 0, "slow": 0}
+    for n in range(400):
+        route = choose_route(stages, 2, [set(), set()], alternates=0)
+        stage1 = route[1][0]
+        if n >= 100:  # after the estimates settled
+            served[stage1] += 1
+        elapsed = 0.1 + (0.3 if stage1 == "slow" else 0.1)
+        settle_route(stages, route, 2, [route[0][0], stage1], elapsed_s=elapsed)
+    assert 0.22 < served["slow"] / 300 < 0.28, served
+    assert stages[1].throughputs()["fast"] / stages[1].throughputs()["slow"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_a_chains_share_is_its_expectation_plus_an_even_part_of_the_surprise():
+    assert chain_shares(1.0, [0.2, 0.4]) == pytest.approx([0.4, 0.6])  # 0.4 more than expected: 0.2 each
+    assert chain_shares(1.0, [None, 0.4]) == pytest.approx([0.6, 0.4])  # not measured: the rest
+    assert chain_shares(1.0, [None, None]) == pytest.approx([0.5, 0.5])  # none measured: an even split
+    assert chain_shares(1.0, [0.0, 3.0]) == pytest.approx([MIN_CHAIN_SHARE, 1.0])  # within bounds
+    assert chain_shares(0.0, [0.2, 0.4]) == [0.0, 0.0]  # no measurement
 
 
 def schedulers(*stages: dict[str, float], clock=None) -> list[ReplicaScheduler]:
