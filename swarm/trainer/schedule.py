@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from dht.records import PeerRecord
 from swarm.trainer.chain_call import ChainCaller
 from swarm.trainer.client import PeerCallError, StageClient
 from swarm.trainer.config import DEFAULT_ROUTING
@@ -207,6 +208,9 @@ class StepSchedule:
         # the steps each sync replica answered at the last commit, by stage: what a repair believes
         self._steps_seen: dict[int, dict[str, int]] = {}
         self._background: set[asyncio.Task] = set()  # commits of replicas that step alone, not waited for
+        # replicas whose commit failed, by (stage, peer id): their record's expiry then; left out of the
+        # commits until the record is renewed (a dead one's never is, until it expires)
+        self._commit_failed: dict[tuple[int, str], float] = {}
 
     async def run_microbatch(self, mb: Microbatch) -> float:
         """Forward through stages 0..S-2, a fused forward+backward on the last stage (it owns the
@@ -402,7 +406,11 @@ class StepSchedule:
             for stage, records in enumerate(self.view.records)
             for mode in (("sync", "outer") if flush else ("sync", "periodic", "outer"))
             for group in commit_groups(
-                [r.peer_id for r in records if r.averaging == mode and not self._avoided(stage, r.peer_id)],
+                [
+                    r.peer_id
+                    for r in records
+                    if r.averaging == mode and not self._avoided(stage, r.peer_id) and not self._failed_since(stage, r)
+                ],
                 self.view.averaging_members(stage),
             )
         ]
@@ -470,6 +478,18 @@ class StepSchedule:
     def _avoided(self, stage: int, peer_id: str) -> bool:
         """A replica routing avoids for long (it kept timing out, or broke the protocol): not committed."""
         return self.view.bans.stalled(peer_id) or peer_id in self.view.violations.banned(stage)
+
+    def _failed_since(self, stage: int, record: PeerRecord) -> bool:
+        """Whether `record`'s replica failed a commit and has not renewed its record since: a replica
+        that died mid-run would otherwise be named in its group's rounds until its record expired,
+        and every round that named it would fail."""
+        expires_at = self._commit_failed.get((stage, record.peer_id))
+        if expires_at is None:
+            return False
+        if record.expires_at > expires_at:  # renewed: alive, committed again
+            del self._commit_failed[(stage, record.peer_id)]
+            return False
+        return True
 
     def _steps_alone(self, stage: int, mode: str, group: list[str]) -> bool:
         members = self.view.averaging_members(stage)
@@ -551,6 +571,9 @@ class StepSchedule:
                 logger.warning(f"stage {stage}: commit failed: {result}")
                 stalled = result.kind == Failure.TIMEOUT and self.view.others_usable(stage, peer_id)
                 self.view.bans.ban(peer_id, timed_out=stalled)
+                record = next((r for r in self.view.records[stage] if r.peer_id == peer_id), None)
+                if record is not None:
+                    self._commit_failed[(stage, peer_id)] = record.expires_at
             elif isinstance(result, BaseException):
                 raise result
             else:

@@ -73,11 +73,6 @@ def test_outer_replicas_agree_after_each_round(make_swarm, tmp_path, extra, logg
     assert all(0 < s <= 2 * per_value * values for s in sent), (sent, values)
 
 
-@pytest.mark.xfail(
-    reason="known failure since the 2026-12-02 merge (issue #56 open): after the kill the trainer's commits "
-    "still name the dead replica until its record expires, so the survivors' next rounds fail to dial it",
-    strict=False,
-)
 def test_a_replica_killed_mid_round_loses_the_others_nothing(make_swarm, tmp_path):
     """Three stage-0 replicas, overlapped rounds every 2 steps: a round is in flight from one round's
     step to the next, so the replica SIGKILLed right after its first applied round dies mid-round.

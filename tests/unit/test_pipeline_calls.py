@@ -7,6 +7,7 @@ import asyncio
 
 import torch
 
+from dht.records import PeerRecord, PeerState
 from swarm.trainer.client import CallResult, PeerCallError
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.data import Microbatch
@@ -15,7 +16,7 @@ from swarm.trainer.routing import ReplicaInfo
 from swarm.trainer.schedule import StepSchedule
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.failures import Failure
-from wire.protocol import ResponseHeader
+from wire.protocol import CommitResponse, ResponseHeader
 from wire.tensors import encode_tensor
 
 B, T, D = 2, 8, 4
@@ -187,3 +188,50 @@ def test_an_evaluation_goes_forward_only_and_asks_every_stage_to_keep_nothing():
         * 2
     )
     assert schedule.counters.commits == 0 and schedule.counters.microbatches_sent == 0  # nothing trained
+
+
+class CommitClient(ScriptedClient):
+    """Answers commits as a replica that stepped and averaged; the `dead` ones' streams fail."""
+
+    def __init__(self, dead: set[str]):
+        super().__init__()
+        self.dead, self.committed = dead, []
+
+    async def commit(self, peer_id, *, stage, step_id, group_size, timeout_s, **kw):
+        self.committed.append((step_id, peer_id, group_size))
+        if peer_id in self.dead:
+            raise PeerCallError(peer_id, Failure.TRANSPORT, "connection refused")
+        return CommitResponse(stepped=True, averaged=True, group_size=group_size)
+
+
+def test_a_replica_whose_commit_failed_is_left_out_of_commits_until_its_record_is_renewed():
+    """A replica killed mid-run keeps its record until it expires: the commits after a failed one
+    leave it out (its group's rounds would wait for it and fail), and take it again once the
+    replica renews its record (it is alive)."""
+    client = CommitClient(dead={"dead"})
+    caller = make_caller(client, peers=("a", "b", "dead"))
+    records = [
+        PeerRecord(
+            peer_id=p,
+            model="tiny",
+            stage=0,
+            num_stages=3,
+            state=PeerState.ONLINE,
+            throughput=10.0,
+            expires_at=100.0,
+            averaging="outer",
+        )
+        for p in ("a", "b", "dead")
+    ]
+    caller.view.records[0] = records
+    schedule = StepSchedule(caller, max_in_flight=2, run_id="run", routing="hub")
+
+    def commit(step_id: str) -> list[tuple[str, int]]:
+        asyncio.run(schedule.commit_step(step_id, timeout_s=1.0))
+        return sorted((peer, size) for step, peer, size in client.committed if step == step_id)
+
+    assert commit("s1") == [("a", 3), ("b", 3), ("dead", 3)]
+    assert commit("s2") == [("a", 2), ("b", 2)]  # its record was not renewed since
+    caller.view.records[0] = [*records[:2], records[2].model_copy(update={"expires_at": 115.0})]
+    client.dead = set()
+    assert commit("s3") == [("a", 3), ("b", 3), ("dead", 3)]  # renewed: alive again
