@@ -27,7 +27,6 @@ distribution, not a measurement beyond the calls measured.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import statistics
@@ -83,12 +82,22 @@ def train_step(stages: list[StageRuntime], corpus, batch: int, microbatches: int
         stage.step()
 
 
+def twin_of(stage: StageRuntime) -> StageRuntime:
+    """A second replica of `stage`: the same parameters, optimizer state and steps (a runtime holds
+    locks, so it is built again, not deep-copied)."""
+    twin = StageRuntime(stage.config, stage.stage, stage.num_stages, seed=stage.seed, optimizer=stage.settings)
+    twin.module.load_state_dict(stage.module.state_dict())
+    twin.optimizer.load_state_dict(stage.optimizer.state_dict())
+    twin.steps_done = stage.steps_done
+    return twin
+
+
 def local_step_pair(stages: list[StageRuntime], corpus, batch: int, microbatches: int, generator, calls: int):
     """Two local-step replicas of each stage: the same parameters and optimizer state, each with the
     mean gradient of its half of a step's microbatches as its prediction; their answers' differences."""
     pairs = []
     for stage in stages:
-        twin = copy.deepcopy(stage)
+        twin = twin_of(stage)
         twin.weight_prediction = stage.weight_prediction = "local-step"
         pairs.append((stage, twin))
     first_pair, last_pair = pairs

@@ -127,7 +127,8 @@ def choose_averaging(
     if not within:
         return AveragingChoice(
             "sync",
-            f"exact sync, although its all-reduce takes ~{sync_s:.1f} s a {step_s:.2f} s step: no measured outer-round "
+            f"exact sync, although its all-reduce takes ~{sync_s * 1e3:.0f} ms, {sync_s / step_s:.0%} of a {step_s:.2f} s "
+            f"step: no measured outer-round "
             f"setting costs at most {loss_budget:.1%} of validation loss",
             round_s=sync_s,
             step_share=sync_s / step_s,

@@ -150,7 +150,9 @@ def test_auto_keeps_a_stage_s_mode_and_picks_exact_sync_on_loopback(make_swarm, 
     last = swarm.start_peer(1, name="auto-first-1")
     swarm.wait_online([last])
     assert "--averaging auto: sync (the stage's replicas run sync)" in joiner.log(), joiner.log()[-2000:]
-    assert re.search(r"--averaging auto: sync \(exact sync: .*its all-reduce takes ~\d+ ms", last.log()), last.log()
+    # exact sync either way; why depends on the loopback link as measured (fast, or a small share of
+    # the step, or no outer setting within the loss budget when a loaded machine measured it slow)
+    assert re.search(r"--averaging auto: sync \(exact sync[:,] .*its all-reduce takes ~\d+ ms", last.log()), last.log()
     report = run_trainer(swarm, tmp_path, "--steps", "2", *TRAIN)
     assert report["averaging_by_stage"]["0"].startswith("sync"), report["averaging_by_stage"]
     assert report["averaging_by_stage"]["1"].startswith("sync: exact sync"), report["averaging_by_stage"]
