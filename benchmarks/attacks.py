@@ -16,7 +16,10 @@ stage 1) and are judged against that configuration's clean run.
 Per run: tokens/s (and the median of the steps' own rates), final loss, the honest replicas' failed
 averaging rounds, the peak RSS of the honest peers, of the trainer and of the bootstrap node (VmHWM,
 read just before they stop), whether the run finished, the trainer's failures by kind, its calls by
-peer, and what the attackers' requests got. Goals (issues #30 and #60): tokens/s >= 0.8 of clean,
+peer, what the attackers' requests got, and the CPU seconds the honest processes and the
+attackers' (each process with its p2pd daemons) used while the trainer trained, the attackers'
+as a share of the machine's cores: on two cores an attacker's own CPU slows the swarm whatever
+the defence does. Goals (issues #30 and #60): tokens/s >= 0.8 of clean,
 final loss within 2% of clean, peak RSS < 200 MB above clean on every process.
 
 Attacks (issue #30):
@@ -58,6 +61,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report_file import write_report  # noqa: E402
@@ -82,6 +87,21 @@ def peak_rss_mb(process: ManagedProcess) -> float | None:
     except OSError:
         return None
     return None
+
+
+def tree_cpu_s(process: ManagedProcess) -> float:
+    """CPU seconds (user + system) the process and its live descendants (its p2pd daemons) have used."""
+    try:
+        root = psutil.Process(process.popen.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for member in tree:
+        with contextlib.suppress(psutil.Error):
+            times = member.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 class Swarm:
@@ -242,6 +262,7 @@ def one_run(name: str, args, workdir: str) -> dict:
             *("--refresh-period-s", "2", "--seed", "3", "--report", report_path),
         )
         peak = {"trainer": 0.0, "bootstrap": 0.0}
+        cpu_before = {id(p): tree_cpu_s(p) for p in local.processes}
         joined: list[ManagedProcess] = []
         deadline = started + args.timeout_s
         while trainer.alive and time.monotonic() < deadline:
@@ -251,6 +272,14 @@ def one_run(name: str, args, workdir: str) -> dict:
                 joined = attack.during(swarm) or [None]
             time.sleep(0.5)
         finished = trainer.popen.poll() == 0
+        # CPU over the training window, by who: the honest processes (peers, trainer, bootstrap) and
+        # the attackers (everything else the run started: strangers, clients, fakes, joiners)
+        train_s = time.monotonic() - started
+        honest_ids = {id(p) for p in [*swarm.honest, trainer, bootstrap]}
+        cpu_s = {"honest": 0.0, "attackers": 0.0}
+        for p in local.processes:
+            used = tree_cpu_s(p) - cpu_before.get(id(p), 0.0)
+            cpu_s["honest" if id(p) in honest_ids else "attackers"] += max(used, 0.0)
         peers_rss = max((peak_rss_mb(p) or 0.0) for p in swarm.honest)
         honest_alive = all(p.alive for p in swarm.honest)
         stats = attacker_stats(local)
@@ -288,6 +317,9 @@ def one_run(name: str, args, workdir: str) -> dict:
         "banned": {p[-8:]: c.get("banned") for p, c in report.get("contributions", {}).items() if c.get("banned")},
         "joiners_loaded_from": loaded,
         "attackers": stats,
+        "honest_cpu_s": round(cpu_s["honest"], 1),
+        "attacker_cpu_s": round(cpu_s["attackers"], 1),
+        "attacker_cpu_share": round(cpu_s["attackers"] / (train_s * (os.cpu_count() or 1)), 3),
     }
 
 
