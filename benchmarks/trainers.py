@@ -12,6 +12,13 @@ exit (DHT join included, the same in both layouts); each trainer's own tokens/s 
 The sync rounds each stage-0 replica completed (its Prometheus counter) are recorded: one per global
 step in both layouts. The machine's load
 (1/5/15 min) is recorded before and after each layout.
+
+With `--verify-fraction F` every trainer spot-checks its calls, and each report's checks,
+mismatches, disputes and bans are recorded: every peer is honest, so each mismatch is an honest
+answer judged a lie (with several trainers, a commit of another trainer can land between a call and
+its recompute). `--last-replicas 3` gives the last stage three replicas, where a mismatch can ban.
+
+    .venv/bin/python benchmarks/trainers.py --model tiny --steps 100 --verify-fraction 0.2 --last-replicas 3
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ def run(name: str, args, shards: int) -> dict:
     load_before = load()
     with LocalSwarm(model=args.model, num_stages=2, workdir=workdir, peer_args=peer_args) as swarm:
         swarm.start_bootstrap()
-        peers = [swarm.start_peer(stage) for stage in (0, 0, 1, 1)]
+        peers = [swarm.start_peer(stage) for stage in (0, 0, *[1] * args.last_replicas)]
         swarm.wait_online(peers)
         started = time.monotonic()
         trainers = []
@@ -73,6 +80,7 @@ def run(name: str, args, shards: int) -> dict:
                 *("--steps", str(args.steps), "--batch-size", str(args.batch_size)),
                 *("--microbatch-size", str(args.microbatch_size), "--num-stages", "2", "--log-every", "10"),
                 *("--data-shard", f"{shard}/{shards}", "--report", report),
+                *("--verify-fraction", str(args.verify_fraction)),
                 name=f"trainer-{shard}",
             )
             trainers.append((process, report))
@@ -97,6 +105,10 @@ def run(name: str, args, shards: int) -> dict:
         "final_losses": [r["final_loss"] for r in reports],
         "microbatches_lost": sum(r["microbatches_lost"] for r in reports),
         "stage0_rounds": rounds,
+        "calls_verified": sum(r.get("calls_verified", 0) for r in reports),
+        "verify_mismatches": sum(r.get("verify_mismatches", 0) for r in reports),
+        "verify_disputes": sum(r.get("verify_disputes", 0) for r in reports),
+        "honest_banned": sorted({peer for r in reports for peer in r.get("banned_peers", {})}),
         "load_before": load_before,
         "load_after": load(),
     }
@@ -110,14 +122,20 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--verify-fraction", type=float, default=0.0, help="every trainer's --verify-fraction")
+    parser.add_argument("--last-replicas", type=int, default=2, help="replicas of the last stage")
     parser.add_argument("--out", default="benchmarks/out/trainers.json")
     args = parser.parse_args()
     runs = [run("1 trainer", args, 1), run("2 trainers", args, 2)]
-    print(f"\n{'run':<12}{'run tok/s':>10}{'wall s':>8}{'trainers tok/s':>18}{'rounds (s0)':>13}{'lost':>6}")
+    print(
+        f"\n{'run':<12}{'run tok/s':>10}{'wall s':>8}{'trainers tok/s':>18}{'rounds (s0)':>13}{'lost':>6}"
+        f"{'checked':>9}{'mismatches':>12}{'disputes':>10}{'banned':>8}"
+    )
     for r in runs:
         print(
             f"{r['name']:<12}{r['run_tokens_per_s']:>10.0f}{r['wall_s']:>8.1f}{str(r['trainer_tokens_per_s']):>18}"
-            f"{str(r['stage0_rounds']):>13}{r['microbatches_lost']:>6}"
+            f"{str(r['stage0_rounds']):>13}{r['microbatches_lost']:>6}{r['calls_verified']:>9}"
+            f"{r['verify_mismatches']:>12}{r['verify_disputes']:>10}{len(r['honest_banned']):>8}"
         )
     write_report(
         args.out,
