@@ -61,10 +61,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.process_cpu import tree_cpu_s  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from dht.authority import issue, load_owner_key, load_run, write_credential  # noqa: E402
 from dht.signing import load_identity, new_identity_file  # noqa: E402
@@ -87,21 +86,6 @@ def peak_rss_mb(process: ManagedProcess) -> float | None:
     except OSError:
         return None
     return None
-
-
-def tree_cpu_s(process: ManagedProcess) -> float:
-    """CPU seconds (user + system) the process and its live descendants (its p2pd daemons) have used."""
-    try:
-        root = psutil.Process(process.popen.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for member in tree:
-        with contextlib.suppress(psutil.Error):
-            times = member.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 class Swarm:
@@ -262,7 +246,7 @@ def one_run(name: str, args, workdir: str) -> dict:
             *("--refresh-period-s", "2", "--seed", "3", "--report", report_path),
         )
         peak = {"trainer": 0.0, "bootstrap": 0.0}
-        cpu_before = {id(p): tree_cpu_s(p) for p in local.processes}
+        cpu_before = {id(p): tree_cpu_s(p.popen.pid) for p in local.processes}
         joined: list[ManagedProcess] = []
         deadline = started + args.timeout_s
         while trainer.alive and time.monotonic() < deadline:
@@ -278,7 +262,7 @@ def one_run(name: str, args, workdir: str) -> dict:
         honest_ids = {id(p) for p in [*swarm.honest, trainer, bootstrap]}
         cpu_s = {"honest": 0.0, "attackers": 0.0}
         for p in local.processes:
-            used = tree_cpu_s(p) - cpu_before.get(id(p), 0.0)
+            used = tree_cpu_s(p.popen.pid) - cpu_before.get(id(p), 0.0)
             cpu_s["honest" if id(p) in honest_ids else "attackers"] += max(used, 0.0)
         peers_rss = max((peak_rss_mb(p) or 0.0) for p in swarm.honest)
         honest_alive = all(p.alive for p in swarm.honest)

@@ -16,6 +16,7 @@ On a machine whose cores the swarm fills, the CPU a layout adds per step, agains
 it, is what it costs in throughput; this is how benchmarks/RESULTS.md splits that cost.
 Processes that start and end inside the stretch are missed (none do in these benchmarks, but the
 trainer's); a process's CPU is read with psutil, so a pid reused in between would be misread.
+`tree_cpu_s(pid)` is one process tree's CPU, for benchmarks that split it by another rule.
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ class Snapshot:
 def _cpu_s(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process and its live descendants have used; 0 if it is gone."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for member in tree:
+        try:
+            total += _cpu_s(member)
+        except psutil.Error:
+            continue
+    return total
 
 
 def _kind_of_child(process: psutil.Process) -> str | None:

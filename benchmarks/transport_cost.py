@@ -40,10 +40,9 @@ import sys
 import tempfile
 import time
 
-import psutil
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.process_cpu import tree_cpu_s  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
@@ -393,19 +392,6 @@ def _say(message: dict) -> None:
 # --- the orchestrator -------------------------------------------------------------------------------
 
 
-def _tree_cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            for process in [root, *root.children(recursive=True)]:
-                times = process.cpu_times()
-                total += times.user + times.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
 def _start(role: str, transport: str, workdir: str, address: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, os.path.abspath(__file__), "--role", role, "--transport", transport]
     command += ["--workdir", workdir]
@@ -438,12 +424,12 @@ def measure(transport: str, rows: list[tuple], scale: float) -> list[dict]:
         results = []
         for name, request, answer, calls, concurrency in rows:
             calls = max(concurrency, int(calls * scale) // concurrency * concurrency)
-            before = _tree_cpu_s([server.pid, client.pid])
+            before = sum(tree_cpu_s(pid) for pid in (server.pid, client.pid))
             client.stdin.write(
                 json.dumps({"request": request, "answer": answer, "calls": calls, "concurrency": concurrency}) + "\n"
             )
             wall_s = _read(client)["wall_s"]
-            cpu_s = _tree_cpu_s([server.pid, client.pid]) - before
+            cpu_s = sum(tree_cpu_s(pid) for pid in (server.pid, client.pid)) - before
             results.append(
                 {
                     "transport": transport,
