@@ -16,7 +16,8 @@ step in both layouts. The machine's load
 With `--verify-fraction F` every trainer spot-checks its calls, and each report's checks,
 mismatches, disputes and bans are recorded: every peer is honest, so each mismatch is an honest
 answer judged a lie (with several trainers, a commit of another trainer can land between a call and
-its recompute). `--last-replicas 3` gives the last stage three replicas, where a mismatch can ban.
+its recompute, which is then not compared: counted stale). `--last-replicas 3` gives the last stage
+three replicas, where a mismatch can ban.
 
     .venv/bin/python benchmarks/trainers.py --model tiny --steps 100 --verify-fraction 0.2 --last-replicas 3
 """
@@ -108,6 +109,7 @@ def run(name: str, args, shards: int) -> dict:
         "calls_verified": sum(r.get("calls_verified", 0) for r in reports),
         "verify_mismatches": sum(r.get("verify_mismatches", 0) for r in reports),
         "verify_disputes": sum(r.get("verify_disputes", 0) for r in reports),
+        "verify_stale": sum(r.get("verify_stale", 0) for r in reports),
         "honest_banned": sorted({peer for r in reports for peer in r.get("banned_peers", {})}),
         "load_before": load_before,
         "load_after": load(),
@@ -129,13 +131,13 @@ def main() -> None:
     runs = [run("1 trainer", args, 1), run("2 trainers", args, 2)]
     print(
         f"\n{'run':<12}{'run tok/s':>10}{'wall s':>8}{'trainers tok/s':>18}{'rounds (s0)':>13}{'lost':>6}"
-        f"{'checked':>9}{'mismatches':>12}{'disputes':>10}{'banned':>8}"
+        f"{'checked':>9}{'mismatches':>12}{'disputes':>10}{'stale':>7}{'banned':>8}"
     )
     for r in runs:
         print(
             f"{r['name']:<12}{r['run_tokens_per_s']:>10.0f}{r['wall_s']:>8.1f}{str(r['trainer_tokens_per_s']):>18}"
             f"{str(r['stage0_rounds']):>13}{r['microbatches_lost']:>6}{r['calls_verified']:>9}"
-            f"{r['verify_mismatches']:>12}{r['verify_disputes']:>10}{len(r['honest_banned']):>8}"
+            f"{r['verify_mismatches']:>12}{r['verify_disputes']:>10}{r['verify_stale']:>7}{len(r['honest_banned']):>8}"
         )
     write_report(
         args.out,

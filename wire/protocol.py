@@ -77,6 +77,7 @@ HOP_RECORD_NAMES = {
     "grad_received": "grad_outputs",
     "grad_sent": "grad_inputs",
 }
+MAX_STEPS = 1 << 48  # an optimizer step count an answer may state
 MAX_SAMPLED_STAGES = 32  # a chain's answer carries the gradient samples of at most this many stages
 
 
@@ -207,6 +208,9 @@ class ResponseHeader(BaseModel):
     # a backward asked for it: GRAD_SAMPLE_SIZE fixed entries of the parameter gradient this call
     # computed (peers/compute/grad_sample.py), what a spot check of a backward compares beside its tensors
     grad_sample: list[float] | None = Field(default=None, max_length=GRAD_SAMPLE_SIZE)
+    # the optimizer steps the parameters it computed on had taken: a spot check compares answers of
+    # the same step only, where several trainers' commits may step the replicas between two calls
+    steps_done: int | None = Field(default=None, ge=0, le=MAX_STEPS)
 
 
 def _codec_name(value: object) -> object:
@@ -325,6 +329,10 @@ class ChainResponse(BaseModel):
     # MAX_SAMPLED_STAGES of them
     grad_samples: list[Annotated[list[float], Field(max_length=GRAD_SAMPLE_SIZE)]] = Field(
         default_factory=list, max_length=MAX_SAMPLED_STAGES
+    )
+    # the optimizer steps each `served_by` peer's parameters had taken at its forward (the same order)
+    steps_done: list[Annotated[int, Field(ge=0, le=MAX_STEPS)]] = Field(
+        default_factory=list, max_length=MAX_CHAIN_STAGES
     )
 
     def samples_problem(self) -> str | None:

@@ -333,10 +333,12 @@ PANELS = [
             target(
                 f"sum by (stage) (increase(swarm_trainer_verify_disputes_total[{RATE}]))", "disputes stage {{stage}}"
             ),
+            target(f"sum by (stage) (increase(swarm_trainer_verify_stale_total[{RATE}]))", "stale stage {{stage}}"),
         ],
         description="Calls also recomputed by a second replica (--verify-fraction: forwards, the last stage's "
         "fused calls, backwards), those whose answers differed, replicas banned for the run by a check, and "
-        "disputes (two answers apart with no third replica to ask: nobody banned).",
+        "disputes (two answers apart with no third replica to ask: nobody banned), and checks not compared "
+        "because another trainer's commit stepped the replicas in between (stale).",
         w=8,
     ),
     row("Averaging, rebalancing, checkpoints"),

@@ -175,7 +175,7 @@ class ChainService:
             tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
             sample = header.keep_records  # a run that spot-checks: each stage's gradient sample comes back
             if header.stage == header.num_stages - 1:
-                (grad_inputs, loss, grad_sample), compute_s = await self._on_compute(
+                (grad_inputs, loss, grad_sample), compute_s, steps_done = await self._on_compute(
                     header,
                     BACKWARD,
                     lambda r: r.backward_sampled(
@@ -183,9 +183,9 @@ class ChainService:
                     ),
                 )
                 grad_inputs, loss = await on_host([grad_inputs, loss])
-                served_by, failed_over, busy_after, grad_samples = [], [], [], []
+                served_by, failed_over, busy_after, grad_samples, steps_after = [], [], [], [], []
             else:
-                outputs, forward_s = await self._on_compute(
+                outputs, forward_s, steps_done = await self._on_compute(
                     header, FORWARD, lambda r: r.forward(header.microbatch_id, inputs, tokens=tokens)
                 )
                 (outputs,) = await on_host([outputs])
@@ -196,7 +196,7 @@ class ChainService:
                     encoded.get("targets"),
                     tokens=carried if runtime.config.subspace_rank > 0 else None,
                 )
-                (grad_inputs, _, grad_sample), backward_s = await self._on_compute(
+                (grad_inputs, _, grad_sample), backward_s, _ = await self._on_compute(
                     header,
                     BACKWARD,
                     lambda r: r.backward_sampled(
@@ -205,7 +205,9 @@ class ChainService:
                 )
                 (grad_inputs,) = await on_host([grad_inputs])
                 loss, served_by, busy_after = answer.loss, list(answer.served_by), list(answer.busy)
-                grad_samples = list(answer.grad_samples)
+                grad_samples, steps_after = list(answer.grad_samples), list(answer.steps_done)
+                if len(steps_after) != len(served_by):  # a later peer did not say: nobody's steps are told
+                    steps_after = None
                 failed_over = [*skipped, *answer.failed_over][:MAX_CHAIN_STAGES]
                 compute_s = forward_s + backward_s
             samples = header.batch_size
@@ -223,6 +225,7 @@ class ChainService:
                 handler_s=time.perf_counter() - arrived,
                 busy=[busy_reading(serving), *busy_after][:MAX_CHAIN_STAGES],
                 grad_samples=[grad_sample, *grad_samples][:MAX_SAMPLED_STAGES] if grad_sample is not None else [],
+                steps_done=[steps_done, *steps_after][:MAX_CHAIN_STAGES] if steps_after is not None else [],
             )
             serving.served_one()
             if isinstance(runtime, FaultyStageRuntime):  # --faults lose_answer: this stage's backward is added
@@ -401,23 +404,24 @@ class ChainService:
             )
 
     async def _on_compute(self, header: ChainRequest, priority: int, compute):
-        """`compute(runtime)` on the compute thread, within the peer's request slots, and the seconds
-        it took there; WrongStageError when the peer moved to another stage since the request arrived."""
+        """`compute(runtime)` on the compute thread, within the peer's request slots, the seconds it
+        took there, and the steps the parameters it computed on had taken; WrongStageError when the
+        peer moved to another stage since the request arrived."""
 
         def run():
             runtime: StageRuntime = self.stages.serving.runtime
             if header.stage != runtime.stage or self.stages.serving.state == PeerState.STANDBY:
                 raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
-            return compute(runtime)
+            return compute(runtime), runtime.steps_done
 
         serving = self.stages.serving
         queued = time.perf_counter()
         async with self.stages.slots:
-            result, started, compute_s = await asyncio.wrap_future(
+            (result, steps_done), started, compute_s = await asyncio.wrap_future(
                 submit_at(self.stages.compute, priority, compute_timed, serving, run)
             )
         serving.phases.add("queue", started - queued)
-        return result, compute_s
+        return result, compute_s, steps_done
 
     def _encode_gradient(self, grad_inputs: torch.Tensor, header: ChainRequest, caller: str) -> EncodedTensor:
         """'grad_inputs' in the codec the caller asked for; top-k keeps its residual here, the

@@ -115,7 +115,7 @@ class StageRpcService:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
                 # queueing, not compute (a trainer that counted it would think its busiest replica slow).
                 priority = BACKWARD if rpc == "backward" else FORWARD  # 1F1B: a backward waits less
-                (outputs, loss, grad_sample), compute_started, compute_s = await asyncio.wrap_future(
+                (outputs, loss, grad_sample, steps_done), compute_started, compute_s = await asyncio.wrap_future(
                     submit_at(self.compute, priority, compute_timed, serving, self._compute, header, tensors)
                 )
             phases.add("queue", compute_started - decoded_at)
@@ -128,7 +128,12 @@ class StageRpcService:
                 compute_s, queue_s = serving.runtime.claimed_times(compute_s, queue_s)
                 lost = serving.runtime.answer_lost(rpc)  # --faults lose_answer
             response = ResponseHeader(
-                loss=loss, compute_s=compute_s, queue_s=queue_s, busy=busy_reading(serving), grad_sample=grad_sample
+                loss=loss,
+                compute_s=compute_s,
+                queue_s=queue_s,
+                busy=busy_reading(serving),
+                grad_sample=grad_sample,
+                steps_done=steps_done,
             )
             serving.served_one()
         except ActivationCacheMissError as e:  # routine, not a failure: the trainer resends with the inputs
@@ -212,11 +217,16 @@ class StageRpcService:
             raise WrongStageError(f"this peer serves stage {runtime.stage}, not stage {header.stage}")
 
     def _compute(self, header: RequestHeader, tensors: dict[str, torch.Tensor]):
-        """Runs on the compute thread (where a move swaps the runtime: read it once, here). Returns
-        the named tensors to answer, the loss and the gradient sample (a backward that asked for it)."""
+        """Runs on the compute thread (where a move swaps the runtime, and a commit steps it: read it
+        once, here). Returns the named tensors to answer, the loss, the gradient sample (a backward
+        that asked for it) and the steps the parameters computed on had taken."""
         runtime = self.serving.runtime
         if header.stage != runtime.stage:  # the peer moved while this request waited for the thread
             raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
+        return (*self._answer(runtime, header, tensors), runtime.steps_done)
+
+    def _answer(self, runtime: StageRuntime, header: RequestHeader, tensors: dict[str, torch.Tensor]):
+        """`_compute`'s answer but the steps: what the request asks of `runtime`."""
         inputs = tensors.get("inputs")
         if header.inputs_cached and header.rpc == "backward":
             if inputs is not None:

@@ -70,6 +70,7 @@ class CallCounters:
     verify_undecided: int = (
         0  # checks of three or more answers in which no minority showed: each a mismatch, nobody banned
     )
+    verify_stale: int = 0  # recomputes not compared: another trainer's commit stepped the replicas in between
     verify_records_missing: int = 0  # chains (direct routing) picked for a check whose hop records could not be had
     verify_largest_agreeing_share: float = 0.0  # the tolerance's margin: the largest share of it two agreeing used
     verify_largest_agreeing_difference: float = 0.0  # ... and the relative difference that was

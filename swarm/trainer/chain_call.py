@@ -53,6 +53,11 @@ class ChainAnswer:
     loss: float
     served_by: list[str]  # the replica that served each stage
     grad_samples: list[list[float]] = field(default_factory=list)  # each stage's gradient sample (spot checks)
+    steps_done: list[int] = field(default_factory=list)  # the steps each stage's parameters had taken (spot checks)
+
+    def steps_of(self, stage: int) -> int | None:
+        """The steps `stage`'s replica says its parameters had taken, or None when the chain did not say."""
+        return self.steps_done[stage] if len(self.steps_done) == len(self.served_by) else None
 
 
 class ChainCaller:
@@ -83,7 +88,7 @@ class ChainCaller:
         answer first). A record that cannot be fetched (evicted, the neighbour gone) leaves the call
         unchecked, counted."""
         caller, served_by, last = self.caller, chain.served_by, self.view.num_stages - 1
-        outputs, response, codec = {}, ResponseHeader(), ("none", ())
+        outputs, response, codec = {}, ResponseHeader(steps_done=chain.steps_of(stage)), ("none", ())
         try:
             if stage == 0:
                 inputs = encode_tensor(mb.inputs, "none")  # what the chain's first call carried
@@ -108,7 +113,9 @@ class ChainCaller:
                         served_by[stage - 1], stage - 1, microbatch_id, "grad_received", mb.size
                     )
                 sample = chain.grad_samples[stage] if stage < len(chain.grad_samples) else None
-                response = ResponseHeader(loss=chain.loss if stage == last else None, grad_sample=sample)
+                response = ResponseHeader(
+                    loss=chain.loss if stage == last else None, grad_sample=sample, steps_done=chain.steps_of(stage)
+                )
             if outputs:
                 codec = (next(iter(outputs.values()))[0].header.codec, ())
                 relative_error_bound(codec[0])  # a codec with no known error bound cannot be held to a tolerance
@@ -272,7 +279,7 @@ class ChainWork:
             engine.note_answered(peer_id, stage, "backward", self.mb.size)
         for stage, (peer_id, busy) in enumerate(zip(result.served_by, result.busy)):
             engine.contributions.busy(peer_id, stage, (busy.busy_s, busy.clock_s))
-        return ChainAnswer(result.loss, result.served_by, result.grad_samples)
+        return ChainAnswer(result.loss, result.served_by, result.grad_samples, result.steps_done)
 
     def unavailable(self, waited_s: float, attempts: Attempts) -> StageUnavailableError:
         empty = [s for s, n in enumerate(self.view.live_replicas()) if not n] or [0]

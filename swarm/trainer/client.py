@@ -89,6 +89,7 @@ class ChainResult:
     busy: list[ComputeBusy] = field(default_factory=list)  # each served_by peer's compute clock, as stated
     grad_samples: list[list[float]] = field(default_factory=list)  # each stage's gradient sample (keep_records)
     samples_problem: str | None = None  # ... why they are not the ones owed (ChainResponse.samples_problem)
+    steps_done: list[int] = field(default_factory=list)  # the steps each stage's parameters had taken, as stated
 
 
 class StageClient:
@@ -306,6 +307,7 @@ class StageClient:
             list(response.busy),
             [list(sample) for sample in response.grad_samples],
             response.samples_problem() if keep_records else None,
+            list(response.steps_done),
         )
 
     async def _read_chain(self, peer_id: str, request, limits: StreamLimits) -> Received[ChainResponse]:

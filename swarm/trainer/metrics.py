@@ -146,6 +146,12 @@ class TrainerMetrics:
             ["stage"],
             registry=r,
         )
+        self.verify_stale = Counter(
+            "swarm_trainer_verify_stale_total",
+            "Spot checks not compared: another trainer's commit stepped the replicas between the call and its recompute",
+            ["stage"],
+            registry=r,
+        )
         # what each peer did for this trainer (swarm/trainer/contributions.py), since the trainer started
         self.peer_counts = {
             field: Gauge(
@@ -187,7 +193,8 @@ class TrainerMetrics:
             self.live_replicas.labels(stage=str(stage))
             for rpc in ("forward", "backward"):
                 self.calls.labels(stage=str(stage), rpc=rpc)
-            for counter in (self.calls_verified, self.verify_mismatches, self.verify_bans, self.verify_disputes):
+            checks = (self.calls_verified, self.verify_mismatches, self.verify_bans, self.verify_disputes)
+            for counter in (*checks, self.verify_stale):
                 counter.labels(stage=str(stage))
 
     def set_contributions(self, contributions: dict[str, dict]) -> None:

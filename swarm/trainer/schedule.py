@@ -338,6 +338,7 @@ class StepSchedule:
         tasks: dict[asyncio.Task, Microbatch] = {}
         finished: list[tuple[float, int]] = []
         self.checks_open = True
+        self.caller.steps_may_move = True  # another trainer may commit between a call and its check
         try:
             while not progress.status().over:
                 if len(tasks) < self.max_in_flight and progress.may_send():
@@ -638,6 +639,7 @@ class StepSchedule:
                 )
             repairs += [(stage, repair) for repair in replicas_to_repair(believed)]
             seen.update({p: a.steps_done for p, a in believed.items()})
+            self.caller.steps_committed.update({(stage, p): a.steps_done for p, a in believed.items()})
         if not repairs:
             return
         for stage, repair in repairs:
@@ -654,6 +656,7 @@ class StepSchedule:
             previous = answers[stage][peer_id]
             answers[stage][peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
             self._steps_seen.setdefault(stage, {})[peer_id] = result.steps_done
+            self.caller.steps_committed[(stage, peer_id)] = result.steps_done
 
     async def _catch_up(
         self, step_id: str, calls: list[tuple[int, str, dict, str]], timeout_s: float

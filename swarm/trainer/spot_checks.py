@@ -11,7 +11,8 @@ that crossed in it. `judge` finds the majority among up to `MAX_OPINIONS` answer
 rest; two answers that disagree with no third to ask are a `Dispute`, held for a `third_opinion`.
 A further opinion comes from the replicas checks contradicted least (`least_contradicted`).
 Only sync replicas of one averaging group that compute on their own parameters are compared
-(`comparable_replicas`, `unchecked_because`). The reasoning and the measurements:
+(`comparable_replicas`, `unchecked_because`), and only answers of the same step
+(`recompute_is_stale`). The reasoning and the measurements:
 docs/design/trainer.md, benchmarks/RESULTS.md ("Every answer checkable").
 """
 
@@ -245,6 +246,21 @@ class Dispute:
     peers: tuple[str, str]  # the checked replica, its checker
     share: float  # the share of the tolerance their answers' difference used (> 1)
     step: int  # the trainer's step it was answered in: a third opinion must come from the same
+
+
+def recompute_is_stale(
+    checked_steps: int | None, recompute_steps: int | None, *, steps_may_move: bool, floor: int = 0
+) -> bool:
+    """Whether a recompute cannot be compared with the answer it checks because the replicas stepped
+    between the two: the checked replica computed at `checked_steps` (the optimizer steps its
+    parameters had taken, as it says), the recompute at more. Only where another trainer's commit
+    may land between a call and its check (several trainers share the run's steps: `steps_may_move`);
+    a single trainer commits after its checks, so there a difference of steps excuses nothing. Nor
+    does a claim below `floor`, the steps that replica answered this trainer's last commit with, nor
+    an answer that states no steps."""
+    if not steps_may_move or checked_steps is None or recompute_steps is None:
+        return False
+    return floor <= checked_steps < recompute_steps
 
 
 def third_opinion(dispute: Dispute, comparable: Iterable[str], excluded: Set[str], step: int) -> str | None:

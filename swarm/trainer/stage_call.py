@@ -46,6 +46,7 @@ from swarm.trainer.spot_checks import (
     difference,
     judge,
     least_contradicted,
+    recompute_is_stale,
     third_opinion,
     unchecked_because,
 )
@@ -150,6 +151,11 @@ class StageCaller:
         # disputes (two answers apart, no third replica to ask) held for a third opinion within their step
         self.held: list[tuple[Dispute, _Check, dict[str, StageAnswer]]] = []
         self.disputes_unresolved: list[Dispute] = []  # ... and those none could settle, the latest
+        # several trainers share the run's steps: another's commit may step the replicas between a
+        # call and its check (the schedule sets it), and the steps each replica answered our last
+        # commit with, which no answer to a later call may claim less than (`recompute_is_stale`)
+        self.steps_may_move = False
+        self.steps_committed: dict[tuple[int, str], int] = {}  # (stage, peer id) -> steps
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
     def _encode(
@@ -213,7 +219,7 @@ class StageCaller:
         check = _Check(stage, call, microbatch_id, batch_size, tuple(request or answer.request), answer, step)
         by_peer = {answer.peer_id: answer}
         second = await self._ask_another(check, avoid=set(by_peer))
-        if second is None:  # no other replica, or it failed: unverified
+        if second is None or self._stale(check, second):  # nobody to compare with: unverified
             return answer
         by_peer[second.peer_id] = second
         verdict = self._judge(check, by_peer)
@@ -228,7 +234,7 @@ class StageCaller:
         self.metrics.verify_mismatches.labels(stage=str(stage)).inc()
         while not verdict.decided and len(by_peer) < MAX_OPINIONS:  # more opinions until a majority shows
             another = await self._ask_another(check, avoid=set(by_peer), least_contradicted_first=True)
-            if another is None:
+            if another is None or self._stale(check, another):
                 break
             by_peer[another.peer_id] = another
             verdict = self._judge(check, by_peer)
@@ -239,6 +245,26 @@ class StageCaller:
             self._hold(dispute, check, by_peer)
             return answer
         return by_peer[self._settle(check, by_peer, verdict)]
+
+    def _stale(self, check: _Check, recompute: StageAnswer) -> bool:
+        """Whether `recompute` came after the replicas stepped past the checked answer's step (another
+        trainer committed in between): not compared, counted."""
+        checked = check.answer
+        stale = recompute_is_stale(
+            checked.response.steps_done,
+            recompute.response.steps_done,
+            steps_may_move=self.steps_may_move,
+            floor=self.steps_committed.get((check.stage, checked.peer_id), 0),
+        )
+        if stale:
+            self.counters.verify_stale += 1
+            self.metrics.verify_stale.labels(stage=str(check.stage)).inc()
+            logger.debug(
+                f"stage {check.stage}: {check.microbatch_id} not compared: {checked.peer_id[-8:]} computed it at "
+                f"{checked.response.steps_done} steps, {recompute.peer_id[-8:]} recomputed it at "
+                f"{recompute.response.steps_done}"
+            )
+        return stale
 
     def _judge(self, check: _Check, by_peer: dict[str, StageAnswer]) -> Verdict:
         verdict = judge({p: self._compared(check, a) for p, a in by_peer.items()}, check.codec)
@@ -304,6 +330,8 @@ class StageCaller:
                 candidates = self._comparable(check.stage, check.answer.peer_id)
                 if third_opinion(dispute, candidates, excluded, step) is not None:
                     third = await self._ask_another(check, avoid=set(by_peer), least_contradicted_first=True)
+                    if third is not None and self._stale(check, third):
+                        third = None
             if third is None:  # nobody could tell: a mismatch for each of the two
                 self.contributions.verified(check.stage, by_peer, agreed=False)
                 self.counters.verify_disputes_unresolved += 1

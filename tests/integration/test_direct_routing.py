@@ -78,6 +78,55 @@ def test_a_peer_refuses_a_chained_call_for_a_stage_it_does_not_serve(make_swarm)
     assert peer.alive
 
 
+def test_answers_state_the_steps_their_replicas_parameters_had_taken(make_swarm, tmp_path):
+    """What a spot check of several trainers compares answers by (swarm/trainer/spot_checks.py,
+    `recompute_is_stale`): after a 3-step run, a peer's forward states 3 steps, and a chain's answer
+    states each stage's."""
+    config = get_model_config("tiny")
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0), swarm.start_peer(1)]
+    swarm.wait_online(peers)
+    run_trainer(swarm, tmp_path, "--steps", "3", "--batch-size", "4", "--microbatch-size", "2")
+    first, second = (re.search(r"peer (\S+) online", p.log()).group(1) for p in peers)
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), client_mode=True)
+
+    async def scenario():
+        p2p = await dht.replicate_p2p()
+        client = StageClient(
+            p2p, model="tiny", num_stages=2, credential=swarm.issue_credential(p2p.peer_id.to_base58())
+        )
+        tokens = torch.randint(0, config.vocab_size, (2, config.seq_len))
+        recompute = await client.exchange(
+            first,
+            rpc="forward",
+            stage=0,
+            microbatch_id="m-steps",
+            batch_size=2,
+            tensors=[("inputs", encode_tensor(tokens))],
+            timeout_s=30.0,
+            check_precision="fp32",
+        )
+        chain = await client.train_chain(
+            first,
+            microbatch_id="m-chain",
+            batch_size=2,
+            tensors=[("inputs", encode_tensor(tokens)), ("targets", encode_tensor(tokens))],
+            route=[[second]],
+            timeout_s=30.0,
+            trainer_id=p2p.peer_id.to_base58(),
+        )
+        client.close()
+        return recompute.response.steps_done, chain.served_by, chain.steps_done
+
+    try:
+        steps, served_by, chain_steps = asyncio.run(scenario())
+    finally:
+        dht.shutdown()
+        stop_together(peers)
+    assert steps == 3 and served_by == [first, second] and chain_steps == [3, 3], (steps, chain_steps)
+
+
 # A stage-0 replica dies mid-run: the trainer drives its microbatches again, from the start, on a new route.
 def test_sigkill_of_a_stage_0_replica_during_a_direct_run_loses_nothing(make_swarm, tmp_path):
     # As tests/integration/test_failover.py's hub version: routing failover, not averaging.

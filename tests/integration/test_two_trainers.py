@@ -22,6 +22,7 @@ from tests.integration.test_replicas import assert_same_params, stage_params
 pytestmark = pytest.mark.slow
 
 STEPS = 12  # the run's global steps: enough for the victim to start and send in some before the survivor ends
+CHECKED_STEPS = 30  # every call checked: before the step-aware checks, 2 runs of 3 found honest answers apart
 
 
 def start_2x2_sync_swarm(make_swarm, tmp_path, lr: float):
@@ -107,3 +108,29 @@ def test_two_trainers_clip_the_shared_step_by_one_global_norm(make_swarm, tmp_pa
     # SGD at lr 0.5 moves the whole model by at most 0.5 x clip a step when every step is clipped
     # (unclipped, the first step alone would move it by 0.5 x norms[0][0])
     assert moved_sq**0.5 <= steps * 0.5 * clip * 1.001, (moved_sq**0.5, norms)
+
+
+def test_two_trainers_that_spot_check_every_call_ban_no_honest_replica(make_swarm, tmp_path):
+    """Spot checks with several trainers: one trainer's commit can step the replicas between another's
+    call and its recompute. Those recomputes are of another step and are not compared (counted
+    stale); every replica here is honest, so no check may find a mismatch, and none is banned. The
+    last stage has three replicas, where a mismatch would ban."""
+    swarm = make_swarm(num_stages=2, peer_args=["--averaging", "sync"])
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(0), *(swarm.start_peer(1) for _ in range(3))]
+    swarm.wait_online(peers)
+    common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--steps", str(CHECKED_STEPS)]
+    common += ["--verify-fraction", "1.0"]
+    trainers = [
+        swarm.start_trainer(*common, "--data-shard", f"{i}/2", "--report", str(tmp_path / f"t{i}.json"), name=f"t{i}")
+        for i in range(2)
+    ]
+    for trainer in trainers:
+        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    stop_together(peers)
+    reports = [json.loads((tmp_path / f"t{i}.json").read_text()) for i in range(2)]
+    for report in reports:
+        checked = {k: report[k] for k in ("calls_verified", "verify_mismatches", "verify_disputes", "verify_stale")}
+        assert report["steps"] == CHECKED_STEPS and report["microbatches_lost"] == 0, report
+        assert report["calls_verified"] > 0 and report["verify_mismatches"] == 0, checked
+        assert report["banned_peers"] == {}, (report["banned_peers"], checked)

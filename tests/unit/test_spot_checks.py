@@ -28,6 +28,7 @@ from swarm.trainer.spot_checks import (
     difference,
     judge,
     least_contradicted,
+    recompute_is_stale,
     relative_difference,
     third_opinion,
     tolerance,
@@ -123,10 +124,13 @@ class ScriptedReplicas:
     the last stage (it gets targets) the input gradient inputs / 2, the loss 3 + mean(inputs) and a
     gradient sample of the inputs' first 16 values / 10; a backward of stage 0 (it gets grad_outputs)
     no input gradient and the sample of (inputs * grad_outputs). The `liars` answer all of it times
-    1.05, the `noisy` with relative noise `noise` (another machine's rounding); `failing` raise."""
+    1.05, the `noisy` with relative noise `noise` (another machine's rounding); `failing` raise.
+    `steps`: the optimizer steps a replica's parameters have taken (default 0), which it states in its
+    answers; each step adds 0.25 to its forward's outputs, as a step moves the weights."""
 
-    def __init__(self, liars=(), failing=(), noisy=(), noise=0.0):
+    def __init__(self, liars=(), failing=(), noisy=(), noise=0.0, steps=None):
         self.liars, self.failing, self.noisy, self.noise, self.calls = set(liars), set(failing), set(noisy), noise, []
+        self.steps: dict[str, int] = dict(steps or {})
         self._generator = torch.Generator().manual_seed(5)
         self.cached: dict[tuple[str, str], torch.Tensor] = {}  # (replica, microbatch) -> its forward's inputs
 
@@ -155,9 +159,10 @@ class ScriptedReplicas:
         inputs = given["inputs"]
         if rpc == "forward" and not kw.get("check_precision"):
             self.cached[(peer_id, microbatch_id)] = inputs
+        steps = self.steps.get(peer_id, 0)
         if rpc == "forward":
-            outputs = {"outputs": self._told(peer_id, 2 * inputs + 1)}
-            header = ResponseHeader(compute_s=0.01)
+            outputs = {"outputs": self._told(peer_id, 2 * inputs + 1 + 0.25 * steps)}
+            header = ResponseHeader(compute_s=0.01, steps_done=steps)
         elif "targets" in given:
             outputs = {"grad_inputs": self._told(peer_id, inputs / 2)}
             loss = float(self._told(peer_id, torch.tensor(3.0 + float(inputs.mean()), dtype=torch.float64)))
@@ -621,3 +626,58 @@ def test_an_answer_that_owes_a_gradient_sample_must_carry_a_finite_one():
     for bad in (None, [], [float("nan")], [0.0] * 129):
         with pytest.raises(PeerCallError, match="gradient sample"):
             check_answer("p", 0, "backward", grad_sample=bad, **kwargs)
+
+
+# ---------------------------------------------------------------- several trainers: answers of another step
+
+
+def test_a_recompute_is_stale_only_where_another_trainer_may_have_stepped_the_replicas_since():
+    assert recompute_is_stale(3, 4, steps_may_move=True)
+    assert not recompute_is_stale(3, 4, steps_may_move=False)  # one trainer: its commits wait for its checks
+    assert not recompute_is_stale(4, 4, steps_may_move=True)  # the same step: compared
+    assert not recompute_is_stale(5, 4, steps_may_move=True)  # the checker lags: compared, a third settles it
+    assert not recompute_is_stale(3, 4, steps_may_move=True, floor=4)  # below what it answered our commit with
+    assert recompute_is_stale(4, 5, steps_may_move=True, floor=4)
+    assert not recompute_is_stale(None, 4, steps_may_move=True) and not recompute_is_stale(3, None, steps_may_move=True)
+
+
+def test_a_recompute_after_another_trainers_commit_is_not_compared_and_bans_nobody():
+    """Three honest replicas: the checked one answered at step 0; by the recompute the run's other
+    trainer has committed, and the others are at step 1 (their answers differ by the step). With
+    several trainers, nothing is compared and nothing counted against anyone; with one, the same
+    difference is a mismatch (a lagging replica's answer is wrong there), settled by the majority."""
+    for several, stale, banned in ((True, 1, []), (False, 0, ["peer-a"])):
+        client = ScriptedReplicas(steps={"peer-a": 0, "peer-b": 1, "peer-c": 1})
+        caller = make_caller(client, ["peer-a", "peer-b", "peer-c"])
+        caller.steps_may_move = several
+        answer, kept = forward_then_verify(caller, order=("peer-a", "peer-b", "peer-c"))
+        counters = caller.counters
+        assert (counters.verify_stale, list(counters.banned_peers)) == (stale, banned), counters
+        assert (counters.verify_mismatches, counters.verify_disputes) == ((0, 0) if several else (1, 0))
+        assert (kept is answer) is several
+        assert caller.contributions.get("peer-a").mismatches == (0 if several else 1)
+
+
+def test_an_answer_claiming_fewer_steps_than_its_replica_answered_our_commit_with_is_judged():
+    """A liar that says it computed before the last commit, to have its checks skipped as stale: our
+    own commit saw it at step 1, so a later answer of step 0 excuses nothing."""
+    client = ScriptedReplicas(steps={"peer-a": 0, "peer-b": 1, "peer-c": 1})
+    caller = make_caller(client, ["peer-a", "peer-b", "peer-c"])
+    caller.steps_may_move = True
+    caller.steps_committed[(0, "peer-a")] = 1
+    forward_then_verify(caller, order=("peer-a", "peer-b", "peer-c"))
+    assert caller.counters.verify_stale == 0 and list(caller.counters.banned_peers) == ["peer-a"]
+
+
+def test_a_dispute_is_not_settled_by_a_replica_that_stepped_since():
+    """Two replicas of step 0 disagree (one lies); the third, asked later, is at step 1 after another
+    trainer's commit: it cannot tell, so the dispute stays unresolved and nobody is banned."""
+    client = ScriptedReplicas(liars={"peer-liar"}, steps={"peer-a": 0, "peer-liar": 0, "peer-late": 1})
+    caller = make_caller(client, ["peer-a", "peer-liar"])
+    caller.steps_may_move = True
+    forward_then_verify(caller, order=("peer-liar", "peer-a"))
+    assert caller.counters.verify_disputes == 1
+    serve(caller.view, 0, ["peer-a", "peer-liar", "peer-late"])
+    asyncio.run(caller.settle_disputes(0))
+    counters = caller.counters
+    assert (counters.verify_stale, counters.verify_disputes_unresolved, counters.banned_peers) == (1, 1, {})
