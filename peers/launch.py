@@ -19,7 +19,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.announce import fetch_stage_records
-from dht.authority import RunAccess, RunInfo, credential_run_id, load_run, load_run_access
+from dht.authority import RunAccess, RunInfo, load_run, load_run_access
 from dht.model_match import check_same_model, check_same_vocabulary, describe_foreign, judging_records
 from dht.node import protect_models, start_dht, with_p2p_client
 from dht.plan_record import fetch_plan, stage_in_plan
@@ -35,7 +35,7 @@ from peers.config import AUTO_STAGE, PeerConfig
 from peers.metrics import PeerMetrics
 from peers.placement.split_claim import claim_split
 from peers.placement.stage_choice import choose_stage, choose_standby_stage
-from peers.run_spec import parse_spec, read_owner_spec, spec_payload
+from peers.run_spec import find_run_spec, parse_spec, spec_payload
 from peers.serving.host import PeerHost
 from peers.serving.run_follower import RunFollower
 from peers.settle import SettledPeer, settle
@@ -181,20 +181,9 @@ def join_run(
     peer_id = dht.peer_id.to_base58()
     authority = config.authority
     run_file = load_run(authority.run) if authority.run is not None else None
-    wanted_run = run_file.run_id if run_file is not None else credential_run_id(authority.credential)
-    choose = dict(
-        run_id=wanted_run,
-        owner_key=run_file.owner_public_key if run_file is not None else None,
-        model=config.model if "model" in given else None,
-        vouching=vouching_peers(config.network.initial_peers),
-    )
-    chosen = run_in_force(fetch_runs(dht), **choose)
-    signed = chosen.spec if chosen is not None else None
-    if signed is None and run_file is not None and os.path.isdir(authority.run):
-        signed = read_owner_spec(authority.run, run_file.owner_public_key)  # the owner's folder, not yet on the DHT
-    if signed is None and wanted_run is not None:  # a run with an authority but no spec: its peers' settings
-        chosen = run_in_force(fetch_runs(dht), model=choose["model"], vouching=choose["vouching"])
-        signed = chosen.spec if chosen is not None and not chosen.header.owned else None
+    model = config.model if "model" in given else None
+    vouching = vouching_peers(config.network.initial_peers)
+    signed = find_run_spec(fetch_runs(dht), authority, model=model, initial_peers=config.network.initial_peers)
     spec = parse_spec(signed) if signed is not None else None
     settled = settle(config, given, spec, device=device, available_bytes=available_bytes, created_at=get_dht_time())
     if settled.made_here:
@@ -204,7 +193,7 @@ def join_run(
         # (both apply the same rule to the same records), and this one takes it, or stops. The pause
         # lets a claim made before ours but stored after our read reach the DHT first.
         time.sleep(SPEC_CLAIM_WAIT_S)
-        winner = run_in_force(fetch_runs(dht), model=settled.spec.model, vouching=choose["vouching"])
+        winner = run_in_force(fetch_runs(dht), model=settled.spec.model, vouching=vouching)
         if winner is not None and winner.spec.digest != signed.digest:
             settled = settle(
                 config,

@@ -13,7 +13,8 @@
 added there is carried here too (except `LOCAL_REPLICA_OPTIONS`). The owner writes a spec (`swarm run
 create`: flags or TOML); a swarm with no owner takes its first peer's settings (`spec_of_peer`). A
 later version changes only the learning-rate schedule, from a stated step (`with_change`).
-peers/settle.py holds a peer to the spec; dht/run_specs.py carries it on the DHT.
+`find_run_spec` is which spec a peer or trainer joins. peers/settle.py holds a peer to the spec;
+dht/run_specs.py carries it on the DHT.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Collection, Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dht.run_specs import SignedSpec, SpecError, SpecHeader
+from dht.authority import RunAccessConfig, credential_run_id, load_run
+from dht.run_specs import KnownRun, SignedSpec, SpecError, SpecHeader, run_in_force, vouching_peers
 from models.config import GPTConfig
 from models.identity import model_fingerprint
 from peers.compute.lr_schedule import DECAYS, LearningRateSchedule, ScheduleHistory
@@ -328,6 +331,32 @@ def read_owner_spec(run_dir: str, owner_key: str) -> SignedSpec | None:
             f"the spec in {run_dir} is not signed by the owner of the run: it was changed, or is another run's"
         )
     return signed
+
+
+def find_run_spec(
+    runs: Collection[KnownRun], authority: RunAccessConfig, *, model: str | None, initial_peers: Iterable[str]
+) -> SignedSpec | None:
+    """The signed spec of the run a peer or trainer joins, among the runs announced on the DHT
+    (`dht.run_specs.fetch_runs`), or None (a swarm with no spec yet): the run in force for its
+    --run or its --credential's run (`run_in_force`; `model`: its --model if given); else the spec in
+    --run's owner folder, not on the DHT yet; else, for a run with an authority but no spec of its
+    own, the unowned spec its peers serve (its first peer's settings)."""
+    run_file = load_run(authority.run) if authority.run is not None else None
+    wanted = run_file.run_id if run_file is not None else credential_run_id(authority.credential)
+    vouching = vouching_peers(initial_peers)
+    owner_key = run_file.owner_public_key if run_file is not None else None
+    chosen = run_in_force(runs, run_id=wanted, owner_key=owner_key, model=model, vouching=vouching)
+    if chosen is not None:
+        return chosen.spec
+    if run_file is not None and os.path.isdir(authority.run):
+        own = read_owner_spec(authority.run, run_file.owner_public_key)
+        if own is not None:
+            return own
+    if wanted is not None:
+        chosen = run_in_force(runs, model=model, vouching=vouching)
+        if chosen is not None and not chosen.header.owned:
+            return chosen.spec
+    return None
 
 
 def read_spec(run_dir: str) -> SignedSpec | None:

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import hivemind
 
-from dht.authority import RunInfo, credential_run_id, load_run
+from dht.authority import RunInfo
 from dht.model_match import VocabularyMismatchError
-from dht.run_specs import SignedSpec, SpecError, fetch_runs, fetch_runs_async, run_in_force, vouching_peers
+from dht.run_specs import SignedSpec, SpecError, fetch_runs, fetch_runs_async
 from models.config import GPTConfig
 from models.interface import UserModelError
-from peers.run_spec import RunSpec, file_sha256, parse_spec, read_owner_spec
+from peers.run_spec import RunSpec, file_sha256, find_run_spec, parse_spec
 from peers.settle import SpecConflictError, check_own_model
 from process.config import option_values, replace_options
 from swarm.trainer.config import TrainerConfig
@@ -43,22 +42,9 @@ class SettledTrainer:
 
 
 def find_spec(dht: hivemind.DHT, config: TrainerConfig, given: Collection[str]) -> SignedSpec | None:
-    """The signed spec of the run this trainer joins (dht/run_specs.py's rule), or None."""
-    authority = config.authority
-    run_file = load_run(authority.run) if authority.run is not None else None
-    run_id = run_file.run_id if run_file is not None else credential_run_id(authority.credential)
-    chosen = run_in_force(
-        fetch_runs(dht),
-        run_id=run_id,
-        owner_key=run_file.owner_public_key if run_file is not None else None,
-        model=config.model if "model" in given else None,
-        vouching=vouching_peers(config.network.initial_peers),
-    )
-    if chosen is not None:
-        return chosen.spec
-    if run_file is not None and os.path.isdir(authority.run):  # the owner's own folder
-        return read_owner_spec(authority.run, run_file.owner_public_key)
-    return None
+    """The signed spec of the run this trainer joins (`find_run_spec`, a peer's rule), or None."""
+    model = config.model if "model" in given else None
+    return find_run_spec(fetch_runs(dht), config.authority, model=model, initial_peers=config.network.initial_peers)
 
 
 def settle_trainer(

@@ -11,7 +11,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.run_specs import SignedSpec, SpecAnnouncement, SpecError, known_runs, run_in_force, sign_spec, vouching_peers
 from peers.config import PeerConfig
-from peers.run_spec import RunSpec, parse_spec, spec_options, spec_payload
+from peers.run_spec import RunSpec, find_run_spec, parse_spec, spec_options, spec_payload
 from peers.settle import SpecConflictError, settle
 from process.config import ConfigError
 from swarm.run_authority import spec_file_options
@@ -110,6 +110,30 @@ def test_which_run_a_process_joins(keys):
     runs = known_runs([*announced(owned, first, "a"), *announced(later, first, "b"), *forged])
     assert [r.header.version for r in runs] == [2] and runs[0].announcers == {"a", "b"}  # who announces the run
     assert vouching_peers(["/ip4/1.2.3.4/tcp/1/p2p/QmAbc", "/ip4/1.2.3.4/tcp/2"]) == {"QmAbc"}
+
+
+def test_the_spec_a_peer_or_trainer_joins_is_its_runs_else_its_owner_folders_else_its_peers_settings(keys, tmp_path):
+    """One rule for peers and trainers (`find_run_spec`): with --run, the run's own spec on the DHT;
+    without one there, the spec in the owner's folder; without that either, the unowned spec the run's
+    first peer signed (the trainer missed this one, and trained on its own flags)."""
+    from dht.authority import RunAccessConfig, create_run, load_owner_key
+
+    first, _ = keys
+    peers_settings = announced(own_spec(), first, "a")
+    unowned = known_runs(peers_settings)
+    run = create_run(str(tmp_path / "run"), private=False, run_id="mine")
+    public = str(tmp_path / "run" / "run.json")
+    for given in (public, str(tmp_path / "run")):  # the public file, or the owner's folder (no spec in it)
+        found = find_run_spec(unowned, RunAccessConfig(run=given), model=None, initial_peers=[])
+        assert found is not None and found.digest == unowned[0].spec.digest
+    assert find_run_spec([], RunAccessConfig(run=public), model=None, initial_peers=[]) is None
+    assert find_run_spec(unowned, RunAccessConfig(run=public), model="small", initial_peers=[]) is None
+    assert find_run_spec(unowned, RunAccessConfig(), model=None, initial_peers=[]) is not None  # no run: as before
+    owner_key = load_owner_key(str(tmp_path / "run"), run)
+    owned = own_spec().model_copy(update={"owned": True, "run_id": "mine"})
+    runs = known_runs([*announced(owned, owner_key, "b"), *peers_settings])  # the run's own spec wins over the peers'
+    found = find_run_spec(runs, RunAccessConfig(run=public), model=None, initial_peers=[])
+    assert parse_spec(found).owned and parse_spec(found).run_id == "mine"
 
 
 def test_a_flag_that_contradicts_the_spec_is_refused_naming_both_values():
