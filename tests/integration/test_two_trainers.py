@@ -38,6 +38,20 @@ def start_2x2_sync_swarm(make_swarm, tmp_path, lr: float):
     return swarm, peers
 
 
+def run_two_trainers(swarm, peers, tmp_path, steps: int, *args: str) -> list[dict]:
+    """Two trainers on shards 0/2 and 1/2 of a `steps`-step run, until both exit (0); then the peers
+    are stopped. Their reports."""
+    common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--steps", str(steps), *args]
+    trainers = [
+        swarm.start_trainer(*common, "--data-shard", f"{i}/2", "--report", str(tmp_path / f"t{i}.json"), name=f"t{i}")
+        for i in range(2)
+    ]
+    for trainer in trainers:
+        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    stop_together(peers)
+    return [json.loads((tmp_path / f"t{i}.json").read_text()) for i in range(2)]
+
+
 def test_two_trainers_one_killed_mid_run_the_other_finishes_and_replicas_agree(make_swarm, tmp_path):
     swarm, peers = start_2x2_sync_swarm(make_swarm, tmp_path, lr=0.1)
     common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--log-every", "1"]
@@ -79,16 +93,7 @@ def test_two_trainers_clip_the_shared_step_by_one_global_norm(make_swarm, tmp_pa
     the first answer), so both find the same norm; a replica steps once, on the first scale it gets."""
     steps, clip = 6, 0.05  # a norm far below the gradient's: every step is clipped
     swarm, peers = start_2x2_sync_swarm(make_swarm, tmp_path, lr=0.5)
-    common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--steps", str(steps)]
-    common += ["--clip-grad-norm", str(clip)]
-    trainers = [
-        swarm.start_trainer(*common, "--data-shard", f"{i}/2", "--report", str(tmp_path / f"t{i}.json"), name=f"t{i}")
-        for i in range(2)
-    ]
-    for trainer in trainers:
-        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
-    stop_together(peers)
-    reports = [json.loads((tmp_path / f"t{i}.json").read_text()) for i in range(2)]
+    reports = run_two_trainers(swarm, peers, tmp_path, steps, "--clip-grad-norm", str(clip))
     assert all(r["steps"] == steps and r["microbatches_lost"] == 0 for r in reports), reports
     norms = [r["grad_norms"] for r in reports]
     shared = min(len(n) for n in norms)  # a trainer that joined a step late commits from there on
@@ -119,16 +124,7 @@ def test_two_trainers_that_spot_check_every_call_ban_no_honest_replica(make_swar
     swarm.start_bootstrap()
     peers = [swarm.start_peer(0), *(swarm.start_peer(1) for _ in range(3))]
     swarm.wait_online(peers)
-    common = ["--num-stages", "2", "--batch-size", "8", "--microbatch-size", "2", "--steps", str(CHECKED_STEPS)]
-    common += ["--verify-fraction", "1.0"]
-    trainers = [
-        swarm.start_trainer(*common, "--data-shard", f"{i}/2", "--report", str(tmp_path / f"t{i}.json"), name=f"t{i}")
-        for i in range(2)
-    ]
-    for trainer in trainers:
-        assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
-    stop_together(peers)
-    reports = [json.loads((tmp_path / f"t{i}.json").read_text()) for i in range(2)]
+    reports = run_two_trainers(swarm, peers, tmp_path, CHECKED_STEPS, "--verify-fraction", "1.0")
     for report in reports:
         checked = {k: report[k] for k in ("calls_verified", "verify_mismatches", "verify_disputes", "verify_stale")}
         assert report["steps"] == CHECKED_STEPS and report["microbatches_lost"] == 0, report
