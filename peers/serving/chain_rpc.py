@@ -412,7 +412,8 @@ class ChainService:
             runtime: StageRuntime = self.stages.serving.runtime
             if header.stage != runtime.stage or self.stages.serving.state == PeerState.STANDBY:
                 raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
-            return compute(runtime), runtime.steps_done
+            steps_done = runtime.steps_done  # before: a backward that completes the peer's own batch steps it
+            return compute(runtime), steps_done
 
         serving = self.stages.serving
         queued = time.perf_counter()

@@ -223,7 +223,8 @@ class StageRpcService:
         runtime = self.serving.runtime
         if header.stage != runtime.stage:  # the peer moved while this request waited for the thread
             raise WrongStageError(f"this peer moved to stage {runtime.stage}, not serving stage {header.stage}")
-        return (*self._answer(runtime, header, tensors), runtime.steps_done)
+        steps_done = runtime.steps_done  # before: a backward that completes the peer's own batch steps it
+        return (*self._answer(runtime, header, tensors), steps_done)
 
     def _answer(self, runtime: StageRuntime, header: RequestHeader, tensors: dict[str, torch.Tensor]):
         """`_compute`'s answer but the steps: what the request asks of `runtime`."""
