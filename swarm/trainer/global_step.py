@@ -18,6 +18,7 @@ DHT reads and writes, on the trainer's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -120,6 +121,8 @@ class SharedProgress:
         self.run = secrets.token_hex(6)
         self.others: list[TrainerProgress] = []
         self._read_at = 0.0
+        self._publishing: asyncio.Task | None = None  # `publish_soon`'s store under way
+        self._changed_since = False  # ... and the record changed meanwhile
         self.begin(0)
 
     async def join(self, at_least: int = 0) -> int:
@@ -180,6 +183,30 @@ class SharedProgress:
         self._published_at = time.monotonic()
         if not await publish_progress_async(self.dht, self.record()):
             logger.warning(f"could not publish this trainer's progress of step {self.step}")
+
+    def publish_soon(self, *, unless_within_s: float = 0.0) -> None:
+        """`publish` in the background: a store takes tens of milliseconds, which the trainer's loop
+        spends streaming microbatches instead. A record that changes while one is under way is
+        stored again once it is done; stores of one record never overlap (a record that arrives
+        late loses to a later one anyway: the DHT keeps the latest expiry)."""
+        if time.monotonic() - self._published_at < unless_within_s:
+            return
+        if self._publishing is not None and not self._publishing.done():
+            self._changed_since = True
+            return
+        self._publishing = asyncio.ensure_future(self._publish_until_current())
+
+    async def _publish_until_current(self) -> None:
+        while True:
+            self._changed_since = False
+            await self.publish()
+            if not self._changed_since:
+                return
+
+    async def published(self) -> None:
+        """Once no `publish_soon` store is under way (before the final `publish` of a step)."""
+        if self._publishing is not None:
+            await self._publishing
 
     async def refresh(self, *, every_s: float = REFRESH_S) -> None:
         """Read the others' progress, at most every `every_s`."""

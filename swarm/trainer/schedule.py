@@ -346,7 +346,7 @@ class StepSchedule:
                     tasks[asyncio.ensure_future(self.run_microbatch(mb))] = mb
                     progress.sent(mb.size)
                     continue
-                await progress.publish(unless_within_s=HEARTBEAT_S)  # our claims, and a sign of life
+                progress.publish_soon(unless_within_s=HEARTBEAT_S)  # our claims, and a sign of life
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=REFRESH_S, return_when=asyncio.FIRST_COMPLETED)
                 else:
@@ -357,7 +357,7 @@ class StepSchedule:
                     finished.append((task.result(), mb.size))
                     progress.note(mb.size, self._served)
                 if done:
-                    await progress.publish()
+                    progress.publish_soon()
                 await progress.refresh()
             # ours in flight finish (the replicas accumulate them into this step, or the next), unchecked:
             # another trainer may commit the step while they are in flight
@@ -369,6 +369,7 @@ class StepSchedule:
         finally:
             for task in tasks:
                 task.cancel()
+        await progress.published()
         await progress.publish()
         await progress.refresh(every_s=0.0)
         await self.commit_step(global_step_id(progress.run, progress.step), served=progress.caps())
