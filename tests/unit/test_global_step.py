@@ -115,3 +115,38 @@ def test_claims_that_are_never_finished_cannot_stall_a_step():
 
 def test_alone_a_trainer_sends_the_whole_batch_at_once():
     assert may_send(0, 0, 6, [], batch=8, now=NOW) and not may_send(0, 0, 8, [], batch=8, now=NOW)
+
+
+def test_progress_stored_in_the_background_coalesces_and_the_last_store_waits_for_it(monkeypatch):
+    """`publish_soon` never awaits the DHT: a store under way takes the record's later changes in one
+    more store (stores never overlap), and `published` waits for them before the step's last one."""
+    import asyncio
+
+    import swarm.trainer.global_step as global_step
+
+    stored: list[int] = []
+    running = []
+
+    async def store(dht, record):
+        running.append(1)
+        assert len(running) == 1  # one store at a time
+        await asyncio.sleep(0.05)
+        stored.append(record.samples)
+        running.pop()
+        return True
+
+    monkeypatch.setattr(global_step, "publish_progress_async", store)
+
+    async def scenario():
+        progress = global_step.SharedProgress(None, model="tiny", num_stages=2, batch=8, peer_id="me")
+        for samples in (2, 2, 2):
+            progress.sent(samples)
+            progress.note(samples, {})
+            progress.publish_soon()
+            await asyncio.sleep(0)  # the first store starts with 2 samples; the other two changes wait
+        assert stored == []  # nothing awaited
+        await progress.published()
+        return progress
+
+    progress = asyncio.run(scenario())
+    assert stored == [2, 6] and progress.samples == 6  # the first record, then the latest in one store
