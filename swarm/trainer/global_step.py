@@ -62,14 +62,18 @@ def may_send(
     """Whether this trainer sends another microbatch of `step`: the samples finished and in flight
     (ours, and the others' as their fresh records claim them) fall short of the batch, and ours in
     flight are under our share of it (the batch over the trainers at work), so that trainers that
-    start a step together split it instead of each sending all of it. Our share we may always send,
-    whatever the others claim: a claim that is never finished (a forged record, renewed) cannot
-    stall the step, and costs at most a share more samples in it."""
+    start a step together split it instead of each sending all of it. A trainer whose fresh record
+    is still on an earlier step (its record of this one is not stored yet) claims its share, so that
+    the first to reach a step does not fill the batch on a view that cannot show the other sending.
+    Our share we may always send, whatever the others claim: a claim that is never finished (a
+    forged record, renewed) cannot stall the step, and costs at most a share more samples in it."""
+    fresh = [r for r in others if now - r.published_at <= CLAIM_S]
+    trainers = 1 + len(fresh)
+    share = -(-batch // trainers)
     on_step = [r for r in others if r.step == step]
     claimed = sum(min(r.samples, batch) for r in on_step)
     claimed += sum(min(r.in_flight, batch) for r in on_step if now - r.published_at <= CLAIM_S)
-    trainers = 1 + sum(1 for r in others if now - r.published_at <= CLAIM_S)
-    share = -(-batch // trainers)
+    claimed += share * sum(1 for r in fresh if r.step < step)
     ours = own_samples + own_in_flight
     return own_in_flight < share and (ours + claimed < batch or ours < share)
 

@@ -107,6 +107,16 @@ def test_trainers_that_start_a_step_together_split_it():
     assert may_send(4, 2, 2, [busy], batch=8, now=NOW + CLAIM_S + 1)
 
 
+def test_a_trainer_whose_record_is_still_on_the_last_step_claims_its_share_of_this_one():
+    """The first trainer on a step sees the other's record of the step before (stored a moment
+    ago): it sends its share, not the whole batch (two trainers trained 1.8x the batch a step on
+    `tiny` before this); once that record goes stale, the other claims nothing."""
+    behind = progress("QmB", 3, 4)
+    assert may_send(4, 0, 2, [behind], batch=8, now=NOW) and not may_send(4, 0, 4, [behind], batch=8, now=NOW)
+    assert not may_send(4, 4, 0, [behind], batch=8, now=NOW)  # ours 4 + its share 4 fill the batch
+    assert may_send(4, 4, 0, [behind], batch=8, now=NOW + CLAIM_S + 1)
+
+
 def test_claims_that_are_never_finished_cannot_stall_a_step():
     forged = progress("QmEvil", 4, 0, in_flight=10**6)  # renewed forever, never finished
     assert may_send(4, 0, 0, [forged], batch=8, now=NOW) and may_send(4, 2, 0, [forged], batch=8, now=NOW)
