@@ -72,7 +72,7 @@ def may_send(
     share = -(-batch // trainers)
     on_step = [r for r in others if r.step == step]
     claimed = sum(min(r.samples, batch) for r in on_step)
-    claimed += sum(min(r.in_flight, batch) for r in fresh if r.step == step)
+    claimed += sum(min(r.in_flight, batch) for r in on_step if now - r.published_at <= CLAIM_S)
     claimed += share * sum(1 for r in fresh if r.step < step)
     ours = own_samples + own_in_flight
     return own_in_flight < share and (ours + claimed < batch or ours < share)

@@ -193,14 +193,8 @@ class TrainerMetrics:
             self.live_replicas.labels(stage=str(stage))
             for rpc in ("forward", "backward"):
                 self.calls.labels(stage=str(stage), rpc=rpc)
-            checks = (
-                self.calls_verified,
-                self.verify_mismatches,
-                self.verify_bans,
-                self.verify_disputes,
-                self.verify_stale,
-            )
-            for counter in checks:
+            checks = (self.calls_verified, self.verify_mismatches, self.verify_bans, self.verify_disputes)
+            for counter in (*checks, self.verify_stale):
                 counter.labels(stage=str(stage))
 
     def set_contributions(self, contributions: dict[str, dict]) -> None:

@@ -206,7 +206,7 @@ class StepSchedule:
         # caps each replica's weight in the sync average at its count
         self._served: dict[int, dict[str, int]] = {}
         # the steps each sync replica answered at the last commit, by stage: what a repair believes
-        self._steps_seen: dict[int, dict[str, int]] = caller.steps_committed  # the spot checks' floor too
+        self._steps_seen: dict[int, dict[str, int]] = {}
         self._background: set[asyncio.Task] = set()  # commits of replicas that step alone, not waited for
         # replicas whose commit failed, by (stage, peer id): their record's expiry then; left out of the
         # commits until the record is renewed (a dead one's never is, until it expires)
@@ -640,6 +640,7 @@ class StepSchedule:
                 )
             repairs += [(stage, repair) for repair in replicas_to_repair(believed)]
             seen.update({p: a.steps_done for p, a in believed.items()})
+            self.caller.steps_committed.update({(stage, p): a.steps_done for p, a in believed.items()})
         if not repairs:
             return
         for stage, repair in repairs:
@@ -656,6 +657,7 @@ class StepSchedule:
             previous = answers[stage][peer_id]
             answers[stage][peer_id] = previous.model_copy(update={"steps_done": result.steps_done})
             self._steps_seen.setdefault(stage, {})[peer_id] = result.steps_done
+            self.caller.steps_committed[(stage, peer_id)] = result.steps_done
 
     async def _catch_up(
         self, step_id: str, calls: list[tuple[int, str, dict, str]], timeout_s: float

@@ -155,7 +155,7 @@ class StageCaller:
         # call and its check (the schedule sets it), and the steps each replica answered our last
         # commit with, which no answer to a later call may claim less than (`recompute_is_stale`)
         self.steps_may_move = False
-        self.steps_committed: dict[int, dict[str, int]] = {}  # stage -> peer id -> steps (the schedule's)
+        self.steps_committed: dict[tuple[int, str], int] = {}  # (stage, peer id) -> steps
         self.metrics: TrainerMetrics = view.metrics  # one registry for the view, the calls and the schedule
 
     def _encode(
@@ -254,7 +254,7 @@ class StageCaller:
             checked.response.steps_done,
             recompute.response.steps_done,
             steps_may_move=self.steps_may_move,
-            floor=self.steps_committed.get(check.stage, {}).get(checked.peer_id, 0),
+            floor=self.steps_committed.get((check.stage, checked.peer_id), 0),
         )
         if stale:
             self.counters.verify_stale += 1

@@ -664,7 +664,7 @@ def test_an_answer_claiming_fewer_steps_than_its_replica_answered_our_commit_wit
     client = ScriptedReplicas(steps={"peer-a": 0, "peer-b": 1, "peer-c": 1})
     caller = make_caller(client, ["peer-a", "peer-b", "peer-c"])
     caller.steps_may_move = True
-    caller.steps_committed[0] = {"peer-a": 1}
+    caller.steps_committed[(0, "peer-a")] = 1
     forward_then_verify(caller, order=("peer-a", "peer-b", "peer-c"))
     assert caller.counters.verify_stale == 0 and list(caller.counters.banned_peers) == ["peer-a"]
 
