@@ -118,13 +118,17 @@ def test_a_standby_peer_takes_over_a_stage_that_lost_its_last_replica(make_swarm
     )
     wait_for(lambda: "standby for stage 1" in standby.log(), 60, "the standby to pick the thinnest stage, 1")
     train = ["--batch-size", "8", "--microbatch-size", "2", "--num-stages", "2", "--refresh-period-s", "1"]
-    first = swarm.start_trainer("--steps", "6", *train, name="trainer-1")
+    trained = 6  # the first trainer's steps: stage 1's only replica takes every one
+    first = swarm.start_trainer("--steps", str(trained), *train, name="trainer-1")
     assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
     replica = re.search(r"peer (\w+) online", peers[2].log()).group(1)
-    trained = wait_for(
-        lambda: announced_steps(swarm_cli, swarm, replica), 30, "stage 1's replica to announce its steps"
+    # The replica announces a step a while after it commits it (a run saw 5 announced, then 6 loaded):
+    # wait for all of the trainer's steps, or the standby's refresh can overtake the figure read here.
+    wait_for(
+        lambda: announced_steps(swarm_cli, swarm, replica) == trained,
+        30,
+        f"stage 1's only replica to announce the trainer's {trained} steps",
     )
-    assert trained > 0, trained
     wait_for(
         lambda: f"loaded stage 1 state from replica {replica[-8:]} ({trained} steps done)" in standby.log(),
         40,
