@@ -84,6 +84,7 @@ class PeerRecord(BaseModel):
     gloo: str | None = Field(
         default=None, max_length=64, pattern=r"^[0-9.]+:[0-9]+$", description="exact sync over gloo: its rendezvous"
     )
+    sync_exchange: bool = Field(default=False, description="exact sync: fetches gradients over its own RPC")
 
     def to_wire(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -39,8 +39,8 @@ from peers.compute.faults import FaultSettings
 from peers.compute.stage_runtime import OptimizerSettings
 from peers.compute.weight_prediction import WEIGHT_PREDICTIONS
 from peers.placement.link_probe import ProbeSettings
+from peers.replicas.averaging_choice import AVERAGING_TRANSPORTS
 from peers.replicas.averaging_schedule import AveragingSchedule
-from peers.replicas.gloo_allreduce import AVERAGING_TRANSPORTS
 from peers.replicas.outer_rounds import OUTER_CODECS, OuterSchedule, PseudoGradientCodec
 from peers.replicas.outer_step import OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
@@ -297,8 +297,8 @@ class ReplicaSettings:
     )
     averaging_transport: str = option(
         "auto",
-        help="exact sync's all-reduce: gloo (torch.distributed's; only without a run authority), hivemind (its "
-        "averager) or auto (default: gloo where it may, else hivemind)",
+        help="exact sync's rounds: gloo (only without a run authority), exchange (replicas fetch each other's "
+        "gradients over their own transport), hivemind, or auto (default: gloo where it may, else exchange)",
         choices=list(AVERAGING_TRANSPORTS),
     )
     robust_averaging: str = option(
@@ -589,7 +589,7 @@ class PeerConfig:
             raise ConfigError("--model-dir and --init-weights both give the initial weights; give one")
         if self.replicas.averaging_transport == "gloo" and self.authority.run is not None:
             raise ConfigError(
-                "--averaging-transport gloo authenticates nobody: a run with an authority (--run) averages over hivemind"
+                "--averaging-transport gloo authenticates nobody: a run with an authority (--run) averages by exchange"
             )
         if self.placement.standby:
             if self.stage != AUTO_STAGE:

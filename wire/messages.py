@@ -49,6 +49,7 @@ from wire.protocol import (
     StateHeader,
     StateRequest,
     StreamClosedError,
+    SyncRoundRequest,
     decode_header,
     encode_header,
 )
@@ -65,6 +66,7 @@ _UIDS = {
     ProbeRequest: "probe",
     HopRecordRequest: "hop_record",
     OuterRoundRequest: "outer_round",
+    SyncRoundRequest: "sync_round",
 }
 
 

@@ -52,6 +52,7 @@ RPC_HOP_RECORD = "swarm.hop_record"  # direct routing's spot checks: what a peer
 RPC_CHAIN_PIECE = "swarm.chain_piece"  # direct routing: a piece of a chained call's tensors on a stream of its own
 RPC_DATA_PLANE = "swarm.data_plane"  # the port, certificate and caller token of the peer's data plane
 RPC_OUTER_ROUND = "swarm.outer_round"  # outer rounds: a replica's pseudo-gradient to its stage's other replicas
+RPC_SYNC_ROUND = "swarm.sync_round"  # exact sync: a replica fetches another's gradient of a commit (pull)
 
 MAX_HEADER_BYTES = 64 << 10  # one encoded header
 MAX_TENSORS = 4  # tensors in one request or response
@@ -391,6 +392,10 @@ class CommitRequest(BaseModel):
     # exact sync over gloo: the rendezvous ("ip:port") of the round's leader, the first of the named
     # replicas by peer id (peers/replicas/gloo_allreduce.py); None: hivemind's averager
     gloo_rendezvous: str | None = Field(default=None, max_length=64, pattern=r"^[0-9.]+:[0-9]+$")
+    # exact sync by fetching each other's gradients over the replicas' own RPC (the data plane, else
+    # p2pd; peers/replicas/sync_exchange.py), when every named replica announces it; without it (and
+    # without a gloo rendezvous): hivemind's averager
+    sync_exchange: bool = False
     # sync averaging with a one-step delay (`--sync-delay 1`): the run's steps are over; apply the
     # update still in flight and start no new round (replicas without a delay answer at once)
     flush: bool = False
@@ -498,6 +503,30 @@ class OuterRoundResponse(BaseModel):
 
     accepted: bool = False
     error: str | None = Field(default=None, max_length=1024)
+
+
+class SyncRoundRequest(BaseModel):
+    """A replica asks another replica of its stage for its gradient of one commit (exact sync's
+    exchange): answered once that replica has the commit, to the replicas the commit names only."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = Field(max_length=128)
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    step_id: str = Field(min_length=1, max_length=128)
+    group: str = Field(min_length=1, max_length=64, description="digest of the commit's replicas and samples")
+    credential: str | None = Field(default=None, max_length=MAX_CREDENTIAL_CHARS)
+    tensors: TensorHeaders = Field(default_factory=dict)  # none; filled in by wire.messages.write_request
+
+
+class SyncRoundResponse(BaseModel):
+    """The answer: the tensor "gradient" (the replica's mean gradient of the step, 1-D float32), or why not."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    error: str | None = Field(default=None, max_length=1024)
+    tensors: TensorHeaders = Field(default_factory=dict)  # filled in by wire.messages.write_response
 
 
 class ProbeRequest(BaseModel):

@@ -218,8 +218,8 @@ class RoundMissingSync(GradientSync):
     def finish_round(self, control):
         return self._maybe_missed(super().finish_round(control))
 
-    def _gloo_round(self, *args):  # exact sync over gloo (peers/replicas/gloo_allreduce.py)
-        return self._maybe_missed(super()._gloo_round(*args))
+    def _named_round(self, *args):  # exact sync over gloo or by exchange
+        return self._maybe_missed(super()._named_round(*args))
 
     def _maybe_missed(self, gathered):
         if gathered is not None and self.rounds == self.miss_round:
@@ -273,9 +273,9 @@ class LyingContribution:
         self._honest = None
         return gathered
 
-    def _gloo_round(self, *args):  # exact sync over gloo: the lie goes into the flat buffer gloo sends
+    def _named_round(self, *args):  # exact sync over gloo or by exchange: the lie goes into the flat buffer sent
         self._lie()
-        gathered = super()._gloo_round(*args)
+        gathered = super()._named_round(*args)
         if gathered is None:
             self._tell_the_truth()
         self._honest = None

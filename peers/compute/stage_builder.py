@@ -31,6 +31,7 @@ from peers.replicas.averaging_auto import resolve_auto
 from peers.replicas.delayed_sync import DelayedGradientSync
 from peers.replicas.gloo_allreduce import GlooRounds, announced_host
 from peers.replicas.outer_averaging import OuterAveraging
+from peers.replicas.sync_exchange import SyncExchange
 from process.config import ConfigError
 
 AUTO_STEP_SAMPLES = 16  # --averaging auto: the samples a replica computes in a step, to weigh a round against
@@ -55,19 +56,24 @@ class StageBuilder:
     schedule: Callable[[], object] | None = None  # the run's learning rates (its spec's versions), for new runtimes
     members_only: bool = False  # a run with an authority: only credentialed replicas average (filled in by the host)
     gloo: GlooRounds | None = None  # exact sync over gloo: this peer's rendezvous, made on first use
+    exchange: SyncExchange | None = None  # exact sync by exchange: made on first use, bound by the host
 
-    def uses_gloo(self, replicas) -> bool:
-        """Whether exact sync all-reduces over gloo (`--averaging-transport`, auto: exact sync in a run
-        without an authority, on an address the peer announces)."""
+    def named_round_transport(self, replicas) -> str:
+        """How exact sync's rounds of named groups travel (`--averaging-transport`): "gloo" (auto: in
+        a run without an authority, on an address the peer announces), "exchange" (auto: otherwise)
+        or "hivemind" (asked for, or what the others cannot do: a codec, the one-step delay,
+        matchmaking; gloo asked for where no address is announced)."""
         transport = replicas.averaging_transport
         if transport == "hivemind" or replicas.sync_delay or replicas.averaging_groups != "trainer":
-            return False
-        if replicas.averaging_compression not in (None, "none"):  # gloo sends float32: a codec stays on hivemind
-            return False
-        if transport == "auto" and self.members_only:  # a run with an authority: hivemind's averager
-            return False
+            return "hivemind"
+        if replicas.averaging_compression not in (None, "none"):  # they send float32: a codec stays on hivemind
+            return "hivemind"
+        if transport == "exchange" or (transport == "auto" and self.members_only):
+            return "exchange"
         network = self.config.network
-        return announced_host(network.announce_maddrs, network.host_maddrs) is not None
+        if announced_host(network.announce_maddrs, network.host_maddrs) is not None:
+            return "gloo"
+        return "exchange" if transport == "auto" else "hivemind"
 
     def gloo_rounds(self) -> GlooRounds:
         """This peer's gloo rendezvous (one, whatever stage it serves), started on first use."""
@@ -77,6 +83,16 @@ class StageBuilder:
             self.gloo = GlooRounds(host, timeout_s=self.config.replicas.averaging_timeout_s)
             print(f"exact sync all-reduces over gloo; rendezvous at {self.gloo.address}", flush=True)
         return self.gloo
+
+    def sync_exchange(self) -> SyncExchange:
+        """This peer's exchange (one, whatever stage it serves), made on first use."""
+        if self.exchange is None:
+            self.exchange = SyncExchange(
+                model=self.config.model,
+                peer_id=self.dht.peer_id.to_base58(),
+                timeout_s=self.config.replicas.averaging_timeout_s,
+            )
+        return self.exchange
 
     def build(self, stage: int) -> BuiltStage:
         """Blocking (builds modules, may read a checkpoint, runs a short benchmark)."""
@@ -152,7 +168,14 @@ class StageBuilder:
             {} if replicas.averaging_matchmaking_s is None else {"matchmaking_s": replicas.averaging_matchmaking_s}
         )
         if replicas.averaging == "sync":
-            gloo = {"gloo": self.gloo_rounds()} if self.uses_gloo(replicas) else {}
+            transport = self.named_round_transport(replicas)
+            named_rounds = (
+                {"gloo": self.gloo_rounds()}
+                if transport == "gloo"
+                else {"exchange": self.sync_exchange()}
+                if transport == "exchange"
+                else {}
+            )
             miss_round, lie = config.faults.fault_miss_sync_round, config.faults.fault_averaging
             sync_class = DelayedGradientSync if replicas.sync_delay else GradientSync
             # with the delay: exact until it begins (by default, once the warmup is over)
@@ -176,7 +199,7 @@ class StageBuilder:
                 robust=replicas.robust_averaging,
                 named_groups=replicas.averaging_groups == "trainer",
                 **delay,
-                **gloo,
+                **named_rounds,
             )
         elif replicas.averaging == "periodic":
             lie = config.faults.fault_averaging

@@ -48,6 +48,7 @@ from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.gloo_allreduce import GlooRounds
 from peers.replicas.outer_step import OuterOptimizer, OuterSettings
 from peers.replicas.robust_mean import ROBUST_METHODS
+from peers.replicas.sync_exchange import SyncExchange
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +369,9 @@ class GradientSync(ReplicaAveraging):
 
     mode = "sync"
     gloo: GlooRounds | None = None  # exact sync over gloo (`__init__`)
+    exchange: SyncExchange | None = None  # exact sync by exchange (`__init__`)
     rendezvous: str | None = None  # the gloo leader the commit being handled names
+    exchanged: bool = False  # whether the commit being handled asks for a round by exchange
 
     def __init__(
         self,
@@ -384,14 +387,17 @@ class GradientSync(ReplicaAveraging):
         robust: str = "clip",
         named_groups: bool = False,
         gloo: GlooRounds | None = None,
+        exchange: SyncExchange | None = None,
     ):
         """`named_groups`: a commit that names its group (the replicas and what each served) skips
         hivemind's matchmaking (peers/replicas/averaging_members.py); False: matchmaking always.
         `gloo`: this peer's gloo rounds; a commit that names its group and a rendezvous then
-        all-reduces over gloo instead of hivemind (peers/replicas/gloo_allreduce.py)."""
+        all-reduces over gloo instead of hivemind (peers/replicas/gloo_allreduce.py). `exchange`:
+        this peer's exchange; a commit that names its group and asks for it (`CommitRequest.sync_exchange`)
+        then fetches the members' gradients instead (peers/replicas/sync_exchange.py)."""
         self.runtime = runtime
         self.named_groups = named_groups
-        self.gloo = gloo
+        self.gloo, self.exchange = gloo, exchange
         runtime.auto_step = False
         self.prepared: AveragingOutcome | None = None  # clipping: the outcome of a prepared, unapplied step
         super().__init__(  # the buffers: the stage's gradients, averaged
@@ -447,8 +453,12 @@ class GradientSync(ReplicaAveraging):
         if group_size > 1:
             self.averager.set_weight_caps(caps)
             rendezvous, self.rendezvous = self.rendezvous, None
-            if self.gloo is not None and rendezvous and step_id and self.named_group(step_id, caps):
-                gathered = self._gloo_round(rendezvous, step_id, caps)
+            exchanged, self.exchanged = self.exchanged, False
+            named = step_id is not None and self.named_group(step_id, caps) is not None
+            if named and self.gloo is not None and rendezvous:
+                gathered = self._named_round(self.gloo, rendezvous, step_id, caps)
+            elif named and self.exchange is not None and exchanged:
+                gathered = self._named_round(self.exchange, None, step_id, caps)
             else:
                 # weight 0 would make an all-zero group divide by zero; a tiny weight changes nothing
                 gathered = self._all_reduce(
@@ -469,13 +479,15 @@ class GradientSync(ReplicaAveraging):
         total = samples_in_round(gathered, caps) if gathered else local_samples
         return AveragingOutcome(gathered is not None, len(gathered) if gathered else 1, total, stepped=True)
 
-    def _gloo_round(self, rendezvous: str, step_id: str, caps: Mapping[str, int]) -> dict | None:
-        """The named group's round over gloo, weighted by the trainer's counts: hivemind's gathered
-        data (peer -> weight), or None when it failed (counted as hivemind's are)."""
+    def _named_round(
+        self, rounds: GlooRounds | SyncExchange, rendezvous: str | None, step_id: str, caps: Mapping[str, int]
+    ) -> dict | None:
+        """The named group's round over gloo or by exchange, weighted by the trainer's counts:
+        hivemind's gathered data (peer -> weight), or None when it failed (counted as hivemind's are)."""
         weights = {p: float(n) for p, n in caps.items()}
         if sum(weights.values()) > 0:
             with self.held_buffers():
-                ok = self.gloo.average(
+                ok = rounds.average(
                     self.flat,
                     leader=rendezvous,
                     step_id=step_id,

@@ -8,7 +8,7 @@ seconds of compute, a link of bandwidth B and one-way latency L, and a loss budg
    takes at most `sync_share` (10%) of a step, or the link carries at least `FAST_LINK_BYTES_PER_S`
    (400 Mbit/s: loopback and LAN, as the link probe measures them through p2pd; home links carry
    10-100): the swarm then stays the one-process update, and on such links a round's cost is CPU,
-   which exact sync over gloo keeps near the wire's (gloo_allreduce.py);
+   which exact sync over gloo or by exchange keeps near the wire's (gloo_allreduce.py, sync_exchange.py);
 2. otherwise outer rounds: among the settings whose measured validation-loss cost against exact sync
    (`MEASURED_OUTER_COSTS`, benchmarks/RESULTS.md) fits the budget, the one whose rounds cost the step
    the least time, ties to the lower loss cost, then to fewer bytes. A round of one fragment sends
@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 from wire.compression import LinkEstimate
 
+# how exact sync's rounds travel (`--averaging-transport`): auto is gloo where it may be used (no run
+# authority, an announced address), else by exchange; hivemind: its averager, always
+AVERAGING_TRANSPORTS = ("auto", "exchange", "gloo", "hivemind")
 DEFAULT_SYNC_SHARE = 0.1  # of a step that exact sync's all-reduce may take
 FAST_LINK_BYTES_PER_S = 400e6 / 8  # a link at least this fast keeps exact sync whatever the step
 DEFAULT_LOSS_BUDGET = 0.01  # validation loss against exact sync: 1%

@@ -15,7 +15,8 @@ at the wire's cost. hivemind's averager spends about 14 ms of CPU per MB a repli
 - Any error or the timeout fails the round on that member, as a failed hivemind round does.
 gloo authenticates nobody: its store and its connections are open to whoever reaches the address.
 So it is used only in a run without an authority (where hivemind's averager admits anyone too)
-and on addresses a peer announces on purpose; with an authority the rounds stay on hivemind.
+and on addresses a peer announces on purpose; with an authority the rounds go by exchange
+(peers/replicas/sync_exchange.py), over the peers' authenticated transport.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ import torch.distributed as dist
 from peers.replicas.robust_mean import robust_mean_by_segment
 
 logger = logging.getLogger(__name__)
-
-AVERAGING_TRANSPORTS = ("auto", "hivemind", "gloo")
 
 
 def announced_host(announce_maddrs: Sequence[str], host_maddrs: Sequence[str]) -> str | None:

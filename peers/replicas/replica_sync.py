@@ -147,9 +147,9 @@ class ReplicaSyncService:
                         await loop.run_in_executor(None, averaging.wait_in_flight)
                     flush = {"flush": commit.flush} if delayed else {}
                     call = partial(
-                        with_rendezvous,
+                        with_named_round,
                         averaging,
-                        commit.gloo_rendezvous,
+                        commit,
                         partial(averaging.prepare, commit.step_id, commit.group_size, commit.samples, **flush),
                     )
                 else:
@@ -168,9 +168,7 @@ class ReplicaSyncService:
                 )
             elif isinstance(averaging, GradientSync):
                 call = partial(averaging.commit, commit.step_id, commit.group_size, commit.samples)
-                outcome = await loop.run_in_executor(
-                    self.compute, with_rendezvous, averaging, commit.gloo_rendezvous, call
-                )
+                outcome = await loop.run_in_executor(self.compute, with_named_round, averaging, commit, call)
             elif isinstance(averaging, ParameterAveraging) and averaging.rounds_schedule.by_steps:
                 # the round, if one follows this step, is sized for the replicas we see online (as by time)
                 group_size = await self.periodic_group_size() if averaging.round_due_after_next_step() else 1
@@ -521,7 +519,8 @@ def by_time(averaging) -> bool:
     return isinstance(averaging, ParameterAveraging) and not averaging.rounds_schedule.by_steps
 
 
-def with_rendezvous(averaging, rendezvous: str | None, call):
-    """`call()` on the compute thread, the commit's gloo rendezvous (if any) handed to `averaging` first."""
-    averaging.rendezvous = rendezvous
+def with_named_round(averaging, commit: CommitRequest, call):
+    """`call()` on the compute thread, the commit's way of averaging handed to `averaging` first: its
+    gloo rendezvous (if any), and whether it asks for a round by exchange."""
+    averaging.rendezvous, averaging.exchanged = commit.gloo_rendezvous, commit.sync_exchange
     return call()

@@ -88,6 +88,7 @@ class Announcer:
             averaging_reason=getattr(averaging, "reason", "")[:400],
             outer=settings,
             gloo=averaging.gloo.address if getattr(averaging, "gloo", None) is not None else None,
+            sync_exchange=getattr(averaging, "exchange", None) is not None,
             precision=serving.runtime.precision,
             weight_prediction=serving.runtime.weight_prediction,
             metrics_addr=self.metrics_addr,

@@ -56,6 +56,7 @@ from peers.placement.stage_moves import StageMoves
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.replica_sync import ReplicaSyncService
+from peers.replicas.sync_exchange import SyncExchange
 from peers.serving.admission import AdmissionGuard, Rpc
 from peers.serving.announcer import Announcer
 from peers.serving.chain_rpc import ChainService
@@ -78,7 +79,9 @@ from wire.protocol import (
     RPC_OUTER_ROUND,
     RPC_PROBE,
     RPC_STATE,
+    RPC_SYNC_ROUND,
     RPC_TRAIN_CHAIN,
+    ProtocolError,
 )
 from wire.request_limits import InFlightBytes, PenaltyBox
 from wire.transport import Transport
@@ -201,6 +204,12 @@ class PeerHost:
             authority=run_access.authority if run_access else None,
             follower=follower,
         )
+        # exact sync by exchange: the builder's (a move keeps it), or the one the given averaging holds
+        self.sync_exchange = (
+            builder.sync_exchange()
+            if builder is not None and builder.named_round_transport(config.replicas) == "exchange"
+            else getattr(averaging, "exchange", None)
+        )
         self.announcer = Announcer(
             serving,
             dht,
@@ -319,6 +328,14 @@ class PeerHost:
                 stream_output=True,
                 carries_credential=True,
             ),
+            Rpc(
+                RPC_SYNC_ROUND,
+                self.rpc_sync_round,
+                SyncExchange.refused,
+                stream_input=True,
+                stream_output=True,
+                carries_credential=True,
+            ),
             # Other peers measure their link to us (echoes bounded by the probe's own size limit)...
             Rpc(
                 RPC_PROBE,
@@ -344,6 +361,25 @@ class PeerHost:
         if settings.data_plane:
             self.offers.server = await self._start_data_plane(p2p, rpcs)
         await self.guard.register(p2p, rpcs, runtime_pb2.ExpertRequest, stats=stats)
+        if self.sync_exchange is not None:
+            self.sync_exchange.bind(
+                loop=asyncio.get_running_loop(),
+                transport=self.chains.transport,
+                averaging=lambda: self.serving.averaging,
+                authorize=self.guard.authorize,
+                credential=self.credential,
+            )
+
+    async def rpc_sync_round(self, requests, context):
+        """RPC_SYNC_ROUND, answered by this peer's exchange (peers/replicas/sync_exchange.py)."""
+        exchange = self.sync_exchange
+        if exchange is None:
+            messages = SyncExchange.refused(ProtocolError("this peer takes no exact sync rounds by exchange"), 0.0)
+            for message in messages:
+                yield message
+            return
+        async for message in exchange.rpc_sync_round(requests, context):
+            yield message
 
     async def _start_data_plane(self, p2p, rpcs: list[Rpc]) -> DataPlaneServer | None:
         """The data plane on the hosts this peer's p2pd listens on, or None (said once) when it

@@ -159,6 +159,13 @@ def gloo_leader(records, group: list[str]) -> str | None:
     return addresses[min(group)]
 
 
+def exchange_group(records, group: list[str]) -> bool:
+    """Exact sync by exchange: when every replica of the group announces it
+    (peers/replicas/sync_exchange.py); otherwise gloo's rendezvous, or hivemind's averager."""
+    takes = {r.peer_id: r.sync_exchange for r in records}
+    return len(group) >= 2 and all(takes.get(p, False) for p in group)
+
+
 def commit_groups(replicas: list[str], members: frozenset[str] | None) -> list[list[str]]:
     """A stage's replicas (in one averaging mode) in the groups they average in. With a run authority
     (`members`: its credentialed replicas) a replica outside it averages with no one (the members
@@ -561,6 +568,7 @@ class StepSchedule:
                     clip_phase=clip_phase if mode == "sync" else None,
                     clip_scale=clip_scale if mode == "sync" else None,
                     gloo_rendezvous=gloo_leader(self.view.records[stage], group) if mode == "sync" else None,
+                    sync_exchange=mode == "sync" and exchange_group(self.view.records[stage], group),
                 ),
             )
             for stage, mode, group in groups

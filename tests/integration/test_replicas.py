@@ -105,6 +105,18 @@ def test_sync_replicas_hold_identical_parameters_equal_to_one_process(make_swarm
         for direction in ("sent", "received"):
             sent = averaging_sample(metrics, "swarm_peer_averaging_bytes_total", mode="sync", direction=direction)
             assert min_bytes_per_value * values <= sent <= max_bytes_per_value * values, (direction, sent, values)
+    # The local swarm is a run with an authority: uncompressed, its replicas fetch each other's
+    # gradient over the data plane (peers/replicas/sync_exchange.py); a codec keeps hivemind's averager.
+    exchanges = [
+        {side: averaging_sample(m, "swarm_peer_transport_calls_total", transport="direct", side=side, rpc="sync_round")
+         for side in ("made", "served")}
+        for m in replica_metrics
+    ]  # fmt: skip
+    if compression == "none":
+        assert exchanges == [{"made": 1, "served": 1}] * 2, exchanges
+        assert_same_params(a, b, atol=0.0)  # the same payloads, the same mean: equal to the last bit
+    else:
+        assert exchanges == [{"made": None, "served": None}] * 2, exchanges
 
 
 def test_sync_replicas_clip_the_global_gradient_norm_as_one_process_does(make_swarm, tmp_path):
