@@ -8,7 +8,7 @@ Layouts: 2 stages x 1 peer and 2 stages x 2 peers (each peer one torch thread; `
 --routing` direct by default, as the trainer's, `hub`, or `both`), against one plain process with
 1 thread and with one thread per core; the ratio is taken against the faster of the two. Several
 models (each with its own timed steps) and several averaging modes of the 2x2 layout (one row
-each; `default`: the peers' own default) run side by side in one invocation. Each swarm row also
+each; `default`: the peers' own default; `MODE/TRANSPORT` also sets their `--averaging-transport`) run side by side in one invocation. Each swarm row also
 shows each peer's compute utilisation as the trainer's report states it. Warm-up steps are excluded
 from timing. Run it on a quiet machine: on 2 cores, a 2-thread PyTorch process slows down many
 times over when another process takes a core.
@@ -96,7 +96,9 @@ def swarm_run(
 ) -> dict:
     workdir = tempfile.mkdtemp(prefix="swarm-bench-")
     report_path = os.path.join(workdir, "report.json")
-    averaging_args = [] if averaging == DEFAULT_AVERAGING else ["--averaging", averaging]
+    mode, _, transport = averaging.partition("/")  # MODE or MODE/TRANSPORT (--averaging-transport)
+    averaging_args = [] if mode == DEFAULT_AVERAGING else ["--averaging", mode]
+    averaging_args += ["--averaging-transport", transport] if transport else []
     with LocalSwarm(
         model=model_name,
         num_stages=stages,
@@ -174,7 +176,8 @@ def main() -> int:
         "--averaging",
         nargs="+",
         default=[DEFAULT_AVERAGING],
-        help="the 2x2 layout's peer --averaging, one row each (none, sync, outer, auto...); default: the peers' own",
+        help="the 2x2 layout's peer --averaging, one row each (none, sync, outer, auto...; default: the peers' own), "
+        "each as MODE or MODE/TRANSPORT (the peers' --averaging-transport: default/hivemind, sync/exchange...)",
     )
     parser.add_argument("--out", default="benchmarks/out/loopback.json")
     args = parser.parse_args()

@@ -71,11 +71,15 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     # the all-reduce's parts sent as fp16 (`--averaging-compression fp16`): half the bytes of a round
     "2x2 sync exact fp16": (2, "sync", ("--sync-delay", "0", "--averaging-compression", "fp16"), ()),
     "2x2 sync delayed fp16": (2, "sync", ("--sync-delay", "1", "--averaging-compression", "fp16"), ()),
-    # exact sync's all-reduce over hivemind's averager or over gloo (`--averaging-transport`; auto, the
-    # peers' default since issue #56, is gloo here: no run authority, loopback addresses)
+    # exact sync's all-reduce over hivemind's averager or over gloo (`--averaging-transport`; gloo's
+    # row runs without a run authority, which gloo refuses; every other row has one, as a local swarm)
     "2x2 sync exact hivemind": (2, "sync", ("--sync-delay", "0", "--averaging-transport", "hivemind"), ()),
     "2x2 sync exact gloo": (2, "sync", ("--sync-delay", "0", "--averaging-transport", "gloo"), ()),
-    # the peers' default `--averaging`, whatever it is (auto since issue #56: sync over gloo on loopback)
+    # ... by exchange: each replica fetches the other's gradient over the data plane (peers/replicas/
+    # sync_exchange.py; auto's choice in a run with an authority, where gloo may not be used)
+    "2x2 sync exact exchange": (2, "sync", ("--sync-delay", "0", "--averaging-transport", "exchange"), ()),
+    # the peers' default `--averaging`, whatever it is (auto since issue #56: sync, by exchange in a run
+    # with an authority)
     "2x2 default": (2, None, (), ()),
     # outer rounds (issue #56): every 5 steps, int8 pseudo-gradients, waited for or overlapped
     "2x2 outer int8": (2, "outer", ("--averaging-every-steps", "5", "--outer-codec", "int8"), ()),

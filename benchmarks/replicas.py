@@ -140,7 +140,11 @@ def _run_in(
     ]
     print(f"--- {name}", flush=True)
     started = time.monotonic()
-    with LocalSwarm(model=args.model, num_stages=args.stages, workdir=workdir, peer_args=peer_args) as swarm:
+    # a local swarm is a run with an authority, where gloo (which authenticates nobody) may not be used
+    authority = "gloo" not in extra_peer_args
+    with LocalSwarm(
+        model=args.model, num_stages=args.stages, workdir=workdir, peer_args=peer_args, run=authority
+    ) as swarm:
         swarm.start_bootstrap()
         peers = {
             (s, r): swarm.start_peer(s, "--checkpoint-dir", os.path.join(workdir, f"ckpt-s{s}-r{r}"))

@@ -51,13 +51,14 @@ def group_digest(weights: Mapping[str, float]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum(w_i * t_i) / sum(w_i), summed in the given order (every member gives the same one)."""
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> torch.Tensor:
+    """sum(w_i * t_i) / sum(w_i) into `out` (which may not be one of `tensors`), summed in the given
+    order: every member computes the same operations on the same values, so gets the same bits."""
     total = float(sum(weights))
-    mean = torch.zeros_like(tensors[0])
-    for tensor, weight in zip(tensors, weights):
-        mean.add_(tensor, alpha=float(weight) / total)
-    return mean
+    torch.mul(tensors[0], float(weights[0]) / total, out=out)
+    for tensor, weight in zip(tensors[1:], weights[1:]):
+        out.add_(tensor, alpha=float(weight) / total)
+    return out
 
 
 @dataclass
@@ -146,7 +147,7 @@ class SyncExchange:
                 logger.warning(f"Robust averaging ({robust}) clipped the gradient of {clipped}, far from the others'")
             flat.copy_(reduced.value)
         else:
-            flat.copy_(weighted_mean(gathered, member_weights))
+            weighted_mean(gathered, member_weights, out=flat)  # `own` is a copy: flat may be overwritten
         return True
 
     async def _round(

@@ -19,8 +19,9 @@ ME, A, B, STRANGER = "QmMe", "QmA", "QmB", "QmStranger"
 
 def test_the_mean_is_weighted_by_the_samples_each_replica_served():
     tensors = [torch.tensor([1.0, 2.0]), torch.tensor([4.0, 8.0]), torch.tensor([0.0, -2.0])]
-    mean = weighted_mean(tensors, [1.0, 2.0, 1.0])
-    torch.testing.assert_close(mean, (tensors[0] + 2 * tensors[1] + tensors[2]) / 4)
+    out = torch.empty(2)
+    assert weighted_mean(tensors, [1.0, 2.0, 1.0], out=out) is out
+    torch.testing.assert_close(out, (tensors[0] + 2 * tensors[1] + tensors[2]) / 4)
 
 
 def test_the_group_digest_names_the_members_and_their_weights_in_any_order():
