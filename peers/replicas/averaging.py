@@ -307,8 +307,11 @@ class ReplicaAveraging:
         self.record_success(len(gathered))
         return gathered
 
-    def record_success(self, group_size: int) -> None:
-        each_way = allreduce_bytes_each_way(self.num_values, group_size, self.wire_bytes_per_value)
+    def record_success(self, group_size: int, each_way: int | None = None) -> None:
+        """A round that succeeded; `each_way`: the bytes it sent (and received), when it is not
+        hivemind's butterfly all-reduce of this replica's buffer."""
+        if each_way is None:
+            each_way = allreduce_bytes_each_way(self.num_values, group_size, self.wire_bytes_per_value)
         self.rounds += 1
         self.bytes_sent += each_way
         self.bytes_received += each_way
@@ -499,7 +502,12 @@ class GradientSync(ReplicaAveraging):
             if not ok:
                 self.record_failure()
                 return None
-        self.record_success(len(weights))
+        n = len(weights)
+        # the exchange and gloo's robust round all-gather: each member's whole buffer to every other one
+        # (the exchange's as float32); gloo's plain round is a ring all-reduce, counted as hivemind's
+        gathers = isinstance(rounds, SyncExchange) or (self.robust != "none" and n >= 3)
+        value_bytes = 4 if isinstance(rounds, SyncExchange) else self.wire_bytes_per_value
+        self.record_success(n, each_way=round((n - 1) * self.num_values * value_bytes) if gathers else None)
         return {PeerID.from_base58(p): w for p, w in weights.items()}
 
     def prepare(self, step_id: str, group_size: int, samples: Mapping[str, int] | None = None) -> AveragingOutcome:
@@ -529,6 +537,11 @@ class GradientSync(ReplicaAveraging):
             return self._remember(step_id, AveragingOutcome(False, 1, 0, stepped=False))
         self.runtime.apply_gradients([gradient * scale for gradient in self.averaged_gradients()])
         return self._remember(step_id, prepared)
+
+    def close(self) -> None:
+        super().close()
+        if self.exchange is not None:  # a round by exchange in flight ends now too
+            self.exchange.cancel()
 
     def averaged_gradients(self) -> list[torch.Tensor]:
         """A copy of the averager's buffers on the stage's device (one transfer for all of them): after

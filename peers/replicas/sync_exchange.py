@@ -22,6 +22,7 @@ rounds hold it the same way).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 from collections import OrderedDict
@@ -82,6 +83,7 @@ class SyncExchange:
         self.authorize: Callable[..., None] = lambda *args, **kwargs: None
         self.credential: str | None = None
         self.published: OrderedDict[str, Published] = OrderedDict()
+        self.in_flight: set = set()  # the rounds `average` waits for (concurrent futures), for `cancel`
         self.waiting = 0
         self._changed: asyncio.Condition | None = None
 
@@ -125,12 +127,18 @@ class SyncExchange:
         )
         others = [peer for peer in members if peer != me]
         future = asyncio.run_coroutine_threadsafe(self._round(request, others, encode(own, "none")), self.loop)
+        self.in_flight.add(future)
         try:
             fetched = future.result(timeout=self.timeout_s + 10.0)
+        except concurrent.futures.CancelledError:
+            logger.info("exact sync by exchange: the round was cancelled (the peer is stopping, or moving)")
+            return False
         except Exception as e:  # noqa: BLE001 - a round that broke fails, nothing more
             future.cancel()
             logger.warning(f"exact sync by exchange of {len(members)} replicas broke: {type(e).__name__}: {e}")
             return False
+        finally:
+            self.in_flight.discard(future)
         if fetched is None:
             return False
         try:
@@ -149,6 +157,12 @@ class SyncExchange:
         else:
             weighted_mean(gathered, member_weights, out=flat)  # `own` is a copy: flat may be overwritten
         return True
+
+    def cancel(self) -> None:
+        """End the rounds in flight now (the peer stops, or its stage's averaging is swapped): the
+        compute thread waiting in `average` returns at once, its round failed. Any thread may call it."""
+        for future in list(self.in_flight):
+            future.cancel()
 
     async def _round(
         self, request: SyncRoundRequest, others: list[str], payload: EncodedTensor

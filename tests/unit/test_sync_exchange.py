@@ -4,6 +4,8 @@ takes, the digest they must agree on, and who is answered a published gradient, 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -108,3 +110,35 @@ def test_a_replica_holds_its_latest_rounds_only():
         assert list(exchange.published) == [f"run:{i}" for i in range(3, sync_exchange.HELD_ROUNDS + 3)]
 
     run(scenario())
+
+
+class HangingTransport:
+    """A member that never answers (a stalled replica)."""
+
+    async def iterate(self, *args, **kwargs):
+        await asyncio.sleep(3600)
+
+
+def test_a_round_waiting_for_a_member_ends_at_once_when_the_peer_stops():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        exchange = SyncExchange(model="tiny", peer_id=ME, timeout_s=60.0)
+        averaging = SimpleNamespace(runtime=SimpleNamespace(stage=0, num_stages=2), exchange=exchange, closing=False)
+
+        async def bind():
+            exchange.bind(loop=loop, transport=HangingTransport(), averaging=lambda: averaging)
+
+        asyncio.run_coroutine_threadsafe(bind(), loop).result(timeout=5)
+        flat = torch.ones(8)
+        threading.Timer(0.3, exchange.cancel).start()
+        started = time.monotonic()
+        assert exchange.average(flat, leader=None, step_id="run:1", me=ME, weights={ME: 1.0, A: 1.0}) is False
+        assert time.monotonic() - started < 5.0  # not the 60 s timeout
+        torch.testing.assert_close(flat, torch.ones(8))  # a failed round leaves the gradient as it was
+        assert not exchange.in_flight
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        loop.close()
