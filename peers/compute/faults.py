@@ -54,8 +54,9 @@ SLOWDOWN_MODES = ("sleep", "busy", "device")
 # --faults hold: where a call is held without an answer. forward: the inputs of a forward hop have
 # arrived (a forward call, or the last stage's fused forward+backward, which answers the forward hop);
 # backward: the gradient of a backward hop has arrived (a backward call on a stage before the last).
-HOLD_POINTS = ("none", "forward", "backward")
+HOLD_POINTS = ("none", "forward", "backward", "round")
 HOLD_MESSAGE = "holding microbatch {microbatch_id} in its {point} (injected by --faults hold)"
+HOLD_ROUND_MESSAGE = "holding sync round {round} before it begins (injected by --faults hold=round)"
 LOST_ANSWER_MESSAGE = "lost the answer to backward call {call} after adding it (injected by --faults lose_answer)"
 
 logger = logging.getLogger(__name__)
@@ -157,9 +158,8 @@ class FaultSettings:
     )
     fault_hold: str = option(
         "none",
-        help="testing only: hold one call mid-hop without answering, for --faults hold_s, and log it (forward: "
-        "with a forward hop's inputs received; backward: with a backward hop's gradient received), after "
-        "--faults hold_after such calls were answered; a test kills the peer then",
+        help="testing only: hold one call for --faults hold_s and log it (forward, backward: mid-hop; round: a sync "
+        "commit's named round, before it begins), after --faults hold_after such calls; a test kills the peer then",
         choices=list(HOLD_POINTS),
     )
     fault_hold_after: int = option(0, help="testing only: --faults hold's calls answered before the one held")
@@ -226,6 +226,23 @@ class RoundMissingSync(GradientSync):
             print(f"fault: taking averaging round {self.rounds} as failed (--faults miss_sync_round)", flush=True)
             return None
         return gathered
+
+
+class HeldRoundSync(GradientSync):
+    """Sync averaging that holds one named round (gloo or by exchange) before it begins
+    (`--faults hold=round`): the compute thread sleeps --faults hold_s with the commit received, so
+    that the round's other members wait in it; a test kills this peer then."""
+
+    def __init__(self, *args, hold_after: int, hold_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hold_after, self.hold_s, self.named_rounds = hold_after, hold_s, 0
+
+    def _named_round(self, *args):
+        self.named_rounds += 1
+        if self.named_rounds == self.hold_after + 1:
+            logger.warning(HOLD_ROUND_MESSAGE.format(round=self.named_rounds))
+            time.sleep(self.hold_s)
+        return super()._named_round(*args)
 
 
 class LyingContribution:

@@ -22,7 +22,13 @@ from models.init_weights import InitWeightsError, load_stage_weights
 from models.stages import stage_spec
 from peers.compute import memory_budget
 from peers.compute.checkpoint import checkpoint_path
-from peers.compute.faults import FaultyStageRuntime, LyingContribution, LyingParameterAveraging, RoundMissingSync
+from peers.compute.faults import (
+    FaultyStageRuntime,
+    HeldRoundSync,
+    LyingContribution,
+    LyingParameterAveraging,
+    RoundMissingSync,
+)
 from peers.compute.stage_runtime import StageRuntime
 from peers.config import PeerConfig
 from peers.placement.split_claim import split_tag
@@ -184,6 +190,9 @@ class StageBuilder:
             if miss_round:  # the fault's round taken as failed, in either mode
                 faulty = type(f"RoundMissing{sync_class.__name__}", (RoundMissingSync, sync_class), {})
                 sync_class = partial(faulty, miss_round=miss_round)
+            elif config.faults.fault_hold == "round":  # one named round held before it begins
+                held = type(f"Held{sync_class.__name__}", (HeldRoundSync, sync_class), {})
+                sync_class = partial(held, hold_after=config.faults.fault_hold_after, hold_s=config.faults.fault_hold_s)
             elif lie != "none":  # the replica's contribution to the all-reduce multiplied, in either mode
                 lying = type(f"Lying{sync_class.__name__}", (LyingContribution, sync_class), {})
                 sync_class = partial(lying, lie=lie)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -167,13 +168,50 @@ def test_a_sync_replica_that_missed_a_round_catches_up(make_swarm, tmp_path):
     )
     stop_together(peers)
     assert "taking averaging round 2 as failed" in peers[1].log()
-    if not any("Averaging round failed" in p.log() for p in peers[:2]):
+    if not any(
+        re.search(r"Averaging round failed|exact sync by exchange .*(failed|broke)", p.log()) for p in peers[:2]
+    ):
         assert report["replica_catch_ups"] == 1, report
     # else a round also failed for real (under load), on one side (one more catch-up) or on both
     # (neither stepped: the step is committed again); the end state below must hold all the same
     metas = [load_checkpoint(checkpoint_path(str(tmp_path / d), "tiny", 0, 2))[0] for d in "ab"]
     assert [m.steps_done for m in metas] == [3, 3]
     assert_same_params(stage_params(tmp_path / "a", 0), stage_params(tmp_path / "b", 0), atol=1e-6)
+
+
+def test_a_sync_replica_killed_mid_round_loses_nothing_and_its_partner_goes_on(make_swarm, tmp_path):
+    """Exact sync by exchange (a local swarm's default): one stage-0 replica holds its 4th round
+    before it begins (`--faults hold=round`), so its partner waits in the round for its gradient,
+    and is SIGKILLed there. The partner's fetch fails as the connection goes, not at the averaging
+    timeout (120 s here); the partner does not step on that commit, and its gradients go into the
+    next step's; the run ends with nothing lost and the partner alone in the stage."""
+    swarm = make_swarm(num_stages=2, peer_args=["--averaging", "sync", "--averaging-timeout-s", "120"])
+    swarm.start_bootstrap()
+    partner = swarm.start_peer(0, "--checkpoint-dir", str(tmp_path / "a"))
+    victim = swarm.start_peer(0, "--no-load-state", *fault_args(hold="round", hold_after=3, hold_s=300))
+    last = swarm.start_peer(1)
+    swarm.wait_online([partner, victim, last])
+    report_path = tmp_path / "report.json"
+    trainer = swarm.start_trainer(
+        *("--num-stages", "2", "--steps", "12", "--batch-size", str(BATCH), "--microbatch-size", str(MICROBATCH)),
+        *("--report", str(report_path)),
+    )
+    wait_for(lambda: "holding sync round 4" in victim.log(), 180, "the victim's held round", while_running=[trainer])
+    time.sleep(1.0)  # the partner has the same commit: it is waiting for the victim's gradient now
+    victim.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
+    after_kill_s = time.monotonic() - killed
+    stop_together([partner, last])
+    report = json.loads(report_path.read_text())
+    assert report["completed"] and report["steps"] == 12 and report["microbatches_lost"] == 0, report
+    assert re.search(r"exact sync by exchange with 1 replica\(s\) failed", partner.log()), partner.log()[-3000:]
+    assert after_kill_s < 60, after_kill_s  # not the 120 s averaging timeout
+    # a failed round steps no replica: its gradients go into the next step's (nothing lost, one step fewer)
+    carried = partner.log().count("not stepping, the gradients carry over to the next commit")
+    assert carried >= 1
+    meta = load_checkpoint(checkpoint_path(str(tmp_path / "a"), "tiny", 0, 2))[0]
+    assert meta.steps_done == 12 - carried, (meta, carried)
 
 
 @pytest.mark.parametrize("clipped", [False, True])
