@@ -93,11 +93,7 @@ class StageBuilder:
     def sync_exchange(self) -> SyncExchange:
         """This peer's exchange (one, whatever stage it serves), made on first use."""
         if self.exchange is None:
-            self.exchange = SyncExchange(
-                model=self.config.model,
-                peer_id=self.dht.peer_id.to_base58(),
-                timeout_s=self.config.replicas.averaging_timeout_s,
-            )
+            self.exchange = SyncExchange(model=self.config.model, timeout_s=self.config.replicas.averaging_timeout_s)
         return self.exchange
 
     def build(self, stage: int) -> BuiltStage:

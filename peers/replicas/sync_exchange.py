@@ -75,8 +75,8 @@ class SyncExchange:
     the round a commit runs (`average`, on the compute thread). `bind` connects it to the peer's
     event loop and transport once they exist (peers/serving/host.py)."""
 
-    def __init__(self, *, model: str, peer_id: str, timeout_s: float):
-        self.model, self.peer_id, self.timeout_s = model, peer_id, timeout_s
+    def __init__(self, *, model: str, timeout_s: float):
+        self.model, self.timeout_s = model, timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transport = None  # wire/transport.py's Transport
         self.averaging: Callable[[], object] = lambda: None

@@ -199,14 +199,12 @@ def test_a_sync_replica_killed_mid_round_loses_nothing_and_its_partner_goes_on(m
     wait_for(lambda: "holding sync round 4" in victim.log(), 180, "the victim's held round", while_running=[trainer])
     time.sleep(1.0)  # the partner has the same commit: it is waiting for the victim's gradient now
     victim.signal(signal.SIGKILL)
-    killed = time.monotonic()
     assert trainer.popen.wait(timeout=300) == 0, trainer.log()[-3000:]
-    after_kill_s = time.monotonic() - killed
     stop_together([partner, last])
     report = json.loads(report_path.read_text())
     assert report["completed"] and report["steps"] == 12 and report["microbatches_lost"] == 0, report
     assert re.search(r"exact sync by exchange with 1 replica\(s\) failed", partner.log()), partner.log()[-3000:]
-    assert after_kill_s < 60, after_kill_s  # not the 120 s averaging timeout
+    assert "no answer within" not in partner.log()  # the fetch failed with the connection, not at the timeout
     # a failed round steps no replica: its gradients go into the next step's (nothing lost, one step fewer)
     carried = partner.log().count("not stepping, the gradients carry over to the next commit")
     assert carried >= 1

@@ -4,8 +4,8 @@ takes, the digest they must agree on, and who is answered a published gradient, 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +33,7 @@ def test_the_group_digest_names_the_members_and_their_weights_in_any_order():
 
 
 def exchange_serving(stage: int = 0) -> SyncExchange:
-    exchange = SyncExchange(model="tiny", peer_id=ME, timeout_s=0.5)
+    exchange = SyncExchange(model="tiny", timeout_s=0.5)
     averaging = SimpleNamespace(runtime=SimpleNamespace(stage=stage, num_stages=2), exchange=exchange, closing=False)
     exchange.bind(loop=asyncio.get_running_loop(), transport=object(), averaging=lambda: averaging)
     return exchange
@@ -95,7 +95,7 @@ def test_waiting_requests_are_bounded_and_a_peer_without_an_exchange_refuses(mon
             await exchange.answer(request(group, "run:9"), A)
         for task in waiting:
             task.cancel()
-        other = SyncExchange(model="tiny", peer_id=ME, timeout_s=0.5)  # never bound: no averaging
+        other = SyncExchange(model="tiny", timeout_s=0.5)  # never bound: no averaging
         with pytest.raises(ProtocolError, match="takes no exact sync rounds"):
             await other.answer(request(group), A)
 
@@ -119,12 +119,13 @@ class HangingTransport:
         await asyncio.sleep(3600)
 
 
-def test_a_round_waiting_for_a_member_ends_at_once_when_the_peer_stops():
+def test_a_round_waiting_for_a_member_ends_at_once_when_the_peer_stops(caplog):
+    caplog.set_level(logging.INFO, logger="peers.replicas.sync_exchange")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        exchange = SyncExchange(model="tiny", peer_id=ME, timeout_s=60.0)
+        exchange = SyncExchange(model="tiny", timeout_s=60.0)
         averaging = SimpleNamespace(runtime=SimpleNamespace(stage=0, num_stages=2), exchange=exchange, closing=False)
 
         async def bind():
@@ -133,9 +134,8 @@ def test_a_round_waiting_for_a_member_ends_at_once_when_the_peer_stops():
         asyncio.run_coroutine_threadsafe(bind(), loop).result(timeout=5)
         flat = torch.ones(8)
         threading.Timer(0.3, exchange.cancel).start()
-        started = time.monotonic()
         assert exchange.average(flat, leader=None, step_id="run:1", me=ME, weights={ME: 1.0, A: 1.0}) is False
-        assert time.monotonic() - started < 5.0  # not the 60 s timeout
+        assert "the round was cancelled" in caplog.text  # ended by the cancel, not by the 60 s timeout
         torch.testing.assert_close(flat, torch.ones(8))  # a failed round leaves the gradient as it was
         assert not exchange.in_flight
     finally:
