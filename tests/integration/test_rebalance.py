@@ -47,11 +47,12 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
     peers = [swarm.start_peer(stage) for stage in (0, 0, 0, 1)]
     swarm.wait_online(peers)
     report_path = tmp_path / "report.json"
-    # 16 microbatches a step: on an idle machine 80 steps of 4 microbatches took under 5 s, which can
-    # end before the move (a peer considers moving after 20 served requests and a 3 s period).
+    # 16 microbatches a step: on an idle machine 80 steps of 4 microbatches took under 5 s, and with
+    # exact sync by exchange 80 steps of 16 ended before the move in CI (a peer considers moving after
+    # 20 served requests and a 3 s period); the run is stopped once it has trained on 2:2 (below).
     trainer = swarm.start_trainer(
         "--steps",
-        "80",
+        "400",
         "--batch-size",
         "32",
         "--microbatch-size",
@@ -75,7 +76,7 @@ def test_three_to_one_becomes_two_and_two_while_training_loses_nothing(make_swar
         return re.findall(r"replicas \[(\d+), (\d+)\]", trainer.log())
 
     # The trainer saw the 3:1 swarm, then trains on the 2:2 one without stopping; once it has, the
-    # rest of its 80 steps would show nothing new: SIGTERM ends the run after the step in flight.
+    # rest of its 400 steps would show nothing new: SIGTERM ends the run after the step in flight.
     wait_for(lambda: ("2", "2") in replicas_seen() or not trainer.alive, 60, "the trainer to route over 2:2")
     if trainer.alive:
         trainer.popen.send_signal(signal.SIGTERM)
