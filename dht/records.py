@@ -70,6 +70,10 @@ class PeerRecord(BaseModel):
     steps_done: int = Field(
         default=0, ge=0, description="optimizer steps the served copy holds (a standby compares its copy with it)"
     )
+    steps_per_s: float = Field(
+        default=0.0, ge=0.0, allow_inf_nan=False, description="steps taken per second since the last announcement"
+    )
+    announced_at: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="DHT time the record was made")
     run_id: str = Field(default="", max_length=64, description="the run whose spec the peer serves ('' = not stated)")
     spec_version: int = Field(default=0, ge=0, description="the version of the run's spec it follows (0 = not stated)")
     averaging_rounds: int = Field(default=0, ge=0, description="rounds averaged with other replicas of the stage")

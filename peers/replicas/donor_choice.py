@@ -7,12 +7,14 @@ the digest of the state, `state_digest`), before it downloads anything, and `cho
   load sorts a donor first (before: the replica with the least announced load, ties by peer id:
   a forger with an id ground to sort first was the donor every time, issue #60);
 - a state is eligible if it holds at least the joiner's own steps, and no more than the other live
-  replicas announce on the DHT (the largest step count in their records, or the joiner's own, plus
-  `STEP_SLACK` for records renewed a few seconds apart): a forger's 10^6 steps, announced by itself
-  only, is refused (`step_bound`);
-- among eligible states, the one the most donors agree on (same digest) wins; then the most trained.
-  Sync replicas hold the same state bit for bit, so two honest ones outvote one forger; replicas
-  that average periodically differ, and the most trained eligible state is taken.
+  peers of the run announce on the DHT, on any stage (the largest step count in their records,
+  carried forward by each record's age at twice its step rate, `steps_by_now`, or the joiner's own,
+  plus `STEP_SLACK`): a forger's 10^6 steps, announced by itself only, is refused (`step_bound`);
+- among eligible states within `STEP_SLACK` steps of the most trained one, the one the most donors
+  agree on (same digest) wins; then the most trained. Sync replicas hold the same state bit for bit,
+  so two honest ones outvote one forger (whose steps the bound keeps within the window); replicas
+  that average periodically differ, and the most trained eligible state is taken; replicas that
+  just joined from initial weights (they agree too) never outvote a state trained further.
 The download is then checked against the chosen digest (peers/replicas/replica_sync.py).
 
 What it does not give: between two donors that disagree and no third, the most trained eligible one
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 STEP_SLACK = 16  # steps a replica may be ahead of the latest record of another (records lag by seconds)
+RATE_MARGIN = 2.0  # a peer's step rate may double between its records (a trainer joins, a batch shrinks)
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,20 @@ def shuffled(peer_ids: Sequence[str], rng: random.Random) -> list[str]:
     return order
 
 
+def steps_by_now(steps_done: int, steps_per_s: float, announced_at: float, expires_at: float, now: float) -> int:
+    """How many steps a peer that announced `steps_done` at `announced_at` (stepping `steps_per_s`)
+    may hold `now`: twice its rate over the record's age, the age bounded by the record's lifetime (a
+    clock running ahead counts no age). A record that does not say when it was made counts as is."""
+    if announced_at <= 0.0:
+        return steps_done
+    age = min(max(now - announced_at, 0.0), max(expires_at - announced_at, 0.0))
+    return steps_done + math.ceil(RATE_MARGIN * steps_per_s * age)
+
+
 def step_bound(peer_id: str, own_steps: int, announced: Mapping[str, int], slack: int = STEP_SLACK) -> float:
-    """The most steps a state from `peer_id` may hold: what the other live replicas announce (and
-    the receiver holds), plus `slack`; unbounded when no other replica announces anything (a lone
-    donor's word is all there is)."""
+    """The most steps a state from `peer_id` may hold: what the other live peers announce (and the
+    receiver holds), plus `slack`; unbounded when no other peer announces anything (a lone donor's
+    word is all there is)."""
     others = [steps for peer, steps in announced.items() if peer != peer_id]
     if not others:
         return math.inf
@@ -102,6 +115,8 @@ def choose_donors(
     ]
     if not eligible:
         return []
+    most_trained = max(offer.steps_done for offer in eligible)
+    eligible = [offer for offer in eligible if offer.steps_done >= most_trained - slack]
     by_state: dict[tuple[int, str], list[StateOffer]] = {}
     for offer in eligible:
         by_state.setdefault((offer.steps_done, offer.digest), []).append(offer)
@@ -120,7 +135,7 @@ def refusals(
             reasons.append(f"{offer.peer_id[-8:]} has done {offer.steps_done} steps, fewer than our {own_steps}")
         elif offer.steps_done > bound:
             reasons.append(
-                f"{offer.peer_id[-8:]} offers {offer.steps_done} steps, more than any other live replica "
+                f"{offer.peer_id[-8:]} offers {offer.steps_done} steps, more than any other live peer "
                 f"announces ({bound - slack:.0f})"
             )
     return reasons

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +32,15 @@ from peers.compute.stage_runtime import REPLICA_STATE_KEY
 from peers.replicas.averaging import GradientSync, ParameterAveraging
 from peers.replicas.averaging_members import AveragingMembers
 from peers.replicas.delayed_sync import DelayedGradientSync
-from peers.replicas.donor_choice import STEP_SLACK, StateOffer, choose_donors, refusals, shuffled, step_bound
+from peers.replicas.donor_choice import (
+    STEP_SLACK,
+    StateOffer,
+    choose_donors,
+    refusals,
+    shuffled,
+    step_bound,
+    steps_by_now,
+)
 from peers.replicas.outer_averaging import OuterAveraging
 from peers.replicas.outer_exchange import OuterExchange
 from peers.replicas.state_transfer import StateExports, download_state, fetch_offer, state_bytes_bound
@@ -273,14 +280,13 @@ class ReplicaSyncService:
             model=self.model, stage=runtime.stage, num_stages=runtime.num_stages, credential=self.credential
         )
         # the source as a joiner would take it: a member of the run, holding no more steps than the
-        # other live replicas announce (a trainer's word names it, the DHT must bear it out)
+        # other live peers of the run announce (a trainer's word names it, the DHT must bear it out)
         records = {r.peer_id: r for r in await self.live_records(runtime)}
         if source not in records:
             raise ProtocolError(
                 f"replica {source[-8:]} is no live member of stage {runtime.stage}: not loading its state"
             )
-        announced = {p: r.steps_done for p, r in records.items() if p != source}
-        bound = step_bound(source, runtime.steps_done, announced) if announced else math.inf
+        bound = step_bound(source, runtime.steps_done, await self.step_evidence(runtime))
         try:
             downloaded = await download_state(
                 await self.dht.replicate_p2p(),
@@ -294,7 +300,7 @@ class ReplicaSyncService:
         if downloaded[0].steps_done > bound:
             raise ProtocolError(
                 f"replica {source[-8:]} sent a state of {downloaded[0].steps_done} steps, more than any other live "
-                f"replica of stage {runtime.stage} announces ({bound - STEP_SLACK:.0f}): not loading it"
+                f"peer of the run announces ({bound - STEP_SLACK:.0f}): not loading it"
             )
 
         def load() -> bool:
@@ -348,6 +354,29 @@ class ReplicaSyncService:
             self.remember_members(records)
         return records
 
+    async def step_evidence(self, runtime) -> dict[str, int]:
+        """The steps each other live peer of the run may hold by now, by its record (`steps_by_now`),
+        on any stage (every trainer step commits to every stage, so a chain's stages hold the same
+        count): what bounds a donor's step count. Counting other stages too lets a lone honest
+        replica's state through when the other replicas of its stage joined a moment ago."""
+        stages = await asyncio.gather(
+            *[fetch_stage_records_async(self.dht, self.model, stage) for stage in range(runtime.num_stages)]
+        )
+        evidence: dict[str, int] = {}
+        now = get_dht_time()
+        for stage, records in enumerate(stages):
+            live = [
+                r
+                for r in records
+                if r.state == PeerState.ONLINE and r.peer_id != self.peer_id and r.num_stages == runtime.num_stages
+            ]
+            if self.authority is not None:
+                live = credentialed_records(live, self.authority, stage=stage)
+            for r in live:
+                steps = steps_by_now(r.steps_done, r.steps_per_s, r.announced_at, r.expires_at, now)
+                evidence[r.peer_id] = max(evidence.get(r.peer_id, 0), steps)
+        return evidence
+
     async def load_state_from_replica(self, p2p, runtime=None, seen_replicas: Iterable[str] = ()) -> bool:
         """Before going online: copy the stage's current state from live replicas, if there are any,
         never on one donor's word (peers/replicas/donor_choice.py): up to MAX_DONORS of them, asked in
@@ -363,7 +392,7 @@ class ReplicaSyncService:
         Returns whether a replica's state was loaded."""
         runtime = runtime or self.serving.runtime
         records = await self.live_records(runtime)
-        announced = {r.peer_id: r.steps_done for r in records}
+        announced = await self.step_evidence(runtime)
         sources = shuffled([r.peer_id for r in records], self.rng)
         seen = [p for p in seen_replicas if self.authority is None or self._seen_member(p, runtime.stage)]
         sources += [p for p in shuffled(seen, self.rng) if p not in sources and p != self.peer_id]

@@ -3,7 +3,10 @@ status file the container's health check reads.
 
 `Announcer` reads what to announce from the `ServingState` (stage, state, throughput, load) each
 time, so a move or a state change shows at the next announcement; moves and the standby loop call
-`announce` at once when they change what the record says.
+`announce` at once when they change what the record says. The record carries the steps done and
+the step rate since the announcement before, and is renewed early when the steps move on, so that
+others can tell how far it may be by now (what bounds a state donor's step count,
+peers/replicas/donor_choice.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from peers.serving.serving_state import ServingState
 from process.version import software_version
 
 RECENT_WRITES = 8  # how many of its last announcements' write times a peer's record lifetime follows
+MIN_RATE_INTERVAL_S = 1.0  # the step rate is counted over at least this long (a move announces at once)
+PROMPT_STEPS = 8  # announce early once this many steps were taken (half of a donor's STEP_SLACK)
 
 
 def record_ttl_s(configured_s: float, period_s: float, slowest_write_s: float) -> float:
@@ -62,6 +67,9 @@ class Announcer:
         self.peer_id, self.model, self.averaging_mode = peer_id, model, averaging_mode
         self.metrics, self.metrics_addr, self.split = metrics, metrics_addr, split
         self.write_seconds: deque[float] = deque(maxlen=RECENT_WRITES)  # the last announcements' writes
+        self.steps_per_s = 0.0  # over the interval before the last announcement
+        self._counted: tuple[float, int] | None = None  # (monotonic time, steps done) the rate is counted from
+        self.announced_steps = 0  # the steps in the last record announced
 
     @property
     def ttl_s(self) -> float:
@@ -96,6 +104,8 @@ class Announcer:
             vocab_size=serving.runtime.config.vocab_size,
             credential=self.credential,
             steps_done=serving.runtime.steps_done,
+            steps_per_s=self.steps_per_s,
+            announced_at=get_dht_time(),
             run_id=self.following.run_id if self.following is not None else "",
             spec_version=self.following.version if self.following is not None else 0,
             averaging_rounds=serving.averaging.rounds if serving.averaging is not None else 0,
@@ -108,13 +118,24 @@ class Announcer:
     ) -> bool:
         """Store the record now; returns whether the DHT took it."""
         started = time.monotonic()
-        stored = await announce(self.dht, self.record(stage=stage, state=state), timeout_s=timeout_s)
+        self._count_steps(started)
+        record = self.record(stage=stage, state=state)
+        self.announced_steps = record.steps_done
+        stored = await announce(self.dht, record, timeout_s=timeout_s)
         self.write_seconds.append(time.monotonic() - started)
         return stored
 
+    def _count_steps(self, now: float) -> None:
+        steps = self.serving.runtime.steps_done
+        if self._counted is not None and now - self._counted[0] >= MIN_RATE_INTERVAL_S:
+            self.steps_per_s = round(max(0, steps - self._counted[1]) / (now - self._counted[0]), 3)
+        if self._counted is None or now - self._counted[0] >= MIN_RATE_INTERVAL_S:
+            self._counted = (now, steps)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Re-announce every `announce_period_s`, from start to start (a slow write does not stretch
-        the period), until `stop`; renew the split claim alongside."""
+        the period), and sooner once `PROMPT_STEPS` steps were taken since, until `stop`; renew the
+        split claim alongside."""
         next_s = time.monotonic()
         while not stop.is_set():
             stored = await self.announce()
@@ -125,10 +146,14 @@ class Announcer:
                 await publish_split_async(self.dht, renewed(self.split, active=True, ttl_s=self.ttl_s))
             self.report_status(stored)
             next_s = max(next_s + self.settings.announce_period_s, time.monotonic())
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=next_s - time.monotonic())
-            except TimeoutError:
-                pass
+            while not stop.is_set() and time.monotonic() < next_s:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=min(MIN_RATE_INTERVAL_S, next_s - time.monotonic()))
+                except TimeoutError:
+                    pass
+                if self.serving.runtime.steps_done - self.announced_steps >= PROMPT_STEPS:
+                    next_s = time.monotonic()  # the steps moved on: announce now, the period starts again
+                    break
 
     async def announce_final(self) -> None:
         """The last word on a clean exit, once the state says `offline`: trainers stop routing here at once."""

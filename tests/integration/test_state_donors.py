@@ -127,3 +127,22 @@ def test_a_joiner_does_not_load_a_forged_state_and_the_repair_does_not_spread_it
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         forger.shutdown()
+
+
+def test_a_lone_replica_s_state_gets_through_when_the_other_replicas_of_its_stage_just_joined(make_swarm, tmp_path):
+    """Issue #60: a donor's step count is bounded by what the other live peers announce. Counted on
+    its own stage only, a lone honest replica 20 steps in was refused once two fresh replicas (0 steps)
+    were online beside it: a third joiner started from initial weights, and the trainer's repairs of
+    the fresh ones were refused too. The run's other stage announces the same steps; it counts."""
+    swarm = make_swarm(num_stages=2)
+    swarm.start_bootstrap()
+    first, last = swarm.start_peer(0), swarm.start_peer(1)
+    swarm.wait_online([first, last])
+    run_trainer(swarm, tmp_path, "--steps", "20", *TRAIN_ARGS)
+    fresh = [swarm.start_peer(1, "--no-load-state") for _ in range(2)]
+    swarm.wait_online(fresh)
+    joiner = swarm.start_peer(1)
+    swarm.wait_online([joiner])
+    loaded = re.search(r"loaded stage 1 state from replica (\S+) \((\d+) steps done", joiner.log())
+    assert loaded, joiner.log()[-3000:]
+    assert int(loaded.group(2)) == 20, joiner.log()[-3000:]

@@ -12,7 +12,7 @@ import torch
 from dht.records import PeerRecord, PeerState
 from peers.compute.checkpoint import CheckpointError, CheckpointMeta
 from peers.replicas import replica_sync
-from peers.replicas.donor_choice import StateOffer, choose_donors, shuffled, state_digest, step_bound
+from peers.replicas.donor_choice import StateOffer, choose_donors, shuffled, state_digest, step_bound, steps_by_now
 from peers.replicas.replica_sync import ReplicaSyncService
 
 
@@ -178,13 +178,18 @@ def test_in_a_run_with_an_authority_only_credentialed_replicas_are_asked(monkeyp
     assert asked == []
 
 
-def test_the_donor_choice_prefers_agreement_then_the_most_trained_within_the_announced_steps():
+def test_the_donor_choice_prefers_agreement_near_the_most_trained_then_the_most_trained_within_the_bound():
     offers = [StateOffer("x", 30, "dx"), StateOffer("y", 25, "dy"), StateOffer("z", 25, "dy")]
     announced = {"x": 28, "y": 25, "z": 25}
     assert [o.peer_id for o in choose_donors(offers, 0, announced)] == ["y", "z"]  # two agree
     assert [o.peer_id for o in choose_donors(offers[:2], 0, announced)] == ["x"]  # no agreement: most trained
     assert choose_donors(offers, 26, announced) == [offers[0]]  # fewer steps than ours: not taken
     assert choose_donors([StateOffer("x", 10**6, "f")], 0, {"x": 10**6, "y": 20}) == []
+    fresh = [StateOffer("a", 0, "d0"), StateOffer("b", 0, "d0"), StateOffer("h", 20, "dh")]
+    assert choose_donors(fresh, 0, {"a": 0, "b": 0, "h": 20, "s0": 20}) == [
+        fresh[2]
+    ]  # joiners agree, the trained one wins
+    assert len(choose_donors(fresh[:2] + [StateOffer("h", 16, "dh")], 0, {"a": 0, "b": 0, "h": 16, "s0": 16})) == 2
     assert step_bound("x", 0, {"x": 10**6}) == float("inf")  # a lone donor: its word is all there is
     assert step_bound("x", 40, {"x": 10**6, "y": 20}) == 40 + 16
 
@@ -262,3 +267,10 @@ def test_in_a_run_a_mover_asks_a_seen_replica_it_saw_holding_a_credential(monkey
         new_stage = FakeRuntime(stage=1, steps_done=0)
         assert asyncio.run(replicas.load_state_from_replica(None, new_stage, seen_replicas=["stranger", member]))
     assert donors.asked == [member] and new_stage.steps_done == 5
+
+
+def test_a_record_s_steps_are_carried_forward_by_its_age_at_twice_its_rate():
+    assert steps_by_now(100, 10.0, 1000.0, 1015.0, now=1003.0) == 100 + 60
+    assert steps_by_now(100, 10.0, 1000.0, 1015.0, now=2000.0) == 100 + 300  # no older than its lifetime
+    assert steps_by_now(100, 10.0, 1000.0, 1015.0, now=990.0) == 100  # a clock ahead counts no age
+    assert steps_by_now(100, 10.0, 0.0, 1015.0, now=1003.0) == 100  # it does not say when it was made
