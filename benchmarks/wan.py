@@ -22,7 +22,8 @@ host, with direct routing and `--replica-codec` activations, and the peers' `--a
 `replicas-none` (no averaging: the speed reference), `replicas-sync` (exact sync), `replicas-outer`
 and `replicas-outer-overlap` (outer rounds every `--outer-every` steps with `--outer-codec`, waited
 for or overlapped). The table also says what `--averaging auto` would choose from each stage's
-probed replica link (peers/replicas/averaging_choice.py), and each row's speed against no averaging.
+probed replica link (peers/replicas/averaging_choice.py) under each `--loss-budgets` value (the
+peers' `--averaging-loss-budget`), and each row's speed against no averaging.
 
 Direct routing (`swarm train --routing direct`, issue #23): `direct-<codec>` (direct-none,
 direct-int8, direct-adaptive, ...) is the swarm run with that codec where each peer sends its
@@ -138,6 +139,7 @@ class Settings:
     replica_codec: str = "int8"
     outer_every: int = 5
     outer_codec: str = "int8"
+    loss_budgets: tuple[float, ...] = (0.01,)  # the budgets `--averaging auto` is shown choosing under
 
     @property
     def tokens_per_step(self) -> int:
@@ -572,7 +574,7 @@ def replica_averaging_args(run: str, s: Settings) -> list[str]:
 
 def auto_choices(s: Settings, probes, step_s: float) -> dict[str, str]:
     """What `--averaging auto` would choose for each stage from its probed replica link, for a step of
-    `step_s` (the no-averaging row's, when it ran)."""
+    `step_s` (the no-averaging row's, when it ran), under each of `s.loss_budgets`."""
     config = get_model_config(s.model)
     choices = {}
     for stage, host in sorted(s.replica_hosts.items()):
@@ -582,8 +584,9 @@ def auto_choices(s: Settings, probes, step_s: float) -> dict[str, str]:
         values = sum(t.numel() for t in build_stage(config, stage, len(s.stage_hosts), seed=0).parameters())
         mbit = min(link.forward_mbit, link.reverse_mbit)
         estimate = LinkEstimate(bandwidth_bytes_per_s=mbit * 1e6 / 8, latency_s=link.rtt_ms / 2e3)
-        choice = choose_averaging(num_values=values, group_size=2, step_s=step_s, link=estimate)
-        choices[str(stage)] = f"{choice.mode}: {choice.reason}"
+        for budget in s.loss_budgets:
+            choice = choose_averaging(num_values=values, group_size=2, step_s=step_s, link=estimate, loss_budget=budget)
+            choices[f"stage {stage}, budget {budget:g}"] = f"{choice.mode}: {choice.reason}"
     return choices
 
 
@@ -629,9 +632,21 @@ def summarize_replica_rows(results: list[RunResult], s: Settings, probes) -> dic
     _say("\nreplica rows: tokens/s against no averaging")
     for name, ratio in ratios.items():
         _say(f"  {name:<24} {_fmt(ratio, '.2f')}x")
-    for stage, choice in choices.items():
-        _say(f"  --averaging auto, stage {stage} (step {step_s:.2f} s): {choice}")
+    for where, choice in choices.items():
+        _say(f"  --averaging auto, {where} (step {step_s:.2f} s): {choice}")
     return {"vs_none": ratios, "auto_choices": choices, "step_s": step_s}
+
+
+def loss_budgets(text: str) -> tuple[float, ...]:
+    try:
+        budgets = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers such as 0.01,0.06"
+        ) from None
+    if any(not 0.0 <= b < 10.0 for b in budgets):
+        raise argparse.ArgumentTypeError("each loss budget is a share of validation loss, 0 or more (0.01 = 1%)")
+    return budgets
 
 
 def _interrupt(signum, frame) -> None:
@@ -663,6 +678,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replica-codec", default="int8", help="replica rows: the activations' codec (direct routing)")
     parser.add_argument("--outer-every", type=int, default=5, help="replica rows: outer rounds every this many steps")
     parser.add_argument("--outer-codec", default="int8", help="replica rows: the outer rounds' codec")
+    parser.add_argument(
+        "--loss-budgets",
+        type=loss_budgets,
+        default=(0.01,),
+        help="replica rows: comma-separated --averaging-loss-budget values to show --averaging auto's choice under",
+    )
     return parser.parse_args(argv)
 
 
@@ -715,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_codec=args.replica_codec,
         outer_every=args.outer_every,
         outer_codec=args.outer_codec,
+        loss_budgets=args.loss_budgets,
     )
     if ("faults" in runs or "direct-kill" in runs) and args.kill_stage not in standby:
         print(f"wan: error: the kill runs need a host standby{args.kill_stage} in the topology", file=sys.stderr)

@@ -39,7 +39,7 @@ from peers.compute.faults import FaultSettings
 from peers.compute.stage_runtime import OptimizerSettings
 from peers.compute.weight_prediction import WEIGHT_PREDICTIONS
 from peers.placement.link_probe import ProbeSettings
-from peers.replicas.averaging_choice import AVERAGING_TRANSPORTS
+from peers.replicas.averaging_choice import AVERAGING_TRANSPORTS, DEFAULT_LOSS_BUDGET, DEFAULT_OUTER_LR
 from peers.replicas.averaging_schedule import AveragingSchedule
 from peers.replicas.outer_rounds import OUTER_CODECS, OuterSchedule, PseudoGradientCodec
 from peers.replicas.outer_step import OuterSettings
@@ -53,7 +53,6 @@ DEFAULT_AVERAGING_PERIOD_S = 30.0
 # outer mode's defaults (benchmarks/RESULTS.md, "Outer rounds: the in-process convergence table")
 DEFAULT_OUTER_EVERY_STEPS = 100
 DEFAULT_OUTER_CODEC = "int8"
-DEFAULT_OUTER_LR = 0.7
 MEMORY_SPLIT = "memory"  # --split-boundaries memory: the parameter-balanced split
 # What `swarm peer --help` lists: where the peer is and how much it gives. The run's spec says what to
 # train; every other flag still works and `swarm peer --help-all` lists them.
@@ -266,6 +265,11 @@ class ReplicaSettings:
         help="outer mode: rounds carry this many slices of the stage's values in turn, one every "
         "--averaging-every-steps / this many steps, so each round sends that much less",
     )
+    averaging_loss_budget: float = option(
+        DEFAULT_LOSS_BUDGET,
+        help="--averaging auto: the validation loss against exact sync (0.01 = 1%% worse) outer rounds may cost "
+        "where links are too slow for sync (no measured setting is within the default 1%%)",
+    )
     averaging_timeout_s: float = option(30.0, help="give up an averaging round after this many seconds")
     averaging_matchmaking_s: float | None = option(
         None,
@@ -332,6 +336,8 @@ class ReplicaSettings:
             except ValueError as e:
                 raise ConfigError(f"--averaging outer: {e}") from None
         _positive(self, "averaging_timeout_s")
+        if not 0.0 <= self.averaging_loss_budget < 10.0:
+            raise ConfigError("--averaging-loss-budget is a share of validation loss, e.g. 0.01 for 1%; give 0 or more")
         if self.averaging_period_s is not None and self.averaging_period_s <= 0:
             raise ConfigError("averaging_period_s must be positive")
         if (self.outer_lr is not None and self.outer_lr < 0) or not 0.0 <= self.outer_momentum < 1.0:

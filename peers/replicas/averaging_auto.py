@@ -124,7 +124,9 @@ def resolve_auto(
         return dataclasses.replace(replicas, averaging="sync", averaging_every_steps=None), why
     peers = [r.peer_id for r in same_stage] + [r.peer_id for r in online if r.stage != stage]
     link = asyncio.run(slowest_link(dht, list(dict.fromkeys(peers)))) if peers else None
-    choice = choose_averaging(num_values=num_values, group_size=2, step_s=step_s, link=link)
+    choice = choose_averaging(
+        num_values=num_values, group_size=2, step_s=step_s, link=link, loss_budget=replicas.averaging_loss_budget
+    )
     if choice.mode == "sync":
         return dataclasses.replace(replicas, averaging="sync", averaging_every_steps=None), choice.reason
     option = choice.option

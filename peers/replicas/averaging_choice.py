@@ -3,7 +3,8 @@ sync where the link carries a step's all-reduce in a small share of the step, ou
 does not. Pure: a link estimate, the stage's size and step time in, a choice with its reason out.
 
 The rule, for a stage of `num_values` float32 values, `group_size` replicas, a step of `step_s`
-seconds of compute, a link of bandwidth B and one-way latency L, and a loss budget:
+seconds of compute, a link of bandwidth B and one-way latency L, and a loss budget (the peer's
+`--averaging-loss-budget`, 1% by default):
 1. exact sync, if its all-reduce (2 (n - 1) / n x 4 x num_values bytes each way, 2 (n - 1) latencies)
    takes at most `sync_share` (10%) of a step, or the link carries at least `FAST_LINK_BYTES_PER_S`
    (400 Mbit/s: loopback and LAN, as the link probe measures them through p2pd; home links carry
@@ -33,6 +34,7 @@ AVERAGING_TRANSPORTS = ("auto", "exchange", "gloo", "hivemind")
 DEFAULT_SYNC_SHARE = 0.1  # of a step that exact sync's all-reduce may take
 FAST_LINK_BYTES_PER_S = 400e6 / 8  # a link at least this fast keeps exact sync whatever the step
 DEFAULT_LOSS_BUDGET = 0.01  # validation loss against exact sync: 1%
+DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9  # the DiLoCo outer step the table measured
 
 
 @dataclass(frozen=True)
@@ -47,21 +49,34 @@ class OuterOption:
     overlap: bool = False
     fragments: int = 1
     topk_fraction: float = 0.01
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
 
     @property
     def label(self) -> str:
-        codec = f"topk {self.topk_fraction:g}" if self.codec == "topk" else self.codec
+        codec = {"topk": f"topk {self.topk_fraction:g}", "none": "fp32"}.get(self.codec, self.codec)
         extra = (", overlapped" if self.overlap else "") + (
             f", {self.fragments} fragments" if self.fragments > 1 else ""
         )
+        if (self.outer_lr, self.outer_momentum) != (DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM):
+            extra += f", outer lr {self.outer_lr:g} momentum {self.outer_momentum:g}"
         return f"outer rounds every {self.every_steps} steps, {codec}{extra}"
 
 
-# Filled from the in-process table (benchmarks/RESULTS.md, "Outer rounds: the in-process convergence
-# table"); a setting that was not measured is not here, so it is never chosen.
-MEASURED_OUTER_COSTS: tuple[OuterOption, ...] = ()
+# The in-process table's rows (benchmarks/RESULTS.md, "Outer rounds: the in-process convergence
+# table": `small`, 2 stages x 2 replicas, 2M tokens, one seed); a setting that was not measured is not
+# here, so it is never chosen. None costs 1% or less: under the default budget the choice is sync.
+_INT8_BYTES = 1.0 + 4.0 / 4096  # a byte a value and a float32 scale per block of 4096 (the payload's)
+_INT4_BYTES = 63.59 / 119.97 * _INT8_BYTES  # the table's int4 payload against its int8 payload
+MEASURED_OUTER_COSTS: tuple[OuterOption, ...] = (
+    OuterOption(every_steps=10, codec="none", bytes_per_value=4.0, loss_cost=0.0510),
+    OuterOption(every_steps=50, codec="none", bytes_per_value=4.0, loss_cost=0.0816),
+    OuterOption(every_steps=10, codec="int8", bytes_per_value=_INT8_BYTES, loss_cost=0.0516),
+    OuterOption(every_steps=10, codec="int4", bytes_per_value=_INT4_BYTES, loss_cost=0.0505),
+    OuterOption(every_steps=10, codec="topk", bytes_per_value=7.18 / 478.8 * 4.0, loss_cost=0.2963),
+    OuterOption(every_steps=10, codec="none", bytes_per_value=4.0, loss_cost=0.2317, overlap=True),
+    OuterOption(every_steps=10, codec="none", bytes_per_value=4.0, loss_cost=0.0614, outer_lr=1.0, outer_momentum=0.0),
+)
 
 
 @dataclass(frozen=True)

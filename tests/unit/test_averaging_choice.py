@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from peers.replicas.averaging_choice import OuterOption, choose_averaging, outer_step_share, sync_round_s
+from peers.config import ReplicaSettings
+from peers.replicas.averaging_choice import (
+    MEASURED_OUTER_COSTS,
+    OuterOption,
+    choose_averaging,
+    outer_step_share,
+    sync_round_s,
+)
+from process.config import ConfigError
 from wire.compression import LinkEstimate
 
 SMALL_STAGE = 2_467_584  # `small`, stage 0 of 2
@@ -46,7 +54,7 @@ def test_a_home_link_takes_outer_rounds_the_cheapest_loss_that_fits():
     every 100 steps 4%: the latter fits, and of those that fit it has the lowest loss."""
     choice = choose(HOME)
     assert choice.mode == "outer" and choice.option == OPTIONS[1], choice
-    assert choice.step_share <= 0.1 and "outer rounds every 100 steps, none" in choice.reason
+    assert choice.step_share <= 0.1 and "outer rounds every 100 steps, fp32" in choice.reason
 
 
 def test_a_slower_link_takes_fewer_bytes_and_overlap():
@@ -78,3 +86,23 @@ def test_the_estimates_follow_the_link():
     assert sync_round_s(1_000_000, 4, LinkEstimate(bandwidth_bytes_per_s=4e6, latency_s=0.0)) == pytest.approx(1.5)
     with pytest.raises(ValueError):
         choose(HOME, step_s=0.0)
+
+
+def test_the_measured_settings_keep_sync_under_the_default_budget_and_a_wider_one_takes_outer_rounds():
+    """The in-process table's rows (none within 1%): a home link keeps exact sync by default, slow as it
+    is; with a 6% budget it takes the measured setting of least loss whose rounds fit a tenth of the
+    steps, int4 every 10 steps; top-k and the overlapped fp32 round (+30%, +23%) need a budget past them."""
+    home = choose_averaging(num_values=SMALL_STAGE, group_size=2, step_s=1.0, link=HOME)
+    assert home.mode == "sync" and "no measured outer-round setting costs at most 1.0%" in home.reason
+    wider = choose_averaging(num_values=SMALL_STAGE, group_size=2, step_s=1.0, link=HOME, loss_budget=0.06)
+    assert wider.mode == "outer" and (wider.option.every_steps, wider.option.codec) == (10, "int4"), wider
+    assert wider.step_share <= 0.1 and "+5.05% validation loss" in wider.reason
+    assert all(o.loss_cost > 0.01 for o in MEASURED_OUTER_COSTS)
+    assert len({o.label for o in MEASURED_OUTER_COSTS}) == len(MEASURED_OUTER_COSTS)  # each says what it is
+
+
+def test_the_loss_budget_is_a_peer_option_checked_at_start():
+    assert ReplicaSettings().averaging_loss_budget == 0.01
+    assert ReplicaSettings(averaging_loss_budget=0.06).averaging_loss_budget == 0.06
+    with pytest.raises(ConfigError, match="averaging-loss-budget"):
+        ReplicaSettings(averaging_loss_budget=-0.01)

@@ -32,6 +32,7 @@ PEER_FLAGS = {
     "--subspace-kind",
     "--averaging-matchmaking-s",
     "--averaging-groups",  # added deliberately: rounds in the group the trainer's commit names (issue #22)
+    "--averaging-loss-budget",  # added deliberately: the loss `--averaging auto` may trade for speed (issue #56)
     "--robust-averaging",  # added deliberately: robust reduction of the replicas' all-reduce (issue #25)
     "--bad-request-burst",
     "--bad-request-refill-per-s",
@@ -191,6 +192,7 @@ PEER_VARIABLES = {
     "SWARM_SUBSPACE_KIND",
     "SWARM_AVERAGING_MATCHMAKING_S",
     "SWARM_AVERAGING_GROUPS",
+    "SWARM_AVERAGING_LOSS_BUDGET",
     "SWARM_TARGET_BATCH_SIZE",
     "SWARM_USE_AUTO_RELAY",
     "SWARM_USE_RELAY",
