@@ -645,7 +645,7 @@ def loss_budgets(text: str) -> tuple[float, ...]:
             f"{text!r} is not a comma-separated list of numbers such as 0.01,0.06"
         ) from None
     if any(not 0.0 <= b < 10.0 for b in budgets):
-        raise argparse.ArgumentTypeError("each loss budget is a share of validation loss, 0 or more (0.01 = 1%)")
+        raise argparse.ArgumentTypeError("each loss budget is a share of validation loss (0.01 = 1%), from 0 up to 10")
     return budgets
 
 

@@ -337,7 +337,7 @@ class ReplicaSettings:
                 raise ConfigError(f"--averaging outer: {e}") from None
         _positive(self, "averaging_timeout_s")
         if not 0.0 <= self.averaging_loss_budget < 10.0:
-            raise ConfigError("--averaging-loss-budget is a share of validation loss, e.g. 0.01 for 1%; give 0 or more")
+            raise ConfigError("--averaging-loss-budget is a share of validation loss (0.01 = 1%), from 0 up to 10")
         if self.averaging_period_s is not None and self.averaging_period_s <= 0:
             raise ConfigError("averaging_period_s must be positive")
         if (self.outer_lr is not None and self.outer_lr < 0) or not 0.0 <= self.outer_momentum < 1.0:
