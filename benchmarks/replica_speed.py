@@ -25,7 +25,9 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
   matchmaking or named by the trainer's commit (`--averaging-groups`; the peers' default is
   `trainer` since session 16, `matchmaking` before);
 * `... fp16`: the same with the all-reduce's parts sent as fp16 (`--averaging-compression fp16`),
-  half the bytes of a round, the replicas then agreeing only to fp16's rounding.
+  half the bytes of a round, the replicas then agreeing only to fp16's rounding;
+* `2x2 outer int4/10 overlapped` and `... background`: outer rounds every 10 steps in int4,
+  overlapped, the trainer's commits waited for or in the background (`--outer-commits`).
 With `--repeats N` the 2x2 runs are repeated N times, alternating, so that a change in the
 machine's load hits each.
 
@@ -53,6 +55,7 @@ from benchmarks.replicas import run  # noqa: E402
 from benchmarks.report_file import write_report  # noqa: E402
 from swarm.demo import lr_schedule_args  # noqa: E402
 
+OUTER_INT4_10 = ("--averaging-every-steps", "10", "--outer-codec", "int4", "--outer-overlap")
 LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     "2x2 none": (2, "none", (), ()),
     "2x2 sync exact": (2, "sync", ("--sync-delay", "0"), ()),
@@ -89,6 +92,10 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
         ("--averaging-every-steps", "5", "--outer-codec", "int8", "--outer-overlap"),
         (),
     ),
+    # ... int4 every 10 steps overlapped (`--averaging auto`'s choice on a home link with a 6% budget),
+    # with each step waiting for the commit, or the next step starting while it travels
+    "2x2 outer int4/10 overlapped": (2, "outer", OUTER_INT4_10, ()),
+    "2x2 outer int4/10 overlapped background": (2, "outer", OUTER_INT4_10, ("--outer-commits", "background")),
 }
 
 

@@ -21,7 +21,8 @@ Replica rows (issue #56), on a topology with a second host per stage (`stage<i>b
 host, with direct routing and `--replica-codec` activations, and the peers' `--averaging`:
 `replicas-none` (no averaging: the speed reference), `replicas-sync` (exact sync), `replicas-outer`
 and `replicas-outer-overlap` (outer rounds every `--outer-every` steps with `--outer-codec`, waited
-for or overlapped). The table also says what `--averaging auto` would choose from each stage's
+for or overlapped), and each of the two with `-background` (the trainer's `--outer-commits background`:
+the next step starts while a step's commit travels). The table also says what `--averaging auto` would choose from each stage's
 probed replica link (peers/replicas/averaging_choice.py) under each `--loss-budgets` value (the
 peers' `--averaging-loss-budget`), and each row's speed against no averaging.
 
@@ -92,7 +93,15 @@ RUNS = (
     *(f"direct-{codec}" for codec in HUB_CODECS),
     "direct-kill",
 )
-REPLICA_RUNS = ("replicas-none", "replicas-sync", "replicas-outer", "replicas-outer-overlap")
+REPLICA_RUNS = (
+    "replicas-none",
+    "replicas-sync",
+    "replicas-outer",
+    "replicas-outer-overlap",
+    "replicas-outer-background",
+    "replicas-outer-overlap-background",
+)
+BACKGROUND = "-background"  # a replica row whose trainer runs with --outer-commits background
 
 
 @dataclass
@@ -419,6 +428,7 @@ def run_swarm(
     one_stream: bool = False,
     averaging: list[str] | None = None,
     replica_name: str = "",
+    trainer_args: tuple[str, ...] = (),
 ) -> RunResult:
     """A swarm run. `faults`: standby replicas, the slow stage's peer slowed and the kill stage's peer
     SIGKILLed; `kill_only` (with `faults`): nobody slowed. `subspace` ("fixed:32"): a subspace model,
@@ -489,6 +499,7 @@ def run_swarm(
                 "--report",
                 report_path,
                 *subspace_args,
+                *trainer_args,
                 prefix=trainer_prefix,
             )
             meter = RunMeter(net, trainer.log_path, _step_marker(s.warmup, s.steps))
@@ -565,7 +576,7 @@ def probe_pairs(s: Settings) -> list[tuple[str, str]]:
 
 def replica_averaging_args(run: str, s: Settings) -> list[str]:
     """The peers' averaging flags of a replica row."""
-    mode = run.removeprefix("replicas-")
+    mode = run.removeprefix("replicas-").removesuffix(BACKGROUND)
     if mode in ("none", "sync"):
         return ["--averaging", mode]
     outer = ["--averaging", "outer", "--averaging-every-steps", str(s.outer_every), "--outer-codec", s.outer_codec]
@@ -770,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                                 routing="direct",
                                 averaging=replica_averaging_args(run, settings),
                                 replica_name=run.replace("-", " "),
+                                trainer_args=("--outer-commits", "background") if run.endswith(BACKGROUND) else (),
                             )
                         )
                     elif run.startswith("direct-"):

@@ -71,6 +71,8 @@ class EvaluationSettings:
 
 
 ROUTINGS = ("hub", "direct")
+# outer-rounds replicas' commits: each step waits for them, or the next step starts while they travel
+OUTER_COMMITS = ("wait", "background")
 DEFAULT_ROUTING = "direct"  # the one default: the CLI's, `connect`'s and `StepSchedule`'s
 
 
@@ -101,6 +103,12 @@ class ScheduleSettings:
         0.0,
         help="clip each step's gradient to this norm over every stage together, as one process's clip_grad_norm_ would "
         "(0 = off; sync replicas only; one more round trip a step)",
+    )
+    outer_commits: str = option(
+        "wait",
+        help="outer-rounds replicas: wait (each step waits for their commit) or background (the next step starts "
+        "while it travels; a step's late calls may count in it)",
+        choices=OUTER_COMMITS,
     )
 
     def __post_init__(self) -> None:

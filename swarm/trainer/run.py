@@ -199,6 +199,7 @@ async def train(
             routing=batches.routing,
             hub_timing_fraction=batches.hub_timing_fraction,
             clip_grad_norm=batches.clip_grad_norm,
+            outer_commits=batches.outer_commits,
             data_source=f"data {data.folder}",
             metrics=metrics,
             say=say,
@@ -320,6 +321,7 @@ async def train(
         refresher.cancel()
         if following is not None:
             following.cancel()
+        schedule.cancel_outer_commit()
         schedule.client.close()  # the peers' handlers of our kept streams end now, not when idle
         _fill_report(report, schedule, time.perf_counter() - started, earlier_contributions)
     return report
@@ -399,6 +401,7 @@ async def connect(
     routing: str = DEFAULT_ROUTING,
     hub_timing_fraction: float = 0.0,
     clip_grad_norm: float = 0.0,
+    outer_commits: str = "wait",
     metrics: TrainerMetrics,
     say=print,
     access: RunAccess | None = None,
@@ -444,6 +447,7 @@ async def connect(
         routing=routing,
         send_tokens=model_config.subspace_rank > 0,
         clip_grad_norm=clip_grad_norm,
+        outer_commits=outer_commits,
         hub_timing_fraction=hub_timing_fraction,
         seed=seed,
     )

@@ -188,6 +188,7 @@ class StepSchedule:
         clip_grad_norm: float = 0.0,
         hub_timing_fraction: float = 0.0,
         seed: int = 0,
+        outer_commits: str = "wait",
     ):
         self.caller, self.run_id = caller, run_id
         # > 0: each step's gradient is clipped to this global norm over every stage (two-phase commit)
@@ -215,6 +216,10 @@ class StepSchedule:
         # the steps each sync replica answered at the last commit, by stage: what a repair believes
         self._steps_seen: dict[int, dict[str, int]] = {}
         self._background: set[asyncio.Task] = set()  # commits of replicas that step alone, not waited for
+        # "background": a step's commit of the outer-rounds replicas travels while the next step computes,
+        # and that step's commit waits for it first (one in flight: a replica gets them in order)
+        self.outer_commits = outer_commits
+        self._outer_commit: asyncio.Task | None = None
         # replicas whose commit failed, by (stage, peer id): their record's expiry then; left out of the
         # commits until the record is renewed (a dead one's never is, until it expires)
         self._commit_failed: dict[tuple[int, str], float] = {}
@@ -320,7 +325,8 @@ class StepSchedule:
             return float(answer.response.loss)
 
     async def evaluate(self, batches: list[list[Microbatch]]) -> float:
-        """The mean validation loss over every sample of `batches`."""
+        """The mean validation loss over every sample of `batches` (after the last step's commit)."""
+        await self.outer_commit_done()
         microbatches = [mb for batch in batches for mb in batch]
         losses = await asyncio.gather(*[self.evaluate_microbatch(mb) for mb in microbatches])
         total = sum(mb.size for mb in microbatches)
@@ -332,7 +338,7 @@ class StepSchedule:
         losses = await asyncio.gather(*[self.run_microbatch(mb) for mb in microbatches])
         total = sum(mb.size for mb in microbatches)
         committing = time.perf_counter()
-        await self.commit_step(f"{self.run_id}:{microbatches[0].step}")
+        await self.commit_step(f"{self.run_id}:{microbatches[0].step}", outer_in_background=True)
         self.caller.phases.add("commit", time.perf_counter() - committing)
         return sum(loss * mb.size for loss, mb in zip(losses, microbatches)) / total
 
@@ -396,6 +402,7 @@ class StepSchedule:
         *,
         flush: bool = False,
         served: dict[int, dict[str, int]] | None = None,
+        outer_in_background: bool = False,
     ) -> None:
         """Commit the step on every averaging replica of every stage, all at once: sync replicas
         meet in one all-reduce per stage and step; periodic replicas that average every K steps
@@ -405,7 +412,10 @@ class StepSchedule:
         sync round failed on every replica (none stepped; their gradients stay accumulated) is
         committed again, up to ROUND_RETRIES times; one replica that missed a round its partner
         completed is repaired (`_repair_missed_rounds`). `served`: the weight caps, by stage and
-        replica (default: what this trainer saw each replica serve since the last commit)."""
+        replica (default: what this trainer saw each replica serve since the last commit).
+        `outer_in_background` (with `--outer-commits background`): the outer-rounds replicas' commit,
+        and the repair of their anchors, go on while the next step computes (`outer_commit_done`)."""
+        await self.outer_commit_done()
         own, self._served = self._served, {}
         served = own if served is None else served
         if self.caller.held and not flush:  # before the replicas step: this step's disputes, to a third replica
@@ -429,6 +439,11 @@ class StepSchedule:
         groups = [g for g in groups if not self._steps_alone(*g)]
         if loners:
             self._commit_in_background(step_id, loners, served, timeout_s, flush=flush)
+        if outer_in_background and self.outer_commits == "background" and not flush:
+            outer_groups = [g for g in groups if g[1] == "outer" and g[2]]
+            if outer_groups:
+                groups = [g for g in groups if not (g[1] == "outer" and g[2])]
+                self._outer_commit = asyncio.ensure_future(self._commit_outer(step_id, outer_groups, served, timeout_s))
         sync_groups = [(stage, mode, group) for stage, mode, group in groups if mode == "sync" and group]
         # with a one-step delay the flush applies the last update: clipped like every other one
         clip = "prepare" if self.clip_grad_norm > 0 and sync_groups else None
@@ -483,6 +498,24 @@ class StepSchedule:
         if clip is not None:
             applied = await self._apply_clipped(f"{step_id}:apply", sync_groups, sync_answers, timeout_s)
             await self._repair_missed_rounds(f"{step_id}:apply", averaging, applied, timeout_s)
+
+    async def outer_commit_done(self) -> None:
+        """The last step's outer commit, if it went out in the background: awaited, its repair included."""
+        task, self._outer_commit = self._outer_commit, None
+        if task is not None:
+            await task
+
+    def cancel_outer_commit(self) -> None:
+        """The run ends without a flush (an error): the outer commit in flight, if any, is dropped."""
+        task, self._outer_commit = self._outer_commit, None
+        if task is not None:
+            task.cancel()
+
+    async def _commit_outer(self, step_id: str, groups, served, timeout_s: float) -> None:
+        answers = await self._commit(step_id, groups, served, timeout_s)
+        outer = {stage: group for stage, _, group in groups if len(group) > 1}
+        if outer:
+            await self._repair_outer_anchors(step_id, outer, answers, timeout_s)
 
     def _avoided(self, stage: int, peer_id: str) -> bool:
         """A replica routing avoids for long (it kept timing out, or broke the protocol): not committed."""

@@ -37,17 +37,20 @@ def rounds_logged(peer) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "extra, logged",
+    "extra, trainer_args, logged",
     [
-        (["--outer-codec", "int8"], [("1", "2"), ("2", "4")]),
-        (["--outer-codec", "topk", "--outer-topk-fraction", "0.1", "--outer-overlap"], [("1", "4")]),
+        (["--outer-codec", "int8"], [], [("1", "2"), ("2", "4")]),
+        (["--outer-codec", "topk", "--outer-topk-fraction", "0.1", "--outer-overlap"], [], [("1", "4")]),
+        (["--outer-codec", "int8", "--outer-overlap"], ["--outer-commits", "background"], [("1", "4")]),
     ],
-    ids=["int8", "topk-overlapped"],
+    ids=["int8", "topk-overlapped", "int8-overlapped-background-commits"],
 )
-def test_outer_replicas_agree_after_each_round(make_swarm, tmp_path, extra, logged):
+def test_outer_replicas_agree_after_each_round(make_swarm, tmp_path, extra, trainer_args, logged):
     """Rounds after steps 2 and 4: without overlap each is applied at once, and the replicas end
     with equal parameters and anchors; overlapped, the round of step 2 is applied at step 4 and that
-    of step 4 at the trainer's flush, so they end equal too. Bytes: a round's payload each way."""
+    of step 4 at the trainer's flush, so they end equal too. Bytes: a round's payload each way.
+    With the trainer's commits in the background (the next step starts while one travels), the
+    rounds are the same and the flush still waits for the last commit."""
     swarm = make_swarm(num_stages=2, peer_args=["--lr", "3e-3"])
     swarm.start_bootstrap()
     replicas = [
@@ -56,7 +59,8 @@ def test_outer_replicas_agree_after_each_round(make_swarm, tmp_path, extra, logg
     ]
     last = swarm.start_peer(1, *outer_args(*extra))  # the run's spec: one mode for every stage
     swarm.wait_online([*replicas, last])
-    run_trainer(swarm, tmp_path, "--steps", "4", *TRAIN)
+    report = run_trainer(swarm, tmp_path, "--steps", "4", *TRAIN, *trainer_args)
+    assert report["completed"] and report["microbatches_lost"] == 0, report
     for peer in replicas:
         assert rounds_logged(peer) == logged, peer.log()[-3000:]
     sent = [
