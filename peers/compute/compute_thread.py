@@ -6,8 +6,9 @@ first served among equals. When several microbatches are in flight on a peer, a 
 for the thread goes before the forwards waiting with it (`BACKWARD` < `FORWARD`): its gradient
 reaches the stage before sooner, which then has a backward to run instead of waiting, and the
 activations it frees leave the cache sooner (a one-forward-one-backward order, as a 1F1B pipeline
-schedule keeps it). Everything else (commits, a move's swap, state exports) waits at `DEFAULT`,
-in order with the forwards.
+schedule keeps it). A commit's local step (`STEP`) goes first of all: calls waiting beside it came
+after the step was over, so they are the next step's. Everything else (a move's swap, state
+exports) waits at `DEFAULT`, in order with the forwards.
 
 `shutdown(wait, cancel_futures)` as ThreadPoolExecutor's. No I/O.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
+STEP = -1  # a commit's local step: before the calls already waiting (they belong to the next step)
 BACKWARD = 0
 FORWARD = DEFAULT = 1
 

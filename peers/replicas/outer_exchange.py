@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.compute.compute_thread import STEP, submit_at
 from peers.replicas.outer_averaging import Begun, OuterAveraging, OuterOutcome
 from peers.replicas.outer_rounds import Contribution
 from peers.serving.admission import caller_id
@@ -239,7 +240,7 @@ class OuterExchange:
     # --- the commit ---------------------------------------------------------------------------------
     async def commit(self, averaging: OuterAveraging, step_id: str, members: Collection[str]) -> OuterOutcome:
         loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self.compute, averaging.local_step, step_id)
+        outcome = await asyncio.wrap_future(submit_at(self.compute, STEP, averaging.local_step, step_id))
         if outcome is None:
             return averaging.outcomes[step_id]
         members = sorted(set(members) | {self.peer_id})
