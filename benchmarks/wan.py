@@ -606,8 +606,9 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
+    width = max([15, *(len(r.name) for r in results)])  # the run column fits the longest name
     _say(
-        "\nrun             steps  tokens/s  vs gpipe  link B/tok  trainer link B/tok  payload B/tok  CPU s/1k tok  "
+        f"\n{'run':<{width}} steps  tokens/s  vs gpipe  link B/tok  trainer link B/tok  payload B/tok  CPU s/1k tok  "
         "busiest link (busy)         loss   notes"
     )
     for r in results:
@@ -616,7 +617,7 @@ def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
         )
         busiest = f"{r.busiest_link} ({r.busiest_link_busy:.0%})" if r.busiest_link else "-"
         _say(
-            f"{r.name:<15} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {_fmt(ratio, '>7.2f')}x "
+            f"{r.name:<{width}} {r.steps_done:>2}/{r.steps:<3} {_fmt(r.tokens_per_s, '>8,.0f')}  {'-' if ratio is None else f'{ratio:.2f}x':>8} "
             f"{_fmt(r.link_bytes_per_token, '>10,.0f')}  {_fmt(r.trainer_link_bytes_per_token, '>18,.0f')}  "
             f"{_fmt(r.payload_bytes_per_token, '>13,.0f')}  "
             f"{_fmt(r.cpu_s_per_1k_tokens, '>12.2f')}  {busiest:<27} {_fmt(r.final_loss, '>5.3f')}  {'; '.join(r.notes)}"
@@ -625,9 +626,10 @@ def print_table(results: list[RunResult], baseline: RunResult | None) -> None:
 
 def print_cpu_breakdown(results: list[RunResult]) -> None:
     _say("\nCPU seconds per 1,000 tokens after warm-up, by process kind:")
+    width = max([15, *(len(r.name) for r in results)])
     for r in results:
         parts = ", ".join(f"{kind} {value:.2f}" for kind, value in r.cpu_s_per_1k_tokens_by_kind.items())
-        _say(f"  {r.name:<15} {parts or '-'}")
+        _say(f"  {r.name:<{width}} {parts or '-'}")
 
 
 def summarize_replica_rows(results: list[RunResult], s: Settings, probes) -> dict:
@@ -642,7 +644,7 @@ def summarize_replica_rows(results: list[RunResult], s: Settings, probes) -> dic
     choices = auto_choices(s, probes, step_s)
     _say("\nreplica rows: tokens/s against no averaging")
     for name, ratio in ratios.items():
-        _say(f"  {name:<24} {_fmt(ratio, '.2f')}x")
+        _say(f"  {name:<{max(len(n) for n in ratios)}} {_fmt(ratio, '.2f')}x")
     for where, choice in choices.items():
         _say(f"  --averaging auto, {where} (step {step_s:.2f} s): {choice}")
     return {"vs_none": ratios, "auto_choices": choices, "step_s": step_s}
