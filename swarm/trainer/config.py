@@ -74,6 +74,7 @@ ROUTINGS = ("hub", "direct")
 # outer-rounds replicas' commits: each step waits for them, or the next step starts while they travel
 OUTER_COMMITS = ("wait", "background")
 DEFAULT_ROUTING = "direct"  # the one default: the CLI's, `connect`'s and `StepSchedule`'s
+DEFAULT_OUTER_COMMITS = "wait"  # likewise
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -105,7 +106,7 @@ class ScheduleSettings:
         "(0 = off; sync replicas only; one more round trip a step)",
     )
     outer_commits: str = option(
-        "wait",
+        DEFAULT_OUTER_COMMITS,
         help="outer-rounds replicas: wait (each step waits for their commit) or background (the next step starts "
         "while it travels; a step's late calls may count in it)",
         choices=OUTER_COMMITS,

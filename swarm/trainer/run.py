@@ -41,6 +41,7 @@ from process.metrics_http import serve_metrics
 from swarm.trainer.call_engine import CallCounters
 from swarm.trainer.client import StageClient
 from swarm.trainer.config import (
+    DEFAULT_OUTER_COMMITS,
     DEFAULT_ROUTING,
     CompressionSettings,
     DiscoverySettings,
@@ -401,7 +402,7 @@ async def connect(
     routing: str = DEFAULT_ROUTING,
     hub_timing_fraction: float = 0.0,
     clip_grad_norm: float = 0.0,
-    outer_commits: str = "wait",
+    outer_commits: str = DEFAULT_OUTER_COMMITS,
     metrics: TrainerMetrics,
     say=print,
     access: RunAccess | None = None,

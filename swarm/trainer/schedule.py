@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from dht.records import PeerRecord
 from swarm.trainer.chain_call import ChainCaller
 from swarm.trainer.client import PeerCallError, StageClient
-from swarm.trainer.config import DEFAULT_ROUTING
+from swarm.trainer.config import DEFAULT_OUTER_COMMITS, DEFAULT_ROUTING
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
 from swarm.trainer.global_step import HEARTBEAT_S, REFRESH_S, SharedProgress
@@ -188,7 +188,7 @@ class StepSchedule:
         clip_grad_norm: float = 0.0,
         hub_timing_fraction: float = 0.0,
         seed: int = 0,
-        outer_commits: str = "wait",
+        outer_commits: str = DEFAULT_OUTER_COMMITS,
     ):
         self.caller, self.run_id = caller, run_id
         # > 0: each step's gradient is clipped to this global norm over every stage (two-phase commit)
@@ -452,9 +452,7 @@ class StepSchedule:
         )
         # each stage's averaging group (replicas outside it step alone, see commit_groups)
         averaging = {stage: group for stage, mode, group in groups if mode == "sync" and len(group) > 1}
-        outer = {stage: group for stage, mode, group in groups if mode == "outer" and len(group) > 1}
-        if outer:
-            await self._repair_outer_anchors(step_id, outer, sync_answers, timeout_s)
+        await self._repair_outer_groups(step_id, groups, sync_answers, timeout_s)
         if clip is None:  # with clipping nobody has stepped yet: the repair follows the second phase
             await self._repair_missed_rounds(step_id, averaging, sync_answers, timeout_s)
         if flush:  # replicas without a delay had nothing to do; delayed ones retried a failed round themselves
@@ -513,7 +511,12 @@ class StepSchedule:
 
     async def _commit_outer(self, step_id: str, groups, served, timeout_s: float) -> None:
         answers = await self._commit(step_id, groups, served, timeout_s)
-        outer = {stage: group for stage, _, group in groups if len(group) > 1}
+        await self._repair_outer_groups(step_id, groups, answers, timeout_s)
+
+    async def _repair_outer_groups(self, step_id: str, groups, answers, timeout_s: float) -> None:
+        """After a commit of `groups` (stage, mode, replicas): the anchors of each outer-rounds group
+        of two or more replicas repaired from `answers` (`_repair_outer_anchors`)."""
+        outer = {stage: group for stage, mode, group in groups if mode == "outer" and len(group) > 1}
         if outer:
             await self._repair_outer_anchors(step_id, outer, answers, timeout_s)
 
