@@ -3,11 +3,11 @@ loss and the input gradient every earlier stage trains on), a lying backward at 
 stage, each caught by the trainer's spot checks (--verify-fraction) under direct and hub routing;
 the liars, and only they, are banned, nothing is lost, and the run ends within 2% of a clean run.
 
-One swarm of liars and one clean swarm, shared by the module's tests (their peers started once):
-stage 0 has two honest replicas (and a replica lying on its backward calls alone), stage 1 two
-honest replicas and one liar of each plausible kind. Their trainers run side by side in the same
-order on both swarms, so each lying run starts from weights that differ from the clean run's only
-by what the liars did before their bans."""
+For each routing, one swarm of liars and one clean swarm, started fresh: stage 0 has two honest
+replicas (and a replica lying on its backward calls alone), stage 1 two honest replicas and one liar
+of each plausible kind. Both start from the same weights, so the lying run's loss differs from the
+clean run's only by what the liars did before their bans. (Swarms shared by both routings compounded
+the first run's harm into the second's: on main's CI the hub run once ended 2.6% from its clean run.)"""
 
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ def lie(kind: str, size: str, calls: str = "all") -> list[str]:
     return fault_args(garbage=kind, garbage_size=float(size), garbage_rate=1.0, garbage_calls=calls)
 
 
-@pytest.fixture(scope="module")
-def swarms(module_swarm):
+@pytest.fixture
+def swarms(make_swarm):
     """(clean swarm, lying swarm, liar name -> process, honest processes of the lying swarm)."""
-    clean = module_swarm(num_stages=2, peer_args=PEER_ARGS)
-    lying = module_swarm(num_stages=2, peer_args=PEER_ARGS)
+    clean = make_swarm(num_stages=2, peer_args=PEER_ARGS)
+    lying = make_swarm(num_stages=2, peer_args=PEER_ARGS)
     for swarm in (clean, lying):
         swarm.start_bootstrap()
     clean_peers = [clean.start_peer(stage) for stage in (0, 0, 1, 1)]
@@ -81,8 +81,6 @@ def test_liars_at_the_last_stage_and_a_lying_backward_at_stage_0_are_banned_and_
     assert set(report["banned_peers"]) == set(liar_ids.values()), (liar_ids, report["banned_peers"])
     for kind, liar in liar_ids.items():
         reason = report["banned_peers"][liar]
-        # The swarm serves both routings in turn: a liar the first trainer banned got no commits since,
-        # so its parameters lag and the second trainer may catch the backward liar on a forward.
         assert ("stage 0: its" if kind == "backward" else "stage 1: its last stage's") in reason, (kind, reason)
         counts = report["contributions"][liar]
         # Checks can find some of a liar's samples right: the backward liar answers its forwards
@@ -100,7 +98,7 @@ def test_liars_at_the_last_stage_and_a_lying_backward_at_stage_0_are_banned_and_
     if routing == "direct":
         assert report["verify_records_missing"] < report["calls_verified"], report
     rel = (report["final_eval_loss"] - clean_report["final_eval_loss"]) / clean_report["final_eval_loss"]
-    assert abs(rel) <= GOAL_LOSS_REL, (report["final_eval_loss"], clean_report["final_eval_loss"])
+    assert abs(rel) <= GOAL_LOSS_REL, (rel, report["final_eval_loss"], clean_report["final_eval_loss"])
     for process in liars.values():
         assert process.alive  # banned, not crashed
 
