@@ -39,7 +39,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 PEER_STATES = ("joining", "online", "offline", "standby")
 UTILIZATION_WINDOW_S = 60.0  # swarm_peer_compute_utilization: the busy fraction of this many last seconds
 # The phases of a request, `swarm_peer_phase_*{phase}` (process/phase_times.py). Wall seconds of each;
-# CPU seconds of the synchronous ones (receive, queue, send and hop_wait are waits: wall only).
+# CPU seconds of the synchronous ones (receive, queue, send, hop_wait and commit_wait are waits: wall only).
 PHASES = {
     "receive": "from a request's first message to its last (the caller's sending and the transport)",
     "decode": "the request's tensors decoded",
@@ -51,6 +51,7 @@ PHASES = {
     "send": "the answer's messages handed to the transport, serialize excluded",
     "hop_wait": "direct routing: waiting for the next stage's answer (its hop, its compute, the chain after it)",
     "hop_decode": "direct routing: the next stage's gradient decoded",
+    "commit_wait": "a call sent while its trainer's commit travelled, waiting for this peer to handle that commit",
 }
 AVERAGING_MODES = ("sync", "periodic", "outer")  # the label values of the averaging metrics
 

@@ -80,6 +80,7 @@ HOP_RECORD_NAMES = {
 }
 MAX_STEPS = 1 << 48  # an optimizer step count an answer may state
 MAX_SAMPLED_STAGES = 32  # a chain's answer carries the gradient samples of at most this many stages
+MAX_FOLLOWING_PEERS = 64  # replicas one FollowsCommit may name (a trainer with more waits for its commits)
 
 
 class ProtocolError(ValueError):
@@ -153,6 +154,22 @@ def _answer_kind(value: object) -> object:
 # --- headers ---------------------------------------------------------------------------------------
 
 
+class FollowsCommit(BaseModel):
+    """A call a trainer sent while its commit `step_id` was still travelling (`swarm train
+    --outer-commits background`): a replica named in `peers` computes the call only once it has
+    handled that commit (peers/serving/commit_order.py), as if the trainer had waited for it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    step_id: str = Field(min_length=1, max_length=128)
+    peers: list[Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID_CHARS)]] = Field(
+        min_length=1, max_length=MAX_FOLLOWING_PEERS
+    )
+
+    def names(self, peer_id: str) -> bool:
+        return peer_id in self.peers
+
+
 class RequestHeader(BaseModel):
     """A forward or backward request to the peer serving `stage`."""
 
@@ -181,6 +198,8 @@ class RequestHeader(BaseModel):
     # counted (a backward adds nothing to the gradients)
     check: bool = False
     check_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # the trainer's commit still travelling when it sent this call: the peer, if named, handles it first
+    follows_commit: FollowsCommit | None = None
 
 
 class ComputeBusy(BaseModel):
@@ -271,6 +290,9 @@ class ChainRequest(BaseModel):
     # same way (peers/serving/hop_pieces.py)
     pieces: int = Field(default=1, ge=1, le=MAX_HOP_PIECES)
     hop_id: str | None = Field(default=None, min_length=8, max_length=64)
+    # the trainer's commit still travelling when it started the chain (passed along): each named peer
+    # handles it before it computes
+    follows_commit: FollowsCommit | None = None
 
     @model_validator(mode="after")
     def _pieces_are_named(self) -> ChainRequest:

@@ -108,9 +108,11 @@ class ReplicaSyncService:
     async def rpc_commit(self, request: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
         """Sync averaging: the trainer finished a step; average gradients with the other replicas and step."""
         serving = self.serving
+        handled = None  # the commit's step id, once its trainer is authorized: calls that follow it go on after
         try:
             commit = read_unary(request, CommitRequest)
             self.authorize(caller_id(context), commit.credential, "train")
+            handled = commit.step_id
             if (commit.model, commit.stage, commit.num_stages) != (
                 self.model,
                 serving.runtime.stage,
@@ -200,6 +202,9 @@ class ReplicaSyncService:
             )
         except ProtocolError as e:
             response = CommitResponse(error=str(e))
+        finally:
+            if handled is not None:
+                serving.commits.done(handled)
         return unary_response(response)
 
     async def outer_commit(self, averaging: OuterAveraging, commit: CommitRequest) -> CommitResponse:

@@ -45,7 +45,14 @@ from peers.serving.hop_codecs import HopCodecs, gradient_feedback_key, own_preci
 from peers.serving.hop_pieces import HopPieces, MissingPiecesError
 from peers.serving.hop_records import HopRecords
 from peers.serving.link_turns import LinkTurns
-from peers.serving.stage_rpc import StageRpcService, busy_reading, compute_timed, on_host, timed_messages
+from peers.serving.stage_rpc import (
+    StageRpcService,
+    busy_reading,
+    compute_timed,
+    follow_commit,
+    on_host,
+    timed_messages,
+)
 from wire.bounded_streams import StreamLimits, call_on_streams
 from wire.call_rules import Attempts
 from wire.compression import MIN_PART_BYTES, CodecChoice, EncodedTensor, estimated_nbytes
@@ -173,6 +180,7 @@ class ChainService:
             if header.keep_records and header.stage > 0:  # the stage before's outputs as they crossed
                 self.records.keep(header.microbatch_id, "received", header.trainer_id, encoded["inputs"])
             tokens = tensors.get("tokens")  # where the stage needs the token ids (a subspace model)
+            await follow_commit(serving, header.follows_commit, self.peer_id, header.timeout_s / 2)
             sample = header.keep_records  # a run that spot-checks: each stage's gradient sample comes back
             if header.stage == header.num_stages - 1:
                 (grad_inputs, loss, grad_sample), compute_s, steps_done = await self._on_compute(
@@ -519,6 +527,7 @@ class ChainService:
                 response_codec=response_codec.codec,
                 response_codec_params=response_codec.params,
                 keep_records=header.keep_records,
+                follows_commit=header.follows_commit,
                 pieces=pieces,
                 hop_id=secrets.token_hex(8) if pieces > 1 else None,  # new on every attempt
             )

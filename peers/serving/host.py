@@ -158,6 +158,7 @@ class PeerHost:
             byte_counter=byte_counter,
             metrics=metrics,
             max_decoded_bytes=limits.max_decoded_bytes,
+            peer_id=self.peer_id,
             decoded_budget=InFlightBytes(  # all requests' decoded tensors together, in the same budget's size
                 per_caller_bytes=max(limits.max_in_flight_bytes, limits.max_decoded_bytes),
                 total_bytes=max(limits.max_in_flight_bytes, limits.max_decoded_bytes),

@@ -2,8 +2,10 @@
 
 `ServingState` holds the stage served now (its runtime and averager, swapped together by a move),
 the peer's state on the DHT (joining, online, standby, offline), the stage a move is heading for,
-the request counters, the compute clock (how busy the stage computes) and the requests' phase times. peers/serving/host.py builds one and hands it to every service that
-reads or changes it: the stage RPCs, replica sync, moves, the announcer and the checkpointer.
+the request counters, the compute clock (how busy the stage computes), the requests' phase times
+and the trainers' commits handled (peers/serving/commit_order.py). peers/serving/host.py builds one
+and hands it to every service that reads or changes it: the stage RPCs, replica sync, moves, the
+announcer and the checkpointer.
 
 Threads: the event loop changes the state and the counters; `swap` runs on the compute thread
 (through the compute executor), so a request computes on either the old stage or the new one,
@@ -21,6 +23,7 @@ from peers.compute.stage_runtime import StageRuntime
 from peers.compute.utilization import ComputeClock
 from peers.metrics import PeerMetrics
 from peers.replicas.averaging import GradientSync, ParameterAveraging
+from peers.serving.commit_order import CommitOrder
 from process.phase_times import PhaseTimes
 from wire import compression
 
@@ -45,6 +48,8 @@ class ServingState:
     # by phase (peers/metrics.py names them); both outlive a move
     compute_clock: ComputeClock = dataclasses.field(default_factory=ComputeClock)
     phases: PhaseTimes = dataclasses.field(default_factory=PhaseTimes)
+    # the trainers' commits handled, which calls sent while a commit travelled wait for
+    commits: CommitOrder = dataclasses.field(default_factory=CommitOrder)
 
     def served_one(self) -> None:
         """Count a request served (either RPC: a stage call or a chain's hop); the first one also says

@@ -4,7 +4,8 @@
 may swap at any time: every request reads the runtime it computes on from there. The admission guard
 (peers/serving/admission.py) has admitted the caller and limits the request's size before a handler
 here runs; a handler reports bad requests back to it, so that a caller who keeps sending them is
-refused for a while.
+refused for a while. A call sent while its trainer's commit travelled waits for that commit first
+(`follow_commit`, peers/serving/commit_order.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,22 @@ from peers.compute.faults import FaultyStageRuntime, InjectedLostAnswer
 from peers.compute.stage_runtime import ActivationCacheMissError, BadRequestError, StageRuntime, WrongStageError
 from peers.metrics import PeerMetrics
 from peers.serving.admission import AdmissionError, AdmissionGuard, NotAllowedError, caller_id, failure_kind
+from peers.serving.commit_order import FOLLOW_WAIT_S
 from peers.serving.hop_codecs import own_precision
 from peers.serving.serving_state import ServingState
 from process.phase_times import PhaseTimes
 from wire import compression
 from wire.failures import Failure
 from wire.messages import read_request, write_response
-from wire.protocol import ChainRequest, ComputeBusy, HopRecordRequest, ProtocolError, RequestHeader, ResponseHeader
+from wire.protocol import (
+    ChainRequest,
+    ComputeBusy,
+    FollowsCommit,
+    HopRecordRequest,
+    ProtocolError,
+    RequestHeader,
+    ResponseHeader,
+)
 from wire.request_limits import InFlightBudgetError, InFlightBytes, RequestTooLargeError
 from wire.tensors import decoded_nbytes, encode_tensor
 
@@ -49,8 +59,10 @@ class StageRpcService:
         metrics: PeerMetrics,
         max_decoded_bytes: int | None = None,
         decoded_budget: InFlightBytes | None = None,
+        peer_id: str = "",
     ):
         self.serving, self.compute, self.guard = serving, compute, guard
+        self.peer_id = peer_id  # what a call's FollowsCommit names this peer by
         self.max_decoded_bytes = max_decoded_bytes  # what one request's tensors may decode to
         self.decoded_budget = decoded_budget  # what all requests' decoded tensors may hold at once
         self.model, self.bytes, self.metrics = model, byte_counter, metrics
@@ -110,6 +122,7 @@ class StageRpcService:
             phases.add("receive", arrived - received)
             with phases.timed("decode"):
                 tensors = serving.runtime.pin_for_device(request.decoded(self.bytes, max_bytes=self.max_decoded_bytes))
+            await follow_commit(serving, header.follows_commit, self.peer_id)
             decoded_at = time.perf_counter()
             async with self.slots:
                 # Timed on the compute thread itself: waiting for that one thread behind other requests is
@@ -277,6 +290,19 @@ class StageRpcService:
             sample=header.grad_sample,
         )
         return ([("grad_inputs", grad_inputs)] if grad_inputs is not None else []), loss, grad_sample
+
+
+async def follow_commit(
+    serving: ServingState, follows: FollowsCommit | None, peer_id: str, timeout_s: float = FOLLOW_WAIT_S
+) -> None:
+    """Before a call computes: the trainer's commit it follows handled here first, if it names this
+    peer (peers/serving/commit_order.py), waiting `timeout_s` at most (then it computes as it is)."""
+    if follows is None or not follows.names(peer_id):
+        return
+    started = time.perf_counter()
+    if not await serving.commits.wait(follows.step_id, min(timeout_s, FOLLOW_WAIT_S)):
+        logger.info(f"the commit {follows.step_id} a call follows did not come within {timeout_s:.1f} s; computing")
+    serving.phases.add("commit_wait", time.perf_counter() - started)
 
 
 def compute_timed(serving: ServingState, compute, *args):

@@ -36,6 +36,7 @@ from wire.protocol import (
     CommitRequest,
     CommitResponse,
     ComputeBusy,
+    FollowsCommit,
     HopFailover,
     HopRecordRequest,
     ProtocolError,
@@ -101,6 +102,8 @@ class StageClient:
         self.p2p, self.model, self.num_stages = p2p, model, num_stages
         self.credential = credential
         self.spec_version = 0  # the version of the run's spec each commit names (swarm/trainer/settle.py)
+        # the commit still travelling that every call now follows (swarm/trainer/schedule.py sets it)
+        self.follows_commit: FollowsCommit | None = None
         self.bytes = ByteCounter()
         # the data plane's connections or p2pd's streams to the peers, kept open from call to call
         self.phases = PhaseTimes()  # the trainer's phases (swarm/trainer/metrics.py, TRAINER_PHASES)
@@ -174,6 +177,7 @@ class StageClient:
                 grad_sample=grad_sample,
                 check=check_precision is not None,
                 check_precision=check_precision or "fp32",
+                follows_commit=self.follows_commit,
             ),
             tensors,
         )
@@ -264,6 +268,7 @@ class StageClient:
                 topk_fraction=topk_fraction,
                 loss_budget=loss_budget,
                 keep_records=keep_records,
+                follows_commit=self.follows_commit,
             ),
             tensors,
         )

@@ -108,7 +108,7 @@ class ScheduleSettings:
     outer_commits: str = option(
         DEFAULT_OUTER_COMMITS,
         help="outer-rounds replicas: wait (each step waits for their commit) or background (the next step starts "
-        "while it travels; a step's late calls may count in it)",
+        "while it travels; each replica handles it before that step's calls)",
         choices=OUTER_COMMITS,
     )
 

@@ -35,7 +35,7 @@ from swarm.trainer.spot_checks import CACHED_BACKWARD_WEIGHT, CallSampler, calls
 from swarm.trainer.stage_call import Payload, StageCaller
 from wire.compression import EncodedTensor
 from wire.failures import Failure
-from wire.protocol import CommitResponse
+from wire.protocol import MAX_FOLLOWING_PEERS, CommitResponse, FollowsCommit
 
 logger = logging.getLogger(__name__)
 ROUND_RETRIES = 2  # commits again of a stage whose sync round failed everywhere, before its gradients carry over
@@ -441,8 +441,11 @@ class StepSchedule:
             self._commit_in_background(step_id, loners, served, timeout_s, flush=flush)
         if outer_in_background and self.outer_commits == "background" and not flush:
             outer_groups = [g for g in groups if g[1] == "outer" and g[2]]
-            if outer_groups:
+            named = sorted({peer for _, _, group in outer_groups for peer in group})
+            if outer_groups and len(named) <= MAX_FOLLOWING_PEERS:  # more: this step waits for them
                 groups = [g for g in groups if not (g[1] == "outer" and g[2])]
+                # the next step's calls name the commit: a replica it goes to handles it first
+                self.client.follows_commit = FollowsCommit(step_id=step_id, peers=named)
                 self._outer_commit = asyncio.ensure_future(self._commit_outer(step_id, outer_groups, served, timeout_s))
         sync_groups = [(stage, mode, group) for stage, mode, group in groups if mode == "sync" and group]
         # with a one-step delay the flush applies the last update: clipped like every other one
@@ -501,11 +504,15 @@ class StepSchedule:
         """The last step's outer commit, if it went out in the background: awaited, its repair included."""
         task, self._outer_commit = self._outer_commit, None
         if task is not None:
-            await task
+            try:
+                await task
+            finally:
+                self.client.follows_commit = None
 
     def cancel_outer_commit(self) -> None:
         """The run ends without a flush (an error): the outer commit in flight, if any, is dropped."""
         task, self._outer_commit = self._outer_commit, None
+        self.client.follows_commit = None
         if task is not None:
             task.cancel()
 
