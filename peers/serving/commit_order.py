@@ -24,7 +24,6 @@ class CommitOrder:
         self._done: OrderedDict[str, None] = OrderedDict()
         self._waiting: dict[str, asyncio.Event] = {}
         self._remembered = remembered
-        self.calls_held = 0  # calls that arrived before the commit they follow, and waited for it
 
     def done(self, step_id: str) -> None:
         """The commit `step_id` is handled: calls that follow it compute from now on."""
@@ -36,11 +35,14 @@ class CommitOrder:
         if event is not None:
             event.set()
 
+    def handled(self, step_id: str) -> bool:
+        """Whether the commit `step_id` is among those remembered as handled."""
+        return step_id in self._done
+
     async def wait(self, step_id: str, timeout_s: float = FOLLOW_WAIT_S) -> bool:
         """Until the commit `step_id` is handled (True at once if it was), or `timeout_s` (False)."""
         if step_id in self._done:
             return True
-        self.calls_held += 1
         event = self._waiting.get(step_id)
         if event is None:
             event = self._waiting[step_id] = asyncio.Event()

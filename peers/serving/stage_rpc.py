@@ -297,12 +297,12 @@ async def follow_commit(
 ) -> None:
     """Before a call computes: the trainer's commit it follows handled here first, if it names this
     peer (peers/serving/commit_order.py), waiting `timeout_s` at most (then it computes as it is)."""
-    if follows is None or not follows.names(peer_id):
+    if follows is None or not follows.names(peer_id) or serving.commits.handled(follows.step_id):
         return
-    started = time.perf_counter()
-    if not await serving.commits.wait(follows.step_id, min(timeout_s, FOLLOW_WAIT_S)):
-        logger.info(f"the commit {follows.step_id} a call follows did not come within {timeout_s:.1f} s; computing")
-    serving.phases.add("commit_wait", time.perf_counter() - started)
+    started, bound_s = time.perf_counter(), min(timeout_s, FOLLOW_WAIT_S)
+    if not await serving.commits.wait(follows.step_id, bound_s):
+        logger.info(f"the commit {follows.step_id} a call follows did not come within {bound_s:.1f} s; computing")
+    serving.phases.add("commit_wait", time.perf_counter() - started)  # only the calls that were held
 
 
 def compute_timed(serving: ServingState, compute, *args):

@@ -18,13 +18,12 @@ def test_a_call_that_arrives_before_its_commit_waits_for_it_and_one_after_does_n
         order = CommitOrder()
         early = asyncio.create_task(order.wait("run:3", timeout_s=5.0))
         await asyncio.sleep(0.05)
-        assert not early.done()  # the commit has not been handled: the call holds
+        assert not early.done() and not order.handled("run:3")  # not handled yet: the call holds
         order.done("run:3")
-        assert await early is True
-        assert await order.wait("run:3", timeout_s=0.0) is True  # handled already: no wait
-        return order.calls_held
+        assert await early is True and order.handled("run:3")
+        return await order.wait("run:3", timeout_s=0.0)  # handled already: no wait
 
-    assert asyncio.run(scenario()) == 1
+    assert asyncio.run(scenario()) is True
 
 
 def test_several_calls_wait_for_one_commit_and_a_commit_that_never_comes_holds_them_for_the_bound():
@@ -45,16 +44,21 @@ def test_it_remembers_a_bounded_number_of_commits_and_waiting_calls():
         order = CommitOrder(remembered=2)
         for step in range(3):
             order.done(f"run:{step}")
-        forgotten = asyncio.create_task(order.wait("run:0", timeout_s=5.0))  # forgotten: waits again
+        assert not order.handled("run:0") and order.handled("run:2")  # the oldest is forgotten
+        forgotten = asyncio.create_task(order.wait("run:0", timeout_s=5.0))  # so its call waits again
         await asyncio.sleep(0.01)
-        first = asyncio.create_task(order.wait("never:a", timeout_s=5.0))
+        assert not forgotten.done()
+        other = asyncio.create_task(order.wait("never:a", timeout_s=0.2))
         await asyncio.sleep(0.01)
-        # a third commit waited for pushes the oldest waiting one out: its call goes on (False)
-        asyncio.create_task(order.wait("never:b", timeout_s=0.2))
+        # a third commit waited for pushes the oldest waiting one out: its call goes on at once (False)
+        third = asyncio.create_task(order.wait("never:b", timeout_s=0.2))
+        started = asyncio.get_running_loop().time()
         assert await forgotten is False
-        return await first, order.calls_held
+        pushed_out_s = asyncio.get_running_loop().time() - started
+        return pushed_out_s, await other, await third
 
-    assert asyncio.run(scenario()) == (False, 3)
+    pushed_out_s, other, third = asyncio.run(scenario())
+    assert pushed_out_s < 1.0 and other is False and third is False
 
 
 def test_follows_commit_names_its_peers_and_rides_on_both_call_headers():
