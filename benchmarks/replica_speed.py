@@ -27,7 +27,8 @@ benchmarks/replicas.py: same data, same order, exit checkpoints evaluated on hel
 * `... fp16`: the same with the all-reduce's parts sent as fp16 (`--averaging-compression fp16`),
   half the bytes of a round, the replicas then agreeing only to fp16's rounding;
 * `2x2 outer int4/10 overlapped` and `... background`: outer rounds every 10 steps in int4,
-  overlapped, the trainer's commits waited for or in the background (`--outer-commits`).
+  overlapped, the trainer's commits waited for or in the background (`--outer-commits`, whose
+  default is background).
 With `--repeats N` the 2x2 runs are repeated N times, alternating, so that a change in the
 machine's load hits each.
 
@@ -94,7 +95,7 @@ LAYOUTS = {  # name: (replicas per stage, averaging, peer args, trainer args)
     ),
     # ... int4 every 10 steps overlapped (`--averaging auto`'s choice on a home link with a 6% budget),
     # with each step waiting for the commit, or the next step starting while it travels
-    "2x2 outer int4/10 overlapped": (2, "outer", OUTER_INT4_10, ()),
+    "2x2 outer int4/10 overlapped": (2, "outer", OUTER_INT4_10, ("--outer-commits", "wait")),
     "2x2 outer int4/10 overlapped background": (2, "outer", OUTER_INT4_10, ("--outer-commits", "background")),
 }
 

@@ -21,8 +21,9 @@ Replica rows (issue #56), on a topology with a second host per stage (`stage<i>b
 host, with direct routing and `--replica-codec` activations, and the peers' `--averaging`:
 `replicas-none` (no averaging: the speed reference), `replicas-sync` (exact sync), `replicas-outer`
 and `replicas-outer-overlap` (outer rounds every `--outer-every` steps with `--outer-codec`, waited
-for or overlapped), and each of the two with `-background` (the trainer's `--outer-commits background`:
-the next step starts while a step's commit travels). The table also says what `--averaging auto` would choose from each stage's
+for or overlapped, the trainer's commits waited for: `--outer-commits wait`), and each of the two
+with `-background` (`--outer-commits background`, the default: the next step starts while a step's
+commit travels). The table also says what `--averaging auto` would choose from each stage's
 probed replica link (peers/replicas/averaging_choice.py) under each `--loss-budgets` value (the
 peers' `--averaging-loss-budget`), and each row's speed against no averaging.
 
@@ -783,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
                                 routing="direct",
                                 averaging=replica_averaging_args(run, settings),
                                 replica_name=run.replace("-", " "),
-                                trainer_args=("--outer-commits", "background") if run.endswith(BACKGROUND) else (),
+                                trainer_args=("--outer-commits", "background" if run.endswith(BACKGROUND) else "wait"),
                             )
                         )
                     elif run.startswith("direct-"):

@@ -74,7 +74,7 @@ ROUTINGS = ("hub", "direct")
 # outer-rounds replicas' commits: each step waits for them, or the next step starts while they travel
 OUTER_COMMITS = ("wait", "background")
 DEFAULT_ROUTING = "direct"  # the one default: the CLI's, `connect`'s and `StepSchedule`'s
-DEFAULT_OUTER_COMMITS = "wait"  # likewise
+DEFAULT_OUTER_COMMITS = "background"  # likewise
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,8 +107,8 @@ class ScheduleSettings:
     )
     outer_commits: str = option(
         DEFAULT_OUTER_COMMITS,
-        help="outer-rounds replicas: wait (each step waits for their commit) or background (the next step starts "
-        "while it travels; each replica handles it before that step's calls)",
+        help="outer-rounds replicas: background (the next step starts while their commit travels; each replica "
+        "handles it before that step's calls) or wait (each step waits for it)",
         choices=OUTER_COMMITS,
     )
 

@@ -41,16 +41,16 @@ def rounds_logged(peer) -> list[tuple[str, str]]:
     [
         (["--outer-codec", "int8"], [], [("1", "2"), ("2", "4")]),
         (["--outer-codec", "topk", "--outer-topk-fraction", "0.1", "--outer-overlap"], [], [("1", "4")]),
-        (["--outer-codec", "int8", "--outer-overlap"], ["--outer-commits", "background"], [("1", "4")]),
+        (["--outer-codec", "int8", "--outer-overlap"], ["--outer-commits", "wait"], [("1", "4")]),
     ],
-    ids=["int8", "topk-overlapped", "int8-overlapped-background-commits"],
+    ids=["int8", "topk-overlapped", "int8-overlapped-waited-commits"],
 )
 def test_outer_replicas_agree_after_each_round(make_swarm, tmp_path, extra, trainer_args, logged):
     """Rounds after steps 2 and 4: without overlap each is applied at once, and the replicas end
     with equal parameters and anchors; overlapped, the round of step 2 is applied at step 4 and that
     of step 4 at the trainer's flush, so they end equal too. Bytes: a round's payload each way.
-    With the trainer's commits in the background (the next step starts while one travels), the
-    rounds are the same and the flush still waits for the last commit."""
+    The trainer's commits go in the background by default (the next step starts while one
+    travels); waited for, the rounds are the same, and either way the flush waits for the last."""
     swarm = make_swarm(num_stages=2, peer_args=["--lr", "3e-3"])
     swarm.start_bootstrap()
     replicas = [
