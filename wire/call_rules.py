@@ -8,7 +8,8 @@ so a failure means the same wherever it happens:
   lost in transit (`IN_TRANSIT`) may have been applied: it is asked of the same replica once more,
   first, since that replica answers a repeat without adding it twice and another would add it
   again. A timeout of a call that waits on calls further down (a chain, a hop before the last
-  stage) is not: the hang may be below, and the repeat would hang the same way.
+  stage) is not: the hang may be below, and the repeat would hang the same way; nor is a call the
+  caller cut itself (a replica on probation: the repeat would be cut the same way).
 - `penalty_for`: how long the replica to blame is avoided: shut out for good (it refuses us), a
   stage ban (it serves another stage), an identity ban (its own answer broke the contract), or a
   ban with backoff (anything else). What a chain's answer says about a replica is a peer's word,
@@ -92,15 +93,19 @@ class Attempts:
         self._asked_again: set[str] = set()
         self._again: str | None = None
 
-    def failed(self, peer_id: str, kind: Failure, reason: str, *, excluded: Iterable[str] | None = None) -> None:
+    def failed(
+        self, peer_id: str, kind: Failure, reason: str, *, excluded: Iterable[str] | None = None, cut: bool = False
+    ) -> None:
         """Count a failed attempt of `peer_id` (the replica called); the replicas in `excluded` (by
         default `peer_id`) are not chosen again for this work. When the rules ask `peer_id` again,
-        `take_again` names it next, once per replica and while the budget lasts."""
+        `take_again` names it next, once per replica and while the budget lasts; never after a call
+        the caller `cut` itself (a replica on probation: the repeat would be cut the same way)."""
         self._failed.append(FailedAttempt(peer_id, kind, reason))
         self._excluded.update([peer_id] if excluded is None else excluded)
         self._again = None
         if (
             not self.spent
+            and not cut
             and peer_id not in self._asked_again
             and asks_again(kind, adds_work=self.adds_work, waits_on_others=self.waits_on_others)
         ):

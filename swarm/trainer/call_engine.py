@@ -5,12 +5,18 @@ stage_call.py) and direct routing's chained call (`ChainCaller.run`, chain_call.
 hands it a `Work`: how a target (a replica; a route through every stage) is chosen outside the
 peers the engine excludes, called, settled and blamed. The loop itself is the same for both:
 
-    choose (or take the target the rules ask again) -> call under the adaptive timeout ->
+    choose (or take the target the rules ask again) -> call under the adaptive timeout (and, for
+    a target with a replica that never answered this trainer, under its probation) ->
     answered: count it, settle it -> failed: blame the replicas it names and apply the rules of
     wire/call_rules.py (ask again, shut out, ban with backoff, stage or identity ban), count it,
     choose again -> after `max_retries` failed attempts, or when no target can be formed: wait
     for the swarm (refreshing the view) until `stage_wait_timeout_s` runs out, which stops the
     run with an error instead of losing the microbatch.
+
+Probation: a call whose target holds a replica that never answered this trainer, while another
+replica of that stage has, is cut once it has taken longer than the probation
+(failures.py's `TimeoutPolicy.probation_s`, re-read as the stage's other calls answer) and blamed
+on those replicas as a timeout: a short ban and a stall strike, the second in a row a long ban.
 
 `CallCounters` is the one set of counters the trainer keeps (calls, microbatches, spot checks,
 commits); the run's report carries the same fields (swarm/trainer/run.py). The decisions are
@@ -39,6 +45,14 @@ from wire.failures import Failure
 
 logger = logging.getLogger(__name__)
 
+PROBATION_POLL_S = 0.1  # how often a call on probation re-reads its bound while it waits
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Retrieve a cancelled call's outcome, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
 
 @dataclass
 class CallCounters:
@@ -51,6 +65,7 @@ class CallCounters:
     microbatches_hub_timed: int = 0  # direct routing: microbatches sent through the trainer (--hub-timing-fraction)
     # calls (this engine, for both routings)
     calls_retried: int = 0  # failed calls (a chain's hops that failed over included), each retried
+    calls_cut_on_probation: int = 0  # ... of which cut: a replica that never answered took longer than its probation
     failures_by_kind: dict[str, int] = field(default_factory=dict)  # a failed call of a replica, by kind
     calls_by_peer: dict[str, int] = field(default_factory=dict)  # answered calls, by peer (last 8 characters)
     backward_inputs_skipped: int = 0  # backwards answered from the peer's activation cache, inputs not resent
@@ -93,6 +108,28 @@ class Blame:
     reason: str
     at_least_s: float = 0.0  # the shortest ban with backoff (a call that took long is not tried again soon)
     witnessed: bool = True  # this trainer saw the failure itself (False: a peer before it in a chain says so)
+    probation: bool = False  # a call cut on probation: a stall strike, never a long ban at the first
+
+
+class ProbationCut(PeerCallError):
+    """A call cut on probation: replicas that never answered this trainer took longer than their
+    stage's other replicas' calls allow (`blames`: each of them, as a timeout)."""
+
+    def __init__(self, replicas: list[tuple[int, str]], probation_s: float):
+        reason = f"no answer within {probation_s:.2f} s, the probation of a replica that never answered"
+        super().__init__(replicas[0][1], Failure.TIMEOUT, reason)
+        self.blames = [
+            Blame(
+                peer_id,
+                stage,
+                Failure.TIMEOUT,
+                Penalty.BAN,
+                f"stage {stage}: {peer_id[-8:]}: {reason}",
+                at_least_s=3.0 * probation_s,  # as any call's: probing again costs a quarter of the time at most
+                probation=True,
+            )
+            for stage, peer_id in replicas
+        ]
 
 
 class Work(Protocol):
@@ -112,6 +149,8 @@ class Work(Protocol):
     def key(self, target: Any) -> str: ...
 
     def expected_s(self, target: Any) -> float | None: ...
+
+    def replicas(self, target: Any) -> list[tuple[int, str]]: ...  # (stage, replica) the target calls first
 
     async def call(self, target: Any, timeout_s: float) -> Any: ...
 
@@ -174,21 +213,57 @@ class CallEngine:
             try:
                 # before its latencies are known: what the target is expected to take (failures.py)
                 timeout_s = self.timeouts.timeout_s(*work.timeout_key, expected_s=work.expected_s(target))
-                result = await work.call(target, timeout_s)
+                unproven = [(stage, p) for stage, p in work.replicas(target) if self._unproven(p)]
+                call = work.call(target, timeout_s)
+                result = await (self._on_probation(work, call, unproven, started) if unproven else call)
             except PeerCallError as error:
                 blames = work.failed(target, error, started, time.perf_counter())
+                avoid = [b.peer_id for b in blames]
+                if isinstance(error, ProbationCut):  # blamed on the replicas on probation, not on the target
+                    self.counters.calls_cut_on_probation += 1
+                    blames = error.blames
+                    # driven again through replicas that answered, not the next newcomer of those stages
+                    avoid = [p for b in blames for p in self.view.schedulers[b.stage].keys_s() if self._unproven(p)]
                 self.note_failure(work.rpc, blames)
                 if blames and all(b.penalty == Penalty.SHUT_OUT for b in blames):
                     continue  # nothing to retry there, and no failure of the work: it goes elsewhere
                 failures.append(str(error))
                 self.counters.calls_retried += 1
-                attempts.failed(work.key(target), error.kind, str(error), excluded=[b.peer_id for b in blames])
+                cut = isinstance(error, ProbationCut)
+                attempts.failed(work.key(target), error.kind, str(error), excluded=avoid, cut=cut)
                 logger.info(f"{error}; retrying")
                 continue
             done = time.perf_counter()
             self.timeouts.observe(*work.timeout_key, done - started)
             self.metrics.observe_call(stage=work.stage, rpc=work.rpc, duration_s=done - started)
             return work.answered(target, result, started, done)
+
+    async def _on_probation(self, work: Work, call, unproven: list[tuple[int, str]], started: float):
+        """`call`'s answer, or ProbationCut once it took longer than the probation while a replica of
+        `unproven` has a stage with another replica that answered (the call is then cancelled)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                pause_s = PROBATION_POLL_S
+                probation_s = self.timeouts.probation_s(*work.timeout_key)
+                watched = [(stage, p) for stage, p in unproven if self._proven_other(stage, p)]
+                if probation_s is not None and watched:
+                    left_s = started + probation_s - time.perf_counter()
+                    if left_s <= 0.0:
+                        raise ProbationCut(watched, probation_s)
+                    pause_s = min(pause_s, left_s)
+                done, _ = await asyncio.wait({task}, timeout=pause_s)
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_consume)
+
+    def _proven_other(self, stage: int, peer_id: str) -> bool:
+        """Whether `stage` has a usable replica besides `peer_id` that answered this trainer."""
+        others = set(self.view.schedulers[stage].keys_s()) - {peer_id} - self.excluded(stage)
+        return any(not self._unproven(other) for other in others)
 
     def note_failure(self, rpc: str, blames: Sequence[Blame]) -> None:
         """Each blamed replica's failed call, counted (report, metrics, its ledger entry) and penalised."""
@@ -221,7 +296,10 @@ class CallEngine:
             else:
                 strike = self._stall_strike(blame)
                 banned_s = view.bans.ban(
-                    peer_id, at_least_s=blame.at_least_s, timed_out=strike, unproven=strike and self._unproven(peer_id)
+                    peer_id,
+                    at_least_s=blame.at_least_s,
+                    timed_out=strike,
+                    unproven=strike and not blame.probation and self._unproven(peer_id),
                 )
                 if view.bans.stalled(peer_id):  # it kept taking calls and not answering: avoided for long
                     logger.warning(
@@ -241,6 +319,11 @@ class CallEngine:
         if blame.kind != Failure.TIMEOUT or not self.view.others_usable(blame.stage, blame.peer_id):
             return False  # not a timeout, or the stage's only usable replica: no long ban
         return blame.witnessed or self._unproven(blame.peer_id)
+
+    def timed_out_unanswered(self, peer_id: str) -> bool:
+        """Whether `peer_id` never answered this trainer and timed out since (cut on probation, say):
+        the step's commit leaves it out, as it leaves out a replica banned for long (schedule.py)."""
+        return self._unproven(peer_id) and self.view.bans.strikes(peer_id) > 0
 
     def _unproven(self, peer_id: str) -> bool:
         """Whether `peer_id` never answered this trainer: its first stall strike bans it for long."""

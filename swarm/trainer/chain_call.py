@@ -225,6 +225,10 @@ class ChainWork:
         expected = [schedulers[s].expected_s(c[0], CHAIN_TASK, self.mb.size) for s, c in enumerate(route)]
         return None if any(e is None for e in expected) else sum(expected)
 
+    def replicas(self, route: list[list[str]]) -> list[tuple[int, str]]:
+        """Each stage's preferred replica: those the chain goes through unless a hop fails over."""
+        return [(stage, candidates[0]) for stage, candidates in enumerate(route)]
+
     async def call(self, route: list[list[str]], timeout_s: float) -> ChainResult:
         caller = self.caller
         self.last_route = route

@@ -1,7 +1,8 @@
 """What the trainer does about failing calls to replicas, as pure bookkeeping.
 
 - ``TimeoutPolicy``: how long to wait for a call, from the latencies observed so far (before
-  enough are known: from the time the replica is expected to take, within bounds).
+  enough are known: from the time the replica is expected to take, within bounds), and the
+  shorter probation a replica that never answered gets (``probation_s``).
 - ``BanList``: how long to avoid a peer after a failure, with exponential backoff; a peer that
   keeps timing out is banned for long (stall strikes), as one that breaks the protocol is.
 - ``ProtocolViolations``: peers that broke the protocol, avoided for long.
@@ -80,6 +81,12 @@ class TimeoutPolicy:
     call costs that, not a minute (three stalling sybils present from the start held a step for
     280 s, issue #60), and one that overstates its speed is held to its word.
 
+    ``probation_s`` is the same bound without the floor (``probation_floor_s`` instead), from the
+    latencies known so far (their largest while fewer than ``min_observations``): the call engine
+    holds a replica that never answered to it while the call is in flight, once another replica of
+    its stage has answered (swarm/trainer/call_engine.py), so that a stalling sybil present from
+    the first step costs about three of its stage's calls, not the 5 s floor.
+
     quantile: in [0, 1]; 0.95 leaves room for the usual tail.
     margin: multiplier on that quantile, so that a slow-but-working peer is not cut off.
     floor_s, cap_s: bounds of the timeout in seconds.
@@ -88,6 +95,7 @@ class TimeoutPolicy:
         first call may warm up, and an announced throughput is a start-up benchmark's, off by 2x).
     min_observations: latencies needed before the quantile is trusted.
     window: how many recent latencies are kept per (stage, task).
+    probation_floor_s: the shortest probation, in seconds.
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class TimeoutPolicy:
         first_call_margin: float = 20.0,
         min_observations: int = 5,
         window: int = 100,
+        probation_floor_s: float = 0.5,
     ) -> None:
         if not 0.0 <= quantile <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {quantile}")
@@ -114,6 +123,8 @@ class TimeoutPolicy:
             raise ValueError(f"first_call_margin must be a positive number, got {first_call_margin}")
         if not 1 <= min_observations <= window:
             raise ValueError(f"need 1 <= min_observations <= window, got {min_observations} and {window}")
+        if not (math.isfinite(probation_floor_s) and probation_floor_s > 0.0):
+            raise ValueError(f"probation_floor_s must be a positive number of seconds, got {probation_floor_s}")
         self._quantile = quantile
         self._margin = margin
         self._floor_s = floor_s
@@ -122,6 +133,7 @@ class TimeoutPolicy:
         self._first_call_margin = first_call_margin
         self._min_observations = min_observations
         self._window = window
+        self._probation_floor_s = probation_floor_s
         self._latencies_s: dict[tuple[int, Task], deque[float]] = {}
 
     def observe(self, stage: int, task: Task, seconds: float) -> None:
@@ -141,6 +153,18 @@ class TimeoutPolicy:
             return min(max(expected_s * self._first_call_margin, self._floor_s), self._initial_s)
         timeout_s = _quantile(sorted(latencies_s), self._quantile) * self._margin
         return min(max(timeout_s, self._floor_s), self._cap_s)
+
+    def probation_s(self, stage: int, task: Task) -> float | None:
+        """Seconds a call to this stage and task may take from a replica that never answered: the
+        timeout's bound without its floor, from what is known now; None before any call answered."""
+        latencies_s = self._latencies_s.get((stage, task))
+        if not latencies_s:
+            return None
+        if len(latencies_s) < self._min_observations:
+            basis_s = max(latencies_s)
+        else:
+            basis_s = _quantile(sorted(latencies_s), self._quantile)
+        return min(max(basis_s * self._margin, self._probation_floor_s), self._cap_s)
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -240,6 +264,11 @@ class BanList:
         """Whether the peer is banned now for timing out again and again (stall strikes)."""
         record = self._records.get(peer_id)
         return record is not None and record.timeouts >= self._stall_strikes and self._clock() < record.until_s
+
+    def strikes(self, peer_id: str) -> int:
+        """The peer's timeouts in a row that count toward a stall ban (0 once it answered, ``clear``)."""
+        record = self._records.get(peer_id)
+        return 0 if record is None else record.timeouts
 
     def is_banned(self, peer_id: str) -> bool:
         record = self._records.get(peer_id)

@@ -528,8 +528,14 @@ class StepSchedule:
             await self._repair_outer_anchors(step_id, outer, answers, timeout_s)
 
     def _avoided(self, stage: int, peer_id: str) -> bool:
-        """A replica routing avoids for long (it kept timing out, or broke the protocol): not committed."""
-        return self.view.bans.stalled(peer_id) or peer_id in self.view.violations.banned(stage)
+        """A replica routing avoids for long (it kept timing out, or broke the protocol), or one that
+        never answered us and timed out: not committed (a sybil that stalls its calls stalls its
+        commit too, and its averaging group's round, to their deadlines)."""
+        return (
+            self.view.bans.stalled(peer_id)
+            or peer_id in self.view.violations.banned(stage)
+            or self.caller.engine.timed_out_unanswered(peer_id)
+        )
 
     def _failed_since(self, stage: int, record: PeerRecord) -> bool:
         """Whether `record`'s replica failed a commit and has not renewed its record since: a replica

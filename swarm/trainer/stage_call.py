@@ -540,6 +540,9 @@ class StageWork:
     def expected_s(self, target: _Asked) -> float | None:
         return self.caller.view.schedulers[self.stage].expected_s(target.peer_id, self.rpc, self.batch_size)
 
+    def replicas(self, target: _Asked) -> list[tuple[int, str]]:
+        return [(self.stage, target.peer_id)]
+
     async def call(self, target: _Asked, timeout_s: float) -> CallResult:
         caller, peer_id, stage, rpc = self.caller, target.peer_id, self.stage, self.rpc
         caller.view.newcomers[stage].called(peer_id)

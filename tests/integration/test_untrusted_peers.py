@@ -96,9 +96,10 @@ SYBILS = 3
 def test_replicas_that_stall_are_banned_for_long_after_a_second_timeout(make_swarm, tmp_path, routing):
     """Issue #60: sybils that take calls and never answer were never banned for long: each cost a
     timeout every time its short ban (15 s and more) ran out, for good. Now the second timeout in a
-    row bans a replica for 5 minutes (doubling), so each sybil that joins costs two timeouts at most;
-    under direct routing the peer before it reports the timeout, which counts for a replica that
-    never answered this trainer. One microbatch in flight, so that each timeout is one failed call."""
+    row bans a replica for 5 minutes (doubling), so each sybil that joins costs two timeouts at most
+    (each cut on probation, about half a second); under direct routing the peer before it reports
+    the timeout, which counts for a replica that never answered this trainer. One microbatch in
+    flight, so that each timeout is one failed call."""
     swarm = make_swarm(num_stages=2, peer_args=PEER_ARGS)
     swarm.start_bootstrap()
     honest = [swarm.start_peer(0), swarm.start_peer(1)]
@@ -126,4 +127,6 @@ def test_replicas_that_stall_are_banned_for_long_after_a_second_timeout(make_swa
     # at most two timeouts each, then banned for 5 minutes (before: one more every 15 s or so)
     assert all(n <= 2 for n in failed.values()), failed
     stalled = [key for key in failed if "timed out again" in (contributions.get(key, {}).get("banned") or "")]
-    assert stalled, contributions  # a long ban, not one of seconds
+    assert stalled, (contributions, trainer.log()[-4000:])  # a long ban, not one of seconds
+    # a sybil cut on probation is not committed: committed, it held the commit to its 120 s deadline
+    assert "commit failed" not in trainer.log(), trainer.log()[-4000:]

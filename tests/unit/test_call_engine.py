@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swarm.trainer.chain_call import ChainCaller
+from swarm.trainer.chain_call import CHAIN_TIMEOUT_KEY, ChainCaller
 from swarm.trainer.client import CallResult, ChainCallError, ChainResult, PeerCallError
 from swarm.trainer.config import FailoverSettings
 from swarm.trainer.data import Microbatch
 from swarm.trainer.discovery import SwarmView
-from swarm.trainer.failures import NotAllowedError, StageUnavailableError
+from swarm.trainer.failures import NotAllowedError, StageUnavailableError, TimeoutPolicy
 from swarm.trainer.routing import ReplicaInfo
 from swarm.trainer.schedule import StepSchedule
 from swarm.trainer.stage_call import Payload, StageCaller
@@ -197,3 +197,97 @@ def test_a_swarm_that_shuts_us_out_stops_the_run_with_what_to_do():
     with pytest.raises(NotAllowedError, match="swarm run issue"):
         asyncio.run(caller.call(1, "forward", "mb", B, [("inputs", Payload(torch.randn(B, T, D)))]))
     assert caller.counters.calls_retried == 0 and caller.not_allowed_by == {"b0": "b0"}
+
+
+class StallingClient(ScriptedClient):
+    """Chains through `stalling` at stage 1 answer only after `stall_s`; the others at once."""
+
+    def __init__(self, stalling: str, stall_s: float):
+        super().__init__()
+        self.stalling, self.stall_s = stalling, stall_s
+
+    async def train_chain(self, peer_id, *, route, **kwargs):
+        if route[0][0] == self.stalling:
+            await asyncio.sleep(self.stall_s)
+        return await super().train_chain(peer_id, route=route, **kwargs)
+
+
+def on_probation(caller: StageCaller, proven: list[tuple[int, str]]) -> StageCaller:
+    """`caller` with a short probation floor, a chain of 10 ms seen, and `proven` replicas that answered."""
+    caller.engine.timeouts = TimeoutPolicy(probation_floor_s=0.05)
+    caller.engine.timeouts.observe(*CHAIN_TIMEOUT_KEY, 0.01)
+    for stage, peer_id in proven:
+        caller.engine.note_answered(peer_id, stage, "backward", B)
+    return caller
+
+
+def test_a_replica_that_never_answered_is_cut_on_probation_once_its_stage_has_one_that_did():
+    """Issue #60: sybils present from the first step held it for the timeout's 5 s floor. b0 (the
+    preferred replica of stage 1) never answered and stalls while b1 has answered: the chain is cut
+    after its probation (3 x the 10 ms seen, at least 50 ms here), b0 is banned briefly with one
+    stall strike (not for long: an honest newcomer may be slow once), and the microbatch is driven
+    again through b1, which answered before, not through b01, the next newcomer (first by peer id)."""
+    client = StallingClient("b0", stall_s=3.0)
+    caller = on_probation(make_caller(client), [(0, "a0"), (1, "b1"), (2, "c0"), (2, "c1")])
+    caller.view.schedulers[1].update_replicas(
+        [ReplicaInfo(p, speed) for p, speed in (("b0", 10.0), ("b01", 9.5), ("b1", 9.0))]
+    )
+    answer, failures = drive_chain(caller)
+    assert answer.served_by[:2] == ["a0", "b1"] and len(failures) == 1, failures
+    assert "probation" in failures[0]
+    assert caller.counters.calls_cut_on_probation == 1 and caller.counters.failures_by_kind == {"timeout": 1}
+    assert failed_calls(caller) == {"b0": (1, 1)}  # blamed on b0 alone, not on a0 that was called
+    bans = caller.view.bans
+    assert bans.banned() == {"b0"} and not bans.stalled("b0")
+    assert bans.ban("b0", timed_out=True) > 0 and bans.is_banned("b0")  # the same incident: no second strike yet
+
+
+def test_no_probation_while_no_other_replica_of_the_stage_answered():
+    """The first calls of a run, or a stage whose replicas are all new: nothing to compare with, and
+    nowhere proven to go. The slow call is waited for (under the adaptive timeout only)."""
+    client = StallingClient("b0", stall_s=0.3)
+    caller = on_probation(make_caller(client), [(0, "a0"), (2, "c0"), (2, "c1")])
+    answer, failures = drive_chain(caller)
+    assert answer.served_by == ["a0", "b0", "c0"] and not failures
+    assert caller.counters.calls_cut_on_probation == 0 and not caller.view.bans.banned()
+
+
+def test_a_hub_call_to_a_replica_that_never_answered_is_cut_on_probation_too():
+    class StallingHub(ScriptedClient):
+        async def exchange(self, peer_id, **kwargs):
+            if peer_id == "b0":
+                await asyncio.sleep(3.0)
+            self.calls.append(peer_id)
+            outputs = torch.ones(B, T, D)
+            return CallResult({"outputs": outputs}, {"outputs": encode_tensor(outputs)}, ResponseHeader(), 100)
+
+    caller = make_caller(StallingHub())
+    caller.engine.timeouts = TimeoutPolicy(probation_floor_s=0.05)
+    caller.engine.timeouts.observe(1, "forward", 0.01)
+    caller.engine.note_answered("b1", 1, "forward", B)
+    caller.view.schedulers[1].update_replicas([ReplicaInfo("b0", 10.0), ReplicaInfo("b1", 9.0)])
+    answer = asyncio.run(caller.call(1, "forward", "mb", B, [("inputs", Payload(torch.randn(B, T, D)))]))
+    assert answer.peer_id == "b1" and caller.counters.calls_cut_on_probation == 1
+    assert caller.view.bans.banned() == {"b0"} and caller.client.calls == ["b1"]
+
+
+def test_a_call_that_adds_work_cut_on_probation_is_not_asked_of_the_same_replica_again():
+    """A hub backward timed out is asked of the same replica again (its answer may be lost, and another
+    replica would add its gradients twice); one cut on probation is not: the repeat would be cut the
+    same way, 0.5 s later, while the replica is banned, and so never earn its second stall strike."""
+
+    class StallingHub(ScriptedClient):
+        async def exchange(self, peer_id, *, rpc, stage, batch_size, inputs_cached=False, **kwargs):
+            if peer_id == "b0":
+                await asyncio.sleep(3.0)
+            return await super().exchange(peer_id, rpc=rpc, stage=stage, batch_size=batch_size, inputs_cached=False)
+
+    caller = make_caller(StallingHub())
+    caller.engine.timeouts = TimeoutPolicy(probation_floor_s=0.05)
+    caller.engine.timeouts.observe(1, "backward", 0.01)
+    caller.engine.note_answered("b1", 1, "backward", B)
+    caller.view.schedulers[1].update_replicas([ReplicaInfo("b0", 10.0), ReplicaInfo("b1", 9.0)])
+    tensors = [("inputs", Payload(torch.randn(B, T, D))), ("grad_outputs", Payload(torch.randn(B, T, D)))]
+    answer = asyncio.run(caller.call(1, "backward", "mb", B, tensors))
+    assert answer.peer_id == "b1" and caller.counters.calls_cut_on_probation == 1
+    assert caller.counters.backward_asked_again == 0 and caller.client.calls == [("b1", "backward", False)]

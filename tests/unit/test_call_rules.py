@@ -47,6 +47,14 @@ def test_a_replica_is_asked_again_once_each(work):
     assert attempts.failed_peers() == {"peer-a", "peer-b"}
 
 
+def test_a_call_the_caller_cut_is_not_asked_again():
+    attempts = Attempts(max_failures=5, **HUB_BACKWARD)
+    attempts.failed("newcomer", Failure.TIMEOUT, "no answer within its probation", cut=True)
+    assert attempts.take_again() is None and attempts.failed_peers() == {"newcomer"}
+    attempts.failed("peer-a", Failure.TIMEOUT, "no answer in time")
+    assert attempts.take_again() == "peer-a"  # a timeout the caller did not cut: asked again, as before
+
+
 def test_the_budget_is_spent_after_max_failures_retries_and_then_nobody_is_asked_again():
     attempts = Attempts(max_failures=1, **HUB_BACKWARD)
     attempts.failed("peer-a", Failure.INTERNAL, "failed")

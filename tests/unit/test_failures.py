@@ -63,6 +63,21 @@ def test_timeout_follows_the_recent_window_and_is_kept_per_stage_and_task():
     assert policy.timeout_s(1, "forward") == 60.0
 
 
+def test_probation_is_the_timeout_without_its_floor_from_the_first_answer_on():
+    policy = TimeoutPolicy()
+    assert policy.probation_s(1, "forward") is None  # nothing answered yet: nothing to compare with
+    policy.observe(1, "forward", 0.2)
+    policy.observe(1, "forward", 0.5)
+    assert policy.probation_s(1, "forward") == pytest.approx(1.5)  # the largest of the few, times 3
+    for _ in range(38):
+        policy.observe(1, "forward", 0.1)
+    assert policy.probation_s(1, "forward") == 0.5  # 3 x the 95th percentile (0.3 s), under its floor
+    assert policy.timeout_s(1, "forward") == 5.0  # the timeout's own floor is higher
+    for _ in range(100):
+        policy.observe(1, "forward", 100.0)
+    assert policy.probation_s(1, "forward") == policy.timeout_s(1, "forward") == 120.0  # both capped
+
+
 @pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
 def test_timeout_rejects_impossible_latencies(seconds):
     with pytest.raises(ValueError):
@@ -71,7 +86,13 @@ def test_timeout_rejects_impossible_latencies(seconds):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"quantile": 1.5}, {"margin": 0.0}, {"floor_s": 10.0, "cap_s": 5.0}, {"min_observations": 0}],
+    [
+        {"quantile": 1.5},
+        {"margin": 0.0},
+        {"floor_s": 10.0, "cap_s": 5.0},
+        {"min_observations": 0},
+        {"probation_floor_s": 0.0},
+    ],
 )
 def test_timeout_policy_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):

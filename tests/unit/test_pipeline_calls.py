@@ -235,3 +235,37 @@ def test_a_replica_whose_commit_failed_is_left_out_of_commits_until_its_record_i
     caller.view.records[0] = [*records[:2], records[2].model_copy(update={"expires_at": 115.0})]
     client.dead = set()
     assert commit("s3") == [("a", 3), ("b", 3), ("dead", 3)]  # renewed: alive again
+
+
+def test_a_replica_that_never_answered_and_timed_out_is_left_out_of_commits_until_it_answers():
+    """Issue #60: a sybil cut on probation (banned for a second or two, one stall strike) that was
+    then committed held the commit, and its group's averaging round, to their deadlines (120 s and
+    30 s, twice a run). It is left out while it has not answered; an answer brings it back."""
+    client = CommitClient(dead=set())
+    caller = make_caller(client, peers=("a", "b", "new"))
+    caller.view.records[0] = [
+        PeerRecord(
+            peer_id=p,
+            model="tiny",
+            stage=0,
+            num_stages=3,
+            state=PeerState.ONLINE,
+            throughput=10.0,
+            expires_at=100.0,
+            averaging="sync",
+        )
+        for p in ("a", "b", "new")
+    ]
+    schedule = StepSchedule(caller, max_in_flight=2, run_id="run", routing="hub")
+    for peer_id in ("a", "b"):
+        caller.engine.note_answered(peer_id, 0, "backward", 2)
+
+    def commit(step_id: str) -> list[tuple[str, int]]:
+        asyncio.run(schedule.commit_step(step_id, timeout_s=1.0))
+        return sorted((peer, size) for step, peer, size in client.committed if step == step_id)
+
+    assert commit("s1") == [("a", 3), ("b", 3), ("new", 3)]  # not called yet: committed as any replica
+    caller.view.bans.ban("new", at_least_s=1.5, timed_out=True)  # what a probation cut does (call_engine.py)
+    assert commit("s2") == [("a", 2), ("b", 2)]
+    caller.engine.note_answered("new", 0, "backward", 2)
+    assert commit("s3") == [("a", 3), ("b", 3), ("new", 3)]
