@@ -204,13 +204,9 @@ class CommitClient(ScriptedClient):
         return CommitResponse(stepped=True, averaged=True, group_size=group_size)
 
 
-def test_a_replica_whose_commit_failed_is_left_out_of_commits_until_its_record_is_renewed():
-    """A replica killed mid-run keeps its record until it expires: the commits after a failed one
-    leave it out (its group's rounds would wait for it and fail), and take it again once the
-    replica renews its record (it is alive)."""
-    client = CommitClient(dead={"dead"})
-    caller = make_caller(client, peers=("a", "b", "dead"))
-    records = [
+def stage_records(peers: tuple[str, ...], *, averaging: str) -> list[PeerRecord]:
+    """Online records of stage 0 for `peers`, each expiring at 100 s."""
+    return [
         PeerRecord(
             peer_id=p,
             model="tiny",
@@ -219,10 +215,19 @@ def test_a_replica_whose_commit_failed_is_left_out_of_commits_until_its_record_i
             state=PeerState.ONLINE,
             throughput=10.0,
             expires_at=100.0,
-            averaging="outer",
+            averaging=averaging,
         )
-        for p in ("a", "b", "dead")
+        for p in peers
     ]
+
+
+def test_a_replica_whose_commit_failed_is_left_out_of_commits_until_its_record_is_renewed():
+    """A replica killed mid-run keeps its record until it expires: the commits after a failed one
+    leave it out (its group's rounds would wait for it and fail), and take it again once the
+    replica renews its record (it is alive)."""
+    client = CommitClient(dead={"dead"})
+    caller = make_caller(client, peers=("a", "b", "dead"))
+    records = stage_records(("a", "b", "dead"), averaging="outer")
     caller.view.records[0] = records
     schedule = StepSchedule(caller, max_in_flight=2, run_id="run", routing="hub")
 
@@ -243,19 +248,7 @@ def test_a_replica_that_never_answered_and_timed_out_is_left_out_of_commits_unti
     30 s, twice a run). It is left out while it has not answered; an answer brings it back."""
     client = CommitClient(dead=set())
     caller = make_caller(client, peers=("a", "b", "new"))
-    caller.view.records[0] = [
-        PeerRecord(
-            peer_id=p,
-            model="tiny",
-            stage=0,
-            num_stages=3,
-            state=PeerState.ONLINE,
-            throughput=10.0,
-            expires_at=100.0,
-            averaging="sync",
-        )
-        for p in ("a", "b", "new")
-    ]
+    caller.view.records[0] = stage_records(("a", "b", "new"), averaging="sync")
     schedule = StepSchedule(caller, max_in_flight=2, run_id="run", routing="hub")
     for peer_id in ("a", "b"):
         caller.engine.note_answered(peer_id, 0, "backward", 2)
