@@ -96,8 +96,9 @@ def test_two_trainers_clip_the_shared_step_by_one_global_norm(make_swarm, tmp_pa
     reports = run_two_trainers(swarm, peers, tmp_path, steps, "--clip-grad-norm", str(clip))
     assert all(r["steps"] == steps and r["microbatches_lost"] == 0 for r in reports), reports
     norms = [r["grad_norms"] for r in reports]
-    shared = min(len(n) for n in norms)  # a trainer that joined a step late commits from there on
-    assert shared >= steps // 2 and norms[0][-shared:] == norms[1][-shared:], norms
+    # a trainer that joined a step late commits from there on (under CI load one started at step 5 of 6)
+    shared = min(len(n) for n in norms)
+    assert shared >= 2 and norms[0][-shared:] == norms[1][-shared:], norms
     assert all(norm > clip for n in norms for norm in n), norms
     moved_sq = 0.0
     for stage in (0, 1):
